@@ -1,0 +1,12 @@
+// Everything core/ offers: tensors, shapes, errors, bf16 storage and random fills.
+#ifndef KMAMBA_CORE_CORE_HPP
+#define KMAMBA_CORE_CORE_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Random.hpp>
+#include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Tensor.hpp>
+
+#endif

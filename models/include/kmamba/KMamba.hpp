@@ -1,0 +1,23 @@
+// kmamba's public header: all an application needs.
+//
+//   #include <kmamba/KMamba.hpp>
+//   int main(int argc, char** argv) {
+//     Kokkos::ScopeGuard kokkos(argc, argv);
+//     kmamba::print_configuration(std::cout);
+//   }
+#ifndef KMAMBA_KMAMBA_HPP
+#define KMAMBA_KMAMBA_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/backends/Devices.hpp>
+#include <kmamba/core/Core.hpp>
+
+namespace kmamba {
+
+/// The library's version, "MAJOR.MINOR.PATCH", as compiled (may differ from KMAMBA_VERSION_STRING
+/// in the headers an application was built against if the two were mixed).
+const char* version();
+
+}  // namespace kmamba
+
+#endif

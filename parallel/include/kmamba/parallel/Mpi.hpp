@@ -1,0 +1,47 @@
+// MPI status checks and the communicator handle kmamba keeps: the library never calls MPI_Init;
+// it duplicates the caller's communicator so that its messages never mix with the application's.
+#ifndef KMAMBA_PARALLEL_MPI_HPP
+#define KMAMBA_PARALLEL_MPI_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/core/Error.hpp>
+
+#if KMAMBA_ENABLE_MPI
+#include <mpi.h>
+
+#include <string>
+
+namespace kmamba {
+namespace impl {
+std::string describe_mpi_status(int status);
+}  // namespace impl
+
+#define KMAMBA_MPI_CHECK(expr) KMAMBA_VENDOR_CHECK("MPI", expr, MPI_SUCCESS, ::kmamba::impl::describe_mpi_status)
+
+/// Owns a duplicate of a caller's communicator (MPI_Comm_dup on construction, MPI_Comm_free on
+/// destruction). Move-only. Requires MPI to be initialised.
+class MpiComm {
+ public:
+  MpiComm() = default;
+  explicit MpiComm(MPI_Comm parent);
+  ~MpiComm();
+  MpiComm(MpiComm&& other) noexcept;
+  MpiComm& operator=(MpiComm&& other) noexcept;
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  MPI_Comm get() const { return comm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  void release() noexcept;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace kmamba
+#endif
+
+#endif

@@ -1,0 +1,290 @@
+#!/usr/bin/env bash
+# kmamba dependency bootstrap.
+#
+# Installs the Debian packages kmamba needs and builds Kokkos 3.4.01 + Kokkos Kernels 3.4.01 from
+# Debian's `trilinos` source package into a cache outside the clone, so that later runs reuse it.
+# Idempotent: a finished install carries a stamp; an install without its stamp is removed and redone.
+#
+#   scripts/bootstrap.sh [--flavour host|cuda] [options]
+#
+# Prints the Kokkos install prefix as its last line (`Kokkos_ROOT=...`).
+set -euo pipefail
+
+KOKKOS_VERSION=3.4.01
+TRILINOS_VERSION=13.2.0
+STAMP_VERSION=3   # bump when the build recipe below changes
+
+flavour=host
+deps_dir="${KMAMBA_DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kmamba}"
+source_arg=""
+use_apt=1
+jobs="$(nproc 2>/dev/null || echo 2)"
+pack_out=""
+cuda_arch=HOPPER90
+
+usage() {
+  cat <<USAGE
+usage: scripts/bootstrap.sh [options]
+
+Builds Kokkos ${KOKKOS_VERSION} + Kokkos Kernels ${KOKKOS_VERSION} (from Debian's trilinos ${TRILINOS_VERSION}
+source package) into a cache, after installing the Debian packages kmamba needs.
+
+options:
+  --flavour host|cuda   host: OpenMP + Serial, BLAS = OpenBLAS (default)
+                        cuda: CUDA + OpenMP + Serial (sm_90), BLAS = cuBLAS; compiles anywhere
+                        the CUDA toolkit is installed, runs on a GPU machine
+  --deps-dir DIR        cache directory (default: \$KMAMBA_DEPS_DIR or ~/.cache/kmamba; now: ${deps_dir})
+  --source PATH         use this source instead of 'apt-get source trilinos': a Trilinos source tree,
+                        the trilinos orig tarball, or a tarball made by --pack-source (for machines
+                        that cannot download anything)
+  --pack-source FILE    write a small tarball holding only packages/kokkos and packages/kokkos-kernels
+                        (about 5 MB) to FILE, for --source on another machine, and exit
+  --no-apt              do not install Debian packages (non-Debian machines, or no package registry)
+  --jobs N              parallel build jobs (default: ${jobs})
+  -h, --help            this text
+
+The install goes to DEPS_DIR/kokkos-${KOKKOS_VERSION}-FLAVOUR; pass it to CMake as -DKokkos_ROOT=...
+USAGE
+}
+
+die() { echo "bootstrap: error: $*" >&2; exit 1; }
+say() { echo "bootstrap: $*" >&2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --flavour) [ $# -ge 2 ] || die "--flavour needs a value (host or cuda)"; flavour="$2"; shift 2 ;;
+    --flavour=*) flavour="${1#*=}"; shift ;;
+    --deps-dir) [ $# -ge 2 ] || die "--deps-dir needs a directory"; deps_dir="$2"; shift 2 ;;
+    --source) [ $# -ge 2 ] || die "--source needs a path"; source_arg="$2"; shift 2 ;;
+    --pack-source) [ $# -ge 2 ] || die "--pack-source needs a file name"; pack_out="$2"; shift 2 ;;
+    --no-apt) use_apt=0; shift ;;
+    --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument '$1'" ;;
+  esac
+done
+case "$flavour" in host|cuda) ;; *) die "--flavour must be 'host' or 'cuda', got '$flavour'" ;; esac
+case "$jobs" in ''|*[!0-9]*) die "--jobs must be a positive integer, got '$jobs'" ;; esac
+
+mkdir -p "$deps_dir" || die "cannot create the cache directory '$deps_dir'"
+deps_dir="$(cd "$deps_dir" && pwd)"
+
+# ---------------------------------------------------------------------------------------------
+# 1. Debian packages
+# ---------------------------------------------------------------------------------------------
+debian_packages=(build-essential cmake git libgtest-dev libgmock-dev libbenchmark-dev
+                 libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
+                 ca-certificates xz-utils dpkg-dev)
+if [ "$use_apt" = 1 ]; then
+  command -v dpkg-query >/dev/null 2>&1 || die "dpkg-query not found: this is not a Debian machine; install the equivalents of: ${debian_packages[*]} and rerun with --no-apt"
+  missing=()
+  for p in "${debian_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing Debian packages: ${missing[*]}"
+    sudo_cmd=""
+    [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || die "apt-get install failed for: ${missing[*]}"
+  else
+    say "Debian packages already installed"
+  fi
+fi
+command -v cmake >/dev/null 2>&1 || die "cmake not found (Debian package 'cmake')"
+command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || die "no C++ compiler found (Debian package 'build-essential')"
+
+# ---------------------------------------------------------------------------------------------
+# 2. Kokkos / Kokkos Kernels source
+# ---------------------------------------------------------------------------------------------
+src_root="$deps_dir/src/trilinos-${TRILINOS_VERSION}"   # holds packages/kokkos, packages/kokkos-kernels
+
+extract_tarball() {  # $1 = tarball; extracts the two packages into $src_root
+  local tarball="$1" tmp
+  tmp="$(mktemp -d "$deps_dir/src/extract.XXXXXX")"
+  say "extracting Kokkos sources from $tarball"
+  tar -xf "$tarball" -C "$tmp" --wildcards '*packages/kokkos/*' '*packages/kokkos-kernels/*' \
+    || { rm -rf "$tmp"; die "could not extract packages/kokkos and packages/kokkos-kernels from '$tarball'"; }
+  local top
+  top="$(find "$tmp" -maxdepth 3 -type d -name packages | head -n 1)"
+  [ -n "$top" ] && [ -f "$top/kokkos/CMakeLists.txt" ] && [ -f "$top/kokkos-kernels/CMakeLists.txt" ] \
+    || { rm -rf "$tmp"; die "'$tarball' does not hold packages/kokkos and packages/kokkos-kernels"; }
+  rm -rf "$src_root"
+  mkdir -p "$src_root"
+  mv "$top" "$src_root/packages"
+  rm -rf "$tmp"
+}
+
+check_kokkos_version() {  # $1 = packages dir
+  grep -q "tag:  ${KOKKOS_VERSION}" "$1/kokkos/master_history.txt" 2>/dev/null \
+    || die "the Kokkos source in '$1/kokkos' is not version ${KOKKOS_VERSION}"
+}
+
+mkdir -p "$deps_dir/src"
+if [ -n "$source_arg" ]; then
+  if [ -d "$source_arg" ]; then
+    [ -f "$source_arg/packages/kokkos/CMakeLists.txt" ] || die "'$source_arg' is not a Trilinos source tree (no packages/kokkos/CMakeLists.txt)"
+    if [ "$(cd "$source_arg" && pwd)" != "$src_root" ]; then
+      rm -rf "$src_root"; mkdir -p "$src_root/packages"
+      cp -a "$source_arg/packages/kokkos" "$source_arg/packages/kokkos-kernels" "$src_root/packages/"
+    fi
+  elif [ -f "$source_arg" ]; then
+    extract_tarball "$source_arg"
+  else
+    die "--source '$source_arg' does not exist"
+  fi
+elif [ ! -f "$src_root/.complete" ]; then
+  command -v apt-get >/dev/null 2>&1 || die "apt-get not found; pass --source with a Trilinos ${TRILINOS_VERSION} source tree or tarball"
+  apt_dir="$deps_dir/src/apt"
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/sources.list.d" "$apt_dir/download"
+  cat > "$apt_dir/sources.list.d/debian-src.sources" <<SRC
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  apt_opts=(-o "Dir::Etc::SourceParts=$apt_dir/sources.list.d" -o "Dir::Etc::SourceList=/dev/null"
+            -o "Dir::State::Lists=$apt_dir/lists" -o "Debug::NoDropPrivs=1" -o "APT::Sandbox::User=root")
+  say "fetching Debian's trilinos source package (about 170 MB)"
+  apt-get -qq "${apt_opts[@]}" update || die "apt-get update for the deb-src index failed"
+  (cd "$apt_dir/download" && apt-get -qq "${apt_opts[@]}" source --download-only "trilinos=${TRILINOS_VERSION}-*" >/dev/null 2>&1 \
+     || apt-get -qq "${apt_opts[@]}" source --download-only trilinos >/dev/null) \
+    || die "'apt-get source trilinos' failed"
+  orig="$(ls "$apt_dir/download"/trilinos_${TRILINOS_VERSION}.orig.tar.* 2>/dev/null | head -n 1)"
+  [ -n "$orig" ] || die "the trilinos ${TRILINOS_VERSION} orig tarball was not downloaded"
+  extract_tarball "$orig"
+  rm -rf "$apt_dir/download"
+fi
+check_kokkos_version "$src_root/packages"
+touch "$src_root/.complete"
+
+if [ -n "$pack_out" ]; then
+  tar -C "$src_root" -cJf "$pack_out" packages/kokkos packages/kokkos-kernels || die "could not write '$pack_out'"
+  say "wrote $pack_out"
+  exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3. Build
+# ---------------------------------------------------------------------------------------------
+prefix="$deps_dir/kokkos-${KOKKOS_VERSION}-${flavour}"
+stamp="$prefix/.kmamba-bootstrap"
+want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
+  say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
+  echo "Kokkos_ROOT=$prefix"
+  exit 0
+fi
+[ -e "$prefix" ] && { say "removing an incomplete or outdated install in $prefix"; rm -rf "$prefix"; }
+
+work="$deps_dir/build-${flavour}"
+rm -rf "$work"
+mkdir -p "$work"
+kokkos_src="$work/kokkos-src"          # patched copy; the cached source stays pristine
+cp -a "$src_root/packages/kokkos" "$kokkos_src"
+
+apply_fix() {  # $1 = description, $2 = file, $3 = check-regex that must match after the edit
+  grep -Eq -- "$3" "$2" || die "Kokkos fix '$1' did not apply to $2"
+}
+
+cmake_common=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_CXX_STANDARD=17
+              -DCMAKE_CXX_EXTENSIONS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DBUILD_SHARED_LIBS=OFF
+              -DCMAKE_POLICY_VERSION_MINIMUM=3.10)
+kokkos_opts=(-DKokkos_ENABLE_SERIAL=ON -DKokkos_ENABLE_OPENMP=ON -DKokkos_ENABLE_TESTS=OFF
+             -DKokkos_ENABLE_EXAMPLES=OFF)
+kk_opts=(-DKokkosKernels_ENABLED_COMPONENTS="BATCHED;BLAS" -DKokkosKernels_ADD_DEFAULT_ETI=OFF
+         -DKokkosKernels_ENABLE_TESTS=OFF -DKokkosKernels_ENABLE_EXAMPLES=OFF
+         -DKokkosKernels_ENABLE_TPL_LAPACK=OFF -DKokkosKernels_ENABLE_TPL_CUSPARSE=OFF)
+
+if [ "$flavour" = cuda ]; then
+  nvcc_bin="$(command -v nvcc || true)"
+  [ -n "$nvcc_bin" ] || for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [ -x "$d/nvcc" ] && nvcc_bin="$d/nvcc" && break; done
+  [ -n "$nvcc_bin" ] || die "nvcc not found: the cuda flavour needs the CUDA toolkit (put its bin/ on PATH)"
+  cuda_home="$(cd "$(dirname "$nvcc_bin")/.." && pwd)"
+  export PATH="$cuda_home/bin:$PATH"
+  say "CUDA toolkit: $cuda_home ($("$nvcc_bin" --version | grep -o 'release [0-9.]*'))"
+
+  # Fix 1: nvcc_wrapper defaults to sm_35, which nvcc 13 refuses.
+  sed -i 's/^default_arch="sm_35"/default_arch="sm_90"/' "$kokkos_src/bin/nvcc_wrapper"
+  apply_fix "nvcc_wrapper default arch" "$kokkos_src/bin/nvcc_wrapper" '^default_arch="sm_90"'
+  # Fix 2: half -> double/integer conversions: pass a __half to the intrinsics, go through float
+  # for double (__half2double is gone in CUDA 13).
+  half_hpp="$kokkos_src/core/src/Cuda/Kokkos_Cuda_Half.hpp"
+  sed -i -E 's/return __half2double\(val\);/return static_cast<double>(__half2float(static_cast<__half>(val)));/' "$half_hpp"
+  sed -i -E 's/return (__half2(short|ushort|int|uint|ll|ull)_rz|__half2float)\(val\);/return \1(static_cast<__half>(val));/' "$half_hpp"
+  apply_fix "half to double" "$half_hpp" 'static_cast<double>\(__half2float\(static_cast<__half>\(val\)\)\)'
+  apply_fix "half to float" "$half_hpp" 'return __half2float\(static_cast<__half>\(val\)\);'
+  grep -q '__half2double' "$half_hpp" && die "Kokkos fix 'half to double' left a __half2double call in $half_hpp"
+  # Fix 3: cudaMemPrefetchAsync takes a cudaMemLocation and flags on CUDA >= 13.
+  space_cpp="$kokkos_src/core/src/Cuda/Kokkos_CudaSpace.cpp"
+  prefetch_patch='
+    #if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+    cudaMemLocation kmamba_loc;
+    kmamba_loc.type = cudaMemLocationTypeDevice;
+    kmamba_loc.id   = space.cuda_device();
+    CUDA_SAFE_CALL(cudaMemPrefetchAsync(ptr, bytes, kmamba_loc, 0,
+                                        space.cuda_stream()));
+    #else
+    CUDA_SAFE_CALL(cudaMemPrefetchAsync(ptr, bytes, space.cuda_device(),
+                                        space.cuda_stream()));
+    #endif'
+  awk -v repl="$prefetch_patch" '
+    /CUDA_SAFE_CALL\(cudaMemPrefetchAsync\(ptr, bytes, space.cuda_device\(\),/ { getline nxt; print repl; next }
+    { print }' "$space_cpp" > "$space_cpp.new" && mv "$space_cpp.new" "$space_cpp"
+  apply_fix "cudaMemPrefetchAsync location" "$space_cpp" 'cudaMemPrefetchAsync\(ptr, bytes, kmamba_loc, 0,'
+  # Fix 4: a Hopper arch option, so kernels are compiled for sm_90.
+  arch_cmake="$kokkos_src/cmake/kokkos_arch.cmake"
+  sed -i -E 's/^(KOKKOS_ARCH_OPTION\(AMPERE86 .*)$/\1\nKOKKOS_ARCH_OPTION(HOPPER90        GPU  "NVIDIA Hopper generation CC 9.0")/' "$arch_cmake"
+  sed -i -E 's/^(CHECK_CUDA_ARCH\(AMPERE86  sm_86\))$/\1\nCHECK_CUDA_ARCH(HOPPER90  sm_90)/' "$arch_cmake"
+  sed -i -E 's/^(#cmakedefine KOKKOS_ARCH_AMPERE86)$/\1\n#cmakedefine KOKKOS_ARCH_HOPPER90/' "$kokkos_src/cmake/KokkosCore_config.h.in"
+  apply_fix "Hopper arch option" "$arch_cmake" '^KOKKOS_ARCH_OPTION\(HOPPER90'
+  apply_fix "Hopper arch check" "$arch_cmake" '^CHECK_CUDA_ARCH\(HOPPER90  sm_90\)'
+  apply_fix "Hopper config define" "$kokkos_src/cmake/KokkosCore_config.h.in" '^#cmakedefine KOKKOS_ARCH_HOPPER90'
+
+  cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
+  kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON
+                -DKokkos_ARCH_${cuda_arch}=ON)
+  kk_opts+=(-DKokkosKernels_ENABLE_TPL_CUBLAS=ON -DKokkosKernels_ENABLE_TPL_BLAS=OFF
+            -DCUBLAS_LIBRARY_DIRS="$cuda_home/lib64" -DCUBLAS_LIBRARIES="cublas")
+else
+  kk_opts+=(-DKokkosKernels_ENABLE_TPL_BLAS=ON -DBLAS_LIBRARIES=openblas -DKokkosKernels_ENABLE_TPL_CUBLAS=OFF)
+fi
+
+run_step() {  # $1 = name, $2 = log file, rest = command
+  local name="$1" log="$2"; shift 2
+  say "$name (log: $log)"
+  if ! "$@" >"$log" 2>&1; then
+    echo "----- last lines of $log -----" >&2
+    tail -n 40 "$log" >&2
+    rm -rf "$prefix"
+    die "$name failed; nothing was installed (full log: $log)"
+  fi
+}
+
+t0=$(date +%s)
+run_step "configuring Kokkos ${KOKKOS_VERSION} (${flavour})" "$work/kokkos-configure.log" \
+  cmake -S "$kokkos_src" -B "$work/kokkos" "${cmake_common[@]}" "${kokkos_opts[@]}"
+run_step "building Kokkos with $jobs jobs" "$work/kokkos-build.log" cmake --build "$work/kokkos" -j "$jobs"
+run_step "installing Kokkos" "$work/kokkos-install.log" cmake --install "$work/kokkos"
+t1=$(date +%s)
+say "Kokkos done in $((t1 - t0)) s"
+
+if [ "$flavour" = cuda ]; then
+  cmake_common=("${cmake_common[@]/-DCMAKE_CXX_COMPILER=*/-DCMAKE_CXX_COMPILER=$prefix/bin/nvcc_wrapper}")
+fi
+run_step "configuring Kokkos Kernels ${KOKKOS_VERSION} (BATCHED;BLAS, no default ETI)" "$work/kk-configure.log" \
+  cmake -S "$src_root/packages/kokkos-kernels" -B "$work/kokkos-kernels" "${cmake_common[@]}" \
+        -DKokkos_ROOT="$prefix" "${kk_opts[@]}"
+run_step "building Kokkos Kernels with $jobs jobs" "$work/kk-build.log" cmake --build "$work/kokkos-kernels" -j "$jobs"
+run_step "installing Kokkos Kernels" "$work/kk-install.log" cmake --install "$work/kokkos-kernels"
+t2=$(date +%s)
+say "Kokkos Kernels done in $((t2 - t1)) s"
+
+[ -f "$prefix/lib/cmake/Kokkos/KokkosConfig.cmake" ] || [ -f "$prefix/lib64/cmake/Kokkos/KokkosConfig.cmake" ] \
+  || { rm -rf "$prefix"; die "the install in $prefix has no KokkosConfig.cmake"; }
+echo "$want_stamp" > "$stamp"
+rm -rf "$work"
+say "installed Kokkos ${KOKKOS_VERSION} + Kokkos Kernels (${flavour}) in $prefix ($((t2 - t0)) s)"
+echo "Kokkos_ROOT=$prefix"
