@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -96,9 +97,12 @@ bool bench_space(const Options& o) {
   auto hh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), h);
   std::size_t bad = 0;
   const std::size_t stride = n > 4096 ? n / 4096 : 1;
+  // Host backends reproduce the host's values exactly; a GPU's log and cos may differ from the
+  // host's libm by a few units in the last place.
   for (std::size_t i = 0; i < n; i += stride) {
     const float expected = kmamba::normal_at(seed, i);
-    if (xh(i) != expected || hh(i).bits != kmamba::bf16(expected).bits) ++bad;
+    const bool value_ok = std::fabs(xh(i) - expected) <= 1e-6f * (std::fabs(expected) + 1.0f);
+    if (!value_ok || hh(i).bits != kmamba::bf16(xh(i)).bits) ++bad;
   }
   std::printf("  %-7s fill_normal f32 : %9.3f ms  %8.1f GB/s   fill_normal bf16 : %9.3f ms  %8.1f GB/s   check: %s\n",
               Exec::name(), t_fill * 1e3, 4.0 * n / t_fill * 1e-9, t_fill_bf16 * 1e3, 2.0 * n / t_fill_bf16 * 1e-9,

@@ -12,7 +12,7 @@ set -euo pipefail
 
 KOKKOS_VERSION=3.4.01
 TRILINOS_VERSION=13.2.0
-STAMP_VERSION=3   # bump when the build recipe below changes
+STAMP_VERSION=4   # bump when the build recipe below changes
 
 flavour=host
 deps_dir="${KMAMBA_DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kmamba}"
@@ -242,6 +242,25 @@ if [ "$flavour" = cuda ]; then
   apply_fix "Hopper arch option" "$arch_cmake" '^KOKKOS_ARCH_OPTION\(HOPPER90'
   apply_fix "Hopper arch check" "$arch_cmake" '^CHECK_CUDA_ARCH\(HOPPER90  sm_90\)'
   apply_fix "Hopper config define" "$kokkos_src/cmake/KokkosCore_config.h.in" '^#cmakedefine KOKKOS_ARCH_HOPPER90'
+
+  # Fix 5: Kokkos 3.4 copies the properties of FindCUDAToolkit's CUDA::cudart / CUDA::cuda_driver
+  # into its installed config; with CMake >= 3.28 those targets link internal helper targets that
+  # do not exist in a consumer, so Kokkos Kernels and every user fail to configure. Link the
+  # libraries by path instead (nvcc_wrapper supplies the CUDA include directories).
+  cat > "$kokkos_src/cmake/Modules/FindTPLCUDA.cmake" <<'CUDA_TPL'
+IF (NOT CUDAToolkit_ROOT AND CUDA_ROOT)
+  SET(CUDAToolkit_ROOT ${CUDA_ROOT})
+ENDIF()
+find_package(CUDAToolkit)
+include(FindPackageHandleStandardArgs)
+FIND_PACKAGE_HANDLE_STANDARD_ARGS(TPLCUDA DEFAULT_MSG CUDA_cudart_LIBRARY CUDA_cuda_driver_LIBRARY)
+IF (CUDA_cudart_LIBRARY AND CUDA_cuda_driver_LIBRARY)
+  KOKKOS_CREATE_IMPORTED_TPL(CUDA INTERFACE
+    LINK_LIBRARIES ${CUDA_cuda_driver_LIBRARY} ${CUDA_cudart_LIBRARY}
+  )
+ENDIF()
+CUDA_TPL
+  apply_fix "CUDA TPL by path" "$kokkos_src/cmake/Modules/FindTPLCUDA.cmake" 'LINK_LIBRARIES \$\{CUDA_cuda_driver_LIBRARY\}'
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
   kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON

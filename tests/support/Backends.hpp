@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <type_traits>
 
 namespace kmamba {
 namespace test {
@@ -44,6 +45,18 @@ struct BackendNames {
     return ExecSpace::name();
   }
 };
+
+/// How far a device's transcendental functions (exp, log, cos, ...) may stray from the host's libm,
+/// relative to the magnitude of the result: 0 on the host backends (bit-identical), a few units in
+/// the last place on CUDA.
+template <class ExecSpace>
+constexpr double libm_relative_tolerance() {
+#if KMAMBA_ENABLE_CUDA
+  return std::is_same<ExecSpace, Kokkos::Cuda>::value ? 1e-6 : 0.0;
+#else
+  return 0.0;
+#endif
+}
 
 /// Copies any view to a host mirror (for checking results).
 template <class ViewType>

@@ -1,8 +1,10 @@
 // Deterministic counter-based random numbers (Philox4x32-10).
 //
-// The value written to an element depends only on (seed, the element's row-major flat index):
-// the same seed gives bit-identical tensors on Serial, OpenMP and CUDA, with any thread count,
-// and a tensor can be filled in pieces (offsets) with the same result as in one go.
+// The value written to an element depends only on (seed, the element's row-major flat index), never
+// on the thread count or the order of work, and a tensor can be filled in pieces (offsets) with the
+// same result as in one go. Uniform values are bit-identical on every backend. Normal values are
+// bit-identical among the host backends; on CUDA they agree with the host to a few units in the last
+// place, because the device's log and cos are not the host's libm.
 #ifndef KMAMBA_CORE_RANDOM_HPP
 #define KMAMBA_CORE_RANDOM_HPP
 

@@ -68,16 +68,30 @@ KOKKOS_INLINE_FUNCTION float normal_at(std::uint64_t seed, std::uint64_t index) 
   return radius * Kokkos::Experimental::cos(6.28318530717958647692f * u2);
 }
 
+// lo + width * u rounded as two separate operations on every backend: nvcc would otherwise
+// contract it into one fused multiply-add and the device values would differ from the host's.
+KOKKOS_INLINE_FUNCTION float scale_shift_unfused(float u, float width, float lo) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(lo, __fmul_rn(width, u));
+#else
+  return lo + width * u;
+#endif
+}
+
 struct UniformDraw {
   std::uint64_t seed, offset;
   float lo, width;
-  KOKKOS_INLINE_FUNCTION float operator()(std::uint64_t i) const { return lo + width * uniform_at(seed, offset + i); }
+  KOKKOS_INLINE_FUNCTION float operator()(std::uint64_t i) const {
+    return scale_shift_unfused(uniform_at(seed, offset + i), width, lo);
+  }
 };
 
 struct NormalDraw {
   std::uint64_t seed, offset;
   float mean, stddev;
-  KOKKOS_INLINE_FUNCTION float operator()(std::uint64_t i) const { return mean + stddev * normal_at(seed, offset + i); }
+  KOKKOS_INLINE_FUNCTION float operator()(std::uint64_t i) const {
+    return scale_shift_unfused(normal_at(seed, offset + i), stddev, mean);
+  }
 };
 
 // Writes draw(flat row-major index) into every element of a View of rank <= 8, whatever its layout.

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds the CUDA flavour on a GPU machine from carried sources and runs the `cuda`-labelled tests
+# and the benchmarks. Made for the device tool's machines, where nothing can be downloaded.
+#
+# Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos + GoogleTest sources, ~6 MB)
+# There:         scripts/gpu-test.sh             # with .deps carried; logs go to $OUT (or ./gpu-out)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+deps="$root/.deps"
+
+if [ "${1:-}" = "--pack" ]; then
+  mkdir -p "$deps"
+  "$here/bootstrap.sh" --pack-source "$deps/kokkos-src.tar.xz"
+  [ -d /usr/src/googletest ] || { echo "gpu-test.sh: /usr/src/googletest missing (Debian package googletest)" >&2; exit 1; }
+  rm -rf "$deps/googletest"
+  cp -a /usr/src/googletest "$deps/googletest"
+  du -sh "$deps"
+  exit 0
+fi
+
+out="${OUT:-$root/gpu-out}"
+mkdir -p "$out"
+[ -f "$deps/kokkos-src.tar.xz" ] || { echo "gpu-test.sh: $deps/kokkos-src.tar.xz missing: run 'scripts/gpu-test.sh --pack' and carry .deps" >&2; exit 1; }
+export PATH="/usr/local/cuda/bin:$PATH"
+export OMP_PROC_BIND=spread OMP_PLACES=threads
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  nvcc --version | tail -n 2
+  g++ --version | head -n 1
+  cmake --version | head -n 1
+  command -v mpicxx mpirun || echo "no MPI compiler wrapper"
+} 2>&1 | tee "$out/machine.txt"
+
+extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_BUILD_PERF=OFF)
+if ! command -v mpicxx >/dev/null 2>&1; then
+  extra+=(-DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_ENABLE_NCCL=OFF)
+fi
+t0=$(date +%s)
+set -o pipefail
+build_dir="$("$here/build.sh" --flavour cuda --no-apt --source "$deps/kokkos-src.tar.xz" \
+               --deps-dir /tmp/kmamba-deps --build-dir "$root/build-gpu" -- "${extra[@]}" 2> >(tee "$out/build.log" >&2) | tail -n 1)"
+t1=$(date +%s)
+echo "gpu-test.sh: dependencies + build took $((t1 - t0)) s" | tee -a "$out/build.log"
+cd "$build_dir"
+status=0
+ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
+{ ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1
+exit $status
