@@ -50,6 +50,24 @@ macro(kmamba_find_kokkos)
   endif()
 endmacro()
 
+# nlohmann/json (header-only, used privately by models/ and by the tests): from an installed
+# nlohmann_json package, or a directory holding nlohmann/json.hpp given as KMAMBA_JSON_INCLUDE_DIR.
+macro(kmamba_find_json)
+  set(KMAMBA_JSON_INCLUDE_DIR "" CACHE PATH "Directory holding nlohmann/json.hpp (default: the installed nlohmann_json)")
+  if(NOT KMAMBA_JSON_INCLUDE_DIR)
+    find_package(nlohmann_json 3 QUIET)
+    if(nlohmann_json_FOUND)
+      get_target_property(_kmamba_json_dirs nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
+      list(GET _kmamba_json_dirs 0 _kmamba_json_dir)
+      set(KMAMBA_JSON_INCLUDE_DIR "${_kmamba_json_dir}" CACHE PATH "Directory holding nlohmann/json.hpp" FORCE)
+    endif()
+  endif()
+  if(NOT EXISTS "${KMAMBA_JSON_INCLUDE_DIR}/nlohmann/json.hpp")
+    message(FATAL_ERROR "kmamba: nlohmann/json.hpp not found (Debian: `apt-get install nlohmann-json3-dev`, or run "
+      "scripts/bootstrap.sh, or pass -DKMAMBA_JSON_INCLUDE_DIR=<dir containing nlohmann/json.hpp>).")
+  endif()
+endmacro()
+
 macro(kmamba_find_optional_deps)
   if(KMAMBA_ENABLE_MPI)
     find_package(MPI COMPONENTS CXX QUIET)

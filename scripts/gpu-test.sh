@@ -2,7 +2,8 @@
 # Builds the CUDA flavour on a GPU machine from carried sources and runs the `cuda`-labelled tests
 # and the benchmarks. Made for the device tool's machines, where nothing can be downloaded.
 #
-# Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos + GoogleTest sources, ~6 MB)
+# Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources,
+#                                                 # golden data; ~8 MB)
 # There:         scripts/gpu-test.sh             # with .deps carried; logs go to $OUT (or ./gpu-out)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,6 +16,9 @@ if [ "${1:-}" = "--pack" ]; then
   [ -d /usr/src/googletest ] || { echo "gpu-test.sh: /usr/src/googletest missing (Debian package googletest)" >&2; exit 1; }
   rm -rf "$deps/googletest"
   cp -a /usr/src/googletest "$deps/googletest"
+  rm -rf "$deps/json" && mkdir -p "$deps/json" && cp -a /usr/include/nlohmann "$deps/json/"
+  [ -f "$root/../shared/golden/README.md" ] || { echo "gpu-test.sh: ../shared/golden missing" >&2; exit 1; }
+  rm -rf "$deps/golden" && cp -r --no-preserve=mode "$root/../shared/golden" "$deps/golden"
   du -sh "$deps"
   exit 0
 fi
@@ -32,7 +36,9 @@ export OMP_PROC_BIND=spread OMP_PLACES=threads
   command -v mpicxx mpirun || echo "no MPI compiler wrapper"
 } 2>&1 | tee "$out/machine.txt"
 
-extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_BUILD_PERF=OFF)
+extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json" -DKMAMBA_BUILD_PERF=OFF)
+[ -f "$deps/golden/README.md" ] || { echo "gpu-test.sh: $deps/golden missing: run 'scripts/gpu-test.sh --pack'" >&2; exit 1; }
+extra+=(-DKMAMBA_GOLDEN_DIR="$deps/golden")
 if ! command -v mpicxx >/dev/null 2>&1; then
   extra+=(-DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_ENABLE_NCCL=OFF)
 fi

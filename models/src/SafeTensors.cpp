@@ -1,0 +1,355 @@
+#include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace kmamba {
+namespace {
+
+// A header larger than this is not a checkpoint header (the largest real ones are a few MB).
+constexpr std::uint64_t max_header_bytes = 100ull * 1024 * 1024;
+
+const std::pair<const char*, DType> dtype_table[] = {
+    {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
+    {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::Bool}};
+
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h >> 15) << 31;
+  const int exponent = (h >> 10) & 0x1f;
+  const std::uint32_t mantissa = h & 0x3ffu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400u), exponent - 25);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::ostringstream os;
+  os << "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+template <class T>
+T load_le(const unsigned char* p) {
+  T value;
+  std::memcpy(&value, p, sizeof(T));  // x86-64 and aarch64 hosts are little-endian
+  return value;
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) {
+  for (const auto& entry : dtype_table) {
+    if (entry.second == dtype) return entry.first;
+  }
+  KMAMBA_ASSERT(false, "dtype_name: unknown dtype " << static_cast<int>(dtype));
+  return "";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::F64:
+    case DType::I64: return 8;
+    case DType::F32:
+    case DType::I32: return 4;
+    case DType::F16:
+    case DType::BF16:
+    case DType::I16: return 2;
+    case DType::I8:
+    case DType::U8:
+    case DType::Bool: return 1;
+  }
+  KMAMBA_ASSERT(false, "dtype_size: unknown dtype " << static_cast<int>(dtype));
+  return 0;
+}
+
+std::int64_t TensorInfo::numel() const {
+  std::int64_t n = 1;
+  for (const std::int64_t d : shape) n *= d;
+  return n;
+}
+
+SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
+  std::ifstream in(path, std::ios::binary);
+  KMAMBA_REQUIRE(in.good(), "safetensors: cannot open '" << path << "': " << std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const std::uint64_t file_size = static_cast<std::uint64_t>(in.tellg());
+  in.seekg(0, std::ios::beg);
+  KMAMBA_REQUIRE(file_size >= 8, "safetensors: '" << path << "' is " << file_size
+                                                  << " bytes, shorter than the 8-byte header length");
+  unsigned char length_bytes[8];
+  in.read(reinterpret_cast<char*>(length_bytes), 8);
+  std::uint64_t header_length = 0;
+  for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | length_bytes[i];
+  KMAMBA_REQUIRE(header_length <= file_size - 8,
+                 "safetensors: '" << path << "' declares a " << header_length << "-byte header but holds only "
+                                  << file_size - 8 << " bytes after the length");
+  KMAMBA_REQUIRE(header_length <= max_header_bytes, "safetensors: '" << path << "' declares a " << header_length
+                                                                     << "-byte header (more than 100 MB)");
+  std::string header(static_cast<std::size_t>(header_length), '\0');
+  in.read(&header[0], static_cast<std::streamsize>(header_length));
+  KMAMBA_REQUIRE(in.good(), "safetensors: reading the header of '" << path << "' failed");
+  data_start_ = 8 + header_length;
+  const std::uint64_t data_size = file_size - data_start_;
+
+  // Duplicate keys would silently overwrite each other in the parsed object: count them while parsing.
+  std::set<std::string> top_keys;
+  std::string duplicate;
+  const auto track_duplicates = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::key && depth == 1) {
+      const std::string key = parsed.get<std::string>();
+      if (!top_keys.insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(header, track_duplicates);
+  } catch (const nlohmann::json::exception& e) {
+    KMAMBA_USER_ERROR("safetensors: the header of '" << path << "' is not valid JSON: " << e.what());
+  }
+  KMAMBA_REQUIRE(duplicate.empty(), "safetensors: '" << path << "' names tensor '" << duplicate << "' twice");
+  KMAMBA_REQUIRE(json.is_object(), "safetensors: the header of '" << path << "' is not a JSON object");
+
+  for (auto it = json.begin(); it != json.end(); ++it) {
+    const std::string& name = it.key();
+    const nlohmann::json& value = it.value();
+    if (name == "__metadata__") {
+      KMAMBA_REQUIRE(value.is_object(), "safetensors: '" << path << "': __metadata__ is not an object");
+      for (auto m = value.begin(); m != value.end(); ++m) {
+        KMAMBA_REQUIRE(m.value().is_string(), "safetensors: '" << path << "': metadata entry '" << m.key()
+                                                               << "' is not a string");
+        metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = "safetensors: '" + path + "', tensor '" + name + "'";
+    KMAMBA_REQUIRE(value.is_object() && value.contains("dtype") && value.contains("shape") &&
+                       value.contains("data_offsets"),
+                   where << ": needs dtype, shape and data_offsets");
+    TensorInfo info;
+    info.name = name;
+    KMAMBA_REQUIRE(value["dtype"].is_string(), where << ": dtype is not a string");
+    const std::string dtype = value["dtype"].get<std::string>();
+    bool known = false;
+    for (const auto& entry : dtype_table) {
+      if (dtype == entry.first) {
+        info.dtype = entry.second;
+        known = true;
+      }
+    }
+    KMAMBA_REQUIRE(known, where << ": unsupported dtype '" << dtype << "'");
+    KMAMBA_REQUIRE(value["shape"].is_array(), where << ": shape is not an array");
+    std::uint64_t numel = 1;
+    for (const nlohmann::json& d : value["shape"]) {
+      KMAMBA_REQUIRE(d.is_number_unsigned(), where << ": shape holds '" << d.dump() << "', not a non-negative integer");
+      const std::uint64_t extent = d.get<std::uint64_t>();
+      KMAMBA_REQUIRE(extent == 0 || numel <= data_size / extent, where << ": shape " << value["shape"].dump()
+                                                                       << " is larger than the file");
+      numel *= extent;
+      info.shape.push_back(static_cast<std::int64_t>(extent));
+    }
+    const nlohmann::json& offsets = value["data_offsets"];
+    KMAMBA_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
+                       offsets[1].is_number_unsigned(),
+                   where << ": data_offsets must be two non-negative integers, got " << offsets.dump());
+    info.begin = offsets[0].get<std::uint64_t>();
+    info.end = offsets[1].get<std::uint64_t>();
+    KMAMBA_REQUIRE(info.begin <= info.end && info.end <= data_size,
+                   where << ": data_offsets [" << info.begin << ", " << info.end << "] lie outside the "
+                         << data_size << "-byte data section");
+    KMAMBA_REQUIRE(info.end - info.begin == numel * dtype_size(info.dtype),
+                   where << ": " << info.end - info.begin << " bytes for " << dtype << " " << shape_string(info.shape)
+                         << ", which needs " << numel * dtype_size(info.dtype));
+    tensors_.emplace(name, std::move(info));
+  }
+
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors_) by_offset.push_back(&t.second);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->begin < b->begin; });
+  for (std::size_t i = 1; i < by_offset.size(); ++i) {
+    KMAMBA_REQUIRE(by_offset[i]->begin >= by_offset[i - 1]->end || by_offset[i - 1]->begin == by_offset[i - 1]->end,
+                   "safetensors: '" << path << "': tensors '" << by_offset[i - 1]->name << "' and '"
+                                    << by_offset[i]->name << "' overlap");
+  }
+}
+
+const TensorInfo& SafeTensorsReader::info(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  KMAMBA_REQUIRE(it != tensors_.end(), "safetensors: '" << path_ << "' has no tensor named '" << name << "'");
+  return it->second;
+}
+
+std::vector<std::string> SafeTensorsReader::names() const {
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors_) by_offset.push_back(&t.second);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->name < b->name;
+  });
+  std::vector<std::string> out;
+  for (const TensorInfo* t : by_offset) out.push_back(t->name);
+  return out;
+}
+
+std::vector<unsigned char> SafeTensorsReader::read_bytes(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  std::ifstream in(path_, std::ios::binary);
+  KMAMBA_REQUIRE(in.good(), "safetensors: cannot reopen '" << path_ << "'");
+  in.seekg(static_cast<std::streamoff>(data_start_ + t.begin));
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(t.end - t.begin));
+  in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  KMAMBA_REQUIRE(in.good() || bytes.empty(), "safetensors: reading tensor '" << name << "' of '" << path_
+                                                                             << "' failed (file changed?)");
+  return bytes;
+}
+
+std::vector<float> SafeTensorsReader::read_f32(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  const std::vector<unsigned char> bytes = read_bytes(name);
+  const std::size_t n = static_cast<std::size_t>(t.numel());
+  std::vector<float> out(n);
+  switch (t.dtype) {
+    case DType::F32:
+      for (std::size_t i = 0; i < n; ++i) out[i] = load_le<float>(&bytes[4 * i]);
+      break;
+    case DType::F64:
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load_le<double>(&bytes[8 * i]));
+      break;
+    case DType::BF16:
+      for (std::size_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(load_le<std::uint16_t>(&bytes[2 * i]));
+      break;
+    case DType::F16:
+      for (std::size_t i = 0; i < n; ++i) out[i] = half_to_float(load_le<std::uint16_t>(&bytes[2 * i]));
+      break;
+    default:
+      KMAMBA_USER_ERROR("safetensors: tensor '" << name << "' of '" << path_ << "' has dtype " << dtype_name(t.dtype)
+                                                << ", expected a floating-point dtype");
+  }
+  return out;
+}
+
+std::vector<std::int64_t> SafeTensorsReader::read_i64(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  const std::vector<unsigned char> bytes = read_bytes(name);
+  const std::size_t n = static_cast<std::size_t>(t.numel());
+  std::vector<std::int64_t> out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DType::I64: out[i] = load_le<std::int64_t>(&bytes[8 * i]); break;
+      case DType::I32: out[i] = load_le<std::int32_t>(&bytes[4 * i]); break;
+      case DType::I16: out[i] = load_le<std::int16_t>(&bytes[2 * i]); break;
+      case DType::I8: out[i] = static_cast<std::int8_t>(bytes[i]); break;
+      case DType::U8:
+      case DType::Bool: out[i] = bytes[i]; break;
+      default:
+        KMAMBA_USER_ERROR("safetensors: tensor '" << name << "' of '" << path_ << "' has dtype "
+                                                  << dtype_name(t.dtype) << ", expected an integer dtype");
+    }
+  }
+  return out;
+}
+
+void SafeTensorsReader::check_shape(const std::string& name, const std::vector<std::int64_t>& expected) const {
+  const TensorInfo& t = info(name);
+  KMAMBA_REQUIRE(t.shape == expected, "safetensors: tensor '" << name << "' of '" << path_ << "' has shape "
+                                                              << shape_string(t.shape) << " but "
+                                                              << shape_string(expected) << " was expected");
+}
+
+void SafeTensorsWriter::add(const std::string& name, DType dtype, const std::vector<std::int64_t>& shape,
+                            const void* data) {
+  KMAMBA_REQUIRE(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '" << name << "'");
+  KMAMBA_REQUIRE(tensors_.count(name) == 0, "safetensors: tensor '" << name << "' added twice");
+  std::size_t numel = 1;
+  for (const std::int64_t d : shape) {
+    KMAMBA_REQUIRE(d >= 0, "safetensors: tensor '" << name << "' has negative extent in " << shape_string(shape));
+    numel *= static_cast<std::size_t>(d);
+  }
+  Pending p{dtype, shape, std::vector<unsigned char>(numel * dtype_size(dtype))};
+  if (!p.bytes.empty()) std::memcpy(p.bytes.data(), data, p.bytes.size());
+  tensors_.emplace(name, std::move(p));
+  order_.push_back(name);
+}
+
+void SafeTensorsWriter::add_f32(const std::string& name, const std::vector<std::int64_t>& shape,
+                                const std::vector<float>& values) {
+  std::size_t numel = 1;
+  for (const std::int64_t d : shape) numel *= static_cast<std::size_t>(std::max<std::int64_t>(d, 0));
+  KMAMBA_REQUIRE(values.size() == numel, "safetensors: tensor '" << name << "' of shape " << shape_string(shape)
+                                                                 << " given " << values.size() << " values");
+  add(name, DType::F32, shape, values.data());
+}
+
+void SafeTensorsWriter::add_i64(const std::string& name, const std::vector<std::int64_t>& shape,
+                                const std::vector<std::int64_t>& values) {
+  std::size_t numel = 1;
+  for (const std::int64_t d : shape) numel *= static_cast<std::size_t>(std::max<std::int64_t>(d, 0));
+  KMAMBA_REQUIRE(values.size() == numel, "safetensors: tensor '" << name << "' of shape " << shape_string(shape)
+                                                                 << " given " << values.size() << " values");
+  add(name, DType::I64, shape, values.data());
+}
+
+void SafeTensorsWriter::write(const std::string& path) const {
+  nlohmann::json header = nlohmann::json::object();
+  std::uint64_t offset = 0;
+  for (const std::string& name : order_) {
+    const Pending& p = tensors_.at(name);
+    header[name] = {{"dtype", dtype_name(p.dtype)},
+                    {"shape", p.shape},
+                    {"data_offsets", {offset, offset + p.bytes.size()}}};
+    offset += p.bytes.size();
+  }
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // align the data section to 8 bytes
+
+  const std::string temporary = path + ".tmp";
+  {
+    std::FILE* f = std::fopen(temporary.c_str(), "wb");
+    KMAMBA_REQUIRE(f != nullptr, "safetensors: cannot create '" << temporary << "': " << std::strerror(errno));
+    unsigned char length_bytes[8];
+    std::uint64_t length = text.size();
+    for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>((length >> (8 * i)) & 0xffu);
+    bool ok = std::fwrite(length_bytes, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    for (const std::string& name : order_) {
+      const Pending& p = tensors_.at(name);
+      ok = ok && (p.bytes.empty() || std::fwrite(p.bytes.data(), 1, p.bytes.size(), f) == p.bytes.size());
+    }
+    ok = (std::fflush(f) == 0) && ok;
+    ok = (::fsync(::fileno(f)) == 0) && ok;  // the bytes are on disk before the rename publishes them
+    ok = (std::fclose(f) == 0) && ok;
+    if (!ok) {
+      std::remove(temporary.c_str());
+      KMAMBA_USER_ERROR("safetensors: writing '" << temporary << "' failed (disk full?); '" << path
+                                                 << "' was left unchanged");
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(temporary.c_str());
+    KMAMBA_USER_ERROR("safetensors: cannot rename '" << temporary << "' to '" << path << "': " << std::strerror(err));
+  }
+}
+
+}  // namespace kmamba

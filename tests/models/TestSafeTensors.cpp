@@ -1,0 +1,131 @@
+#include <kmamba/core/Core.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string scratch(const std::string& name) {
+  return ::testing::TempDir() + "kmamba_safetensors_" + name;
+}
+
+// Writes a raw file: 8-byte length, the given header text, then `data_bytes` bytes of payload.
+void write_raw(const std::string& path, const std::string& header, std::size_t data_bytes,
+               std::uint64_t declared_length = UINT64_MAX) {
+  std::ofstream out(path, std::ios::binary);
+  const std::uint64_t length = declared_length == UINT64_MAX ? header.size() : declared_length;
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((length >> (8 * i)) & 0xff));
+  out << header;
+  for (std::size_t i = 0; i < data_bytes; ++i) out.put(static_cast<char>(i));
+}
+
+void expect_user_error(const std::string& path, const std::string& fragment) {
+  try {
+    kmamba::SafeTensorsReader reader(path);
+    FAIL() << "no error for " << path << " (expected one mentioning '" << fragment << "')";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(SafeTensors, RoundTripsEveryWrittenTensor) {
+  const std::string path = scratch("roundtrip.safetensors");
+  std::vector<float> a(2 * 3 * 4);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = kmamba::normal_at(11, i);
+  const std::vector<std::int64_t> ids = {5, -7, 1ll << 40};
+  std::vector<std::uint16_t> half(6);
+  for (std::size_t i = 0; i < half.size(); ++i) half[i] = kmamba::float_to_bf16_bits(kmamba::normal_at(12, i));
+  kmamba::SafeTensorsWriter writer;
+  writer.add_f32("layer.weight", {2, 3, 4}, a);
+  writer.add_i64("input_ids", {3}, ids);
+  writer.add("half", kmamba::DType::BF16, {2, 3}, half.data());
+  writer.add_f32("scalar", {}, {2.5f});
+  writer.set_metadata("format", "pt");
+  writer.write(path);
+
+  kmamba::SafeTensorsReader reader(path);
+  EXPECT_EQ(reader.names(), (std::vector<std::string>{"layer.weight", "input_ids", "half", "scalar"}));
+  EXPECT_EQ(reader.metadata().at("format"), "pt");
+  EXPECT_EQ(reader.info("layer.weight").shape, (std::vector<std::int64_t>{2, 3, 4}));
+  EXPECT_EQ(reader.read_f32("layer.weight"), a);
+  EXPECT_EQ(reader.read_i64("input_ids"), ids);
+  const std::vector<float> h = reader.read_f32("half");
+  for (std::size_t i = 0; i < half.size(); ++i) EXPECT_EQ(h[i], kmamba::bf16_bits_to_float(half[i]));
+  EXPECT_EQ(reader.read_f32("scalar"), std::vector<float>{2.5f});
+  EXPECT_NO_THROW(reader.check_shape("input_ids", {3}));
+  try {
+    reader.check_shape("layer.weight", {3, 2, 4});
+    FAIL() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer.weight'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(2, 3, 4) but (3, 2, 4)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(reader.read_i64("layer.weight"), kmamba::UserError);
+  EXPECT_THROW(reader.info("missing"), kmamba::UserError);
+}
+
+TEST(SafeTensors, ReadsTheGoldenFiles) {
+  kmamba::SafeTensorsReader reader(std::string(KMAMBA_GOLDEN_DIR) + "/ssd_small.safetensors");
+  EXPECT_EQ(reader.info("x").shape, (std::vector<std::int64_t>{2, 45, 4, 8}));
+  EXPECT_EQ(reader.info("seq_idx").dtype, kmamba::DType::I64);
+  EXPECT_EQ(reader.read_f32("x").size(), 2u * 45 * 4 * 8);
+  EXPECT_NE(reader.metadata().at("config").find("\"chunk_size\": 16"), std::string::npos);
+}
+
+TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {
+  const std::string p = scratch("bad.safetensors");
+  std::ofstream(p, std::ios::binary) << "abc";
+  expect_user_error(p, "shorter than the 8-byte header length");
+  write_raw(p, "{}", 0, 1000);
+  expect_user_error(p, "declares a 1000-byte header");
+  write_raw(p, "{\"a\": ", 0);
+  expect_user_error(p, "not valid JSON");
+  write_raw(p, "[1, 2]", 0);
+  expect_user_error(p, "not a JSON object");
+  write_raw(p, R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", 4);
+  expect_user_error(p, "unsupported dtype 'Q7'");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4);
+  expect_user_error(p, "outside the 4-byte data section");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8);
+  expect_user_error(p, "which needs 12");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4);
+  expect_user_error(p, "not a non-negative integer");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 4]}})", 4);
+  expect_user_error(p, "larger than the file");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+               R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
+  expect_user_error(p, "overlap");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+               R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  expect_user_error(p, "names tensor 'a' twice");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [1]}})", 4);
+  expect_user_error(p, "needs dtype, shape and data_offsets");
+  write_raw(p, R"({"__metadata__": {"k": 3}})", 0);
+  expect_user_error(p, "metadata entry 'k' is not a string");
+  expect_user_error(scratch("does_not_exist.safetensors"), "cannot open");
+}
+
+TEST(SafeTensors, FailedWriteLeavesThePreviousFile) {
+  const std::string path = scratch("atomic.safetensors");
+  kmamba::SafeTensorsWriter first;
+  first.add_f32("w", {2}, {1.0f, 2.0f});
+  first.write(path);
+  kmamba::SafeTensorsWriter second;
+  second.add_f32("w", {2}, {3.0f, 4.0f});
+  EXPECT_THROW(second.write(scratch("no_such_dir/atomic.safetensors")), kmamba::UserError);
+  EXPECT_EQ(kmamba::SafeTensorsReader(path).read_f32("w"), (std::vector<float>{1.0f, 2.0f}));
+  second.write(path);
+  EXPECT_EQ(kmamba::SafeTensorsReader(path).read_f32("w"), (std::vector<float>{3.0f, 4.0f}));
+  std::ifstream leftover(path + ".tmp");
+  EXPECT_FALSE(leftover.good()) << "the temporary file was left behind";
+  EXPECT_THROW(second.add_f32("w", {2}, {0.0f, 0.0f}), kmamba::UserError);
+  EXPECT_THROW(second.add_f32("v", {3}, {0.0f, 0.0f}), kmamba::UserError);
+}
+
+}  // namespace
