@@ -56,6 +56,16 @@ T load_le(const unsigned char* p) {
   return value;
 }
 
+double json_number(const nlohmann::json& v, const std::string& where) {
+  if (v.is_number()) return v.get<double>();
+  if (v.is_string()) {
+    const std::string text = v.get<std::string>();
+    if (text == "inf" || text == "Infinity" || text == "+inf") return std::numeric_limits<double>::infinity();
+    if (text == "-inf" || text == "-Infinity") return -std::numeric_limits<double>::infinity();
+  }
+  KMAMBA_USER_ERROR(where << " is " << v.dump() << ", not a number");
+}
+
 }  // namespace
 
 const char* dtype_name(DType dtype) {
@@ -222,6 +232,46 @@ std::vector<unsigned char> SafeTensorsReader::read_bytes(const std::string& name
   KMAMBA_REQUIRE(in.good() || bytes.empty(), "safetensors: reading tensor '" << name << "' of '" << path_
                                                                              << "' failed (file changed?)");
   return bytes;
+}
+
+namespace {
+// The parsed "config" metadata entry, or null when there is none.
+nlohmann::json parsed_config(const std::map<std::string, std::string>& metadata, const std::string& path) {
+  const auto it = metadata.find("config");
+  if (it == metadata.end()) return nullptr;
+  try {
+    nlohmann::json config = nlohmann::json::parse(it->second);
+    KMAMBA_REQUIRE(config.is_object(), "safetensors: '" << path << "': metadata 'config' is not a JSON object");
+    return config;
+  } catch (const nlohmann::json::exception& e) {
+    KMAMBA_USER_ERROR("safetensors: '" << path << "': metadata 'config' is not valid JSON: " << e.what());
+  }
+}
+}  // namespace
+
+bool SafeTensorsReader::config_bool(const std::string& key, bool fallback) const {
+  const nlohmann::json config = parsed_config(metadata_, path_);
+  if (config.is_null() || !config.contains(key)) return fallback;
+  KMAMBA_REQUIRE(config[key].is_boolean(), "safetensors: '" << path_ << "': config '" << key << "' is "
+                                                            << config[key].dump() << ", not true or false");
+  return config[key].get<bool>();
+}
+
+double SafeTensorsReader::config_number(const std::string& key, double fallback) const {
+  const nlohmann::json config = parsed_config(metadata_, path_);
+  if (config.is_null() || !config.contains(key)) return fallback;
+  return json_number(config[key], "safetensors: '" + path_ + "': config '" + key + "'");
+}
+
+std::vector<double> SafeTensorsReader::config_numbers(const std::string& key,
+                                                      const std::vector<double>& fallback) const {
+  const nlohmann::json config = parsed_config(metadata_, path_);
+  if (config.is_null() || !config.contains(key)) return fallback;
+  const std::string where = "safetensors: '" + path_ + "': config '" + key + "'";
+  KMAMBA_REQUIRE(config[key].is_array(), where << " is " << config[key].dump() << ", not an array");
+  std::vector<double> out;
+  for (const nlohmann::json& v : config[key]) out.push_back(json_number(v, where));
+  return out;
 }
 
 std::vector<float> SafeTensorsReader::read_f32(const std::string& name) const {

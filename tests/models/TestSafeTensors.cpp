@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -75,7 +76,12 @@ TEST(SafeTensors, ReadsTheGoldenFiles) {
   EXPECT_EQ(reader.info("x").shape, (std::vector<std::int64_t>{2, 45, 4, 8}));
   EXPECT_EQ(reader.info("seq_idx").dtype, kmamba::DType::I64);
   EXPECT_EQ(reader.read_f32("x").size(), 2u * 45 * 4 * 8);
-  EXPECT_NE(reader.metadata().at("config").find("\"chunk_size\": 16"), std::string::npos);
+  EXPECT_EQ(reader.config_number("chunk_size", 0.0), 16.0);
+  EXPECT_TRUE(reader.config_bool("dt_softplus", false));
+  EXPECT_EQ(reader.config_numbers("dt_limit", {}), (std::vector<double>{0.0, std::numeric_limits<double>::infinity()}));
+  EXPECT_EQ(reader.config_number("absent", 7.0), 7.0);
+  EXPECT_THROW(reader.config_bool("chunk_size", false), kmamba::UserError);
+  EXPECT_THROW(reader.config_numbers("chunk_size", {}), kmamba::UserError);
 }
 
 TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {

@@ -11,6 +11,9 @@
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
+#include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/TensorIO.hpp>
 
 namespace kmamba {
 

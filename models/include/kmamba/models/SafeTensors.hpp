@@ -51,6 +51,13 @@ class SafeTensorsReader {
   /// The "__metadata__" entries (empty if the file has none).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
+  /// Fields of the JSON object stored in the metadata entry "config" (how reference tools record an
+  /// op's attributes). Absent entry or key -> `fallback`; a value of the wrong type is a UserError.
+  /// Numbers may be written as the strings "inf", "-inf" or "Infinity".
+  bool config_bool(const std::string& key, bool fallback) const;
+  double config_number(const std::string& key, double fallback) const;
+  std::vector<double> config_numbers(const std::string& key, const std::vector<double>& fallback) const;
+
   /// Values converted to float from F32, F64, F16 or BF16.
   std::vector<float> read_f32(const std::string& name) const;
   /// Values converted to int64 from I64, I32, I16, I8, U8 or Bool.
