@@ -72,7 +72,7 @@ deps_dir="$(cd "$deps_dir" && pwd)"
 # ---------------------------------------------------------------------------------------------
 # 1. Debian packages
 # ---------------------------------------------------------------------------------------------
-debian_packages=(build-essential cmake git libgtest-dev libgmock-dev libbenchmark-dev
+debian_packages=(build-essential cmake git libgtest-dev libgmock-dev
                  libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
                  ca-certificates xz-utils dpkg-dev)
 if [ "$use_apt" = 1 ]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the CUDA flavour on a GPU machine from carried sources and runs the `cuda`-labelled tests
-# and the benchmarks. Made for the device tool's machines, where nothing can be downloaded.
+# Builds the CUDA flavour on a GPU machine from carried sources and runs the `cuda`-labelled tests,
+# kmamba-bench and the kernel benchmarks (kmamba-perf). Made for the device tool's machines, where
+# nothing can be downloaded.
 #
 # Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources,
 #                                                 # golden data; ~8 MB)
@@ -36,7 +37,7 @@ export OMP_PROC_BIND=spread OMP_PLACES=threads
   command -v mpicxx mpirun || echo "no MPI compiler wrapper"
 } 2>&1 | tee "$out/machine.txt"
 
-extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json" -DKMAMBA_BUILD_PERF=OFF)
+extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json")
 [ -f "$deps/golden/README.md" ] || { echo "gpu-test.sh: $deps/golden missing: run 'scripts/gpu-test.sh --pack'" >&2; exit 1; }
 extra+=(-DKMAMBA_GOLDEN_DIR="$deps/golden")
 if ! command -v mpicxx >/dev/null 2>&1; then
@@ -52,4 +53,5 @@ cd "$build_dir"
 status=0
 ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
 { ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1
+./perf/kmamba-perf --space Cuda 2>&1 | tee "$out/perf.log" || status=1
 exit $status
