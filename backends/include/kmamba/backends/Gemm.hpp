@@ -1,0 +1,55 @@
+// Dense matrix products for the projections: C = alpha · op(A) · op(B) + beta · C on row-major
+// fp32 matrices. CUDA goes through cuBLAS on the caller's stream; host backends through Kokkos
+// Kernels (OpenBLAS where the host flavour was built with it, the native Kokkos Kernels code
+// otherwise).
+#ifndef KMAMBA_BACKENDS_GEMM_HPP
+#define KMAMBA_BACKENDS_GEMM_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/backends/impl/GemmImpl.hpp>
+
+#include <Kokkos_Core.hpp>
+
+namespace kmamba {
+
+/// Whether gemm uses a matrix as given or transposed.
+enum class Transpose { No, Yes };
+
+/// C = alpha · op(A) · op(B) + beta · C, with op(A) of shape (m, k), op(B) of shape (k, n) and
+/// C of shape (m, n). With beta = 0, C's previous contents are ignored (NaN in C does not
+/// propagate). Ordered on `exec`: on CUDA it runs on exec's stream and returns without waiting;
+/// on host backends it returns when C is written. Throws kmamba::UserError naming the shapes
+/// if they do not agree.
+template <class ExecutionSpace, class MemorySpace>
+void gemm(const ExecutionSpace& exec, Transpose trans_a, Transpose trans_b, float alpha,
+          const ConstTensor2<float, MemorySpace>& A,  // (m, k), or (k, m) when trans_a
+          const ConstTensor2<float, MemorySpace>& B,  // (k, n), or (n, k) when trans_b
+          float beta,
+          const Tensor2<float, MemorySpace>& C) {     // (m, n)
+  static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
+                "kmamba::gemm: the execution space cannot access the matrices' memory space");
+  constexpr const char* function = "kmamba::gemm";
+  const bool ta = trans_a == Transpose::Yes, tb = trans_b == Transpose::Yes;
+  const std::int64_t m = static_cast<std::int64_t>(ta ? A.extent(1) : A.extent(0));
+  const std::int64_t k = static_cast<std::int64_t>(ta ? A.extent(0) : A.extent(1));
+  const std::int64_t n = static_cast<std::int64_t>(tb ? B.extent(0) : B.extent(1));
+  check_shape(function, "B", B, tb ? Shape{n, k} : Shape{k, n}, tb ? "(n, k) with k from A" : "(k, n) with k from A");
+  check_shape(function, "C", C, {m, n}, "(m, n) with m from A and n from B");
+  check_allocated(function, "A", A);
+  check_allocated(function, "B", B);
+  check_allocated(function, "C", C);
+  if (m == 0 || n == 0) return;
+  impl::GemmImpl<ExecutionSpace, MemorySpace>::run(exec, ta, tb, alpha, A, B, beta, C);
+}
+
+template <class MemorySpace>
+void gemm(Transpose trans_a, Transpose trans_b, float alpha, const ConstTensor2<float, MemorySpace>& A,
+          const ConstTensor2<float, MemorySpace>& B, float beta, const Tensor2<float, MemorySpace>& C) {
+  gemm(typename Tensor2<float, MemorySpace>::execution_space(), trans_a, trans_b, alpha, A, B, beta, C);
+}
+
+}  // namespace kmamba
+
+#endif
