@@ -1,0 +1,122 @@
+#include <kmamba/core/Error.hpp>
+#include <kmamba/models/Config.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+namespace {
+
+void expect_config_error(const std::string& text, const std::string& fragment) {
+  try {
+    kmamba::ModelConfig::from_json(text, "test.json");
+    FAIL() << "no error for " << text;
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("test.json"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Config, ReadsTheGoldenMamba2Checkpoint) {
+  const auto c = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba2/config.json");
+  EXPECT_EQ(c.mixer, kmamba::MixerKind::Mamba2);
+  EXPECT_EQ(c.d_model, 64);
+  EXPECT_EQ(c.n_layer, 2);
+  EXPECT_EQ(c.vocab_size, 96);
+  EXPECT_EQ(c.padded_vocab_size(), 96);
+  EXPECT_EQ(c.num_heads(), 8);
+  EXPECT_EQ(c.headdim, 16);
+  EXPECT_EQ(c.ngroups, 2);
+  EXPECT_EQ(c.d_state, 16);
+  EXPECT_EQ(c.chunk_size, 8);
+  EXPECT_EQ(c.d_conv, 4);
+  EXPECT_TRUE(c.tie_embeddings);
+  EXPECT_TRUE(c.conv_bias);
+  EXPECT_FALSE(c.bias);
+  EXPECT_EQ(c.dt_limit_min, 0.0);
+  EXPECT_TRUE(std::isinf(c.dt_limit_max));
+  EXPECT_EQ(c.norm_epsilon, 1e-5);
+}
+
+TEST(Config, ReadsTheGoldenMamba1Checkpoint) {
+  const auto c = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba1/config.json");
+  EXPECT_EQ(c.mixer, kmamba::MixerKind::Mamba1);
+  EXPECT_EQ(c.d_inner(), 128);
+  EXPECT_EQ(c.resolved_dt_rank(), 4);
+  EXPECT_EQ(c.d_state, 16);
+  EXPECT_FALSE(c.bias);
+  EXPECT_TRUE(c.dt_init_random);
+}
+
+TEST(Config, HuggingFaceLayoutRoundTrips) {
+  for (const char* name : {"tiny_mamba1", "tiny_mamba2"}) {
+    const auto a = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/" + name + "/config.json");
+    const auto b = kmamba::ModelConfig::from_json(a.to_hf_json(), "round trip");
+    EXPECT_EQ(b.to_hf_json(), a.to_hf_json()) << name;
+    EXPECT_EQ(b.mixer, a.mixer);
+    EXPECT_EQ(b.num_heads(), a.num_heads());
+    EXPECT_EQ(b.dt_limit_max, a.dt_limit_max);
+  }
+}
+
+TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
+  const auto c = kmamba::ModelConfig::from_json(
+      R"({"d_model": 768, "n_layer": 24, "vocab_size": 50277, "ssm_cfg": {"layer": "Mamba2"},
+          "rms_norm": true, "residual_in_fp32": true, "fused_add_norm": true,
+          "pad_vocab_size_multiple": 16, "tie_embeddings": true, "d_intermediate": 0, "attn_layer_idx": []})",
+      "mamba2-130m");
+  EXPECT_EQ(c.mixer, kmamba::MixerKind::Mamba2);
+  EXPECT_EQ(c.padded_vocab_size(), 50288);
+  EXPECT_EQ(c.num_heads(), 24);
+  EXPECT_EQ(c.d_state, 128);
+  EXPECT_EQ(c.ngroups, 1);
+  EXPECT_EQ(c.chunk_size, 256);
+  const auto m1 = kmamba::ModelConfig::from_json(R"({"d_model": 768, "n_layer": 24, "vocab_size": 50277})", "mamba-130m");
+  EXPECT_EQ(m1.mixer, kmamba::MixerKind::Mamba1);
+  EXPECT_EQ(m1.padded_vocab_size(), 50280);
+  EXPECT_EQ(m1.resolved_dt_rank(), 48);
+  EXPECT_EQ(m1.d_state, 16);
+  const auto m3 = kmamba::ModelConfig::from_json(
+      R"({"d_model": 32, "n_layer": 2, "vocab_size": 96, "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "headdim": 8}})",
+      "m3");
+  EXPECT_EQ(m3.mixer, kmamba::MixerKind::Mamba3);
+  EXPECT_EQ(m3.num_heads(), 8);
+  EXPECT_EQ(m3.chunk_size, 64);
+  const auto back = kmamba::ModelConfig::from_json(m3.to_hf_json(), "m3 round trip");
+  EXPECT_EQ(back.to_hf_json(), m3.to_hf_json());
+}
+
+TEST(Config, AcceptsEveryInfinitySpelling) {
+  for (const char* inf : {R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
+    const auto c = kmamba::ModelConfig::from_json(
+        std::string(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 1,
+                        "num_hidden_layers": 1, "time_step_limit": [0.0, )") + inf + "]}",
+        "inf");
+    EXPECT_TRUE(std::isinf(c.dt_limit_max)) << inf;
+  }
+}
+
+TEST(Config, RejectsInconsistentConfigsWithClearErrors) {
+  expect_config_error("{", "not valid JSON");
+  expect_config_error("[1]", "not a JSON object");
+  expect_config_error(R"({"model_type": "llama"})", "model_type \"llama\" is not a Mamba model");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": "big"})", "field 'hidden_size' is \"big\", expected an integer");
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 7, "head_dim": 16, "n_groups": 1})",
+                      "num_heads 7 * headdim 16 = 112 but d_inner = 128");
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 3})",
+                      "num_heads 8 is not divisible by ngroups 3");
+  expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "attn_layer_idx": [1]})",
+                      "hybrid attention models are not supported");
+  expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "ssm_cfg": {"layer": "Mamba9"}})",
+                      "expected Mamba1, Mamba2 or Mamba3");
+  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 0})", "n_layer must be positive, got 0");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "intermediate_size": 100})",
+                      "intermediate_size' is 100 but expand * hidden_size = 128");
+  expect_config_error(R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1})",
+                      "need 0 < dt_min <= dt_max");
+  expect_config_error(R"({"model_type": "mamba", "hidden_act": "gelu"})", "supports \"silu\" only");
+  EXPECT_THROW(kmamba::ModelConfig::load("/nonexistent/config.json"), kmamba::UserError);
+}
+
+}  // namespace
