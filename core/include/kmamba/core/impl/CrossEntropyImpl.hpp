@@ -1,0 +1,143 @@
+// Internals of kmamba/core/CrossEntropy.hpp.
+#ifndef KMAMBA_CORE_IMPL_CROSSENTROPYIMPL_HPP
+#define KMAMBA_CORE_IMPL_CROSSENTROPYIMPL_HPP
+
+#include <kmamba/core/Tensor.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cfloat>
+#include <cstdint>
+#include <utility>
+
+namespace kmamba {
+namespace impl {
+
+struct InvalidTargets {
+  std::int64_t count = 0, first_row = -1, first_value = 0;
+};
+
+template <class MemorySpace>
+struct CountInvalidTargets {
+  ConstTensor1<std::int64_t, MemorySpace> targets;
+  std::int64_t ignore_index, vocab;
+  KOKKOS_INLINE_FUNCTION bool invalid(const std::int64_t r) const {
+    const std::int64_t t = targets(r);
+    return t != ignore_index && (t < 0 || t >= vocab);
+  }
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t r, std::int64_t& count, std::int64_t& first) const {
+    if (invalid(r)) {
+      count += 1;
+      if (r < first) first = r;
+    }
+  }
+};
+
+template <class ExecSpace, class MemorySpace>
+InvalidTargets find_invalid_targets(const ExecSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& targets,
+                                    std::int64_t ignore_index, std::int64_t vocab) {
+  InvalidTargets out;
+  const std::int64_t rows = static_cast<std::int64_t>(targets.extent(0));
+  std::int64_t first = rows;
+  Kokkos::parallel_reduce("kmamba::cross_entropy::check_targets",
+                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+                          CountInvalidTargets<MemorySpace>{targets, ignore_index, vocab}, out.count,
+                          Kokkos::Min<std::int64_t>(first));
+  if (out.count > 0) {
+    out.first_row = first;
+    auto value = Kokkos::subview(targets, first);
+    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), value);
+    out.first_value = host();
+  }
+  return out;
+}
+
+template <class ExecSpace, class MemorySpace>
+struct CrossEntropyForward {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  ConstTensor2<float, MemorySpace> logits;
+  ConstTensor1<std::int64_t, MemorySpace> targets;
+  std::int64_t ignore_index;
+  Tensor1<float, MemorySpace> lse;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team, double& loss_sum, std::int64_t& count) const {
+    const int r = team.league_rank();
+    const int vocab = static_cast<int>(logits.extent(1));
+    float row_max = -FLT_MAX;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, vocab),
+        [&](const int v, float& m) {
+          if (logits(r, v) > m) m = logits(r, v);
+        },
+        Kokkos::Max<float>(row_max));
+    float sum = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, vocab),
+        [&](const int v, float& s) { s += Kokkos::Experimental::exp(logits(r, v) - row_max); }, sum);
+    const float row_lse = row_max + Kokkos::Experimental::log(sum);
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      lse(r) = row_lse;
+      const std::int64_t t = targets(r);
+      if (t != ignore_index) {
+        loss_sum += static_cast<double>(row_lse - logits(r, t));
+        count += 1;
+      }
+    });
+  }
+};
+
+// Returns (sum of the counted rows' losses, number of counted rows).
+template <class ExecSpace, class MemorySpace>
+std::pair<double, std::int64_t> cross_entropy_forward_impl(const ExecSpace& exec,
+                                                           const ConstTensor2<float, MemorySpace>& logits,
+                                                           const ConstTensor1<std::int64_t, MemorySpace>& targets,
+                                                           std::int64_t ignore_index,
+                                                           const Tensor1<float, MemorySpace>& lse) {
+  double loss_sum = 0.0;
+  std::int64_t count = 0;
+  const int rows = static_cast<int>(logits.extent(0));
+  if (rows == 0) return {0.0, 0};
+  Kokkos::parallel_reduce("kmamba::cross_entropy::forward", Kokkos::TeamPolicy<ExecSpace>(exec, rows, Kokkos::AUTO),
+                          CrossEntropyForward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse}, loss_sum,
+                          count);
+  return {loss_sum, count};
+}
+
+template <class ExecSpace, class MemorySpace>
+struct CrossEntropyBackward {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  ConstTensor2<float, MemorySpace> logits;
+  ConstTensor1<std::int64_t, MemorySpace> targets;
+  std::int64_t ignore_index;
+  ConstTensor1<float, MemorySpace> lse;
+  float scale;
+  Tensor2<float, MemorySpace> dlogits;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int r = team.league_rank();
+    const int vocab = static_cast<int>(logits.extent(1));
+    const std::int64_t t = targets(r);
+    const bool counted = t != ignore_index;
+    const float row_lse = lse(r);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, vocab), [&](const int v) {
+      const float p = Kokkos::Experimental::exp(logits(r, v) - row_lse);
+      dlogits(r, v) = counted ? scale * (p - (v == t ? 1.0f : 0.0f)) : 0.0f;
+    });
+  }
+};
+
+template <class ExecSpace, class MemorySpace>
+void cross_entropy_backward_impl(const ExecSpace& exec, const ConstTensor2<float, MemorySpace>& logits,
+                                 const ConstTensor1<std::int64_t, MemorySpace>& targets, std::int64_t ignore_index,
+                                 const ConstTensor1<float, MemorySpace>& lse, float scale,
+                                 const Tensor2<float, MemorySpace>& dlogits) {
+  const int rows = static_cast<int>(logits.extent(0));
+  if (rows == 0) return;
+  Kokkos::parallel_for("kmamba::cross_entropy::backward", Kokkos::TeamPolicy<ExecSpace>(exec, rows, Kokkos::AUTO),
+                       CrossEntropyBackward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse, scale, dlogits});
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
