@@ -43,7 +43,7 @@ CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
   check_shape(function, "lse", lse, {rows}, "(rows) with rows from logits");
   KMAMBA_REQUIRE(vocab > 0 || rows == 0, function << ": logits has an empty vocabulary axis (shape "
                                                   << shape_of(logits).to_string() << ")");
-  const impl::InvalidTargets bad = impl::find_invalid_targets(exec, targets, ignore_index, vocab);
+  const impl::InvalidIds bad = impl::find_invalid_ids(exec, targets, true, ignore_index, vocab);
   KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " target id(s) are outside [0, " << vocab
                                           << ") and not the ignore index " << ignore_index << "; the first is "
                                           << bad.first_value << " at row " << bad.first_row);

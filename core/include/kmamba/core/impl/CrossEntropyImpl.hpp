@@ -3,6 +3,7 @@
 #define KMAMBA_CORE_IMPL_CROSSENTROPYIMPL_HPP
 
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/CheckIds.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -12,45 +13,6 @@
 
 namespace kmamba {
 namespace impl {
-
-struct InvalidTargets {
-  std::int64_t count = 0, first_row = -1, first_value = 0;
-};
-
-template <class MemorySpace>
-struct CountInvalidTargets {
-  ConstTensor1<std::int64_t, MemorySpace> targets;
-  std::int64_t ignore_index, vocab;
-  KOKKOS_INLINE_FUNCTION bool invalid(const std::int64_t r) const {
-    const std::int64_t t = targets(r);
-    return t != ignore_index && (t < 0 || t >= vocab);
-  }
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t r, std::int64_t& count, std::int64_t& first) const {
-    if (invalid(r)) {
-      count += 1;
-      if (r < first) first = r;
-    }
-  }
-};
-
-template <class ExecSpace, class MemorySpace>
-InvalidTargets find_invalid_targets(const ExecSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& targets,
-                                    std::int64_t ignore_index, std::int64_t vocab) {
-  InvalidTargets out;
-  const std::int64_t rows = static_cast<std::int64_t>(targets.extent(0));
-  std::int64_t first = rows;
-  Kokkos::parallel_reduce("kmamba::cross_entropy::check_targets",
-                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-                          CountInvalidTargets<MemorySpace>{targets, ignore_index, vocab}, out.count,
-                          Kokkos::Min<std::int64_t>(first));
-  if (out.count > 0) {
-    out.first_row = first;
-    auto value = Kokkos::subview(targets, first);
-    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), value);
-    out.first_value = host();
-  }
-  return out;
-}
 
 template <class ExecSpace, class MemorySpace>
 struct CrossEntropyForward {

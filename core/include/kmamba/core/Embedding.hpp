@@ -1,0 +1,77 @@
+// Token embedding: out[t, :] = table[ids[t], :], and its backward (scatter-add of the output
+// gradient into the rows of the table that were used).
+#ifndef KMAMBA_CORE_EMBEDDING_HPP
+#define KMAMBA_CORE_EMBEDDING_HPP
+
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/CheckIds.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+
+namespace kmamba {
+
+namespace impl {
+template <class MemorySpace>
+struct EmbeddingGather {
+  ConstTensor1<std::int64_t, MemorySpace> ids;
+  ConstTensor2<float, MemorySpace> table;
+  Tensor2<float, MemorySpace> out;
+  KOKKOS_INLINE_FUNCTION void operator()(const int t, const int d) const { out(t, d) = table(ids(t), d); }
+};
+template <class MemorySpace>
+struct EmbeddingScatterAdd {
+  ConstTensor1<std::int64_t, MemorySpace> ids;
+  ConstTensor2<float, MemorySpace> dout;
+  Tensor2<float, MemorySpace> dtable;
+  KOKKOS_INLINE_FUNCTION void operator()(const int t, const int d) const {
+    Kokkos::atomic_add(&dtable(ids(t), d), dout(t, d));
+  }
+};
+}  // namespace impl
+
+/// out[t, :] = table[ids[t], :]. Blocking only for the id check: throws kmamba::UserError naming the
+/// first id outside [0, vocab) and its position.
+template <class ExecutionSpace, class MemorySpace>
+void embedding_forward(const ExecutionSpace& exec,
+                       const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+                       const ConstTensor2<float, MemorySpace>& table,       // (vocab, dim)
+                       const Tensor2<float, MemorySpace>& out) {            // (tokens, dim)
+  constexpr const char* function = "kmamba::embedding_forward";
+  const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
+  const std::int64_t vocab = static_cast<std::int64_t>(table.extent(0));
+  const std::int64_t dim = static_cast<std::int64_t>(table.extent(1));
+  check_shape(function, "out", out, {tokens, dim}, "(tokens, dim) with dim from table");
+  const impl::InvalidIds bad = impl::find_invalid_ids(exec, ids, false, 0, vocab);
+  KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " token id(s) are outside [0, " << vocab
+                                          << "), the rows of the embedding table; the first is " << bad.first_value
+                                          << " at position " << bad.first_row);
+  if (tokens == 0 || dim == 0) return;
+  Kokkos::parallel_for("kmamba::embedding::forward",
+                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim}),
+                       impl::EmbeddingGather<MemorySpace>{ids, table, out});
+}
+
+/// dtable[ids[t], :] += dout[t, :] (accumulates: zero dtable first for a plain gradient).
+/// Non-blocking on `exec`; ids must already have passed embedding_forward's check.
+template <class ExecutionSpace, class MemorySpace>
+void embedding_backward(const ExecutionSpace& exec,
+                        const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+                        const ConstTensor2<float, MemorySpace>& dout,        // (tokens, dim)
+                        const Tensor2<float, MemorySpace>& dtable) {         // (vocab, dim)
+  constexpr const char* function = "kmamba::embedding_backward";
+  const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
+  const std::int64_t dim = static_cast<std::int64_t>(dtable.extent(1));
+  check_shape(function, "dout", dout, {tokens, dim}, "(tokens, dim) with dim from dtable");
+  if (tokens == 0 || dim == 0) return;
+  Kokkos::parallel_for("kmamba::embedding::backward",
+                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim}),
+                       impl::EmbeddingScatterAdd<MemorySpace>{ids, dout, dtable});
+}
+
+}  // namespace kmamba
+
+#endif
