@@ -3,10 +3,17 @@
 #define KMAMBA_CORE_CORE_HPP
 
 #include <kmamba/Config.hpp>
+#include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Conv1d.hpp>
+#include <kmamba/core/CrossEntropy.hpp>
+#include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Random.hpp>
+#include <kmamba/core/RmsNorm.hpp>
+#include <kmamba/core/SelectiveScan.hpp>
 #include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Ssd.hpp>
 #include <kmamba/core/Tensor.hpp>
 
 #endif

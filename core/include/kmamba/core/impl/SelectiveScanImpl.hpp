@@ -1,14 +1,19 @@
 // Internals of kmamba/core/SelectiveScan.hpp: the launch plan and the functors.
 //
 // Work decomposition (same for every backend): one team per (batch, group, block of channels
-// of that group). A team thread owns a channel, its vector lanes own the states n of that
-// channel (lane n % vector_length), so the per-token sum over n is a vector reduction and the
-// running state of (channel, n) never leaves the lane that owns it. The sequence is walked in
-// chunks: the team stages the chunk's u, δ, B and C in level-0 scratch, then each thread scans
-// its channel over the chunk, then the team writes the chunk's outputs with coalesced stores.
+// of that group). The channels are spread over the team's threads (one per channel on a GPU,
+// a single thread on a host backend, where team barriers and shared cache lines cost more than
+// they save), and the vector lanes of a thread own the states n of its channel (lane
+// n % vector_length), so the per-token sum over n is a vector reduction and the running state of
+// (channel, n) never leaves the lane that owns it. The sequence is walked in chunks: the team
+// stages the chunk's u, δ, B and C in level-0 scratch, then each thread scans its channels over
+// the chunk, then the team writes the chunk's outputs with coalesced stores. Sums over the
+// channels of a team (dB, dC) are read from scratch in channel order, never accumulated there
+// with atomics.
 #ifndef KMAMBA_CORE_IMPL_SELECTIVESCANIMPL_HPP
 #define KMAMBA_CORE_IMPL_SELECTIVESCANIMPL_HPP
 
+#include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 
@@ -28,24 +33,6 @@ template <class MemorySpace>
 struct SelectiveScanStepArgs;
 
 namespace impl {
-
-// Scalar functions of algorithms.md §0, fp32.
-KOKKOS_INLINE_FUNCTION float selective_scan_sigmoid(float v) { return 1.0f / (1.0f + Kokkos::Experimental::exp(-v)); }
-
-KOKKOS_INLINE_FUNCTION float selective_scan_silu(float v) { return v * selective_scan_sigmoid(v); }
-
-KOKKOS_INLINE_FUNCTION float selective_scan_silu_grad(float v) {
-  const float s = selective_scan_sigmoid(v);
-  return s * (1.0f + v * (1.0f - s));
-}
-
-KOKKOS_INLINE_FUNCTION float selective_scan_softplus20(float v) {
-  return v > 20.0f ? v : Kokkos::Experimental::log1p(Kokkos::Experimental::exp(v));
-}
-
-KOKKOS_INLINE_FUNCTION float selective_scan_softplus20_grad(float v) {
-  return v > 20.0f ? 1.0f : selective_scan_sigmoid(v);
-}
 
 /// Two sums reduced together over the states of a channel (backward: Σ λ·B and Σ λ·∂h/∂δ).
 struct SelectiveScanPair {
@@ -157,10 +144,14 @@ void selective_scan_launch(const ExecSpace& exec, const char* label, const Selec
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
   const int league = plan.batch * plan.ngroups * plan.blocks_per_group;
   if (league == 0) return;
+  // Where the execution space runs on the host, a team is one thread (what Kokkos recommends
+  // there): its channels then run one after the other with no barrier or shared cache line
+  // between threads. Elsewhere a team has a thread per channel, as many as fit.
+  constexpr bool host = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible;
   Policy probe(exec, league, 1, plan.vector_length);
   probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
   const int team_size =
-      std::max(1, std::min(plan.channels_per_team, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+      host ? 1 : std::max(1, std::min(plan.channels_per_team, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
   Kokkos::parallel_for(label, policy, functor);
@@ -189,7 +180,7 @@ struct SelectiveScanOperands {
     return delta(b, d, t) + (has_delta_bias ? delta_bias(d) : 0.0f);
   }
   KOKKOS_INLINE_FUNCTION float delta_value(float pre) const {
-    return delta_softplus ? selective_scan_softplus20(pre) : pre;
+    return delta_softplus ? kmamba::softplus(pre) : pre;
   }
   KOKKOS_INLINE_FUNCTION float skip(int d) const { return has_D ? D(d) : 0.0f; }
 
@@ -284,7 +275,7 @@ struct SelectiveScanForwardFunctor {
           const float skip = in.skip(d);
           Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
             float v = sy(c, t) + skip * su(c, t);
-            if (in.has_z) v *= selective_scan_silu(in.z(tb.b, d, t0 + t));
+            if (in.has_z) v *= kmamba::silu(in.z(tb.b, d, t0 + t));
             out(tb.b, d, t0 + t) = v;
           });
         });
@@ -302,13 +293,18 @@ struct SelectiveScanForwardFunctor {
 /// Backward scan, chunks last to first. Per chunk: restart the forward from the chunk's
 /// checkpoint keeping every state of the chunk in scratch, then walk the chunk backwards with the
 /// adjoint state μ_t = ā_{t+1}·λ_{t+1} carried from the later chunk. Per-(batch, channel) sums
-/// over seqlen (dA, dD, ddelta_bias) go to `partial_*`; dB and dC are summed over the channels
-/// of the team in scratch, then added atomically to global memory.
+/// over seqlen (dA, dD, ddelta_bias) go to `partial_*`. dB and dC are summed over the channels
+/// of the team in channel order from the state tile (dC from the recomputed states before the
+/// backward walk, dB from the λ·δ·u terms the walk leaves in their place), then added
+/// atomically to global memory: no atomics in scratch.
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using Scratch = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  using Scratch3 = Kokkos::View<float***, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  // Tokens innermost on every backend (a GPU's default scratch layout is LayoutLeft): the lanes of
+  // the channel sums read consecutive tokens, those of the scans states chunk + 1 floats apart.
+  using Scratch3 =
+      Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
@@ -323,7 +319,7 @@ struct SelectiveScanBackwardFunctor {
   bool has_dlast_state, write_dinitial_state;
 
   static std::size_t scratch_bytes(int channels, int chunk, int dstate) {
-    return 7 * Scratch::shmem_size(channels, chunk) + 4 * Scratch::shmem_size(dstate, chunk) +
+    return 7 * Scratch::shmem_size(channels, chunk) + 2 * Scratch::shmem_size(dstate, chunk) +
            3 * Scratch::shmem_size(channels, dstate) + Scratch::shmem_size(channels, 2) +
            Scratch3::shmem_size(channels, dstate, chunk + 1);
   }
@@ -341,13 +337,13 @@ struct SelectiveScanBackwardFunctor {
     Scratch sddelta(team.team_scratch(0), cpt, plan.chunk);
     Scratch sB(team.team_scratch(0), nstate, plan.chunk);
     Scratch sC(team.team_scratch(0), nstate, plan.chunk);
-    Scratch sdB(team.team_scratch(0), nstate, plan.chunk);
-    Scratch sdC(team.team_scratch(0), nstate, plan.chunk);
     Scratch sA(team.team_scratch(0), cpt, nstate);
     Scratch smu(team.team_scratch(0), cpt, nstate);
     Scratch sdA(team.team_scratch(0), cpt, nstate);
     Scratch sacc(team.team_scratch(0), cpt, 2);
-    Scratch3 hs(team.team_scratch(0), cpt, nstate, plan.chunk + 1);  // h before the chunk, then after each token
+    // h before the chunk, then after each token; the backward walk replaces h_{t-1} (index t),
+    // once read, by λ_t·δ_t·u_t.
+    Scratch3 hs(team.team_scratch(0), cpt, nstate, plan.chunk + 1);
 
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, nstate), [&](const int n) {
@@ -368,22 +364,15 @@ struct SelectiveScanBackwardFunctor {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
         const int d = tb.d0 + c;
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
-          sdelta_grad(c, t) = in.delta_softplus ? selective_scan_softplus20_grad(in.delta_pre(tb.b, d, t0 + t)) : 1.0f;
+          sdelta_grad(c, t) = in.delta_softplus ? kmamba::softplus_derivative(in.delta_pre(tb.b, d, t0 + t)) : 1.0f;
           const float g = dout(tb.b, d, t0 + t);
-          sg(c, t) = in.has_z ? g * selective_scan_silu(in.z(tb.b, d, t0 + t)) : g;
+          sg(c, t) = in.has_z ? g * kmamba::silu(in.z(tb.b, d, t0 + t)) : g;
         });
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, nstate),
                              [&](const int n) { hs(c, n, 0) = checkpoints(tb.b, d, k, n); });
       });
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate), [&](const int n) {
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
-          sdB(n, t) = 0.0f;
-          sdC(n, t) = 0.0f;
-        });
-      });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
-        const float skip = in.skip(tb.d0 + c);
         for (int t = 0; t < len; ++t) {
           const float dt = sdelta(c, t);
           const float dtu = dt * su(c, t);
@@ -398,6 +387,18 @@ struct SelectiveScanBackwardFunctor {
               y);
           Kokkos::single(Kokkos::PerThread(team), [&]() { sy(c, t) = y; });
         }
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate), [&](const int n) {
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
+          float sum = 0.0f;
+          for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
+          Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
+        });
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
+        const float skip = in.skip(tb.d0 + c);
         for (int t = len - 1; t >= 0; --t) {
           const float dt = sdelta(c, t);
           const float uu = su(c, t);
@@ -409,8 +410,7 @@ struct SelectiveScanBackwardFunctor {
                 const float a = Kokkos::Experimental::exp(dt * sA(c, n));
                 const float a_hprev = a * hs(c, n, t);
                 const float lambda = g * sC(n, t) + smu(c, n);
-                Kokkos::atomic_add(&sdC(n, t), g * hs(c, n, t + 1));
-                Kokkos::atomic_add(&sdB(n, t), lambda * dt * uu);
+                hs(c, n, t) = lambda * dt * uu;
                 acc.first += lambda * sB(n, t);
                 acc.second += lambda * (sB(n, t) * uu + sA(c, n) * a_hprev);
                 sdA(c, n) += lambda * dt * a_hprev;
@@ -436,14 +436,15 @@ struct SelectiveScanBackwardFunctor {
           if (in.has_z) {
             const float zz = in.z(tb.b, d, t0 + t);
             dz(tb.b, d, t0 + t) =
-                dout(tb.b, d, t0 + t) * (sy(c, t) + skip * su(c, t)) * selective_scan_silu_grad(zz);
+                dout(tb.b, d, t0 + t) * (sy(c, t) + skip * su(c, t)) * kmamba::silu_derivative(zz);
           }
         });
       });
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate), [&](const int n) {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
-          Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sdB(n, t));
-          Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sdC(n, t));
+          float sum = 0.0f;
+          for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
+          Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
         });
       });
     }
@@ -532,7 +533,7 @@ struct SelectiveScanStepFunctor {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
       const int d = tb.d0 + c;
       const float pre = delta(tb.b, d) + (has_delta_bias ? delta_bias(d) : 0.0f);
-      const float dt = delta_softplus ? selective_scan_softplus20(pre) : pre;
+      const float dt = delta_softplus ? kmamba::softplus(pre) : pre;
       const float uu = u(tb.b, d);
       const float dtu = dt * uu;
       float y = 0.0f;
@@ -546,7 +547,7 @@ struct SelectiveScanStepFunctor {
           y);
       Kokkos::single(Kokkos::PerThread(team), [&]() {
         float v = y + (has_D ? D(d) * uu : 0.0f);
-        if (has_z) v *= selective_scan_silu(z(tb.b, d));
+        if (has_z) v *= kmamba::silu(z(tb.b, d));
         out(tb.b, d) = v;
       });
     });

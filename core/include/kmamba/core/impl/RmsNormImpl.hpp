@@ -1,0 +1,283 @@
+// Internals of kmamba/core/RmsNorm.hpp: the forward and backward kernels shared by the plain and
+// the gated RMSNorm. Everything is computed in fp32 whatever the storage type of the views.
+//
+// Work decomposition:
+//   forward    one team per (row, group): a team reduction of the sum of squares, then the team
+//              writes the group's outputs (and its rstd).
+//   backward   dweight is zeroed, then one team per (row block, group): for each row of the block
+//              two team reductions (sum of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)),
+//              then the team writes dx (dz) and accumulates go ⊙ x̂ over its rows in team scratch
+//              (each channel owned by one thread, a barrier between rows); at the end of the block
+//              the team adds its partial sums atomically into dweight, one atomic per channel and
+//              block. No temporary allocation, so nothing blocks the instance.
+#ifndef KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
+#define KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Error.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace kmamba {
+namespace impl {
+
+/// Enables an overload only for a Kokkos::View argument (saved rstd versus eps).
+template <class ViewType>
+using rms_norm_if_view = std::enable_if_t<Kokkos::is_view<ViewType>::value, int>;
+
+/// True if `ExecutionSpace` can access the memory of every view type.
+template <class ExecutionSpace, class... Views>
+constexpr bool rms_norm_accessible =
+    (Kokkos::SpaceAccessibility<ExecutionSpace, typename Views::memory_space>::accessible && ...);
+
+/// Checks the scalar arguments shared by every entry point and returns the number of groups.
+inline int rms_norm_groups(const char* function, std::int64_t rows, std::int64_t dim, std::int64_t group_size,
+                           float eps) {
+  KMAMBA_REQUIRE(dim >= 1, function << ": x has shape (" << rows << ", " << dim << ") but (rows, dim) needs dim >= 1");
+  KMAMBA_REQUIRE(group_size >= 1 && dim % group_size == 0,
+                 function << ": group_size " << group_size << " does not divide dim " << dim);
+  KMAMBA_REQUIRE(eps >= 0.0f, function << ": eps must be >= 0, got " << eps);
+  KMAMBA_REQUIRE(rows * (dim / group_size) <= INT_MAX,
+                 function << ": rows * (dim / group_size) = " << rows * (dim / group_size)
+                          << " exceeds the largest team count " << INT_MAX);
+  return static_cast<int>(dim / group_size);
+}
+
+/// Where the gate silu(z) enters the normalisation.
+enum class RmsNormGate {
+  none,       ///< plain RMSNorm
+  pre_norm,   ///< norm_before_gate = false: y = rmsnorm(x ⊙ silu(z)) ⊙ w (Mamba-2)
+  post_norm,  ///< norm_before_gate = true:  y = rmsnorm(x) ⊙ w ⊙ silu(z) (Mamba-3 output norm)
+};
+
+/// rstd is (rows,) for the plain norm and (rows, ngroups) for the gated one.
+template <class RstdView>
+KOKKOS_INLINE_FUNCTION typename RstdView::reference_type rms_norm_rstd_at(const RstdView& rstd, int row, int group) {
+  if constexpr (RstdView::rank == 1) {
+    (void)group;
+    return rstd(row);
+  } else {
+    return rstd(row, group);
+  }
+}
+
+/// Rows each backward team handles: at least `min_rows`, and at most `max_blocks` blocks in all
+/// (which bounds the atomic additions into dweight to max_blocks per element).
+inline int rms_norm_rows_per_block(int rows) {
+  constexpr std::int64_t min_rows = 4;
+  constexpr std::int64_t max_blocks = 512;
+  return static_cast<int>(std::max(min_rows, (static_cast<std::int64_t>(rows) + max_blocks - 1) / max_blocks));
+}
+
+/// The normalised input of element (row, c): x, or x ⊙ silu(z) for the pre-norm gate.
+template <class XView, class ZView>
+struct RmsNormInput {
+  XView x;
+  ZView z;
+  RmsNormGate gate;
+
+  KOKKOS_INLINE_FUNCTION float operator()(int row, int c) const {
+    const float xv = to_float(x(row, c));
+    return gate == RmsNormGate::pre_norm ? xv * kmamba::silu(to_float(z(row, c))) : xv;
+  }
+};
+
+template <class ExecutionSpace, class XView, class ZView, class WView, class YView, class RstdView>
+struct RmsNormForwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
+  using y_type = typename YView::non_const_value_type;
+
+  RmsNormInput<XView, ZView> input;
+  WView weight;
+  YView y;
+  RstdView rstd;
+  float eps;
+  int group_size;
+  int ngroups;
+  bool write_rstd;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int row = team.league_rank() / ngroups;
+    const int group = team.league_rank() % ngroups;
+    const int begin = group * group_size;
+    const int end = begin + group_size;
+
+    float sumsq = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, begin, end),
+        [&](const int c, float& acc) {
+          const float v = input(row, c);
+          acc += v * v;
+        },
+        sumsq);
+    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(group_size) + eps);
+
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end), [&](const int c) {
+      float out = input(row, c) * r * to_float(weight(c));
+      if (input.gate == RmsNormGate::post_norm) {
+        out *= kmamba::silu(to_float(input.z(row, c)));
+      }
+      y(row, c) = from_float<y_type>(out);
+    });
+    if (write_rstd) {
+      Kokkos::single(Kokkos::PerTeam(team), [&]() { rms_norm_rstd_at(rstd, row, group) = r; });
+    }
+  }
+};
+
+template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class RstdView, class DxView,
+          class DzView, class DweightView>
+struct RmsNormBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
+  using scratch_view = Kokkos::View<float*, typename ExecutionSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using dx_type = typename DxView::non_const_value_type;
+  using dz_type = typename DzView::non_const_value_type;
+
+  DyView dy;
+  RmsNormInput<XView, ZView> input;
+  WView weight;
+  RstdView rstd;
+  DxView dx;
+  DzView dz;
+  DweightView dweight;
+  float eps;
+  int rows;
+  int group_size;
+  int ngroups;
+  int rows_per_block;
+  int scratch_level;
+  bool have_rstd;
+
+  /// The gradient reaching x̂ ⊙ w: dy, or dy ⊙ silu(z) when the gate follows the norm.
+  KOKKOS_INLINE_FUNCTION float grad_out(int row, int c) const {
+    const float g = to_float(dy(row, c));
+    return input.gate == RmsNormGate::post_norm ? g * kmamba::silu(to_float(input.z(row, c))) : g;
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int block = team.league_rank() / ngroups;
+    const int group = team.league_rank() % ngroups;
+    const int begin = group * group_size;
+    const int end = begin + group_size;
+    const int row_begin = block * rows_per_block;
+    const int row_end = row_begin + rows_per_block < rows ? row_begin + rows_per_block : rows;
+    const float inv_n = 1.0f / static_cast<float>(group_size);
+    // This block's share of dweight for the group's channels (each channel owned by one thread).
+    const scratch_view dweight_block(team.team_scratch(scratch_level), group_size);
+
+    for (int row = row_begin; row < row_end; ++row) {
+      float r;
+      if (have_rstd) {
+        r = rms_norm_rstd_at(rstd, row, group);
+      } else {
+        float sumsq = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, begin, end),
+            [&](const int c, float& acc) {
+              const float v = input(row, c);
+              acc += v * v;
+            },
+            sumsq);
+        r = 1.0f / Kokkos::Experimental::sqrt(sumsq * inv_n + eps);
+      }
+
+      // mean over the group of x̂ ⊙ w ⊙ go, with x̂ = v·r.
+      float projection = 0.0f;
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, begin, end),
+          [&](const int c, float& acc) { acc += input(row, c) * to_float(weight(c)) * grad_out(row, c); }, projection);
+      const float mean_term = projection * r * inv_n;
+
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end), [&](const int c) {
+        const float xhat = input(row, c) * r;
+        const float w = to_float(weight(c));
+        const float go = grad_out(row, c);
+        const float dv = (w * go - xhat * mean_term) * r;
+        switch (input.gate) {
+          case RmsNormGate::none:
+            dx(row, c) = from_float<dx_type>(dv);
+            break;
+          case RmsNormGate::pre_norm: {
+            const float zv = to_float(input.z(row, c));
+            dx(row, c) = from_float<dx_type>(dv * kmamba::silu(zv));
+            dz(row, c) = from_float<dz_type>(dv * to_float(input.x(row, c)) * kmamba::silu_derivative(zv));
+            break;
+          }
+          case RmsNormGate::post_norm: {
+            const float zv = to_float(input.z(row, c));
+            dx(row, c) = from_float<dx_type>(dv);
+            dz(row, c) = from_float<dz_type>(to_float(dy(row, c)) * xhat * w * kmamba::silu_derivative(zv));
+            break;
+          }
+        }
+        const float previous = row == row_begin ? 0.0f : dweight_block(c - begin);
+        dweight_block(c - begin) = previous + go * xhat;
+      });
+      team.team_barrier();
+    }
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end),
+                         [&](const int c) { Kokkos::atomic_add(&dweight(c), dweight_block(c - begin)); });
+  }
+};
+
+template <class DweightView>
+struct RmsNormZeroFunctor {
+  DweightView dweight;
+  KOKKOS_INLINE_FUNCTION void operator()(const int c) const { dweight(c) = 0.0f; }
+};
+
+template <class ExecutionSpace, class XView, class ZView, class WView, class YView, class RstdView>
+void rms_norm_forward(const ExecutionSpace& exec, const XView& x, const ZView& z, const WView& weight, float eps,
+                      int group_size, RmsNormGate gate, const YView& y, const RstdView& rstd, bool write_rstd) {
+  const int rows = static_cast<int>(x.extent(0));
+  const int ngroups = static_cast<int>(x.extent(1)) / group_size;
+  if (rows == 0) return;
+  using Functor = RmsNormForwardFunctor<ExecutionSpace, XView, ZView, WView, YView, RstdView>;
+  Kokkos::parallel_for("kmamba::rms_norm::forward",
+                       Kokkos::TeamPolicy<ExecutionSpace>(exec, rows * ngroups, Kokkos::AUTO),
+                       Functor{{x, z, gate}, weight, y, rstd, eps, group_size, ngroups, write_rstd});
+}
+
+template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class RstdView, class DxView,
+          class DzView, class DweightView>
+void rms_norm_backward(const char* function, const ExecutionSpace& exec, const DyView& dy, const XView& x,
+                       const ZView& z, const WView& weight, const RstdView& rstd, bool have_rstd, float eps,
+                       int group_size, RmsNormGate gate, const DxView& dx, const DzView& dz,
+                       const DweightView& dweight) {
+  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
+  using Functor = RmsNormBackwardFunctor<ExecutionSpace, DyView, XView, ZView, WView, RstdView, DxView, DzView,
+                                         DweightView>;
+  const int rows = static_cast<int>(x.extent(0));
+  const int dim = static_cast<int>(x.extent(1));
+  const int ngroups = dim / group_size;
+  const int rows_per_block = rms_norm_rows_per_block(rows);
+  const int blocks = (rows + rows_per_block - 1) / rows_per_block;
+  // shmem_size includes the alignment padding of a View placed in scratch.
+  const std::size_t scratch_bytes = Functor::scratch_view::shmem_size(static_cast<std::size_t>(group_size));
+  KMAMBA_REQUIRE(scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(1)),
+                 function << ": group_size " << group_size << " needs " << scratch_bytes
+                          << " bytes of team scratch, more than the " << Policy::scratch_size_max(1)
+                          << " the backend offers");
+  const int scratch_level = scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
+
+  Kokkos::parallel_for("kmamba::rms_norm::zero_dweight", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, dim),
+                       RmsNormZeroFunctor<DweightView>{dweight});
+  if (blocks == 0) return;
+  Kokkos::parallel_for(
+      "kmamba::rms_norm::backward",
+      Policy(exec, blocks * ngroups, Kokkos::AUTO).set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes)),
+      Functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, rows_per_block,
+              scratch_level, have_rstd});
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif

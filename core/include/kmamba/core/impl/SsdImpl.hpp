@@ -1,0 +1,902 @@
+// Internals of kmamba/core/Ssd.hpp: the launch plan, the workspaces and one functor per stage of
+// the chunked SSD (algorithms.md §2.5, §2.6, §2.10).
+//
+// Work decomposition (same for every backend): the chunk stages are TeamPolicy launches with one
+// team per (batch, chunk, head) — (batch, chunk, group) for C·Bᵀ, (batch, head) for the passing of
+// states between chunks. A team stages its chunk's per-token vectors (δ, cumulative δ·a, run ids)
+// in level-0 scratch and builds the (tile × chunk) blocks of the intra-chunk weight matrices there,
+// a tile of rows at a time, so the scratch needed does not grow with chunk² (the tile is chosen to
+// fit). Every per-chunk product goes through TeamGemm (impl/TeamGemm.hpp).
+//
+// seq_idx: a "run" is a maximal stretch of tokens with equal seq_idx. Stage 1 writes, per token,
+// the number of run starts from the beginning of its chunk up to the token (the first token of a
+// row never starts a run, so initial_states belongs to the row's first sequence). Two tokens of a
+// chunk interact iff their counts agree; the state entering a chunk reaches the tokens whose
+// count is 0; the state leaving a chunk carries the incoming one iff the chunk's last count is 0.
+// This is the token-level rule "the state restarts from zero where seq_idx changes".
+#ifndef KMAMBA_CORE_IMPL_SSDIMPL_HPP
+#define KMAMBA_CORE_IMPL_SSDIMPL_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/TeamGemm.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace kmamba {
+
+template <class MemorySpace>
+struct SsdArgs;
+template <class MemorySpace>
+struct SsdGrads;
+template <class MemorySpace>
+struct SsdStepArgs;
+
+namespace impl {
+
+// Keeps a parameter out of template argument deduction (so that a Tensor4<float> converts to the
+// ConstTensor4<float> a public op takes).
+template <class T>
+struct SsdIdentity {
+  using type = T;
+};
+template <class T>
+using SsdNonDeduced = typename SsdIdentity<T>::type;
+
+struct SsdDims {
+  std::int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 1, dstate = 0;
+};
+
+/// How the chunk stages cut the work: `chunk` tokens per chunk, `tile` rows of the intra-chunk
+/// matrices per scratch block.
+struct SsdPlan {
+  int batch, seqlen, nheads, headdim, ngroups, dstate, heads_per_group;
+  int chunk, nchunks, tile, vector_length;
+};
+
+template <class ExecSpace>
+struct SsdScratch {
+  using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using IntVec = Kokkos::View<int*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using Mat = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+
+  static constexpr int vectors = 9;
+
+  /// Bytes of level-0 scratch every chunk stage fits in: `vectors` float vectors and one int
+  /// vector of the chunk, a (tile × chunk) block and a (tile × max(headdim, dstate)) block.
+  static std::size_t bytes(int chunk, int tile, int headdim, int dstate) {
+    return vectors * Vec::shmem_size(chunk) + IntVec::shmem_size(chunk) + Mat::shmem_size(tile, chunk) +
+           Mat::shmem_size(tile, std::max(headdim, dstate));
+  }
+};
+
+template <class ExecSpace>
+SsdPlan ssd_plan(const char* function, const SsdDims& dims, int chunk_size) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  constexpr int preferred_tile = 64;
+  constexpr int max_vector_length = 32;
+  SsdPlan plan;
+  plan.batch = static_cast<int>(dims.batch);
+  plan.seqlen = static_cast<int>(dims.seqlen);
+  plan.nheads = static_cast<int>(dims.nheads);
+  plan.headdim = static_cast<int>(dims.headdim);
+  plan.ngroups = static_cast<int>(dims.ngroups);
+  plan.dstate = static_cast<int>(dims.dstate);
+  plan.heads_per_group = plan.nheads / plan.ngroups;
+  plan.chunk = chunk_size;
+  plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
+  const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
+  plan.tile = std::min(preferred_tile, plan.chunk);
+  while (plan.tile > 1 && SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate) > limit) {
+    plan.tile = (plan.tile + 1) / 2;
+  }
+  const std::size_t need = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
+  KMAMBA_REQUIRE(need <= limit, function << ": chunk_size " << plan.chunk << " with headdim " << plan.headdim
+                                         << " and dstate " << plan.dstate << " needs " << need
+                                         << " bytes of team scratch memory but " << limit
+                                         << " are available; pass a smaller chunk_size");
+  int vector_length = 1;
+  const int widest = std::max(plan.chunk, std::max(plan.headdim, plan.dstate));
+  while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
+  plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+  return plan;
+}
+
+template <class ExecSpace, class Functor>
+void ssd_launch(const ExecSpace& exec, const char* label, const SsdPlan& plan, int league, const Functor& functor,
+                std::size_t scratch) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  constexpr int preferred_team_size = 8;
+  if (league == 0) return;
+  Policy probe(exec, league, 1, plan.vector_length);
+  probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  const int team_size =
+      std::max(1, std::min(preferred_team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+  Policy policy(exec, league, team_size, plan.vector_length);
+  policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  Kokkos::parallel_for(label, policy, functor);
+}
+
+/// The inputs of the scan as the kernels read them.
+template <class MemorySpace>
+struct SsdOperands {
+  ConstTensor4<float, MemorySpace> x;               // (batch, seqlen, nheads, headdim)
+  ConstTensor3<float, MemorySpace> dt;              // (batch, seqlen, nheads)
+  ConstTensor1<float, MemorySpace> A;               // (nheads)
+  ConstTensor4<float, MemorySpace> B, C;            // (batch, seqlen, ngroups, dstate)
+  ConstTensor1<float, MemorySpace> D;               // (nheads)
+  ConstTensor4<float, MemorySpace> z;               // (batch, seqlen, nheads, headdim)
+  ConstTensor1<float, MemorySpace> dt_bias;         // (nheads)
+  ConstTensor4<float, MemorySpace> initial_states;  // (batch, nheads, headdim, dstate)
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
+  bool has_D, has_z, has_dt_bias, has_initial_states, has_seq_idx, dt_softplus;
+  float dt_min, dt_max;
+
+  explicit SsdOperands(const SsdArgs<MemorySpace>& args)
+      : x(args.x), dt(args.dt), A(args.A), B(args.B), C(args.C), D(args.D), z(args.z), dt_bias(args.dt_bias),
+        initial_states(args.initial_states), seq_idx(args.seq_idx), has_D(args.D.is_allocated()),
+        has_z(args.z.is_allocated()), has_dt_bias(args.dt_bias.is_allocated()),
+        has_initial_states(args.initial_states.is_allocated()), has_seq_idx(args.seq_idx.is_allocated()),
+        dt_softplus(args.dt_softplus), dt_min(args.dt_min), dt_max(args.dt_max) {}
+
+  /// dt + dt_bias, before the softplus.
+  KOKKOS_INLINE_FUNCTION float dt_pre(int b, int t, int h) const {
+    return dt(b, t, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
+  }
+  /// softplus (when asked for), before the clamp.
+  KOKKOS_INLINE_FUNCTION float dt_unclamped(float pre) const { return dt_softplus ? softplus(pre) : pre; }
+  /// δ = clamp(softplus(dt + dt_bias), dt_min, dt_max).
+  KOKKOS_INLINE_FUNCTION float dt_value(float pre) const {
+    const float v = dt_unclamped(pre);
+    return v < dt_min ? dt_min : (v > dt_max ? dt_max : v);
+  }
+  KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
+};
+
+/// Buffers the forward stages hand to each other (recomputed by the backward).
+template <class MemorySpace>
+struct SsdWorkspace {
+  Tensor4<float, MemorySpace> dt_out;  // (batch, nheads, nchunks, chunk): δ, 0 past the sequence end
+  Tensor4<float, MemorySpace> dA_cs;   // (batch, nheads, nchunks, chunk): inclusive cumsum of δ·a
+  Tensor3<int, MemorySpace> run;       // (batch, nchunks, chunk): run starts since the chunk start
+  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering
+  Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s
+
+  explicit SsdWorkspace(const SsdPlan& plan)
+      : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
+                                                                    plan.nchunks, plan.chunk)),
+        dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch,
+                                                                   plan.nheads, plan.nchunks, plan.chunk)),
+        run(allocate_uninitialized<Tensor3<int, MemorySpace>>("kmamba::ssd::run", plan.batch, plan.nchunks,
+                                                               plan.chunk)),
+        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::states", plan.batch, plan.nchunks,
+                                                                    plan.nheads, plan.headdim, plan.dstate)),
+        CB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
+                                                                plan.ngroups, plan.chunk, plan.chunk)) {}
+};
+
+/// Where a (batch, chunk, head) team works.
+struct SsdChunkBlock {
+  int b, c, h, g, t0, len;
+};
+
+KOKKOS_INLINE_FUNCTION SsdChunkBlock ssd_chunk_block(const SsdPlan& plan, int league_rank) {
+  SsdChunkBlock blk;
+  blk.h = league_rank % plan.nheads;
+  blk.c = (league_rank / plan.nheads) % plan.nchunks;
+  blk.b = league_rank / (plan.nheads * plan.nchunks);
+  blk.g = blk.h / plan.heads_per_group;
+  blk.t0 = blk.c * plan.chunk;
+  blk.len = plan.seqlen - blk.t0 < plan.chunk ? plan.seqlen - blk.t0 : plan.chunk;
+  return blk;
+}
+
+/// exp(min(v, 0)): the decay between two tokens of a chunk (the clamp only guards masked pairs).
+KOKKOS_INLINE_FUNCTION float ssd_decay(float v) { return Kokkos::Experimental::exp(v < 0.0f ? v : 0.0f); }
+
+/// Stages the chunk's δ, cumulative δ·a and run ids in scratch.
+template <class Member, class MemorySpace, class Vec, class IntVec>
+KOKKOS_INLINE_FUNCTION void ssd_stage_vectors(const Member& team, const SsdWorkspace<MemorySpace>& ws,
+                                              const SsdChunkBlock& blk, const Vec& sdt, const Vec& sA,
+                                              const IntVec& srun) {
+  Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
+    sdt(l) = ws.dt_out(blk.b, blk.h, blk.c, l);
+    sA(l) = ws.dA_cs(blk.b, blk.h, blk.c, l);
+    srun(l) = ws.run(blk.b, blk.c, l);
+  });
+}
+
+/// Stage 1 (chunk_cumsum): δ and the inclusive cumsum of δ·a per chunk; the run ids. Each is a
+/// vector-level scan of one team thread (thread 0: δ·a; thread 1, in the head-0 teams: run ids).
+template <class ExecSpace, class MemorySpace>
+struct SsdChunkCumsumFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
+    const float a = in.A(blk.h);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.h == 0 ? 2 : 1), [&](const int which) {
+      if (which == 0) {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk), [&](const int l, float& partial, const bool last) {
+          const float d = l < blk.len ? in.dt_value(in.dt_pre(blk.b, blk.t0 + l, blk.h)) : 0.0f;
+          partial += d * a;
+          if (last) {
+            ws.dt_out(blk.b, blk.h, blk.c, l) = d;
+            ws.dA_cs(blk.b, blk.h, blk.c, l) = partial;
+          }
+        });
+      } else {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk), [&](const int l, int& partial, const bool last) {
+          const int t = blk.t0 + l;
+          if (in.has_seq_idx && l < blk.len && t > 0 && in.seq_idx(blk.b, t) != in.seq_idx(blk.b, t - 1)) partial += 1;
+          if (last) ws.run(blk.b, blk.c, l) = partial;
+        });
+      }
+    });
+  }
+};
+
+/// Stage 2 (chunk_state): the chunk's own end state Σ_l x_l ⊗ B_l·δ_l·exp(dA_cs[last] − dA_cs[l])
+/// over the tokens of the chunk's last run.
+template <class ExecSpace, class MemorySpace>
+struct SsdChunkStateFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = SsdScratch<ExecSpace>;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
+    typename S::Vec sdt(team.team_scratch(0), plan.chunk);
+    typename S::Vec sA(team.team_scratch(0), plan.chunk);
+    typename S::Vec sw(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
+    ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
+    team.team_barrier();
+    const int last = blk.len - 1;
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
+      sw(l) = srun(l) == srun(last) ? sdt(l) * ssd_decay(sA(last) - sA(l)) : 0.0f;
+    });
+    team.team_barrier();
+    TeamGemm<ExecSpace>::apply(
+        team, plan.headdim, plan.dstate, blk.len,
+        [&](const int p, const int l) { return in.x(blk.b, blk.t0 + l, blk.h, p) * sw(l); },
+        [&](const int l, const int n) { return in.B(blk.b, blk.t0 + l, blk.g, n); },
+        [&](const int p, const int n, const float v) { ws.states(blk.b, blk.c, blk.h, p, n) = v; });
+  }
+};
+
+/// Stage 3 (state_passing): replaces each chunk's local state by the state entering the chunk
+/// (H_{c+1} = decay_c·H_c + Sloc_c, H_0 = initial_states or 0) and writes the final state.
+template <class ExecSpace, class MemorySpace>
+struct SsdStatePassingFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+  Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate)
+  bool write_final;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
+        float s = in.has_initial_states ? in.initial_states(b, h, p, n) : 0.0f;
+        for (int c = 0; c < plan.nchunks; ++c) {
+          const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
+          const float decay = ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
+          const float local = ws.states(b, c, h, p, n);
+          ws.states(b, c, h, p, n) = s;
+          s = decay * s + local;
+        }
+        if (write_final) final_states(b, h, p, n) = s;
+      });
+    });
+  }
+};
+
+/// Stage 4 (bmm_chunk): CB[l, s] = C_l·B_s within each chunk, per group.
+template <class ExecSpace, class MemorySpace>
+struct SsdBmmChunkFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int g = team.league_rank() % plan.ngroups;
+    const int c = (team.league_rank() / plan.ngroups) % plan.nchunks;
+    const int b = team.league_rank() / (plan.ngroups * plan.nchunks);
+    const int t0 = c * plan.chunk;
+    const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
+    TeamGemm<ExecSpace>::apply(
+        team, len, len, plan.dstate, [&](const int l, const int n) { return in.C(b, t0 + l, g, n); },
+        [&](const int n, const int s) { return in.B(b, t0 + s, g, n); },
+        [&](const int l, const int s, const float v) { ws.CB(b, c, g, l, s) = v; });
+  }
+};
+
+/// Stage 5 (chunk_scan): out_l = exp(dA_cs[l])·H_c C_l + Σ_{s≤l} CB[l,s]·exp(dA_cs[l]−dA_cs[s])·δ_s·x_s
+/// + D·x_l, then ·silu(z_l) when gated. One product per tile of rows with the intra-chunk weights
+/// and the scaled C concatenated along the reduced index.
+template <class ExecSpace, class MemorySpace>
+struct SsdChunkScanFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = SsdScratch<ExecSpace>;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
+  bool gate;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
+    typename S::Vec sdt(team.team_scratch(0), plan.chunk);
+    typename S::Vec sA(team.team_scratch(0), plan.chunk);
+    typename S::Vec seA(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
+    typename S::Mat sW(team.team_scratch(0), plan.tile, plan.chunk);
+    ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
+      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
+    });
+    const float skip = in.skip(blk.h);
+    const int len = blk.len;
+    for (int l0 = 0; l0 < len; l0 += plan.tile) {
+      const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        const int l = l0 + i;
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int s) {
+          sW(i, s) = s <= l && srun(s) == srun(l)
+                         ? ws.CB(blk.b, blk.c, blk.g, l, s) * ssd_decay(sA(l) - sA(s)) * sdt(s)
+                         : 0.0f;
+        });
+      });
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.headdim, len + plan.dstate,
+          [&](const int i, const int k) {
+            return k < len ? sW(i, k) : seA(l0 + i) * in.C(blk.b, blk.t0 + l0 + i, blk.g, k - len);
+          },
+          [&](const int k, const int p) {
+            return k < len ? in.x(blk.b, blk.t0 + k, blk.h, p) : ws.states(blk.b, blk.c, blk.h, p, k - len);
+          },
+          [&](const int i, const int p, const float v) {
+            const int t = blk.t0 + l0 + i;
+            float o = v + skip * in.x(blk.b, t, blk.h, p);
+            if (gate) o *= silu(in.z(blk.b, t, blk.h, p));
+            out(blk.b, t, blk.h, p) = o;
+          });
+    }
+  }
+};
+
+/// Backward B1 (gate): g = dout·silu(z), dz = dout·out_x·silu′(z).
+template <class MemorySpace>
+struct SsdGateBackwardFunctor {
+  ConstTensor4<float, MemorySpace> dout, z, out_x;  // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> g, dz;                // (batch, seqlen, nheads, headdim)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
+    for (int p = 0; p < static_cast<int>(g.extent(3)); ++p) {
+      const float zz = z(b, t, h, p);
+      const float go = dout(b, t, h, p);
+      g(b, t, h, p) = go * silu(zz);
+      dz(b, t, h, p) = go * out_x(b, t, h, p) * silu_derivative(zz);
+    }
+  }
+};
+
+/// Backward B2 (dstates): dH_c = Σ_l exp(dA_cs[l])·g_l ⊗ C_l over the tokens the entering state
+/// reaches.
+template <class ExecSpace, class MemorySpace>
+struct SsdChunkDstatesFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = SsdScratch<ExecSpace>;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+  ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim)
+  Tensor5<float, MemorySpace> dstates;       // (batch, nchunks, nheads, headdim, dstate)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
+    typename S::Vec sdt(team.team_scratch(0), plan.chunk);
+    typename S::Vec sA(team.team_scratch(0), plan.chunk);
+    typename S::Vec seA(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
+    ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
+      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
+    });
+    team.team_barrier();
+    TeamGemm<ExecSpace>::apply(
+        team, plan.headdim, plan.dstate, blk.len,
+        [&](const int p, const int l) { return g(blk.b, blk.t0 + l, blk.h, p) * seA(l); },
+        [&](const int l, const int n) { return in.C(blk.b, blk.t0 + l, blk.g, n); },
+        [&](const int p, const int n, const float v) { dstates(blk.b, blk.c, blk.h, p, n) = v; });
+  }
+};
+
+/// Backward B3 (state passing, reversed): replaces dH_c by dSloc_c, the gradient of the state
+/// leaving chunk c, and writes dinitial_states.
+template <class ExecSpace, class MemorySpace>
+struct SsdStatePassingBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+  ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate)
+  Tensor5<float, MemorySpace> dstates;             // (batch, nchunks, nheads, headdim, dstate)
+  Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate)
+  bool has_dfinal, write_dinitial;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
+        float ds = has_dfinal ? dfinal_states(b, h, p, n) : 0.0f;
+        for (int c = plan.nchunks - 1; c >= 0; --c) {
+          const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
+          const float decay = ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
+          const float dh = dstates(b, c, h, p, n);
+          dstates(b, c, h, p, n) = ds;
+          ds = decay * ds + dh;
+        }
+        if (write_dinitial) dinitial_states(b, h, p, n) = ds;
+      });
+    });
+  }
+};
+
+/// Backward B4–B9 for one (batch, chunk, head): dx, ddt, this head's share of dB and dC, and the
+/// chunk's partial sums of dA, dD and ddt_bias. Gradients w.r.t. the per-token dA = δ·a are
+/// accumulated in the stable form of §2.6 B8 (every pair s < j ≤ l, no differences).
+template <class ExecSpace, class MemorySpace>
+struct SsdChunkBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = SsdScratch<ExecSpace>;
+  SsdOperands<MemorySpace> in;
+  SsdWorkspace<MemorySpace> ws;
+  SsdPlan plan;
+  ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim), gated dout
+  ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc
+  Tensor4<float, MemorySpace> dx;            // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> ddt;           // (batch, seqlen, nheads)
+  Tensor4<float, MemorySpace> dB_head;       // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> dC_head;       // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> partial;       // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
+    typename S::Vec sdt(team.team_scratch(0), plan.chunk);
+    typename S::Vec sA(team.team_scratch(0), plan.chunk);
+    typename S::Vec seA(team.team_scratch(0), plan.chunk);      // exp(dA_cs[l]) where the entering state reaches
+    typename S::Vec seLast(team.team_scratch(0), plan.chunk);   // exp(dA_cs[last] − dA_cs[s]) in the last run
+    typename S::Vec sddt(team.team_scratch(0), plan.chunk);     // ∂/∂δ, direct part
+    typename S::Vec snext(team.team_scratch(0), plan.chunk);    // w_l of B5
+    typename S::Vec sprev(team.team_scratch(0), plan.chunk);    // ddA_prev_raw of B6
+    typename S::Vec sintra(team.team_scratch(0), plan.chunk);   // ddA_intra of B8 (iii)
+    typename S::Vec sddA(team.team_scratch(0), plan.chunk);     // total gradient w.r.t. δ_j·a
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
+    typename S::Mat sW(team.team_scratch(0), plan.tile, plan.chunk);
+    typename S::Mat sacc(team.team_scratch(0), plan.tile, plan.headdim > plan.dstate ? plan.headdim : plan.dstate);
+
+    const int b = blk.b, c = blk.c, h = blk.h, gr = blk.g, t0 = blk.t0, len = blk.len, last = len - 1;
+    ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int l) {
+      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
+      seLast(l) = srun(l) == srun(last) ? ssd_decay(sA(last) - sA(l)) : 0.0f;
+      sintra(l) = 0.0f;
+    });
+    // B3's ddA_chunk: the decay of the entering state depends on dA_cs[last].
+    float ddA_chunk = 0.0f;
+    if (srun(last) == 0) {
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, plan.headdim),
+          [&](const int p, float& acc) {
+            float row = 0.0f;
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(team, plan.dstate),
+                [&](const int n, float& r) { r += ws.states(b, c, h, p, n) * dstates(b, c, h, p, n); }, row);
+            acc += row;
+          },
+          ddA_chunk);
+      ddA_chunk *= Kokkos::Experimental::exp(sA(last));
+    }
+    const float skip = in.skip(h);
+
+    // B4 (and w_l of B5): acc_s = seLast_s·dSloc B_s + Σ_{k≥s} CB[k,s]·exp(dA_cs[k]−dA_cs[s])·g_k.
+    for (int s0 = 0; s0 < len; s0 += plan.tile) {
+      const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        const int s = s0 + i;
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int k) {
+          sW(i, k) = k >= s && srun(k) == srun(s) ? ws.CB(b, c, gr, k, s) * ssd_decay(sA(k) - sA(s)) : 0.0f;
+        });
+      });
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.headdim, plan.dstate,
+          [&](const int i, const int n) { return seLast(s0 + i) * in.B(b, t0 + s0 + i, gr, n); },
+          [&](const int n, const int p) { return dstates(b, c, h, p, n); },
+          [&](const int i, const int p, const float v) { sacc(i, p) = v; });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        const int s = s0 + i;
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, plan.headdim),
+            [&](const int p, float& acc) { acc += sacc(i, p) * in.x(b, t0 + s, h, p); }, dot);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = sdt(s) * dot; });
+      });
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.headdim, len, [&](const int i, const int k) { return sW(i, k); },
+          [&](const int k, const int p) { return g(b, t0 + k, h, p); },
+          [&](const int i, const int p, const float v) { sacc(i, p) += v; });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        const int s = s0 + i;
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, plan.headdim),
+            [&](const int p, float& acc) {
+              acc += sacc(i, p) * in.x(b, t0 + s, h, p);
+              dx(b, t0 + s, h, p) = sdt(s) * sacc(i, p) + skip * g(b, t0 + s, h, p);
+            },
+            dot);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { sddt(s) = dot; });
+      });
+    }
+
+    // B6, B7 (dC) and B8 (i), (iii), tiles of rows l: M[l,s] = <g_l, x_s>·δ_s·exp(dA_cs[l]−dA_cs[s]).
+    for (int l0 = 0; l0 < len; l0 += plan.tile) {
+      const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, rows, len, plan.headdim, [&](const int i, const int p) { return g(b, t0 + l0 + i, h, p); },
+          [&](const int p, const int s) { return in.x(b, t0 + s, h, p); },
+          [&](const int i, const int s, const float v) {
+            const int l = l0 + i;
+            sW(i, s) = s <= l && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
+          });
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.dstate, plan.headdim,
+          [&](const int i, const int p) { return seA(l0 + i) * g(b, t0 + l0 + i, h, p); },
+          [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
+          [&](const int i, const int n, const float v) { sacc(i, n) = v; });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        const int l = l0 + i;
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, plan.dstate),
+            [&](const int n, float& acc) { acc += sacc(i, n) * in.C(b, t0 + l, gr, n); }, dot);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l) = dot; });
+      });
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.dstate, len, [&](const int i, const int s) { return sW(i, s); },
+          [&](const int s, const int n) { return in.B(b, t0 + s, gr, n); },
+          [&](const int i, const int n, const float v) { dC_head(b, t0 + l0 + i, h, n) = sacc(i, n) + v; });
+      team.team_barrier();
+      // Row l of the block becomes Σ_{s<j} M[l,s]·CB[l,s] for j ≤ l (0 for j > l) ...
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
+        Kokkos::single(Kokkos::PerThread(team), [&]() {
+          const int l = l0 + i;
+          float running = 0.0f;
+          for (int j = 0; j < len; ++j) {
+            const float term = j < l ? sW(i, j) * ws.CB(b, c, gr, l, j) : 0.0f;
+            sW(i, j) = j <= l ? running : 0.0f;
+            running += term;
+          }
+        });
+      });
+      team.team_barrier();
+      // ... and column j summed over the rows gives this tile's share of ddA_intra[j].
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, len), [&](const int j) {
+        float col = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, rows), [&](const int i, float& acc) { acc += sW(i, j); }, col);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
+      });
+    }
+
+    // B5 (dB): dB_s = Σ_{l≥s} M[l,s]·C_l + seLast_s·δ_s·dSlocᵀ x_s, tiles of rows s.
+    for (int s0 = 0; s0 < len; s0 += plan.tile) {
+      const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, rows, len, plan.headdim, [&](const int i, const int p) { return in.x(b, t0 + s0 + i, h, p); },
+          [&](const int p, const int l) { return g(b, t0 + l, h, p); },
+          [&](const int i, const int l, const float v) {
+            const int s = s0 + i;
+            sW(i, l) = l >= s && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
+          });
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.dstate, len + plan.headdim,
+          [&](const int i, const int k) {
+            const int s = s0 + i;
+            return k < len ? sW(i, k) : seLast(s) * sdt(s) * in.x(b, t0 + s, h, k - len);
+          },
+          [&](const int k, const int n) {
+            return k < len ? in.C(b, t0 + k, gr, n) : dstates(b, c, h, k - len, n);
+          },
+          [&](const int i, const int n, const float v) { dB_head(b, t0 + s0 + i, h, n) = v; });
+    }
+    team.team_barrier();
+
+    // B8 (i), (ii) and B9: ddA_j = ddA_intra[j] + Σ_{l<j} w_l + Σ_{l≥j} prev_l (+ ddA_chunk), then
+    // ∂/∂δ_j, ∂/∂(dt_j) and the chunk's sums for dA and ddt_bias.
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      float next = 0.0f;
+      for (int j = 0; j < len; ++j) {
+        sddA(j) = sintra(j) + next;
+        next += snext(j);
+      }
+      float prev = ddA_chunk;
+      for (int j = len - 1; j >= 0; --j) {
+        prev += sprev(j);
+        sddA(j) += prev;
+      }
+    });
+    team.team_barrier();
+    const float a = in.A(h);
+    float dA_sum = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, len),
+        [&](const int j, float& acc) {
+          float ddt_j = sddA(j) * a + sddt(j);
+          const float pre = in.dt_pre(b, t0 + j, h);
+          const float unclamped = in.dt_unclamped(pre);
+          if (unclamped < in.dt_min || unclamped > in.dt_max) ddt_j = 0.0f;
+          if (in.dt_softplus) ddt_j *= softplus_derivative(pre);
+          Kokkos::single(Kokkos::PerThread(team), [&]() { ddt(b, t0 + j, h) = ddt_j; });
+          acc += sddA(j) * sdt(j);
+        },
+        dA_sum);
+    team.team_barrier();
+    float dbias_sum = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, len), [&](const int j, float& acc) { acc += ddt(b, t0 + j, h); }, dbias_sum);
+    float dD_sum = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, len),
+        [&](const int l, float& acc) {
+          float row = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::ThreadVectorRange(team, plan.headdim),
+              [&](const int p, float& r) { r += g(b, t0 + l, h, p) * in.x(b, t0 + l, h, p); }, row);
+          acc += row;
+        },
+        dD_sum);
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      partial(b, c, h, 0) = dA_sum;
+      partial(b, c, h, 1) = dD_sum;
+      partial(b, c, h, 2) = dbias_sum;
+    });
+  }
+};
+
+/// dB and dC: the heads of each group summed in a fixed order.
+template <class MemorySpace>
+struct SsdGroupSumFunctor {
+  ConstTensor4<float, MemorySpace> dB_head, dC_head;  // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> dB, dC;                 // (batch, seqlen, ngroups, dstate)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int g) const {
+    const int heads_per_group = static_cast<int>(dB_head.extent(2) / dB.extent(2));
+    for (int n = 0; n < static_cast<int>(dB.extent(3)); ++n) {
+      float sb = 0.0f, sc = 0.0f;
+      for (int k = 0; k < heads_per_group; ++k) {
+        sb += dB_head(b, t, g * heads_per_group + k, n);
+        sc += dC_head(b, t, g * heads_per_group + k, n);
+      }
+      dB(b, t, g, n) = sb;
+      dC(b, t, g, n) = sc;
+    }
+  }
+};
+
+/// dA, dD and ddt_bias: the per-(batch, chunk) partial sums added in a fixed order.
+template <class MemorySpace>
+struct SsdParameterSumFunctor {
+  ConstTensor4<float, MemorySpace> partial;   // (batch, nchunks, nheads, 3)
+  Tensor1<float, MemorySpace> dA, dD, ddt_bias;  // (nheads)
+  bool write_dD, write_ddt_bias;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int h) const {
+    float sums[3] = {0.0f, 0.0f, 0.0f};
+    for (int b = 0; b < static_cast<int>(partial.extent(0)); ++b) {
+      for (int c = 0; c < static_cast<int>(partial.extent(1)); ++c) {
+        for (int k = 0; k < 3; ++k) sums[k] += partial(b, c, h, k);
+      }
+    }
+    dA(h) = sums[0];
+    if (write_dD) dD(h) = sums[1];
+    if (write_ddt_bias) ddt_bias(h) = sums[2];
+  }
+};
+
+/// One decode step (§2.10): a team per (batch, head), threads over headdim, lanes over dstate.
+template <class ExecSpace, class MemorySpace>
+struct SsdStepFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  ConstTensor3<float, MemorySpace> x;        // (batch, nheads, headdim)
+  ConstTensor2<float, MemorySpace> dt;       // (batch, nheads)
+  ConstTensor1<float, MemorySpace> A;        // (nheads)
+  ConstTensor3<float, MemorySpace> B, C;     // (batch, ngroups, dstate)
+  ConstTensor1<float, MemorySpace> D;        // (nheads)
+  ConstTensor3<float, MemorySpace> z;        // (batch, nheads, headdim)
+  ConstTensor1<float, MemorySpace> dt_bias;  // (nheads)
+  Tensor4<float, MemorySpace> state;         // (batch, nheads, headdim, dstate)
+  Tensor3<float, MemorySpace> out;           // (batch, nheads, headdim)
+  bool has_D, has_z, has_dt_bias, dt_softplus;
+  SsdPlan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    const int g = h / plan.heads_per_group;
+    const float pre = dt(b, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
+    const float d = dt_softplus ? softplus(pre) : pre;
+    const float decay = Kokkos::Experimental::exp(d * A(h));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+      const float xv = x(b, h, p);
+      float y = 0.0f;
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(team, plan.dstate),
+          [&](const int n, float& acc) {
+            const float s = decay * state(b, h, p, n) + d * xv * B(b, g, n);
+            state(b, h, p, n) = s;
+            acc += s * C(b, g, n);
+          },
+          y);
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        float o = y + (has_D ? D(h) * xv : 0.0f);
+        if (has_z) o *= silu(z(b, h, p));
+        out(b, h, p) = o;
+      });
+    });
+  }
+};
+
+/// Stages 1–4: δ, cumsums and run ids; entering states (and the final state); C·Bᵀ.
+template <class ExecSpace, class MemorySpace>
+void ssd_prepare(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                 const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
+  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
+  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+  ssd_launch(exec, "kmamba::ssd::chunk_cumsum", plan, chunk_league,
+             SsdChunkCumsumFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
+  ssd_launch(exec, "kmamba::ssd::chunk_state", plan, chunk_league,
+             SsdChunkStateFunctor<ExecSpace, MemorySpace>{in, ws, plan}, scratch);
+  ssd_launch(exec, "kmamba::ssd::state_passing", plan, plan.batch * plan.nheads,
+             SsdStatePassingFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()},
+             0);
+  ssd_launch(exec, "kmamba::ssd::bmm_chunk", plan, plan.batch * plan.nchunks * plan.ngroups,
+             SsdBmmChunkFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
+}
+
+template <class ExecSpace, class MemorySpace>
+void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims& dims,
+                      const SsdArgs<MemorySpace>& args, const Tensor4<float, MemorySpace>& out,
+                      const Tensor4<float, MemorySpace>& final_states) {
+  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
+  const SsdOperands<MemorySpace> in(args);
+  if (plan.seqlen == 0) {
+    if (final_states.is_allocated()) {
+      if (in.has_initial_states) {
+        Kokkos::deep_copy(exec, final_states, in.initial_states);
+      } else {
+        Kokkos::deep_copy(exec, final_states, 0.0f);
+      }
+    }
+    return;
+  }
+  const SsdWorkspace<MemorySpace> ws(plan);
+  ssd_prepare(exec, plan, in, ws, final_states);
+  ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
+             SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out, in.has_z},
+             SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate));
+}
+
+template <class ExecSpace, class MemorySpace>
+void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDims& dims,
+                       const SsdArgs<MemorySpace>& args, const ConstTensor4<float, MemorySpace>& dout,
+                       const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
+  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
+  const SsdOperands<MemorySpace> in(args);
+  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
+  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+  const SsdWorkspace<MemorySpace> ws(plan);
+  ssd_prepare(exec, plan, in, ws, Tensor4<float, MemorySpace>());
+
+  ConstTensor4<float, MemorySpace> g = dout;
+  if (in.has_z) {
+    const auto out_x = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+        "kmamba::ssd::out_x", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+    ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, chunk_league,
+               SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out_x, false}, scratch);
+    const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+        "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+    Kokkos::parallel_for(
+        "kmamba::ssd::gate_backward",
+        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
+        SsdGateBackwardFunctor<MemorySpace>{dout, in.z, out_x, gated, grads.dz});
+    g = gated;
+  }
+
+  const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+      "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+  ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
+             SsdChunkDstatesFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates}, scratch);
+  ssd_launch(exec, "kmamba::ssd::state_passing_backward", plan, plan.batch * plan.nheads,
+             SsdStatePassingBackwardFunctor<ExecSpace, MemorySpace>{ws, plan, dfinal_states, dstates,
+                                                                    grads.dinitial_states,
+                                                                    dfinal_states.is_allocated(),
+                                                                    grads.dinitial_states.is_allocated()},
+             0);
+
+  const auto dB_head = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+      "kmamba::ssd::dB_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
+  const auto dC_head = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+      "kmamba::ssd::dC_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
+  const auto partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+      "kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch, plan.nchunks, plan.nheads, 3);
+  ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
+             SsdChunkBackwardFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
+                                                             dB_head, dC_head, partial},
+             scratch);
+  if (plan.seqlen > 0) {
+    Kokkos::parallel_for(
+        "kmamba::ssd::group_sum",
+        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.ngroups}),
+        SsdGroupSumFunctor<MemorySpace>{dB_head, dC_head, grads.dB, grads.dC});
+  }
+  Kokkos::parallel_for("kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
+                       SsdParameterSumFunctor<MemorySpace>{partial, grads.dA, grads.dD, grads.ddt_bias,
+                                                           grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
+}
+
+template <class ExecSpace, class MemorySpace>
+void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs<MemorySpace>& args,
+                   const Tensor4<float, MemorySpace>& state, const Tensor3<float, MemorySpace>& out) {
+  const SsdPlan plan = ssd_plan<ExecSpace>("kmamba::ssd_step", dims, 1);
+  const SsdStepFunctor<ExecSpace, MemorySpace> functor{args.x,
+                                                       args.dt,
+                                                       args.A,
+                                                       args.B,
+                                                       args.C,
+                                                       args.D,
+                                                       args.z,
+                                                       args.dt_bias,
+                                                       state,
+                                                       out,
+                                                       args.D.is_allocated(),
+                                                       args.z.is_allocated(),
+                                                       args.dt_bias.is_allocated(),
+                                                       args.dt_softplus,
+                                                       plan};
+  ssd_launch(exec, "kmamba::ssd::step", plan, plan.batch * plan.nheads, functor, 0);
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif

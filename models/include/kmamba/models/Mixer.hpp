@@ -1,0 +1,71 @@
+// The sequence mixer of one residual block (Mamba-1, Mamba-2 or Mamba-3), as the language model
+// and the embedding API see it: it declares its parameters in the model's ParameterSlab under its
+// checkpoint names, initialises them as the reference does, and runs forward and backward on
+// (batch, seqlen, d_model) activations, keeping what backward needs between the two.
+//
+//   auto mixer = kmamba::make_mixer<Exec>(config, "backbone.layers.0.mixer.");
+//   mixer->declare_parameters(slab);            // before slab.finalize()
+//   ...
+//   mixer->forward(exec, slab, u, out, true);   // training: keep activations
+//   mixer->backward(exec, slab, dout, du);      // du written, parameter gradients added
+#ifndef KMAMBA_MODELS_MIXER_HPP
+#define KMAMBA_MODELS_MIXER_HPP
+
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace kmamba {
+
+template <class ExecutionSpace>
+class Mixer {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  virtual ~Mixer() = default;
+
+  /// The prefix of this mixer's parameter names, e.g. "backbone.layers.3.mixer.".
+  virtual const std::string& prefix() const = 0;
+
+  /// Adds this mixer's parameters to `slab` (before finalize), named prefix() + the Hugging Face
+  /// name ("in_proj.weight", "A_log", ...) with the Hugging Face shapes; weight decay only on the
+  /// projection and conv weights (algorithms.md §4; none on biases, norms, A_log, D, dt_bias).
+  virtual void declare_parameters(Slab& slab) const = 0;
+
+  /// The reference initialisation of this mixer's parameters (algorithms.md §1.1 / §2.1 / §3.1 and
+  /// §4.4, including the prenorm-residual rescale of out_proj.weight when the config asks for it).
+  /// Deterministic in `seed`. Non-blocking on `exec`.
+  virtual void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const = 0;
+
+  /// out = mixer(u). When `keep_for_backward`, the activations backward needs are kept until the
+  /// next forward. `out` is overwritten. Non-blocking on `exec`.
+  virtual void forward(const ExecutionSpace& exec, const Slab& slab,
+                       const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                       const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                       bool keep_for_backward) = 0;
+
+  /// Backward of the last forward(keep_for_backward = true): writes du (overwritten) and ADDS the
+  /// parameter gradients into slab.grads() (so micro-batches accumulate). Throws kmamba::UserError
+  /// when no activations were kept or dout's shape differs from that forward's. Non-blocking.
+  virtual void backward(const ExecutionSpace& exec, const Slab& slab,
+                        const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                        const Tensor3<float, memory_space>& du) = 0;    // (batch, seqlen, d_model)
+
+  /// Releases the activations kept for backward.
+  virtual void release_activations() = 0;
+};
+
+/// The mixer of config.mixer (Mamba-1 or Mamba-2) with parameter names prefixed by `prefix`.
+/// Throws kmamba::UserError for a mixer kind this build cannot run.
+template <class ExecutionSpace>
+std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix);
+
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,985 @@
+// Mamba-2 SSD (chunked scan): forward, backward and decode step against a sequential
+// double-precision reference written from algorithms.md §2.4, §2.9, §2.10 (token by token, every
+// state kept; its backward is the adjoint of that recurrence).
+//
+// Tolerances:
+// - kernel (fp32) against the double reference, per tensor: max|kernel − ref| ≤ tol·max|ref| with
+//   tol = 5e-6 for outputs and final states, 2e-5 for gradients (the gradients w.r.t. dt, A,
+//   dt_bias and D are sums over many tokens of fp32 products; the largest errors observed on
+//   Serial/OpenMP are 5e-7 for outputs and 1.2e-6 for gradients).
+// - reference backward against central finite differences of the reference forward (double,
+//   step 1e-6): |fd − analytic| ≤ 1e-6·(1 + |analytic|).
+// - chunked forward against decode steps, and segment chaining (both fp32, different summation
+//   orders): max|Δ| ≤ 1e-5·max|ref|.
+// - golden data (ssd_small, ssd_small_noinit; float64 autograd stored as float32):
+//   ‖Δ‖₂/‖ref‖₂ ≤ 1e-3 per tensor, as /work/shared/golden/README.md suggests.
+#include <kmamba/core/Core.hpp>
+#include <kmamba/core/Ssd.hpp>
+
+#include "Backends.hpp"
+#include "SafeTensorsReader.hpp"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ----------------------------------------------------------------------------------------------
+// Problem description and the double reference.
+
+struct Config {
+  int batch = 2, seqlen = 10, nheads = 4, headdim = 3, ngroups = 2, dstate = 5;
+  int chunk = 8;
+  bool D = false, z = false, bias = false, softplus = true, initial_states = false, dfinal = false;
+  // Row 0 starts a new sequence at each of these tokens; row 1 (ids from 5) at seqlen / 2.
+  bool seq_idx = false;
+  std::vector<int> boundaries;
+  float dt_min = 0.0f, dt_max = std::numeric_limits<float>::infinity();
+  std::uint64_t seed = 1;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "batch=" << batch << " seqlen=" << seqlen << " nheads=" << nheads << " headdim=" << headdim
+      << " ngroups=" << ngroups << " dstate=" << dstate << " chunk=" << chunk << " D=" << D << " z=" << z
+      << " bias=" << bias << " softplus=" << softplus << " initial_states=" << initial_states
+      << " dfinal=" << dfinal << " seq_idx=" << seq_idx << " boundaries={";
+    for (int t : boundaries) s << t << ",";
+    s << "} dt_limit=(" << dt_min << ", " << dt_max << ")";
+    return s.str();
+  }
+};
+
+double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+double silu(double v) { return v * sigmoid(v); }
+double silu_derivative(double v) {
+  const double s = sigmoid(v);
+  return s * (1.0 + v * (1.0 - s));
+}
+
+// Row-major host copies of every input, in double (absent optional inputs are empty).
+struct RefProblem {
+  Config cfg;
+  std::vector<double> x, dt, A, B, C, D, z, bias, h0, dout, dfinal;
+  std::vector<std::int64_t> seq;
+
+  std::size_t xi(int b, int t, int h, int p) const {
+    return ((static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.nheads + h) * cfg.headdim + p;
+  }
+  std::size_t ti(int b, int t, int h) const { return (static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.nheads + h; }
+  std::size_t bi(int b, int t, int g, int n) const {
+    return ((static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.ngroups + g) * cfg.dstate + n;
+  }
+  std::size_t si(int b, int h, int p, int n) const {
+    return ((static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.headdim + p) * cfg.dstate + n;
+  }
+  bool restart(int b, int t) const {
+    return !seq.empty() && t > 0 && seq[static_cast<std::size_t>(b) * cfg.seqlen + t] !=
+                                         seq[static_cast<std::size_t>(b) * cfg.seqlen + t - 1];
+  }
+  double pre(int b, int t, int h) const { return dt[ti(b, t, h)] + (bias.empty() ? 0.0 : bias[h]); }
+  double unclamped(double p) const { return cfg.softplus ? softplus20(p) : p; }
+  double delta(double p) const {
+    return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max));
+  }
+};
+
+struct RefForward {
+  std::vector<double> out, final_states;
+};
+
+RefForward ref_forward(const RefProblem& P) {
+  const Config& c = P.cfg;
+  RefForward r;
+  r.out.assign(static_cast<std::size_t>(c.batch) * c.seqlen * c.nheads * c.headdim, 0.0);
+  r.final_states.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
+  std::vector<double> h(static_cast<std::size_t>(c.headdim) * c.dstate);
+  for (int b = 0; b < c.batch; ++b)
+    for (int hd = 0; hd < c.nheads; ++hd) {
+      const int g = hd / (c.nheads / c.ngroups);
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : P.h0[P.si(b, hd, p, n)];
+      for (int t = 0; t < c.seqlen; ++t) {
+        if (P.restart(b, t)) std::fill(h.begin(), h.end(), 0.0);
+        const double d = P.delta(P.pre(b, t, hd));
+        const double decay = std::exp(d * P.A[hd]);
+        for (int p = 0; p < c.headdim; ++p) {
+          const double xv = P.x[P.xi(b, t, hd, p)];
+          double y = 0.0;
+          for (int n = 0; n < c.dstate; ++n) {
+            double& s = h[p * c.dstate + n];
+            s = decay * s + d * xv * P.B[P.bi(b, t, g, n)];
+            y += s * P.C[P.bi(b, t, g, n)];
+          }
+          y += (P.D.empty() ? 0.0 : P.D[hd]) * xv;
+          if (!P.z.empty()) y *= silu(P.z[P.xi(b, t, hd, p)]);
+          r.out[P.xi(b, t, hd, p)] = y;
+        }
+      }
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) r.final_states[P.si(b, hd, p, n)] = h[p * c.dstate + n];
+    }
+  return r;
+}
+
+double ref_loss(const RefProblem& P) {
+  const RefForward f = ref_forward(P);
+  double loss = 0.0;
+  for (std::size_t i = 0; i < f.out.size(); ++i) loss += f.out[i] * P.dout[i];
+  if (!P.dfinal.empty()) {
+    for (std::size_t i = 0; i < f.final_states.size(); ++i) loss += f.final_states[i] * P.dfinal[i];
+  }
+  return loss;
+}
+
+struct RefGrads {
+  std::vector<double> dx, ddt, dA, dB, dC, dD, dz, dbias, dh0;
+};
+
+// The adjoint of the recurrence, token by token backwards (every state kept).
+RefGrads ref_backward(const RefProblem& P) {
+  const Config& c = P.cfg;
+  RefGrads gr;
+  gr.dx.assign(P.x.size(), 0.0);
+  gr.ddt.assign(P.dt.size(), 0.0);
+  gr.dA.assign(c.nheads, 0.0);
+  gr.dB.assign(P.B.size(), 0.0);
+  gr.dC.assign(P.C.size(), 0.0);
+  gr.dD.assign(c.nheads, 0.0);
+  gr.dz.assign(P.x.size(), 0.0);
+  gr.dbias.assign(c.nheads, 0.0);
+  gr.dh0.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
+  const std::size_t PN = static_cast<std::size_t>(c.headdim) * c.dstate;
+  std::vector<double> states(PN * (c.seqlen + 1)), lam(PN), g(c.headdim);
+  for (int b = 0; b < c.batch; ++b)
+    for (int hd = 0; hd < c.nheads; ++hd) {
+      const int grp = hd / (c.nheads / c.ngroups);
+      const double a = P.A[hd];
+      const double Dh = P.D.empty() ? 0.0 : P.D[hd];
+      // states[(t + 1)·PN ...] = state after token t; states[0 ...] = initial state.
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) states[p * c.dstate + n] = P.h0.empty() ? 0.0 : P.h0[P.si(b, hd, p, n)];
+      for (int t = 0; t < c.seqlen; ++t) {
+        const double d = P.delta(P.pre(b, t, hd));
+        const double decay = std::exp(d * a);
+        const bool r = P.restart(b, t);
+        for (int p = 0; p < c.headdim; ++p)
+          for (int n = 0; n < c.dstate; ++n) {
+            const double prev = r ? 0.0 : states[t * PN + p * c.dstate + n];
+            states[(t + 1) * PN + p * c.dstate + n] = decay * prev + d * P.x[P.xi(b, t, hd, p)] * P.B[P.bi(b, t, grp, n)];
+          }
+      }
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) lam[p * c.dstate + n] = P.dfinal.empty() ? 0.0 : P.dfinal[P.si(b, hd, p, n)];
+      for (int t = c.seqlen - 1; t >= 0; --t) {
+        const double pre = P.pre(b, t, hd);
+        const double d = P.delta(pre);
+        const double decay = std::exp(d * a);
+        const bool r = P.restart(b, t);
+        const double* cur = &states[(t + 1) * PN];
+        const double* prev = &states[t * PN];
+        for (int p = 0; p < c.headdim; ++p) {
+          const double xv = P.x[P.xi(b, t, hd, p)];
+          double y = Dh * xv;
+          for (int n = 0; n < c.dstate; ++n) y += cur[p * c.dstate + n] * P.C[P.bi(b, t, grp, n)];
+          const double go = P.dout[P.xi(b, t, hd, p)];
+          if (!P.z.empty()) {
+            const double zz = P.z[P.xi(b, t, hd, p)];
+            g[p] = go * silu(zz);
+            gr.dz[P.xi(b, t, hd, p)] = go * y * silu_derivative(zz);
+          } else {
+            g[p] = go;
+          }
+          gr.dD[hd] += g[p] * xv;
+          gr.dx[P.xi(b, t, hd, p)] = Dh * g[p];
+        }
+        double ddelta = 0.0;
+        for (int p = 0; p < c.headdim; ++p) {
+          const double xv = P.x[P.xi(b, t, hd, p)];
+          for (int n = 0; n < c.dstate; ++n) {
+            double& l = lam[p * c.dstate + n];
+            l += g[p] * P.C[P.bi(b, t, grp, n)];
+            gr.dC[P.bi(b, t, grp, n)] += g[p] * cur[p * c.dstate + n];
+            const double hp = r ? 0.0 : prev[p * c.dstate + n];
+            ddelta += l * (a * decay * hp + xv * P.B[P.bi(b, t, grp, n)]);
+            gr.dA[hd] += l * d * decay * hp;
+            gr.dx[P.xi(b, t, hd, p)] += d * l * P.B[P.bi(b, t, grp, n)];
+            gr.dB[P.bi(b, t, grp, n)] += d * l * xv;
+            l = r ? 0.0 : decay * l;
+          }
+        }
+        if (t == 0) {
+          for (int p = 0; p < c.headdim; ++p)
+            for (int n = 0; n < c.dstate; ++n) gr.dh0[P.si(b, hd, p, n)] = lam[p * c.dstate + n];
+        }
+        const double sp = P.unclamped(pre);
+        if (sp < c.dt_min || sp > c.dt_max) ddelta = 0.0;
+        const double dpre = c.softplus ? ddelta * (pre > 20.0 ? 1.0 : sigmoid(pre)) : ddelta;
+        gr.ddt[P.ti(b, t, hd)] = dpre;
+        gr.dbias[hd] += dpre;
+      }
+    }
+  return gr;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Device side.
+
+template <class View>
+std::vector<double> host_doubles(const View& v) {
+  auto h = kmamba::test::to_host(v);
+  std::vector<double> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
+  return out;
+}
+
+template <class View>
+void poison(const View& v) {
+  Kokkos::deep_copy(v, std::numeric_limits<float>::quiet_NaN());
+}
+
+template <class View>
+void upload(const View& v, const std::vector<double>& values) {
+  auto h = Kokkos::create_mirror_view(v);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<typename View::value_type>(values[i]);
+  Kokkos::deep_copy(v, h);
+}
+
+template <class Mem>
+struct DeviceProblem {
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  Config cfg;
+  T4 x, B, C, z, h0, dout, dfinal;
+  T3 dt;
+  T1 A, D, bias;
+  kmamba::Tensor2<std::int64_t, Mem> seq;
+
+  kmamba::SsdArgs<Mem> args() const {
+    kmamba::SsdArgs<Mem> a;
+    a.x = x;
+    a.dt = dt;
+    a.A = A;
+    a.B = B;
+    a.C = C;
+    a.D = D;
+    a.z = z;
+    a.dt_bias = bias;
+    a.initial_states = h0;
+    a.seq_idx = seq;
+    a.dt_softplus = cfg.softplus;
+    a.dt_min = cfg.dt_min;
+    a.dt_max = cfg.dt_max;
+    a.chunk_size = cfg.chunk;
+    return a;
+  }
+};
+
+template <class Exec>
+DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefProblem& ref) {
+  using Mem = typename Exec::memory_space;
+  using DP = DeviceProblem<Mem>;
+  using kmamba::allocate_uninitialized;
+  const Exec exec;
+  DP p;
+  p.cfg = cfg;
+  const std::uint64_t s = cfg.seed * 1000;
+  p.x = allocate_uninitialized<typename DP::T4>("kmamba::test::x", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  p.dt = allocate_uninitialized<typename DP::T3>("kmamba::test::dt", cfg.batch, cfg.seqlen, cfg.nheads);
+  p.A = allocate_uninitialized<typename DP::T1>("kmamba::test::A", cfg.nheads);
+  p.B = allocate_uninitialized<typename DP::T4>("kmamba::test::B", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
+  p.C = allocate_uninitialized<typename DP::T4>("kmamba::test::C", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
+  p.dout = allocate_uninitialized<typename DP::T4>("kmamba::test::dout", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  kmamba::fill_normal(exec, p.x, s + 1, 0.0f, 1.0f);
+  if (cfg.softplus) {
+    kmamba::fill_uniform(exec, p.dt, s + 2, -2.0f, 0.5f);
+  } else {
+    kmamba::fill_uniform(exec, p.dt, s + 2, 0.05f, 0.8f);
+  }
+  kmamba::fill_uniform(exec, p.A, s + 3, -1.5f, -0.2f);
+  kmamba::fill_normal(exec, p.B, s + 4, 0.0f, 0.6f);
+  kmamba::fill_normal(exec, p.C, s + 5, 0.0f, 0.6f);
+  kmamba::fill_normal(exec, p.dout, s + 6, 0.0f, 1.0f);
+  if (cfg.D) {
+    p.D = allocate_uninitialized<typename DP::T1>("kmamba::test::D", cfg.nheads);
+    kmamba::fill_uniform(exec, p.D, s + 7, 0.5f, 1.5f);
+  }
+  if (cfg.z) {
+    p.z = allocate_uninitialized<typename DP::T4>("kmamba::test::z", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+    kmamba::fill_normal(exec, p.z, s + 8, 0.0f, 1.0f);
+  }
+  if (cfg.bias) {
+    p.bias = allocate_uninitialized<typename DP::T1>("kmamba::test::dt_bias", cfg.nheads);
+    kmamba::fill_uniform(exec, p.bias, s + 9, -0.5f, 0.5f);
+  }
+  if (cfg.initial_states) {
+    p.h0 = allocate_uninitialized<typename DP::T4>("kmamba::test::h0", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+    kmamba::fill_normal(exec, p.h0, s + 10, 0.0f, 0.7f);
+  }
+  if (cfg.dfinal) {
+    p.dfinal = allocate_uninitialized<typename DP::T4>("kmamba::test::dfinal", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+    kmamba::fill_normal(exec, p.dfinal, s + 11, 0.0f, 1.0f);
+  }
+  ref = RefProblem();
+  ref.cfg = cfg;
+  if (cfg.seq_idx) {
+    p.seq = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
+    auto h = Kokkos::create_mirror_view(p.seq);
+    for (int b = 0; b < cfg.batch; ++b) {
+      std::int64_t id = b == 0 ? 0 : 5;
+      for (int t = 0; t < cfg.seqlen; ++t) {
+        const bool start = b == 0 ? std::find(cfg.boundaries.begin(), cfg.boundaries.end(), t) != cfg.boundaries.end()
+                                  : (t == cfg.seqlen / 2 && t > 0);
+        if (start) ++id;
+        h(b, t) = id;
+        ref.seq.push_back(id);
+      }
+    }
+    Kokkos::deep_copy(p.seq, h);
+  }
+  exec.fence();
+  ref.x = host_doubles(p.x);
+  ref.dt = host_doubles(p.dt);
+  ref.A = host_doubles(p.A);
+  ref.B = host_doubles(p.B);
+  ref.C = host_doubles(p.C);
+  ref.dout = host_doubles(p.dout);
+  if (cfg.D) ref.D = host_doubles(p.D);
+  if (cfg.z) ref.z = host_doubles(p.z);
+  if (cfg.bias) ref.bias = host_doubles(p.bias);
+  if (cfg.initial_states) ref.h0 = host_doubles(p.h0);
+  if (cfg.dfinal) ref.dfinal = host_doubles(p.dfinal);
+  return p;
+}
+
+template <class Mem>
+kmamba::SsdGrads<Mem> allocate_grads(const Config& c, bool with_z, bool with_optional) {
+  using kmamba::allocate_uninitialized;
+  kmamba::SsdGrads<Mem> g;
+  g.dx = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dx", c.batch, c.seqlen, c.nheads, c.headdim);
+  g.ddt = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::ddt", c.batch, c.seqlen, c.nheads);
+  g.dA = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dA", c.nheads);
+  g.dB = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.seqlen, c.ngroups, c.dstate);
+  g.dC = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.seqlen, c.ngroups, c.dstate);
+  poison(g.dx);
+  poison(g.ddt);
+  poison(g.dA);
+  poison(g.dB);
+  poison(g.dC);
+  if (with_z) {
+    g.dz = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dz", c.batch, c.seqlen, c.nheads, c.headdim);
+    poison(g.dz);
+  }
+  if (with_optional) {
+    g.dD = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dD", c.nheads);
+    g.ddt_bias = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::ddt_bias", c.nheads);
+    g.dinitial_states =
+        allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dh0", c.batch, c.nheads, c.headdim, c.dstate);
+    poison(g.dD);
+    poison(g.ddt_bias);
+    poison(g.dinitial_states);
+  }
+  return g;
+}
+
+// max|kernel − ref| ≤ tol·max|ref| (every kernel value finite).
+void expect_near_rel(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
+                     double tol, const std::string& context) {
+  ASSERT_EQ(kernel.size(), ref.size()) << what << " " << context;
+  double scale = 0.0, err = 0.0;
+  std::size_t worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(kernel[i])) << what << "[" << i << "] = " << kernel[i] << " " << context;
+    scale = std::max(scale, std::fabs(ref[i]));
+    if (std::fabs(kernel[i] - ref[i]) > err) {
+      err = std::fabs(kernel[i] - ref[i]);
+      worst = i;
+    }
+  }
+  EXPECT_LE(err, tol * std::max(scale, 1e-30))
+      << what << ": max|Δ| = " << err << " at " << worst << " (kernel " << kernel[worst] << ", ref " << ref[worst]
+      << "), max|ref| = " << scale << " " << context;
+}
+
+constexpr double forward_tol = 5e-6;
+constexpr double gradient_tol = 2e-5;
+
+template <class Exec>
+void check_against_reference(const Config& cfg) {
+  using Mem = typename Exec::memory_space;
+  const std::string ctx = cfg.describe();
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  const Exec exec;
+  auto out = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::out", cfg.batch, cfg.seqlen,
+                                                                         cfg.nheads, cfg.headdim);
+  auto fin = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::final", cfg.batch, cfg.nheads,
+                                                                         cfg.headdim, cfg.dstate);
+  poison(out);
+  poison(fin);
+  kmamba::ssd_forward(exec, p.args(), out, fin);
+  const kmamba::SsdGrads<Mem> g = allocate_grads<Mem>(cfg, cfg.z, true);
+  kmamba::ssd_backward(exec, p.args(), p.dout, p.dfinal, g);
+  exec.fence();
+
+  const RefForward rf = ref_forward(ref);
+  expect_near_rel("out", host_doubles(out), rf.out, forward_tol, ctx);
+  expect_near_rel("final_states", host_doubles(fin), rf.final_states, forward_tol, ctx);
+  const RefGrads rg = ref_backward(ref);
+  expect_near_rel("dx", host_doubles(g.dx), rg.dx, gradient_tol, ctx);
+  expect_near_rel("ddt", host_doubles(g.ddt), rg.ddt, gradient_tol, ctx);
+  expect_near_rel("dA", host_doubles(g.dA), rg.dA, gradient_tol, ctx);
+  expect_near_rel("dB", host_doubles(g.dB), rg.dB, gradient_tol, ctx);
+  expect_near_rel("dC", host_doubles(g.dC), rg.dC, gradient_tol, ctx);
+  expect_near_rel("dD", host_doubles(g.dD), rg.dD, gradient_tol, ctx);
+  expect_near_rel("ddt_bias", host_doubles(g.ddt_bias), rg.dbias, gradient_tol, ctx);
+  expect_near_rel("dinitial_states", host_doubles(g.dinitial_states), rg.dh0, gradient_tol, ctx);
+  if (cfg.z) expect_near_rel("dz", host_doubles(g.dz), rg.dz, gradient_tol, ctx);
+}
+
+std::vector<Config> sweep() {
+  std::vector<Config> list;
+  Config c;
+  c.seqlen = 1;
+  c.ngroups = 1;
+  list.push_back(c);  // one token, no options
+  c = Config();
+  c.seqlen = 7;  // chunk − 1
+  c.D = c.z = true;
+  c.seed = 2;
+  list.push_back(c);
+  c = Config();
+  c.seqlen = 8;  // exactly one chunk
+  c.ngroups = 1;
+  c.bias = c.initial_states = c.dfinal = true;
+  c.seed = 3;
+  list.push_back(c);
+  c = Config();
+  c.seqlen = 29;  // three chunks + 5
+  c.D = c.z = c.bias = c.initial_states = c.dfinal = true;
+  c.seed = 4;
+  list.push_back(c);
+  c.ngroups = 1;
+  c.D = c.z = false;
+  c.seed = 5;
+  list.push_back(c);
+  c = Config();
+  c.seqlen = 29;
+  c.D = c.z = c.bias = c.initial_states = c.dfinal = true;
+  c.seq_idx = true;
+  c.boundaries = {8};  // exactly on a chunk boundary
+  c.seed = 6;
+  list.push_back(c);
+  c.boundaries = {3, 5, 19, 24};  // two in the first chunk, a chunk with a restart mid-way
+  c.ngroups = 1;
+  c.seed = 7;
+  list.push_back(c);
+  c.boundaries = {1, 16, 17, 28};  // first and last token of chunks
+  c.ngroups = 2;
+  c.initial_states = false;
+  c.seed = 8;
+  list.push_back(c);
+  c = Config();
+  c.seqlen = 21;  // no softplus, δ clamped on both sides
+  c.softplus = false;
+  c.D = c.bias = c.initial_states = c.dfinal = true;
+  c.dt_min = 0.2f;
+  c.dt_max = 0.6f;
+  c.seed = 9;
+  list.push_back(c);
+  c.softplus = true;
+  c.z = true;
+  c.dt_min = 0.3f;
+  c.dt_max = 0.7f;
+  c.seed = 10;
+  list.push_back(c);
+  c = Config();
+  c.batch = 1;  // chunks longer than a scratch tile of rows (64)
+  c.seqlen = 170;
+  c.chunk = 80;
+  c.nheads = 2;
+  c.headdim = 8;
+  c.ngroups = 1;
+  c.dstate = 16;
+  c.D = c.z = c.bias = c.initial_states = c.dfinal = true;
+  c.seq_idx = true;
+  c.boundaries = {100};
+  c.seed = 11;
+  list.push_back(c);
+  c.seqlen = 300;  // the Mamba-2 chunk size: one full chunk of 256 and a partial one
+  c.chunk = 256;
+  c.ngroups = 2;
+  c.boundaries = {256, 270};
+  c.seed = 12;
+  list.push_back(c);
+  return list;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The reference against itself: its backward against finite differences of its forward.
+
+TEST(SsdReference, BackwardMatchesFiniteDifferences) {
+  std::vector<Config> configs;
+  Config c;
+  c.batch = 2;
+  c.seqlen = 11;
+  c.nheads = 2;
+  c.headdim = 2;
+  c.ngroups = 2;
+  c.dstate = 3;
+  c.D = c.z = c.bias = c.initial_states = c.dfinal = true;
+  c.seq_idx = true;
+  c.boundaries = {4};
+  configs.push_back(c);
+  c.ngroups = 1;
+  c.softplus = false;
+  c.seq_idx = false;
+  c.z = false;
+  c.dt_min = 0.2f;
+  c.dt_max = 0.6f;
+  c.seed = 2;
+  configs.push_back(c);
+  for (const Config& cfg : configs) {
+    RefProblem P;
+    make_problem<Kokkos::DefaultHostExecutionSpace>(cfg, P);
+    const RefGrads g = ref_backward(P);
+    const double eps = 1e-6;
+    int clamped = 0;
+    for (int b = 0; b < cfg.batch; ++b)
+      for (int t = 0; t < cfg.seqlen; ++t)
+        for (int h = 0; h < cfg.nheads; ++h) {
+          const double u = P.unclamped(P.pre(b, t, h));
+          clamped += (u < cfg.dt_min || u > cfg.dt_max);
+          // Finite differences need δ away from the clamp's kinks.
+          ASSERT_GT(std::min(std::fabs(u - cfg.dt_min), std::fabs(u - cfg.dt_max)), 1e-4) << cfg.describe();
+        }
+    if (std::isfinite(cfg.dt_max)) {
+      EXPECT_GT(clamped, 0) << "the clamp should be exercised: " << cfg.describe();
+    }
+    auto check = [&](const char* name, std::vector<double>& input, const std::vector<double>& analytic) {
+      ASSERT_EQ(input.size(), analytic.size()) << name;
+      for (std::size_t i = 0; i < input.size(); ++i) {
+        const double saved = input[i];
+        input[i] = saved + eps;
+        const double up = ref_loss(P);
+        input[i] = saved - eps;
+        const double down = ref_loss(P);
+        input[i] = saved;
+        const double fd = (up - down) / (2 * eps);
+        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i]))) << name << "[" << i << "] " << cfg.describe();
+      }
+    };
+    check("x", P.x, g.dx);
+    check("dt", P.dt, g.ddt);
+    check("A", P.A, g.dA);
+    check("B", P.B, g.dB);
+    check("C", P.C, g.dC);
+    check("D", P.D, g.dD);
+    check("dt_bias", P.bias, g.dbias);
+    check("initial_states", P.h0, g.dh0);
+    if (cfg.z) check("z", P.z, g.dz);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Kernels.
+
+template <class ExecSpace>
+class Ssd : public ::testing::Test {};
+TYPED_TEST_SUITE(Ssd, kmamba::test::Backends, kmamba::test::BackendNames);
+
+TYPED_TEST(Ssd, ForwardAndBackwardMatchReference) {
+  for (const Config& cfg : sweep()) check_against_reference<TypeParam>(cfg);
+}
+
+TYPED_TEST(Ssd, BackwardIsDeterministicAndOptionalGradientsMayBeOmitted) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  Config cfg;
+  cfg.seqlen = 29;
+  cfg.D = cfg.bias = cfg.initial_states = true;
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  const Exec exec;
+  const kmamba::SsdGrads<Mem> first = allocate_grads<Mem>(cfg, false, true);
+  const kmamba::SsdGrads<Mem> second = allocate_grads<Mem>(cfg, false, false);
+  kmamba::ssd_backward(exec, p.args(), p.dout, kmamba::ConstTensor4<float, Mem>(), first);
+  kmamba::ssd_backward(exec, p.args(), p.dout, kmamba::ConstTensor4<float, Mem>(), second);
+  exec.fence();
+  EXPECT_EQ(host_doubles(first.dx), host_doubles(second.dx));
+  EXPECT_EQ(host_doubles(first.ddt), host_doubles(second.ddt));
+  EXPECT_EQ(host_doubles(first.dA), host_doubles(second.dA));
+  EXPECT_EQ(host_doubles(first.dB), host_doubles(second.dB));
+  EXPECT_EQ(host_doubles(first.dC), host_doubles(second.dC));
+}
+
+// Copies token t of a (batch, seqlen, X, Y) host tensor into a (batch, X, Y) view.
+template <class HostView, class View>
+void copy_token(const HostView& full, int t, const View& step) {
+  auto h = Kokkos::create_mirror_view(step);
+  for (std::size_t b = 0; b < h.extent(0); ++b)
+    for (std::size_t i = 0; i < h.extent(1); ++i)
+      for (std::size_t j = 0; j < h.extent(2); ++j) h(b, i, j) = full(b, t, i, j);
+  Kokkos::deep_copy(step, h);
+}
+
+TYPED_TEST(Ssd, ChunkedForwardEqualsDecodeSteps) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using kmamba::allocate_uninitialized;
+  for (int variant = 0; variant < 2; ++variant) {
+    Config cfg;
+    cfg.seqlen = 13;
+    cfg.chunk = 4;
+    cfg.initial_states = true;
+    cfg.D = cfg.z = cfg.bias = variant == 0;
+    cfg.softplus = variant == 0;
+    cfg.ngroups = variant == 0 ? 2 : 1;
+    cfg.seed = 20 + variant;
+    const std::string ctx = cfg.describe();
+    RefProblem ref;
+    const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+    const Exec exec;
+    auto out = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::out", cfg.batch, cfg.seqlen,
+                                                                   cfg.nheads, cfg.headdim);
+    auto fin = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::final", cfg.batch, cfg.nheads,
+                                                                   cfg.headdim, cfg.dstate);
+    poison(out);
+    poison(fin);
+    kmamba::ssd_forward(exec, p.args(), out, fin);
+
+    auto state = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::state", cfg.batch, cfg.nheads,
+                                                                     cfg.headdim, cfg.dstate);
+    Kokkos::deep_copy(state, p.h0);
+    kmamba::SsdStepArgs<Mem> step;
+    auto x1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::x1", cfg.batch, cfg.nheads, cfg.headdim);
+    auto z1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::z1", cfg.batch, cfg.nheads, cfg.headdim);
+    auto dt1 = allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dt1", cfg.batch, cfg.nheads);
+    auto B1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::B1", cfg.batch, cfg.ngroups, cfg.dstate);
+    auto C1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::C1", cfg.batch, cfg.ngroups, cfg.dstate);
+    auto y1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::y1", cfg.batch, cfg.nheads, cfg.headdim);
+    step.x = x1;
+    step.dt = dt1;
+    step.A = p.A;
+    step.B = B1;
+    step.C = C1;
+    step.D = p.D;
+    step.dt_bias = p.bias;
+    if (cfg.z) step.z = z1;
+    step.dt_softplus = cfg.softplus;
+    const auto hx = kmamba::test::to_host(p.x);
+    const auto hdt = kmamba::test::to_host(p.dt);
+    const auto hB = kmamba::test::to_host(p.B);
+    const auto hC = kmamba::test::to_host(p.C);
+    const auto hout = kmamba::test::to_host(out);
+    std::vector<double> stepped, chunked;
+    const auto hzfull = cfg.z ? kmamba::test::to_host(p.z) : decltype(kmamba::test::to_host(p.x))();
+    for (int t = 0; t < cfg.seqlen; ++t) {
+      copy_token(hx, t, x1);
+      copy_token(hB, t, B1);
+      copy_token(hC, t, C1);
+      if (cfg.z) copy_token(hzfull, t, z1);
+      auto hdt1 = Kokkos::create_mirror_view(dt1);
+      for (int b = 0; b < cfg.batch; ++b)
+        for (int h = 0; h < cfg.nheads; ++h) hdt1(b, h) = hdt(b, t, h);
+      Kokkos::deep_copy(dt1, hdt1);
+      poison(y1);
+      kmamba::ssd_step(exec, step, state, y1);
+      const auto hy = kmamba::test::to_host(y1);
+      for (int b = 0; b < cfg.batch; ++b)
+        for (int h = 0; h < cfg.nheads; ++h)
+          for (int q = 0; q < cfg.headdim; ++q) {
+            stepped.push_back(hy(b, h, q));
+            chunked.push_back(hout(b, t, h, q));
+          }
+    }
+    expect_near_rel("out (steps vs chunked)", stepped, chunked, 1e-5, ctx);
+    expect_near_rel("state (steps vs chunked)", host_doubles(state), host_doubles(fin), 1e-5, ctx);
+  }
+}
+
+// A (batch, [t0, t1), X, Y) slice of a device tensor, as a new tensor.
+template <class View>
+View slice_tokens(const View& full, int t0, int t1) {
+  View part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::test::slice"), full.extent(0),
+            static_cast<std::size_t>(t1 - t0), full.extent(2), full.extent(3));
+  const auto hf = kmamba::test::to_host(full);
+  auto hp = Kokkos::create_mirror_view(part);
+  for (std::size_t b = 0; b < hp.extent(0); ++b)
+    for (int t = t0; t < t1; ++t)
+      for (std::size_t i = 0; i < hp.extent(2); ++i)
+        for (std::size_t j = 0; j < hp.extent(3); ++j) hp(b, t - t0, i, j) = hf(b, t, i, j);
+  Kokkos::deep_copy(part, hp);
+  return part;
+}
+
+TYPED_TEST(Ssd, FinalStateOfOneSegmentContinuesTheNext) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  using kmamba::allocate_uninitialized;
+  Config cfg;
+  cfg.seqlen = 21;
+  cfg.chunk = 8;
+  cfg.D = cfg.z = cfg.bias = cfg.initial_states = true;
+  cfg.seed = 30;
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  const Exec exec;
+  auto out = allocate_uninitialized<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  auto fin = allocate_uninitialized<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  auto out_alone = allocate_uninitialized<T4>("kmamba::test::out_alone", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  poison(out);
+  poison(fin);
+  poison(out_alone);
+  kmamba::ssd_forward(exec, p.args(), out, fin);
+  kmamba::ssd_forward(exec, p.args(), out_alone, T4());  // final_states is optional
+
+  const int split = 11;  // inside the second chunk
+  // dt has rank 3: slice it through a rank-4 view of extent 1 in the last dimension.
+  const auto hdt = kmamba::test::to_host(p.dt);
+  auto segment = [&](int t0, int t1, const kmamba::ConstTensor4<float, Mem>& init, const T4& seg_out, const T4& seg_final) {
+    kmamba::SsdArgs<Mem> a = p.args();
+    a.x = slice_tokens(p.x, t0, t1);
+    a.B = slice_tokens(p.B, t0, t1);
+    a.C = slice_tokens(p.C, t0, t1);
+    a.z = slice_tokens(p.z, t0, t1);
+    T3 dt = allocate_uninitialized<T3>("kmamba::test::dt_part", cfg.batch, t1 - t0, cfg.nheads);
+    auto h = Kokkos::create_mirror_view(dt);
+    for (int b = 0; b < cfg.batch; ++b)
+      for (int t = t0; t < t1; ++t)
+        for (int hd = 0; hd < cfg.nheads; ++hd) h(b, t - t0, hd) = hdt(b, t, hd);
+    Kokkos::deep_copy(dt, h);
+    a.dt = dt;
+    a.initial_states = init;
+    kmamba::ssd_forward(exec, a, seg_out, seg_final);
+  };
+  auto out1 = allocate_uninitialized<T4>("kmamba::test::out1", cfg.batch, split, cfg.nheads, cfg.headdim);
+  auto fin1 = allocate_uninitialized<T4>("kmamba::test::final1", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  auto out2 = allocate_uninitialized<T4>("kmamba::test::out2", cfg.batch, cfg.seqlen - split, cfg.nheads, cfg.headdim);
+  auto fin2 = allocate_uninitialized<T4>("kmamba::test::final2", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  poison(out1);
+  poison(out2);
+  poison(fin1);
+  poison(fin2);
+  segment(0, split, p.h0, out1, fin1);
+  segment(split, cfg.seqlen, fin1, out2, fin2);
+  exec.fence();
+  const std::string ctx = cfg.describe();
+  EXPECT_EQ(host_doubles(out_alone), host_doubles(out));
+  expect_near_rel("out, first segment", host_doubles(out1), host_doubles(slice_tokens(out, 0, split)), 1e-5, ctx);
+  expect_near_rel("out, second segment", host_doubles(out2), host_doubles(slice_tokens(out, split, cfg.seqlen)), 1e-5,
+                  ctx);
+  expect_near_rel("final_states", host_doubles(fin2), host_doubles(fin), 1e-5, ctx);
+}
+
+template <class Fn>
+void expect_user_error(Fn&& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected kmamba::UserError";
+  } catch (const kmamba::UserError& e) {
+    const std::string what = e.what();
+    for (const std::string& f : fragments) EXPECT_NE(what.find(f), std::string::npos) << "'" << f << "' not in: " << what;
+  }
+}
+
+TYPED_TEST(Ssd, RejectsBadShapes) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  using kmamba::allocate;
+  Config cfg;  // batch 2, seqlen 10, nheads 4, headdim 3, ngroups 2, dstate 5
+  cfg.D = cfg.z = cfg.initial_states = true;
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  const Exec exec;
+  auto out = allocate<T4>("kmamba::test::out", 2, 10, 4, 3);
+  auto fin = allocate<T4>("kmamba::test::final", 2, 4, 3, 5);
+
+  kmamba::SsdArgs<Mem> args = p.args();
+  args.C = allocate<T4>("kmamba::test::C", 2, 9, 2, 5);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); },
+                    {"kmamba::ssd_forward", "C", "(2, 9, 2, 5)", "(2, 10, 2, 5)", "(batch, seqlen, ngroups, dstate)"});
+  args = p.args();
+  args.dt = allocate<T3>("kmamba::test::dt", 2, 10, 3);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"dt", "(2, 10, 3)", "(2, 10, 4)"});
+  args = p.args();
+  args.B = allocate<T4>("kmamba::test::B", 2, 10, 3, 5);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"B", "(2, 10, 3, 5)", "ngroups"});
+  args = p.args();
+  args.initial_states = allocate<T4>("kmamba::test::h0", 2, 4, 5, 3);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); },
+                    {"initial_states", "(2, 4, 5, 3)", "(2, 4, 3, 5)"});
+  args = p.args();
+  args.seq_idx = allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", 2, 11);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"seq_idx", "(2, 11)", "(2, 10)"});
+  args = p.args();
+  args.D = allocate<T1>("kmamba::test::D", 3);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"D", "(3,)", "(4,)"});
+  args = p.args();
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, allocate<T4>("kmamba::test::o", 2, 10, 4, 4), fin); },
+                    {"out", "(2, 10, 4, 4)", "(2, 10, 4, 3)"});
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, allocate<T4>("kmamba::test::f", 2, 4, 3, 6)); },
+                    {"final_states", "(2, 4, 3, 6)", "(2, 4, 3, 5)"});
+  args.chunk_size = 0;
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"chunk_size"});
+  args = p.args();
+  args.chunk_size = 1 << 22;
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"chunk_size", "scratch"});
+
+  args = p.args();
+  kmamba::SsdGrads<Mem> g = allocate_grads<Mem>(cfg, true, true);
+  g.dB = allocate<T4>("kmamba::test::dB", 2, 10, 1, 5);
+  expect_user_error([&] { kmamba::ssd_backward(exec, args, p.dout, kmamba::ConstTensor4<float, Mem>(), g); },
+                    {"kmamba::ssd_backward", "dB", "(2, 10, 1, 5)", "(2, 10, 2, 5)"});
+  g = allocate_grads<Mem>(cfg, false, true);
+  expect_user_error([&] { kmamba::ssd_backward(exec, args, p.dout, kmamba::ConstTensor4<float, Mem>(), g); }, {"dz"});
+  g = allocate_grads<Mem>(cfg, true, true);
+  expect_user_error([&] { kmamba::ssd_backward(exec, args, allocate<T4>("kmamba::test::dout", 2, 10, 4, 2),
+                                               kmamba::ConstTensor4<float, Mem>(), g); },
+                    {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
+
+  kmamba::SsdStepArgs<Mem> step;
+  step.x = allocate<T3>("kmamba::test::x1", 2, 4, 3);
+  step.dt = allocate<T2>("kmamba::test::dt1", 2, 4);
+  step.A = p.A;
+  step.B = allocate<T3>("kmamba::test::B1", 2, 2, 5);
+  step.C = allocate<T3>("kmamba::test::C1", 2, 2, 5);
+  auto y = allocate<T3>("kmamba::test::y1", 2, 4, 3);
+  expect_user_error([&] { kmamba::ssd_step(exec, step, allocate<T4>("kmamba::test::s", 2, 4, 5, 3), y); },
+                    {"kmamba::ssd_step", "state", "(2, 4, 5, 3)", "(2, 4, 3, 5)"});
+  step.C = allocate<T3>("kmamba::test::C2", 2, 1, 5);
+  expect_user_error([&] { kmamba::ssd_step(exec, step, allocate<T4>("kmamba::test::s", 2, 4, 3, 5), y); },
+                    {"C", "(2, 1, 5)", "(2, 2, 5)"});
+}
+
+// ----------------------------------------------------------------------------------------------
+// Golden data.
+
+// The int64 tensor `name` of a safetensors file (the test reader returns F32 tensors only).
+std::vector<std::int64_t> golden_int64(const std::string& path, const kmamba::test::SafeTensorsFile& file,
+                                       const std::string& name) {
+  const auto& e = file.entry(name);
+  if (e.dtype != "I64") throw std::runtime_error(name + " is " + e.dtype + ", not I64");
+  std::ifstream in(path, std::ios::binary);
+  unsigned char length_bytes[8];
+  in.read(reinterpret_cast<char*>(length_bytes), 8);
+  std::uint64_t header = 0;
+  for (int i = 7; i >= 0; --i) header = (header << 8) | length_bytes[i];
+  std::vector<std::int64_t> values((e.end - e.begin) / sizeof(std::int64_t));
+  in.seekg(static_cast<std::streamoff>(8 + header + e.begin));
+  in.read(reinterpret_cast<char*>(values.data()), static_cast<std::streamsize>(values.size() * sizeof(std::int64_t)));
+  if (!in) throw std::runtime_error("cannot read " + name + " from " + path);
+  return values;
+}
+
+// ‖kernel − ref‖₂ ≤ tol·‖ref‖₂ for a golden tensor.
+template <class View>
+void expect_golden(const std::string& what, const View& kernel, const std::vector<float>& ref, double tol,
+                   const std::string& context) {
+  const std::vector<double> k = host_doubles(kernel);
+  ASSERT_EQ(k.size(), ref.size()) << what;
+  double err = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(k[i])) << what << "[" << i << "] " << context;
+    err += (k[i] - ref[i]) * (k[i] - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  EXPECT_LE(std::sqrt(err), tol * std::sqrt(norm))
+      << what << ": ‖Δ‖ = " << std::sqrt(err) << ", ‖ref‖ = " << std::sqrt(norm) << " " << context;
+}
+
+template <class Exec>
+void check_golden(const std::string& name) {
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  using kmamba::allocate_uninitialized;
+  const std::string path = std::string(KMAMBA_GOLDEN_DIR) + "/" + name + ".safetensors";
+  const kmamba::test::SafeTensorsFile file(path);
+  const nlohmann::json config = nlohmann::json::parse(file.metadata("config"));
+  ASSERT_EQ(config.at("op").get<std::string>(), "ssd");
+  kmamba::SsdArgs<Mem> args;
+  args.x = file.to_device<T4>("x");
+  args.dt = file.to_device<T3>("dt");
+  args.A = file.to_device<T1>("A");
+  args.B = file.to_device<T4>("B");
+  args.C = file.to_device<T4>("C");
+  args.D = file.to_device<T1>("D");
+  args.z = file.to_device<T4>("z");
+  args.dt_bias = file.to_device<T1>("dt_bias");
+  args.initial_states = file.to_device<T4>("initial_states");
+  args.dt_softplus = config.at("dt_softplus").get<bool>();
+  args.chunk_size = config.at("chunk_size").get<int>();
+  const auto& limit = config.at("dt_limit");
+  args.dt_min = limit.at(0).get<float>();
+  args.dt_max = limit.at(1).is_string() ? std::numeric_limits<float>::infinity() : limit.at(1).get<float>();
+  const std::vector<std::int64_t> seq = golden_int64(path, file, "seq_idx");
+  const int batch = static_cast<int>(args.x.extent(0)), seqlen = static_cast<int>(args.x.extent(1));
+  const int nheads = static_cast<int>(args.x.extent(2)), headdim = static_cast<int>(args.x.extent(3));
+  const int ngroups = static_cast<int>(args.B.extent(2)), dstate = static_cast<int>(args.B.extent(3));
+  auto seq_idx = allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", batch, seqlen);
+  {
+    auto h = Kokkos::create_mirror_view(seq_idx);
+    ASSERT_EQ(seq.size(), h.size());
+    std::memcpy(h.data(), seq.data(), seq.size() * sizeof(std::int64_t));
+    Kokkos::deep_copy(seq_idx, h);
+  }
+  args.seq_idx = seq_idx;
+  const auto dout = file.to_device<T4>("dout");
+  const auto dfinal = file.to_device<T4>("dfinal_states");
+  const std::string ctx = name + " " + file.metadata("config");
+
+  auto out = allocate_uninitialized<T4>("kmamba::test::out", batch, seqlen, nheads, headdim);
+  auto fin = allocate_uninitialized<T4>("kmamba::test::final", batch, nheads, headdim, dstate);
+  poison(out);
+  poison(fin);
+  Config cfg;
+  cfg.batch = batch;
+  cfg.seqlen = seqlen;
+  cfg.nheads = nheads;
+  cfg.headdim = headdim;
+  cfg.ngroups = ngroups;
+  cfg.dstate = dstate;
+  const kmamba::SsdGrads<Mem> g = allocate_grads<Mem>(cfg, true, true);
+  const Exec exec;
+  kmamba::ssd_forward(exec, args, out, fin);
+  kmamba::ssd_backward(exec, args, dout, dfinal, g);
+  exec.fence();
+  const double tol = 1e-3;
+  expect_golden("out", out, file.floats("out"), tol, ctx);
+  expect_golden("final_states", fin, file.floats("final_states"), tol, ctx);
+  expect_golden("grad.x", g.dx, file.floats("grad.x"), tol, ctx);
+  expect_golden("grad.dt", g.ddt, file.floats("grad.dt"), tol, ctx);
+  expect_golden("grad.A", g.dA, file.floats("grad.A"), tol, ctx);
+  expect_golden("grad.B", g.dB, file.floats("grad.B"), tol, ctx);
+  expect_golden("grad.C", g.dC, file.floats("grad.C"), tol, ctx);
+  expect_golden("grad.D", g.dD, file.floats("grad.D"), tol, ctx);
+  expect_golden("grad.z", g.dz, file.floats("grad.z"), tol, ctx);
+  expect_golden("grad.dt_bias", g.ddt_bias, file.floats("grad.dt_bias"), tol, ctx);
+  expect_golden("grad.initial_states", g.dinitial_states, file.floats("grad.initial_states"), tol, ctx);
+}
+
+TYPED_TEST(Ssd, MatchesGoldenSsdSmall) { check_golden<TypeParam>("ssd_small"); }
+
+TYPED_TEST(Ssd, MatchesGoldenSsdSmallNoinit) { check_golden<TypeParam>("ssd_small_noinit"); }
+
+}  // namespace
