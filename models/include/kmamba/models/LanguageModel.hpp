@@ -1,0 +1,99 @@
+// The Mamba language model (algorithms.md §4): token embedding, n_layer pre-norm residual blocks
+// (Add → RMSNorm → Mixer, the residual stream kept in fp32), the final RMSNorm and the LM head
+// (tied to the embedding unless the config unties it), over a vocabulary padded to
+// pad_vocab_size_multiple. Parameters and gradients live in one ParameterSlab under the Hugging
+// Face checkpoint names.
+//
+//   kmamba::LanguageModel<Kokkos::DefaultExecutionSpace> model(config);
+//   model.initialize(1234);
+//   auto targets = kmamba::next_token_targets(ids);             // labels = ids shifted by one
+//   float loss = model.loss_and_backward(exec, ids, targets);   // grads added to model.parameters()
+//   model.save("out/");                                         // config.json + model.safetensors
+#ifndef KMAMBA_MODELS_LANGUAGEMODEL_HPP
+#define KMAMBA_MODELS_LANGUAGEMODEL_HPP
+
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+
+/// Positions whose target equals this are not predicted (no loss, no gradient).
+constexpr std::int64_t ignore_index = -100;
+
+/// The Hugging Face convention: targets(b, t) = ids(b, t + 1), and ignore_index at the last position.
+template <class MemorySpace>
+Tensor2<std::int64_t, MemorySpace> next_token_targets(const ConstTensor2<std::int64_t, MemorySpace>& ids);  // (batch, seqlen)
+
+/// The result of LanguageModel::loss_and_backward.
+struct LossResult {
+  double loss = 0.0;          ///< mean cross-entropy over the predicted positions
+  std::int64_t tokens = 0;    ///< predicted positions (targets != ignore_index)
+  std::int64_t correct = 0;   ///< predicted positions whose arg-max logit is the target
+};
+
+template <class ExecutionSpace>
+class LanguageModel {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  /// Declares (zero-valued) parameters for `config` (validated).
+  explicit LanguageModel(const ModelConfig& config);
+  ~LanguageModel();
+  LanguageModel(LanguageModel&&) noexcept;
+  LanguageModel& operator=(LanguageModel&&) noexcept;
+
+  /// Reads `dir`/config.json and `dir`/model.safetensors (Hugging Face or mamba_ssm names, any float
+  /// dtype stored: F32, F16, BF16, F64). A missing, extra or mis-shaped tensor is a UserError naming it.
+  static LanguageModel load(const std::string& dir);
+  /// Writes `dir`/config.json and `dir`/model.safetensors (F32, Hugging Face names; the tied LM head
+  /// is not written), each atomically; creates `dir` if needed.
+  void save(const std::string& dir) const;
+
+  /// The reference initialisation (algorithms.md §4.4), deterministic in `seed`. Blocking.
+  void initialize(std::uint64_t seed);
+
+  const ModelConfig& config() const;
+  Slab& parameters();
+  const Slab& parameters() const;
+
+  /// logits(b, t, :) over the real vocabulary (vocab_size columns, the padding rows dropped).
+  /// Non-blocking on `exec`.
+  void forward(const ExecutionSpace& exec,
+               const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen), each in [0, vocab_size)
+               const Tensor3<float, memory_space>& logits);           // (batch, seqlen, vocab_size)
+
+  /// Forward, mean next-token cross-entropy against `targets` (ignore_index skips a position), and
+  /// backward: ADDS weight · d(loss)/dθ into parameters().grads() (zero them with zero_grads() at
+  /// the start of an accumulation window). `logits`, when allocated, receives the forward's logits.
+  /// Blocking (returns host values). A token or target outside the vocabulary is a UserError.
+  LossResult loss_and_backward(const ExecutionSpace& exec,
+                               const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
+                               const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen)
+                               double weight = 1.0,
+                               const Tensor3<float, memory_space>& logits = {});          // (batch, seqlen, vocab_size)
+
+  /// Forward and loss only (no gradients, no kept activations). Blocking.
+  LossResult loss(const ExecutionSpace& exec,
+                  const ConstTensor2<std::int64_t, memory_space>& ids,       // (batch, seqlen)
+                  const ConstTensor2<std::int64_t, memory_space>& targets);  // (batch, seqlen)
+
+  /// Sets every gradient to zero. Non-blocking.
+  void zero_grads(const ExecutionSpace& exec);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kmamba
+
+#endif
