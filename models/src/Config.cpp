@@ -149,6 +149,7 @@ void read_mamba_ssm(const Fields& f, ModelConfig& c, const std::string& source) 
   c.d_intermediate = f.integer("d_intermediate", 0);
   c.norm_epsilon = f.number("norm_epsilon", 1e-5);
   c.rescale_prenorm_residual = true;
+  c.initializer_range = 0.02;  // mamba_ssm's _init_weights: embedding ~ N(0, 0.02)
   if (f.has("attn_layer_idx")) {
     KMAMBA_REQUIRE(f.raw("attn_layer_idx").is_array() && f.raw("attn_layer_idx").empty(),
                    f.where("attn_layer_idx") << " lists attention layers; hybrid attention models are not supported");

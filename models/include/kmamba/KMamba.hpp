@@ -11,7 +11,10 @@
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
-#include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Optimizer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
 
