@@ -24,6 +24,16 @@ MpiComm::MpiComm(MPI_Comm parent) {
   KMAMBA_MPI_CHECK(MPI_Comm_size(comm_, &size_));
 }
 
+MpiComm MpiComm::split(int color, int key) const {
+  KMAMBA_REQUIRE(comm_ != MPI_COMM_NULL, "kmamba::MpiComm::split: the communicator is empty (moved from)");
+  KMAMBA_REQUIRE(color >= 0, "kmamba::MpiComm::split: color must be >= 0, got " << color);
+  MpiComm result;
+  KMAMBA_MPI_CHECK(MPI_Comm_split(comm_, color, key, &result.comm_));
+  KMAMBA_MPI_CHECK(MPI_Comm_rank(result.comm_, &result.rank_));
+  KMAMBA_MPI_CHECK(MPI_Comm_size(result.comm_, &result.size_));
+  return result;
+}
+
 MpiComm::~MpiComm() { release(); }
 
 MpiComm::MpiComm(MpiComm&& other) noexcept

@@ -18,6 +18,14 @@ struct AdamWConfig {
   double lr = 1e-3;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;
+
+  /// Throws kmamba::UserError when a hyper-parameter is out of range.
+  void validate() const {
+    KMAMBA_REQUIRE(lr >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && eps > 0 && weight_decay >= 0,
+                   "kmamba::AdamW: invalid hyper-parameters (lr " << lr << ", betas " << beta1 << ", " << beta2
+                                                                  << ", eps " << eps << ", weight_decay "
+                                                                  << weight_decay << ")");
+  }
 };
 
 /// Learning rate at `step` (0-based): lr·(step+1)/warmup during warm-up, then cosine from lr down to
@@ -60,17 +68,38 @@ double global_norm(const ExecutionSpace& exec, const ConstTensor1<float, MemoryS
   return std::sqrt(sum);
 }
 
+/// The AdamW update of one range of parameters with its moments, as the `step`-th (1-based) step:
+/// params ← AdamW(params, grad_scale · grads) with learning rate `lr` and weight decay on elements
+/// [0, decay_end) only. AdamW::step and the ZeRO-1 optimizer (each rank on its shard) use it.
+/// Non-blocking on `exec`.
+template <class ExecutionSpace, class MemorySpace>
+void adamw_update(const ExecutionSpace& exec, const AdamWConfig& config, std::int64_t step,
+                  const Tensor1<float, MemorySpace>& params,      // (n)
+                  const Tensor1<float, MemorySpace>& m,           // (n) first moment
+                  const Tensor1<float, MemorySpace>& v,           // (n) second moment
+                  const ConstTensor1<float, MemorySpace>& grads,  // (n)
+                  std::size_t decay_end, double lr, double grad_scale) {
+  KMAMBA_ASSERT(m.extent(0) == params.extent(0) && v.extent(0) == params.extent(0) && grads.extent(0) == params.extent(0),
+                "adamw_update: params " << params.extent(0) << ", m " << m.extent(0) << ", v " << v.extent(0)
+                                        << ", grads " << grads.extent(0));
+  const float bias1 = static_cast<float>(1.0 - std::pow(config.beta1, static_cast<double>(step)));
+  const float bias2 = static_cast<float>(1.0 - std::pow(config.beta2, static_cast<double>(step)));
+  Kokkos::parallel_for("kmamba::optimizer::adamw",
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, params.extent(0)),
+                       impl::AdamWUpdate<MemorySpace>{params, m, v, grads, std::min(decay_end, params.extent(0)),
+                                                      static_cast<float>(lr), static_cast<float>(config.beta1),
+                                                      static_cast<float>(config.beta2), static_cast<float>(config.eps),
+                                                      static_cast<float>(config.weight_decay),
+                                                      static_cast<float>(grad_scale), bias1, bias2});
+}
+
 /// AdamW state: the two moment slabs and the step count.
 template <class MemorySpace>
 class AdamW {
  public:
   AdamW(std::size_t size, const AdamWConfig& config)
       : config_(config), m_("kmamba::adamw::m", size), v_("kmamba::adamw::v", size) {
-    KMAMBA_REQUIRE(config.lr >= 0 && config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1 &&
-                       config.eps > 0 && config.weight_decay >= 0,
-                   "kmamba::AdamW: invalid hyper-parameters (lr " << config.lr << ", betas " << config.beta1 << ", "
-                                                                  << config.beta2 << ", eps " << config.eps
-                                                                  << ", weight_decay " << config.weight_decay << ")");
+    config.validate();
   }
 
   /// One step: params ← AdamW(params, grad_scale · grads) with learning rate `lr`, weight decay on
@@ -84,15 +113,7 @@ class AdamW {
                                                    << ") must have the optimizer's size " << m_.extent(0));
     KMAMBA_REQUIRE(decay_end <= params.extent(0), "kmamba::AdamW::step: decay_end " << decay_end << " exceeds the size");
     ++step_;
-    const float bias1 = static_cast<float>(1.0 - std::pow(config_.beta1, static_cast<double>(step_)));
-    const float bias2 = static_cast<float>(1.0 - std::pow(config_.beta2, static_cast<double>(step_)));
-    Kokkos::parallel_for("kmamba::optimizer::adamw",
-                         Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, params.extent(0)),
-                         impl::AdamWUpdate<MemorySpace>{params, m_, v_, grads, decay_end, static_cast<float>(lr),
-                                                        static_cast<float>(config_.beta1), static_cast<float>(config_.beta2),
-                                                        static_cast<float>(config_.eps),
-                                                        static_cast<float>(config_.weight_decay),
-                                                        static_cast<float>(grad_scale), bias1, bias2});
+    adamw_update(exec, config_, step_, params, m_, v_, grads, decay_end, lr, grad_scale);
   }
 
   std::int64_t steps_taken() const { return step_; }

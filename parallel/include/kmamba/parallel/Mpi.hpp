@@ -30,6 +30,10 @@ class MpiComm {
   MpiComm(const MpiComm&) = delete;
   MpiComm& operator=(const MpiComm&) = delete;
 
+  /// A communicator owning MPI_Comm_split(get(), color, key): the ranks that pass the same color
+  /// (>= 0), ranked by key. Collective over this communicator.
+  MpiComm split(int color, int key) const;
+
   MPI_Comm get() const { return comm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }

@@ -1,0 +1,113 @@
+// Distributed training of a LanguageModel: checking a process mesh against the model, and data
+// parallelism — bucketed gradient reduction, global-norm clipping over the whole mesh, and AdamW
+// with its moments either replicated (DDP) or sharded across the data-parallel ranks (ZeRO-1) —
+// as one object a training loop calls once per optimizer step (distributed.md §3).
+//
+//   kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+//   kmamba::DataParallel<Exec> dp(mesh, model.config(), model.parameters(), adamw, {/*zero_stage=*/1});
+//   // Each data-parallel rank holds its shard of the global batch, in micro-batches.
+//   const std::int64_t total = dp.global_tokens(tokens_of_my_micro_batches);
+//   model.zero_grads(exec);
+//   for (const auto& mb : my_micro_batches)   // no communication on these micro-steps
+//     model.loss_and_backward(exec, mb.ids, mb.targets, double(tokens(mb)) / double(total));
+//   dp.reduce_gradients(exec, model.parameters());                 // Σ over dp, bucket by bucket
+//   const double norm = dp.grad_norm(exec, model.parameters());     // the same value on every rank
+//   dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
+//
+// Weighting micro-batch i by tokens_i / (tokens over all micro-batches of all dp ranks) and summing
+// over dp gives exactly the gradient of the mean loss over the global batch, so dp = N ranks on N
+// shards of a batch equal one rank on the whole batch (whatever the ranks' token counts).
+//
+// In this version parameters are not split across the tensor- and sequence-parallel axes: the
+// ranks of a tp or sp group hold replicas and see the same data; they count once in the norm.
+#ifndef KMAMBA_MODELS_DISTRIBUTED_HPP
+#define KMAMBA_MODELS_DISTRIBUTED_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Optimizer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/parallel/ProcessMesh.hpp>
+
+#if KMAMBA_ENABLE_MPI
+#include <kmamba/parallel/GradientBuckets.hpp>
+#endif
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kmamba {
+
+/// Throws a UserError, the same on every rank, when `mesh` cannot shard `model`: the
+/// tensor-parallel size must divide the heads and the B/C groups of Mamba-2/3 (each rank keeps
+/// whole heads with their group) and d_inner of Mamba-1.
+void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model);
+
+/// Options of DataParallel.
+struct DataParallelConfig {
+  int zero_stage = 0;               ///< 0: every rank keeps all AdamW moments; 1: ZeRO-1 (moments sharded)
+  std::size_t bucket_elements = 0;  ///< elements per reduction bucket (0: default_bucket_elements(dp))
+};
+
+#if KMAMBA_ENABLE_MPI
+template <class ExecutionSpace>
+class DataParallel {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  /// Checks the mesh against `model` (check_mesh_fits_model) and lays `slab` out in buckets over
+  /// the mesh's dp axis. Keeps a reference to `mesh`, which must outlive this object. Does not
+  /// communicate: every rank must start from the same parameters (same seed or checkpoint).
+  DataParallel(const ProcessMesh& mesh, const ModelConfig& model, const Slab& slab, const AdamWConfig& adamw,
+               const DataParallelConfig& config = DataParallelConfig());
+
+  const DataParallelConfig& config() const { return config_; }
+  const BucketLayout& layout() const { return reducer_.layout(); }
+  /// This rank's position on the dp axis and its size: rank data_rank() trains on shard
+  /// data_rank() of data_size() of every global batch.
+  int data_rank() const;
+  int data_size() const;
+
+  /// Σ over the dp ranks of `local_tokens` (each rank's predicted tokens of one optimizer step).
+  std::int64_t global_tokens(std::int64_t local_tokens) const;
+  /// Σ over the dp ranks of `local` (e.g. loss · tokens, to report the global mean loss).
+  double sum_over_data(double local) const;
+
+  /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp.
+  /// ZeRO-1 reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.
+  void reduce_gradients(const ExecutionSpace& exec, const Slab& slab) const;
+
+  /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
+  /// the squares it owns — its shards, the tail on dp rank 0, only on tp and sp rank 0 — and one
+  /// all-reduce over the world adds them. Identical on every rank. Blocking.
+  double grad_norm(const ExecutionSpace& exec, const Slab& slab) const;
+
+  /// AdamW step at learning rate `lr` on the reduced gradients scaled by `grad_scale` (the clip
+  /// factor): DDP updates the whole slab on every rank; ZeRO-1 updates this rank's shards with its
+  /// sharded moments, then all-gathers the parameters. Leaves the parameters identical on every rank.
+  void step(const ExecutionSpace& exec, const Slab& slab, double lr, double grad_scale = 1.0);
+
+  std::int64_t steps_taken() const { return step_; }
+  /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1).
+  const Tensor1<float, memory_space>& first_moment() const { return m_; }
+  const Tensor1<float, memory_space>& second_moment() const { return v_; }
+
+ private:
+  void check_slab(const char* function, const Slab& slab) const;
+
+  const ProcessMesh* mesh_;
+  DataParallelConfig config_;
+  AdamWConfig adamw_;
+  GradientReducer<ExecutionSpace> reducer_;
+  std::size_t decay_end_;
+  Tensor1<float, memory_space> m_, v_;
+  std::int64_t step_ = 0;
+};
+#endif
+
+}  // namespace kmamba
+
+#endif

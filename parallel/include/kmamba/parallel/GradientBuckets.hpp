@@ -1,0 +1,164 @@
+// Data-parallel reduction of one flat buffer (a ParameterSlab's gradients or parameters) in
+// buckets: contiguous ranges, each a multiple of the group size so that a bucket splits into equal
+// per-rank shards (distributed.md §3).
+//
+//   BucketLayout layout(n, ranks, bucket_elements):
+//     [ bucket 0 | bucket 1 | ... | bucket k-1 | tail ]     tail: n mod ranks elements
+//     bucket b = [ shard of rank 0 | shard of rank 1 | ... ]  each bucket.size / ranks elements
+//
+// DDP all-reduces every bucket. ZeRO-1 reduce-scatters every bucket (rank r ends with the summed
+// gradient of its shards), updates its shards, then all-gathers the parameters; the tail (fewer
+// elements than ranks) is all-reduced and updated by every rank alike.
+#ifndef KMAMBA_PARALLEL_GRADIENTBUCKETS_HPP
+#define KMAMBA_PARALLEL_GRADIENTBUCKETS_HPP
+
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/parallel/Communicator.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace kmamba {
+
+/// Megatron's default bucket size: max(40M, 1M · ranks) elements ("larger DP sizes need larger
+/// buckets so that the collectives do not become latency-bound").
+std::size_t default_bucket_elements(int ranks);
+
+class BucketLayout {
+ public:
+  struct Bucket {
+    std::size_t begin = 0;         ///< first element of the bucket in the flat buffer
+    std::size_t size = 0;          ///< elements, a multiple of ranks()
+    std::size_t shard_offset = 0;  ///< where each rank's shard of this bucket sits in its shard storage
+  };
+
+  /// Cuts `elements` into buckets of at most `bucket_elements` (rounded down to a multiple of
+  /// `ranks`, at least `ranks`; 0: default_bucket_elements(ranks)) and the tail.
+  BucketLayout(std::size_t elements, int ranks, std::size_t bucket_elements = 0);
+
+  std::size_t elements() const { return elements_; }
+  int ranks() const { return ranks_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// Elements of one rank's shard of `bucket`.
+  std::size_t shard_size(const Bucket& bucket) const { return bucket.size / static_cast<std::size_t>(ranks_); }
+  /// First element of `rank`'s shard of `bucket` in the flat buffer.
+  std::size_t shard_begin(const Bucket& bucket, int rank) const {
+    return bucket.begin + static_cast<std::size_t>(rank) * shard_size(bucket);
+  }
+  /// [tail_begin(), elements()): the fewer than ranks() elements that are not sharded.
+  std::size_t tail_begin() const { return tail_begin_; }
+  /// One rank's shard storage: its shard of every bucket, then the tail.
+  std::size_t shard_elements() const { return shard_elements_; }
+
+ private:
+  std::size_t elements_;
+  int ranks_;
+  std::vector<Bucket> buckets_;
+  std::size_t tail_begin_ = 0, shard_elements_ = 0;
+};
+
+namespace impl {
+template <class MemorySpace>
+struct SquaredSum {
+  ConstTensor1<float, MemorySpace> x;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i, double& acc) const {
+    acc += static_cast<double>(x(i)) * static_cast<double>(x(i));
+  }
+};
+}  // namespace impl
+
+/// The bucketed collectives of data parallelism over one communicator (the data-parallel axis).
+/// Keeps a reference to the communicator, which must outlive it. Ordering as in Communicator.hpp.
+template <class ExecutionSpace>
+class GradientReducer {
+ public:
+  using memory_space = typename ExecutionSpace::memory_space;
+
+  GradientReducer(const Communicator& comm, std::size_t elements, std::size_t bucket_elements = 0)
+      : comm_(&comm), layout_(elements, comm.size(), bucket_elements) {}
+
+  const BucketLayout& layout() const { return layout_; }
+  const Communicator& communicator() const { return *comm_; }
+
+  /// data ← Σ over the ranks of data, bucket by bucket (DDP).
+  void all_reduce(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {  // (elements)
+    check(data, "all_reduce");
+    for (const auto& bucket : layout_.buckets()) comm_->all_reduce(exec, range(data, bucket.begin, bucket.size));
+    all_reduce_tail(exec, data);
+  }
+
+  /// This rank's shard of every bucket ← the sum over the ranks of that shard, and the tail ← its
+  /// sum; the other elements of data are left unspecified (ZeRO-1).
+  void reduce_scatter(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {  // (elements)
+    check(data, "reduce_scatter");
+    const int rank = comm_->rank();
+    for (const auto& bucket : layout_.buckets()) {
+      comm_->reduce_scatter(exec, range(data, bucket.begin, bucket.size),
+                            range(data, layout_.shard_begin(bucket, rank), layout_.shard_size(bucket)));
+    }
+    all_reduce_tail(exec, data);
+  }
+
+  /// Every rank's shard of every bucket ← that rank's values (after each rank updated its shards).
+  /// The tail is left as it is (identical on every rank).
+  void all_gather(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {  // (elements)
+    check(data, "all_gather");
+    const int rank = comm_->rank();
+    for (const auto& bucket : layout_.buckets()) {
+      comm_->all_gather(exec, range(data, layout_.shard_begin(bucket, rank), layout_.shard_size(bucket)),
+                        range(data, bucket.begin, bucket.size));
+    }
+  }
+
+  /// Σ data² over the elements this rank owns: its shard of every bucket, and the tail on rank 0;
+  /// summed over the ranks this counts every element exactly once. Blocking (a host value).
+  double owned_sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data) const {  // (elements)
+    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(), "kmamba::GradientReducer::owned_sum_of_squares: the buffer has "
+                                                             << data.extent(0) << " elements, the layout "
+                                                             << layout_.elements());
+    double total = 0.0;
+    const int rank = comm_->rank();
+    for (const auto& bucket : layout_.buckets()) {
+      total += sum_of_squares(exec, data, layout_.shard_begin(bucket, rank), layout_.shard_size(bucket));
+    }
+    if (rank == 0) total += sum_of_squares(exec, data, layout_.tail_begin(), layout_.elements() - layout_.tail_begin());
+    return total;
+  }
+
+ private:
+  static Tensor1<float, memory_space> range(const Tensor1<float, memory_space>& data, std::size_t begin,
+                                            std::size_t size) {
+    return Tensor1<float, memory_space>(data.data() + begin, size);
+  }
+
+  void check(const Tensor1<float, memory_space>& data, const char* function) const {
+    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(), "kmamba::GradientReducer::"
+                                                             << function << ": the buffer has " << data.extent(0)
+                                                             << " elements, the layout " << layout_.elements());
+  }
+
+  void all_reduce_tail(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {
+    const std::size_t tail = layout_.elements() - layout_.tail_begin();
+    if (tail > 0) comm_->all_reduce(exec, range(data, layout_.tail_begin(), tail));
+  }
+
+  static double sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data,
+                               std::size_t begin, std::size_t size) {
+    if (size == 0) return 0.0;
+    double sum = 0.0;
+    Kokkos::parallel_reduce("kmamba::gradient_reducer::sum_of_squares",
+                            Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, size),
+                            impl::SquaredSum<memory_space>{ConstTensor1<float, memory_space>(data.data() + begin, size)},
+                            sum);
+    return sum;
+  }
+
+  const Communicator* comm_;
+  BucketLayout layout_;
+};
+
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,314 @@
+// Data parallelism of a small Mamba-2 language model (run at 1, 2 and 4 ranks; fp32; "equal" is
+// max|Δ| ≤ 1e-5·max|ref| per parameter, distributed.md §8.1). Every rank also computes the 1-rank
+// reference on the whole batch, so no reference data is communicated. Covered: D1 (dp ranks on
+// shards of a batch = 1 rank on the batch: loss and every gradient), D4 (micro-batches accumulate
+// without communication, one reduction per step), D3/D5 (ZeRO-1 and DDP: parameters after 3
+// clipped AdamW steps, the mesh-wide gradient norm, each parameter counted exactly once), on every
+// dp × tp × sp factorisation of the world (tp and sp ranks are replicas in this version).
+#include <kmamba/models/Distributed.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Optimizer.hpp>
+#include <kmamba/parallel/GradientBuckets.hpp>
+#include <kmamba/parallel/ProcessMesh.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Exec = Kokkos::DefaultHostExecutionSpace;
+using Mem = Exec::memory_space;
+using Model = kmamba::LanguageModel<Exec>;
+using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+
+constexpr std::uint64_t init_seed = 2024;
+constexpr int batch = 8, seqlen = 12;
+constexpr double tolerance = 1e-5;
+
+kmamba::ModelConfig tiny_mamba2() {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba2;
+  c.d_model = 32;
+  c.n_layer = 2;
+  c.vocab_size = 64;
+  c.d_state = 16;
+  c.headdim = 8;  // d_inner 64: 8 heads
+  c.ngroups = 4;
+  c.chunk_size = 8;
+  c.validate();
+  return c;
+}
+
+struct Batch {
+  Ids ids, targets;  // (rows, seqlen)
+};
+
+/// A batch of random tokens; targets are the next tokens, with the first b % 3 positions of row b
+/// also ignored so that the rows (and so the ranks) predict different numbers of tokens.
+Batch make_batch(int step) {
+  std::mt19937_64 rng(1000 + static_cast<std::uint64_t>(step));
+  std::uniform_int_distribution<std::int64_t> token(0, 63);
+  Batch b{Ids("kmamba::test::ids", batch, seqlen), Ids("kmamba::test::targets", batch, seqlen)};
+  for (int r = 0; r < batch; ++r) {
+    for (int t = 0; t < seqlen; ++t) b.ids(r, t) = token(rng);
+  }
+  for (int r = 0; r < batch; ++r) {
+    for (int t = 0; t < seqlen; ++t) {
+      b.targets(r, t) = t + 1 < seqlen && t >= r % 3 ? b.ids(r, t + 1) : kmamba::ignore_index;
+    }
+  }
+  return b;
+}
+
+Batch rows(const Batch& b, int first, int count) {
+  Batch out{Ids("kmamba::test::ids", count, seqlen), Ids("kmamba::test::targets", count, seqlen)};
+  for (int r = 0; r < count; ++r) {
+    for (int t = 0; t < seqlen; ++t) {
+      out.ids(r, t) = b.ids(first + r, t);
+      out.targets(r, t) = b.targets(first + r, t);
+    }
+  }
+  return out;
+}
+
+std::int64_t predicted(const Batch& b) {
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < b.targets.span(); ++i) n += b.targets.data()[i] != kmamba::ignore_index;
+  return n;
+}
+
+int world_size() {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+std::vector<kmamba::MeshConfig> meshes() {
+  std::vector<kmamba::MeshConfig> all;
+  const int world = world_size();
+  for (int tp = 1; tp <= world; tp *= 2) {
+    for (int sp = 1; tp * sp <= world; sp *= 2) {
+      kmamba::MeshConfig c;
+      c.tensor_parallel_size = tp;
+      c.sequence_parallel_size = sp;
+      all.push_back(c);
+    }
+  }
+  return all;
+}
+
+std::string name(const kmamba::ProcessMesh& mesh) {
+  return "mesh dp " + std::to_string(mesh.config().data_parallel_size) + " tp " +
+         std::to_string(mesh.config().tensor_parallel_size) + " sp " + std::to_string(mesh.config().sequence_parallel_size);
+}
+
+/// Every parameter's slice of `got` equals `ref`'s within the tolerance; only elements for which
+/// `owned(i)` holds are compared.
+template <class Owned>
+void expect_slab_equal(const Model::Slab& slab, const kmamba::Tensor1<float, Mem>& got,
+                       const kmamba::Tensor1<float, Mem>& ref, const Owned& owned, const std::string& what) {
+  for (const auto& entry : slab.entries()) {
+    double diff = 0.0, scale = 0.0;
+    for (std::size_t i = entry.offset; i < entry.offset + entry.size; ++i) {
+      scale = std::max(scale, std::abs(static_cast<double>(ref(i))));
+      if (owned(i)) diff = std::max(diff, std::abs(static_cast<double>(got(i)) - static_cast<double>(ref(i))));
+    }
+    EXPECT_LE(diff, tolerance * scale) << what << " " << entry.name;
+  }
+}
+
+bool all(std::size_t) { return true; }
+
+/// One data-parallel step's forward and backward: this dp rank's rows of `b`, one row per
+/// micro-batch, each weighted by its tokens over the global count; one reduction at the end.
+/// Returns the global mean loss.
+double data_parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const Batch& b) {
+  const Exec exec;
+  const int per_rank = batch / dp.data_size();
+  const Batch mine = rows(b, dp.data_rank() * per_rank, per_rank);
+  const std::int64_t global = dp.global_tokens(predicted(mine));
+  model.zero_grads(exec);
+  double loss_sum = 0.0;
+  for (int r = 0; r < per_rank; ++r) {
+    const Batch micro = rows(mine, r, 1);
+    const kmamba::LossResult result = model.loss_and_backward(
+        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    loss_sum += result.loss * static_cast<double>(result.tokens);
+  }
+  dp.reduce_gradients(exec, model.parameters());
+  exec.fence();
+  return dp.sum_over_data(loss_sum) / static_cast<double>(global);
+}
+
+TEST(DataParallel, BucketLayoutShardsEveryBucketAndKeepsATail) {
+  const kmamba::BucketLayout layout(10, 4, 5);  // buckets round down to a multiple of 4
+  ASSERT_EQ(layout.buckets().size(), 2u);
+  EXPECT_EQ(layout.buckets()[0].begin, 0u);
+  EXPECT_EQ(layout.buckets()[0].size, 4u);
+  EXPECT_EQ(layout.buckets()[1].begin, 4u);
+  EXPECT_EQ(layout.buckets()[1].shard_offset, 1u);
+  EXPECT_EQ(layout.shard_begin(layout.buckets()[1], 3), 7u);
+  EXPECT_EQ(layout.tail_begin(), 8u);
+  EXPECT_EQ(layout.shard_elements(), 4u);  // one element of each bucket + the 2-element tail
+  EXPECT_EQ(kmamba::BucketLayout(9, 1, 0).buckets().size(), 1u);
+  EXPECT_EQ(kmamba::default_bucket_elements(64), 64000000u);
+}
+
+TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(0);
+  Model reference(config);
+  reference.initialize(init_seed);
+  reference.zero_grads(exec);
+  const kmamba::LossResult ref = reference.loss_and_backward(exec, b.ids, b.targets);
+
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    SCOPED_TRACE(name(mesh));
+    Model model(config);
+    model.initialize(init_seed);
+    kmamba::DataParallelConfig options;
+    options.bucket_elements = 1000;
+    kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+    const double loss = data_parallel_backward(model, dp, b);
+    EXPECT_LE(std::abs(loss - ref.loss), tolerance * std::abs(ref.loss));
+    expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(), all,
+                      "gradient of");
+  }
+}
+
+TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  constexpr int steps = 3;
+  constexpr double lr = 3e-3, max_norm = 0.25;
+  kmamba::AdamWConfig adamw;
+  adamw.weight_decay = 0.1;
+
+  // The 1-rank run on whole batches.
+  Model reference(config);
+  reference.initialize(init_seed);
+  kmamba::AdamW<Mem> optimizer(reference.parameters().size(), adamw);
+  std::vector<double> ref_norms;
+  for (int step = 0; step < steps; ++step) {
+    const Batch b = make_batch(step);
+    reference.zero_grads(exec);
+    reference.loss_and_backward(exec, b.ids, b.targets);
+    const double norm = kmamba::global_norm(exec, kmamba::ConstTensor1<float, Mem>(reference.parameters().grads()));
+    ref_norms.push_back(norm);
+    optimizer.step(exec, reference.parameters().params(), reference.parameters().grads(),
+                   reference.parameters().decay_end(), lr, kmamba::clip_scale(norm, max_norm));
+  }
+  exec.fence();
+  ASSERT_GT(ref_norms[0], max_norm) << "the test must exercise clipping";
+
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    for (const int stage : {0, 1}) {
+      SCOPED_TRACE(name(mesh) + " zero_stage " + std::to_string(stage));
+      Model model(config);
+      model.initialize(init_seed);
+      kmamba::DataParallelConfig options;
+      options.zero_stage = stage;
+      options.bucket_elements = 1000;
+      kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), adamw, options);
+      const std::size_t moments = stage == 1 ? dp.layout().shard_elements() : model.parameters().size();
+      EXPECT_EQ(dp.first_moment().extent(0), moments);
+      for (int step = 0; step < steps; ++step) {
+        data_parallel_backward(model, dp, make_batch(step));
+        const double norm = dp.grad_norm(exec, model.parameters());
+        EXPECT_LE(std::abs(norm - ref_norms[static_cast<std::size_t>(step)]), 1e-6 * ref_norms[static_cast<std::size_t>(step)])
+            << "step " << step;
+        // The clip factor is bitwise identical on every rank.
+        EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
+                  mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Min));
+        dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
+      }
+      exec.fence();
+      EXPECT_EQ(dp.steps_taken(), steps);
+      expect_slab_equal(model.parameters(), model.parameters().params(), reference.parameters().params(), all,
+                        "parameter");
+      // Every rank holds the same parameters.
+      const auto& params = model.parameters().params();
+      kmamba::Tensor1<float, Mem> low("kmamba::test::low", params.extent(0)), high("kmamba::test::high", params.extent(0));
+      mesh.world().all_reduce(exec, params, low, kmamba::ReduceOp::Min);
+      mesh.world().all_reduce(exec, params, high, kmamba::ReduceOp::Max);
+      std::size_t differing = 0;
+      for (std::size_t i = 0; i < params.extent(0); ++i) differing += low(i) != high(i);
+      EXPECT_EQ(differing, 0u);
+    }
+  }
+}
+
+TEST(DataParallel, Zero1ReducesEachRanksShard) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(0);
+  Model reference(config);
+  reference.initialize(init_seed);
+  reference.zero_grads(exec);
+  reference.loss_and_backward(exec, b.ids, b.targets);
+
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig());
+  Model model(config);
+  model.initialize(init_seed);
+  kmamba::DataParallelConfig options;
+  options.zero_stage = 1;
+  options.bucket_elements = 1000;
+  kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+  data_parallel_backward(model, dp, b);
+  const kmamba::BucketLayout& layout = dp.layout();
+  std::vector<char> owned(layout.elements(), 0);
+  for (const auto& bucket : layout.buckets()) {
+    const std::size_t begin = layout.shard_begin(bucket, dp.data_rank());
+    std::fill(owned.begin() + static_cast<std::ptrdiff_t>(begin),
+              owned.begin() + static_cast<std::ptrdiff_t>(begin + layout.shard_size(bucket)), 1);
+  }
+  std::fill(owned.begin() + static_cast<std::ptrdiff_t>(layout.tail_begin()), owned.end(), 1);
+  expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(),
+                    [&](std::size_t i) { return owned[i] != 0; }, "owned gradient of");
+}
+
+TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    for (const int stage : {0, 1}) {
+      SCOPED_TRACE(name(mesh) + " zero_stage " + std::to_string(stage));
+      Model model(config);
+      kmamba::DataParallelConfig options;
+      options.zero_stage = stage;
+      options.bucket_elements = 1000;
+      const kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+      Kokkos::deep_copy(model.parameters().grads(), 1.0f);
+      const double norm = dp.grad_norm(exec, model.parameters());
+      EXPECT_EQ(norm * norm, static_cast<double>(model.parameters().size()));
+    }
+  }
+}
+
+TEST(DataParallel, RejectsAMeshThatDoesNotFitTheModel) {
+  kmamba::ModelConfig config = tiny_mamba2();
+  config.ngroups = 1;
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig());
+  Model model(config);
+  kmamba::DataParallelConfig options;
+  options.zero_stage = 2;
+  try {
+    kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+    ADD_FAILURE() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("zero_stage must be 0"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
