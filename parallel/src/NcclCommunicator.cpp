@@ -121,10 +121,16 @@ void NcclCommunicator::do_send_recv(const void* send, std::size_t send_count, in
     impl::mpi_send_recv(mpi_.get(), send, send_count, dest, recv, recv_count, source, type);
     return;
   }
+  // The group is closed whatever happens inside it; the statuses are checked after.
   KMAMBA_NCCL_CHECK(ncclGroupStart());
-  if (dest != no_peer) KMAMBA_NCCL_CHECK(ncclSend(send, send_count, nccl_type(type), dest, nccl_, stream_of(stream)));
-  if (source != no_peer) KMAMBA_NCCL_CHECK(ncclRecv(recv, recv_count, nccl_type(type), source, nccl_, stream_of(stream)));
-  KMAMBA_NCCL_CHECK(ncclGroupEnd());
+  const ncclResult_t send_status =
+      dest == no_peer ? ncclSuccess : ncclSend(send, send_count, nccl_type(type), dest, nccl_, stream_of(stream));
+  const ncclResult_t recv_status =
+      source == no_peer ? ncclSuccess : ncclRecv(recv, recv_count, nccl_type(type), source, nccl_, stream_of(stream));
+  const ncclResult_t group_status = ncclGroupEnd();
+  KMAMBA_NCCL_CHECK(send_status);
+  KMAMBA_NCCL_CHECK(recv_status);
+  KMAMBA_NCCL_CHECK(group_status);
 }
 
 void NcclCommunicator::do_barrier() const { KMAMBA_MPI_CHECK(MPI_Barrier(mpi_.get())); }

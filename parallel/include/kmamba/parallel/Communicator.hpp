@@ -111,6 +111,7 @@ class Communicator {
 
   /// This process's rank in the group, in [0, size()).
   int rank() const { return rank_; }
+  /// Number of ranks in the group.
   int size() const { return size_; }
   /// The mesh axis the group spans ("world", "dp", "tp", "sp", "dp_sp"), used in error messages.
   const std::string& axis() const { return axis_; }

@@ -60,6 +60,7 @@ class MeshLayout {
   /// `config` as resolve() returns it (every size >= 1).
   explicit MeshLayout(const MeshConfig& config);
 
+  /// Sizes of the three axes and of the world.
   int data_size() const { return dp_; }
   int tensor_size() const { return tp_; }
   int sequence_size() const { return sp_; }
@@ -103,9 +104,12 @@ class ProcessMesh {
   /// The resolved configuration (data_parallel_size filled in).
   const MeshConfig& config() const { return config_; }
   const MeshLayout& layout() const { return layout_; }
+  /// This rank's coordinates.
   const MeshCoordinates& coordinates() const { return coordinates_; }
 
+  /// Every rank of the mesh, ranked as in the parent communicator.
   const Communicator& world() const { return *world_; }
+  /// The communicator of this rank's group along `axis`; data() ... data_sequence() name them.
   const Communicator& axis(MeshAxis axis) const;
   const Communicator& data() const { return axis(MeshAxis::Data); }
   const Communicator& tensor() const { return axis(MeshAxis::Tensor); }
