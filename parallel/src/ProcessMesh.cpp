@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <climits>
+#include <utility>
 
 #if KMAMBA_ENABLE_MPI
 #include <kmamba/parallel/Mpi.hpp>
@@ -185,11 +186,16 @@ int world_size_of(MPI_Comm parent) {
 }  // namespace
 
 ProcessMesh::ProcessMesh(MPI_Comm parent, const MeshConfig& config, Transport transport)
-    : config_(config.resolve(world_size_of(parent))), layout_(config_) {
-  world_ = make_world(parent, transport);
-  coordinates_ = layout_.coordinates_of(world_->rank());
+    : ProcessMesh(config.resolve(world_size_of(parent)), parent, transport) {}
+
+ProcessMesh::ProcessMesh(const MeshConfig& resolved, MPI_Comm parent, Transport transport)
+    : ProcessMesh(make_world(parent, transport), resolved) {}
+
+ProcessMesh::ProcessMesh(std::unique_ptr<Communicator> world, const MeshConfig& config)
+    : config_(config.resolve(world->size())), layout_(config_), world_(std::move(world)) {
+  const int rank = world_->rank();
+  coordinates_ = layout_.coordinates_of(rank);
   for (const MeshAxis axis : {MeshAxis::Data, MeshAxis::Tensor, MeshAxis::Sequence, MeshAxis::DataSequence}) {
-    const int rank = world_->rank();
     axes_.push_back(world_->split(layout_.group_index(axis, rank), layout_.group_rank(axis, rank), mesh_axis_name(axis)));
     KMAMBA_ASSERT(axes_.back()->size() == layout_.axis_size(axis) &&
                       axes_.back()->rank() == layout_.group_rank(axis, rank),

@@ -2,13 +2,15 @@
 // max|Δ| ≤ 1e-5·max|ref| per parameter, distributed.md §8.1). Every rank also computes the 1-rank
 // reference on the whole batch, so no reference data is communicated. Covered: D1 (dp ranks on
 // shards of a batch = 1 rank on the batch: loss and every gradient), D4 (micro-batches accumulate
-// without communication, one reduction per step), D3/D5 (ZeRO-1 and DDP: parameters after 3
+// without communication, one bucketed reduction per step, checked with the communication audit), D3/D5 (ZeRO-1 and DDP: parameters after 3
 // clipped AdamW steps, the mesh-wide gradient norm, each parameter counted exactly once), on every
 // dp × tp × sp factorisation of the world (tp and sp ranks are replicas in this version).
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
+#include <kmamba/parallel/CountingCommunicator.hpp>
 #include <kmamba/parallel/GradientBuckets.hpp>
+#include <kmamba/parallel/MpiCommunicator.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -17,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -275,6 +278,66 @@ TEST(DataParallel, Zero1ReducesEachRanksShard) {
   std::fill(owned.begin() + static_cast<std::ptrdiff_t>(layout.tail_begin()), owned.end(), 1);
   expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(),
                     [&](std::size_t i) { return owned[i] != 0; }, "owned gradient of");
+}
+
+TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const auto log = std::make_shared<kmamba::CommunicationLog>();
+  const kmamba::ProcessMesh mesh(
+      std::make_unique<kmamba::CountingCommunicator>(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log),
+      kmamba::MeshConfig());
+  const Batch mine = rows(make_batch(0), mesh.data().rank() * (batch / mesh.data().size()), batch / mesh.data().size());
+  for (const int stage : {0, 1}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(stage));
+    Model model(config);
+    model.initialize(init_seed);
+    kmamba::DataParallelConfig options;
+    options.zero_stage = stage;
+    options.bucket_elements = 1000;
+    kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+    const kmamba::BucketLayout& layout = dp.layout();
+    const std::int64_t buckets = static_cast<std::int64_t>(layout.buckets().size());
+    const std::int64_t sharded = static_cast<std::int64_t>(layout.tail_begin());
+    const std::int64_t tail = static_cast<std::int64_t>(layout.elements()) - sharded;
+    ASSERT_GT(buckets, 1);
+
+    log->clear();
+    const std::int64_t global = dp.global_tokens(predicted(mine));
+    EXPECT_EQ(log->tally("dp", "all_reduce").calls, 1);
+    EXPECT_EQ(log->total_calls(), 1);
+
+    log->clear();
+    model.zero_grads(exec);
+    for (int r = 0; r < static_cast<int>(mine.ids.extent(0)); ++r) {
+      const Batch micro = rows(mine, r, 1);
+      model.loss_and_backward(exec, micro.ids, micro.targets,
+                              static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    }
+    EXPECT_EQ(log->total_calls(), 0) << "an accumulation micro-step communicated";
+
+    dp.reduce_gradients(exec, model.parameters());
+    if (stage == 0) {
+      EXPECT_EQ(log->tally("dp", "all_reduce").calls, buckets + (tail > 0));
+      EXPECT_EQ(log->tally("dp", "all_reduce").elements, static_cast<std::int64_t>(layout.elements()));
+    } else {
+      EXPECT_EQ(log->tally("dp", "reduce_scatter").calls, buckets);
+      EXPECT_EQ(log->tally("dp", "reduce_scatter").elements, sharded);
+      EXPECT_EQ(log->tally("dp", "all_reduce").calls, tail > 0 ? 1 : 0);
+      EXPECT_EQ(log->tally("dp", "all_reduce").elements, tail);
+    }
+    const std::int64_t reduction_calls = log->total_calls();
+
+    dp.grad_norm(exec, model.parameters());
+    EXPECT_EQ(log->tally("world", "all_reduce").calls, 1);
+    EXPECT_EQ(log->total_calls(), reduction_calls + 1);
+
+    log->clear();
+    dp.step(exec, model.parameters(), 1e-3);
+    EXPECT_EQ(log->tally("dp", "all_gather").calls, stage == 1 ? buckets : 0);
+    EXPECT_EQ(log->tally("dp", "all_gather").elements, stage == 1 ? sharded : 0);
+    EXPECT_EQ(log->total_calls(), stage == 1 ? buckets : 0);
+  }
 }
 
 TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {

@@ -177,6 +177,7 @@ class Communicator {
 
  protected:
   Communicator(int rank, int size, std::string axis);
+  friend class CountingCommunicator;  // forwards the operations below to the communicator it wraps
 
   // The transport's operations on raw buffers. The public templates have checked the arguments
   // (sizes, peers, aliasing) and turned Average into Sum unless native_average() says otherwise.

@@ -97,6 +97,9 @@ class ProcessMesh {
   /// rank before any communication — then duplicates `parent` and splits it into the axes.
   /// Collective over `parent`.
   ProcessMesh(MPI_Comm parent, const MeshConfig& config, Transport transport = Transport::Mpi);
+  /// The same over an existing world communicator (e.g. a CountingCommunicator), whose splits
+  /// become the axes. Collective over `world`.
+  ProcessMesh(std::unique_ptr<Communicator> world, const MeshConfig& config);
   ~ProcessMesh();
   ProcessMesh(ProcessMesh&&) noexcept;
   ProcessMesh& operator=(ProcessMesh&&) noexcept;
@@ -117,6 +120,9 @@ class ProcessMesh {
   const Communicator& data_sequence() const { return axis(MeshAxis::DataSequence); }
 
  private:
+  // `resolved` was checked against the size of `parent` before any communication.
+  ProcessMesh(const MeshConfig& resolved, MPI_Comm parent, Transport transport);
+
   MeshConfig config_;
   MeshLayout layout_;
   MeshCoordinates coordinates_;
