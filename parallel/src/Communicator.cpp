@@ -40,9 +40,9 @@ Communicator::Communicator(int rank, int size, std::string axis) : rank_(rank), 
   KMAMBA_ASSERT(size_ > 0 && rank_ >= 0 && rank_ < size_, "rank " << rank_ << " of " << size_);
 }
 
-void Communicator::rethrow_with_context(const char* collective) const {
+void Communicator::rethrow_with_context(const char* operation) const {
   std::ostringstream os;
-  os << "kmamba::Communicator::" << collective << " on axis '" << axis_ << "' (" << transport() << ", rank " << rank_
+  os << "kmamba::Communicator::" << operation << " on axis '" << axis_ << "' (" << transport() << ", rank " << rank_
      << " of " << size_ << "): ";
   const std::string prefix = os.str();
   try {

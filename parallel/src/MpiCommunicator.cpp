@@ -104,7 +104,9 @@ MpiCommunicator::MpiCommunicator(MpiComm comm, const std::string& axis, MpiOptio
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key, const std::string& axis) const {
-  return std::unique_ptr<Communicator>(new MpiCommunicator(comm_.split(color, key), axis, options_));
+  std::unique_ptr<Communicator> result;
+  guarded("split", [&] { result.reset(new MpiCommunicator(comm_.split(color, key), axis, options_)); });
+  return result;
 }
 
 void MpiCommunicator::prepare(const StreamContext& stream) const {

@@ -52,12 +52,14 @@ NcclCommunicator::NcclCommunicator(MPI_Comm parent, const std::string& axis) : N
 
 NcclCommunicator::NcclCommunicator(MpiComm mpi, const std::string& axis)
     : Communicator(mpi.rank(), mpi.size(), axis), mpi_(std::move(mpi)) {
-  KMAMBA_MPI_CHECK(MPI_Comm_set_errhandler(mpi_.get(), MPI_ERRORS_RETURN));
-  KMAMBA_CUDA_CHECK(cudaSetDevice(Kokkos::Cuda().cuda_device()));
-  ncclUniqueId id;
-  if (rank() == 0) KMAMBA_NCCL_CHECK(ncclGetUniqueId(&id));
-  KMAMBA_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, mpi_.get()));
-  KMAMBA_NCCL_CHECK(ncclCommInitRank(&nccl_, size(), id, rank()));
+  guarded("create", [&] {
+    KMAMBA_MPI_CHECK(MPI_Comm_set_errhandler(mpi_.get(), MPI_ERRORS_RETURN));
+    KMAMBA_CUDA_CHECK(cudaSetDevice(Kokkos::Cuda().cuda_device()));
+    ncclUniqueId id;
+    if (rank() == 0) KMAMBA_NCCL_CHECK(ncclGetUniqueId(&id));
+    KMAMBA_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, mpi_.get()));
+    KMAMBA_NCCL_CHECK(ncclCommInitRank(&nccl_, size(), id, rank()));
+  });
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -65,7 +67,9 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& axis) const {
-  return std::unique_ptr<Communicator>(new NcclCommunicator(mpi_.split(color, key), axis));
+  std::unique_ptr<Communicator> result;
+  guarded("split", [&] { result.reset(new NcclCommunicator(mpi_.split(color, key), axis)); });
+  return result;
 }
 
 bool NcclCommunicator::use_nccl(const StreamContext& stream) const {

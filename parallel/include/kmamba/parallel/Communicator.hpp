@@ -195,17 +195,19 @@ class Communicator {
   /// Whether the transport computes ReduceOp::Average itself (else: Sum, then a scaling kernel).
   virtual bool native_average() const { return false; }
 
- private:
-  // Runs `body`; a kmamba::Error it throws is re-thrown with the collective, axis and rank prepended.
+  /// Runs `body`; a kmamba::Error it throws is re-thrown with the operation, axis, transport and
+  /// rank prepended (transports use it for their own set-up steps, e.g. "split").
   template <class Body>
-  void guarded(const char* collective, const Body& body) const {
+  void guarded(const char* operation, const Body& body) const {
     try {
       body();
     } catch (...) {
-      rethrow_with_context(collective);
+      rethrow_with_context(operation);
     }
   }
-  [[noreturn]] void rethrow_with_context(const char* collective) const;
+
+ private:
+  [[noreturn]] void rethrow_with_context(const char* operation) const;
 
   void check_peer(const char* what, int peer, bool allow_none) const;
   static void check_op(ReduceOp op, DataType type);
