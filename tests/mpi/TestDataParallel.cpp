@@ -3,7 +3,7 @@
 // reference on the whole batch, so no reference data is communicated. Covered: D1 (dp ranks on
 // shards of a batch = 1 rank on the batch: loss and every gradient), D4 (micro-batches accumulate
 // without communication, one bucketed reduction per step, checked with the communication audit), D3/D5 (ZeRO-1 and DDP: parameters after 3
-// clipped AdamW steps, the mesh-wide gradient norm, each parameter counted exactly once), on every
+// clipped AdamW steps, the mesh-wide gradient norm, each parameter counted exactly once, a non-finite gradient seen by every rank), on every
 // dp × tp × sp factorisation of the world (tp and sp ranks are replicas in this version).
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -363,6 +364,9 @@ TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {
       Kokkos::deep_copy(model.parameters().grads(), 1.0f);
       const double norm = dp.grad_norm(exec, model.parameters());
       EXPECT_EQ(norm * norm, static_cast<double>(model.parameters().size()));
+      // An infinite gradient on one rank makes the norm infinite on every rank (all skip together).
+      if (mesh.world().rank() == 0) model.parameters().grads()(0) = std::numeric_limits<float>::infinity();
+      EXPECT_TRUE(std::isinf(dp.grad_norm(exec, model.parameters())));
     }
   }
 }

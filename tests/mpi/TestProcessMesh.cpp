@@ -158,6 +158,10 @@ TEST(ProcessMesh, MismatchedMeshFailsOnEveryRankWithoutHanging) {
   kmamba::MeshConfig odd;
   odd.tensor_parallel_size = world + 1;
   expect_contains(error_of([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, odd); }), "is not a multiple of");
+#if !KMAMBA_ENABLE_NCCL
+  expect_contains(error_of([] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig(), kmamba::Transport::Nccl); }),
+                  "Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL");
+#endif
   // Every rank threw before communicating: they all reach this barrier.
   EXPECT_EQ(MPI_Barrier(MPI_COMM_WORLD), MPI_SUCCESS);
 }
