@@ -75,16 +75,18 @@ double silu_derivative(double v) {
 // optional inputs are empty; absent rank projections (SISO) read as 1.
 struct RefProblem {
   Config cfg;
-  std::vector<double> q, k;              // (batch, seqlen, R, ngroups, dstate)
-  std::vector<double> v, z;              // (batch, seqlen, nheads, headdim)
-  std::vector<double> adt, dt, trap;     // (batch, nheads, seqlen)
-  std::vector<double> q_bias, k_bias;    // (nheads, R, dstate)
-  std::vector<double> angles;            // (batch, seqlen, nheads, nangles)
-  std::vector<double> D;                 // (nheads)
+  std::vector<double> q, k;                    // (batch, seqlen, R, ngroups, dstate)
+  std::vector<double> v, z;                    // (batch, seqlen, nheads, headdim)
+  std::vector<double> adt, dt, trap;           // (batch, nheads, seqlen)
+  std::vector<double> q_bias, k_bias;          // (nheads, R, dstate)
+  std::vector<double> angles;                  // (batch, seqlen, nheads, nangles)
+  std::vector<double> D;                       // (nheads)
   std::vector<double> mimo_v, mimo_z, mimo_o;  // (nheads, R, headdim)
-  std::vector<double> angle0, ssm0, k0, v0;    // initial states (batch, nheads, {nangles | headdim·dstate | R·dstate | R·headdim})
-  std::vector<double> dout;                    // (batch, seqlen, nheads, headdim)
-  std::vector<double> dangle, dssm, dk, dv;    // cotangents of the final states (empty = zero)
+  // Initial states (batch, nheads, nangles), (batch, nheads, headdim, dstate), (batch, nheads, R, dstate),
+  // (batch, nheads, R, headdim); empty = zero.
+  std::vector<double> angle0, ssm0, k0, v0;
+  std::vector<double> dout;                  // (batch, seqlen, nheads, headdim)
+  std::vector<double> dangle, dssm, dk, dv;  // cotangents of the final states (empty = zero)
 
   int R() const { return cfg.R(); }
   std::size_t iq(int b, int t, int r, int g, int n) const {
@@ -99,7 +101,9 @@ struct RefProblem {
   std::size_t iangle(int b, int t, int h, int i) const {
     return ((static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.nheads + h) * cfg.nangles + i;
   }
-  std::size_t sangle(int b, int h, int i) const { return (static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.nangles + i; }
+  std::size_t sangle(int b, int h, int i) const {
+    return (static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.nangles + i;
+  }
   std::size_t sssm(int b, int h, int p, int n) const {
     return ((static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.headdim + p) * cfg.dstate + n;
   }
@@ -114,19 +118,21 @@ struct RefProblem {
   double mo(int h, int r, int p) const { return mimo_o.empty() ? 1.0 : mimo_o[iproj(h, r, p)]; }
   bool has_z() const { return cfg.z; }
   std::size_t states_angle_size() const { return static_cast<std::size_t>(cfg.batch) * cfg.nheads * cfg.nangles; }
-  std::size_t states_ssm_size() const { return static_cast<std::size_t>(cfg.batch) * cfg.nheads * cfg.headdim * cfg.dstate; }
+  std::size_t states_ssm_size() const {
+    return static_cast<std::size_t>(cfg.batch) * cfg.nheads * cfg.headdim * cfg.dstate;
+  }
   std::size_t states_k_size() const { return static_cast<std::size_t>(cfg.batch) * cfg.nheads * R() * cfg.dstate; }
   std::size_t states_v_size() const { return static_cast<std::size_t>(cfg.batch) * cfg.nheads * R() * cfg.headdim; }
 };
 
 // Everything the recurrence computes for one (batch, head), token by token.
 struct HeadTrace {
-  std::vector<double> theta;     // seqlen·nangles: θ_t (not reduced)
-  std::vector<double> qb, kb;    // seqlen·R·dstate: biased, before the rotation
-  std::vector<double> q, k;      // seqlen·R·dstate: rotated
-  std::vector<double> v;         // seqlen·R·headdim: projected
-  std::vector<double> H;         // (seqlen + 1)·headdim·dstate: H[0] = initial, H[t + 1] after token t
-  std::vector<double> y;         // seqlen·R·headdim: before the gate
+  std::vector<double> theta;           // seqlen·nangles: θ_t (not reduced)
+  std::vector<double> qb, kb;          // seqlen·R·dstate: biased, before the rotation
+  std::vector<double> q, k;            // seqlen·R·dstate: rotated
+  std::vector<double> v;               // seqlen·R·headdim: projected
+  std::vector<double> H;               // (seqlen + 1)·headdim·dstate: H[0] = initial, H[t + 1] after token t
+  std::vector<double> y;               // seqlen·R·headdim: before the gate
   std::vector<double> k_init, v_init;  // R·dstate, R·headdim
   std::vector<double> theta_end;       // nangles
 };
@@ -179,7 +185,8 @@ HeadTrace trace_head(const RefProblem& P, int b, int h) {
         tr.k[a] = tr.kb[a] * cs - tr.kb[e] * sn;
         tr.k[e] = tr.kb[a] * sn + tr.kb[e] * cs;
       }
-      for (int p = 0; p < Pd; ++p) tr.v[(static_cast<std::size_t>(t) * R + r) * Pd + p] = P.v[P.iv(b, t, h, p)] * P.mv(h, r, p);
+      for (int p = 0; p < Pd; ++p)
+        tr.v[(static_cast<std::size_t>(t) * R + r) * Pd + p] = P.v[P.iv(b, t, h, p)] * P.mv(h, r, p);
     }
     const double lambda = sigmoid(P.trap[P.it(b, h, t)]);
     const double alpha = std::exp(P.adt[P.it(b, h, t)]);
@@ -244,9 +251,11 @@ RefOutputs ref_forward(const RefProblem& P) {
         for (int n = 0; n < N; ++n) o.ssm[P.sssm(b, h, p, n)] = tr.H[static_cast<std::size_t>(L) * Pd * N + p * N + n];
       for (int r = 0; r < R; ++r) {
         for (int n = 0; n < N; ++n)
-          o.k[P.sk(b, h, r, n)] = L > 0 ? tr.k[(static_cast<std::size_t>(L - 1) * R + r) * N + n] : tr.k_init[r * N + n];
+          o.k[P.sk(b, h, r, n)] =
+              L > 0 ? tr.k[(static_cast<std::size_t>(L - 1) * R + r) * N + n] : tr.k_init[r * N + n];
         for (int p = 0; p < Pd; ++p)
-          o.v[P.sv(b, h, r, p)] = L > 0 ? tr.v[(static_cast<std::size_t>(L - 1) * R + r) * Pd + p] : tr.v_init[r * Pd + p];
+          o.v[P.sv(b, h, r, p)] =
+              L > 0 ? tr.v[(static_cast<std::size_t>(L - 1) * R + r) * Pd + p] : tr.v_init[r * Pd + p];
       }
     }
   return o;
@@ -538,7 +547,8 @@ TEST(Mamba3Reference, BackwardMatchesFiniteDifferences) {
         const double down = ref_loss(P);
         input[i] = saved;
         const double fd = (up - down) / (2 * eps);
-        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i]))) << name << "[" << i << "] " << cfg.describe();
+        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i])))
+            << name << "[" << i << "] " << cfg.describe();
       }
     };
     check("q", P.q, g.dq);
@@ -785,9 +795,9 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
   d.dangles = allocate_poisoned<typename DP::T4>("dangles", B, L, H, S);
   d.dD = allocate_poisoned<typename DP::T1>("dD", H);
   if (c.z) d.dz = allocate_poisoned<typename DP::T4>("dz", B, L, H, Pd);
-  d.dinitial = {allocate_poisoned<typename DP::T3>("dangle0", B, H, S),
-                allocate_poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
-                allocate_poisoned<typename DP::T3>("dk0", B, H, N), allocate_poisoned<typename DP::T3>("dv0", B, H, Pd)};
+  d.dinitial = {
+      allocate_poisoned<typename DP::T3>("dangle0", B, H, S), allocate_poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
+      allocate_poisoned<typename DP::T3>("dk0", B, H, N), allocate_poisoned<typename DP::T3>("dv0", B, H, Pd)};
   kmamba::mamba3_siso_backward(exec, p.siso_args(), p.dout, p.siso_dfinal, d);
   exec.fence();
   g.dq = host_doubles(d.dq);
@@ -1089,7 +1099,9 @@ void check_decode_steps(const Config& cfg) {
   const int B = cfg.batch, H = cfg.nheads, Pd = cfg.headdim, G = cfg.ngroups, N = cfg.dstate, S = cfg.nangles;
   const int R = cfg.R();
   // The carried states start from the initial states (zero when absent).
-  auto or_zeros = [](const std::vector<double>& v, std::size_t n) { return v.empty() ? std::vector<double>(n, 0.0) : v; };
+  auto or_zeros = [](const std::vector<double>& v, std::size_t n) {
+    return v.empty() ? std::vector<double>(n, 0.0) : v;
+  };
   const std::vector<double> a0 = or_zeros(P.angle0, P.states_angle_size()), s0 = or_zeros(P.ssm0, P.states_ssm_size());
   const std::vector<double> k0 = or_zeros(P.k0, P.states_k_size()), v0 = or_zeros(P.v0, P.states_v_size());
   kmamba::Mamba3SisoStates<Mem> siso_states;
@@ -1283,7 +1295,8 @@ void expect_user_error(Fn&& fn, const std::vector<std::string>& fragments) {
     ADD_FAILURE() << "expected kmamba::UserError";
   } catch (const kmamba::UserError& e) {
     const std::string what = e.what();
-    for (const std::string& f : fragments) EXPECT_NE(what.find(f), std::string::npos) << "'" << f << "' not in: " << what;
+    for (const std::string& f : fragments)
+      EXPECT_NE(what.find(f), std::string::npos) << "'" << f << "' not in: " << what;
   }
 }
 
@@ -1304,18 +1317,21 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
 
   kmamba::Mamba3SisoArgs<Mem> a = siso.siso_args();
   a.q = allocate<T4>("kmamba::test::q", 2, 9, 2, 8);
-  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
-                    {"kmamba::mamba3_siso_forward", "q", "(2, 9, 2, 8)", "(2, 10, 2, 8)", "(batch, seqlen, ngroups, dstate)"});
+  expect_user_error(
+      [&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+      {"kmamba::mamba3_siso_forward", "q", "(2, 9, 2, 8)", "(2, 10, 2, 8)", "(batch, seqlen, ngroups, dstate)"});
   a = siso.siso_args();
   a.k = allocate<T4>("kmamba::test::k", 2, 10, 3, 8);
-  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"k", "(2, 10, 3, 8)", "(2, 10, 2, 8)"});
+  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+                    {"k", "(2, 10, 3, 8)", "(2, 10, 2, 8)"});
   a = siso.siso_args();
   a.q = allocate<T4>("kmamba::test::q", 2, 10, 3, 8);
   a.k = a.q;
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"ngroups = 3", "nheads = 4"});
   a = siso.siso_args();
   a.angles = allocate<T4>("kmamba::test::angles", 2, 10, 4, 5);
-  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"angles", "2·nangles = 10", "dstate = 8"});
+  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+                    {"angles", "2·nangles = 10", "dstate = 8"});
   a = siso.siso_args();
   a.adt = allocate<T3>("kmamba::test::adt", 2, 10, 4);
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
@@ -1325,7 +1341,8 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"q_bias", "(4, 7)", "(4, 8)"});
   a = siso.siso_args();
   a.initial.k = allocate<T3>("kmamba::test::k0", 2, 4, 3);
-  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"initial.k", "(2, 4, 3)", "(2, 4, 8)"});
+  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+                    {"initial.k", "(2, 4, 3)", "(2, 4, 8)"});
   a = siso.siso_args();
   a.angles = kmamba::ConstTensor4<float, Mem>();
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"are required"});
@@ -1334,8 +1351,9 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   bad_final.ssm = allocate<T4>("kmamba::test::ssm", 2, 4, 8, 3);
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, bad_final); },
                     {"final_states.ssm", "(2, 4, 8, 3)", "(2, 4, 3, 8)", "(batch, nheads, headdim, dstate)"});
-  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, allocate<T4>("kmamba::test::o", 2, 10, 4, 4), no_states); },
-                    {"out", "(2, 10, 4, 4)", "(2, 10, 4, 3)"});
+  expect_user_error(
+      [&] { kmamba::mamba3_siso_forward(exec, a, allocate<T4>("kmamba::test::o", 2, 10, 4, 4), no_states); },
+      {"out", "(2, 10, 4, 4)", "(2, 10, 4, 3)"});
   a.chunk_size = 0;
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); }, {"chunk_size"});
   a.chunk_size = 1 << 20;
@@ -1356,10 +1374,12 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
                     {"kmamba::mamba3_siso_backward", "dz"});
   g.dz = allocate<T4>("kmamba::test::dz", 2, 10, 4, 3);
   g.dk = allocate<T4>("kmamba::test::dk", 2, 10, 1, 8);
-  expect_user_error([&] { kmamba::mamba3_siso_backward(exec, a, siso.dout, {}, g); }, {"dk", "(2, 10, 1, 8)", "(2, 10, 2, 8)"});
+  expect_user_error([&] { kmamba::mamba3_siso_backward(exec, a, siso.dout, {}, g); },
+                    {"dk", "(2, 10, 1, 8)", "(2, 10, 2, 8)"});
   g.dk = g.dq;
-  expect_user_error([&] { kmamba::mamba3_siso_backward(exec, a, allocate<T4>("kmamba::test::dout", 2, 10, 4, 2), {}, g); },
-                    {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
+  expect_user_error(
+      [&] { kmamba::mamba3_siso_backward(exec, a, allocate<T4>("kmamba::test::dout", 2, 10, 4, 2), {}, g); },
+      {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
 
   cfg.rank = 2;
   const DeviceProblem<Mem> mimo(make_reference_problem(cfg));
@@ -1398,10 +1418,9 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   step.k_bias = siso.k_bias2;
   step.angles = allocate<T3>("kmamba::test::angles1", 2, 4, 2);
   auto y = allocate<T3>("kmamba::test::y1", 2, 4, 3);
-  kmamba::Mamba3SisoStates<Mem> states{allocate<T3>("kmamba::test::angle_state", 2, 4, 2),
-                                       allocate<T4>("kmamba::test::ssm_state", 2, 4, 8, 3),
-                                       allocate<T3>("kmamba::test::k_state", 2, 4, 8),
-                                       allocate<T3>("kmamba::test::v_state", 2, 4, 3)};
+  kmamba::Mamba3SisoStates<Mem> states{
+      allocate<T3>("kmamba::test::angle_state", 2, 4, 2), allocate<T4>("kmamba::test::ssm_state", 2, 4, 8, 3),
+      allocate<T3>("kmamba::test::k_state", 2, 4, 8), allocate<T3>("kmamba::test::v_state", 2, 4, 3)};
   expect_user_error([&] { kmamba::mamba3_siso_step(exec, step, states, y); },
                     {"kmamba::mamba3_siso_step", "states.ssm", "(2, 4, 8, 3)", "(2, 4, 3, 8)"});
   states.ssm = kmamba::Tensor4<float, Mem>();
@@ -1458,11 +1477,22 @@ RefProblem golden_problem(const kmamba::test::SafeTensorsFile& file, bool mimo) 
 // ‖result − golden‖₂ ≤ tol·‖golden‖₂ for every output and gradient of the file.
 void expect_golden(const kmamba::test::SafeTensorsFile& file, const RefOutputs& o, const RefGrads& g, bool mimo,
                    double tol, const std::string& context) {
-  std::vector<std::pair<std::string, const std::vector<double>*>> all = {
-      {"out", &o.out},          {"final_angle", &o.angle},   {"final_ssm", &o.ssm},       {"final_k", &o.k},
-      {"final_v", &o.v},        {"grad.Q", &g.dq},           {"grad.K", &g.dk},           {"grad.V", &g.dv},
-      {"grad.Z", &g.dz},        {"grad.ADT", &g.dadt},       {"grad.DT", &g.ddt},         {"grad.Trap", &g.dtrap},
-      {"grad.Q_bias", &g.dq_bias}, {"grad.K_bias", &g.dk_bias}, {"grad.Angles", &g.dangles}, {"grad.D", &g.dD}};
+  std::vector<std::pair<std::string, const std::vector<double>*>> all = {{"out", &o.out},
+                                                                         {"final_angle", &o.angle},
+                                                                         {"final_ssm", &o.ssm},
+                                                                         {"final_k", &o.k},
+                                                                         {"final_v", &o.v},
+                                                                         {"grad.Q", &g.dq},
+                                                                         {"grad.K", &g.dk},
+                                                                         {"grad.V", &g.dv},
+                                                                         {"grad.Z", &g.dz},
+                                                                         {"grad.ADT", &g.dadt},
+                                                                         {"grad.DT", &g.ddt},
+                                                                         {"grad.Trap", &g.dtrap},
+                                                                         {"grad.Q_bias", &g.dq_bias},
+                                                                         {"grad.K_bias", &g.dk_bias},
+                                                                         {"grad.Angles", &g.dangles},
+                                                                         {"grad.D", &g.dD}};
   if (mimo) {
     all.push_back({"grad.MIMO_V", &g.dmimo_v});
     all.push_back({"grad.MIMO_Z", &g.dmimo_z});

@@ -11,7 +11,7 @@
 //              dstate − 2·nangles coordinates unchanged (the references' adjacent-pair convention)
 //   v_t,r    = v[b,t,h,:] ⊙ mimo_v[h,r,:]
 //   λ_t = σ(trap[b,h,t]),  α_t = exp(adt[b,h,t]),  β_t = (1 − λ_t)·dt[b,h,t]·α_t,  γ_t = λ_t·dt[b,h,t]
-//   H_t      = α_t·H_{t−1} + β_t·Σ_r v_{t−1,r} k_{t−1,r}ᵀ + γ_t·Σ_r v_t,r k_t,rᵀ          H ∈ R^{headdim×dstate}
+//   H_t      = α_t·H_{t−1} + β_t·Σ_r v_{t−1,r} k_{t−1,r}ᵀ + γ_t·Σ_r v_t,r k_t,rᵀ   (headdim × dstate)
 //   y_t,r    = H_t·q_t,r + D[h]·v_t,r
 //   out[b,t,h,:] = Σ_r y_t,r ⊙ silu(z[b,t,h,:] ⊙ mimo_z[h,r,:]) ⊙ mimo_o[h,r,:]   (no silu factor without z)
 //
@@ -23,8 +23,8 @@
 // Chunked form. With β̃_t = (1 − λ_t)·dt_t (0 past the last token) and scale_t = γ_t + β̃_{t+1},
 // Ĥ_t = H_t + β̃_{t+1}·Σ_r v_t,r k_t,rᵀ obeys Ĥ_t = α_t·Ĥ_{t−1} + scale_t·Σ_r v_t,r k_t,rᵀ (the SSD
 // recurrence, Ĥ_{−1} = H_{−1} + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ, Ĥ_{L−1} = H_{L−1}), and
-//   y_t,r = Σ_{s<t} e^{cs_t − cs_s}·scale_s·Σ_r′ (q_t,r·k_s,r′)·v_s,r′ + γ_t·Σ_r′ (q_t,r·k_t,r′)·v_t,r′
-//           + e^{cs_t}·Ĥ_{chunk start − 1}·q_t,r + D·v_t,r
+//   y_t,r = Σ_{s<t} e^{cs_t − cs_s}·scale_s·Σ_r′ (q_t,r·k_s,r′)·v_s,r′
+//           + γ_t·Σ_r′ (q_t,r·k_t,r′)·v_t,r′ + e^{cs_t}·Ĥ_{chunk start − 1}·q_t,r + D·v_t,r
 // with cs the cumulative sum of adt within the chunk. The sequence is cut into chunks of
 // `chunk_size` tokens (the last may be partial; rows of a chunk are its tokens × ranks) and computed
 // in the stages of the SSD (kmamba/core/Ssd.hpp): per-token angles, decays and scales; rotated q
@@ -106,17 +106,17 @@ struct Mamba3MimoConstStates {
 /// Q_bias, K_bias, Angles, D, Z). A View left unallocated means "absent" for the optional ones.
 template <class MemorySpace>
 struct Mamba3SisoArgs {
-  ConstTensor4<float, MemorySpace> q;       // (batch, seqlen, ngroups, dstate): C after its norm
-  ConstTensor4<float, MemorySpace> k;       // (batch, seqlen, ngroups, dstate): B after its norm
-  ConstTensor4<float, MemorySpace> v;       // (batch, seqlen, nheads, headdim): x
-  ConstTensor3<float, MemorySpace> adt;     // (batch, nheads, seqlen): A·dt, the log-decay (≤ 0)
-  ConstTensor3<float, MemorySpace> dt;      // (batch, nheads, seqlen): dt after its softplus
-  ConstTensor3<float, MemorySpace> trap;    // (batch, nheads, seqlen): before its sigmoid
-  ConstTensor2<float, MemorySpace> q_bias;  // (nheads, dstate)
-  ConstTensor2<float, MemorySpace> k_bias;  // (nheads, dstate)
-  ConstTensor4<float, MemorySpace> angles;  // (batch, seqlen, nheads, nangles), raw (π·tanh applied inside); 2·nangles ≤ dstate
-  ConstTensor1<float, MemorySpace> D;       // (nheads), optional skip connection
-  ConstTensor4<float, MemorySpace> z;       // (batch, seqlen, nheads, headdim), optional gate
+  ConstTensor4<float, MemorySpace> q;          // (batch, seqlen, ngroups, dstate): C after its norm
+  ConstTensor4<float, MemorySpace> k;          // (batch, seqlen, ngroups, dstate): B after its norm
+  ConstTensor4<float, MemorySpace> v;          // (batch, seqlen, nheads, headdim): x
+  ConstTensor3<float, MemorySpace> adt;        // (batch, nheads, seqlen): A·dt, the log-decay (≤ 0)
+  ConstTensor3<float, MemorySpace> dt;         // (batch, nheads, seqlen): dt after its softplus
+  ConstTensor3<float, MemorySpace> trap;       // (batch, nheads, seqlen): before its sigmoid
+  ConstTensor2<float, MemorySpace> q_bias;     // (nheads, dstate)
+  ConstTensor2<float, MemorySpace> k_bias;     // (nheads, dstate)
+  ConstTensor4<float, MemorySpace> angles;     // (batch, seqlen, nheads, nangles): raw, 2·nangles ≤ dstate
+  ConstTensor1<float, MemorySpace> D;          // (nheads), optional skip connection
+  ConstTensor4<float, MemorySpace> z;          // (batch, seqlen, nheads, headdim), optional gate
   Mamba3SisoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
   /// Tokens per chunk (the reference's default 64). A value whose team scratch memory the backend
   /// cannot provide is a UserError.
@@ -129,17 +129,17 @@ struct Mamba3SisoArgs {
 /// exactly when z is given.
 template <class MemorySpace>
 struct Mamba3SisoGrads {
-  Tensor4<float, MemorySpace> dq;       // (batch, seqlen, ngroups, dstate)
-  Tensor4<float, MemorySpace> dk;       // (batch, seqlen, ngroups, dstate)
-  Tensor4<float, MemorySpace> dv;       // (batch, seqlen, nheads, headdim)
-  Tensor3<float, MemorySpace> dadt;     // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> ddt;      // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> dtrap;    // (batch, nheads, seqlen)
-  Tensor2<float, MemorySpace> dq_bias;  // (nheads, dstate)
-  Tensor2<float, MemorySpace> dk_bias;  // (nheads, dstate)
-  Tensor4<float, MemorySpace> dangles;  // (batch, seqlen, nheads, nangles)
-  Tensor1<float, MemorySpace> dD;       // (nheads), optional
-  Tensor4<float, MemorySpace> dz;       // (batch, seqlen, nheads, headdim), with z
+  Tensor4<float, MemorySpace> dq;          // (batch, seqlen, ngroups, dstate)
+  Tensor4<float, MemorySpace> dk;          // (batch, seqlen, ngroups, dstate)
+  Tensor4<float, MemorySpace> dv;          // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> dadt;        // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> ddt;         // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> dtrap;       // (batch, nheads, seqlen)
+  Tensor2<float, MemorySpace> dq_bias;     // (nheads, dstate)
+  Tensor2<float, MemorySpace> dk_bias;     // (nheads, dstate)
+  Tensor4<float, MemorySpace> dangles;     // (batch, seqlen, nheads, nangles)
+  Tensor1<float, MemorySpace> dD;          // (nheads), optional
+  Tensor4<float, MemorySpace> dz;          // (batch, seqlen, nheads, headdim), with z
   Mamba3SisoStates<MemorySpace> dinitial;  // optional, each state separately
 };
 
@@ -147,20 +147,20 @@ struct Mamba3SisoGrads {
 /// k and their biases, and the per-head rank projections of v, z and the output.
 template <class MemorySpace>
 struct Mamba3MimoArgs {
-  ConstTensor5<float, MemorySpace> q;       // (batch, seqlen, rank, ngroups, dstate)
-  ConstTensor5<float, MemorySpace> k;       // (batch, seqlen, rank, ngroups, dstate)
-  ConstTensor4<float, MemorySpace> v;       // (batch, seqlen, nheads, headdim)
-  ConstTensor3<float, MemorySpace> adt;     // (batch, nheads, seqlen)
-  ConstTensor3<float, MemorySpace> dt;      // (batch, nheads, seqlen)
-  ConstTensor3<float, MemorySpace> trap;    // (batch, nheads, seqlen)
-  ConstTensor3<float, MemorySpace> q_bias;  // (nheads, rank, dstate)
-  ConstTensor3<float, MemorySpace> k_bias;  // (nheads, rank, dstate)
-  ConstTensor4<float, MemorySpace> angles;  // (batch, seqlen, nheads, nangles); 2·nangles ≤ dstate
-  ConstTensor3<float, MemorySpace> mimo_v;  // (nheads, rank, headdim)
-  ConstTensor3<float, MemorySpace> mimo_z;  // (nheads, rank, headdim), exactly when z is given
-  ConstTensor3<float, MemorySpace> mimo_o;  // (nheads, rank, headdim)
-  ConstTensor1<float, MemorySpace> D;       // (nheads), optional
-  ConstTensor4<float, MemorySpace> z;       // (batch, seqlen, nheads, headdim), optional
+  ConstTensor5<float, MemorySpace> q;          // (batch, seqlen, rank, ngroups, dstate)
+  ConstTensor5<float, MemorySpace> k;          // (batch, seqlen, rank, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> v;          // (batch, seqlen, nheads, headdim)
+  ConstTensor3<float, MemorySpace> adt;        // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> dt;         // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> trap;       // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> q_bias;     // (nheads, rank, dstate)
+  ConstTensor3<float, MemorySpace> k_bias;     // (nheads, rank, dstate)
+  ConstTensor4<float, MemorySpace> angles;     // (batch, seqlen, nheads, nangles); 2·nangles ≤ dstate
+  ConstTensor3<float, MemorySpace> mimo_v;     // (nheads, rank, headdim)
+  ConstTensor3<float, MemorySpace> mimo_z;     // (nheads, rank, headdim), exactly when z is given
+  ConstTensor3<float, MemorySpace> mimo_o;     // (nheads, rank, headdim)
+  ConstTensor1<float, MemorySpace> D;          // (nheads), optional
+  ConstTensor4<float, MemorySpace> z;          // (batch, seqlen, nheads, headdim), optional
   Mamba3MimoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
   /// Tokens per chunk; 0 = the reference's default 64 / rank (at least 1).
   int chunk_size = 0;
@@ -170,20 +170,20 @@ struct Mamba3MimoArgs {
 /// dmimo_o are required, dmimo_z exactly when z is given).
 template <class MemorySpace>
 struct Mamba3MimoGrads {
-  Tensor5<float, MemorySpace> dq;       // (batch, seqlen, rank, ngroups, dstate)
-  Tensor5<float, MemorySpace> dk;       // (batch, seqlen, rank, ngroups, dstate)
-  Tensor4<float, MemorySpace> dv;       // (batch, seqlen, nheads, headdim)
-  Tensor3<float, MemorySpace> dadt;     // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> ddt;      // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> dtrap;    // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> dq_bias;  // (nheads, rank, dstate)
-  Tensor3<float, MemorySpace> dk_bias;  // (nheads, rank, dstate)
-  Tensor4<float, MemorySpace> dangles;  // (batch, seqlen, nheads, nangles)
-  Tensor3<float, MemorySpace> dmimo_v;  // (nheads, rank, headdim)
-  Tensor3<float, MemorySpace> dmimo_z;  // (nheads, rank, headdim), with z
-  Tensor3<float, MemorySpace> dmimo_o;  // (nheads, rank, headdim)
-  Tensor1<float, MemorySpace> dD;       // (nheads), optional
-  Tensor4<float, MemorySpace> dz;       // (batch, seqlen, nheads, headdim), with z
+  Tensor5<float, MemorySpace> dq;          // (batch, seqlen, rank, ngroups, dstate)
+  Tensor5<float, MemorySpace> dk;          // (batch, seqlen, rank, ngroups, dstate)
+  Tensor4<float, MemorySpace> dv;          // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> dadt;        // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> ddt;         // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> dtrap;       // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> dq_bias;     // (nheads, rank, dstate)
+  Tensor3<float, MemorySpace> dk_bias;     // (nheads, rank, dstate)
+  Tensor4<float, MemorySpace> dangles;     // (batch, seqlen, nheads, nangles)
+  Tensor3<float, MemorySpace> dmimo_v;     // (nheads, rank, headdim)
+  Tensor3<float, MemorySpace> dmimo_z;     // (nheads, rank, headdim), with z
+  Tensor3<float, MemorySpace> dmimo_o;     // (nheads, rank, headdim)
+  Tensor1<float, MemorySpace> dD;          // (nheads), optional
+  Tensor4<float, MemorySpace> dz;          // (batch, seqlen, nheads, headdim), with z
   Mamba3MimoStates<MemorySpace> dinitial;  // optional, each state separately
 };
 
@@ -225,8 +225,8 @@ struct Mamba3MimoStepArgs {
 namespace impl {
 
 /// Checks of the dimensions read off the inputs, shared by every op.
-inline void mamba3_check_dims(const char* function, const Mamba3Dims& dims, const Shape& v_shape,
-                              const Shape& q_shape, const Shape& angles_shape) {
+inline void mamba3_check_dims(const char* function, const Mamba3Dims& dims, const Shape& v_shape, const Shape& q_shape,
+                              const Shape& angles_shape) {
   KMAMBA_REQUIRE(dims.nheads >= 1 && dims.headdim >= 1,
                  function << ": v has shape " << v_shape.to_string() << ": nheads and headdim must be positive");
   KMAMBA_REQUIRE(dims.ngroups >= 1 && dims.nheads % dims.ngroups == 0,
@@ -234,9 +234,9 @@ inline void mamba3_check_dims(const char* function, const Mamba3Dims& dims, cons
                           << " must be positive and divide nheads = " << dims.nheads);
   KMAMBA_REQUIRE(dims.dstate >= 1, function << ": q has shape " << q_shape.to_string() << ": dstate must be positive");
   KMAMBA_REQUIRE(dims.rank >= 1, function << ": q has shape " << q_shape.to_string() << ": rank must be positive");
-  KMAMBA_REQUIRE(2 * dims.nangles <= dims.dstate,
-                 function << ": angles has shape " << angles_shape.to_string() << ": 2·nangles = " << 2 * dims.nangles
-                          << " must not exceed dstate = " << dims.dstate);
+  KMAMBA_REQUIRE(2 * dims.nangles <= dims.dstate, function << ": angles has shape " << angles_shape.to_string()
+                                                           << ": 2·nangles = " << 2 * dims.nangles
+                                                           << " must not exceed dstate = " << dims.dstate);
   KMAMBA_REQUIRE(dims.batch * dims.seqlen * dims.nheads * dims.rank * (dims.headdim + dims.dstate) <
                      std::numeric_limits<int>::max(),
                  function << ": v has shape " << v_shape.to_string() << ": too many elements for 32-bit indexing");
@@ -248,7 +248,8 @@ void mamba3_check_common(const char* function, const Mamba3Dims& dims, const Con
                          const ConstTensor3<float, MemorySpace>& trap, const ConstTensor4<float, MemorySpace>& angles,
                          const ConstTensor1<float, MemorySpace>& D, const ConstTensor4<float, MemorySpace>& z,
                          int chunk_size) {
-  check_shape(function, "v", v, {dims.batch, dims.seqlen, dims.nheads, dims.headdim}, "(batch, seqlen, nheads, headdim)");
+  check_shape(function, "v", v, {dims.batch, dims.seqlen, dims.nheads, dims.headdim},
+              "(batch, seqlen, nheads, headdim)");
   const Shape per_token{dims.batch, dims.nheads, dims.seqlen};
   check_shape(function, "adt", adt, per_token, "(batch, nheads, seqlen)");
   check_shape(function, "dt", dt, per_token, "(batch, nheads, seqlen)");
@@ -257,7 +258,8 @@ void mamba3_check_common(const char* function, const Mamba3Dims& dims, const Con
               "(batch, seqlen, nheads, nangles)");
   if (D.is_allocated()) check_shape(function, "D", D, {dims.nheads}, "(nheads)");
   if (z.is_allocated()) {
-    check_shape(function, "z", z, {dims.batch, dims.seqlen, dims.nheads, dims.headdim}, "(batch, seqlen, nheads, headdim)");
+    check_shape(function, "z", z, {dims.batch, dims.seqlen, dims.nheads, dims.headdim},
+                "(batch, seqlen, nheads, headdim)");
   }
   KMAMBA_REQUIRE(chunk_size >= 1, function << ": chunk_size must be positive, got " << chunk_size);
 }
@@ -275,10 +277,12 @@ void mamba3_check_siso_states(const char* function, const char* what, const Stat
                 "(batch, nheads, headdim, dstate)");
   }
   if (s.k.is_allocated()) {
-    check_shape(function, (prefix + ".k").c_str(), s.k, {dims.batch, dims.nheads, dims.dstate}, "(batch, nheads, dstate)");
+    check_shape(function, (prefix + ".k").c_str(), s.k, {dims.batch, dims.nheads, dims.dstate},
+                "(batch, nheads, dstate)");
   }
   if (s.v.is_allocated()) {
-    check_shape(function, (prefix + ".v").c_str(), s.v, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
+    check_shape(function, (prefix + ".v").c_str(), s.v, {dims.batch, dims.nheads, dims.headdim},
+                "(batch, nheads, headdim)");
   }
 }
 
@@ -305,7 +309,8 @@ void mamba3_check_mimo_states(const char* function, const char* what, const Stat
 
 template <class MemorySpace>
 Mamba3Dims mamba3_check_siso_args(const char* function, const Mamba3SisoArgs<MemorySpace>& args) {
-  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias, args.angles),
+  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias,
+                                        args.angles),
                  function << ": q, k, v, adt, dt, trap, q_bias, k_bias and angles are required");
   Mamba3Dims dims;
   dims.batch = static_cast<std::int64_t>(args.v.extent(0));
@@ -323,14 +328,16 @@ Mamba3Dims mamba3_check_siso_args(const char* function, const Mamba3SisoArgs<Mem
   check_shape(function, "k", args.k, qk, "(batch, seqlen, ngroups, dstate)");
   check_shape(function, "q_bias", args.q_bias, {dims.nheads, dims.dstate}, "(nheads, dstate)");
   check_shape(function, "k_bias", args.k_bias, {dims.nheads, dims.dstate}, "(nheads, dstate)");
-  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z, args.chunk_size);
+  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z,
+                      args.chunk_size);
   mamba3_check_siso_states(function, "initial", args.initial, dims);
   return dims;
 }
 
 template <class MemorySpace>
 Mamba3Dims mamba3_check_mimo_args(const char* function, const Mamba3MimoArgs<MemorySpace>& args) {
-  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias, args.angles, args.mimo_v, args.mimo_o),
+  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias,
+                                        args.angles, args.mimo_v, args.mimo_o),
                  function << ": q, k, v, adt, dt, trap, q_bias, k_bias, angles, mimo_v and mimo_o are required");
   Mamba3Dims dims;
   dims.batch = static_cast<std::int64_t>(args.v.extent(0));
@@ -353,11 +360,12 @@ Mamba3Dims mamba3_check_mimo_args(const char* function, const Mamba3MimoArgs<Mem
   check_shape(function, "mimo_v", args.mimo_v, proj, "(nheads, rank, headdim)");
   check_shape(function, "mimo_o", args.mimo_o, proj, "(nheads, rank, headdim)");
   KMAMBA_REQUIRE(args.z.is_allocated() == args.mimo_z.is_allocated(),
-                 function << ": mimo_z must be given exactly when z is (z " << (args.z.is_allocated() ? "given" : "absent")
-                          << ", mimo_z " << (args.mimo_z.is_allocated() ? "given" : "absent") << ")");
+                 function << ": mimo_z must be given exactly when z is (z "
+                          << (args.z.is_allocated() ? "given" : "absent") << ", mimo_z "
+                          << (args.mimo_z.is_allocated() ? "given" : "absent") << ")");
   if (args.mimo_z.is_allocated()) check_shape(function, "mimo_z", args.mimo_z, proj, "(nheads, rank, headdim)");
-  KMAMBA_REQUIRE(args.chunk_size >= 0, function << ": chunk_size must be positive (or 0 for 64 / rank), got "
-                                                << args.chunk_size);
+  KMAMBA_REQUIRE(args.chunk_size >= 0,
+                 function << ": chunk_size must be positive (or 0 for 64 / rank), got " << args.chunk_size);
   mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z,
                       mamba3_mimo_chunk_size(args.chunk_size, dims.rank));
   mamba3_check_mimo_states(function, "initial", args.initial, dims);
@@ -520,10 +528,11 @@ void mamba3_siso_forward(const Mamba3SisoArgs<MemorySpace>& args,
 /// batch, seqlen or the heads of a group is taken in a fixed order: no atomics, identical results
 /// from run to run. Non-blocking on `exec` (see the file comment).
 template <class ExecutionSpace, class MemorySpace>
-void mamba3_siso_backward(const ExecutionSpace& exec, const Mamba3SisoArgs<MemorySpace>& args,
-                          const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
-                          const Mamba3SisoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
-                          const Mamba3SisoGrads<MemorySpace>& grads) {
+void mamba3_siso_backward(
+    const ExecutionSpace& exec, const Mamba3SisoArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const Mamba3SisoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
+    const Mamba3SisoGrads<MemorySpace>& grads) {
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_siso_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_siso_backward";
@@ -558,10 +567,11 @@ void mamba3_siso_backward(const ExecutionSpace& exec, const Mamba3SisoArgs<Memor
 }
 
 template <class MemorySpace>
-void mamba3_siso_backward(const Mamba3SisoArgs<MemorySpace>& args,
-                          const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
-                          const Mamba3SisoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
-                          const Mamba3SisoGrads<MemorySpace>& grads) {
+void mamba3_siso_backward(
+    const Mamba3SisoArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const Mamba3SisoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
+    const Mamba3SisoGrads<MemorySpace>& grads) {
   mamba3_siso_backward(typename Tensor4<float, MemorySpace>::execution_space(), args, dout, dfinal_states, grads);
 }
 
@@ -591,10 +601,11 @@ void mamba3_mimo_forward(const Mamba3MimoArgs<MemorySpace>& args,
 
 /// Mamba-3 MIMO backward (see mamba3_siso_backward; also the gradients of the rank projections).
 template <class ExecutionSpace, class MemorySpace>
-void mamba3_mimo_backward(const ExecutionSpace& exec, const Mamba3MimoArgs<MemorySpace>& args,
-                          const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
-                          const Mamba3MimoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
-                          const Mamba3MimoGrads<MemorySpace>& grads) {
+void mamba3_mimo_backward(
+    const ExecutionSpace& exec, const Mamba3MimoArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const Mamba3MimoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
+    const Mamba3MimoGrads<MemorySpace>& grads) {
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_mimo_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_mimo_backward";
@@ -643,10 +654,11 @@ void mamba3_mimo_backward(const ExecutionSpace& exec, const Mamba3MimoArgs<Memor
 }
 
 template <class MemorySpace>
-void mamba3_mimo_backward(const Mamba3MimoArgs<MemorySpace>& args,
-                          const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
-                          const Mamba3MimoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
-                          const Mamba3MimoGrads<MemorySpace>& grads) {
+void mamba3_mimo_backward(
+    const Mamba3MimoArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const Mamba3MimoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
+    const Mamba3MimoGrads<MemorySpace>& grads) {
   mamba3_mimo_backward(typename Tensor4<float, MemorySpace>::execution_space(), args, dout, dfinal_states, grads);
 }
 
@@ -662,16 +674,17 @@ void mamba3_check_step_common(const char* function, const Mamba3Dims& dims, cons
   check_shape(function, "trap", args.trap, per_head, "(batch, nheads)");
   check_shape(function, "angles", args.angles, {dims.batch, dims.nheads, dims.nangles}, "(batch, nheads, nangles)");
   if (args.D.is_allocated()) check_shape(function, "D", args.D, {dims.nheads}, "(nheads)");
-  if (args.z.is_allocated()) check_shape(function, "z", args.z, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
+  if (args.z.is_allocated())
+    check_shape(function, "z", args.z, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
   check_shape(function, "out", out, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
   check_allocated(function, "out", out);
 }
 
 template <class StatesType>
 void mamba3_require_all_states(const char* function, const StatesType& states) {
-  KMAMBA_REQUIRE(states.angle.is_allocated() && states.ssm.is_allocated() && states.k.is_allocated() &&
-                     states.v.is_allocated(),
-                 function << ": the step needs all four states (angle, ssm, k, v) allocated");
+  KMAMBA_REQUIRE(
+      states.angle.is_allocated() && states.ssm.is_allocated() && states.k.is_allocated() && states.v.is_allocated(),
+      function << ": the step needs all four states (angle, ssm, k, v) allocated");
 }
 
 }  // namespace impl
@@ -686,7 +699,8 @@ void mamba3_siso_step(const ExecutionSpace& exec, const Mamba3SisoStepArgs<Memor
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_siso_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_siso_step";
-  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias, args.angles),
+  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias,
+                                        args.angles),
                  function << ": q, k, v, adt, dt, trap, q_bias, k_bias and angles are required");
   impl::Mamba3Dims dims;
   dims.batch = static_cast<std::int64_t>(args.v.extent(0));
@@ -731,7 +745,8 @@ void mamba3_mimo_step(const ExecutionSpace& exec, const Mamba3MimoStepArgs<Memor
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_mimo_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_mimo_step";
-  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias, args.angles, args.mimo_v, args.mimo_o),
+  KMAMBA_REQUIRE(impl::mamba3_all_given(args.q, args.k, args.v, args.adt, args.dt, args.trap, args.q_bias, args.k_bias,
+                                        args.angles, args.mimo_v, args.mimo_o),
                  function << ": q, k, v, adt, dt, trap, q_bias, k_bias, angles, mimo_v and mimo_o are required");
   impl::Mamba3Dims dims;
   dims.batch = static_cast<std::int64_t>(args.v.extent(0));
@@ -754,8 +769,9 @@ void mamba3_mimo_step(const ExecutionSpace& exec, const Mamba3MimoStepArgs<Memor
   check_shape(function, "mimo_v", args.mimo_v, proj, "(nheads, rank, headdim)");
   check_shape(function, "mimo_o", args.mimo_o, proj, "(nheads, rank, headdim)");
   KMAMBA_REQUIRE(args.z.is_allocated() == args.mimo_z.is_allocated(),
-                 function << ": mimo_z must be given exactly when z is (z " << (args.z.is_allocated() ? "given" : "absent")
-                          << ", mimo_z " << (args.mimo_z.is_allocated() ? "given" : "absent") << ")");
+                 function << ": mimo_z must be given exactly when z is (z "
+                          << (args.z.is_allocated() ? "given" : "absent") << ", mimo_z "
+                          << (args.mimo_z.is_allocated() ? "given" : "absent") << ")");
   if (args.mimo_z.is_allocated()) check_shape(function, "mimo_z", args.mimo_z, proj, "(nheads, rank, headdim)");
   impl::mamba3_check_step_common(function, dims, args, out);
   impl::mamba3_require_all_states(function, states);

@@ -92,7 +92,9 @@ struct Mamba3StateViews {
   KOKKOS_INLINE_FUNCTION T& k(int b, int h, int r, int n) const { return mimo ? k4(b, h, r, n) : k3(b, h, n); }
   KOKKOS_INLINE_FUNCTION T& v(int b, int h, int r, int p) const { return mimo ? v4(b, h, r, p) : v3(b, h, p); }
   KOKKOS_INLINE_FUNCTION float angle_or_zero(int b, int h, int i) const { return has_angle ? angle(b, h, i) : 0.0f; }
-  KOKKOS_INLINE_FUNCTION float ssm_or_zero(int b, int h, int p, int n) const { return has_ssm ? ssm(b, h, p, n) : 0.0f; }
+  KOKKOS_INLINE_FUNCTION float ssm_or_zero(int b, int h, int p, int n) const {
+    return has_ssm ? ssm(b, h, p, n) : 0.0f;
+  }
   KOKKOS_INLINE_FUNCTION float k_or_zero(int b, int h, int r, int n) const { return has_k ? k(b, h, r, n) : 0.0f; }
   KOKKOS_INLINE_FUNCTION float v_or_zero(int b, int h, int r, int p) const { return has_v ? v(b, h, r, p) : 0.0f; }
 };
@@ -101,16 +103,16 @@ struct Mamba3StateViews {
 /// projections; MIMO: q5, k5, q_bias3, k_bias3, mimo_*).
 template <class MemorySpace>
 struct Mamba3Operands {
-  ConstTensor4<float, MemorySpace> q4, k4;            // SISO: (batch, seqlen, ngroups, dstate)
-  ConstTensor5<float, MemorySpace> q5, k5;            // MIMO: (batch, seqlen, rank, ngroups, dstate)
-  ConstTensor4<float, MemorySpace> v;                 // (batch, seqlen, nheads, headdim)
-  ConstTensor3<float, MemorySpace> adt, dt, trap;     // (batch, nheads, seqlen)
-  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;  // SISO: (nheads, dstate)
-  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;  // MIMO: (nheads, rank, dstate)
-  ConstTensor4<float, MemorySpace> angles;            // (batch, seqlen, nheads, nangles)
+  ConstTensor4<float, MemorySpace> q4, k4;                  // SISO: (batch, seqlen, ngroups, dstate)
+  ConstTensor5<float, MemorySpace> q5, k5;                  // MIMO: (batch, seqlen, rank, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> v;                       // (batch, seqlen, nheads, headdim)
+  ConstTensor3<float, MemorySpace> adt, dt, trap;           // (batch, nheads, seqlen)
+  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;        // SISO: (nheads, dstate)
+  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;        // MIMO: (nheads, rank, dstate)
+  ConstTensor4<float, MemorySpace> angles;                  // (batch, seqlen, nheads, nangles)
   ConstTensor3<float, MemorySpace> mimo_v, mimo_z, mimo_o;  // MIMO: (nheads, rank, headdim)
-  ConstTensor1<float, MemorySpace> D;                 // (nheads)
-  ConstTensor4<float, MemorySpace> z;                 // (batch, seqlen, nheads, headdim)
+  ConstTensor1<float, MemorySpace> D;                       // (nheads)
+  ConstTensor4<float, MemorySpace> z;                       // (batch, seqlen, nheads, headdim)
   Mamba3StateViews<const float, MemorySpace> initial;
   /// SISO keeps its angles reduced into [0, 2π); MIMO reports the plain sum.
   bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
@@ -135,16 +137,16 @@ struct Mamba3Operands {
 /// dk_bias3, dmimo_*). Optional ones are unallocated when not wanted.
 template <class MemorySpace>
 struct Mamba3GradViews {
-  Tensor4<float, MemorySpace> dq4, dk4;            // SISO: (batch, seqlen, ngroups, dstate)
-  Tensor5<float, MemorySpace> dq5, dk5;            // MIMO: (batch, seqlen, rank, ngroups, dstate)
-  Tensor2<float, MemorySpace> dq_bias2, dk_bias2;  // SISO: (nheads, dstate)
-  Tensor3<float, MemorySpace> dq_bias3, dk_bias3;  // MIMO: (nheads, rank, dstate)
-  Tensor4<float, MemorySpace> dv;                  // (batch, seqlen, nheads, headdim)
-  Tensor3<float, MemorySpace> dadt, ddt, dtrap;    // (batch, nheads, seqlen)
-  Tensor4<float, MemorySpace> dangles;             // (batch, seqlen, nheads, nangles)
+  Tensor4<float, MemorySpace> dq4, dk4;                   // SISO: (batch, seqlen, ngroups, dstate)
+  Tensor5<float, MemorySpace> dq5, dk5;                   // MIMO: (batch, seqlen, rank, ngroups, dstate)
+  Tensor2<float, MemorySpace> dq_bias2, dk_bias2;         // SISO: (nheads, dstate)
+  Tensor3<float, MemorySpace> dq_bias3, dk_bias3;         // MIMO: (nheads, rank, dstate)
+  Tensor4<float, MemorySpace> dv;                         // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> dadt, ddt, dtrap;           // (batch, nheads, seqlen)
+  Tensor4<float, MemorySpace> dangles;                    // (batch, seqlen, nheads, nangles)
   Tensor3<float, MemorySpace> dmimo_v, dmimo_z, dmimo_o;  // MIMO: (nheads, rank, headdim)
-  Tensor1<float, MemorySpace> dD;                  // (nheads)
-  Tensor4<float, MemorySpace> dz;                  // (batch, seqlen, nheads, headdim)
+  Tensor1<float, MemorySpace> dD;                         // (nheads)
+  Tensor4<float, MemorySpace> dz;                         // (batch, seqlen, nheads, headdim)
   Mamba3StateViews<float, MemorySpace> dinitial;
   bool mimo = false;
 
@@ -161,16 +163,16 @@ struct Mamba3GradViews {
 /// The inputs of a decode step of either variant.
 template <class MemorySpace>
 struct Mamba3StepOperands {
-  ConstTensor3<float, MemorySpace> q3, k3;            // SISO: (batch, ngroups, dstate)
-  ConstTensor4<float, MemorySpace> q4, k4;            // MIMO: (batch, rank, ngroups, dstate)
-  ConstTensor3<float, MemorySpace> v;                 // (batch, nheads, headdim)
-  ConstTensor2<float, MemorySpace> adt, dt, trap;     // (batch, nheads)
-  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;  // SISO: (nheads, dstate)
-  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;  // MIMO: (nheads, rank, dstate)
-  ConstTensor3<float, MemorySpace> angles;            // (batch, nheads, nangles)
+  ConstTensor3<float, MemorySpace> q3, k3;                  // SISO: (batch, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> q4, k4;                  // MIMO: (batch, rank, ngroups, dstate)
+  ConstTensor3<float, MemorySpace> v;                       // (batch, nheads, headdim)
+  ConstTensor2<float, MemorySpace> adt, dt, trap;           // (batch, nheads)
+  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;        // SISO: (nheads, dstate)
+  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;        // MIMO: (nheads, rank, dstate)
+  ConstTensor3<float, MemorySpace> angles;                  // (batch, nheads, nangles)
   ConstTensor3<float, MemorySpace> mimo_v, mimo_z, mimo_o;  // MIMO: (nheads, rank, headdim)
-  ConstTensor1<float, MemorySpace> D;                 // (nheads)
-  ConstTensor3<float, MemorySpace> z;                 // (batch, nheads, headdim)
+  ConstTensor1<float, MemorySpace> D;                       // (nheads)
+  ConstTensor3<float, MemorySpace> z;                       // (batch, nheads, headdim)
   bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
 
   template <class StepArgs>
@@ -244,8 +246,8 @@ Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_s
   };
   while (plan.tile > 1 && need() > limit) plan.tile = (plan.tile + 1) / 2;
   KMAMBA_REQUIRE(need() <= limit, function << ": chunk_size " << plan.chunk << " with rank " << plan.rank
-                                           << ", headdim " << plan.headdim << " and dstate " << plan.dstate
-                                           << " needs " << need() << " bytes of team scratch memory but " << limit
+                                           << ", headdim " << plan.headdim << " and dstate " << plan.dstate << " needs "
+                                           << need() << " bytes of team scratch memory but " << limit
                                            << " are available; pass a smaller chunk_size");
   plan.tile_rows = plan.tile * plan.rank;
   int vector_length = 1;
@@ -256,8 +258,8 @@ Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_s
 }
 
 template <class ExecSpace, class Functor>
-void mamba3_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, int league,
-                   const Functor& functor, std::size_t scratch) {
+void mamba3_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, int league, const Functor& functor,
+                   std::size_t scratch) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
   constexpr int preferred_team_size = 8;
   if (league == 0) return;
@@ -283,30 +285,30 @@ struct Mamba3Workspace {
 
   explicit Mamba3Workspace(const Mamba3Plan& plan)
       : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
-                                                                   plan.seqlen, plan.nangles)),
+                                                                  plan.seqlen, plan.nangles)),
         cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
-                                                                plan.seqlen)),
+                                                               plan.seqlen)),
         scale(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::scale", plan.batch, plan.nheads,
-                                                                   plan.seqlen)),
+                                                                  plan.seqlen)),
         gamma(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::gamma", plan.batch, plan.nheads,
-                                                                   plan.seqlen)),
+                                                                  plan.seqlen)),
         q(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch, plan.nheads,
-                                                               plan.seqlen * plan.rank, plan.dstate)),
+                                                              plan.seqlen * plan.rank, plan.dstate)),
         k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch, plan.nheads,
-                                                               plan.seqlen * plan.rank, plan.dstate)),
+                                                              plan.seqlen * plan.rank, plan.dstate)),
         v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch, plan.nheads,
-                                                               plan.seqlen * plan.rank, plan.headdim)),
+                                                              plan.seqlen * plan.rank, plan.headdim)),
         states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
-                                                                    plan.nheads, plan.headdim, plan.dstate)) {}
+                                                                   plan.nheads, plan.headdim, plan.dstate)) {}
 };
 
 /// Buffers of the backward stages.
 template <class MemorySpace>
 struct Mamba3BackwardWorkspace {
-  Tensor4<float, MemorySpace> y;        // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (when needed)
-  Tensor4<float, MemorySpace> g;        // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
-  Tensor4<float, MemorySpace> dv;       // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
-  Tensor4<float, MemorySpace> dq, dk;   // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
+  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (when needed)
+  Tensor4<float, MemorySpace> g;       // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
+  Tensor4<float, MemorySpace> dv;      // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
+  Tensor4<float, MemorySpace> dq, dk;  // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
   Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate): then ∂/∂ state leaving the chunk
   Tensor4<float, MemorySpace> dH0;      // (batch, nheads, headdim, dstate): ∂/∂Ĥ_{−1}
   Tensor3<float, MemorySpace> off;      // (batch, nheads, seqlen): ∂/∂scale_t
@@ -493,7 +495,8 @@ struct Mamba3ChunkStateFunctor {
     });
     team.team_barrier();
     TeamGemm<ExecSpace>::apply(
-        team, plan.headdim, plan.dstate, blk.rows, [&](const int p, const int j) { return ws.v(b, h, row0 + j, p) * sw(j); },
+        team, plan.headdim, plan.dstate, blk.rows,
+        [&](const int p, const int j) { return ws.v(b, h, row0 + j, p) * sw(j); },
         [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
         [&](const int p, const int n, const float v) { ws.states(b, blk.c, h, p, n) = v; });
   }
@@ -558,9 +561,8 @@ struct Mamba3ChunkScanFunctor {
     typename S::Mat sy(team.team_scratch(0), plan.tile_rows, plan.headdim);
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, row0 = blk.row0, rows = blk.rows, R = plan.rank;
     mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows), [&](const int j) {
-      seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, t0 + j / R));
-    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows),
+                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, t0 + j / R)); });
     const float skip = in.skip(h);
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
       const int tokens = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
@@ -605,7 +607,8 @@ struct Mamba3ChunkScanFunctor {
   }
 };
 
-/// Backward B1 (gate): g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r) and dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙ mimo_z_r)·mimo_z_r.
+/// Backward B1 (gate): g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r) and dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
+/// mimo_z_r)·mimo_z_r.
 template <class MemorySpace>
 struct Mamba3GateBackwardFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -649,9 +652,8 @@ struct Mamba3ChunkDstatesFunctor {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
     typename S::Vec seA(team.team_scratch(0), plan.rows);
     const int b = blk.b, h = blk.h, row0 = blk.row0;
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows), [&](const int j) {
-      seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, blk.t0 + j / plan.rank));
-    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows),
+                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
     team.team_barrier();
     TeamGemm<ExecSpace>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
@@ -832,7 +834,8 @@ struct Mamba3ChunkBackwardFunctor {
               acc += sacc(ss * R + rr, n) * ws.k(b, h, j0 + ss * R + rr, n);
             },
             dot);
-        Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = Kokkos::Experimental::exp(cs_last - scs(s)) * dot; });
+        Kokkos::single(Kokkos::PerThread(team),
+                       [&]() { snext(s) = Kokkos::Experimental::exp(cs_last - scs(s)) * dot; });
         // X(s, t) from the raw products, then the products weighted in place.
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float x = 0.0f;
@@ -881,8 +884,12 @@ struct Mamba3ChunkBackwardFunctor {
       TeamGemm<ExecSpace>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
           [&](const int jj, const int k) { return k < rows ? sA(jj, k) : srow(jj) * ws.k(b, h, j0 + jj, k - rows); },
-          [&](const int k, const int p) { return k < rows ? bw.g(b, h, row0 + k, p) : bw.dstates(b, c, h, p, k - rows); },
-          [&](const int jj, const int p, const float v) { bw.dv(b, h, j0 + jj, p) = v + skip * bw.g(b, h, j0 + jj, p); });
+          [&](const int k, const int p) {
+            return k < rows ? bw.g(b, h, row0 + k, p) : bw.dstates(b, c, h, p, k - rows);
+          },
+          [&](const int jj, const int p, const float v) {
+            bw.dv(b, h, j0 + jj, p) = v + skip * bw.g(b, h, j0 + jj, p);
+          });
       TeamGemm<ExecSpace>::apply(
           team, nr, plan.dstate, rows, [&](const int jj, const int i) { return sB(jj, i); },
           [&](const int i, const int n) { return ws.q(b, h, row0 + i, n); },
@@ -894,12 +901,12 @@ struct Mamba3ChunkBackwardFunctor {
       const int tokens = len - l0 < plan.tile ? len - l0 : plan.tile;
       const int nr = tokens * R, i0 = row0 + l0 * R;
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr), [&](const int ii) {
-        srow(ii) = Kokkos::Experimental::exp(scs(l0 + ii / R));
-      });
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr),
+                           [&](const int ii) { srow(ii) = Kokkos::Experimental::exp(scs(l0 + ii / R)); });
       team.team_barrier();
       TeamGemm<ExecSpace>::apply(
-          team, nr, plan.dstate, plan.headdim, [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
+          team, nr, plan.dstate, plan.headdim,
+          [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
           [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
       TeamGemm<ExecSpace>::apply(
@@ -1204,9 +1211,8 @@ struct Mamba3StepFunctor {
         sk(rn) = in.k_in(b, r, g, n) + in.k_bias(h, r, n);
       }
     });
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P), [&](const int rp) {
-      sv(rp) = in.v(b, h, rp % P) * in.v_proj(h, rp / P, rp % P);
-    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P),
+                         [&](const int rp) { sv(rp) = in.v(b, h, rp % P) * in.v_proj(h, rp / P, rp % P); });
     team.team_barrier();
     const float skip = in.has_D ? in.D(h) : 0.0f;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, P), [&](const int p) {
@@ -1234,13 +1240,12 @@ struct Mamba3StepFunctor {
       Kokkos::single(Kokkos::PerThread(team), [&]() { out(b, h, p) = o; });
     });
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * N), [&](const int rn) {
-      states.k(b, h, rn / N, rn % N) = sk(rn);
-    });
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P), [&](const int rp) {
-      states.v(b, h, rp / P, rp % P) = sv(rp);
-    });
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, plan.nangles), [&](const int i) { states.angle(b, h, i) = stheta(i); });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * N),
+                         [&](const int rn) { states.k(b, h, rn / N, rn % N) = sk(rn); });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P),
+                         [&](const int rp) { states.v(b, h, rp / P, rp % P) = sv(rp); });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, plan.nangles),
+                         [&](const int i) { states.angle(b, h, i) = stheta(i); });
   }
 };
 
@@ -1276,9 +1281,9 @@ void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3O
                     const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
   const std::size_t scratch =
       Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
-  mamba3_launch(exec, "kmamba::mamba3::token_scan", plan, plan.batch * plan.nheads,
-                Mamba3TokenScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle},
-                0);
+  mamba3_launch(
+      exec, "kmamba::mamba3::token_scan", plan, plan.batch * plan.nheads,
+      Mamba3TokenScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle}, 0);
   Kokkos::parallel_for(
       "kmamba::mamba3::rotate",
       Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
@@ -1343,9 +1348,10 @@ void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mam
   const bool keep_y = in.has_z || in.mimo;
   const Mamba3BackwardWorkspace<MemorySpace> bw(plan, keep_y);
   if (keep_y) {
-    mamba3_launch(exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
-                  Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
-                  scratch);
+    mamba3_launch(
+        exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
+        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
+        scratch);
   }
   const Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>> tokens(exec, {0, 0, 0},
                                                                  {plan.batch, plan.seqlen, plan.nheads});
@@ -1390,8 +1396,8 @@ void mamba3_step_impl(const ExecSpace& exec, const char* function, const Mamba3D
   using Vec = typename Mamba3Scratch<ExecSpace>::Vec;
   const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, 1);
   const int R = plan.rank;
-  const std::size_t scratch = 2 * Vec::shmem_size(R * plan.dstate) + Vec::shmem_size(R * plan.headdim) +
-                              Vec::shmem_size(plan.nangles);
+  const std::size_t scratch =
+      2 * Vec::shmem_size(R * plan.dstate) + Vec::shmem_size(R * plan.headdim) + Vec::shmem_size(plan.nangles);
   mamba3_launch(exec, "kmamba::mamba3::step", plan, plan.batch * plan.nheads,
                 Mamba3StepFunctor<ExecSpace, MemorySpace>{in, states, out, plan}, scratch);
 }
