@@ -3,9 +3,9 @@
 // §3.5), its backward and the decode step (§3.7).
 //
 // SISO is MIMO with rank 1 and unit rank projections; every stage is written once for rank R.
-// Per (batch, head) the tokens × ranks form "rows" (row = t·R + r); the stages stage the rotated,
-// biased q and k and the projected v as rows of per-head workspaces, so that the chunk stages read
-// plain (rows × dstate) and (rows × headdim) blocks.
+// Per (batch, head) the tokens × ranks form "rows" (row = t·R + r); the rotate stage writes the
+// rotated, biased q and k and the projected v as rows of per-head workspaces, so that the chunk
+// stages read plain (rows × dstate) and (rows × headdim) blocks.
 //
 // Work decomposition (as the SSD, kmamba/core/impl/SsdImpl.hpp): the per-token scans (angles,
 // decays, scales; their backward) are one team per (batch, head); the chunk stages are TeamPolicy
