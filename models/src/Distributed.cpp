@@ -115,20 +115,67 @@ void DataParallel<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& 
                  grad_scale);
     return;
   }
-  const BucketLayout& layout = reducer_.layout();
-  const int rank = data_rank();
-  const auto update = [&](std::size_t begin, std::size_t size, std::size_t moment_offset) {
-    if (size == 0) return;
+  for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
     adamw_update(exec, adamw_, step_, range(params, begin, size), range(m_, moment_offset, size),
                  range(v_, moment_offset, size), ConstTensor1<float, memory_space>(range(grads, begin, size)),
                  decay_end_ > begin ? decay_end_ - begin : 0, lr, grad_scale);
-  };
+  });
+  reducer_.all_gather(exec, params);
+}
+
+template <class ExecutionSpace>
+template <class Copy>
+void DataParallel<ExecutionSpace>::for_each_shard(const Copy& copy) const {
+  const BucketLayout& layout = reducer_.layout();
+  const int rank = data_rank();
   for (const auto& bucket : layout.buckets()) {
-    update(layout.shard_begin(bucket, rank), layout.shard_size(bucket), bucket.shard_offset);
+    copy(layout.shard_begin(bucket, rank), bucket.shard_offset, layout.shard_size(bucket));
   }
   const std::size_t tail = layout.elements() - layout.tail_begin();
-  update(layout.tail_begin(), tail, layout.shard_elements() - tail);
-  reducer_.all_gather(exec, params);
+  if (tail > 0) copy(layout.tail_begin(), layout.shard_elements() - tail, tail);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::check_full(const char* function, const char* name, std::size_t size) const {
+  KMAMBA_REQUIRE(size == reducer_.layout().elements(), "kmamba::DataParallel::" << function << ": " << name << " has "
+                                                                                << size << " elements, the slab "
+                                                                                << reducer_.layout().elements());
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::gather_moments(const ExecutionSpace& exec, const Tensor1<float, memory_space>& m,
+                                                  const Tensor1<float, memory_space>& v) const {
+  check_full("gather_moments", "m", m.extent(0));
+  check_full("gather_moments", "v", v.extent(0));
+  if (config_.zero_stage == 0) {
+    Kokkos::deep_copy(exec, m, m_);
+    Kokkos::deep_copy(exec, v, v_);
+    return;
+  }
+  for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
+    Kokkos::deep_copy(exec, range(m, begin, size), range(m_, moment_offset, size));
+    Kokkos::deep_copy(exec, range(v, begin, size), range(v_, moment_offset, size));
+  });
+  reducer_.all_gather(exec, m);
+  reducer_.all_gather(exec, v);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& m,
+                                                const ConstTensor1<float, memory_space>& v, std::int64_t steps) {
+  check_full("load_moments", "m", m.extent(0));
+  check_full("load_moments", "v", v.extent(0));
+  KMAMBA_REQUIRE(steps >= 0, "kmamba::DataParallel::load_moments: steps must be >= 0, got " << steps);
+  if (config_.zero_stage == 0) {
+    Kokkos::deep_copy(exec, m_, m);
+    Kokkos::deep_copy(exec, v_, v);
+  } else {
+    for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
+      Kokkos::deep_copy(exec, range(m_, moment_offset, size), ConstTensor1<float, memory_space>(m.data() + begin, size));
+      Kokkos::deep_copy(exec, range(v_, moment_offset, size), ConstTensor1<float, memory_space>(v.data() + begin, size));
+    });
+  }
+  step_ = steps;
 }
 
 #if KMAMBA_HAS_SERIAL

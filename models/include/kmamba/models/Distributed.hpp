@@ -90,6 +90,16 @@ class DataParallel {
   /// sharded moments, then all-gathers the parameters. Leaves the parameters identical on every rank.
   void step(const ExecutionSpace& exec, const Slab& slab, double lr, double grad_scale = 1.0);
 
+  /// m, v ← the AdamW moments in the slab's layout, as a single-process AdamW holds them (for a
+  /// checkpoint), on every rank: ZeRO-1 all-gathers the shards over dp. Collective over dp.
+  void gather_moments(const ExecutionSpace& exec, const Tensor1<float, memory_space>& m,  // (slab size)
+                      const Tensor1<float, memory_space>& v) const;                     // (slab size)
+  /// Sets the moments from slab-layout moments held by every rank (a checkpoint), each rank keeping
+  /// its shards, and the step count to `steps`. No communication.
+  void load_moments(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& m,  // (slab size)
+                    const ConstTensor1<float, memory_space>& v,                             // (slab size)
+                    std::int64_t steps);
+
   std::int64_t steps_taken() const { return step_; }
   /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1).
   const Tensor1<float, memory_space>& first_moment() const { return m_; }
@@ -97,6 +107,10 @@ class DataParallel {
 
  private:
   void check_slab(const char* function, const Slab& slab) const;
+  void check_full(const char* function, const char* name, std::size_t size) const;
+  // Calls copy(slab_begin, shard_storage_begin, size) for each of this rank's shards (stage 1).
+  template <class Copy>
+  void for_each_shard(const Copy& copy) const;
 
   const ProcessMesh* mesh_;
   DataParallelConfig config_;
