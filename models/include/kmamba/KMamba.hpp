@@ -12,8 +12,10 @@
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/models/Data.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
+#include <kmamba/models/Trainer.hpp>
 
 namespace kmamba {
 
