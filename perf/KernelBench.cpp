@@ -125,17 +125,99 @@ void bench_selective_scan(const Options& o) {
   report(bwd);
 }
 
+// Mamba-2 SSD (mamba_chunk_scan_combined) at the shape of the CUDA performance issue: batch 8,
+// seqlen 4096, 32 heads, headdim 64, d_state 128, ngroups 1, chunk 256, with D, z, dt_bias and
+// softplus; fp32 inputs. FLOPs and exp() counts from algorithms.md §6.1–§6.2 (E = nheads·headdim).
+template <class Exec>
+void bench_ssd(const Options& o) {
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  const Exec exec;
+  const int batch = o.small ? 1 : 8, seqlen = o.small ? 1024 : 4096, nheads = o.small ? 8 : 32, headdim = 64;
+  const int dstate = o.small ? 64 : 128, ngroups = 1, chunk = 256;
+  const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
+  auto x = kmamba::allocate_uninitialized<T4>("kmamba::perf::x", batch, seqlen, nheads, headdim);
+  auto z = kmamba::allocate_uninitialized<T4>("kmamba::perf::z", batch, seqlen, nheads, headdim);
+  auto dt = kmamba::allocate_uninitialized<T3>("kmamba::perf::dt", batch, seqlen, nheads);
+  auto A = kmamba::allocate_uninitialized<T1>("kmamba::perf::A", nheads);
+  auto B = kmamba::allocate_uninitialized<T4>("kmamba::perf::B", batch, seqlen, ngroups, dstate);
+  auto C = kmamba::allocate_uninitialized<T4>("kmamba::perf::C", batch, seqlen, ngroups, dstate);
+  auto D = kmamba::allocate_uninitialized<T1>("kmamba::perf::D", nheads);
+  auto dt_bias = kmamba::allocate_uninitialized<T1>("kmamba::perf::dt_bias", nheads);
+  kmamba::fill_normal(exec, x, 11, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, z, 12, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, dt, 13, -2.0f, 0.5f);
+  kmamba::fill_uniform(exec, A, 14, -8.0f, -1.0f);
+  kmamba::fill_normal(exec, B, 15, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, C, 16, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, D, 17, 1.0f, 0.1f);
+  kmamba::fill_normal(exec, dt_bias, 18, 0.0f, 0.1f);
+  kmamba::SsdArgs<Mem> args;
+  args.x = x;
+  args.z = z;
+  args.dt = dt;
+  args.A = A;
+  args.B = B;
+  args.C = C;
+  args.D = D;
+  args.dt_bias = dt_bias;
+  args.dt_softplus = true;
+  args.chunk_size = chunk;
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::perf::out", batch, seqlen, nheads, headdim);
+  auto final_states = kmamba::allocate_uninitialized<T4>("kmamba::perf::final_states", batch, nheads, headdim, dstate);
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, chunk,
+                Exec::name());
+  const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + nheads);  // x, z, out, B, C, dt (fp32)
+
+  Measurement fwd{"ssd fwd", shape};
+  fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
+  fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
+  fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
+  fwd.exps = tokens * nheads * Q / 2;
+  report(fwd);
+
+  auto dout = kmamba::allocate_uninitialized<T4>("kmamba::perf::dout", batch, seqlen, nheads, headdim);
+  kmamba::fill_normal(exec, dout, 19, 0.0f, 1.0f);
+  kmamba::SsdGrads<Mem> g;
+  g.dx = kmamba::allocate_uninitialized<T4>("kmamba::perf::dx", batch, seqlen, nheads, headdim);
+  g.dz = kmamba::allocate_uninitialized<T4>("kmamba::perf::dz", batch, seqlen, nheads, headdim);
+  g.ddt = kmamba::allocate_uninitialized<T3>("kmamba::perf::ddt", batch, seqlen, nheads);
+  g.dA = kmamba::allocate_uninitialized<T1>("kmamba::perf::dA", nheads);
+  g.dB = kmamba::allocate_uninitialized<T4>("kmamba::perf::dB", batch, seqlen, ngroups, dstate);
+  g.dC = kmamba::allocate_uninitialized<T4>("kmamba::perf::dC", batch, seqlen, ngroups, dstate);
+  g.dD = kmamba::allocate_uninitialized<T1>("kmamba::perf::dD", nheads);
+  g.ddt_bias = kmamba::allocate_uninitialized<T1>("kmamba::perf::ddt_bias", nheads);
+  Measurement bwd{"ssd bwd", shape};
+  bwd.seconds = median_seconds(exec, o.repeats, [&] {
+    kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
+  });
+  bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
+  bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
+  bwd.exps = 3.0 * tokens * nheads * Q / 2;
+  report(bwd);
+
+  Measurement both{"ssd fwd+bwd", shape};
+  both.seconds = fwd.seconds + bwd.seconds;
+  both.bytes = fwd.bytes + bwd.bytes;
+  both.flops = fwd.flops + bwd.flops;
+  both.exps = fwd.exps + bwd.exps;
+  report(both);
+}
+
 template <class Exec>
 void run_space(const Options& o) {
   const std::vector<std::pair<std::string, std::function<void(const Options&)>>> cases = {
-      {"selective_scan", bench_selective_scan<Exec>}};
+      {"ssd", bench_ssd<Exec>}, {"selective_scan", bench_selective_scan<Exec>}};
   bool ran = false;
   for (const auto& c : cases) {
     if (!o.only_case.empty() && o.only_case != c.first) continue;
     c.second(o);
     ran = true;
   }
-  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: selective_scan)");
+  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, selective_scan)");
 }
 
 }  // namespace
@@ -145,7 +227,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
-      std::printf("usage: kmamba-perf [--case selective_scan] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
+      std::printf("usage: kmamba-perf [--case ssd|selective_scan] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
                   "  --small   shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n");
       return 0;
     }

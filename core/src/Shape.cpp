@@ -3,7 +3,9 @@
 
 namespace kmamba {
 
-Shape::Shape(std::initializer_list<std::int64_t> extents) {
+Shape::Shape(std::initializer_list<std::int64_t> extents) : Shape(std::vector<std::int64_t>(extents)) {}
+
+Shape::Shape(const std::vector<std::int64_t>& extents) {
   KMAMBA_REQUIRE(extents.size() <= static_cast<std::size_t>(max_rank),
                  "kmamba::Shape: rank " << extents.size() << " exceeds the maximum " << max_rank);
   rank = static_cast<int>(extents.size());

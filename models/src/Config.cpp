@@ -99,6 +99,15 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
   c.n_layer = f.integer("num_hidden_layers", mamba2 ? 64 : 32);
   c.vocab_size = f.integer("vocab_size", mamba2 ? 32768 : 50280);
   c.pad_vocab_size_multiple = 1;
+  // kmamba writes the real vocabulary beside the padded one transformers needs (the embedding rows).
+  if (f.has("unpadded_vocab_size")) {
+    const int padded = c.vocab_size;
+    c.vocab_size = f.integer("unpadded_vocab_size", padded);
+    c.pad_vocab_size_multiple = f.integer("pad_vocab_size_multiple", 1);
+    KMAMBA_REQUIRE(c.vocab_size > 0 && c.pad_vocab_size_multiple > 0 && c.padded_vocab_size() == padded,
+                   f.where("unpadded_vocab_size") << " = " << c.vocab_size << " padded to a multiple of "
+                                                  << c.pad_vocab_size_multiple << " does not give vocab_size = " << padded);
+  }
   c.tie_embeddings = f.boolean("tie_word_embeddings", !mamba2);
   c.rms_norm = f.boolean("rms_norm", true);
   c.residual_in_fp32 = f.boolean("residual_in_fp32", true);
@@ -149,6 +158,7 @@ void read_mamba_ssm(const Fields& f, ModelConfig& c, const std::string& source) 
   c.d_intermediate = f.integer("d_intermediate", 0);
   c.norm_epsilon = f.number("norm_epsilon", 1e-5);
   c.rescale_prenorm_residual = true;
+  c.initializer_range = 0.02;  // mamba_ssm's _init_weights: embedding ~ N(0, 0.02)
   if (f.has("attn_layer_idx")) {
     KMAMBA_REQUIRE(f.raw("attn_layer_idx").is_array() && f.raw("attn_layer_idx").empty(),
                    f.where("attn_layer_idx") << " lists attention layers; hybrid attention models are not supported");
@@ -324,6 +334,10 @@ std::string ModelConfig::to_hf_json() const {
   j["hidden_size"] = d_model;
   j["num_hidden_layers"] = n_layer;
   j["vocab_size"] = padded_vocab_size();
+  if (padded_vocab_size() != vocab_size) {
+    j["unpadded_vocab_size"] = vocab_size;
+    j["pad_vocab_size_multiple"] = pad_vocab_size_multiple;
+  }
   j["tie_word_embeddings"] = tie_embeddings;
   j["residual_in_fp32"] = residual_in_fp32;
   j["layer_norm_epsilon"] = norm_epsilon;

@@ -72,6 +72,16 @@ TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
   EXPECT_EQ(c.d_state, 128);
   EXPECT_EQ(c.ngroups, 1);
   EXPECT_EQ(c.chunk_size, 256);
+  // Written in the HF layout (vocab_size = the embedding rows) and read back: the real vocabulary
+  // and the padding survive.
+  const auto hf = kmamba::ModelConfig::from_json(c.to_hf_json(), "mamba2-130m as HF");
+  EXPECT_EQ(hf.vocab_size, 50277);
+  EXPECT_EQ(hf.padded_vocab_size(), 50288);
+  EXPECT_EQ(hf.to_hf_json(), c.to_hf_json());
+  EXPECT_THROW(kmamba::ModelConfig::from_json(
+                   R"({"model_type": "mamba2", "vocab_size": 50288, "unpadded_vocab_size": 50277, "pad_vocab_size_multiple": 8})",
+                   "inconsistent padding"),
+               kmamba::UserError);
   const auto m1 = kmamba::ModelConfig::from_json(R"({"d_model": 768, "n_layer": 24, "vocab_size": 50277})", "mamba-130m");
   EXPECT_EQ(m1.mixer, kmamba::MixerKind::Mamba1);
   EXPECT_EQ(m1.padded_vocab_size(), 50280);

@@ -11,8 +11,11 @@
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
-#include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/models/Config.hpp>
 #include <kmamba/models/Data.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Optimizer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
 #include <kmamba/models/Trainer.hpp>

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace kmamba {
 
@@ -24,6 +25,7 @@ struct Shape {
 
   Shape() = default;
   Shape(std::initializer_list<std::int64_t> extents);
+  explicit Shape(const std::vector<std::int64_t>& extents);
 
   std::int64_t operator[](int i) const { return dims[static_cast<std::size_t>(i)]; }
   /// Product of the extents (1 for rank 0).

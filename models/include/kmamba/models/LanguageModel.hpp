@@ -6,7 +6,7 @@
 //
 //   kmamba::LanguageModel<Kokkos::DefaultExecutionSpace> model(config);
 //   model.initialize(1234);
-//   auto targets = kmamba::next_token_targets(ids);             // labels = ids shifted by one
+//   auto targets = kmamba::next_token_targets(exec, ids);             // labels = ids shifted by one
 //   float loss = model.loss_and_backward(exec, ids, targets);   // grads added to model.parameters()
 //   model.save("out/");                                         // config.json + model.safetensors
 #ifndef KMAMBA_MODELS_LANGUAGEMODEL_HPP
@@ -16,6 +16,8 @@
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+
+#include <Kokkos_Core.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -27,9 +29,32 @@ namespace kmamba {
 /// Positions whose target equals this are not predicted (no loss, no gradient).
 constexpr std::int64_t ignore_index = -100;
 
-/// The Hugging Face convention: targets(b, t) = ids(b, t + 1), and ignore_index at the last position.
+namespace impl {
 template <class MemorySpace>
-Tensor2<std::int64_t, MemorySpace> next_token_targets(const ConstTensor2<std::int64_t, MemorySpace>& ids);  // (batch, seqlen)
+struct ShiftTargets {
+  Tensor2<std::int64_t, MemorySpace> targets;
+  ConstTensor2<std::int64_t, MemorySpace> ids;
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t) const {
+    targets(b, t) = t + 1 < static_cast<int>(ids.extent(1)) ? ids(b, t + 1) : ignore_index;
+  }
+};
+}  // namespace impl
+
+/// The Hugging Face convention: targets(b, t) = ids(b, t + 1), and ignore_index at the last position.
+/// Non-blocking on `exec`.
+template <class ExecutionSpace>
+Tensor2<std::int64_t, typename ExecutionSpace::memory_space> next_token_targets(
+    const ExecutionSpace& exec,
+    const ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>& ids) {  // (batch, seqlen)
+  using Mem = typename ExecutionSpace::memory_space;
+  Tensor2<std::int64_t, Mem> targets(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::targets"),
+                                     ids.extent(0), ids.extent(1));
+  Kokkos::parallel_for("kmamba::lm::next_token_targets",
+                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
+                           exec, {0, 0}, {static_cast<int>(ids.extent(0)), static_cast<int>(ids.extent(1))}),
+                       impl::ShiftTargets<Mem>{targets, ids});
+  return targets;
+}
 
 /// The result of LanguageModel::loss_and_backward.
 struct LossResult {

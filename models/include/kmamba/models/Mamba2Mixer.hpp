@@ -1,0 +1,128 @@
+// The Mamba-2 mixer (algorithms.md §2.1–§2.3, §2.7; reference `modules/mamba2.py` with
+// d_ssm = d_inner, no MLP part, rmsnorm on), forward and backward in fp32:
+//
+//   [z | x | B | C | dt] = u · in_projᵀ (+ in_proj.bias)                 (b·L, 2E + 2GN + H)
+//   [x | B | C]          = silu(causal_conv1d([x | B | C]))              depthwise, conv_dim channels
+//   y                    = SSD(x, dt, A = −exp(A_log), B, C, D, dt_bias,
+//                              softplus, dt_limit, chunk_size)           no gate inside the scan
+//   y                    = gated RMSNorm(y, z), group-wise (group_size E/G), norm_before_gate from
+//                          the config, eps = config.norm_epsilon
+//   out                  = y · out_projᵀ (+ out_proj.bias)
+//
+// Each in_proj segment is computed by its own GEMM over the matching rows of in_proj.weight into
+// its own buffer, and the conv runs once per segment of xBC over the matching rows of the conv
+// weight, so that no split copies are needed. Training keeps a copy of u, the segments before and
+// after the conv, y, the norm's rstd and its output (the SSD's and the conv's internals are
+// recomputed by the core backward ops). Inference (keep_for_backward = false) uses buffers that
+// are released on return, which waits for the device where freeing memory does (cudaFree), as
+// the core SSD does; backward's gradient buffers are likewise released on return.
+//
+//   kmamba::Mamba2Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
+//   mixer.declare_parameters(slab);                 // before slab.finalize()
+//   mixer.initialize(exec, slab, seed);
+//   mixer.forward(exec, slab, u, out, true);
+//   mixer.backward(exec, slab, dout, du);           // du written, parameter gradients added
+#ifndef KMAMBA_MODELS_MAMBA2MIXER_HPP
+#define KMAMBA_MODELS_MAMBA2MIXER_HPP
+
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+
+template <class ExecutionSpace>
+class Mamba2Mixer : public Mixer<ExecutionSpace> {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  /// A Mamba-2 mixer for `config` (validated; config.mixer must be Mamba2) whose parameters are
+  /// named `prefix` + the Hugging Face names.
+  Mamba2Mixer(const ModelConfig& config, const std::string& prefix);
+
+  const std::string& prefix() const override { return prefix_; }
+
+  /// in_proj.weight (2E + 2GN + H, d_model), conv1d.weight (E + 2GN, 1, d_conv), conv1d.bias
+  /// (E + 2GN) when conv_bias, dt_bias (H), A_log (H), D (H), norm.weight (E), out_proj.weight
+  /// (d_model, E), and in_proj.bias / out_proj.bias when bias. Weight decay on the three weights.
+  void declare_parameters(Slab& slab) const override;
+
+  /// The reference initialisation: in_proj and out_proj weights uniform in ±1/sqrt(fan_in) (torch's
+  /// kaiming_uniform(a=√5)), out_proj then divided by sqrt(n_layer) when rescale_prenorm_residual;
+  /// conv weight and bias uniform in ±1/sqrt(d_conv); dt_bias = invsp(max(dt_init_floor, dt)) with
+  /// dt log-uniform in [dt_min, dt_max]; A_log = log(U[1, 16)); D = 1; norm weight 1; linear
+  /// biases 0. Each parameter draws its own Philox stream, keyed by `seed` and its full name, so
+  /// layers differ even when they are given the same seed. Non-blocking on `exec`.
+  void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const override;
+
+  /// See Mixer::forward. Throws kmamba::UserError naming the tensor and both shapes when u or out
+  /// is not (batch, seqlen, d_model), or when `slab` lacks one of this mixer's parameters.
+  void forward(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               bool keep_for_backward) override;
+
+  /// See Mixer::backward. Throws kmamba::UserError when no activations are kept or when dout or du
+  /// is not the (batch, seqlen, d_model) of the kept forward.
+  void backward(const ExecutionSpace& exec, const Slab& slab,
+                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
+
+  void release_activations() override;
+
+ private:
+  // The segments of in_proj's output, in the order of its rows (algorithms.md §2.2).
+  enum Segment { z_segment = 0, x_segment, B_segment, C_segment, dt_segment, segment_count };
+
+  using Matrix = Tensor2<float, memory_space>;
+  using ConstMatrix = ConstTensor2<float, memory_space>;
+
+  // What forward computes, each (batch·seqlen, width) row-major.
+  struct Activations {
+    std::int64_t batch = 0, seqlen = 0;
+    Matrix u;                                // (rows, d_model), a copy of the input (training only)
+    std::array<Matrix, segment_count> pre;   // (rows, width) per in_proj segment; x, B, C before the conv
+    std::array<Matrix, segment_count> act;   // (rows, width) x, B, C after conv + SiLU (z, dt: empty)
+    Tensor1<float, memory_space> A;          // (nheads), −exp(A_log)
+    Matrix y;                                // (rows, d_inner), the SSD output
+    Matrix rstd;                             // (rows, ngroups), the gated norm's rstd
+    Matrix normed;                           // (rows, d_inner), the gated norm's output
+  };
+
+  struct ParameterSpec {
+    std::string name;  // without the prefix
+    std::vector<std::int64_t> shape;
+    WeightDecay decay;
+  };
+  // Every parameter this mixer declares, in declaration order.
+  std::vector<ParameterSpec> parameter_specs() const;
+  // Throws kmamba::UserError unless `slab` holds every parameter with its shape.
+  void check_parameters(const char* function, const Slab& slab) const;
+
+  Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
+  void run_forward(const ExecutionSpace& exec, const Slab& slab,
+                   const ConstMatrix& u,   // (batch·seqlen, d_model)
+                   const Matrix& out,      // (batch·seqlen, d_model)
+                   Activations& acts) const;
+
+  ModelConfig config_;
+  std::string prefix_;
+  int d_model_, d_inner_, nheads_, headdim_, ngroups_, d_state_, d_conv_, conv_dim_, in_proj_rows_;
+  std::array<int, segment_count> segment_offsets_{}, segment_widths_{};
+
+  // The activations of the last forward(keep_for_backward = true), valid while has_kept_.
+  Activations kept_;
+  bool has_kept_ = false;
+};
+
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,447 @@
+// The Mamba language model: embedding, pre-norm residual blocks, final norm, LM head, loss and the
+// backward through all of them; checkpoints in the Hugging Face layout.
+#include <kmamba/models/LanguageModel.hpp>
+
+#include <kmamba/Config.hpp>
+#include <kmamba/backends/Gemm.hpp>
+#include <kmamba/core/CrossEntropy.hpp>
+#include <kmamba/core/Embedding.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Random.hpp>
+#include <kmamba/core/RmsNorm.hpp>
+#include <kmamba/core/impl/CheckIds.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/TensorIO.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <sys/stat.h>
+#include <utility>
+
+namespace kmamba {
+
+namespace impl {
+
+/// acc(i) += x(i) over flat views.
+template <class MemorySpace>
+struct AccumulateInto {
+  Tensor1<float, MemorySpace> acc;
+  ConstTensor1<float, MemorySpace> x;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { acc(i) += x(i); }
+};
+
+/// out(i) = a(i) + b(i) over flat views.
+template <class MemorySpace>
+struct AddViews {
+  Tensor1<float, MemorySpace> out;
+  ConstTensor1<float, MemorySpace> a, b;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = a(i) + b(i); }
+};
+
+/// logits(r, v) = padded(r, v) for the real vocabulary columns.
+template <class MemorySpace>
+struct DropPaddedColumns {
+  Tensor2<float, MemorySpace> logits;         // (rows, vocab)
+  ConstTensor2<float, MemorySpace> padded;    // (rows, padded_vocab)
+  KOKKOS_INLINE_FUNCTION void operator()(const int r, const int v) const { logits(r, v) = padded(r, v); }
+};
+
+/// Counts the rows whose arg-max logit is their target (ignored rows excluded).
+template <class MemorySpace>
+struct CountCorrect {
+  ConstTensor2<float, MemorySpace> logits;            // (rows, vocab)
+  ConstTensor1<std::int64_t, MemorySpace> targets;    // (rows)
+  std::int64_t ignore;
+  KOKKOS_INLINE_FUNCTION void operator()(const int r, std::int64_t& correct) const {
+    const std::int64_t target = targets(r);
+    if (target == ignore) return;
+    int best = 0;
+    float best_value = logits(r, 0);
+    for (int v = 1; v < static_cast<int>(logits.extent(1)); ++v) {
+      if (logits(r, v) > best_value) {
+        best_value = logits(r, v);
+        best = v;
+      }
+    }
+    if (best == target) ++correct;
+  }
+};
+
+template <class MemorySpace>
+Tensor1<float, MemorySpace> flat1(const Tensor3<float, MemorySpace>& v) {
+  return Tensor1<float, MemorySpace>(v.data(), v.span());
+}
+template <class MemorySpace>
+Tensor2<float, MemorySpace> rows_of(const Tensor3<float, MemorySpace>& v) {  // (batch·seqlen, dim)
+  return Tensor2<float, MemorySpace>(v.data(), v.extent(0) * v.extent(1), v.extent(2));
+}
+
+/// HF names of the LM-level parameters; the mamba_ssm spelling of the embedding is accepted on load.
+constexpr const char* embedding_name = "backbone.embeddings.weight";
+constexpr const char* mamba_ssm_embedding_name = "backbone.embedding.weight";
+constexpr const char* final_norm_name = "backbone.norm_f.weight";
+constexpr const char* lm_head_name = "lm_head.weight";
+
+inline std::string layer_prefix(int layer) { return "backbone.layers." + std::to_string(layer) + "."; }
+
+}  // namespace impl
+
+template <class ExecutionSpace>
+struct LanguageModel<ExecutionSpace>::State {
+  using Mem = memory_space;
+  ModelConfig config;
+  Slab slab;
+  std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers;
+
+  // Activations of the last training forward (batch, seqlen fixed by it).
+  std::int64_t batch = 0, seqlen = 0;
+  std::vector<Tensor3<float, Mem>> residuals;  // n_layer × (batch, seqlen, d_model): input of block i's norm
+  std::vector<Tensor1<float, Mem>> rstds;      // n_layer × (batch·seqlen)
+  Tensor3<float, Mem> final_input;             // (batch, seqlen, d_model): h + residual before norm_f
+  Tensor1<float, Mem> final_rstd;              // (batch·seqlen)
+  Tensor3<float, Mem> normed;                  // (batch, seqlen, d_model): a norm's output
+  Tensor3<float, Mem> mixed;                   // (batch, seqlen, d_model): a mixer's output
+  Tensor2<float, Mem> padded_logits;           // (batch·seqlen, padded_vocab)
+  Tensor1<float, Mem> lse;                     // (batch·seqlen)
+  Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
+
+  explicit State(const ModelConfig& c) : config(c) {
+    config.validate();
+    const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
+    slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
+    for (int i = 0; i < config.n_layer; ++i) {
+      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer."));
+      mixers.back()->declare_parameters(slab);
+      slab.add(impl::layer_prefix(i) + "norm.weight", {dm}, WeightDecay::No);
+    }
+    slab.add(impl::final_norm_name, {dm}, WeightDecay::No);
+    if (!config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
+    slab.finalize("kmamba::lm");
+  }
+
+  ConstTensor2<float, Mem> head_weight() const {
+    return slab.template param<2>(config.tie_embeddings ? impl::embedding_name : impl::lm_head_name);
+  }
+  Tensor2<float, Mem> head_grad() const {
+    return slab.template grad<2>(config.tie_embeddings ? impl::embedding_name : impl::lm_head_name);
+  }
+
+  void ensure_buffers(std::int64_t b, std::int64_t l, bool training) {
+    const std::int64_t dm = config.d_model, vp = config.padded_vocab_size(), rows = b * l;
+    if (batch != b || seqlen != l || !normed.is_allocated()) {
+      batch = b;
+      seqlen = l;
+      residuals.clear();
+      rstds.clear();
+      final_input = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::final_input"), b, l, dm);
+      final_rstd = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::final_rstd"), rows);
+      normed = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::normed"), b, l, dm);
+      mixed = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::mixed"), b, l, dm);
+      padded_logits = Tensor2<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::logits"), rows, vp);
+      lse = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::lse"), rows);
+      norm_grad = Tensor1<float, Mem>("kmamba::lm::norm_grad", dm);
+    }
+    // Inference keeps one residual buffer; training one per layer.
+    const std::size_t wanted = training ? static_cast<std::size_t>(config.n_layer) : 1u;
+    while (residuals.size() < wanted) {
+      const std::string index = std::to_string(residuals.size());
+      residuals.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::residual_" + index), b, l, dm);
+      rstds.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::rstd_" + index), rows);
+    }
+  }
+
+  void check_ids(const char* function, const ConstTensor2<std::int64_t, Mem>& ids, const char* name,
+                 bool allow_ignore) const {
+    KMAMBA_REQUIRE(ids.is_allocated() && ids.extent(0) > 0 && ids.extent(1) > 0,
+                   function << ": " << name << " must be a non-empty (batch, seqlen) tensor, got shape "
+                            << shape_of(ids).to_string());
+    const ConstTensor1<std::int64_t, Mem> flat(ids.data(), ids.span());
+    const impl::InvalidIds bad = impl::find_invalid_ids(ExecutionSpace(), flat, allow_ignore, ignore_index,
+                                                        static_cast<std::int64_t>(config.vocab_size));
+    KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " " << name << " value(s) are outside [0, "
+                                            << config.vocab_size << ")" << (allow_ignore ? " and not -100" : "")
+                                            << "; the first is " << bad.first_value << " at flat position "
+                                            << bad.first_row << " (batch " << bad.first_row / ids.extent(1)
+                                            << ", position " << bad.first_row % ids.extent(1) << ")");
+  }
+
+  /// Fills padded_logits from ids; keeps per-layer activations when `training`.
+  void run_forward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids, bool training) {
+    const std::int64_t b = ids.extent(0), l = ids.extent(1);
+    ensure_buffers(b, l, training);
+    const float eps = static_cast<float>(config.norm_epsilon);
+    const std::size_t n = static_cast<std::size_t>(b * l * config.d_model);
+    const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, n);
+    const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
+    embedding_forward(exec, flat_ids, ConstTensor2<float, Mem>(slab.template param<2>(impl::embedding_name)),
+                      impl::rows_of(residuals[0]));
+    for (int i = 0; i < config.n_layer; ++i) {
+      const std::size_t slot = training ? static_cast<std::size_t>(i) : 0u;
+      const Tensor3<float, Mem>& residual = residuals[slot];
+      if (i > 0) {
+        const Tensor3<float, Mem>& previous = residuals[training ? slot - 1 : 0u];
+        Kokkos::parallel_for("kmamba::lm::residual_add", all,
+                             impl::AddViews<Mem>{impl::flat1(residual), impl::flat1(mixed), impl::flat1(previous)});
+      }
+      rms_norm(exec, impl::rows_of(residual), slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
+               impl::rows_of(normed), rstds[slot]);
+      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training);
+    }
+    Kokkos::parallel_for("kmamba::lm::residual_add", all,
+                         impl::AddViews<Mem>{impl::flat1(final_input), impl::flat1(mixed),
+                                             impl::flat1(residuals[training ? residuals.size() - 1 : 0u])});
+    rms_norm(exec, impl::rows_of(final_input), slab.template param<1>(impl::final_norm_name), eps,
+             impl::rows_of(normed), final_rstd);
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::rows_of(normed)), head_weight(),
+         0.0f, padded_logits);
+  }
+
+  void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
+    const Tensor2<float, Mem> out(logits.data(), logits.extent(0) * logits.extent(1), logits.extent(2));
+    Kokkos::parallel_for("kmamba::lm::copy_logits",
+                         Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
+                             exec, {0, 0}, {static_cast<int>(out.extent(0)), static_cast<int>(out.extent(1))}),
+                         impl::DropPaddedColumns<Mem>{out, padded_logits});
+  }
+
+  void check_logits(const char* function, const Tensor3<float, Mem>& logits) const {
+    check_shape(function, "logits", logits, {batch, seqlen, config.vocab_size}, "(batch, seqlen, vocab_size)");
+  }
+
+  LossResult loss_of(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& targets) {
+    const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
+    const CrossEntropySum sum = cross_entropy_forward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets,
+                                                      ignore_index, lse);
+    LossResult result;
+    result.loss = sum.mean();
+    result.tokens = sum.count;
+    Kokkos::parallel_reduce("kmamba::lm::count_correct",
+                            Kokkos::RangePolicy<ExecutionSpace>(exec, 0, static_cast<int>(padded_logits.extent(0))),
+                            impl::CountCorrect<Mem>{padded_logits, flat_targets, ignore_index}, result.correct);
+    return result;
+  }
+
+  void add_norm_grad(const ExecutionSpace& exec, const std::string& name) const {
+    const Tensor1<float, Mem> grad = slab.template grad<1>(name);
+    Kokkos::parallel_for("kmamba::lm::accumulate_norm_grad",
+                         Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, grad.extent(0)),
+                         impl::AccumulateInto<Mem>{grad, norm_grad});
+  }
+
+  /// Backward from the loss of the last training forward; padded_logits becomes dlogits.
+  void run_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids,
+                    const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
+    const std::size_t n = static_cast<std::size_t>(batch * seqlen * config.d_model);
+    const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, n);
+    const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
+    // The backward writes dlogits over the logits it reads, row by row (softmax − one-hot).
+    cross_entropy_backward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets, ignore_index,
+                           ConstTensor1<float, Mem>(lse), scale, padded_logits);
+    // logits = normed_f · Wᵀ: dnormed_f = dlogits · W, dW += dlogitsᵀ · normed_f.
+    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits),
+         ConstTensor2<float, Mem>(impl::rows_of(normed)), 1.0f, head_grad());
+    Tensor3<float, Mem> dres = mixed;  // the residual stream's gradient (mixed is free in backward)
+    Tensor3<float, Mem> dnormed = normed;
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f,
+         impl::rows_of(dnormed));
+    rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(final_input),
+                      slab.template param<1>(impl::final_norm_name), final_rstd, impl::rows_of(dres), norm_grad);
+    add_norm_grad(exec, impl::final_norm_name);
+    // dres now holds d(final_input) = dh_{n−1} = d(residual_{n−1}) (norm paths still to add).
+    for (int i = config.n_layer - 1; i >= 0; --i) {
+      const std::string norm = impl::layer_prefix(i) + "norm.weight";
+      mixers[static_cast<std::size_t>(i)]->backward(exec, slab, dres, dnormed);
+      rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(residuals[static_cast<std::size_t>(i)]),
+                        slab.template param<1>(norm), rstds[static_cast<std::size_t>(i)],
+                        impl::rows_of(final_input), norm_grad);
+      add_norm_grad(exec, norm);
+      Kokkos::parallel_for("kmamba::lm::accumulate_residual_grad", all,
+                           impl::AccumulateInto<Mem>{impl::flat1(dres), impl::flat1(final_input)});
+    }
+    const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
+    embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::rows_of(dres)),
+                       Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
+    for (auto& mixer : mixers) mixer->release_activations();
+  }
+};
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config)) {}
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::~LanguageModel() = default;
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::LanguageModel(LanguageModel&&) noexcept = default;
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>& LanguageModel<ExecutionSpace>::operator=(LanguageModel&&) noexcept = default;
+
+template <class ExecutionSpace>
+const ModelConfig& LanguageModel<ExecutionSpace>::config() const {
+  return state_->config;
+}
+template <class ExecutionSpace>
+typename LanguageModel<ExecutionSpace>::Slab& LanguageModel<ExecutionSpace>::parameters() {
+  return state_->slab;
+}
+template <class ExecutionSpace>
+const typename LanguageModel<ExecutionSpace>::Slab& LanguageModel<ExecutionSpace>::parameters() const {
+  return state_->slab;
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::initialize(std::uint64_t seed) {
+  const ExecutionSpace exec;
+  State& s = *state_;
+  Kokkos::deep_copy(exec, s.slab.params(), 0.0f);
+  // One independent Philox stream per parameter group: the seed plus a distinct stream offset.
+  const std::uint64_t stride = std::uint64_t(1) << 40;
+  const float std_dev = static_cast<float>(s.config.initializer_range);
+  fill_normal(exec, s.slab.template param<2>(impl::embedding_name), seed, 0.0f, std_dev, 0);
+  if (!s.config.tie_embeddings) fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
+  for (int i = 0; i < s.config.n_layer; ++i) {
+    Kokkos::deep_copy(exec, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), 1.0f);
+    s.mixers[static_cast<std::size_t>(i)]->initialize(exec, s.slab, seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(i + 1));
+  }
+  Kokkos::deep_copy(exec, s.slab.template param<1>(impl::final_norm_name), 1.0f);
+  exec.fence();
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::zero_grads(const ExecutionSpace& exec) {
+  Kokkos::deep_copy(exec, state_->slab.grads(), 0.0f);
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::forward(const ExecutionSpace& exec,
+                                            const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+                                            const Tensor3<float, memory_space>& logits) {         // (batch, seqlen, vocab_size)
+  constexpr const char* function = "kmamba::LanguageModel::forward";
+  State& s = *state_;
+  s.check_ids(function, ids, "input id", false);
+  check_shape(function, "logits", logits, {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
+              "(batch, seqlen, vocab_size) with batch, seqlen from ids");
+  s.run_forward(exec, ids, false);
+  s.copy_logits(exec, logits);
+}
+
+template <class ExecutionSpace>
+LossResult LanguageModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
+                                               const ConstTensor2<std::int64_t, memory_space>& ids,        // (batch, seqlen)
+                                               const ConstTensor2<std::int64_t, memory_space>& targets) {  // (batch, seqlen)
+  constexpr const char* function = "kmamba::LanguageModel::loss";
+  State& s = *state_;
+  s.check_ids(function, ids, "input id", false);
+  check_same_shape(function, "targets", targets, "ids", ids);
+  s.check_ids(function, targets, "target", true);
+  s.run_forward(exec, ids, false);
+  return s.loss_of(exec, targets);
+}
+
+template <class ExecutionSpace>
+LossResult LanguageModel<ExecutionSpace>::loss_and_backward(const ExecutionSpace& exec,
+                                                            const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
+                                                            const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen)
+                                                            double weight,
+                                                            const Tensor3<float, memory_space>& logits) {  // (batch, seqlen, vocab_size)
+  constexpr const char* function = "kmamba::LanguageModel::loss_and_backward";
+  State& s = *state_;
+  s.check_ids(function, ids, "input id", false);
+  check_same_shape(function, "targets", targets, "ids", ids);
+  s.check_ids(function, targets, "target", true);
+  if (logits.is_allocated()) {
+    check_shape(function, "logits", logits, {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
+                "(batch, seqlen, vocab_size) with batch, seqlen from ids");
+  }
+  s.run_forward(exec, ids, true);
+  if (logits.is_allocated()) s.copy_logits(exec, logits);
+  const LossResult result = s.loss_of(exec, targets);
+  const float scale = result.tokens > 0 ? static_cast<float>(weight / static_cast<double>(result.tokens)) : 0.0f;
+  s.run_backward(exec, ids, targets, scale);
+  exec.fence();
+  return result;
+}
+
+namespace {
+
+bool is_directory(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void make_directories(const std::string& dir) {
+  std::string partial;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = dir.find('/', pos + 1);
+    partial = dir.substr(0, pos);
+    if (partial.empty() || is_directory(partial)) continue;
+    KMAMBA_REQUIRE(::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST,
+                   "kmamba: cannot create directory '" << partial << "': " << std::strerror(errno));
+  }
+}
+
+}  // namespace
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::string& dir) {
+  KMAMBA_REQUIRE(is_directory(dir), "kmamba::LanguageModel::load: '" << dir << "' is not a directory (expected a "
+                                                                      "checkpoint directory with config.json and model.safetensors)");
+  LanguageModel model(ModelConfig::load(dir + "/config.json"));
+  const SafeTensorsReader file(dir + "/model.safetensors");
+  State& s = *model.state_;
+  std::set<std::string> used;
+  for (const auto& entry : s.slab.entries()) {
+    std::string stored = entry.name;
+    if (entry.name == impl::embedding_name && !file.contains(stored) && file.contains(impl::mamba_ssm_embedding_name)) {
+      stored = impl::mamba_ssm_embedding_name;
+    }
+    KMAMBA_REQUIRE(file.contains(stored), "kmamba::LanguageModel::load: '" << file.path() << "' has no tensor '"
+                                                                            << entry.name << "' (shape "
+                                                                            << Shape(entry.shape).to_string()
+                                                                            << ") required by config.json");
+    file.check_shape(stored, entry.shape);
+    const std::vector<float> values = file.read_f32(stored);
+    const Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(values.data(),
+                                                                                                      values.size());
+    Kokkos::deep_copy(Kokkos::subview(s.slab.params(), std::make_pair(entry.offset, entry.offset + entry.size)), host);
+    used.insert(stored);
+  }
+  for (const std::string& name : file.names()) {
+    if (used.count(name) != 0) continue;
+    // mamba_ssm files carry the tied head although it is the embedding.
+    KMAMBA_REQUIRE(name == impl::lm_head_name && s.config.tie_embeddings,
+                   "kmamba::LanguageModel::load: '" << file.path() << "' has tensor '" << name
+                                                    << "', which this config.json (" << mixer_name(s.config.mixer) << ", "
+                                                    << s.config.n_layer << " layers) does not use");
+  }
+  return model;
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
+  make_directories(dir);
+  const State& s = *state_;
+  SafeTensorsWriter file;
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s.slab.params());
+  for (const auto& entry : s.slab.entries()) {
+    file.add(entry.name, DType::F32, entry.shape, host.data() + entry.offset);
+  }
+  file.set_metadata("format", "pt");
+  file.write(dir + "/model.safetensors");
+  s.config.save(dir + "/config.json");
+}
+
+#if KMAMBA_HAS_SERIAL
+template class LanguageModel<Kokkos::Serial>;
+#endif
+#if KMAMBA_HAS_OPENMP
+template class LanguageModel<Kokkos::OpenMP>;
+#endif
+#if KMAMBA_ENABLE_CUDA
+template class LanguageModel<Kokkos::Cuda>;
+#endif
+
+}  // namespace kmamba

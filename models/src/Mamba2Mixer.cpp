@@ -1,0 +1,443 @@
+#include <kmamba/models/Mamba2Mixer.hpp>
+
+#include <kmamba/Config.hpp>
+#include <kmamba/backends/Gemm.hpp>
+#include <kmamba/core/Conv1d.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Random.hpp>
+#include <kmamba/core/RmsNorm.hpp>
+#include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Ssd.hpp>
+#include <kmamba/models/impl/Mamba2MixerImpl.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+namespace kmamba {
+namespace {
+
+constexpr const char* segment_names[] = {"z", "x", "B", "C", "dt"};
+
+// The Philox key of one parameter: the splitmix64 finaliser of the seed mixed with the FNV-1a
+// hash of the parameter's full name.
+std::uint64_t parameter_seed(std::uint64_t seed, const std::string& name) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  std::uint64_t z = seed ^ h;
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// The whole of one slab entry as a flat vector (params or grads).
+template <class Mem>
+Tensor1<float, Mem> flat(const Tensor1<float, Mem>& storage, const ParameterSlab<Mem>& slab, const std::string& name) {
+  const auto& e = slab.entry(name);
+  return Tensor1<float, Mem>(storage.data() + e.offset, e.size);
+}
+
+// Rows [first, first + count) of a row-major (rows, cols) matrix starting at `data`.
+template <class Mem>
+Tensor2<float, Mem> rows_of(float* data, int first, int count, int cols) {
+  return Tensor2<float, Mem>(data + static_cast<std::size_t>(first) * static_cast<std::size_t>(cols),
+                             static_cast<std::size_t>(count), static_cast<std::size_t>(cols));
+}
+
+// A (batch·seqlen, width) matrix seen as (batch, seqlen, width) or (batch, seqlen, heads, width / heads).
+template <class Mem>
+Tensor3<float, Mem> as_sequence(const Tensor2<float, Mem>& m, std::int64_t batch, std::int64_t seqlen) {
+  return Tensor3<float, Mem>(m.data(), static_cast<std::size_t>(batch), static_cast<std::size_t>(seqlen), m.extent(1));
+}
+template <class Mem>
+Tensor4<float, Mem> as_heads(const Tensor2<float, Mem>& m, std::int64_t batch, std::int64_t seqlen, int heads) {
+  return Tensor4<float, Mem>(m.data(), static_cast<std::size_t>(batch), static_cast<std::size_t>(seqlen),
+                             static_cast<std::size_t>(heads), m.extent(1) / static_cast<std::size_t>(heads));
+}
+
+template <class Exec, class Mem>
+void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor1<float, Mem>& grad) {
+  Kokkos::parallel_for("kmamba::mamba2::accumulate_grad",
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(value.extent(0))),
+                       impl::Mamba2AccumulateFunctor<Mem>{value, grad});
+}
+
+// out = bias(offset : offset + width) in every row.
+template <class Exec, class Mem>
+void broadcast_bias(const Exec& exec, const Tensor1<float, Mem>& bias, int offset, const Tensor2<float, Mem>& out) {
+  Kokkos::parallel_for("kmamba::mamba2::broadcast_bias",
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(out.size())),
+                       impl::Mamba2BroadcastBiasFunctor<Mem>{bias, out, offset});
+}
+
+// grad(offset : offset + width) += column sums of g.
+template <class Exec, class Mem>
+void add_bias_grad(const Exec& exec, const ConstTensor2<float, Mem>& g, const Tensor1<float, Mem>& grad, int offset) {
+  Kokkos::parallel_for("kmamba::mamba2::bias_grad",
+                       Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(g.extent(1))),
+                       impl::Mamba2BiasGradFunctor<Mem>{g, grad, offset});
+}
+
+}  // namespace
+
+template <class ExecutionSpace>
+Mamba2Mixer<ExecutionSpace>::Mamba2Mixer(const ModelConfig& config, const std::string& prefix)
+    : config_(config), prefix_(prefix) {
+  config_.validate();
+  KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba2, "kmamba::Mamba2Mixer: the config's mixer is "
+                                                         << mixer_name(config_.mixer) << ", not Mamba2");
+  d_model_ = config_.d_model;
+  d_inner_ = config_.d_inner();
+  nheads_ = config_.num_heads();
+  headdim_ = config_.headdim;
+  ngroups_ = config_.ngroups;
+  d_state_ = config_.d_state;
+  d_conv_ = config_.d_conv;
+  conv_dim_ = d_inner_ + 2 * ngroups_ * d_state_;
+  segment_widths_ = {d_inner_, d_inner_, ngroups_ * d_state_, ngroups_ * d_state_, nheads_};
+  int offset = 0;
+  for (int s = 0; s < segment_count; ++s) {
+    segment_offsets_[s] = offset;
+    offset += segment_widths_[s];
+  }
+  in_proj_rows_ = offset;
+}
+
+template <class ExecutionSpace>
+std::vector<typename Mamba2Mixer<ExecutionSpace>::ParameterSpec> Mamba2Mixer<ExecutionSpace>::parameter_specs() const {
+  std::vector<ParameterSpec> specs;
+  specs.push_back({"in_proj.weight", {in_proj_rows_, d_model_}, WeightDecay::Yes});
+  if (config_.bias) specs.push_back({"in_proj.bias", {in_proj_rows_}, WeightDecay::No});
+  specs.push_back({"conv1d.weight", {conv_dim_, 1, d_conv_}, WeightDecay::Yes});
+  if (config_.conv_bias) specs.push_back({"conv1d.bias", {conv_dim_}, WeightDecay::No});
+  specs.push_back({"dt_bias", {nheads_}, WeightDecay::No});
+  specs.push_back({"A_log", {nheads_}, WeightDecay::No});
+  specs.push_back({"D", {nheads_}, WeightDecay::No});
+  specs.push_back({"norm.weight", {d_inner_}, WeightDecay::No});
+  specs.push_back({"out_proj.weight", {d_model_, d_inner_}, WeightDecay::Yes});
+  if (config_.bias) specs.push_back({"out_proj.bias", {d_model_}, WeightDecay::No});
+  return specs;
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::declare_parameters(Slab& slab) const {
+  for (const ParameterSpec& spec : parameter_specs()) slab.add(prefix_ + spec.name, spec.shape, spec.decay);
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::check_parameters(const char* function, const Slab& slab) const {
+  for (const ParameterSpec& spec : parameter_specs()) {
+    const std::string name = prefix_ + spec.name;
+    KMAMBA_REQUIRE(slab.contains(name), function << ": the parameter slab has no '" << name
+                                                 << "' (call declare_parameters before finalize)");
+    const auto& shape = slab.entry(name).shape;
+    if (shape != spec.shape) {
+      Shape actual, expected;
+      actual.rank = static_cast<int>(shape.size());
+      expected.rank = static_cast<int>(spec.shape.size());
+      for (std::size_t i = 0; i < shape.size() && i < Shape::max_rank; ++i) actual.dims[i] = shape[i];
+      for (std::size_t i = 0; i < spec.shape.size(); ++i) expected.dims[i] = spec.shape[i];
+      KMAMBA_USER_ERROR(function << ": parameter '" << name << "' has shape " << actual.to_string() << " but "
+                                 << expected.to_string() << " was expected");
+    }
+  }
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const {
+  check_parameters("kmamba::Mamba2Mixer::initialize", slab);
+  const auto param = [&](const char* name) { return flat(slab.params(), slab, prefix_ + name); };
+  const auto uniform = [&](const char* name, double bound) {
+    fill_uniform(exec, param(name), parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
+                 static_cast<float>(bound));
+  };
+  // torch's nn.Linear / nn.Conv1d default: kaiming_uniform(a = √5) gives the bound 1/sqrt(fan_in).
+  uniform("in_proj.weight", 1.0 / std::sqrt(static_cast<double>(d_model_)));
+  uniform("conv1d.weight", 1.0 / std::sqrt(static_cast<double>(d_conv_)));
+  if (config_.conv_bias) uniform("conv1d.bias", 1.0 / std::sqrt(static_cast<double>(d_conv_)));
+  double out_bound = 1.0 / std::sqrt(static_cast<double>(d_inner_));
+  if (config_.rescale_prenorm_residual) out_bound /= std::sqrt(static_cast<double>(config_.n_layer));
+  uniform("out_proj.weight", out_bound);
+  if (config_.bias) {
+    Kokkos::deep_copy(exec, param("in_proj.bias"), 0.0f);
+    Kokkos::deep_copy(exec, param("out_proj.bias"), 0.0f);
+  }
+  Kokkos::deep_copy(exec, param("D"), 1.0f);
+  Kokkos::deep_copy(exec, param("norm.weight"), 1.0f);
+  using Policy = Kokkos::RangePolicy<ExecutionSpace>;
+  Kokkos::parallel_for("kmamba::mamba2::init_dt_bias", Policy(exec, 0, nheads_),
+                       impl::Mamba2DtBiasInitFunctor<memory_space>{
+                           param("dt_bias"), parameter_seed(seed, prefix_ + "dt_bias"),
+                           static_cast<float>(std::log(config_.dt_min)), static_cast<float>(std::log(config_.dt_max)),
+                           static_cast<float>(config_.dt_init_floor)});
+  // A_init_range = (1, 16).
+  Kokkos::parallel_for("kmamba::mamba2::init_A_log", Policy(exec, 0, nheads_),
+                       impl::Mamba2ALogInitFunctor<memory_space>{param("A_log"), parameter_seed(seed, prefix_ + "A_log"),
+                                                                 1.0f, 16.0f});
+}
+
+template <class ExecutionSpace>
+typename Mamba2Mixer<ExecutionSpace>::Activations Mamba2Mixer<ExecutionSpace>::make_activations(std::int64_t batch,
+                                                                                                std::int64_t seqlen,
+                                                                                                bool training) const {
+  const std::int64_t rows = batch * seqlen;
+  Activations a;
+  a.batch = batch;
+  a.seqlen = seqlen;
+  if (training) a.u = allocate_uninitialized<Matrix>("kmamba::mamba2::u", rows, d_model_);
+  for (int s = 0; s < segment_count; ++s) {
+    a.pre[s] = allocate_uninitialized<Matrix>(std::string("kmamba::mamba2::in_proj_") + segment_names[s], rows,
+                                              segment_widths_[s]);
+    if (s >= x_segment && s <= C_segment) {
+      a.act[s] = allocate_uninitialized<Matrix>(std::string("kmamba::mamba2::conv_") + segment_names[s], rows,
+                                                segment_widths_[s]);
+    }
+  }
+  a.A = allocate_uninitialized<Tensor1<float, memory_space>>("kmamba::mamba2::A", nheads_);
+  a.y = allocate_uninitialized<Matrix>("kmamba::mamba2::ssd_out", rows, d_inner_);
+  a.rstd = allocate_uninitialized<Matrix>("kmamba::mamba2::norm_rstd", rows, ngroups_);
+  a.normed = allocate_uninitialized<Matrix>("kmamba::mamba2::norm_out", rows, d_inner_);
+  return a;
+}
+
+namespace {
+
+// The SSD inputs of one forward: x, B, C after the conv, dt from in_proj, A = −exp(A_log).
+template <class Mem>
+SsdArgs<Mem> make_ssd_args(const ModelConfig& config, const ParameterSlab<Mem>& slab, const std::string& prefix,
+                           std::int64_t batch, std::int64_t seqlen,
+                           const Tensor2<float, Mem>& x,    // (batch·seqlen, d_inner)
+                           const Tensor2<float, Mem>& dt,   // (batch·seqlen, nheads)
+                           const Tensor1<float, Mem>& A,    // (nheads)
+                           const Tensor2<float, Mem>& B,    // (batch·seqlen, ngroups·d_state)
+                           const Tensor2<float, Mem>& C) {  // (batch·seqlen, ngroups·d_state)
+  const int nheads = config.num_heads();
+  SsdArgs<Mem> args;
+  args.x = as_heads(x, batch, seqlen, nheads);
+  args.dt = as_sequence(dt, batch, seqlen);
+  args.A = A;
+  args.B = as_heads(B, batch, seqlen, config.ngroups);
+  args.C = as_heads(C, batch, seqlen, config.ngroups);
+  args.D = slab.template param<1>(prefix + "D");
+  args.dt_bias = slab.template param<1>(prefix + "dt_bias");
+  args.dt_softplus = true;
+  args.dt_min = static_cast<float>(config.dt_limit_min);
+  args.dt_max = static_cast<float>(config.dt_limit_max);
+  args.chunk_size = config.chunk_size;
+  return args;
+}
+
+}  // namespace
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
+                                              const Matrix& out, Activations& a) const {
+  using Mem = memory_space;
+  const std::int64_t batch = a.batch, seqlen = a.seqlen;
+  const std::string& p = prefix_;
+
+  Kokkos::parallel_for("kmamba::mamba2::A", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
+                       impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), a.A});
+
+  // in_proj, one GEMM per segment of its rows.
+  float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  for (int s = 0; s < segment_count; ++s) {
+    float beta = 0.0f;
+    if (config_.bias) {
+      broadcast_bias(exec, flat(slab.params(), slab, p + "in_proj.bias"), segment_offsets_[s], a.pre[s]);
+      beta = 1.0f;
+    }
+    gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
+                              rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_), beta, a.pre[s]);
+  }
+
+  // Causal depthwise conv + SiLU on x, B and C; their channels are rows [offset − d_inner, ...) of the conv.
+  float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
+  float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
+  for (int s = x_segment; s <= C_segment; ++s) {
+    const int channel = segment_offsets_[s] - d_inner_;
+    const int width = segment_widths_[s];
+    const ConstTensor1<float, Mem> bias =
+        conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, static_cast<std::size_t>(width))
+                          : ConstTensor1<float, Mem>();
+    causal_conv1d(exec, as_sequence(a.pre[s], batch, seqlen), rows_of<Mem>(conv_w, channel, width, d_conv_), bias,
+                  ConstTensor3<float, Mem>(), as_sequence(a.act[s], batch, seqlen), Tensor3<float, Mem>(),
+                  Conv1dActivation::silu);
+  }
+
+  const SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
+                                          a.act[B_segment], a.act[C_segment]);
+  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), Tensor4<float, Mem>());
+
+  gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"),
+                 static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, a.normed,
+                 a.rstd);
+
+  float beta = 0.0f;
+  if (config_.bias) {
+    broadcast_bias(exec, flat(slab.params(), slab, p + "out_proj.bias"), 0, out);
+    beta = 1.0f;
+  }
+  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, a.normed,
+                            slab.template param<2>(p + "out_proj.weight"), beta, out);
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab& slab,
+                                          const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                                          const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                                          bool keep_for_backward) {
+  constexpr const char* function = "kmamba::Mamba2Mixer::forward";
+  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
+  const auto batch = static_cast<std::int64_t>(u.extent(0));
+  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
+  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
+  check_allocated(function, "u", u);
+  check_allocated(function, "out", out);
+  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  check_parameters(function, slab);
+  const std::int64_t rows = batch * seqlen;
+  const ConstMatrix u2(u.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
+  const Matrix out2(out.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
+  if (keep_for_backward) {
+    has_kept_ = false;
+    if (!kept_.A.is_allocated() || kept_.batch != batch || kept_.seqlen != seqlen) {
+      kept_ = make_activations(batch, seqlen, true);
+    }
+    Kokkos::deep_copy(exec, kept_.u, u2);
+    run_forward(exec, slab, u2, out2, kept_);
+    has_kept_ = true;
+  } else {
+    release_activations();
+    Activations local = make_activations(batch, seqlen, false);
+    run_forward(exec, slab, u2, out2, local);
+  }
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Slab& slab,
+                                           const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                                           const Tensor3<float, memory_space>& du) {       // (batch, seqlen, d_model)
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  constexpr const char* function = "kmamba::Mamba2Mixer::backward";
+  KMAMBA_REQUIRE(has_kept_, function << ": no activations were kept: call forward with keep_for_backward = true first");
+  const Activations& a = kept_;
+  const std::int64_t batch = a.batch, seqlen = a.seqlen, rows = batch * seqlen;
+  check_shape(function, "dout", dout, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
+  check_shape(function, "du", du, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
+  check_allocated(function, "dout", dout);
+  check_allocated(function, "du", du);
+  KMAMBA_REQUIRE(dout.span_is_contiguous() && du.span_is_contiguous(), function << ": dout and du must be contiguous");
+  check_parameters(function, slab);
+  const ConstMatrix dout2(dout.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
+  const Matrix du2(du.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
+  const std::string& p = prefix_;
+  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
+  const auto grad_matrix = [&](const char* name) { return slab.template grad<2>(p + name); };
+
+  // out = normed · out_projᵀ (+ bias).
+  const Matrix dnormed = allocate_uninitialized<Matrix>("kmamba::mamba2::d_norm_out", rows, d_inner_);
+  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout2,
+                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed);
+  gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout2, a.normed, 1.0f,
+                            grad_matrix("out_proj.weight"));
+  if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dout2, grad("out_proj.bias"), 0);
+
+  // Gated RMSNorm: gradients of the SSD output y and of the z segment.
+  std::array<Matrix, segment_count> dpre;  // gradients of the in_proj segments
+  std::array<Matrix, segment_count> dact;  // gradients of x, B, C after the conv
+  for (int s = 0; s < segment_count; ++s) {
+    dpre[s] = allocate_uninitialized<Matrix>(std::string("kmamba::mamba2::d_in_proj_") + segment_names[s], rows,
+                                             segment_widths_[s]);
+    if (s >= x_segment && s <= C_segment) {
+      dact[s] = allocate_uninitialized<Matrix>(std::string("kmamba::mamba2::d_conv_") + segment_names[s], rows,
+                                               segment_widths_[s]);
+    }
+  }
+  const Matrix dy = allocate_uninitialized<Matrix>("kmamba::mamba2::d_ssd_out", rows, d_inner_);
+  const Vector dnorm_weight = allocate_uninitialized<Vector>("kmamba::mamba2::d_norm_weight", d_inner_);
+  gated_rms_norm_backward(exec, dnormed, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), a.rstd,
+                          d_inner_ / ngroups_, config_.norm_before_gate, dy, dpre[z_segment], dnorm_weight);
+  accumulate(exec, dnorm_weight, grad("norm.weight"));
+
+  // SSD: gradients of x, B, C (after the conv), of the dt segment, A, D and dt_bias.
+  const Vector dA = allocate_uninitialized<Vector>("kmamba::mamba2::d_A", nheads_);
+  const Vector dD = allocate_uninitialized<Vector>("kmamba::mamba2::d_D", nheads_);
+  const Vector ddt_bias = allocate_uninitialized<Vector>("kmamba::mamba2::d_dt_bias", nheads_);
+  SsdGrads<Mem> g;
+  g.dx = as_heads(dact[x_segment], batch, seqlen, nheads_);
+  g.ddt = as_sequence(dpre[dt_segment], batch, seqlen);
+  g.dA = dA;
+  g.dB = as_heads(dact[B_segment], batch, seqlen, ngroups_);
+  g.dC = as_heads(dact[C_segment], batch, seqlen, ngroups_);
+  g.dD = dD;
+  g.ddt_bias = ddt_bias;
+  const SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
+                                          a.act[B_segment], a.act[C_segment]);
+  ssd_backward(exec, args, as_heads(dy, batch, seqlen, nheads_), ConstTensor4<float, Mem>(), g);
+  accumulate(exec, dD, grad("D"));
+  accumulate(exec, ddt_bias, grad("dt_bias"));
+  Kokkos::parallel_for("kmamba::mamba2::A_log_grad", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
+                       impl::Mamba2ALogGradFunctor<Mem>{dA, a.A, grad("A_log")});
+
+  // Conv + SiLU backward per segment into the in_proj segment gradients.
+  float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
+  float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
+  const Matrix dconv_weight = allocate_uninitialized<Matrix>("kmamba::mamba2::d_conv_weight", conv_dim_, d_conv_);
+  const Vector dconv_bias =
+      config_.conv_bias ? allocate_uninitialized<Vector>("kmamba::mamba2::d_conv_bias", conv_dim_) : Vector();
+  for (int s = x_segment; s <= C_segment; ++s) {
+    const int channel = segment_offsets_[s] - d_inner_;
+    const std::size_t width = static_cast<std::size_t>(segment_widths_[s]);
+    const ConstTensor1<float, Mem> bias =
+        conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, width) : ConstTensor1<float, Mem>();
+    const Vector dbias = conv_b != nullptr ? Vector(dconv_bias.data() + channel, width) : Vector();
+    causal_conv1d_backward(exec, as_sequence(a.pre[s], batch, seqlen),
+                           rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, ConstTensor3<float, Mem>(),
+                           as_sequence(dact[s], batch, seqlen), ConstTensor3<float, Mem>(),
+                           as_sequence(dpre[s], batch, seqlen),
+                           rows_of<Mem>(dconv_weight.data(), channel, segment_widths_[s], d_conv_), dbias,
+                           Tensor3<float, Mem>(), Conv1dActivation::silu);
+  }
+  accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()), grad("conv1d.weight"));
+  if (config_.conv_bias) accumulate(exec, dconv_bias, grad("conv1d.bias"));
+
+  // in_proj: weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows.
+  float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  for (int s = 0; s < segment_count; ++s) {
+    gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
+                              rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_));
+    gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
+                              rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
+                              s == 0 ? 0.0f : 1.0f, du2);
+    if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], grad("in_proj.bias"), segment_offsets_[s]);
+  }
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::release_activations() {
+  kept_ = Activations();
+  has_kept_ = false;
+}
+
+#if KMAMBA_HAS_SERIAL
+template class Mamba2Mixer<Kokkos::Serial>;
+#endif
+#if KMAMBA_HAS_OPENMP
+template class Mamba2Mixer<Kokkos::OpenMP>;
+#endif
+#if KMAMBA_ENABLE_CUDA
+template class Mamba2Mixer<Kokkos::Cuda>;
+#endif
+
+}  // namespace kmamba

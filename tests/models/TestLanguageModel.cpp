@@ -1,0 +1,329 @@
+// The language model: golden logits, loss and gradients of the tiny Hugging Face checkpoints
+// (tolerances of the golden README: logits and loss 2e-4, gradients 1e-3, relative per tensor),
+// checkpoint round trips, and the errors for bad files and bad tokens.
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/TensorIO.hpp>
+
+#include "Backends.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <sys/stat.h>
+#include <vector>
+
+namespace {
+
+const std::string golden_dir = KMAMBA_GOLDEN_DIR;
+
+double relative_error(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - ref[i]) * (static_cast<double>(a[i]) - ref[i]);
+    norm += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+template <class View>
+std::vector<float> to_vector(const View& view) {
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  return std::vector<float>(host.data(), host.data() + host.span());
+}
+
+std::string scratch_dir(const std::string& name) {
+  const std::string dir = std::string(::testing::TempDir()) + "kmamba_lm_" + name + "_" + std::to_string(::getpid());
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+void copy_file(const std::string& from, const std::string& to) {
+  std::ifstream in(from, std::ios::binary);
+  std::ofstream out(to, std::ios::binary);
+  out << in.rdbuf();
+}
+
+template <class Exec>
+void check_golden(const std::string& model_name) {
+  using Mem = typename Exec::memory_space;
+  SCOPED_TRACE(model_name);
+  const Exec exec;
+  auto model = kmamba::LanguageModel<Exec>::load(golden_dir + "/" + model_name);
+  const kmamba::SafeTensorsReader io(golden_dir + "/" + model_name + "_io.safetensors");
+  const auto ids = kmamba::read_view<kmamba::Tensor2<std::int64_t, Mem>>(io, "input_ids");
+  const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
+  kmamba::Tensor3<float, Mem> logits("logits", ids.extent(0), ids.extent(1), model.config().vocab_size);
+  Kokkos::deep_copy(logits, std::nanf(""));  // poisoned: an unwritten element fails
+  model.zero_grads(exec);
+  const kmamba::LossResult loss = model.loss_and_backward(exec, ids, targets, 1.0, logits);
+
+  EXPECT_EQ(loss.tokens, static_cast<std::int64_t>(ids.extent(0) * (ids.extent(1) - 1)));
+  EXPECT_LE(std::abs(loss.loss - io.read_f32("loss")[0]) / std::abs(io.read_f32("loss")[0]), 2e-4);
+  EXPECT_LE(relative_error(to_vector(logits), io.read_f32("logits")), 2e-4);
+  const auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.parameters().grads());
+  int checked = 0;
+  for (const auto& entry : model.parameters().entries()) {
+    const std::string name = "grad." + entry.name;
+    ASSERT_TRUE(io.contains(name)) << name;
+    const std::vector<float> got(grads.data() + entry.offset, grads.data() + entry.offset + entry.size);
+    EXPECT_LE(relative_error(got, io.read_f32(name)), 1e-3) << name;
+    ++checked;
+  }
+  EXPECT_EQ(checked + 3, static_cast<int>(io.names().size()));  // every gradient of the file is checked
+
+  // The forward-only paths agree with the training forward.
+  kmamba::Tensor3<float, Mem> inference_logits("inference_logits", ids.extent(0), ids.extent(1), model.config().vocab_size);
+  model.forward(exec, ids, inference_logits);
+  EXPECT_LE(relative_error(to_vector(inference_logits), to_vector(logits)), 1e-6);
+  EXPECT_NEAR(model.loss(exec, ids, targets).loss, loss.loss, 1e-6 * std::abs(loss.loss));
+}
+
+template <class Exec>
+class LanguageModelTest : public ::testing::Test {};
+TYPED_TEST_SUITE(LanguageModelTest, kmamba::test::Backends, kmamba::test::BackendNames);
+
+TYPED_TEST(LanguageModelTest, ReproducesGoldenMamba1) { check_golden<TypeParam>("tiny_mamba1"); }
+
+TYPED_TEST(LanguageModelTest, ReproducesGoldenMamba2) { check_golden<TypeParam>("tiny_mamba2"); }
+
+TYPED_TEST(LanguageModelTest, GradientsAccumulateAcrossCalls) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  auto model = kmamba::LanguageModel<Exec>::load(golden_dir + "/tiny_mamba2");
+  const kmamba::SafeTensorsReader io(golden_dir + "/tiny_mamba2_io.safetensors");
+  const auto ids = kmamba::read_view<kmamba::Tensor2<std::int64_t, Mem>>(io, "input_ids");
+  const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
+  model.zero_grads(exec);
+  model.loss_and_backward(exec, ids, targets, 0.25);
+  const std::vector<float> quarter = to_vector(model.parameters().grads());
+  model.loss_and_backward(exec, ids, targets, 0.75);
+  const std::vector<float> whole = to_vector(model.parameters().grads());
+  std::vector<float> expected(quarter.size());
+  for (std::size_t i = 0; i < quarter.size(); ++i) expected[i] = 4.0f * quarter[i];
+  EXPECT_LE(relative_error(whole, expected), 1e-5);
+}
+
+TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  for (const char* mixer : {"mamba1", "mamba2"}) {
+    SCOPED_TRACE(mixer);
+    kmamba::ModelConfig config;
+    config.mixer = std::string(mixer) == "mamba1" ? kmamba::MixerKind::Mamba1 : kmamba::MixerKind::Mamba2;
+    config.d_model = 32;
+    config.n_layer = 2;
+    config.vocab_size = 50;
+    config.pad_vocab_size_multiple = 8;  // padded to 56 rows
+    config.d_state = 8;
+    config.headdim = 16;
+    config.chunk_size = 16;
+    config.tie_embeddings = config.mixer == kmamba::MixerKind::Mamba2;
+    kmamba::LanguageModel<Exec> model(config);
+    model.initialize(7);
+    const std::string dir = scratch_dir(std::string("roundtrip_") + mixer + "_" + Exec::name());
+    model.save(dir);
+    auto loaded = kmamba::LanguageModel<Exec>::load(dir);
+    EXPECT_EQ(to_vector(loaded.parameters().params()), to_vector(model.parameters().params()));
+
+    kmamba::Tensor2<std::int64_t, Mem> ids("ids", 2, 21);
+    auto host_ids = Kokkos::create_mirror_view(ids);
+    for (std::size_t b = 0; b < 2; ++b) {
+      for (std::size_t t = 0; t < 21; ++t) host_ids(b, t) = static_cast<std::int64_t>((b * 31 + t * 17) % 50);
+    }
+    Kokkos::deep_copy(ids, host_ids);
+    kmamba::Tensor3<float, Mem> a("a", 2, 21, 50), b("b", 2, 21, 50);
+    model.forward(exec, ids, a);
+    loaded.forward(exec, ids, b);
+    EXPECT_EQ(to_vector(a), to_vector(b));
+
+    // The written file is read back bit-exact, with the Hugging Face names.
+    const kmamba::SafeTensorsReader file(dir + "/model.safetensors");
+    EXPECT_TRUE(file.contains("backbone.embeddings.weight"));
+    EXPECT_EQ(file.contains("lm_head.weight"), !config.tie_embeddings);
+    EXPECT_EQ(file.info("backbone.embeddings.weight").shape, (std::vector<std::int64_t>{56, 32}));
+    const auto& slab = model.parameters();
+    const auto params = to_vector(slab.params());
+    for (const auto& entry : slab.entries()) {
+      const std::vector<float> stored = file.read_f32(entry.name);
+      EXPECT_TRUE(std::equal(stored.begin(), stored.end(), params.begin() + static_cast<std::ptrdiff_t>(entry.offset)))
+          << entry.name;
+    }
+  }
+}
+
+TYPED_TEST(LanguageModelTest, InitializationIsDeterministicAndFollowsTheReference) {
+  using Exec = TypeParam;
+  kmamba::ModelConfig config;
+  config.d_model = 32;
+  config.n_layer = 3;
+  config.vocab_size = 64;
+  config.d_state = 8;
+  config.headdim = 16;
+  kmamba::LanguageModel<Exec> a(config), b(config), c(config);
+  a.initialize(11);
+  b.initialize(11);
+  c.initialize(12);
+  EXPECT_EQ(to_vector(a.parameters().params()), to_vector(b.parameters().params()));
+  EXPECT_NE(to_vector(a.parameters().params()), to_vector(c.parameters().params()));
+  const auto norm = to_vector(a.parameters().template param<1>("backbone.layers.1.norm.weight"));
+  for (const float w : norm) EXPECT_EQ(w, 1.0f);
+  const auto embedding = to_vector(a.parameters().template param<2>("backbone.embeddings.weight"));
+  double sum = 0.0, squares = 0.0;
+  for (const float v : embedding) {
+    sum += v;
+    squares += static_cast<double>(v) * v;
+  }
+  const double n = static_cast<double>(embedding.size());
+  EXPECT_NEAR(std::sqrt(squares / n - (sum / n) * (sum / n)), config.initializer_range, 0.1 * config.initializer_range);
+}
+
+TYPED_TEST(LanguageModelTest, RejectsTokensOutsideTheVocabulary) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  auto model = kmamba::LanguageModel<Exec>::load(golden_dir + "/tiny_mamba2");
+  kmamba::Tensor2<std::int64_t, Mem> ids("ids", 1, 4);
+  auto host = Kokkos::create_mirror_view(ids);
+  host(0, 0) = 3;
+  host(0, 1) = 96;  // vocab_size is 96
+  host(0, 2) = 5;
+  host(0, 3) = 6;
+  Kokkos::deep_copy(ids, host);
+  kmamba::Tensor3<float, Mem> logits("logits", 1, 4, 96);
+  try {
+    model.forward(exec, ids, logits);
+    FAIL() << "expected a UserError";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("96"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("position 1"), std::string::npos) << e.what();
+  }
+  kmamba::Tensor3<float, Mem> wrong("wrong", 1, 4, 95);
+  Kokkos::deep_copy(Kokkos::subview(ids, 0, 1), 7);
+  EXPECT_THROW(model.forward(exec, ids, wrong), kmamba::UserError);
+}
+
+// Writes a copy of tiny_mamba2 whose model.safetensors is edited by `edit`, and returns the error
+// message of loading it ("" if it loads).
+template <class Edit>
+std::string load_error(const std::string& name, Edit edit) {
+  const std::string dir = scratch_dir(name);
+  copy_file(golden_dir + "/tiny_mamba2/config.json", dir + "/config.json");
+  edit(dir);
+  try {
+    kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(dir);
+  } catch (const kmamba::UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Rewrites the golden weights, letting `change` drop (return false) or alter tensors.
+template <class Change>
+void rewrite_weights(const std::string& dir, Change change) {
+  const kmamba::SafeTensorsReader source(golden_dir + "/tiny_mamba2/model.safetensors");
+  kmamba::SafeTensorsWriter out;
+  for (const std::string& name : source.names()) {
+    std::vector<std::int64_t> shape = source.info(name).shape;
+    std::vector<float> values = source.read_f32(name);
+    kmamba::DType dtype = kmamba::DType::F32;
+    if (!change(name, shape, values, dtype)) continue;
+    if (dtype == kmamba::DType::I64) {
+      std::vector<std::int64_t> ints(values.begin(), values.end());
+      out.add_i64(name, shape, ints);
+    } else {
+      out.add_f32(name, shape, values);
+    }
+  }
+  out.write(dir + "/model.safetensors");
+}
+
+TEST(LanguageModelFiles, BadCheckpointsGiveErrorsNamingTheTensor) {
+  const std::string conv = "backbone.layers.1.mixer.conv1d.weight";
+  std::string message = load_error("missing", [&](const std::string& dir) {
+    rewrite_weights(dir, [&](const std::string& name, std::vector<std::int64_t>&, std::vector<float>&, kmamba::DType&) {
+      return name != conv;
+    });
+  });
+  EXPECT_NE(message.find(conv), std::string::npos) << message;
+
+  message = load_error("shape", [&](const std::string& dir) {
+    rewrite_weights(dir, [&](const std::string& name, std::vector<std::int64_t>& shape, std::vector<float>& values,
+                             kmamba::DType&) {
+      if (name == "backbone.norm_f.weight") {
+        shape = {63};
+        values.resize(63);
+      }
+      return true;
+    });
+  });
+  EXPECT_NE(message.find("backbone.norm_f.weight"), std::string::npos) << message;
+
+  message = load_error("dtype", [&](const std::string& dir) {
+    rewrite_weights(dir, [&](const std::string& name, std::vector<std::int64_t>&, std::vector<float>&,
+                             kmamba::DType& dtype) {
+      if (name == "backbone.layers.0.mixer.D") dtype = kmamba::DType::I64;
+      return true;
+    });
+  });
+  EXPECT_NE(message.find("backbone.layers.0.mixer.D"), std::string::npos) << message;
+
+  message = load_error("extra", [&](const std::string& dir) {
+    const kmamba::SafeTensorsReader source(golden_dir + "/tiny_mamba2/model.safetensors");
+    kmamba::SafeTensorsWriter out;
+    for (const std::string& name : source.names()) out.add_f32(name, source.info(name).shape, source.read_f32(name));
+    out.add_f32("backbone.layers.2.norm.weight", {64}, std::vector<float>(64, 1.0f));
+    out.write(dir + "/model.safetensors");
+  });
+  EXPECT_NE(message.find("backbone.layers.2.norm.weight"), std::string::npos) << message;
+
+  message = load_error("truncated", [&](const std::string& dir) {
+    std::ifstream in(golden_dir + "/tiny_mamba2/model.safetensors", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(dir + "/model.safetensors", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  });
+  EXPECT_NE(message.find("model.safetensors"), std::string::npos) << message;
+
+  // config.json and weights disagree: a larger state than the file holds.
+  const std::string dir = scratch_dir("mismatch");
+  std::ifstream config_in(golden_dir + "/tiny_mamba2/config.json");
+  std::string config((std::istreambuf_iterator<char>(config_in)), std::istreambuf_iterator<char>());
+  const std::string from = "\"state_size\": 16";
+  ASSERT_NE(config.find(from), std::string::npos);
+  config.replace(config.find(from), from.size(), "\"state_size\": 32");
+  std::ofstream(dir + "/config.json") << config;
+  copy_file(golden_dir + "/tiny_mamba2/model.safetensors", dir + "/model.safetensors");
+  try {
+    kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(dir);
+    ADD_FAILURE() << "expected a UserError";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("backbone.layers.0.mixer.in_proj.weight"), std::string::npos) << e.what();
+  }
+
+  message = load_error("no_weights", [](const std::string&) {});
+  EXPECT_NE(message.find("model.safetensors"), std::string::npos) << message;
+}
+
+TEST(LanguageModelFiles, AcceptsMambaSsmNamesAndTheStoredTiedHead) {
+  const std::string dir = scratch_dir("mamba_ssm_names");
+  copy_file(golden_dir + "/tiny_mamba2/config.json", dir + "/config.json");
+  const kmamba::SafeTensorsReader source(golden_dir + "/tiny_mamba2/model.safetensors");
+  kmamba::SafeTensorsWriter out;
+  for (const std::string& name : source.names()) {
+    const bool embedding = name == "backbone.embeddings.weight";
+    out.add_f32(embedding ? "backbone.embedding.weight" : name, source.info(name).shape, source.read_f32(name));
+    if (embedding) out.add_f32("lm_head.weight", source.info(name).shape, source.read_f32(name));
+  }
+  out.write(dir + "/model.safetensors");
+  auto renamed = kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(dir);
+  auto original = kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(golden_dir + "/tiny_mamba2");
+  EXPECT_EQ(to_vector(renamed.parameters().params()), to_vector(original.parameters().params()));
+}
+
+}  // namespace

@@ -1,0 +1,662 @@
+// The Mamba-2 mixer against a naive double-precision reference written from algorithms.md
+// §2.1–§2.4 and §2.7 (in_proj, causal conv + SiLU, the SSD as a token-by-token recurrence, the
+// group-wise gated RMSNorm, out_proj), its gradients against central finite differences of that
+// reference over every input and parameter, gradient accumulation, errors, initialisation, and
+// the parameter names and shapes of the golden Hugging Face checkpoint.
+//
+// Tolerances (per tensor, max|kernel − ref| ≤ tol·max|ref|):
+// - forward: 1e-4 (the test prints the largest error; 4e-7 on Serial/OpenMP);
+// - gradients against central differences of the double reference (step 1e-5): 1e-4 (2.3e-6
+//   observed on Serial/OpenMP);
+// - the finite differences themselves: steps 1e-5 and 2.5e-6 agree to 1e-7·(1 + |g|);
+// - a second backward adds the same gradients again: 1e-5.
+#include <kmamba/core/Core.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mamba2Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+
+#include "Backends.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+const std::string prefix = "backbone.layers.1.mixer.";
+
+// ----------------------------------------------------------------------------------------------
+// Problem description and the double reference.
+
+struct Case {
+  int batch = 2, seqlen = 7, d_model = 8, expand = 2, headdim = 4, ngroups = 2, d_state = 4, d_conv = 4, chunk = 4;
+  bool conv_bias = true, bias = false, norm_before_gate = false;
+  double dt_limit_min = 0.0, dt_limit_max = std::numeric_limits<double>::infinity();
+  std::uint64_t seed = 1;
+
+  kmamba::ModelConfig config() const {
+    kmamba::ModelConfig c;
+    c.mixer = kmamba::MixerKind::Mamba2;
+    c.d_model = d_model;
+    c.n_layer = 3;
+    c.vocab_size = 16;
+    c.expand = expand;
+    c.headdim = headdim;
+    c.nheads = 0;
+    c.ngroups = ngroups;
+    c.d_state = d_state;
+    c.d_conv = d_conv;
+    c.chunk_size = chunk;
+    c.conv_bias = conv_bias;
+    c.bias = bias;
+    c.norm_before_gate = norm_before_gate;
+    c.dt_limit_min = dt_limit_min;
+    c.dt_limit_max = dt_limit_max;
+    c.validate();
+    return c;
+  }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "batch=" << batch << " seqlen=" << seqlen << " d_model=" << d_model << " expand=" << expand
+      << " headdim=" << headdim << " ngroups=" << ngroups << " d_state=" << d_state << " d_conv=" << d_conv
+      << " chunk=" << chunk << " conv_bias=" << conv_bias << " bias=" << bias
+      << " norm_before_gate=" << norm_before_gate << " dt_limit=(" << dt_limit_min << ", " << dt_limit_max
+      << ") seed=" << seed;
+    return s.str();
+  }
+};
+
+double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+double silu(double v) { return v * sigmoid(v); }
+
+using Params = std::map<std::string, std::vector<double>>;  // HF names without the prefix
+
+struct Problem {
+  Case c;
+  kmamba::ModelConfig cfg;
+  Params params;
+  std::vector<double> u, dout;  // (batch, seqlen, d_model)
+
+  int E() const { return cfg.d_inner(); }
+  int H() const { return cfg.num_heads(); }
+  int GN() const { return cfg.ngroups * cfg.d_state; }
+  int conv_dim() const { return E() + 2 * GN(); }
+  int F() const { return 2 * E() + 2 * GN() + H(); }
+};
+
+Problem make_problem(const Case& c) {
+  Problem P;
+  P.c = c;
+  P.cfg = c.config();
+  std::mt19937_64 rng(c.seed);
+  const auto uniform = [&](std::size_t n, double lo, double hi) {
+    std::uniform_real_distribution<double> d(lo, hi);
+    std::vector<double> v(n);
+    for (double& x : v) x = d(rng);
+    return v;
+  };
+  const std::size_t Dm = c.d_model, E = P.E(), H = P.H(), F = P.F(), CD = P.conv_dim(), W = c.d_conv;
+  const double in_bound = 1.0 / std::sqrt(double(Dm)), out_bound = 1.0 / std::sqrt(double(E));
+  P.params["in_proj.weight"] = uniform(F * Dm, -in_bound, in_bound);
+  if (c.bias) P.params["in_proj.bias"] = uniform(F, -0.2, 0.2);
+  P.params["conv1d.weight"] = uniform(CD * W, -0.5, 0.5);
+  if (c.conv_bias) P.params["conv1d.bias"] = uniform(CD, -0.3, 0.3);
+  P.params["dt_bias"] = uniform(H, -2.5, 0.0);
+  P.params["A_log"] = uniform(H, -0.5, 1.5);
+  P.params["D"] = uniform(H, 0.5, 1.5);
+  P.params["norm.weight"] = uniform(E, 0.5, 1.5);
+  P.params["out_proj.weight"] = uniform(Dm * E, -out_bound, out_bound);
+  if (c.bias) P.params["out_proj.bias"] = uniform(Dm, -0.2, 0.2);
+  const std::size_t n = std::size_t(c.batch) * c.seqlen * Dm;
+  P.u = uniform(n, -1.5, 1.5);
+  P.dout = uniform(n, -1.0, 1.0);
+  return P;
+}
+
+// out (batch, seqlen, d_model) of the mixer, written from the spec with every loop explicit.
+std::vector<double> ref_forward(const Problem& P, const Params& w, const std::vector<double>& u) {
+  const Case& c = P.c;
+  const int Dm = c.d_model, E = P.E(), H = P.H(), hd = c.headdim, G = c.ngroups, N = c.d_state, W = c.d_conv;
+  const int GN = P.GN(), CD = P.conv_dim(), F = P.F();
+  const int rows = c.batch * c.seqlen;
+  const std::vector<double>& w_in = w.at("in_proj.weight");
+  const std::vector<double>& conv_w = w.at("conv1d.weight");
+  const std::vector<double>& w_out = w.at("out_proj.weight");
+  // in_proj: zxbcdt (rows, F) = [z (E) | xBC (E + 2GN) | dt (H)].
+  std::vector<double> zxbcdt(std::size_t(rows) * F);
+  for (int r = 0; r < rows; ++r)
+    for (int f = 0; f < F; ++f) {
+      double s = c.bias ? w.at("in_proj.bias")[f] : 0.0;
+      for (int k = 0; k < Dm; ++k) s += u[std::size_t(r) * Dm + k] * w_in[std::size_t(f) * Dm + k];
+      zxbcdt[std::size_t(r) * F + f] = s;
+    }
+  const auto at = [&](int b, int t, int f) { return zxbcdt[(std::size_t(b) * c.seqlen + t) * F + f]; };
+  // Causal depthwise conv over the conv_dim channels of xBC, then SiLU.
+  std::vector<double> xbc(std::size_t(rows) * CD);
+  for (int b = 0; b < c.batch; ++b)
+    for (int t = 0; t < c.seqlen; ++t)
+      for (int ch = 0; ch < CD; ++ch) {
+        double s = c.conv_bias ? w.at("conv1d.bias")[ch] : 0.0;
+        for (int k = 0; k < W; ++k) {
+          const int src = t - (W - 1) + k;
+          if (src >= 0) s += conv_w[std::size_t(ch) * W + k] * at(b, src, E + ch);
+        }
+        xbc[(std::size_t(b) * c.seqlen + t) * CD + ch] = silu(s);
+      }
+  // SSD, token by token: x = xBC[0, E) as (H, hd), B = [E, E + GN), C = [E + GN, E + 2GN) as (G, N).
+  std::vector<double> y(std::size_t(rows) * E);
+  std::vector<double> state(std::size_t(hd) * N);
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int g = h / (H / G);
+      const double A = -std::exp(w.at("A_log")[h]);
+      std::fill(state.begin(), state.end(), 0.0);
+      for (int t = 0; t < c.seqlen; ++t) {
+        const double* row = &xbc[(std::size_t(b) * c.seqlen + t) * CD];
+        double delta = softplus20(at(b, t, 2 * E + 2 * GN + h) + w.at("dt_bias")[h]);
+        delta = std::min(std::max(delta, c.dt_limit_min), c.dt_limit_max);
+        const double decay = std::exp(delta * A);
+        for (int p = 0; p < hd; ++p) {
+          const double xv = row[h * hd + p];
+          double acc = w.at("D")[h] * xv;
+          for (int n = 0; n < N; ++n) {
+            double& s = state[std::size_t(p) * N + n];
+            s = decay * s + delta * xv * row[E + g * N + n];
+            acc += s * row[E + GN + g * N + n];
+          }
+          y[(std::size_t(b) * c.seqlen + t) * E + h * hd + p] = acc;
+        }
+      }
+    }
+  // Gated RMSNorm, one mean per group of E / G channels; z = zxbcdt[0, E).
+  const int gs = E / G;
+  const double eps = P.cfg.norm_epsilon;
+  std::vector<double> normed(std::size_t(rows) * E);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      double ss = 0.0;
+      for (int i = g * gs; i < (g + 1) * gs; ++i) {
+        const double v = y[std::size_t(r) * E + i] * (c.norm_before_gate ? 1.0 : silu(zxbcdt[std::size_t(r) * F + i]));
+        ss += v * v;
+      }
+      const double rstd = 1.0 / std::sqrt(ss / gs + eps);
+      for (int i = g * gs; i < (g + 1) * gs; ++i) {
+        const double gate = silu(zxbcdt[std::size_t(r) * F + i]);
+        const double v = y[std::size_t(r) * E + i] * (c.norm_before_gate ? 1.0 : gate);
+        double o = v * rstd * w.at("norm.weight")[i];
+        if (c.norm_before_gate) o *= gate;
+        normed[std::size_t(r) * E + i] = o;
+      }
+    }
+  // out_proj.
+  std::vector<double> out(std::size_t(rows) * Dm);
+  for (int r = 0; r < rows; ++r)
+    for (int m = 0; m < Dm; ++m) {
+      double s = c.bias ? w.at("out_proj.bias")[m] : 0.0;
+      for (int i = 0; i < E; ++i) s += normed[std::size_t(r) * E + i] * w_out[std::size_t(m) * E + i];
+      out[std::size_t(r) * Dm + m] = s;
+    }
+  return out;
+}
+
+double ref_loss(const Problem& P, const Params& w, const std::vector<double>& u) {
+  const std::vector<double> out = ref_forward(P, w, u);
+  double loss = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) loss += out[i] * P.dout[i];
+  return loss;
+}
+
+// d(Σ out·dout)/d(every element) by central differences of the reference, keyed by parameter
+// name, and "u".
+Params ref_gradients(const Problem& P, double step) {
+  Params grads;
+  Params w = P.params;
+  std::vector<double> u = P.u;
+  const auto central = [&](double& value) {
+    const double saved = value;
+    value = saved + step;
+    const double plus = ref_loss(P, w, u);
+    value = saved - step;
+    const double minus = ref_loss(P, w, u);
+    value = saved;
+    return (plus - minus) / (2.0 * step);
+  };
+  for (auto& entry : w) {
+    std::vector<double>& g = grads[entry.first];
+    for (double& value : entry.second) g.push_back(central(value));
+  }
+  std::vector<double>& gu = grads["u"];
+  for (double& value : u) gu.push_back(central(value));
+  return grads;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Running the kernel mixer.
+
+template <class View>
+void upload(const View& v, const std::vector<double>& values) {
+  auto h = Kokkos::create_mirror_view(v);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
+  Kokkos::deep_copy(v, h);
+}
+
+template <class View>
+std::vector<double> download(const View& v) {
+  auto h = kmamba::test::to_host(v);
+  std::vector<double> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
+  return out;
+}
+
+template <class Mem>
+std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
+                                const std::string& name) {
+  const auto& e = slab.entry(name);
+  const std::vector<double> all = download(storage);
+  return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                             all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
+}
+
+template <class Exec>
+struct Harness {
+  using Mem = typename Exec::memory_space;
+  using T3 = kmamba::Tensor3<float, Mem>;
+
+  const Problem& P;
+  kmamba::Mamba2Mixer<Exec> mixer;
+  kmamba::ParameterSlab<Mem> slab;
+  T3 u, out, dout, du;
+
+  explicit Harness(const Problem& problem) : P(problem), mixer(problem.cfg, prefix) {
+    mixer.declare_parameters(slab);
+    slab.finalize("kmamba::test::mamba2");
+    auto host = Kokkos::create_mirror_view(slab.params());
+    for (const auto& entry : P.params) {
+      const auto& e = slab.entry(prefix + entry.first);
+      EXPECT_EQ(e.size, entry.second.size()) << entry.first;
+      for (std::size_t i = 0; i < e.size; ++i) host(e.offset + i) = static_cast<float>(entry.second[i]);
+    }
+    EXPECT_EQ(slab.entries().size(), P.params.size());
+    Kokkos::deep_copy(slab.params(), host);
+    const Case& c = P.c;
+    u = kmamba::allocate_uninitialized<T3>("kmamba::test::u", c.batch, c.seqlen, c.d_model);
+    out = kmamba::allocate_uninitialized<T3>("kmamba::test::out", c.batch, c.seqlen, c.d_model);
+    dout = kmamba::allocate_uninitialized<T3>("kmamba::test::dout", c.batch, c.seqlen, c.d_model);
+    du = kmamba::allocate_uninitialized<T3>("kmamba::test::du", c.batch, c.seqlen, c.d_model);
+    upload(u, P.u);
+    upload(dout, P.dout);
+  }
+
+  std::vector<double> forward(bool keep) {
+    Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
+    mixer.forward(Exec(), slab, u, out, keep);
+    Kokkos::fence();
+    return download(out);
+  }
+
+  std::vector<double> backward() {
+    Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
+    mixer.backward(Exec(), slab, dout, du);
+    Kokkos::fence();
+    return download(du);
+  }
+
+  std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
+};
+
+// max|kernel − ref| ≤ tol·max|ref| with every kernel value finite; returns the relative error.
+double expect_close(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
+                    double tol) {
+  EXPECT_EQ(kernel.size(), ref.size()) << what;
+  double max_diff = 0.0, max_ref = 0.0;
+  bool finite = true;
+  for (std::size_t i = 0; i < std::min(kernel.size(), ref.size()); ++i) {
+    finite = finite && std::isfinite(kernel[i]);
+    max_diff = std::max(max_diff, std::abs(kernel[i] - ref[i]));
+    max_ref = std::max(max_ref, std::abs(ref[i]));
+  }
+  EXPECT_TRUE(finite) << what << ": the kernel wrote a non-finite value";
+  EXPECT_GT(max_ref, 0.0) << what << ": the reference is zero, the comparison proves nothing";
+  EXPECT_LE(max_diff, tol * max_ref) << what << ": max|Δ| = " << max_diff << ", max|ref| = " << max_ref;
+  return max_ref > 0.0 ? max_diff / max_ref : max_diff;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases;
+  Case a;  // one group, seqlen not a multiple of the chunk
+  a.ngroups = 1;
+  a.seqlen = 13;
+  a.chunk = 4;
+  a.seed = 11;
+  cases.push_back(a);
+  Case b;  // two groups, norm before gate, no conv bias, linear biases
+  b.seqlen = 9;
+  b.chunk = 8;
+  b.conv_bias = false;
+  b.bias = true;
+  b.norm_before_gate = true;
+  b.seed = 12;
+  cases.push_back(b);
+  Case c;  // dt limits that clamp some tokens, a single short chunk
+  c.batch = 3;
+  c.seqlen = 5;
+  c.chunk = 16;
+  c.dt_limit_min = 0.1;
+  c.dt_limit_max = 0.4;
+  c.seed = 13;
+  cases.push_back(c);
+  Case d;  // the golden model's mixer shape: 8 heads × 16, d_state 16, 2 groups, 37 tokens in chunks of 8
+  d.d_model = 64;
+  d.headdim = 16;
+  d.d_state = 16;
+  d.seqlen = 37;
+  d.chunk = 8;
+  d.seed = 14;
+  cases.push_back(d);
+  Case e;  // one group, norm before gate, a width-2 conv, batch 1
+  e.ngroups = 1;
+  e.d_conv = 2;
+  e.norm_before_gate = true;
+  e.batch = 1;
+  e.seqlen = 6;
+  e.chunk = 4;
+  e.seed = 15;
+  cases.push_back(e);
+  return cases;
+}
+
+std::vector<Case> gradient_cases() {
+  std::vector<Case> cases;
+  Case a;  // two groups, biases everywhere, three chunks (the last partial)
+  a.seqlen = 11;
+  a.chunk = 4;
+  a.bias = true;
+  a.seed = 21;
+  cases.push_back(a);
+  Case b;  // one group, norm before gate, no conv bias, dt limits
+  b.ngroups = 1;
+  b.seqlen = 9;
+  b.chunk = 4;
+  b.conv_bias = false;
+  b.norm_before_gate = true;
+  b.dt_limit_min = 0.1;
+  b.dt_limit_max = 0.5;
+  b.seed = 22;
+  cases.push_back(b);
+  return cases;
+}
+
+template <class ExecSpace>
+class Mamba2Mixer : public ::testing::Test {};
+TYPED_TEST_SUITE(Mamba2Mixer, kmamba::test::Backends, kmamba::test::BackendNames);
+
+// ----------------------------------------------------------------------------------------------
+// The reference itself.
+
+TEST(Mamba2MixerReference, FiniteDifferencesAreConverged) {
+  for (const Case& c : gradient_cases()) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    const Params coarse = ref_gradients(P, 1e-5);
+    const Params fine = ref_gradients(P, 2.5e-6);
+    for (const auto& entry : coarse) {
+      const std::vector<double>& f = fine.at(entry.first);
+      double worst = 0.0;
+      for (std::size_t i = 0; i < f.size(); ++i) {
+        worst = std::max(worst, std::abs(entry.second[i] - f[i]) / (1.0 + std::abs(f[i])));
+      }
+      EXPECT_LE(worst, 1e-7) << entry.first;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Kernel against the reference.
+
+TYPED_TEST(Mamba2Mixer, ForwardMatchesReference) {
+  using Exec = TypeParam;
+  double worst = 0.0;
+  for (const Case& c : forward_cases()) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    Harness<Exec> h(P);
+    const std::vector<double> ref = ref_forward(P, P.params, P.u);
+    worst = std::max(worst, expect_close("out", h.forward(true), ref, 1e-4));
+    worst = std::max(worst, expect_close("out (inference)", h.forward(false), ref, 1e-4));
+  }
+  std::printf("largest forward error relative to max|ref|: %.3g\n", worst);
+}
+
+TYPED_TEST(Mamba2Mixer, BackwardMatchesReferenceGradients) {
+  using Exec = TypeParam;
+  double worst = 0.0;
+  for (const Case& c : gradient_cases()) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    const Params ref = ref_gradients(P, 1e-5);
+    Harness<Exec> h(P);
+    h.forward(true);
+    worst = std::max(worst, expect_close("du", h.backward(), ref.at("u"), 1e-4));
+    for (const auto& entry : P.params) {
+      worst = std::max(worst, expect_close(entry.first, h.grad(entry.first), ref.at(entry.first), 1e-4));
+    }
+  }
+  std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
+}
+
+TYPED_TEST(Mamba2Mixer, OneMixerRunsSeveralShapes) {
+  using Exec = TypeParam;
+  using T3 = kmamba::Tensor3<float, typename Exec::memory_space>;
+  Case c;
+  c.seqlen = 10;
+  c.seed = 61;
+  const Problem first = make_problem(c);
+  c.batch = 3;
+  c.seqlen = 5;
+  const Problem second = make_problem(c);  // the same parameters (drawn before the inputs)
+  ASSERT_EQ(first.params, second.params);
+  Harness<Exec> h(first);
+  h.forward(true);
+  const T3 u = kmamba::allocate_uninitialized<T3>("kmamba::test::u2", c.batch, c.seqlen, c.d_model);
+  const T3 out("kmamba::test::out2", c.batch, c.seqlen, c.d_model);
+  const T3 dout = kmamba::allocate_uninitialized<T3>("kmamba::test::dout2", c.batch, c.seqlen, c.d_model);
+  const T3 du("kmamba::test::du2", c.batch, c.seqlen, c.d_model);
+  upload(u, second.u);
+  upload(dout, second.dout);
+  h.mixer.forward(Exec(), h.slab, u, out, true);
+  Kokkos::fence();
+  expect_close("out of the second shape", download(out), ref_forward(second, second.params, second.u), 1e-4);
+  h.mixer.backward(Exec(), h.slab, dout, du);
+  Kokkos::fence();
+  expect_close("du of the second shape", download(du), ref_gradients(second, 1e-5).at("u"), 1e-4);
+  expect_close("out of the first shape again", h.forward(false), ref_forward(first, first.params, first.u), 1e-4);
+}
+
+TYPED_TEST(Mamba2Mixer, BackwardAddsIntoTheGradients) {
+  using Exec = TypeParam;
+  Case c;
+  c.bias = true;
+  c.seqlen = 10;
+  c.seed = 41;
+  const Problem P = make_problem(c);
+  Harness<Exec> h(P);
+  h.forward(true);
+  const std::vector<double> du1 = h.backward();
+  Params once;
+  for (const auto& entry : P.params) once[entry.first] = h.grad(entry.first);
+  const std::vector<double> du2 = h.backward();
+  expect_close("du (second backward)", du2, du1, 1e-6);
+  for (const auto& entry : P.params) {
+    std::vector<double> doubled = once.at(entry.first);
+    for (double& v : doubled) v *= 2.0;
+    expect_close(entry.first + " after two backwards", h.grad(entry.first), doubled, 1e-5);
+  }
+}
+
+TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  Case c;
+  c.seed = 51;
+  const Problem P = make_problem(c);
+  Harness<Exec> h(P);
+  const auto expect_user_error = [](const std::function<void()>& call, const std::vector<std::string>& fragments) {
+    try {
+      call();
+      ADD_FAILURE() << "no kmamba::UserError thrown";
+    } catch (const kmamba::UserError& e) {
+      const std::string message = e.what();
+      for (const std::string& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
+    }
+  };
+  // backward before any forward, and after an inference forward.
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba2Mixer::backward", "keep_for_backward"});
+  h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
+  // Wrong d_model, wrong out shape.
+  const T3 u_wide("kmamba::test::u_wide", c.batch, c.seqlen, c.d_model + 1);
+  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, u_wide, h.out, true); },
+                    {"Mamba2Mixer::forward", "u", "(batch, seqlen, d_model)", "(2, 7, 9)", "(*, *, 8)"});
+  const T3 out_short("kmamba::test::out_short", c.batch, c.seqlen - 1, c.d_model);
+  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, h.u, out_short, true); }, {"out", "(2, 6, 8)", "(2, 7, 8)"});
+  // dout / du differing from the kept forward.
+  h.mixer.forward(Exec(), h.slab, h.u, h.out, true);
+  const T3 d_short("kmamba::test::d_short", c.batch, c.seqlen - 1, c.d_model);
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, d_short, h.du); }, {"dout", "of the last forward", "(2, 7, 8)"});
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, d_short); }, {"du", "(2, 6, 8)"});
+  h.mixer.backward(Exec(), h.slab, h.dout, h.du);
+  h.mixer.release_activations();
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
+  // A slab without this mixer's parameters, or with a wrong shape.
+  kmamba::ParameterSlab<Mem> other;
+  other.add(prefix + "in_proj.weight", {4, 4}, kmamba::WeightDecay::Yes);
+  other.finalize("kmamba::test::other");
+  expect_user_error([&] { h.mixer.forward(Exec(), other, h.u, h.out, true); }, {"in_proj.weight", "(4, 4)"});
+  kmamba::ParameterSlab<Mem> empty;
+  empty.finalize("kmamba::test::empty");
+  expect_user_error([&] { h.mixer.initialize(Exec(), empty, 1); }, {"no '" + prefix + "in_proj.weight'"});
+  // A config of another mixer kind.
+  kmamba::ModelConfig mamba1 = P.cfg;
+  mamba1.mixer = kmamba::MixerKind::Mamba1;
+  expect_user_error([&] { kmamba::Mamba2Mixer<Exec> m(mamba1, prefix); }, {"Mamba1"});
+}
+
+TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  Case c;
+  c.d_model = 32;
+  c.headdim = 8;
+  c.d_state = 8;
+  c.bias = true;
+  kmamba::ModelConfig cfg = c.config();
+  cfg.n_layer = 4;
+  const auto init = [&](const std::string& p, std::uint64_t seed) {
+    kmamba::Mamba2Mixer<Exec> mixer(cfg, p);
+    kmamba::ParameterSlab<Mem> slab;
+    mixer.declare_parameters(slab);
+    slab.finalize("kmamba::test::init");
+    Kokkos::deep_copy(slab.params(), std::numeric_limits<float>::quiet_NaN());
+    mixer.initialize(Exec(), slab, seed);
+    Kokkos::fence();
+    Params values;
+    for (const auto& e : slab.entries()) values[e.name.substr(p.size())] = slab_values(slab, slab.params(), e.name);
+    return values;
+  };
+  const Params w = init(prefix, 7);
+  const auto expect_uniform = [](const std::string& name, const std::vector<double>& v, double bound) {
+    double lo = 1e30, hi = -1e30, mean = 0.0;
+    for (double x : v) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+      mean += x / static_cast<double>(v.size());
+    }
+    EXPECT_GE(lo, -bound) << name;
+    EXPECT_LE(hi, bound) << name;
+    // Spread over most of the range, centred (loose: a few hundred draws at least).
+    EXPECT_LE(lo, -0.8 * bound) << name;
+    EXPECT_GE(hi, 0.8 * bound) << name;
+    EXPECT_LE(std::abs(mean), 0.15 * bound) << name;
+  };
+  const double E = cfg.d_inner();
+  expect_uniform("in_proj.weight", w.at("in_proj.weight"), 1.0 / std::sqrt(double(cfg.d_model)));
+  expect_uniform("conv1d.weight", w.at("conv1d.weight"), 1.0 / std::sqrt(double(cfg.d_conv)));
+  expect_uniform("conv1d.bias", w.at("conv1d.bias"), 1.0 / std::sqrt(double(cfg.d_conv)));
+  expect_uniform("out_proj.weight", w.at("out_proj.weight"), 1.0 / std::sqrt(E) / std::sqrt(double(cfg.n_layer)));
+  for (double v : w.at("in_proj.bias")) EXPECT_EQ(v, 0.0);
+  for (double v : w.at("out_proj.bias")) EXPECT_EQ(v, 0.0);
+  for (double v : w.at("D")) EXPECT_EQ(v, 1.0);
+  for (double v : w.at("norm.weight")) EXPECT_EQ(v, 1.0);
+  for (double v : w.at("A_log")) {
+    EXPECT_GE(std::exp(v), 1.0 - 1e-6);
+    EXPECT_LT(std::exp(v), 16.0 + 1e-5);
+  }
+  for (double v : w.at("dt_bias")) {
+    const double dt = softplus20(v);  // invsp undone
+    EXPECT_GE(dt, cfg.dt_min * (1.0 - 1e-4));
+    EXPECT_LE(dt, cfg.dt_max * (1.0 + 1e-4));
+  }
+  // Deterministic in the seed; another seed or another layer's prefix draws other values.
+  const Params again = init(prefix, 7);
+  const Params reseeded = init(prefix, 8);
+  const Params other_layer = init("backbone.layers.2.mixer.", 7);
+  for (const auto& entry : w) {
+    EXPECT_EQ(again.at(entry.first), entry.second) << entry.first;
+    const bool random = entry.first != "D" && entry.first != "norm.weight" && entry.first != "in_proj.bias" &&
+                        entry.first != "out_proj.bias";
+    if (random) {
+      EXPECT_NE(reseeded.at(entry.first), entry.second) << entry.first;
+      EXPECT_NE(other_layer.at(entry.first), entry.second) << entry.first;
+    }
+  }
+  // Without the prenorm-residual rescale, out_proj uses the plain bound.
+  cfg.rescale_prenorm_residual = false;
+  expect_uniform("out_proj.weight (no rescale)", init(prefix, 7).at("out_proj.weight"), 1.0 / std::sqrt(E));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The golden checkpoint's names and shapes.
+
+TEST(Mamba2MixerGolden, DeclaresTheCheckpointsParameters) {
+  using Exec = Kokkos::DefaultHostExecutionSpace;
+  using Mem = Exec::memory_space;
+  const std::string dir = std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba2";
+  const kmamba::ModelConfig cfg = kmamba::ModelConfig::load(dir + "/config.json");
+  ASSERT_EQ(cfg.mixer, kmamba::MixerKind::Mamba2);
+  const kmamba::SafeTensorsReader file(dir + "/model.safetensors");
+  for (int layer = 0; layer < cfg.n_layer; ++layer) {
+    const std::string p = "backbone.layers." + std::to_string(layer) + ".mixer.";
+    SCOPED_TRACE(p);
+    kmamba::Mamba2Mixer<Exec> mixer(cfg, p);
+    EXPECT_EQ(mixer.prefix(), p);
+    kmamba::ParameterSlab<Mem> slab;
+    mixer.declare_parameters(slab);
+    std::size_t in_file = 0;
+    for (const std::string& name : file.names()) {
+      if (name.compare(0, p.size(), p) != 0) continue;
+      ++in_file;
+      ASSERT_TRUE(slab.contains(name)) << name << " is in the checkpoint but not declared";
+      EXPECT_EQ(slab.entry(name).shape, file.info(name).shape) << name;
+      const bool decayed = name == p + "in_proj.weight" || name == p + "out_proj.weight" || name == p + "conv1d.weight";
+      EXPECT_EQ(slab.entry(name).decay, decayed ? kmamba::WeightDecay::Yes : kmamba::WeightDecay::No) << name;
+    }
+    EXPECT_EQ(in_file, slab.entries().size()) << "declared parameters missing from the checkpoint";
+    EXPECT_EQ(in_file, 8u);
+  }
+}
+
+}  // namespace
