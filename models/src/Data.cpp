@@ -188,10 +188,11 @@ void AssociativeRecallConfig::validate() const {
                  "kmamba::AssociativeRecallConfig: vocab_size " << vocab_size << " is too small for " << num_kv_pairs
                                                                 << " distinct keys and values plus the blank (needs >= "
                                                                 << 1 + 2 * num_kv_pairs << ")");
-  KMAMBA_REQUIRE(seqlen >= 3 * static_cast<std::int64_t>(num_kv_pairs),
+  KMAMBA_REQUIRE(num_queries >= 0, "kmamba::AssociativeRecallConfig: num_queries must be >= 0 (0: one per pair), got " << num_queries);
+  KMAMBA_REQUIRE(seqlen >= 2 * static_cast<std::int64_t>(num_kv_pairs) + queries(),
                  "kmamba::AssociativeRecallConfig: seqlen " << seqlen << " cannot hold " << num_kv_pairs
-                                                            << " key-value pairs and their queries (needs >= "
-                                                            << 3 * num_kv_pairs << ")");
+                                                            << " key-value pairs and " << queries() << " queries (needs >= "
+                                                            << 2 * num_kv_pairs + queries() << ")");
 }
 
 AssociativeRecallTask::AssociativeRecallTask(const AssociativeRecallConfig& config) : config_(config) { config_.validate(); }
@@ -204,15 +205,19 @@ TokenBatch AssociativeRecallTask::batch(std::int64_t index, std::int64_t batch_s
 
 TokenBatch AssociativeRecallTask::batch(Split split, std::int64_t index, std::int64_t batch_size) const {
   check_batch_request("kmamba::AssociativeRecallTask::batch", index, batch_size);
-  const std::int64_t seqlen = config_.seqlen, pairs = config_.num_kv_pairs, context = 2 * pairs;
+  const std::int64_t seqlen = config_.seqlen, pairs = config_.num_kv_pairs, context = 2 * pairs, queries = config_.queries();
   TokenBatch out = allocate_batch(batch_size, seqlen);
   for (std::int64_t b = 0; b < batch_size; ++b) {
     SequenceRandom random(config_.seed, stream_tag(1, split), static_cast<std::uint64_t>(index * batch_size + b));
     const std::vector<std::int64_t> keys = random.distinct(key_begin(), value_begin(), pairs);
     const std::vector<std::int64_t> values = random.distinct(value_begin(), config_.vocab_size, pairs);
-    std::vector<std::int64_t> positions = random.distinct(context, seqlen, pairs);
+    std::vector<std::int64_t> positions = random.distinct(context, seqlen, queries);
     std::sort(positions.begin(), positions.end());
-    const std::vector<std::int64_t> order = random.distinct(0, pairs, pairs);
+    std::vector<std::int64_t> order;  // rounds of random permutations of the pairs
+    while (static_cast<std::int64_t>(order.size()) < queries) {
+      const std::vector<std::int64_t> round = random.distinct(0, pairs, pairs);
+      order.insert(order.end(), round.begin(), round.end());
+    }
     for (std::int64_t t = 0; t < seqlen; ++t) {
       out.ids(b, t) = blank_token;
       out.targets(b, t) = ignore_index;
@@ -221,7 +226,7 @@ TokenBatch AssociativeRecallTask::batch(Split split, std::int64_t index, std::in
       out.ids(b, 2 * p) = keys[static_cast<std::size_t>(p)];
       out.ids(b, 2 * p + 1) = values[static_cast<std::size_t>(p)];
     }
-    for (std::int64_t q = 0; q < pairs; ++q) {
+    for (std::int64_t q = 0; q < queries; ++q) {
       const auto pair = static_cast<std::size_t>(order[static_cast<std::size_t>(q)]);
       const std::int64_t t = positions[static_cast<std::size_t>(q)];
       out.ids(b, t) = keys[pair];
@@ -234,7 +239,7 @@ TokenBatch AssociativeRecallTask::batch(Split split, std::int64_t index, std::in
 std::string AssociativeRecallTask::fingerprint() const {
   std::ostringstream s;
   s << "associative_recall(vocab_size=" << config_.vocab_size << ", seqlen=" << config_.seqlen
-    << ", num_kv_pairs=" << config_.num_kv_pairs << ", seed=" << config_.seed << ")";
+    << ", num_kv_pairs=" << config_.num_kv_pairs << ", num_queries=" << config_.queries() << ", seed=" << config_.seed << ")";
   return s.str();
 }
 

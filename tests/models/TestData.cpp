@@ -92,6 +92,27 @@ TEST(AssociativeRecall, TargetsAreTheValuesOfTheQueriedKeys) {
   }
 }
 
+TEST(AssociativeRecall, DenseQueriesCycleThroughTheKeys) {
+  const kmamba::AssociativeRecallTask task({64, 40, 6, 3, /*num_queries=*/28});
+  const TokenBatch b = task.batch(Split::Train, 0, 4);
+  EXPECT_EQ(b.predicted_tokens(), 4 * 28);
+  for (std::size_t r = 0; r < 4; ++r) {
+    std::map<std::int64_t, std::int64_t> pairs, times_queried;
+    for (std::size_t p = 0; p < 6; ++p) pairs[b.ids(r, 2 * p)] = b.ids(r, 2 * p + 1);
+    for (std::size_t t = 12; t < 40; ++t) {
+      if (b.targets(r, t) == kmamba::ignore_index) continue;
+      ASSERT_EQ(pairs.count(b.ids(r, t)), 1u);
+      EXPECT_EQ(b.targets(r, t), pairs[b.ids(r, t)]);
+      ++times_queried[b.ids(r, t)];
+    }
+    ASSERT_EQ(times_queried.size(), 6u);
+    for (const auto& [key, n] : times_queried) {
+      EXPECT_TRUE(n == 4 || n == 5) << "28 queries over 6 keys: every key 4 or 5 times, key " << key << " " << n << " times";
+    }
+  }
+  EXPECT_NE(user_error([] { kmamba::AssociativeRecallTask({64, 40, 6, 3, 29}); }).find("29 queries"), std::string::npos);
+}
+
 TEST(AssociativeRecall, BatchesAreDeterministicAndSplitsDiffer) {
   const kmamba::AssociativeRecallTask task({128, 64, 8, 1});
   const TokenBatch a = task.batch(5, 8);

@@ -60,9 +60,13 @@ class Dataset {
 /// Multi-query associative recall (Zoology, Arora et al. 2023).
 struct AssociativeRecallConfig {
   int vocab_size = 128;      ///< token 0 is the blank; keys and values split the rest in two disjoint ranges
-  std::int64_t seqlen = 64;  ///< at least 3·num_kv_pairs
-  int num_kv_pairs = 8;      ///< pairs per sequence, each key queried once
+  std::int64_t seqlen = 64;  ///< at least 2·num_kv_pairs + queries()
+  int num_kv_pairs = 8;      ///< pairs per sequence
   std::uint64_t seed = 0;
+  int num_queries = 0;       ///< queries per sequence; 0 = num_kv_pairs (every key once)
+
+  /// The resolved number of queries per sequence.
+  int queries() const { return num_queries > 0 ? num_queries : num_kv_pairs; }
 
   /// Throws kmamba::UserError naming the first inconsistent field.
   void validate() const;
@@ -70,9 +74,10 @@ struct AssociativeRecallConfig {
 
 /// Each sequence shows num_kv_pairs key–value pairs `k1 v1 k2 v2 ...` (distinct keys from the key
 /// range, distinct values from the value range), then, at random positions of the rest of the
-/// sequence (blank tokens elsewhere), every key again in a random order. The target at a query is
-/// the value paired with that key; every other target is ignore_index, so the accuracy over the
-/// predicted positions is the recall accuracy. The validation split uses its own random stream.
+/// sequence (blank tokens elsewhere), queries: the keys again in a random order (every key once
+/// per round of num_kv_pairs queries). The target at a query is the value paired with that key;
+/// every other target is ignore_index, so the accuracy over the predicted positions is the recall
+/// accuracy. The validation split uses its own random stream.
 class AssociativeRecallTask : public Dataset {
  public:
   explicit AssociativeRecallTask(const AssociativeRecallConfig& config);
