@@ -310,8 +310,8 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     file.add(exp_avg_prefix + e.name, DType::F32, e.shape, m.data() + e.offset);
     file.add(exp_avg_sq_prefix + e.name, DType::F32, e.shape, v.data() + e.offset);
   }
-  file.add_i64(step_tensor, {1}, {steps_taken()});
-  file.add_i64(position_tensor, {1}, {data_position_});
+  file.add_i64(step_tensor, {1}, std::vector<std::int64_t>{steps_taken()});
+  file.add_i64(position_tensor, {1}, std::vector<std::int64_t>{data_position_});
   file.set_metadata("format", state_format);
   file.set_metadata("format_version", "1");
   file.set_metadata("producer", std::string("kmamba ") + version());
