@@ -2,7 +2,8 @@
 // against the reference implementation.
 //
 //   kmamba-eval --model DIR --input IN.safetensors --output OUT.safetensors [--grads] [--check TOL]
-//   kmamba-eval --op ssd|selective_scan --input IN.safetensors --output OUT.safetensors [--check TOL]
+//   kmamba-eval --op ssd|selective_scan|mamba3_siso|mamba3_mimo --input IN.safetensors --output OUT.safetensors
+//               [--check TOL]
 #include <kmamba/KMamba.hpp>
 
 #include <algorithm>
@@ -41,12 +42,18 @@ void print_help() {
       "                   (config: chunk_size, dt_softplus, dt_limit)\n"
       "  selective_scan   inputs u, delta, A, B, C [, D, z, delta_bias, initial_state];\n"
       "                   outputs out, last_state; cotangents dout [, dlast_state]\n"
+      "  mamba3_siso      inputs Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles [, D, Z, initial_angle,\n"
+      "                   initial_ssm, initial_k, initial_v]; outputs out, final_angle, final_ssm, final_k,\n"
+      "                   final_v; cotangents dout [, dfinal_angle, dfinal_ssm, dfinal_k, dfinal_v]\n"
+      "                   (config: chunk_size, default 64)\n"
+      "  mamba3_mimo      as mamba3_siso with a rank axis, plus MIMO_V, MIMO_O [, MIMO_Z with Z]\n"
+      "                   (config: chunk_size, default 64 / rank)\n"
       "\n"
       "options:\n"
       "  --check TOL      compare every output with the tensor of the same name in IN (if present) and\n"
       "                   fail unless ||out - ref|| / ||ref|| <= TOL for each\n"
-      "  --chunk-size N   tokens per chunk (default: the file's config for ssd, chosen by kmamba for\n"
-      "                   selective_scan)\n"
+      "  --chunk-size N   tokens per chunk (default: the file's config for ssd and mamba3_*, chosen by\n"
+      "                   kmamba for selective_scan)\n"
       "  --grads          (--model) also write the gradient of the loss for every parameter\n"
       "  -h, --help       this text\n");
 }
@@ -194,6 +201,223 @@ void run_ssd(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::Safe
   if (g.dinitial_states.is_allocated()) kmamba::add_view(out_file, "grad.initial_states", g.dinitial_states);
 }
 
+// Writes grad.<name> for a gradient that was computed (allocated).
+template <class ViewType>
+void add_gradient(kmamba::SafeTensorsWriter& out_file, const std::string& name, const ViewType& grad) {
+  if (grad.is_allocated()) kmamba::add_view(out_file, "grad." + name, grad);
+}
+
+// The four Mamba-3 states of either variant under the names `prefix`angle, ...ssm, ...k, ...v.
+template <class States>
+void add_mamba3_states(kmamba::SafeTensorsWriter& out_file, const std::string& prefix, const States& states) {
+  kmamba::add_view(out_file, prefix + "angle", states.angle);
+  kmamba::add_view(out_file, prefix + "ssm", states.ssm);
+  kmamba::add_view(out_file, prefix + "k", states.k);
+  kmamba::add_view(out_file, prefix + "v", states.v);
+}
+
+// Reads the optional states `prefix`angle, ...ssm, ...k, ...v (KView: the k and v tensor type).
+template <class States, class KView>
+States read_mamba3_states(const kmamba::SafeTensorsReader& in, const std::string& prefix) {
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  States s;
+  s.angle = optional_input<T3>(in, prefix + "angle");
+  s.ssm = optional_input<T4>(in, prefix + "ssm");
+  s.k = optional_input<KView>(in, prefix + "k");
+  s.v = optional_input<KView>(in, prefix + "v");
+  return s;
+}
+
+// A zero-filled buffer shaped as `view` (unallocated if `view` is).
+template <class ViewType>
+ViewType allocate_like(const ViewType& view, const std::string& label) {
+  return view.is_allocated() ? ViewType(Kokkos::view_alloc(label), view.layout()) : ViewType();
+}
+
+// Gradient buffers for the initial states that were given.
+template <class States>
+States mamba3_initial_gradients(const States& initial) {
+  States d;
+  d.angle = allocate_like(initial.angle, "kmamba::eval::dinitial_angle");
+  d.ssm = allocate_like(initial.ssm, "kmamba::eval::dinitial_ssm");
+  d.k = allocate_like(initial.k, "kmamba::eval::dinitial_k");
+  d.v = allocate_like(initial.v, "kmamba::eval::dinitial_v");
+  return d;
+}
+
+void run_mamba3_siso(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  using States = kmamba::Mamba3SisoStates<Mem>;
+  const Exec exec;
+  const T4 Q = kmamba::read_view<T4>(in, "Q");
+  const T4 K = kmamba::read_view<T4>(in, "K");
+  const T4 V = kmamba::read_view<T4>(in, "V");
+  const T3 ADT = kmamba::read_view<T3>(in, "ADT");
+  const T3 DT = kmamba::read_view<T3>(in, "DT");
+  const T3 Trap = kmamba::read_view<T3>(in, "Trap");
+  const T2 Q_bias = kmamba::read_view<T2>(in, "Q_bias");
+  const T2 K_bias = kmamba::read_view<T2>(in, "K_bias");
+  const T4 Angles = kmamba::read_view<T4>(in, "Angles");
+  const T1 D = optional_input<T1>(in, "D");
+  const T4 Z = optional_input<T4>(in, "Z");
+  const States initial = read_mamba3_states<States, T3>(in, "initial_");
+  kmamba::Mamba3SisoArgs<Mem> args;
+  args.q = Q;
+  args.k = K;
+  args.v = V;
+  args.adt = ADT;
+  args.dt = DT;
+  args.trap = Trap;
+  args.q_bias = Q_bias;
+  args.k_bias = K_bias;
+  args.angles = Angles;
+  args.D = D;
+  args.z = Z;
+  args.initial = initial;
+  args.chunk_size = o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", 64));
+
+  const auto batch = V.extent(0), seqlen = V.extent(1), nheads = V.extent(2), headdim = V.extent(3);
+  const auto ngroups = Q.extent(2), dstate = Q.extent(3), nangles = Angles.extent(3);
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, seqlen, nheads, headdim);
+  States fin;
+  fin.angle = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_angle", batch, nheads, nangles);
+  fin.ssm = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_ssm", batch, nheads, headdim, dstate);
+  fin.k = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_k", batch, nheads, dstate);
+  fin.v = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_v", batch, nheads, headdim);
+  kmamba::mamba3_siso_forward(exec, args, out, fin);
+  kmamba::add_view(out_file, "out", out);
+  add_mamba3_states(out_file, "final_", fin);
+  if (!in.contains("dout")) return;
+
+  const T4 dout = kmamba::read_view<T4>(in, "dout");
+  const States dfinal = read_mamba3_states<States, T3>(in, "dfinal_");
+  kmamba::Mamba3SisoGrads<Mem> g;
+  g.dq = kmamba::allocate<T4>("kmamba::eval::dQ", batch, seqlen, ngroups, dstate);
+  g.dk = kmamba::allocate<T4>("kmamba::eval::dK", batch, seqlen, ngroups, dstate);
+  g.dv = kmamba::allocate<T4>("kmamba::eval::dV", batch, seqlen, nheads, headdim);
+  g.dadt = kmamba::allocate<T3>("kmamba::eval::dADT", batch, nheads, seqlen);
+  g.ddt = kmamba::allocate<T3>("kmamba::eval::dDT", batch, nheads, seqlen);
+  g.dtrap = kmamba::allocate<T3>("kmamba::eval::dTrap", batch, nheads, seqlen);
+  g.dq_bias = kmamba::allocate<T2>("kmamba::eval::dQ_bias", nheads, dstate);
+  g.dk_bias = kmamba::allocate<T2>("kmamba::eval::dK_bias", nheads, dstate);
+  g.dangles = kmamba::allocate<T4>("kmamba::eval::dAngles", batch, seqlen, nheads, nangles);
+  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", nheads);
+  if (Z.is_allocated()) g.dz = kmamba::allocate<T4>("kmamba::eval::dZ", batch, seqlen, nheads, headdim);
+  g.dinitial = mamba3_initial_gradients(initial);
+  kmamba::mamba3_siso_backward(exec, args, dout, dfinal, g);
+  add_gradient(out_file, "Q", g.dq);
+  add_gradient(out_file, "K", g.dk);
+  add_gradient(out_file, "V", g.dv);
+  add_gradient(out_file, "ADT", g.dadt);
+  add_gradient(out_file, "DT", g.ddt);
+  add_gradient(out_file, "Trap", g.dtrap);
+  add_gradient(out_file, "Q_bias", g.dq_bias);
+  add_gradient(out_file, "K_bias", g.dk_bias);
+  add_gradient(out_file, "Angles", g.dangles);
+  add_gradient(out_file, "D", g.dD);
+  add_gradient(out_file, "Z", g.dz);
+  add_gradient(out_file, "initial_angle", g.dinitial.angle);
+  add_gradient(out_file, "initial_ssm", g.dinitial.ssm);
+  add_gradient(out_file, "initial_k", g.dinitial.k);
+  add_gradient(out_file, "initial_v", g.dinitial.v);
+}
+
+void run_mamba3_mimo(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  using T5 = kmamba::Tensor5<float, Mem>;
+  using States = kmamba::Mamba3MimoStates<Mem>;
+  const Exec exec;
+  const T5 Q = kmamba::read_view<T5>(in, "Q");
+  const T5 K = kmamba::read_view<T5>(in, "K");
+  const T4 V = kmamba::read_view<T4>(in, "V");
+  const T3 ADT = kmamba::read_view<T3>(in, "ADT");
+  const T3 DT = kmamba::read_view<T3>(in, "DT");
+  const T3 Trap = kmamba::read_view<T3>(in, "Trap");
+  const T3 Q_bias = kmamba::read_view<T3>(in, "Q_bias");
+  const T3 K_bias = kmamba::read_view<T3>(in, "K_bias");
+  const T4 Angles = kmamba::read_view<T4>(in, "Angles");
+  const T3 MIMO_V = kmamba::read_view<T3>(in, "MIMO_V");
+  const T3 MIMO_O = kmamba::read_view<T3>(in, "MIMO_O");
+  const T3 MIMO_Z = optional_input<T3>(in, "MIMO_Z");
+  const T1 D = optional_input<T1>(in, "D");
+  const T4 Z = optional_input<T4>(in, "Z");
+  const States initial = read_mamba3_states<States, T4>(in, "initial_");
+  kmamba::Mamba3MimoArgs<Mem> args;
+  args.q = Q;
+  args.k = K;
+  args.v = V;
+  args.adt = ADT;
+  args.dt = DT;
+  args.trap = Trap;
+  args.q_bias = Q_bias;
+  args.k_bias = K_bias;
+  args.angles = Angles;
+  args.mimo_v = MIMO_V;
+  args.mimo_z = MIMO_Z;
+  args.mimo_o = MIMO_O;
+  args.D = D;
+  args.z = Z;
+  args.initial = initial;
+  args.chunk_size = o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", 0));
+
+  const auto batch = V.extent(0), seqlen = V.extent(1), nheads = V.extent(2), headdim = V.extent(3);
+  const auto rank = Q.extent(2), ngroups = Q.extent(3), dstate = Q.extent(4), nangles = Angles.extent(3);
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, seqlen, nheads, headdim);
+  States fin;
+  fin.angle = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_angle", batch, nheads, nangles);
+  fin.ssm = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_ssm", batch, nheads, headdim, dstate);
+  fin.k = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_k", batch, nheads, rank, dstate);
+  fin.v = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_v", batch, nheads, rank, headdim);
+  kmamba::mamba3_mimo_forward(exec, args, out, fin);
+  kmamba::add_view(out_file, "out", out);
+  add_mamba3_states(out_file, "final_", fin);
+  if (!in.contains("dout")) return;
+
+  const T4 dout = kmamba::read_view<T4>(in, "dout");
+  const States dfinal = read_mamba3_states<States, T4>(in, "dfinal_");
+  kmamba::Mamba3MimoGrads<Mem> g;
+  g.dq = kmamba::allocate<T5>("kmamba::eval::dQ", batch, seqlen, rank, ngroups, dstate);
+  g.dk = kmamba::allocate<T5>("kmamba::eval::dK", batch, seqlen, rank, ngroups, dstate);
+  g.dv = kmamba::allocate<T4>("kmamba::eval::dV", batch, seqlen, nheads, headdim);
+  g.dadt = kmamba::allocate<T3>("kmamba::eval::dADT", batch, nheads, seqlen);
+  g.ddt = kmamba::allocate<T3>("kmamba::eval::dDT", batch, nheads, seqlen);
+  g.dtrap = kmamba::allocate<T3>("kmamba::eval::dTrap", batch, nheads, seqlen);
+  g.dq_bias = kmamba::allocate<T3>("kmamba::eval::dQ_bias", nheads, rank, dstate);
+  g.dk_bias = kmamba::allocate<T3>("kmamba::eval::dK_bias", nheads, rank, dstate);
+  g.dangles = kmamba::allocate<T4>("kmamba::eval::dAngles", batch, seqlen, nheads, nangles);
+  g.dmimo_v = kmamba::allocate<T3>("kmamba::eval::dMIMO_V", nheads, rank, headdim);
+  g.dmimo_o = kmamba::allocate<T3>("kmamba::eval::dMIMO_O", nheads, rank, headdim);
+  if (MIMO_Z.is_allocated()) g.dmimo_z = kmamba::allocate<T3>("kmamba::eval::dMIMO_Z", nheads, rank, headdim);
+  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", nheads);
+  if (Z.is_allocated()) g.dz = kmamba::allocate<T4>("kmamba::eval::dZ", batch, seqlen, nheads, headdim);
+  g.dinitial = mamba3_initial_gradients(initial);
+  kmamba::mamba3_mimo_backward(exec, args, dout, dfinal, g);
+  add_gradient(out_file, "Q", g.dq);
+  add_gradient(out_file, "K", g.dk);
+  add_gradient(out_file, "V", g.dv);
+  add_gradient(out_file, "ADT", g.dadt);
+  add_gradient(out_file, "DT", g.ddt);
+  add_gradient(out_file, "Trap", g.dtrap);
+  add_gradient(out_file, "Q_bias", g.dq_bias);
+  add_gradient(out_file, "K_bias", g.dk_bias);
+  add_gradient(out_file, "Angles", g.dangles);
+  add_gradient(out_file, "MIMO_V", g.dmimo_v);
+  add_gradient(out_file, "MIMO_Z", g.dmimo_z);
+  add_gradient(out_file, "MIMO_O", g.dmimo_o);
+  add_gradient(out_file, "D", g.dD);
+  add_gradient(out_file, "Z", g.dz);
+  add_gradient(out_file, "initial_angle", g.dinitial.angle);
+  add_gradient(out_file, "initial_ssm", g.dinitial.ssm);
+  add_gradient(out_file, "initial_k", g.dinitial.k);
+  add_gradient(out_file, "initial_v", g.dinitial.v);
+}
+
 void run_model(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
   using I2 = kmamba::Tensor2<std::int64_t, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
@@ -301,7 +525,10 @@ int main(int argc, char** argv) {
     const Options o = parse(argc, argv);
     const std::map<std::string, std::function<void(const Options&, const kmamba::SafeTensorsReader&,
                                                    kmamba::SafeTensorsWriter&)>>
-        ops = {{"ssd", run_ssd}, {"selective_scan", run_selective_scan}};
+        ops = {{"ssd", run_ssd},
+               {"selective_scan", run_selective_scan},
+               {"mamba3_siso", run_mamba3_siso},
+               {"mamba3_mimo", run_mamba3_mimo}};
     const auto op = ops.find(o.op);
     KMAMBA_REQUIRE(!o.model.empty() || op != ops.end(), "kmamba-eval: unknown --op '" << o.op << "' (see --help for the list)");
     const std::string name = o.model.empty() ? o.op : o.model;

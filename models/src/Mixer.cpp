@@ -3,6 +3,7 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/models/Mamba1Mixer.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -12,9 +13,10 @@ namespace kmamba {
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix) {
   switch (config.mixer) {
+    case MixerKind::Mamba1:
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba1Mixer<ExecutionSpace>(config, prefix));
     case MixerKind::Mamba2:
       return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix));
-    case MixerKind::Mamba1:
     case MixerKind::Mamba3:
       break;
   }

@@ -17,7 +17,9 @@
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/Sampling.hpp>
 #include <kmamba/models/TensorIO.hpp>
+#include <kmamba/models/Tokenizer.hpp>
 #include <kmamba/models/Trainer.hpp>
 
 namespace kmamba {

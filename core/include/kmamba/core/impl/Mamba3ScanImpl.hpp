@@ -1,0 +1,1408 @@
+// Internals of kmamba/core/Mamba3Scan.hpp: the operands of both variants behind one interface, the
+// launch plan, the workspaces and one functor per stage of the chunked scan (algorithms.md §3.4,
+// §3.5), its backward and the decode step (§3.7).
+//
+// SISO is MIMO with rank 1 and unit rank projections; every stage is written once for rank R.
+// Per (batch, head) the tokens × ranks form "rows" (row = t·R + r); the rotate stage writes the
+// rotated, biased q and k and the projected v as rows of per-head workspaces, so that the chunk
+// stages read plain (rows × dstate) and (rows × headdim) blocks.
+//
+// Work decomposition (as the SSD, kmamba/core/impl/SsdImpl.hpp): the per-token scans (angles,
+// decays, scales; their backward) are one team per (batch, head); the chunk stages are TeamPolicy
+// launches with one team per (batch, chunk, head) that build the (tile rows × chunk rows) blocks of
+// the intra-chunk weights in level-0 scratch, a tile of tokens at a time (the tile is chosen so that
+// the scratch fits); the passing of states is one team per (batch, head). Every per-chunk product
+// goes through TeamGemm (impl/TeamGemm.hpp). Sums over batch, seqlen or heads are taken in a fixed
+// order (no atomics).
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/TeamGemm.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace kmamba {
+namespace impl {
+
+// Keeps a parameter out of template argument deduction (so that a Tensor4<float> converts to the
+// ConstTensor4<float> a public op takes).
+template <class T>
+struct Mamba3Identity {
+  using type = T;
+};
+template <class T>
+using Mamba3NonDeduced = typename Mamba3Identity<T>::type;
+
+constexpr float mamba3_pi = 3.14159265358979323846f;
+constexpr float mamba3_two_pi = 6.28318530717958647692f;
+
+struct Mamba3Dims {
+  std::int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 1, dstate = 0, nangles = 0, rank = 1;
+  bool mimo = false;
+};
+
+/// A required input is given when it is allocated or has a zero extent (a sequence of length 0, no
+/// angles): only a default-constructed View counts as missing.
+template <class View>
+bool mamba3_given(const View& view) {
+  if (view.is_allocated()) return true;
+  for (unsigned i = 0; i < View::rank; ++i) {
+    if (view.extent(i) != 0) return true;
+  }
+  return false;
+}
+
+template <class... Views>
+bool mamba3_all_given(const Views&... views) {
+  return (mamba3_given(views) && ...);
+}
+
+/// The MIMO chunk size: `chunk_size`, or the reference's 64 / rank when 0.
+inline int mamba3_mimo_chunk_size(int chunk_size, std::int64_t rank) {
+  if (chunk_size > 0) return chunk_size;
+  return rank >= 64 ? 1 : static_cast<int>(64 / std::max<std::int64_t>(rank, 1));
+}
+
+/// A set of states of either variant: SISO k, v have no rank axis (k3, v3), MIMO ones do (k4, v4).
+/// T is float (states written) or const float (states read). The has_* flags say which are present.
+template <class T, class MemorySpace>
+struct Mamba3StateViews {
+  Tensor3<T, MemorySpace> angle;  // (batch, nheads, nangles)
+  Tensor4<T, MemorySpace> ssm;    // (batch, nheads, headdim, dstate)
+  Tensor3<T, MemorySpace> k3;     // SISO: (batch, nheads, dstate)
+  Tensor3<T, MemorySpace> v3;     // SISO: (batch, nheads, headdim)
+  Tensor4<T, MemorySpace> k4;     // MIMO: (batch, nheads, rank, dstate)
+  Tensor4<T, MemorySpace> v4;     // MIMO: (batch, nheads, rank, headdim)
+  bool mimo = false, has_angle = false, has_ssm = false, has_k = false, has_v = false;
+
+  void set_flags(bool is_mimo) {
+    mimo = is_mimo;
+    has_angle = angle.is_allocated();
+    has_ssm = ssm.is_allocated();
+    has_k = mimo ? k4.is_allocated() : k3.is_allocated();
+    has_v = mimo ? v4.is_allocated() : v3.is_allocated();
+  }
+  KOKKOS_INLINE_FUNCTION T& k(int b, int h, int r, int n) const { return mimo ? k4(b, h, r, n) : k3(b, h, n); }
+  KOKKOS_INLINE_FUNCTION T& v(int b, int h, int r, int p) const { return mimo ? v4(b, h, r, p) : v3(b, h, p); }
+  KOKKOS_INLINE_FUNCTION float angle_or_zero(int b, int h, int i) const { return has_angle ? angle(b, h, i) : 0.0f; }
+  KOKKOS_INLINE_FUNCTION float ssm_or_zero(int b, int h, int p, int n) const {
+    return has_ssm ? ssm(b, h, p, n) : 0.0f;
+  }
+  KOKKOS_INLINE_FUNCTION float k_or_zero(int b, int h, int r, int n) const { return has_k ? k(b, h, r, n) : 0.0f; }
+  KOKKOS_INLINE_FUNCTION float v_or_zero(int b, int h, int r, int p) const { return has_v ? v(b, h, r, p) : 0.0f; }
+};
+
+/// The inputs of either variant as the kernels read them (SISO: q4, k4, q_bias2, k_bias2 and unit
+/// projections; MIMO: q5, k5, q_bias3, k_bias3, mimo_*).
+template <class MemorySpace>
+struct Mamba3Operands {
+  ConstTensor4<float, MemorySpace> q4, k4;                  // SISO: (batch, seqlen, ngroups, dstate)
+  ConstTensor5<float, MemorySpace> q5, k5;                  // MIMO: (batch, seqlen, rank, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> v;                       // (batch, seqlen, nheads, headdim)
+  ConstTensor3<float, MemorySpace> adt, dt, trap;           // (batch, nheads, seqlen)
+  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;        // SISO: (nheads, dstate)
+  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;        // MIMO: (nheads, rank, dstate)
+  ConstTensor4<float, MemorySpace> angles;                  // (batch, seqlen, nheads, nangles)
+  ConstTensor3<float, MemorySpace> mimo_v, mimo_z, mimo_o;  // MIMO: (nheads, rank, headdim)
+  ConstTensor1<float, MemorySpace> D;                       // (nheads)
+  ConstTensor4<float, MemorySpace> z;                       // (batch, seqlen, nheads, headdim)
+  Mamba3StateViews<const float, MemorySpace> initial;
+  /// SISO keeps its angles reduced into [0, 2π); MIMO reports the plain sum.
+  bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
+
+  KOKKOS_INLINE_FUNCTION float q_in(int b, int t, int r, int g, int n) const {
+    return mimo ? q5(b, t, r, g, n) : q4(b, t, g, n);
+  }
+  KOKKOS_INLINE_FUNCTION float k_in(int b, int t, int r, int g, int n) const {
+    return mimo ? k5(b, t, r, g, n) : k4(b, t, g, n);
+  }
+  KOKKOS_INLINE_FUNCTION float q_bias(int h, int r, int n) const { return mimo ? q_bias3(h, r, n) : q_bias2(h, n); }
+  KOKKOS_INLINE_FUNCTION float k_bias(int h, int r, int n) const { return mimo ? k_bias3(h, r, n) : k_bias2(h, n); }
+  KOKKOS_INLINE_FUNCTION float v_proj(int h, int r, int p) const { return mimo ? mimo_v(h, r, p) : 1.0f; }
+  KOKKOS_INLINE_FUNCTION float z_proj(int h, int r, int p) const { return mimo ? mimo_z(h, r, p) : 1.0f; }
+  KOKKOS_INLINE_FUNCTION float o_proj(int h, int r, int p) const { return mimo ? mimo_o(h, r, p) : 1.0f; }
+  KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
+  /// β̃_t = (1 − σ(trap_t))·dt_t, written σ(−trap_t)·dt_t.
+  KOKKOS_INLINE_FUNCTION float beta_tilde(int b, int h, int t) const { return sigmoid(-trap(b, h, t)) * dt(b, h, t); }
+};
+
+/// The gradients of either variant (SISO: dq4, dk4, dq_bias2, dk_bias2; MIMO: dq5, dk5, dq_bias3,
+/// dk_bias3, dmimo_*). Optional ones are unallocated when not wanted.
+template <class MemorySpace>
+struct Mamba3GradViews {
+  Tensor4<float, MemorySpace> dq4, dk4;                   // SISO: (batch, seqlen, ngroups, dstate)
+  Tensor5<float, MemorySpace> dq5, dk5;                   // MIMO: (batch, seqlen, rank, ngroups, dstate)
+  Tensor2<float, MemorySpace> dq_bias2, dk_bias2;         // SISO: (nheads, dstate)
+  Tensor3<float, MemorySpace> dq_bias3, dk_bias3;         // MIMO: (nheads, rank, dstate)
+  Tensor4<float, MemorySpace> dv;                         // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> dadt, ddt, dtrap;           // (batch, nheads, seqlen)
+  Tensor4<float, MemorySpace> dangles;                    // (batch, seqlen, nheads, nangles)
+  Tensor3<float, MemorySpace> dmimo_v, dmimo_z, dmimo_o;  // MIMO: (nheads, rank, headdim)
+  Tensor1<float, MemorySpace> dD;                         // (nheads)
+  Tensor4<float, MemorySpace> dz;                         // (batch, seqlen, nheads, headdim)
+  Mamba3StateViews<float, MemorySpace> dinitial;
+  bool mimo = false;
+
+  KOKKOS_INLINE_FUNCTION float& dq(int b, int t, int r, int g, int n) const {
+    return mimo ? dq5(b, t, r, g, n) : dq4(b, t, g, n);
+  }
+  KOKKOS_INLINE_FUNCTION float& dk(int b, int t, int r, int g, int n) const {
+    return mimo ? dk5(b, t, r, g, n) : dk4(b, t, g, n);
+  }
+  KOKKOS_INLINE_FUNCTION float& dq_bias(int h, int r, int n) const { return mimo ? dq_bias3(h, r, n) : dq_bias2(h, n); }
+  KOKKOS_INLINE_FUNCTION float& dk_bias(int h, int r, int n) const { return mimo ? dk_bias3(h, r, n) : dk_bias2(h, n); }
+};
+
+/// The inputs of a decode step of either variant.
+template <class MemorySpace>
+struct Mamba3StepOperands {
+  ConstTensor3<float, MemorySpace> q3, k3;                  // SISO: (batch, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> q4, k4;                  // MIMO: (batch, rank, ngroups, dstate)
+  ConstTensor3<float, MemorySpace> v;                       // (batch, nheads, headdim)
+  ConstTensor2<float, MemorySpace> adt, dt, trap;           // (batch, nheads)
+  ConstTensor2<float, MemorySpace> q_bias2, k_bias2;        // SISO: (nheads, dstate)
+  ConstTensor3<float, MemorySpace> q_bias3, k_bias3;        // MIMO: (nheads, rank, dstate)
+  ConstTensor3<float, MemorySpace> angles;                  // (batch, nheads, nangles)
+  ConstTensor3<float, MemorySpace> mimo_v, mimo_z, mimo_o;  // MIMO: (nheads, rank, headdim)
+  ConstTensor1<float, MemorySpace> D;                       // (nheads)
+  ConstTensor3<float, MemorySpace> z;                       // (batch, nheads, headdim)
+  bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
+
+  template <class StepArgs>
+  void set_common(const StepArgs& args) {
+    v = args.v;
+    adt = args.adt;
+    dt = args.dt;
+    trap = args.trap;
+    angles = args.angles;
+    D = args.D;
+    z = args.z;
+    has_D = args.D.is_allocated();
+    has_z = args.z.is_allocated();
+  }
+  KOKKOS_INLINE_FUNCTION float q_in(int b, int r, int g, int n) const { return mimo ? q4(b, r, g, n) : q3(b, g, n); }
+  KOKKOS_INLINE_FUNCTION float k_in(int b, int r, int g, int n) const { return mimo ? k4(b, r, g, n) : k3(b, g, n); }
+  KOKKOS_INLINE_FUNCTION float q_bias(int h, int r, int n) const { return mimo ? q_bias3(h, r, n) : q_bias2(h, n); }
+  KOKKOS_INLINE_FUNCTION float k_bias(int h, int r, int n) const { return mimo ? k_bias3(h, r, n) : k_bias2(h, n); }
+  KOKKOS_INLINE_FUNCTION float v_proj(int h, int r, int p) const { return mimo ? mimo_v(h, r, p) : 1.0f; }
+  KOKKOS_INLINE_FUNCTION float z_proj(int h, int r, int p) const { return mimo ? mimo_z(h, r, p) : 1.0f; }
+  KOKKOS_INLINE_FUNCTION float o_proj(int h, int r, int p) const { return mimo ? mimo_o(h, r, p) : 1.0f; }
+};
+
+/// How the chunk stages cut the work: `chunk` tokens (`rows` = chunk·rank rows) per chunk, `tile`
+/// tokens (`tile_rows` rows) per scratch block.
+struct Mamba3Plan {
+  int batch, seqlen, nheads, headdim, ngroups, dstate, nangles, rank, heads_per_group;
+  int chunk, nchunks, rows, tile, tile_rows, vector_length;
+};
+
+template <class ExecSpace>
+struct Mamba3Scratch {
+  using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using Mat = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+
+  static constexpr int token_vectors = 8;
+
+  /// Bytes of level-0 scratch every chunk stage fits in: `token_vectors` vectors of the chunk's
+  /// tokens, one of its rows, one of a tile's rows, two (tile rows × chunk rows) blocks, a
+  /// (tile × chunk) block of token pairs and a (tile rows × max(headdim, dstate)) block.
+  static std::size_t bytes(int chunk, int rank, int tile, int headdim, int dstate) {
+    const int rows = chunk * rank, tile_rows = tile * rank;
+    return token_vectors * Vec::shmem_size(chunk) + Vec::shmem_size(rows) + Vec::shmem_size(tile_rows) +
+           2 * Mat::shmem_size(tile_rows, rows) + Mat::shmem_size(tile, chunk) +
+           Mat::shmem_size(tile_rows, std::max(headdim, dstate));
+  }
+};
+
+template <class ExecSpace>
+Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_size) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  constexpr int preferred_tile_rows = 64;
+  constexpr int max_vector_length = 32;
+  Mamba3Plan plan;
+  plan.batch = static_cast<int>(dims.batch);
+  plan.seqlen = static_cast<int>(dims.seqlen);
+  plan.nheads = static_cast<int>(dims.nheads);
+  plan.headdim = static_cast<int>(dims.headdim);
+  plan.ngroups = static_cast<int>(dims.ngroups);
+  plan.dstate = static_cast<int>(dims.dstate);
+  plan.nangles = static_cast<int>(dims.nangles);
+  plan.rank = static_cast<int>(dims.rank);
+  plan.heads_per_group = plan.nheads / plan.ngroups;
+  plan.chunk = chunk_size;
+  plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
+  plan.rows = plan.chunk * plan.rank;
+  const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
+  plan.tile = std::min(std::max(1, preferred_tile_rows / plan.rank), plan.chunk);
+  auto need = [&]() {
+    return Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
+  };
+  while (plan.tile > 1 && need() > limit) plan.tile = (plan.tile + 1) / 2;
+  KMAMBA_REQUIRE(need() <= limit, function << ": chunk_size " << plan.chunk << " with rank " << plan.rank
+                                           << ", headdim " << plan.headdim << " and dstate " << plan.dstate << " needs "
+                                           << need() << " bytes of team scratch memory but " << limit
+                                           << " are available; pass a smaller chunk_size");
+  plan.tile_rows = plan.tile * plan.rank;
+  int vector_length = 1;
+  const int widest = std::max(plan.rows, std::max(plan.headdim, plan.dstate));
+  while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
+  plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+  return plan;
+}
+
+template <class ExecSpace, class Functor>
+void mamba3_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, int league, const Functor& functor,
+                   std::size_t scratch) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  constexpr int preferred_team_size = 8;
+  if (league == 0) return;
+  Policy probe(exec, league, 1, plan.vector_length);
+  probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  const int team_size =
+      std::max(1, std::min(preferred_team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+  Policy policy(exec, league, team_size, plan.vector_length);
+  policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  Kokkos::parallel_for(label, policy, functor);
+}
+
+/// Buffers the forward stages hand to each other (recomputed by the backward).
+template <class MemorySpace>
+struct Mamba3Workspace {
+  Tensor4<float, MemorySpace> theta;   // (batch, nheads, seqlen, nangles): θ_t reduced into [0, 2π)
+  Tensor3<float, MemorySpace> cs;      // (batch, nheads, seqlen): inclusive cumsum of adt within the chunk
+  Tensor3<float, MemorySpace> scale;   // (batch, nheads, seqlen): γ_t + β̃_{t+1}
+  Tensor3<float, MemorySpace> gamma;   // (batch, nheads, seqlen): γ_t
+  Tensor4<float, MemorySpace> q, k;    // (batch, nheads, seqlen·rank, dstate): rotated, biased
+  Tensor4<float, MemorySpace> v;       // (batch, nheads, seqlen·rank, headdim): projected
+  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ
+
+  explicit Mamba3Workspace(const Mamba3Plan& plan)
+      : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
+                                                                  plan.seqlen, plan.nangles)),
+        cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
+                                                               plan.seqlen)),
+        scale(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::scale", plan.batch, plan.nheads,
+                                                                  plan.seqlen)),
+        gamma(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::gamma", plan.batch, plan.nheads,
+                                                                  plan.seqlen)),
+        q(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch, plan.nheads,
+                                                              plan.seqlen * plan.rank, plan.dstate)),
+        k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch, plan.nheads,
+                                                              plan.seqlen * plan.rank, plan.dstate)),
+        v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch, plan.nheads,
+                                                              plan.seqlen * plan.rank, plan.headdim)),
+        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
+                                                                   plan.nheads, plan.headdim, plan.dstate)) {}
+};
+
+/// Buffers of the backward stages.
+template <class MemorySpace>
+struct Mamba3BackwardWorkspace {
+  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (when needed)
+  Tensor4<float, MemorySpace> g;       // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
+  Tensor4<float, MemorySpace> dv;      // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
+  Tensor4<float, MemorySpace> dq, dk;  // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
+  Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate): then ∂/∂ state leaving the chunk
+  Tensor4<float, MemorySpace> dH0;      // (batch, nheads, headdim, dstate): ∂/∂Ĥ_{−1}
+  Tensor3<float, MemorySpace> off;      // (batch, nheads, seqlen): ∂/∂scale_t
+  Tensor3<float, MemorySpace> diag;     // (batch, nheads, seqlen): ∂/∂γ_t through the token's own term
+  Tensor2<float, MemorySpace> dbeta0;   // (batch, nheads): ∂/∂β̃_0 through the initial k, v
+  Tensor4<float, MemorySpace> dtheta;   // (batch, nheads, seqlen, nangles): ∂/∂θ_t, then G·π·tanh(φ)
+  Tensor3<float, MemorySpace> partial;  // (batch, nchunks, nheads): the chunk's share of dD
+
+  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_y) {
+    const int rows = plan.seqlen * plan.rank;
+    if (keep_y) {
+      y = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::y", plan.batch, plan.nheads, rows,
+                                                              plan.headdim);
+    }
+    g = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dy", plan.batch, plan.nheads, rows,
+                                                            plan.headdim);
+    dv = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dv_projected", plan.batch, plan.nheads,
+                                                             rows, plan.headdim);
+    dq = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dq_rows", plan.batch, plan.nheads, rows,
+                                                             plan.dstate);
+    dk = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dk_rows", plan.batch, plan.nheads, rows,
+                                                             plan.dstate);
+    dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::dstates", plan.batch, plan.nchunks,
+                                                                  plan.nheads, plan.headdim, plan.dstate);
+    dH0 = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dinitial_ssm_effective", plan.batch,
+                                                              plan.nheads, plan.headdim, plan.dstate);
+    off = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::dscale", plan.batch, plan.nheads,
+                                                              plan.seqlen);
+    diag = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::dgamma_diagonal", plan.batch,
+                                                               plan.nheads, plan.seqlen);
+    dbeta0 = allocate_uninitialized<Tensor2<float, MemorySpace>>("kmamba::mamba3::dbeta0", plan.batch, plan.nheads);
+    dtheta = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dtheta", plan.batch, plan.nheads,
+                                                                 plan.seqlen, plan.nangles);
+    partial = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::partial_dD", plan.batch,
+                                                                  plan.nchunks, plan.nheads);
+  }
+};
+
+/// Where a (batch, chunk, head) team works.
+struct Mamba3ChunkBlock {
+  int b, c, h, t0, len, row0, rows;
+};
+
+KOKKOS_INLINE_FUNCTION Mamba3ChunkBlock mamba3_chunk_block(const Mamba3Plan& plan, int league_rank) {
+  Mamba3ChunkBlock blk;
+  blk.h = league_rank % plan.nheads;
+  blk.c = (league_rank / plan.nheads) % plan.nchunks;
+  blk.b = league_rank / (plan.nheads * plan.nchunks);
+  blk.t0 = blk.c * plan.chunk;
+  blk.len = plan.seqlen - blk.t0 < plan.chunk ? plan.seqlen - blk.t0 : plan.chunk;
+  blk.row0 = blk.t0 * plan.rank;
+  blk.rows = blk.len * plan.rank;
+  return blk;
+}
+
+/// The number of tokens of chunk c.
+KOKKOS_INLINE_FUNCTION int mamba3_chunk_length(const Mamba3Plan& plan, int c) {
+  return plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk;
+}
+
+/// The weight of source token s in the output of token t ≥ s within a chunk: γ_s on the token
+/// itself, scale_s·exp(cs_t − cs_s) before it, 0 after it.
+template <class Vec>
+KOKKOS_INLINE_FUNCTION float mamba3_pair_weight(const Vec& scs, const Vec& sscale, const Vec& sgamma, int t, int s) {
+  if (s > t) return 0.0f;
+  if (s == t) return sgamma(s);
+  return sscale(s) * Kokkos::Experimental::exp(scs(t) - scs(s));
+}
+
+/// Stages the chunk's cumulative adt, scales and γ in scratch.
+template <class Member, class MemorySpace, class Vec>
+KOKKOS_INLINE_FUNCTION void mamba3_stage_tokens(const Member& team, const Mamba3Workspace<MemorySpace>& ws,
+                                                const Mamba3ChunkBlock& blk, const Vec& scs, const Vec& sscale,
+                                                const Vec& sgamma) {
+  Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
+    scs(l) = ws.cs(blk.b, blk.h, blk.t0 + l);
+    sscale(l) = ws.scale(blk.b, blk.h, blk.t0 + l);
+    sgamma(l) = ws.gamma(blk.b, blk.h, blk.t0 + l);
+  });
+}
+
+/// Stage 1 (per-token scans, one team per (batch, head)): thread i < nangles accumulates the angle
+/// θ_i over the sequence (reduced into [0, 2π) at every token; the number of turns taken out is
+/// kept for the MIMO final angle); thread nangles writes the chunk cumsum of adt, γ and scale.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3TokenScanFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Tensor3<float, MemorySpace> final_angle;  // (batch, nheads, nangles)
+  bool write_final_angle;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.nangles + 1), [&](const int job) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        if (job < plan.nangles) {
+          float theta = in.initial.angle_or_zero(b, h, job);
+          float turns = 0.0f;
+          for (int t = 0; t < plan.seqlen; ++t) {
+            theta += mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, t, h, job)) * in.dt(b, h, t);
+            const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
+            theta -= mamba3_two_pi * wraps;
+            turns += wraps;
+            ws.theta(b, h, t, job) = theta;
+          }
+          if (write_final_angle) final_angle(b, h, job) = in.wrap_angle ? theta : theta + mamba3_two_pi * turns;
+        } else {
+          float cs = 0.0f;
+          for (int t = 0; t < plan.seqlen; ++t) {
+            const float gamma = sigmoid(in.trap(b, h, t)) * in.dt(b, h, t);
+            const float next = t + 1 < plan.seqlen ? in.beta_tilde(b, h, t + 1) : 0.0f;
+            cs = (t % plan.chunk == 0 ? 0.0f : cs) + in.adt(b, h, t);
+            ws.cs(b, h, t) = cs;
+            ws.gamma(b, h, t) = gamma;
+            ws.scale(b, h, t) = gamma + next;
+          }
+        }
+      });
+    });
+  }
+};
+
+/// Stage 2 (rotate, one thread per (batch, token, head)): the rotated, biased q and k rows, the
+/// projected v rows; the final k and v states at the last token.
+template <class MemorySpace>
+struct Mamba3RotateFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Mamba3StateViews<float, MemorySpace> final_states;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
+    const int g = h / plan.heads_per_group;
+    const bool last = t == plan.seqlen - 1;
+    for (int r = 0; r < plan.rank; ++r) {
+      const int row = t * plan.rank + r;
+      for (int n = 2 * plan.nangles; n < plan.dstate; ++n) {
+        ws.q(b, h, row, n) = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n);
+        ws.k(b, h, row, n) = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
+      }
+      for (int i = 0; i < plan.nangles; ++i) {
+        const float theta = ws.theta(b, h, t, i);
+        const float c = Kokkos::Experimental::cos(theta);
+        const float s = Kokkos::Experimental::sin(theta);
+        const int n0 = 2 * i, n1 = 2 * i + 1;
+        const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
+        const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
+        const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
+        const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
+        ws.q(b, h, row, n0) = q0 * c - q1 * s;
+        ws.q(b, h, row, n1) = q0 * s + q1 * c;
+        ws.k(b, h, row, n0) = k0 * c - k1 * s;
+        ws.k(b, h, row, n1) = k0 * s + k1 * c;
+      }
+      for (int p = 0; p < plan.headdim; ++p) ws.v(b, h, row, p) = in.v(b, t, h, p) * in.v_proj(h, r, p);
+      if (last && final_states.has_k) {
+        for (int n = 0; n < plan.dstate; ++n) final_states.k(b, h, r, n) = ws.k(b, h, row, n);
+      }
+      if (last && final_states.has_v) {
+        for (int p = 0; p < plan.headdim; ++p) final_states.v(b, h, r, p) = ws.v(b, h, row, p);
+      }
+    }
+  }
+};
+
+/// Stage 3 (chunk_state): the chunk's own end state Σ_rows scale_s·exp(cs_last − cs_s)·v_row ⊗ k_row.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3ChunkStateFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = Mamba3Scratch<ExecSpace>;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec sw(team.team_scratch(0), plan.rows);
+    const int b = blk.b, h = blk.h, t0 = blk.t0, row0 = blk.row0, last = blk.len - 1;
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows), [&](const int j) {
+      const int s = j / plan.rank;
+      sw(j) = ws.scale(b, h, t0 + s) * Kokkos::Experimental::exp(ws.cs(b, h, t0 + last) - ws.cs(b, h, t0 + s));
+    });
+    team.team_barrier();
+    TeamGemm<ExecSpace>::apply(
+        team, plan.headdim, plan.dstate, blk.rows,
+        [&](const int p, const int j) { return ws.v(b, h, row0 + j, p) * sw(j); },
+        [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
+        [&](const int p, const int n, const float v) { ws.states(b, blk.c, h, p, n) = v; });
+  }
+};
+
+/// Stage 4 (state_passing): replaces each chunk's local state by the state Ĥ entering the chunk
+/// (Ĥ_{−1} = initial ssm + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ) and writes the final ssm state.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3StatePassingFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Mamba3StateViews<float, MemorySpace> final_states;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    const float beta0 = in.beta_tilde(b, h, 0);
+    const bool carry_kv = in.initial.has_k && in.initial.has_v;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
+        float s = in.initial.ssm_or_zero(b, h, p, n);
+        if (carry_kv) {
+          float kv = 0.0f;
+          for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
+          s += beta0 * kv;
+        }
+        for (int c = 0; c < plan.nchunks; ++c) {
+          const float decay = Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
+          const float local = ws.states(b, c, h, p, n);
+          ws.states(b, c, h, p, n) = s;
+          s = decay * s + local;
+        }
+        if (final_states.has_ssm) final_states.ssm(b, h, p, n) = s;
+      });
+    });
+  }
+};
+
+/// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r for a tile
+/// of rows at a time (the intra-chunk weights and the scaled q concatenated along the reduced
+/// index); then either the gated, rank-contracted output or the rows y_t,r themselves.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3ChunkScanFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = Mamba3Scratch<ExecSpace>;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> y;    // (batch, nheads, seqlen·rank, headdim), written instead of out when allocated
+  bool write_rows;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec scs(team.team_scratch(0), plan.chunk);
+    typename S::Vec sscale(team.team_scratch(0), plan.chunk);
+    typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
+    typename S::Vec seA(team.team_scratch(0), plan.rows);
+    typename S::Mat sW(team.team_scratch(0), plan.tile_rows, plan.rows);
+    typename S::Mat sy(team.team_scratch(0), plan.tile_rows, plan.headdim);
+    const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, row0 = blk.row0, rows = blk.rows, R = plan.rank;
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows),
+                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, t0 + j / R)); });
+    const float skip = in.skip(h);
+    for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
+      const int tokens = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
+      const int nr = tokens * R, i0 = l0 * R;
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, nr, rows, plan.dstate, [&](const int i, const int n) { return ws.q(b, h, row0 + i0 + i, n); },
+          [&](const int n, const int j) { return ws.k(b, h, row0 + j, n); },
+          [&](const int i, const int j, const float v) {
+            sW(i, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + i / R, j / R);
+          });
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.headdim, rows + plan.dstate,
+          [&](const int i, const int k) {
+            return k < rows ? sW(i, k) : seA(i0 + i) * ws.q(b, h, row0 + i0 + i, k - rows);
+          },
+          [&](const int k, const int p) {
+            return k < rows ? ws.v(b, h, row0 + k, p) : ws.states(b, c, h, p, k - rows);
+          },
+          [&](const int i, const int p, const float v) { sy(i, p) = v + skip * ws.v(b, h, row0 + i0 + i, p); });
+      team.team_barrier();
+      if (write_rows) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nr), [&](const int i) {
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
+                               [&](const int p) { y(b, h, row0 + i0 + i, p) = sy(i, p); });
+        });
+      } else {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
+          const int t = t0 + l0 + l;
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+            float o = 0.0f;
+            for (int r = 0; r < R; ++r) {
+              const float gate = in.has_z ? silu(in.z(b, t, h, p) * in.z_proj(h, r, p)) : 1.0f;
+              o += sy(l * R + r, p) * gate * in.o_proj(h, r, p);
+            }
+            out(b, t, h, p) = o;
+          });
+        });
+      }
+    }
+  }
+};
+
+/// Backward B1 (gate): g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r) and dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
+/// mimo_z_r)·mimo_z_r.
+template <class MemorySpace>
+struct Mamba3GateBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Plan plan;
+  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> y;     // (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> g;          // (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
+    for (int p = 0; p < plan.headdim; ++p) {
+      const float go = dout(b, t, h, p);
+      float dzp = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        const float scaled = go * in.o_proj(h, r, p);
+        if (in.has_z) {
+          const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
+          g(b, h, row, p) = scaled * silu(zr);
+          dzp += scaled * y(b, h, row, p) * silu_derivative(zr) * in.z_proj(h, r, p);
+        } else {
+          g(b, h, row, p) = scaled;
+        }
+      }
+      if (in.has_z) dz(b, t, h, p) = dzp;
+    }
+  }
+};
+
+/// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row, the gradient the chunk's outputs send to
+/// the state entering it.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3ChunkDstatesFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = Mamba3Scratch<ExecSpace>;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec seA(team.team_scratch(0), plan.rows);
+    const int b = blk.b, h = blk.h, row0 = blk.row0;
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows),
+                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
+    team.team_barrier();
+    TeamGemm<ExecSpace>::apply(
+        team, plan.headdim, plan.dstate, blk.rows,
+        [&](const int p, const int j) { return bw.g(b, h, row0 + j, p) * seA(j); },
+        [&](const int j, const int n) { return ws.q(b, h, row0 + j, n); },
+        [&](const int p, const int n, const float v) { bw.dstates(b, blk.c, h, p, n) = v; });
+  }
+};
+
+/// Backward B3 (state passing, reversed): replaces each chunk's dstates by the gradient of the
+/// state leaving the chunk (the last one's is dfinal ssm) and writes ∂/∂Ĥ_{−1} (= dinitial ssm).
+template <class ExecSpace, class MemorySpace>
+struct Mamba3StatePassingBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3StateViews<const float, MemorySpace> dfinal;
+  Mamba3StateViews<float, MemorySpace> dinitial;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
+        float ds = dfinal.ssm_or_zero(b, h, p, n);
+        for (int c = plan.nchunks - 1; c >= 0; --c) {
+          const float decay = Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
+          const float dh = bw.dstates(b, c, h, p, n);
+          bw.dstates(b, c, h, p, n) = ds;
+          ds = decay * ds + dh;
+        }
+        bw.dH0(b, h, p, n) = ds;
+        if (dinitial.has_ssm) dinitial.ssm(b, h, p, n) = ds;
+      });
+    });
+  }
+};
+
+/// Backward B4 (initial k and v): Ĥ_{−1} holds β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ, so dk_{−1,r} = β̃_0·dĤᵀ v_{−1,r},
+/// dv_{−1,r} = β̃_0·dĤ k_{−1,r} and ∂/∂β̃_0 = Σ_r v_{−1,r}ᵀ dĤ k_{−1,r}.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3InitialStateBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3StateViews<float, MemorySpace> dinitial;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    const float beta0 = in.beta_tilde(b, h, 0);
+    if (dinitial.has_k) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.rank * plan.dstate), [&](const int rn) {
+        const int r = rn / plan.dstate, n = rn % plan.dstate;
+        float sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, plan.headdim),
+            [&](const int p, float& acc) { acc += bw.dH0(b, h, p, n) * in.initial.v_or_zero(b, h, r, p); }, sum);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { dinitial.k(b, h, r, n) = beta0 * sum; });
+      });
+    }
+    if (dinitial.has_v) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.rank * plan.headdim), [&](const int rp) {
+        const int r = rp / plan.headdim, p = rp % plan.headdim;
+        float sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, plan.dstate),
+            [&](const int n, float& acc) { acc += bw.dH0(b, h, p, n) * in.initial.k_or_zero(b, h, r, n); }, sum);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { dinitial.v(b, h, r, p) = beta0 * sum; });
+      });
+    }
+    float dbeta = 0.0f;
+    if (in.initial.has_k && in.initial.has_v) {
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, plan.rank * plan.headdim),
+          [&](const int rp, float& acc) {
+            const int r = rp / plan.headdim, p = rp % plan.headdim;
+            float row = 0.0f;
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(team, plan.dstate),
+                [&](const int n, float& a) { a += bw.dH0(b, h, p, n) * in.initial.k(b, h, r, n); }, row);
+            acc += in.initial.v(b, h, r, p) * row;
+          },
+          dbeta);
+    }
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { bw.dbeta0(b, h) = dbeta; });
+  }
+};
+
+/// Backward B5 for one (batch, chunk, head): the rows of ∂/∂q, ∂/∂k (rotated) and ∂/∂v (projected),
+/// ∂/∂scale_t and the token's own ∂/∂γ_t, ∂/∂adt, and the chunk's share of dD.
+///
+/// Pass 1 runs over tiles of source rows j = (s, r′) (with rows i = (t, r), t ≥ s, of the whole
+/// chunk): A = k_j·q_i and B = v_j·g_i give X(s, t) = exp(cs_t − cs_s)·Σ_{r,r′} A·B, whence
+/// ∂/∂γ_s ⊃ X(s, s), ∂/∂scale_s = Σ_{t>s} X(s, t) + exp(cs_last − cs_s)·Σ_r′ v_jᵀ dĤ k_j and the intra-chunk
+/// part of ∂/∂adt_j, Σ_{s<j≤t} scale_s·X(s, t) (suffix sums along each row, then column sums: every term
+/// added, none subtracted); then dv_j = Σ_i w·A·g_i + scale_s·exp(cs_last − cs_s)·dĤ k_j + D·g_j and
+/// dk_j = Σ_i w·B·q_i + scale_s·exp(cs_last − cs_s)·dĤᵀ v_j. Pass 2 runs over tiles of target rows i:
+/// dq_i = Σ_j w·(g_i·v_j)·k_j + exp(cs_t)·Ĥᵀ g_i (and the part of ∂/∂adt through exp(cs_t)).
+template <class ExecSpace, class MemorySpace>
+struct Mamba3ChunkBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = Mamba3Scratch<ExecSpace>;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Tensor3<float, MemorySpace> dadt;  // (batch, nheads, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec scs(team.team_scratch(0), plan.chunk);
+    typename S::Vec sscale(team.team_scratch(0), plan.chunk);
+    typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
+    typename S::Vec sdiag(team.team_scratch(0), plan.chunk);   // X(s, s)
+    typename S::Vec soff(team.team_scratch(0), plan.chunk);    // ∂/∂scale_s
+    typename S::Vec sintra(team.team_scratch(0), plan.chunk);  // intra-chunk ∂/∂adt_j, then the total
+    typename S::Vec sprev(team.team_scratch(0), plan.chunk);   // Σ_r q_t,r·exp(cs_t)·Ĥᵀ g_t,r
+    typename S::Vec snext(team.team_scratch(0), plan.chunk);   // exp(cs_last − cs_s)·Σ_r′ v_jᵀ dĤ k_j
+    typename S::Vec srow(team.team_scratch(0), plan.tile_rows);
+    typename S::Mat sA(team.team_scratch(0), plan.tile_rows, plan.rows);
+    typename S::Mat sB(team.team_scratch(0), plan.tile_rows, plan.rows);
+    typename S::Mat sX(team.team_scratch(0), plan.tile, plan.chunk);
+    typename S::Mat sacc(team.team_scratch(0), plan.tile_rows, plan.headdim > plan.dstate ? plan.headdim : plan.dstate);
+
+    const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, len = blk.len, row0 = blk.row0, rows = blk.rows;
+    const int R = plan.rank, last = len - 1;
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int l) { sintra(l) = 0.0f; });
+    team.team_barrier();
+    const float cs_last = scs(last);
+    // The decay of the entering state across the chunk depends on every adt of the chunk.
+    float chunk_term = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, plan.headdim),
+        [&](const int p, float& acc) {
+          float row = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::ThreadVectorRange(team, plan.dstate),
+              [&](const int n, float& r) { r += ws.states(b, c, h, p, n) * bw.dstates(b, c, h, p, n); }, row);
+          acc += row;
+        },
+        chunk_term);
+    chunk_term *= Kokkos::Experimental::exp(cs_last);
+    const float skip = in.skip(h);
+
+    // Pass 1: tiles of source tokens s.
+    for (int s0 = 0; s0 < len; s0 += plan.tile) {
+      const int tokens = len - s0 < plan.tile ? len - s0 : plan.tile;
+      const int nr = tokens * R, j0 = row0 + s0 * R;
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr), [&](const int jj) {
+        const int s = s0 + jj / R;
+        srow(jj) = sscale(s) * Kokkos::Experimental::exp(cs_last - scs(s));
+      });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
+          [&](const int p, const int n) { return bw.dstates(b, c, h, p, n); },
+          [&](const int jj, const int n, const float v) { sacc(jj, n) = v; });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, rows, plan.dstate, [&](const int jj, const int n) { return ws.k(b, h, j0 + jj, n); },
+          [&](const int n, const int i) { return ws.q(b, h, row0 + i, n); },
+          [&](const int jj, const int i, const float v) { sA(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, rows, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
+          [&](const int p, const int i) { return bw.g(b, h, row0 + i, p); },
+          [&](const int jj, const int i, const float v) { sB(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int ss) {
+        const int s = s0 + ss;
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, R * plan.dstate),
+            [&](const int rn, float& acc) {
+              const int rr = rn / plan.dstate, n = rn % plan.dstate;
+              acc += sacc(ss * R + rr, n) * ws.k(b, h, j0 + ss * R + rr, n);
+            },
+            dot);
+        Kokkos::single(Kokkos::PerThread(team),
+                       [&]() { snext(s) = Kokkos::Experimental::exp(cs_last - scs(s)) * dot; });
+        // X(s, t) from the raw products, then the products weighted in place.
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
+          float x = 0.0f;
+          if (t >= s) {
+            const float e = Kokkos::Experimental::exp(scs(t) - scs(s));
+            const float w = t > s ? sscale(s) * e : sgamma(s);
+            for (int rs = 0; rs < R; ++rs) {
+              for (int rt = 0; rt < R; ++rt) {
+                const float a = sA(ss * R + rs, t * R + rt), bb = sB(ss * R + rs, t * R + rt);
+                x += a * bb;
+                sA(ss * R + rs, t * R + rt) = a * w;
+                sB(ss * R + rs, t * R + rt) = bb * w;
+              }
+            }
+            x *= e;
+          }
+          sX(ss, t) = x;
+        });
+      });
+      team.team_barrier();
+      // Row s of X becomes scale_s·Σ_{t≥j} X(s, t) for j > s (0 for j ≤ s) ...
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int ss) {
+        Kokkos::single(Kokkos::PerThread(team), [&]() {
+          const int s = s0 + ss;
+          sdiag(s) = sX(ss, s);
+          float running = 0.0f;
+          for (int j = len - 1; j >= 0; --j) {
+            if (j > s) {
+              running += sX(ss, j);
+              sX(ss, j) = sscale(s) * running;
+            } else {
+              sX(ss, j) = 0.0f;
+            }
+          }
+          soff(s) = running + snext(s);
+        });
+      });
+      team.team_barrier();
+      // ... and column j summed over the rows gives this tile's share of the intra-chunk ∂/∂adt_j.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, len), [&](const int j) {
+        float col = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, tokens), [&](const int ss, float& acc) { acc += sX(ss, j); }, col);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
+      });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.headdim, rows + plan.dstate,
+          [&](const int jj, const int k) { return k < rows ? sA(jj, k) : srow(jj) * ws.k(b, h, j0 + jj, k - rows); },
+          [&](const int k, const int p) {
+            return k < rows ? bw.g(b, h, row0 + k, p) : bw.dstates(b, c, h, p, k - rows);
+          },
+          [&](const int jj, const int p, const float v) {
+            bw.dv(b, h, j0 + jj, p) = v + skip * bw.g(b, h, j0 + jj, p);
+          });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.dstate, rows, [&](const int jj, const int i) { return sB(jj, i); },
+          [&](const int i, const int n) { return ws.q(b, h, row0 + i, n); },
+          [&](const int jj, const int n, const float v) { bw.dk(b, h, j0 + jj, n) = v + srow(jj) * sacc(jj, n); });
+    }
+
+    // Pass 2: tiles of target tokens t.
+    for (int l0 = 0; l0 < len; l0 += plan.tile) {
+      const int tokens = len - l0 < plan.tile ? len - l0 : plan.tile;
+      const int nr = tokens * R, i0 = row0 + l0 * R;
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr),
+                           [&](const int ii) { srow(ii) = Kokkos::Experimental::exp(scs(l0 + ii / R)); });
+      team.team_barrier();
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.dstate, plan.headdim,
+          [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
+          [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
+          [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
+          [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
+          [&](const int ii, const int j, const float v) {
+            sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
+          });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, R * plan.dstate),
+            [&](const int rn, float& acc) {
+              const int rr = rn / plan.dstate, n = rn % plan.dstate;
+              acc += sacc(l * R + rr, n) * ws.q(b, h, i0 + l * R + rr, n);
+            },
+            dot);
+        Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
+      });
+      TeamGemm<ExecSpace>::apply(
+          team, nr, plan.dstate, rows, [&](const int ii, const int j) { return sB(ii, j); },
+          [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
+          [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
+    }
+    team.team_barrier();
+
+    // ∂/∂adt_j = intra + Σ_{s<j} scale_s·snext_s + Σ_{t≥j} sprev_t + the chunk term.
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      float next = 0.0f;
+      for (int j = 0; j < len; ++j) {
+        sintra(j) += next;
+        next += sscale(j) * snext(j);
+      }
+      float prev = chunk_term;
+      for (int j = len - 1; j >= 0; --j) {
+        prev += sprev(j);
+        sintra(j) += prev;
+      }
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) {
+      dadt(b, h, t0 + j) = sintra(j);
+      bw.off(b, h, t0 + j) = soff(j);
+      bw.diag(b, h, t0 + j) = sdiag(j);
+    });
+    float dD = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, rows),
+        [&](const int j, float& acc) {
+          float row = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::ThreadVectorRange(team, plan.headdim),
+              [&](const int p, float& r) { r += bw.g(b, h, row0 + j, p) * ws.v(b, h, row0 + j, p); }, row);
+          acc += row;
+        },
+        dD);
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { bw.partial(b, c, h) = dD; });
+  }
+};
+
+/// Backward B6 (per token): adds the final k and v cotangents at the last token; turns the rotated
+/// gradients of q and k back (into ∂/∂ the biased q, k, in place) and writes ∂/∂θ_t; dv = Σ_r ∂/∂v_t,r·mimo_v_r.
+template <class MemorySpace>
+struct Mamba3TokenBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3StateViews<const float, MemorySpace> dfinal;
+  Tensor4<float, MemorySpace> dv;  // (batch, seqlen, nheads, headdim)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
+    if (t == plan.seqlen - 1) {
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        if (dfinal.has_k) {
+          for (int n = 0; n < plan.dstate; ++n) bw.dk(b, h, row, n) += dfinal.k(b, h, r, n);
+        }
+        if (dfinal.has_v) {
+          for (int p = 0; p < plan.headdim; ++p) bw.dv(b, h, row, p) += dfinal.v(b, h, r, p);
+        }
+      }
+    }
+    for (int i = 0; i < plan.nangles; ++i) {
+      const float theta = ws.theta(b, h, t, i);
+      const float c = Kokkos::Experimental::cos(theta);
+      const float s = Kokkos::Experimental::sin(theta);
+      const int n0 = 2 * i, n1 = 2 * i + 1;
+      float dtheta = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        const float dq0 = bw.dq(b, h, row, n0), dq1 = bw.dq(b, h, row, n1);
+        const float dk0 = bw.dk(b, h, row, n0), dk1 = bw.dk(b, h, row, n1);
+        dtheta += dq1 * ws.q(b, h, row, n0) - dq0 * ws.q(b, h, row, n1);
+        dtheta += dk1 * ws.k(b, h, row, n0) - dk0 * ws.k(b, h, row, n1);
+        bw.dq(b, h, row, n0) = dq0 * c + dq1 * s;
+        bw.dq(b, h, row, n1) = dq1 * c - dq0 * s;
+        bw.dk(b, h, row, n0) = dk0 * c + dk1 * s;
+        bw.dk(b, h, row, n1) = dk1 * c - dk0 * s;
+      }
+      bw.dtheta(b, h, t, i) = dtheta;
+    }
+    for (int p = 0; p < plan.headdim; ++p) {
+      float sum = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) sum += bw.dv(b, h, t * plan.rank + r, p) * in.v_proj(h, r, p);
+      dv(b, t, h, p) = sum;
+    }
+  }
+};
+
+/// Backward B7 (per-token scans reversed, one team per (batch, head)): thread i accumulates
+/// G_i = dfinal angle + Σ_{t′≥t} ∂/∂θ_t′ backwards, writes dangles and leaves G·π·tanh(φ) (the part of
+/// ∂/∂dt through the angles) in dtheta; then per token ∂/∂dt and ∂/∂trap from ∂/∂γ_t = diag_t + off_t
+/// and ∂/∂β̃_t = off_{t−1} (∂/∂β̃_0 through the initial k, v).
+template <class ExecSpace, class MemorySpace>
+struct Mamba3AngleBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Operands<MemorySpace> in;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3StateViews<const float, MemorySpace> dfinal;
+  Mamba3StateViews<float, MemorySpace> dinitial;
+  Tensor4<float, MemorySpace> dangles;  // (batch, seqlen, nheads, nangles)
+  Tensor3<float, MemorySpace> ddt;      // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> dtrap;    // (batch, nheads, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.nangles), [&](const int i) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        float G = dfinal.angle_or_zero(b, h, i);
+        for (int t = plan.seqlen - 1; t >= 0; --t) {
+          G += bw.dtheta(b, h, t, i);
+          const float th = Kokkos::Experimental::tanh(in.angles(b, t, h, i));
+          dangles(b, t, h, i) = G * in.dt(b, h, t) * mamba3_pi * (1.0f - th * th);
+          bw.dtheta(b, h, t, i) = G * mamba3_pi * th;
+        }
+        if (dinitial.has_angle) dinitial.angle(b, h, i) = G;
+      });
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.seqlen), [&](const int t) {
+      float from_angles = 0.0f;
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(team, plan.nangles), [&](const int i, float& acc) { acc += bw.dtheta(b, h, t, i); },
+          from_angles);
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        const float d = in.dt(b, h, t);
+        const float lambda = sigmoid(in.trap(b, h, t));
+        const float one_minus = sigmoid(-in.trap(b, h, t));
+        const float dgamma = bw.diag(b, h, t) + bw.off(b, h, t);
+        const float dbeta = t > 0 ? bw.off(b, h, t - 1) : bw.dbeta0(b, h);
+        ddt(b, h, t) = from_angles + dgamma * lambda + dbeta * one_minus;
+        dtrap(b, h, t) = (dgamma - dbeta) * d * lambda * one_minus;
+      });
+    });
+  }
+};
+
+/// dq, dk: the heads of each group summed in a fixed order.
+template <class MemorySpace>
+struct Mamba3GroupSumFunctor {
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3GradViews<MemorySpace> grads;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int g) const {
+    for (int r = 0; r < plan.rank; ++r) {
+      const int row = t * plan.rank + r;
+      for (int n = 0; n < plan.dstate; ++n) {
+        float sq = 0.0f, sk = 0.0f;
+        for (int k = 0; k < plan.heads_per_group; ++k) {
+          const int h = g * plan.heads_per_group + k;
+          sq += bw.dq(b, h, row, n);
+          sk += bw.dk(b, h, row, n);
+        }
+        grads.dq(b, t, r, g, n) = sq;
+        grads.dk(b, t, r, g, n) = sk;
+      }
+    }
+  }
+};
+
+/// dq_bias, dk_bias: sums over batch and tokens, one thread per (head, rank, state).
+template <class MemorySpace>
+struct Mamba3BiasSumFunctor {
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3GradViews<MemorySpace> grads;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int idx) const {
+    const int n = idx % plan.dstate;
+    const int r = (idx / plan.dstate) % plan.rank;
+    const int h = idx / (plan.dstate * plan.rank);
+    float sq = 0.0f, sk = 0.0f;
+    for (int b = 0; b < plan.batch; ++b) {
+      for (int t = 0; t < plan.seqlen; ++t) {
+        sq += bw.dq(b, h, t * plan.rank + r, n);
+        sk += bw.dk(b, h, t * plan.rank + r, n);
+      }
+    }
+    grads.dq_bias(h, r, n) = sq;
+    grads.dk_bias(h, r, n) = sk;
+  }
+};
+
+/// dmimo_v, dmimo_z, dmimo_o: sums over batch and tokens, one thread per (head, rank, channel).
+template <class MemorySpace>
+struct Mamba3ProjectionSumFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3GradViews<MemorySpace> grads;
+  Mamba3Plan plan;
+  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int idx) const {
+    const int p = idx % plan.headdim;
+    const int r = (idx / plan.headdim) % plan.rank;
+    const int h = idx / (plan.headdim * plan.rank);
+    float sv = 0.0f, sz = 0.0f, so = 0.0f;
+    for (int b = 0; b < plan.batch; ++b) {
+      for (int t = 0; t < plan.seqlen; ++t) {
+        const int row = t * plan.rank + r;
+        const float go = dout(b, t, h, p);
+        const float y = bw.y(b, h, row, p);
+        sv += bw.dv(b, h, row, p) * in.v(b, t, h, p);
+        if (in.has_z) {
+          const float zz = in.z(b, t, h, p);
+          const float zr = zz * in.mimo_z(h, r, p);
+          so += go * y * silu(zr);
+          sz += go * in.mimo_o(h, r, p) * y * silu_derivative(zr) * zz;
+        } else {
+          so += go * y;
+        }
+      }
+    }
+    grads.dmimo_v(h, r, p) = sv;
+    grads.dmimo_o(h, r, p) = so;
+    if (in.has_z) grads.dmimo_z(h, r, p) = sz;
+  }
+};
+
+/// dD: the per-(batch, chunk) partial sums added in a fixed order.
+template <class MemorySpace>
+struct Mamba3SkipSumFunctor {
+  ConstTensor3<float, MemorySpace> partial;  // (batch, nchunks, nheads)
+  Tensor1<float, MemorySpace> dD;            // (nheads)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int h) const {
+    float sum = 0.0f;
+    for (int b = 0; b < static_cast<int>(partial.extent(0)); ++b) {
+      for (int c = 0; c < static_cast<int>(partial.extent(1)); ++c) sum += partial(b, c, h);
+    }
+    dD(h) = sum;
+  }
+};
+
+/// One decode step (§3.7): a team per (batch, head); threads over headdim, lanes over dstate.
+template <class ExecSpace, class MemorySpace>
+struct Mamba3StepFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using S = Mamba3Scratch<ExecSpace>;
+  Mamba3StepOperands<MemorySpace> in;
+  Mamba3StateViews<float, MemorySpace> states;
+  Tensor3<float, MemorySpace> out;  // (batch, nheads, headdim)
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int h = team.league_rank() % plan.nheads;
+    const int b = team.league_rank() / plan.nheads;
+    const int g = h / plan.heads_per_group;
+    const int R = plan.rank, N = plan.dstate, P = plan.headdim;
+    typename S::Vec sq(team.team_scratch(0), R * N);
+    typename S::Vec sk(team.team_scratch(0), R * N);
+    typename S::Vec sv(team.team_scratch(0), R * P);
+    typename S::Vec stheta(team.team_scratch(0), plan.nangles);
+    const float d = in.dt(b, h);
+    const float lambda = sigmoid(in.trap(b, h));
+    const float alpha = Kokkos::Experimental::exp(in.adt(b, h));
+    const float beta = sigmoid(-in.trap(b, h)) * d * alpha;
+    const float gamma = lambda * d;
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, plan.nangles), [&](const int i) {
+      float theta = states.angle(b, h, i) + mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, h, i)) * d;
+      if (in.wrap_angle) theta -= mamba3_two_pi * Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      stheta(i) = theta;
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * N), [&](const int rn) {
+      const int r = rn / N, n = rn % N;
+      if (n < 2 * plan.nangles) {
+        const int i = n / 2, n0 = 2 * i, n1 = 2 * i + 1;
+        const float c = Kokkos::Experimental::cos(stheta(i));
+        const float s = Kokkos::Experimental::sin(stheta(i));
+        const float q0 = in.q_in(b, r, g, n0) + in.q_bias(h, r, n0), q1 = in.q_in(b, r, g, n1) + in.q_bias(h, r, n1);
+        const float k0 = in.k_in(b, r, g, n0) + in.k_bias(h, r, n0), k1 = in.k_in(b, r, g, n1) + in.k_bias(h, r, n1);
+        sq(rn) = n == n0 ? q0 * c - q1 * s : q0 * s + q1 * c;
+        sk(rn) = n == n0 ? k0 * c - k1 * s : k0 * s + k1 * c;
+      } else {
+        sq(rn) = in.q_in(b, r, g, n) + in.q_bias(h, r, n);
+        sk(rn) = in.k_in(b, r, g, n) + in.k_bias(h, r, n);
+      }
+    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P),
+                         [&](const int rp) { sv(rp) = in.v(b, h, rp % P) * in.v_proj(h, rp / P, rp % P); });
+    team.team_barrier();
+    const float skip = in.has_D ? in.D(h) : 0.0f;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, P), [&](const int p) {
+      // Rank 0's reduction updates the state; the others read back what the same lanes wrote.
+      float o = 0.0f;
+      for (int r = 0; r < R; ++r) {
+        float y = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, N),
+            [&](const int n, float& acc) {
+              if (r == 0) {
+                float prev = 0.0f, cur = 0.0f;
+                for (int rr = 0; rr < R; ++rr) {
+                  prev += states.v(b, h, rr, p) * states.k(b, h, rr, n);
+                  cur += sv(rr * P + p) * sk(rr * N + n);
+                }
+                states.ssm(b, h, p, n) = alpha * states.ssm(b, h, p, n) + beta * prev + gamma * cur;
+              }
+              acc += states.ssm(b, h, p, n) * sq(r * N + n);
+            },
+            y);
+        const float gate = in.has_z ? silu(in.z(b, h, p) * in.z_proj(h, r, p)) : 1.0f;
+        o += (y + skip * sv(r * P + p)) * gate * in.o_proj(h, r, p);
+      }
+      Kokkos::single(Kokkos::PerThread(team), [&]() { out(b, h, p) = o; });
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * N),
+                         [&](const int rn) { states.k(b, h, rn / N, rn % N) = sk(rn); });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, R * P),
+                         [&](const int rp) { states.v(b, h, rp / P, rp % P) = sv(rp); });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, plan.nangles),
+                         [&](const int i) { states.angle(b, h, i) = stheta(i); });
+  }
+};
+
+template <class ExecSpace, class Dst, class Src>
+void mamba3_copy_or_zero(const ExecSpace& exec, const Dst& dst, bool has_dst, const Src& src, bool has_src) {
+  if (!has_dst) return;
+  if (has_src) {
+    Kokkos::deep_copy(exec, dst, src);
+  } else {
+    Kokkos::deep_copy(exec, dst, 0.0f);
+  }
+}
+
+/// dst = src state by state (zero where src lacks one): what a sequence of length 0 does.
+template <class ExecSpace, class MemorySpace>
+void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const float, MemorySpace>& src,
+                        const Mamba3StateViews<float, MemorySpace>& dst) {
+  mamba3_copy_or_zero(exec, dst.angle, dst.has_angle, src.angle, src.has_angle);
+  mamba3_copy_or_zero(exec, dst.ssm, dst.has_ssm, src.ssm, src.has_ssm);
+  if (dst.mimo) {
+    mamba3_copy_or_zero(exec, dst.k4, dst.has_k, src.k4, src.has_k);
+    mamba3_copy_or_zero(exec, dst.v4, dst.has_v, src.v4, src.has_v);
+  } else {
+    mamba3_copy_or_zero(exec, dst.k3, dst.has_k, src.k3, src.has_k);
+    mamba3_copy_or_zero(exec, dst.v3, dst.has_v, src.v3, src.has_v);
+  }
+}
+
+/// Stages 1–4: angles, cumsums and scales; rotated rows (and the final k, v); entering states (and
+/// the final ssm state).
+template <class ExecSpace, class MemorySpace>
+void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                    const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const std::size_t scratch =
+      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
+  mamba3_launch(
+      exec, "kmamba::mamba3::token_scan", plan, plan.batch * plan.nheads,
+      Mamba3TokenScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle}, 0);
+  Kokkos::parallel_for(
+      "kmamba::mamba3::rotate",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
+      Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
+  mamba3_launch(exec, "kmamba::mamba3::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
+                Mamba3ChunkStateFunctor<ExecSpace, MemorySpace>{ws, plan}, scratch);
+  mamba3_launch(exec, "kmamba::mamba3::state_passing", plan, plan.batch * plan.nheads,
+                Mamba3StatePassingFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states}, 0);
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
+                         const Mamba3Operands<MemorySpace>& in, const Tensor4<float, MemorySpace>& out,
+                         const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
+  if (plan.seqlen == 0) {
+    mamba3_pass_states(exec, in.initial, final_states);
+    return;
+  }
+  const Mamba3Workspace<MemorySpace> ws(plan);
+  mamba3_prepare(exec, plan, in, ws, final_states);
+  mamba3_launch(exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
+                Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out, Tensor4<float, MemorySpace>(), false},
+                Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
+}
+
+/// The gradients of a sequence of length 0: the states pass through; every parameter gets zero.
+template <class ExecSpace, class MemorySpace>
+void mamba3_backward_empty(const ExecSpace& exec, const Mamba3Operands<MemorySpace>& in,
+                           const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                           const Mamba3GradViews<MemorySpace>& grads) {
+  mamba3_pass_states(exec, dfinal, grads.dinitial);
+  if (grads.mimo) {
+    Kokkos::deep_copy(exec, grads.dq_bias3, 0.0f);
+    Kokkos::deep_copy(exec, grads.dk_bias3, 0.0f);
+    Kokkos::deep_copy(exec, grads.dmimo_v, 0.0f);
+    Kokkos::deep_copy(exec, grads.dmimo_o, 0.0f);
+    if (in.has_z) Kokkos::deep_copy(exec, grads.dmimo_z, 0.0f);
+  } else {
+    Kokkos::deep_copy(exec, grads.dq_bias2, 0.0f);
+    Kokkos::deep_copy(exec, grads.dk_bias2, 0.0f);
+  }
+  if (grads.dD.is_allocated()) Kokkos::deep_copy(exec, grads.dD, 0.0f);
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
+                          const Mamba3Operands<MemorySpace>& in, const ConstTensor4<float, MemorySpace>& dout,
+                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                          const Mamba3GradViews<MemorySpace>& grads) {
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
+  if (plan.seqlen == 0) {
+    mamba3_backward_empty(exec, in, dfinal, grads);
+    return;
+  }
+  const std::size_t scratch =
+      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
+  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+  const int head_league = plan.batch * plan.nheads;
+  const Mamba3Workspace<MemorySpace> ws(plan);
+  mamba3_prepare(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
+  const bool keep_y = in.has_z || in.mimo;
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, keep_y);
+  if (keep_y) {
+    mamba3_launch(
+        exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
+        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
+        scratch);
+  }
+  const Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>> tokens(exec, {0, 0, 0},
+                                                                 {plan.batch, plan.seqlen, plan.nheads});
+  Kokkos::parallel_for("kmamba::mamba3::gate_backward", tokens,
+                       Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.y, bw.g, grads.dz});
+  mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
+                Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace>{ws, bw, plan}, scratch);
+  mamba3_launch(exec, "kmamba::mamba3::state_passing_backward", plan, head_league,
+                Mamba3StatePassingBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, grads.dinitial}, 0);
+  mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
+                Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
+  mamba3_launch(exec, "kmamba::mamba3::chunk_backward", plan, chunk_league,
+                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace>{in, ws, bw, plan, grads.dadt}, scratch);
+  Kokkos::parallel_for("kmamba::mamba3::token_backward", tokens,
+                       Mamba3TokenBackwardFunctor<MemorySpace>{in, ws, bw, plan, dfinal, grads.dv});
+  mamba3_launch(exec, "kmamba::mamba3::angle_backward", plan, head_league,
+                Mamba3AngleBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dinitial, grads.dangles,
+                                                                   grads.ddt, grads.dtrap},
+                0);
+  Kokkos::parallel_for(
+      "kmamba::mamba3::group_sum",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.ngroups}),
+      Mamba3GroupSumFunctor<MemorySpace>{bw, grads, plan});
+  Kokkos::parallel_for("kmamba::mamba3::bias_sum",
+                       Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads * plan.rank * plan.dstate),
+                       Mamba3BiasSumFunctor<MemorySpace>{bw, grads, plan});
+  if (in.mimo) {
+    Kokkos::parallel_for("kmamba::mamba3::projection_sum",
+                         Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads * plan.rank * plan.headdim),
+                         Mamba3ProjectionSumFunctor<MemorySpace>{in, bw, grads, plan, dout});
+  }
+  if (grads.dD.is_allocated()) {
+    Kokkos::parallel_for("kmamba::mamba3::skip_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
+                         Mamba3SkipSumFunctor<MemorySpace>{bw.partial, grads.dD});
+  }
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_step_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims,
+                      const Mamba3StepOperands<MemorySpace>& in, const Mamba3StateViews<float, MemorySpace>& states,
+                      const Tensor3<float, MemorySpace>& out) {
+  using Vec = typename Mamba3Scratch<ExecSpace>::Vec;
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, 1);
+  const int R = plan.rank;
+  const std::size_t scratch =
+      2 * Vec::shmem_size(R * plan.dstate) + Vec::shmem_size(R * plan.headdim) + Vec::shmem_size(plan.nangles);
+  mamba3_launch(exec, "kmamba::mamba3::step", plan, plan.batch * plan.nheads,
+                Mamba3StepFunctor<ExecSpace, MemorySpace>{in, states, out, plan}, scratch);
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,124 @@
+// The Mamba-1 mixer (algorithms.md §1.1, §1.2, §1.5), with the parameters of Hugging Face's
+// MambaMixer / mamba_ssm's Mamba under prefix():
+//
+//   in_proj.weight  (2·d_inner, d_model)            in_proj.bias  (2·d_inner)   when config.bias
+//   conv1d.weight   (d_inner, 1, d_conv)            conv1d.bias   (d_inner)     when config.conv_bias
+//   x_proj.weight   (dt_rank + 2·d_state, d_inner)
+//   dt_proj.weight  (d_inner, dt_rank)              dt_proj.bias  (d_inner)
+//   A_log           (d_inner, d_state)              D             (d_inner)
+//   out_proj.weight (d_model, d_inner)              out_proj.bias (d_model)     when config.bias
+//
+// Forward, for u of shape (batch, seqlen, d_model):
+//   [x | z]      = u·in_projᵀ (+ bias)                      x first, z second
+//   xc           = silu(causal depthwise conv1d(x) + conv bias)
+//   [dt | B | C] = xc·x_projᵀ
+//   delta        = dt·dt_projᵀ                               (dt_proj.bias enters the scan)
+//   y            = selective_scan(xc, delta, A = −exp(A_log), B, C, D, z,
+//                                 delta_bias = dt_proj.bias, softplus)
+//   out          = y·out_projᵀ (+ bias)
+// in fp32 on every backend. Backward runs the chain in reverse and adds every parameter
+// gradient into the slab's gradients.
+//
+//   kmamba::Mamba1Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
+//   mixer.declare_parameters(slab);
+//   slab.finalize("kmamba::model");
+//   mixer.initialize(exec, slab, seed);
+//   mixer.forward(exec, slab, u, out, true);
+//   mixer.backward(exec, slab, dout, du);
+#ifndef KMAMBA_MODELS_MAMBA1MIXER_HPP
+#define KMAMBA_MODELS_MAMBA1MIXER_HPP
+
+#include <kmamba/Config.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace kmamba {
+
+template <class ExecutionSpace>
+class Mamba1Mixer final : public Mixer<ExecutionSpace> {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  /// Throws kmamba::UserError unless config.mixer is MixerKind::Mamba1 and the config is valid.
+  Mamba1Mixer(const ModelConfig& config, std::string prefix);
+
+  const std::string& prefix() const override { return prefix_; }
+
+  void declare_parameters(Slab& slab) const override;
+
+  /// Per algorithms.md §1.1 and §4.4: in_proj, x_proj and out_proj kaiming-uniform
+  /// (U(±1/√fan_in)), out_proj then divided by √n_layer when config.rescale_prenorm_residual;
+  /// conv1d weight and bias U(±1/√d_conv); dt_proj.weight U(±dt_rank^−½·dt_scale) (or that
+  /// constant when !config.dt_init_random); dt_proj.bias the inverse softplus of a log-uniform
+  /// dt in [dt_min, dt_max] floored at dt_init_floor; A_log(d, n) = ln(n + 1); D = 1; linear
+  /// biases 0. Each tensor draws from its own Philox stream, keyed by `seed` and its full name,
+  /// so mixers of different layers differ under one seed.
+  void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const override;
+
+  void forward(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               bool keep_for_backward) override;
+
+  /// Allocates its temporary gradient buffers per call and releases them on return (the
+  /// selective scan's backward does the same), which waits for the device where freeing memory
+  /// does (cudaFree).
+  void backward(const ExecutionSpace& exec, const Slab& slab,
+                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
+
+  void release_activations() override;
+
+ private:
+  // What forward computes, token-major (rows = batch·seqlen) for the projections and
+  // channel-major for the selective scan. Kept between forward and backward; z, delta, bc and
+  // y_channels are needed by forward only and are kept as reusable workspace.
+  struct Activations {
+    std::int64_t batch = 0, seqlen = 0;
+    Tensor2<float, memory_space> u;           // (batch·seqlen, d_model), a copy of the input
+    Tensor2<float, memory_space> x;           // (batch·seqlen, d_inner), the conv input
+    Tensor2<float, memory_space> z;           // (batch·seqlen, d_inner), the gate
+    Tensor2<float, memory_space> xc;          // (batch·seqlen, d_inner), silu(conv(x))
+    Tensor2<float, memory_space> dt;          // (batch·seqlen, dt_rank), the low-rank dt
+    Tensor2<float, memory_space> bc;          // (batch·seqlen, 2·d_state), [B | C]
+    Tensor2<float, memory_space> delta;       // (batch·seqlen, d_inner), dt·dt_projᵀ
+    Tensor2<float, memory_space> y;           // (batch·seqlen, d_inner), the gated scan output
+    Tensor3<float, memory_space> xc_channels;     // (batch, d_inner, seqlen)
+    Tensor3<float, memory_space> delta_channels;  // (batch, d_inner, seqlen)
+    Tensor3<float, memory_space> z_channels;      // (batch, d_inner, seqlen)
+    Tensor3<float, memory_space> y_channels;      // (batch, d_inner, seqlen)
+    Tensor4<float, memory_space> B;               // (batch, 1, d_state, seqlen)
+    Tensor4<float, memory_space> C;               // (batch, 1, d_state, seqlen)
+    Tensor2<float, memory_space> A;               // (d_inner, d_state), −exp(A_log)
+  };
+
+  void prepare_activations(std::int64_t batch, std::int64_t seqlen, bool keep_input);
+
+  ModelConfig config_;
+  std::string prefix_;
+  int d_model_, d_inner_, d_state_, d_conv_, dt_rank_;
+  Activations act_;
+  bool kept_ = false;
+};
+
+// Instantiated in the library (models/src/Mamba1Mixer.cpp) for every enabled execution space.
+#if KMAMBA_HAS_SERIAL
+extern template class Mamba1Mixer<Kokkos::Serial>;
+#endif
+#if KMAMBA_HAS_OPENMP
+extern template class Mamba1Mixer<Kokkos::OpenMP>;
+#endif
+#if KMAMBA_ENABLE_CUDA
+extern template class Mamba1Mixer<Kokkos::Cuda>;
+#endif
+
+}  // namespace kmamba
+
+#endif
