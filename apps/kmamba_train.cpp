@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -35,8 +35,8 @@ using json = nlohmann::json;
 // Options: one table drives the command line, the JSON config file, run.json and --help.
 
 struct OptionSpec {
-  const char* name;     // long option without "--"; the JSON key is the same with '_' for '-'
-  const char* value;    // value placeholder; nullptr for a flag
+  const char* name;   // long option without "--"; the JSON key is the same with '_' for '-'
+  const char* value;  // value placeholder; nullptr for a flag
   const char* help;
 };
 
@@ -45,7 +45,8 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
       {"what to train",
        {{"data", "FILE", "train on FILE: a KMTOKENS token file, or any other file as byte-level text (vocab 256)"},
         {"model", "DIR", "fine-tune the Hugging Face checkpoint DIR (config.json + model.safetensors)"},
-        {"config", "FILE", "read options from a JSON object, e.g. {\"steps\": 500, \"lr\": 0.001}; command-line options win"},
+        {"config", "FILE",
+         "read options from a JSON object, e.g. {\"steps\": 500, \"lr\": 0.001}; command-line options win"},
         {"out", "DIR", "run directory (default runs/recall, runs/<data file name> or runs/finetune-<model dir name>)"},
         {"resume", nullptr, "continue the run in --out from its checkpoint (its options are the defaults)"},
         {"device", "NAME", "serial, openmp or cuda (default: the build's default execution space)"}}},
@@ -173,7 +174,8 @@ Values read_json_options(const std::string& path, const std::set<std::string>& d
     } else if (value.is_number() || value.is_boolean()) {
       v[name] = value.dump();
     } else {
-      KMAMBA_USER_ERROR("kmamba-train: '" << path << "': option \"" << it.key() << "\" must be a string, number or boolean");
+      KMAMBA_USER_ERROR("kmamba-train: '" << path << "': option \"" << it.key()
+                                          << "\" must be a string, number or boolean");
     }
     KMAMBA_REQUIRE(spec->value != nullptr || v[name] == "true" || v[name] == "false",
                    "kmamba-train: '" << path << "': option \"" << it.key() << "\" must be true or false");
@@ -199,7 +201,8 @@ class Options {
     const long long v = std::strtoll(s.c_str(), &end, 10);
     KMAMBA_REQUIRE(!s.empty() && end == s.c_str() + s.size() && errno == 0,
                    "kmamba-train: --" << name << " expects an integer, got '" << s << "'");
-    KMAMBA_REQUIRE(v >= min && v <= max, "kmamba-train: --" << name << " must lie in [" << min << ", " << max << "], got " << v);
+    KMAMBA_REQUIRE(v >= min && v <= max,
+                   "kmamba-train: --" << name << " must lie in [" << min << ", " << max << "], got " << v);
     return v;
   }
   double number(const std::string& name, double fallback) const {
@@ -264,10 +267,12 @@ Run resolve(const Options& o) {
   if (!r.device.empty() && std::find(devices.begin(), devices.end(), r.device) == devices.end()) {
     std::string list;
     for (const std::string& d : devices) list += " " + d;
-    KMAMBA_USER_ERROR("kmamba-train: --device " << r.device << " is not an execution space of this build (one of:" << list << ")");
+    KMAMBA_USER_ERROR("kmamba-train: --device " << r.device
+                                                << " is not an execution space of this build (one of:" << list << ")");
   }
   r.out = o.text("out", !r.model_dir.empty() ? "runs/finetune-" + base_name(r.model_dir)
-                                             : recall ? "runs/recall" : "runs/" + base_name(r.data_path));
+                        : recall             ? "runs/recall"
+                                             : "runs/" + base_name(r.data_path));
 
   kmamba::TrainConfig& t = r.train;
   t.total_steps = o.integer("steps", recall ? 600 : 2000, 1);
@@ -292,7 +297,8 @@ Run resolve(const Options& o) {
     r.recall.vocab_size = static_cast<int>(o.integer("vocab-size", 64, 2));
     r.recall.num_kv_pairs = static_cast<int>(o.integer("kv-pairs", 8, 1));
     r.recall.seqlen = seqlen;
-    r.recall.num_queries = static_cast<int>(o.integer("queries", std::max<std::int64_t>(1, seqlen - 2 * r.recall.num_kv_pairs), 1));
+    r.recall.num_queries =
+        static_cast<int>(o.integer("queries", std::max<std::int64_t>(1, seqlen - 2 * r.recall.num_kv_pairs), 1));
     r.recall.seed = t.seed;
     r.recall.validate();
   } else {
@@ -312,7 +318,8 @@ Run resolve(const Options& o) {
   }
   kmamba::ModelConfig& m = r.model;
   const std::string mixer = o.text("mixer", "mamba2");
-  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2", "kmamba-train: --mixer must be mamba1 or mamba2, got '" << mixer << "'");
+  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2",
+                 "kmamba-train: --mixer must be mamba1 or mamba2, got '" << mixer << "'");
   m.mixer = mixer == "mamba1" ? kmamba::MixerKind::Mamba1 : kmamba::MixerKind::Mamba2;
   m.d_model = static_cast<int>(o.integer("d-model", recall ? 64 : 128, 1));
   m.n_layer = static_cast<int>(o.integer("n-layer", recall ? 2 : 4, 1));
@@ -370,7 +377,8 @@ std::string rate(double tokens_per_second) {
 // The metrics log and the curves drawn from it.
 class Metrics {
  public:
-  Metrics(const std::string& dir, bool recall) : path_(dir + "/metrics.jsonl"), plot_path_(dir + "/loss.png"), recall_(recall) {}
+  Metrics(const std::string& dir, bool recall)
+      : path_(dir + "/metrics.jsonl"), plot_path_(dir + "/loss.png"), recall_(recall) {}
 
   // Keeps the records of steps <= `last_step` (those the checkpoint covers) and drops the rest.
   void resume(std::int64_t last_step) {
@@ -423,12 +431,14 @@ class Metrics {
     using kmamba::app::Series;
     const Rgb light{174, 199, 232}, blue{31, 119, 180}, orange{255, 127, 14};
     std::vector<kmamba::app::Panel> panels;
-    panels.push_back({"loss", true,
+    panels.push_back({"loss",
+                      true,
                       {Series{"train", light, train_steps_, train_loss_, false},
                        Series{"train (average)", blue, train_steps_, train_ema_, false},
                        Series{"held-out", orange, eval_steps_, eval_loss_, true}}});
     const std::string accuracy_title = recall_ ? "recall accuracy %" : "next-token accuracy %";
-    panels.push_back({accuracy_title, false,
+    panels.push_back({accuracy_title,
+                      false,
                       {Series{"train (average)", blue, train_steps_, train_accuracy_, false},
                        Series{"held-out", orange, eval_steps_, eval_accuracy_, true}}});
     kmamba::app::write_png(plot_path_, kmamba::app::plot(panels, "step", 900, 640));
@@ -545,8 +555,9 @@ int train(Run& r) {
 
   const std::int64_t total = r.train.total_steps;
   std::printf("kmamba-train: %s\n", describe_data(r, *data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s%s\n", kmamba::mixer_name(model_config.mixer),
-              model_config.d_model, model_config.n_layer, trainer.model().parameters().size(), Exec::name(),
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s%s\n",
+              kmamba::mixer_name(model_config.mixer), model_config.d_model, model_config.n_layer,
+              trainer.model().parameters().size(), Exec::name(),
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
   std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n", static_cast<long long>(total),
               static_cast<long long>(r.train.grad_accum), static_cast<long long>(r.train.batch_size), r.train.lr,
@@ -562,10 +573,13 @@ int train(Run& r) {
   kmamba::LossResult last_eval;
   auto evaluate = [&]() {
     last_eval = trainer.evaluate();
-    metrics.append({{"type", "eval"}, {"step", trainer.steps_taken()}, {"loss", last_eval.loss},
-                    {"accuracy", accuracy_of(last_eval)}, {"tokens", last_eval.tokens}});
-    console.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%", static_cast<long long>(trainer.steps_taken()),
-                        last_eval.loss, 100.0 * accuracy_of(last_eval)));
+    metrics.append({{"type", "eval"},
+                    {"step", trainer.steps_taken()},
+                    {"loss", last_eval.loss},
+                    {"accuracy", accuracy_of(last_eval)},
+                    {"tokens", last_eval.tokens}});
+    console.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%",
+                        static_cast<long long>(trainer.steps_taken()), last_eval.loss, 100.0 * accuracy_of(last_eval)));
     metrics.plot();
   };
 
@@ -581,26 +595,37 @@ int train(Run& r) {
     session_tokens += s.input_tokens;
     ++session_steps;
     const double tokens_per_second = static_cast<double>(session_tokens) / std::max(train_seconds, 1e-9);
-    metrics.append({{"type", "train"}, {"step", s.step}, {"loss", s.loss}, {"accuracy", s.accuracy()}, {"tokens", s.tokens},
-                    {"lr", s.lr}, {"grad_norm", s.grad_norm}, {"tokens_per_s", tokens_per_second},
+    metrics.append({{"type", "train"},
+                    {"step", s.step},
+                    {"loss", s.loss},
+                    {"accuracy", s.accuracy()},
+                    {"tokens", s.tokens},
+                    {"lr", s.lr},
+                    {"grad_norm", s.grad_norm},
+                    {"tokens_per_s", tokens_per_second},
                     {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()}});
     if (console.tty() || s.step % r.log_interval == 0 || s.step == total) {
       const double eta = train_seconds / static_cast<double>(session_steps) * static_cast<double>(total - s.step);
-      console.progress(format("step %6lld/%lld | loss %.4f", static_cast<long long>(s.step), static_cast<long long>(total), s.loss) +
-                       (recall ? format(" | acc %5.1f%%", 100.0 * s.accuracy()) : "") + format(" | lr %.1e | ", s.lr) +
-                       rate(tokens_per_second) + " tok/s | ETA " + duration(eta));
+      console.progress(
+          format("step %6lld/%lld | loss %.4f", static_cast<long long>(s.step), static_cast<long long>(total), s.loss) +
+          (recall ? format(" | acc %5.1f%%", 100.0 * s.accuracy()) : "") + format(" | lr %.1e | ", s.lr) +
+          rate(tokens_per_second) + " tok/s | ETA " + duration(eta));
     }
     if (s.step == total) break;
     if (r.train.eval_interval > 0 && s.step % r.train.eval_interval == 0) evaluate();
-    if (r.train.checkpoint_interval > 0 && s.step % r.train.checkpoint_interval == 0) trainer.save_checkpoint(checkpoint);
+    if (r.train.checkpoint_interval > 0 && s.step % r.train.checkpoint_interval == 0)
+      trainer.save_checkpoint(checkpoint);
   }
   console.finish();
   const bool interrupted = trainer.steps_taken() < total;
   if (!interrupted) evaluate();
   trainer.save_checkpoint(checkpoint);
   if (interrupted) {
-    std::printf("kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: kmamba-train --resume --out %s\n",
-                static_cast<long long>(trainer.steps_taken()), static_cast<long long>(total), checkpoint.c_str(), r.out.c_str());
+    std::printf(
+        "kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: kmamba-train --resume "
+        "--out %s\n",
+        static_cast<long long>(trainer.steps_taken()), static_cast<long long>(total), checkpoint.c_str(),
+        r.out.c_str());
   } else {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::printf("kmamba-train: done: %lld steps in %s (%s tok/s); held-out loss %.4f%s\n",

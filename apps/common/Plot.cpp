@@ -152,7 +152,8 @@ std::vector<double> y_ticks(const Axis& a) {
   std::vector<double> ticks;
   if (!a.log) {
     const double step = nice_step(a.hi - a.lo, 5);
-    for (double t = std::ceil(a.lo / step) * step; t <= a.hi + 1e-9 * step; t += step) ticks.push_back(std::fabs(t) < 1e-12 * step ? 0.0 : t);
+    for (double t = std::ceil(a.lo / step) * step; t <= a.hi + 1e-9 * step; t += step)
+      ticks.push_back(std::fabs(t) < 1e-12 * step ? 0.0 : t);
     return ticks;
   }
   const bool few_decades = a.hi - a.lo < 2.5;
@@ -189,14 +190,16 @@ Image plot(const std::vector<Panel>& panels, const std::string& x_label, int wid
   Image image(width, height, Rgb{255, 255, 255});
   const int left = 64, right = 16, title_band = 26, bottom = 36;
   const int panel_height = (height - bottom) / static_cast<int>(panels.size());
-  KMAMBA_REQUIRE(panel_height > title_band + 20 && width > left + right + 40,
-                 "kmamba::app::plot: " << width << " x " << height << " is too small for " << panels.size() << " panels");
+  KMAMBA_REQUIRE(
+      panel_height > title_band + 20 && width > left + right + 40,
+      "kmamba::app::plot: " << width << " x " << height << " is too small for " << panels.size() << " panels");
 
   double x_lo = INFINITY, x_hi = -INFINITY;
   for (const Panel& p : panels) {
     for (const Series& s : p.series) {
       KMAMBA_REQUIRE(s.x.size() == s.y.size(), "kmamba::app::plot: series '" << s.label << "' has " << s.x.size()
-                                                                           << " x values and " << s.y.size() << " y values");
+                                                                             << " x values and " << s.y.size()
+                                                                             << " y values");
       for (const double x : s.x) {
         if (std::isfinite(x)) x_lo = std::min(x_lo, x), x_hi = std::max(x_hi, x);
       }
@@ -211,7 +214,9 @@ Image plot(const std::vector<Panel>& panels, const std::string& x_label, int wid
     const int top = static_cast<int>(k) * panel_height;
     const Rect area{left, top + title_band, width - right - 1, top + panel_height - 8};
     const Axis axis = y_axis(panel);
-    auto px = [&](double x) { return area.x0 + static_cast<int>(std::lround((x - x_lo) / (x_hi - x_lo) * (area.x1 - area.x0))); };
+    auto px = [&](double x) {
+      return area.x0 + static_cast<int>(std::lround((x - x_lo) / (x_hi - x_lo) * (area.x1 - area.x0)));
+    };
     auto py = [&](double y) { return area.y1 - static_cast<int>(std::lround(axis.map(y) * (area.y1 - area.y0))); };
 
     for (const double t : y_ticks(axis)) {
@@ -242,7 +247,9 @@ Image plot(const std::vector<Panel>& panels, const std::string& x_label, int wid
         if (!std::isfinite(s.x[i]) || !axis.valid(s.y[i])) continue;
         const int x = px(s.x[i]), y = py(s.y[i]);
         if (s.markers) {
-          fill(image, Rect{std::max(x - 2, area.x0), std::max(y - 2, area.y0), std::min(x + 2, area.x1), std::min(y + 2, area.y1)},
+          fill(image,
+               Rect{std::max(x - 2, area.x0), std::max(y - 2, area.y0), std::min(x + 2, area.x1),
+                    std::min(y + 2, area.y1)},
                s.color);
         } else if (have_previous) {
           line(image, area, x_prev, y_prev, x, y, s.color);
@@ -257,7 +264,8 @@ Image plot(const std::vector<Panel>& panels, const std::string& x_label, int wid
 
     int legend_x = area.x1 - 8, legend_y = area.y0 + 6;
     for (const Series& s : panel.series) legend_x = std::min(legend_x, area.x1 - 8 - 16 - text_width(s.label));
-    fill(image, Rect{legend_x - 4, legend_y - 3, area.x1 - 4, legend_y + 12 * static_cast<int>(panel.series.size())}, Rgb{255, 255, 255});
+    fill(image, Rect{legend_x - 4, legend_y - 3, area.x1 - 4, legend_y + 12 * static_cast<int>(panel.series.size())},
+         Rgb{255, 255, 255});
     for (const Series& s : panel.series) {
       fill(image, Rect{legend_x, legend_y + 1, legend_x + 10, legend_y + 5}, s.color);
       draw_text(image, legend_x + 16, legend_y, s.label, black);

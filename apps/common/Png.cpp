@@ -52,20 +52,23 @@ constexpr std::array<int, 29> length_base = {3,  4,  5,  6,  7,  8,  9,  10, 11,
                                              31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258};
 constexpr std::array<int, 29> length_extra = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2,
                                               2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0};
-constexpr std::array<int, 30> distance_base = {1,   2,   3,   4,   5,   7,    9,    13,   17,   25,   33,   49,   65,    97,    129,
-                                               193, 257, 385, 513, 769, 1025, 1537, 2049, 3073, 4097, 6145, 8193, 12289, 16385, 24577};
-constexpr std::array<int, 30> distance_extra = {0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6,
+constexpr std::array<int, 30> distance_base = {1,    2,    3,    4,    5,    7,    9,    13,    17,    25,
+                                               33,   49,   65,   97,   129,  193,  257,  385,   513,   769,
+                                               1025, 1537, 2049, 3073, 4097, 6145, 8193, 12289, 16385, 24577};
+constexpr std::array<int, 30> distance_extra = {0, 0, 0, 0, 1, 1, 2, 2,  3,  3,  4,  4,  5,  5,  6,
                                                 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13};
 
 void match(BitWriter& w, int length, int distance) {
   int l = 28;
   while (length_base[static_cast<std::size_t>(l)] > length) --l;
   literal_length_symbol(w, 257 + l);
-  w.bits(static_cast<std::uint32_t>(length - length_base[static_cast<std::size_t>(l)]), length_extra[static_cast<std::size_t>(l)]);
+  w.bits(static_cast<std::uint32_t>(length - length_base[static_cast<std::size_t>(l)]),
+         length_extra[static_cast<std::size_t>(l)]);
   int d = 29;
   while (distance_base[static_cast<std::size_t>(d)] > distance) --d;
   w.code(static_cast<std::uint32_t>(d), 5);
-  w.bits(static_cast<std::uint32_t>(distance - distance_base[static_cast<std::size_t>(d)]), distance_extra[static_cast<std::size_t>(d)]);
+  w.bits(static_cast<std::uint32_t>(distance - distance_base[static_cast<std::size_t>(d)]),
+         distance_extra[static_cast<std::size_t>(d)]);
 }
 
 void put_be32(std::vector<std::uint8_t>& out, std::uint32_t x) {
@@ -95,15 +98,18 @@ Image::Image(int width, int height, Rgb background) : width_(width), height_(hei
 
 void Image::set(int x, int y, Rgb color) {
   if (x < 0 || y < 0 || x >= width_ || y >= height_) return;
-  const std::size_t i = (static_cast<std::size_t>(y) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(x)) * 3;
+  const std::size_t i =
+      (static_cast<std::size_t>(y) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(x)) * 3;
   pixels_[i] = color.r;
   pixels_[i + 1] = color.g;
   pixels_[i + 2] = color.b;
 }
 
 Rgb Image::get(int x, int y) const {
-  KMAMBA_REQUIRE(x >= 0 && y >= 0 && x < width_ && y < height_, "kmamba::app::Image::get: (" << x << ", " << y << ") is outside the image");
-  const std::size_t i = (static_cast<std::size_t>(y) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(x)) * 3;
+  KMAMBA_REQUIRE(x >= 0 && y >= 0 && x < width_ && y < height_,
+                 "kmamba::app::Image::get: (" << x << ", " << y << ") is outside the image");
+  const std::size_t i =
+      (static_cast<std::size_t>(y) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(x)) * 3;
   return Rgb{pixels_[i], pixels_[i + 1], pixels_[i + 2]};
 }
 

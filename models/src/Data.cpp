@@ -26,8 +26,10 @@ constexpr std::size_t token_header_bytes = 32;
 class SequenceRandom {
  public:
   SequenceRandom(std::uint64_t seed, std::uint32_t stream, std::uint64_t sequence)
-      : key0_(static_cast<std::uint32_t>(seed)), key1_(static_cast<std::uint32_t>(seed >> 32)),
-        sequence_(sequence), stream_(stream) {}
+      : key0_(static_cast<std::uint32_t>(seed)),
+        key1_(static_cast<std::uint32_t>(seed >> 32)),
+        sequence_(sequence),
+        stream_(stream) {}
 
   std::uint32_t next32() {
     if (used_ == 4) {
@@ -48,7 +50,8 @@ class SequenceRandom {
   // Uniform in [0, n), unbiased (rejects the top partial range of 2^64).
   std::uint64_t below(std::uint64_t n) {
     KMAMBA_ASSERT(n > 0, "SequenceRandom::below: empty range");
-    const std::uint64_t limit = std::numeric_limits<std::uint64_t>::max() - std::numeric_limits<std::uint64_t>::max() % n;
+    const std::uint64_t limit =
+        std::numeric_limits<std::uint64_t>::max() - std::numeric_limits<std::uint64_t>::max() % n;
     std::uint64_t x = next64();
     while (x >= limit) x = next64();
     return x % n;
@@ -59,7 +62,8 @@ class SequenceRandom {
     std::vector<std::int64_t> pool(static_cast<std::size_t>(end - begin));
     std::iota(pool.begin(), pool.end(), begin);
     for (std::int64_t i = 0; i < count; ++i) {
-      const auto j = static_cast<std::size_t>(i) + static_cast<std::size_t>(below(static_cast<std::uint64_t>(end - begin - i)));
+      const auto j =
+          static_cast<std::size_t>(i) + static_cast<std::size_t>(below(static_cast<std::uint64_t>(end - begin - i)));
       std::swap(pool[static_cast<std::size_t>(i)], pool[j]);
     }
     pool.resize(static_cast<std::size_t>(count));
@@ -76,7 +80,9 @@ class SequenceRandom {
 };
 
 // Stream tags: one per (data set kind, split), so no two kinds or splits share random numbers.
-std::uint32_t stream_tag(std::uint32_t kind, Split split) { return (kind << 1) | (split == Split::Validation ? 1u : 0u); }
+std::uint32_t stream_tag(std::uint32_t kind, Split split) {
+  return (kind << 1) | (split == Split::Validation ? 1u : 0u);
+}
 
 void check_batch_request(const char* function, std::int64_t index, std::int64_t batch_size) {
   KMAMBA_REQUIRE(index >= 0, function << ": batch index must be >= 0, got " << index);
@@ -86,7 +92,8 @@ void check_batch_request(const char* function, std::int64_t index, std::int64_t 
 TokenBatch allocate_batch(std::int64_t batch_size, std::int64_t seqlen) {
   TokenBatch b;
   b.ids = allocate_uninitialized<Tensor2<std::int64_t, Kokkos::HostSpace>>("kmamba::data::ids", batch_size, seqlen);
-  b.targets = allocate_uninitialized<Tensor2<std::int64_t, Kokkos::HostSpace>>("kmamba::data::targets", batch_size, seqlen);
+  b.targets =
+      allocate_uninitialized<Tensor2<std::int64_t, Kokkos::HostSpace>>("kmamba::data::targets", batch_size, seqlen);
   return b;
 }
 
@@ -118,8 +125,10 @@ bool has_token_magic(const std::vector<unsigned char>& bytes) {
   return bytes.size() >= sizeof(token_magic) && std::memcmp(bytes.data(), token_magic, sizeof(token_magic)) == 0;
 }
 
-std::vector<std::uint32_t> parse_token_file(const std::vector<unsigned char>& bytes, const std::string& path, int& vocab_size) {
-  KMAMBA_REQUIRE(has_token_magic(bytes), "kmamba::TokenDataset: '" << path << "' is not a token file (no KMTOKENS magic)");
+std::vector<std::uint32_t> parse_token_file(const std::vector<unsigned char>& bytes, const std::string& path,
+                                            int& vocab_size) {
+  KMAMBA_REQUIRE(has_token_magic(bytes),
+                 "kmamba::TokenDataset: '" << path << "' is not a token file (no KMTOKENS magic)");
   KMAMBA_REQUIRE(bytes.size() >= token_header_bytes, "kmamba::TokenDataset: token file '"
                                                          << path << "' is truncated: " << bytes.size()
                                                          << " bytes, the header alone has " << token_header_bytes);
@@ -128,13 +137,14 @@ std::vector<std::uint32_t> parse_token_file(const std::vector<unsigned char>& by
   const std::uint64_t vocab = load_le(bytes.data() + 16, 8);
   const std::uint64_t count = load_le(bytes.data() + 24, 8);
   KMAMBA_REQUIRE(version == 1, "kmamba::TokenDataset: token file '" << path << "' has format version " << version
-                                                                     << ", this kmamba reads version 1");
-  KMAMBA_REQUIRE(width == 2 || width == 4, "kmamba::TokenDataset: token file '"
-                                               << path << "' declares " << width << " bytes per token, expected 2 or 4");
-  KMAMBA_REQUIRE(vocab >= 1 && vocab <= (width == 2 ? 65536u : static_cast<std::uint64_t>(std::numeric_limits<int>::max())),
-                 "kmamba::TokenDataset: token file '" << path << "' declares vocabulary size " << vocab
-                                                      << ", outside [1, " << (width == 2 ? 65536 : std::numeric_limits<int>::max())
-                                                      << "] for " << width << "-byte tokens");
+                                                                    << ", this kmamba reads version 1");
+  KMAMBA_REQUIRE(width == 2 || width == 4, "kmamba::TokenDataset: token file '" << path << "' declares " << width
+                                                                                << " bytes per token, expected 2 or 4");
+  KMAMBA_REQUIRE(
+      vocab >= 1 && vocab <= (width == 2 ? 65536u : static_cast<std::uint64_t>(std::numeric_limits<int>::max())),
+      "kmamba::TokenDataset: token file '" << path << "' declares vocabulary size " << vocab << ", outside [1, "
+                                           << (width == 2 ? 65536 : std::numeric_limits<int>::max()) << "] for "
+                                           << width << "-byte tokens");
   const std::uint64_t payload = bytes.size() - token_header_bytes;
   KMAMBA_REQUIRE(count <= payload / width && payload == count * width,
                  "kmamba::TokenDataset: token file '" << path << "' declares " << count << " tokens (" << count * width
@@ -144,9 +154,9 @@ std::vector<std::uint32_t> parse_token_file(const std::vector<unsigned char>& by
   const unsigned char* p = bytes.data() + token_header_bytes;
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     tokens[i] = static_cast<std::uint32_t>(load_le(p + i * width, static_cast<int>(width)));
-    KMAMBA_REQUIRE(tokens[i] < vocab, "kmamba::TokenDataset: token file '" << path << "': token " << i << " is "
-                                                                            << tokens[i] << ", not below the vocabulary size "
-                                                                            << vocab);
+    KMAMBA_REQUIRE(tokens[i] < vocab, "kmamba::TokenDataset: token file '"
+                                          << path << "': token " << i << " is " << tokens[i]
+                                          << ", not below the vocabulary size " << vocab);
   }
   vocab_size = static_cast<int>(vocab);
   return tokens;
@@ -185,17 +195,20 @@ std::int64_t TokenBatch::predicted_tokens() const {
 void AssociativeRecallConfig::validate() const {
   KMAMBA_REQUIRE(num_kv_pairs >= 1, "kmamba::AssociativeRecallConfig: num_kv_pairs must be >= 1, got " << num_kv_pairs);
   KMAMBA_REQUIRE(vocab_size >= 1 + 2 * num_kv_pairs,
-                 "kmamba::AssociativeRecallConfig: vocab_size " << vocab_size << " is too small for " << num_kv_pairs
-                                                                << " distinct keys and values plus the blank (needs >= "
-                                                                << 1 + 2 * num_kv_pairs << ")");
-  KMAMBA_REQUIRE(num_queries >= 0, "kmamba::AssociativeRecallConfig: num_queries must be >= 0 (0: one per pair), got " << num_queries);
+                 "kmamba::AssociativeRecallConfig: vocab_size "
+                     << vocab_size << " is too small for " << num_kv_pairs
+                     << " distinct keys and values plus the blank (needs >= " << 1 + 2 * num_kv_pairs << ")");
+  KMAMBA_REQUIRE(num_queries >= 0,
+                 "kmamba::AssociativeRecallConfig: num_queries must be >= 0 (0: one per pair), got " << num_queries);
   KMAMBA_REQUIRE(seqlen >= 2 * static_cast<std::int64_t>(num_kv_pairs) + queries(),
-                 "kmamba::AssociativeRecallConfig: seqlen " << seqlen << " cannot hold " << num_kv_pairs
-                                                            << " key-value pairs and " << queries() << " queries (needs >= "
-                                                            << 2 * num_kv_pairs + queries() << ")");
+                 "kmamba::AssociativeRecallConfig: seqlen "
+                     << seqlen << " cannot hold " << num_kv_pairs << " key-value pairs and " << queries()
+                     << " queries (needs >= " << 2 * num_kv_pairs + queries() << ")");
 }
 
-AssociativeRecallTask::AssociativeRecallTask(const AssociativeRecallConfig& config) : config_(config) { config_.validate(); }
+AssociativeRecallTask::AssociativeRecallTask(const AssociativeRecallConfig& config) : config_(config) {
+  config_.validate();
+}
 
 std::int64_t AssociativeRecallTask::value_begin() const { return 1 + (config_.vocab_size - 1) / 2; }
 
@@ -205,7 +218,8 @@ TokenBatch AssociativeRecallTask::batch(std::int64_t index, std::int64_t batch_s
 
 TokenBatch AssociativeRecallTask::batch(Split split, std::int64_t index, std::int64_t batch_size) const {
   check_batch_request("kmamba::AssociativeRecallTask::batch", index, batch_size);
-  const std::int64_t seqlen = config_.seqlen, pairs = config_.num_kv_pairs, context = 2 * pairs, queries = config_.queries();
+  const std::int64_t seqlen = config_.seqlen, pairs = config_.num_kv_pairs, context = 2 * pairs,
+                     queries = config_.queries();
   TokenBatch out = allocate_batch(batch_size, seqlen);
   for (std::int64_t b = 0; b < batch_size; ++b) {
     SequenceRandom random(config_.seed, stream_tag(1, split), static_cast<std::uint64_t>(index * batch_size + b));
@@ -239,7 +253,8 @@ TokenBatch AssociativeRecallTask::batch(Split split, std::int64_t index, std::in
 std::string AssociativeRecallTask::fingerprint() const {
   std::ostringstream s;
   s << "associative_recall(vocab_size=" << config_.vocab_size << ", seqlen=" << config_.seqlen
-    << ", num_kv_pairs=" << config_.num_kv_pairs << ", num_queries=" << config_.queries() << ", seed=" << config_.seed << ")";
+    << ", num_kv_pairs=" << config_.num_kv_pairs << ", num_queries=" << config_.queries() << ", seed=" << config_.seed
+    << ")";
   return s.str();
 }
 
@@ -249,24 +264,25 @@ std::string AssociativeRecallTask::fingerprint() const {
 TokenDataset::TokenDataset(std::vector<std::uint32_t> tokens, int vocab_size, const TokenDatasetConfig& config,
                            std::string source)
     : tokens_(std::move(tokens)), vocab_size_(vocab_size), config_(config), source_(std::move(source)) {
-  KMAMBA_REQUIRE(vocab_size_ >= 1, "kmamba::TokenDataset: " << source_ << ": vocabulary size must be >= 1, got " << vocab_size_);
+  KMAMBA_REQUIRE(vocab_size_ >= 1,
+                 "kmamba::TokenDataset: " << source_ << ": vocabulary size must be >= 1, got " << vocab_size_);
   KMAMBA_REQUIRE(config_.seqlen >= 1, "kmamba::TokenDataset: seqlen must be >= 1, got " << config_.seqlen);
   KMAMBA_REQUIRE(config_.validation_fraction >= 0.0 && config_.validation_fraction < 1.0,
                  "kmamba::TokenDataset: validation_fraction must lie in [0, 1), got " << config_.validation_fraction);
   KMAMBA_REQUIRE(!tokens_.empty(), "kmamba::TokenDataset: " << source_ << " holds no tokens");
   for (std::size_t i = 0; i < tokens_.size(); ++i) {
-    KMAMBA_REQUIRE(tokens_[i] < static_cast<std::uint32_t>(vocab_size_), "kmamba::TokenDataset: "
-                                                                             << source_ << ": token " << i << " is " << tokens_[i]
-                                                                             << ", not below the vocabulary size " << vocab_size_);
+    KMAMBA_REQUIRE(tokens_[i] < static_cast<std::uint32_t>(vocab_size_),
+                   "kmamba::TokenDataset: " << source_ << ": token " << i << " is " << tokens_[i]
+                                            << ", not below the vocabulary size " << vocab_size_);
   }
   const auto n = static_cast<std::int64_t>(tokens_.size());
   const auto held_out = static_cast<std::int64_t>(static_cast<double>(n) * config_.validation_fraction);
   train_size_ = n - held_out;
   const std::int64_t window = config_.seqlen + 1;
-  KMAMBA_REQUIRE(train_size_ >= window, "kmamba::TokenDataset: "
-                                            << source_ << " is too short: its training split has " << train_size_
-                                            << " tokens, a window of seqlen " << config_.seqlen << " needs " << window
-                                            << " (use a shorter seqlen or more data)");
+  KMAMBA_REQUIRE(train_size_ >= window, "kmamba::TokenDataset: " << source_ << " is too short: its training split has "
+                                                                 << train_size_ << " tokens, a window of seqlen "
+                                                                 << config_.seqlen << " needs " << window
+                                                                 << " (use a shorter seqlen or more data)");
   KMAMBA_REQUIRE(held_out == 0 || held_out >= window,
                  "kmamba::TokenDataset: " << source_ << " is too short: its validation split (the last "
                                           << config_.validation_fraction * 100.0 << "%) has " << held_out
@@ -298,7 +314,8 @@ TokenDataset TokenDataset::from_token_file(const std::string& path, const TokenD
 }
 
 void TokenDataset::write_token_file(const std::string& path, const std::vector<std::uint32_t>& tokens, int vocab_size) {
-  KMAMBA_REQUIRE(vocab_size >= 1, "kmamba::TokenDataset::write_token_file: vocabulary size must be >= 1, got " << vocab_size);
+  KMAMBA_REQUIRE(vocab_size >= 1,
+                 "kmamba::TokenDataset::write_token_file: vocabulary size must be >= 1, got " << vocab_size);
   const int width = vocab_size <= 65536 ? 2 : 4;
   std::vector<unsigned char> bytes(token_magic, token_magic + sizeof(token_magic));
   store_le(bytes, 1, 4);
@@ -307,9 +324,9 @@ void TokenDataset::write_token_file(const std::string& path, const std::vector<s
   store_le(bytes, tokens.size(), 8);
   bytes.reserve(bytes.size() + tokens.size() * static_cast<std::size_t>(width));
   for (std::size_t i = 0; i < tokens.size(); ++i) {
-    KMAMBA_REQUIRE(tokens[i] < static_cast<std::uint32_t>(vocab_size), "kmamba::TokenDataset::write_token_file: token "
-                                                                           << i << " is " << tokens[i]
-                                                                           << ", not below the vocabulary size " << vocab_size);
+    KMAMBA_REQUIRE(tokens[i] < static_cast<std::uint32_t>(vocab_size),
+                   "kmamba::TokenDataset::write_token_file: token "
+                       << i << " is " << tokens[i] << ", not below the vocabulary size " << vocab_size);
     store_le(bytes, tokens[i], width);
   }
   write_atomically(path, bytes);

@@ -64,7 +64,8 @@ struct FieldReader {
     seen.insert(key);
     const json& v = object[key];
     KMAMBA_REQUIRE(v.is_number_integer(), where(key) << " is " << v.dump() << ", expected an integer");
-    KMAMBA_REQUIRE(!v.is_number_unsigned() || v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
+    KMAMBA_REQUIRE(!v.is_number_unsigned() ||
+                       v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
                    where(key) << " is " << v.dump() << ", out of range");
     value = v.get<std::int64_t>();
   }
@@ -110,8 +111,8 @@ std::string differing_keys(const std::string& a, const std::string& b) {
 
 std::string metadata(const SafeTensorsReader& file, const std::string& key) {
   const auto it = file.metadata().find(key);
-  KMAMBA_REQUIRE(it != file.metadata().end(),
-                 "kmamba::Trainer: '" << file.path() << "' has no metadata entry \"" << key << "\" (not a kmamba training state?)");
+  KMAMBA_REQUIRE(it != file.metadata().end(), "kmamba::Trainer: '" << file.path() << "' has no metadata entry \"" << key
+                                                                   << "\" (not a kmamba training state?)");
   return it->second;
 }
 
@@ -142,17 +143,19 @@ void TrainConfig::validate() const {
                  f << ": min_lr must lie in [0, lr = " << lr << "], got " << min_lr);
   KMAMBA_REQUIRE(warmup_steps >= 0, f << ": warmup_steps must be >= 0, got " << warmup_steps);
   KMAMBA_REQUIRE(total_steps >= 1, f << ": total_steps must be >= 1, got " << total_steps);
-  KMAMBA_REQUIRE(std::isfinite(weight_decay) && weight_decay >= 0.0, f << ": weight_decay must be >= 0, got " << weight_decay);
+  KMAMBA_REQUIRE(std::isfinite(weight_decay) && weight_decay >= 0.0,
+                 f << ": weight_decay must be >= 0, got " << weight_decay);
   KMAMBA_REQUIRE(beta1 >= 0.0 && beta1 < 1.0, f << ": beta1 must lie in [0, 1), got " << beta1);
   KMAMBA_REQUIRE(beta2 >= 0.0 && beta2 < 1.0, f << ": beta2 must lie in [0, 1), got " << beta2);
   KMAMBA_REQUIRE(std::isfinite(eps) && eps > 0.0, f << ": eps must be positive, got " << eps);
-  KMAMBA_REQUIRE(std::isfinite(grad_clip) && grad_clip >= 0.0, f << ": grad_clip must be >= 0 (0: off), got " << grad_clip);
+  KMAMBA_REQUIRE(std::isfinite(grad_clip) && grad_clip >= 0.0,
+                 f << ": grad_clip must be >= 0 (0: off), got " << grad_clip);
   KMAMBA_REQUIRE(batch_size >= 1, f << ": batch_size must be >= 1, got " << batch_size);
   KMAMBA_REQUIRE(grad_accum >= 1, f << ": grad_accum must be >= 1, got " << grad_accum);
   KMAMBA_REQUIRE(eval_interval >= 0, f << ": eval_interval must be >= 0 (0: never), got " << eval_interval);
   KMAMBA_REQUIRE(eval_batches >= 1, f << ": eval_batches must be >= 1, got " << eval_batches);
-  KMAMBA_REQUIRE(checkpoint_interval >= 0, f << ": checkpoint_interval must be >= 0 (0: at the end only), got "
-                                             << checkpoint_interval);
+  KMAMBA_REQUIRE(checkpoint_interval >= 0,
+                 f << ": checkpoint_interval must be >= 0 (0: at the end only), got " << checkpoint_interval);
 }
 
 AdamWConfig TrainConfig::adamw() const { return AdamWConfig{lr, beta1, beta2, eps, weight_decay}; }
@@ -176,7 +179,8 @@ TrainConfig TrainConfig::from_json(const std::string& json_text, const std::stri
   std::set<std::string> seen;
   visit_fields(c, FieldReader{j, source, seen});
   for (auto it = j.begin(); it != j.end(); ++it) {
-    KMAMBA_REQUIRE(seen.count(it.key()) != 0, "kmamba::TrainConfig: " << source << ": unknown key \"" << it.key() << "\"");
+    KMAMBA_REQUIRE(seen.count(it.key()) != 0,
+                   "kmamba::TrainConfig: " << source << ": unknown key \"" << it.key() << "\"");
   }
   c.validate();
   return c;
@@ -200,12 +204,16 @@ const TrainConfig& validated(const TrainConfig& c) {
 template <class ExecutionSpace>
 Trainer<ExecutionSpace>::Trainer(LanguageModel<ExecutionSpace> model, const TrainConfig& config,
                                  std::shared_ptr<const Dataset> data, const ExecutionSpace& exec)
-    : exec_(exec), model_(std::move(model)), config_(validated(config)), data_(std::move(data)),
+    : exec_(exec),
+      model_(std::move(model)),
+      config_(validated(config)),
+      data_(std::move(data)),
       optimizer_(model_.parameters().size(), config_.adamw()) {
   if (data_) {
-    KMAMBA_REQUIRE(data_->vocab_size() <= model_.config().vocab_size,
-                   "kmamba::Trainer: the data's vocabulary (" << data_->vocab_size() << " tokens) exceeds the model's vocab_size "
-                                                              << model_.config().vocab_size);
+    KMAMBA_REQUIRE(data_->vocab_size() <= model_.config().vocab_size, "kmamba::Trainer: the data's vocabulary ("
+                                                                          << data_->vocab_size()
+                                                                          << " tokens) exceeds the model's vocab_size "
+                                                                          << model_.config().vocab_size);
   }
 }
 
@@ -246,10 +254,12 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     const std::int64_t tokens = b.predicted_tokens();
     if (tokens == 0) continue;
     const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
-    const ConstTensor2<std::int64_t, memory_space> targets = Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
+    const ConstTensor2<std::int64_t, memory_space> targets =
+        Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
     const LossResult r =
         model_.loss_and_backward(exec_, ids, targets, static_cast<double>(tokens) / static_cast<double>(total));
-    KMAMBA_ASSERT(r.tokens == tokens, "the model predicted " << r.tokens << " tokens of a batch with " << tokens << " targets");
+    KMAMBA_ASSERT(r.tokens == tokens,
+                  "the model predicted " << r.tokens << " tokens of a batch with " << tokens << " targets");
     loss_sum += r.loss * static_cast<double>(r.tokens);
     result.tokens += r.tokens;
     result.correct += r.correct;
@@ -258,8 +268,9 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   const auto& slab = model_.parameters();
   result.grad_norm = global_norm(exec_, ConstTensor1<float, memory_space>(slab.grads()));
   KMAMBA_REQUIRE(std::isfinite(result.loss) && std::isfinite(result.grad_norm),
-                 function << ": step " << steps_taken() + 1 << ": the loss is " << result.loss << " and the gradient norm "
-                          << result.grad_norm << "; training diverged (try a lower learning rate or gradient clipping)");
+                 function << ": step " << steps_taken() + 1 << ": the loss is " << result.loss
+                          << " and the gradient norm " << result.grad_norm
+                          << "; training diverged (try a lower learning rate or gradient clipping)");
   result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
   optimizer_.step(exec_, slab.params(), ConstTensor1<float, memory_space>(slab.grads()), slab.decay_end(), result.lr,
                   clip_scale(result.grad_norm, config_.grad_clip));
@@ -286,7 +297,8 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
   for (std::size_t i = 0; i < batches.size(); ++i) {
     check_batch(function, batches[i], i);
     if (batches[i].predicted_tokens() == 0) continue;
-    const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].ids);
+    const ConstTensor2<std::int64_t, memory_space> ids =
+        Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].ids);
     const ConstTensor2<std::int64_t, memory_space> targets =
         Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].targets);
     const LossResult r = model_.loss(exec_, ids, targets);
@@ -332,47 +344,52 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
                                                                << metadata(state, "format_version") << ", expected 1");
   LanguageModel<ExecutionSpace> loaded = LanguageModel<ExecutionSpace>::load(dir);
   const std::string ours = model_.config().to_hf_json(), theirs = loaded.config().to_hf_json();
-  KMAMBA_REQUIRE(ours == theirs, "kmamba::Trainer::resume: the model in '" << dir << "' differs from this run's: "
-                                                                           << differing_keys(theirs, ours)
-                                                                           << " (checkpoint vs run)");
+  KMAMBA_REQUIRE(ours == theirs, "kmamba::Trainer::resume: the model in '"
+                                     << dir << "' differs from this run's: " << differing_keys(theirs, ours)
+                                     << " (checkpoint vs run)");
   KMAMBA_REQUIRE(metadata(state, "parameter_checksum") == parameter_checksum(loaded.parameters().params()),
                  "kmamba::Trainer::resume: model.safetensors in '"
-                     << dir << "' was not written together with training_state.safetensors (parameter checksums differ; "
+                     << dir
+                     << "' was not written together with training_state.safetensors (parameter checksums differ; "
                      << "an interrupted or mixed checkpoint)");
   const std::string saved_data = metadata(state, "dataset");
   if (data_ && saved_data != no_dataset) {
-    KMAMBA_REQUIRE(saved_data == data_->fingerprint(), "kmamba::Trainer::resume: '" << dir << "' was trained on "
-                                                                                    << saved_data << ", this run's data is "
-                                                                                    << data_->fingerprint());
+    KMAMBA_REQUIRE(saved_data == data_->fingerprint(), "kmamba::Trainer::resume: '"
+                                                           << dir << "' was trained on " << saved_data
+                                                           << ", this run's data is " << data_->fingerprint());
   }
 
   const auto& slab = loaded.parameters();
-  KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0), "equal model configs gave different parameter counts");
+  KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0),
+                "equal model configs gave different parameter counts");
   std::vector<float> m(slab.size()), v(slab.size());
   std::set<std::string> expected = {step_tensor, position_tensor};
   for (const auto& e : slab.entries()) {
     for (const auto& [prefix, moments] : {std::make_pair(exp_avg_prefix, &m), std::make_pair(exp_avg_sq_prefix, &v)}) {
       const std::string name = prefix + e.name;
       state.check_shape(name, e.shape);
-      KMAMBA_REQUIRE(state.info(name).dtype == DType::F32, "kmamba::Trainer::resume: tensor '"
-                                                               << name << "' of '" << state.path() << "' is "
-                                                               << dtype_name(state.info(name).dtype) << ", expected F32");
+      KMAMBA_REQUIRE(state.info(name).dtype == DType::F32,
+                     "kmamba::Trainer::resume: tensor '" << name << "' of '" << state.path() << "' is "
+                                                         << dtype_name(state.info(name).dtype) << ", expected F32");
       const std::vector<float> values = state.read_f32(name);
       std::copy(values.begin(), values.end(), moments->begin() + static_cast<std::ptrdiff_t>(e.offset));
       expected.insert(name);
     }
   }
   for (const std::string& name : state.names()) {
-    KMAMBA_REQUIRE(expected.count(name) != 0, "kmamba::Trainer::resume: '" << state.path() << "' holds an unexpected tensor '"
-                                                                            << name << "' (from another model?)");
+    KMAMBA_REQUIRE(expected.count(name) != 0, "kmamba::Trainer::resume: '" << state.path()
+                                                                           << "' holds an unexpected tensor '" << name
+                                                                           << "' (from another model?)");
   }
   const std::int64_t steps = read_counter(state, step_tensor);
   const std::int64_t position = read_counter(state, position_tensor);
-  const TrainConfig saved = TrainConfig::from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
+  const TrainConfig saved =
+      TrainConfig::from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
   const std::int64_t sequences = position * saved.batch_size;
   KMAMBA_REQUIRE(sequences % config_.batch_size == 0,
-                 "kmamba::Trainer::resume: '" << dir << "' consumed " << sequences << " training sequences in batches of "
-                                              << saved.batch_size << "; batch_size " << config_.batch_size
+                 "kmamba::Trainer::resume: '" << dir << "' consumed " << sequences
+                                              << " training sequences in batches of " << saved.batch_size
+                                              << "; batch_size " << config_.batch_size
                                               << " does not divide that (resume with a batch size that does)");
 
   model_ = std::move(loaded);

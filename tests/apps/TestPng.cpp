@@ -43,7 +43,8 @@ std::vector<Chunk> parse_png(const std::vector<std::uint8_t>& png) {
     EXPECT_LE(at + 12 + length, png.size());
     Chunk c;
     c.type.assign(png.begin() + static_cast<std::ptrdiff_t>(at + 4), png.begin() + static_cast<std::ptrdiff_t>(at + 8));
-    c.data.assign(png.begin() + static_cast<std::ptrdiff_t>(at + 8), png.begin() + static_cast<std::ptrdiff_t>(at + 8 + length));
+    c.data.assign(png.begin() + static_cast<std::ptrdiff_t>(at + 8),
+                  png.begin() + static_cast<std::ptrdiff_t>(at + 8 + length));
     EXPECT_EQ(kmamba::app::crc32(png.data() + at + 4, length + 4), be32(png, at + 8 + length)) << "chunk " << c.type;
     chunks.push_back(c);
     at += 12 + length;
@@ -55,7 +56,7 @@ std::vector<Chunk> parse_png(const std::vector<std::uint8_t>& png) {
 TEST(Png, ChecksumsMatchTheirStandards) {
   const std::string text = "123456789";
   const auto* bytes = reinterpret_cast<const std::uint8_t*>(text.data());
-  EXPECT_EQ(kmamba::app::crc32(bytes, text.size()), 0xCBF43926u);   // the CRC-32 check value
+  EXPECT_EQ(kmamba::app::crc32(bytes, text.size()), 0xCBF43926u);    // the CRC-32 check value
   EXPECT_EQ(kmamba::app::adler32(bytes, text.size()), 0x091E01DEu);  // Adler-32 of "123456789"
   EXPECT_EQ(kmamba::app::crc32(bytes + 4, 5, kmamba::app::crc32(bytes, 4)), 0xCBF43926u);
 }
@@ -122,7 +123,8 @@ TEST(Png, PlotDrawsIntoTheImageAndWritesAFile) {
   }
   kmamba::app::Series eval{"eval", Rgb{255, 127, 14}, {0, 100, 199}, {5.0, 0.7, 0.05}, true};
   kmamba::app::Panel loss{"loss", true, {train, eval}};
-  kmamba::app::Panel accuracy{"accuracy %", false, {{"eval", Rgb{255, 127, 14}, {0, 100, 199}, {1.0, 40.0, 99.0}, true}}};
+  kmamba::app::Panel accuracy{
+      "accuracy %", false, {{"eval", Rgb{255, 127, 14}, {0, 100, 199}, {1.0, 40.0, 99.0}, true}}};
   const Image image = kmamba::app::plot({loss, accuracy}, "step", 640, 480);
   int colored = 0;
   for (int y = 0; y < image.height(); ++y) {

@@ -14,7 +14,8 @@ namespace {
 using kmamba::Split;
 using kmamba::TokenBatch;
 
-bool same(const TokenBatch& a, const TokenBatch& b, std::size_t row_a = 0, std::size_t row_b = 0, std::size_t rows = 0) {
+bool same(const TokenBatch& a, const TokenBatch& b, std::size_t row_a = 0, std::size_t row_b = 0,
+          std::size_t rows = 0) {
   if (rows == 0) {
     if (a.ids.extent(0) != b.ids.extent(0)) return false;
     rows = a.ids.extent(0);
@@ -22,7 +23,8 @@ bool same(const TokenBatch& a, const TokenBatch& b, std::size_t row_a = 0, std::
   if (a.ids.extent(1) != b.ids.extent(1)) return false;
   for (std::size_t r = 0; r < rows; ++r) {
     for (std::size_t t = 0; t < a.ids.extent(1); ++t) {
-      if (a.ids(row_a + r, t) != b.ids(row_b + r, t) || a.targets(row_a + r, t) != b.targets(row_b + r, t)) return false;
+      if (a.ids(row_a + r, t) != b.ids(row_b + r, t) || a.targets(row_a + r, t) != b.targets(row_b + r, t))
+        return false;
     }
   }
   return true;
@@ -107,10 +109,14 @@ TEST(AssociativeRecall, DenseQueriesCycleThroughTheKeys) {
     }
     ASSERT_EQ(times_queried.size(), 6u);
     for (const auto& [key, n] : times_queried) {
-      EXPECT_TRUE(n == 4 || n == 5) << "28 queries over 6 keys: every key 4 or 5 times, key " << key << " " << n << " times";
+      EXPECT_TRUE(n == 4 || n == 5) << "28 queries over 6 keys: every key 4 or 5 times, key " << key << " " << n
+                                    << " times";
     }
   }
-  EXPECT_NE(user_error([] { kmamba::AssociativeRecallTask({64, 40, 6, 3, 29}); }).find("29 queries"), std::string::npos);
+  EXPECT_NE(user_error([] {
+              kmamba::AssociativeRecallTask({64, 40, 6, 3, 29});
+            }).find("29 queries"),
+            std::string::npos);
 }
 
 TEST(AssociativeRecall, BatchesAreDeterministicAndSplitsDiffer) {
@@ -123,7 +129,8 @@ TEST(AssociativeRecall, BatchesAreDeterministicAndSplitsDiffer) {
   EXPECT_FALSE(same(a, kmamba::AssociativeRecallTask({128, 64, 8, 2}).batch(5, 8)));
   // Batch i of size k·B holds batches k·i ... k·i + k − 1 of size B.
   const TokenBatch big = task.batch(2, 12);
-  for (std::size_t j = 0; j < 3; ++j) EXPECT_TRUE(same(big, task.batch(static_cast<std::int64_t>(6 + j), 4), 4 * j, 0, 4));
+  for (std::size_t j = 0; j < 3; ++j)
+    EXPECT_TRUE(same(big, task.batch(static_cast<std::int64_t>(6 + j), 4), 4 * j, 0, 4));
   // Sequences within a batch differ.
   EXPECT_FALSE(same(a, a, 0, 1, 1));
   EXPECT_NE(task.fingerprint(), kmamba::AssociativeRecallTask({128, 64, 8, 2}).fingerprint());
@@ -164,7 +171,8 @@ TEST(TokenDataset, TextRoundTripsAsBytesWithNextTokenTargets) {
         }
       }
       window += static_cast<char>(b.targets(r, 31));
-      const std::size_t at = text.find(window, split == Split::Train ? 0 : text.size() - static_cast<std::size_t>(held_out));
+      const std::size_t at =
+          text.find(window, split == Split::Train ? 0 : text.size() - static_cast<std::size_t>(held_out));
       ASSERT_NE(at, std::string::npos) << "a window is a substring of its split";
       if (split == Split::Train) {
         EXPECT_LE(at + window.size(), text.size() - static_cast<std::size_t>(held_out));
@@ -236,13 +244,20 @@ TEST(TokenDataset, BadFilesGiveClearErrors) {
 
   EXPECT_NE(user_error([&] { kmamba::TokenDataset::from_file(temp_path("missing"), config); }).find("cannot open"),
             std::string::npos);
-  EXPECT_NE(user_error([&] { kmamba::TokenDataset::from_file(good, {1000, 0.1, 0}); }).find("too short"), std::string::npos);
-  EXPECT_NE(user_error([&] { kmamba::TokenDataset::from_file(good, {16, 0.99, 0}); }).find("too short"), std::string::npos);
+  EXPECT_NE(user_error([&] {
+              kmamba::TokenDataset::from_file(good, {1000, 0.1, 0});
+            }).find("too short"),
+            std::string::npos);
+  EXPECT_NE(user_error([&] {
+              kmamba::TokenDataset::from_file(good, {16, 0.99, 0});
+            }).find("too short"),
+            std::string::npos);
   EXPECT_THROW(kmamba::TokenDataset::from_file(good, {16, 1.0, 0}), kmamba::UserError);
   EXPECT_THROW(kmamba::TokenDataset::from_file(good, {0, 0.1, 0}), kmamba::UserError);
   const std::string plain = temp_path("plain.txt");
   write_bytes(plain, {'h', 'e', 'l', 'l', 'o'});
-  EXPECT_NE(user_error([&] { kmamba::TokenDataset::from_token_file(plain, config); }).find("not a token file"), std::string::npos);
+  EXPECT_NE(user_error([&] { kmamba::TokenDataset::from_token_file(plain, config); }).find("not a token file"),
+            std::string::npos);
   std::remove(plain.c_str());
   EXPECT_THROW(kmamba::TokenDataset({1, 2, 50}, 50, config), kmamba::UserError);
   EXPECT_THROW(kmamba::TokenDataset::write_token_file(bad, {1, 2, 50}, 50), kmamba::UserError);

@@ -125,7 +125,8 @@ TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
   const std::vector<float> p_resumed = host_values(resumed.model().parameters().params());
   if (std::is_same<Exec, Kokkos::Serial>::value) {
     // Serial is deterministic: the resumed run is the same run, bit for bit.
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)]);
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)]);
     EXPECT_EQ(p_resumed, p_straight);
     EXPECT_EQ(host_values(resumed.optimizer().first_moment()), host_values(straight.optimizer().first_moment()));
     EXPECT_EQ(host_values(resumed.optimizer().second_moment()), host_values(straight.optimizer().second_moment()));
@@ -173,9 +174,11 @@ TYPED_TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {
   EXPECT_EQ(a.correct, b.correct);
   EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(a.loss));
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-4 * a.grad_norm);
-  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().grads()), host_values(one.model().parameters().grads())),
+  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().grads()),
+                                host_values(one.model().parameters().grads())),
             1e-5);
-  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().params()), host_values(one.model().parameters().params())),
+  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().params()),
+                                host_values(one.model().parameters().params())),
             1e-5);
 }
 
@@ -308,7 +311,9 @@ TEST(TrainConfig, JsonRoundTripAndValidation) {
   EXPECT_EQ(back.to_json(), t.to_json());
   EXPECT_EQ(back.seed, t.seed);
   EXPECT_EQ(kmamba::TrainConfig::from_json("{\"batch_size\": 7}", "test").batch_size, 7);
-  auto error = [](const std::string& text) { return user_error([&] { kmamba::TrainConfig::from_json(text, "cfg.json"); }); };
+  auto error = [](const std::string& text) {
+    return user_error([&] { kmamba::TrainConfig::from_json(text, "cfg.json"); });
+  };
   EXPECT_NE(error("{\"batchsize\": 7}").find("unknown key \"batchsize\""), std::string::npos);
   EXPECT_NE(error("{\"batch_size\": 1.5}").find("\"batch_size\""), std::string::npos);
   EXPECT_NE(error("{\"lr\": \"fast\"}").find("\"lr\""), std::string::npos);

@@ -63,7 +63,7 @@ struct AssociativeRecallConfig {
   std::int64_t seqlen = 64;  ///< at least 2·num_kv_pairs + queries()
   int num_kv_pairs = 8;      ///< pairs per sequence
   std::uint64_t seed = 0;
-  int num_queries = 0;       ///< queries per sequence; 0 = num_kv_pairs (every key once)
+  int num_queries = 0;  ///< queries per sequence; 0 = num_kv_pairs (every key once)
 
   /// The resolved number of queries per sequence.
   int queries() const { return num_queries > 0 ? num_queries : num_kv_pairs; }
@@ -102,9 +102,9 @@ class AssociativeRecallTask : public Dataset {
 
 /// Settings of a TokenDataset.
 struct TokenDatasetConfig {
-  std::int64_t seqlen = 256;          ///< tokens per training window
-  double validation_fraction = 0.1;   ///< the last fraction of the tokens is held out (0: no held-out split)
-  std::uint64_t seed = 0;             ///< chooses the windows
+  std::int64_t seqlen = 256;         ///< tokens per training window
+  double validation_fraction = 0.1;  ///< the last fraction of the tokens is held out (0: no held-out split)
+  std::uint64_t seed = 0;            ///< chooses the windows
 };
 
 /// A token sequence split into a training part and a held-out tail; batches are windows at

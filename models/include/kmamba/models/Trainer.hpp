@@ -34,19 +34,19 @@ namespace kmamba {
 
 /// Hyper-parameters and schedule of a training run.
 struct TrainConfig {
-  double lr = 3e-3;                         ///< peak learning rate
-  double min_lr = 3e-4;                     ///< floor of the cosine decay
-  std::int64_t warmup_steps = 100;          ///< linear warm-up steps
-  std::int64_t total_steps = 1000;          ///< optimizer steps of the run (the end of the cosine)
-  double weight_decay = 0.1;                ///< decoupled, on projection/conv/embedding weights only
+  double lr = 3e-3;                 ///< peak learning rate
+  double min_lr = 3e-4;             ///< floor of the cosine decay
+  std::int64_t warmup_steps = 100;  ///< linear warm-up steps
+  std::int64_t total_steps = 1000;  ///< optimizer steps of the run (the end of the cosine)
+  double weight_decay = 0.1;        ///< decoupled, on projection/conv/embedding weights only
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double grad_clip = 1.0;                   ///< maximum global gradient norm (0: no clipping)
-  std::int64_t batch_size = 32;             ///< sequences per micro-batch
-  std::int64_t grad_accum = 1;              ///< micro-batches per optimizer step
-  std::uint64_t seed = 1234;                ///< model initialisation and data order
-  std::int64_t eval_interval = 100;         ///< steps between held-out evaluations (0: none)
-  std::int64_t eval_batches = 8;            ///< held-out batches of batch_size per evaluation
-  std::int64_t checkpoint_interval = 500;   ///< steps between checkpoints (0: only at the end)
+  double grad_clip = 1.0;                  ///< maximum global gradient norm (0: no clipping)
+  std::int64_t batch_size = 32;            ///< sequences per micro-batch
+  std::int64_t grad_accum = 1;             ///< micro-batches per optimizer step
+  std::uint64_t seed = 1234;               ///< model initialisation and data order
+  std::int64_t eval_interval = 100;        ///< steps between held-out evaluations (0: none)
+  std::int64_t eval_batches = 8;           ///< held-out batches of batch_size per evaluation
+  std::int64_t checkpoint_interval = 500;  ///< steps between checkpoints (0: only at the end)
 
   /// Throws kmamba::UserError naming the first invalid field.
   void validate() const;
@@ -63,13 +63,13 @@ struct TrainConfig {
 
 /// What one optimizer step did.
 struct StepResult {
-  std::int64_t step = 0;           ///< optimizer steps taken, this one included
-  double loss = 0.0;               ///< mean cross-entropy over the step's predicted tokens
-  std::int64_t tokens = 0;         ///< predicted tokens (targets != ignore_index)
-  std::int64_t correct = 0;        ///< predicted tokens whose arg-max is the target
-  std::int64_t input_tokens = 0;   ///< tokens read by the model (batch · seqlen over the micro-batches)
-  double grad_norm = 0.0;          ///< global gradient norm before clipping
-  double lr = 0.0;                 ///< learning rate of this step
+  std::int64_t step = 0;          ///< optimizer steps taken, this one included
+  double loss = 0.0;              ///< mean cross-entropy over the step's predicted tokens
+  std::int64_t tokens = 0;        ///< predicted tokens (targets != ignore_index)
+  std::int64_t correct = 0;       ///< predicted tokens whose arg-max is the target
+  std::int64_t input_tokens = 0;  ///< tokens read by the model (batch · seqlen over the micro-batches)
+  double grad_norm = 0.0;         ///< global gradient norm before clipping
+  double lr = 0.0;                ///< learning rate of this step
 
   double accuracy() const { return tokens > 0 ? static_cast<double>(correct) / static_cast<double>(tokens) : 0.0; }
 };
