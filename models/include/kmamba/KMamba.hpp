@@ -12,6 +12,7 @@
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
+#include <kmamba/models/Data.hpp>
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
@@ -20,6 +21,7 @@
 #include <kmamba/models/Sampling.hpp>
 #include <kmamba/models/TensorIO.hpp>
 #include <kmamba/models/Tokenizer.hpp>
+#include <kmamba/models/Trainer.hpp>
 
 namespace kmamba {
 

@@ -1,0 +1,137 @@
+// Training a LanguageModel: gradient accumulation over micro-batches, global-norm clipping, the
+// warm-up + cosine learning-rate schedule and AdamW, held-out evaluation, and checkpoints that
+// resume bit-exactly (on a deterministic backend) where they left off.
+//
+//   kmamba::LanguageModel<Exec> model(model_config);
+//   model.initialize(train_config.seed);
+//   auto data = std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{});
+//   kmamba::Trainer<Exec> trainer(std::move(model), train_config, data);
+//   while (trainer.steps_taken() < train_config.total_steps) {
+//     kmamba::StepResult r = trainer.step();
+//     if (r.step % train_config.eval_interval == 0) kmamba::LossResult v = trainer.evaluate();
+//   }
+//   trainer.save_checkpoint("runs/recall");   // config.json, model.safetensors, training_state.safetensors
+//
+// A checkpoint directory holds the model as LanguageModel::save writes it (loadable by Hugging Face
+// transformers) and training_state.safetensors: for every parameter P the AdamW moments
+// "optimizer.exp_avg.P" and "optimizer.exp_avg_sq.P" (F32, P's shape), "trainer.step" and
+// "trainer.data_position" (I64, shape (1,)), and in its metadata the TrainConfig as JSON
+// ("train_config"), the data set's fingerprint ("dataset") and a checksum of the parameters
+// ("parameter_checksum") that ties it to the model.safetensors written with it.
+#ifndef KMAMBA_MODELS_TRAINER_HPP
+#define KMAMBA_MODELS_TRAINER_HPP
+
+#include <kmamba/models/Data.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Optimizer.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+
+/// Hyper-parameters and schedule of a training run.
+struct TrainConfig {
+  double lr = 3e-3;                 ///< peak learning rate
+  double min_lr = 3e-4;             ///< floor of the cosine decay
+  std::int64_t warmup_steps = 100;  ///< linear warm-up steps
+  std::int64_t total_steps = 1000;  ///< optimizer steps of the run (the end of the cosine)
+  double weight_decay = 0.1;        ///< decoupled, on projection/conv/embedding weights only
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double grad_clip = 1.0;                  ///< maximum global gradient norm (0: no clipping)
+  std::int64_t batch_size = 32;            ///< sequences per micro-batch
+  std::int64_t grad_accum = 1;             ///< micro-batches per optimizer step
+  std::uint64_t seed = 1234;               ///< model initialisation and data order
+  std::int64_t eval_interval = 100;        ///< steps between held-out evaluations (0: none)
+  std::int64_t eval_batches = 8;           ///< held-out batches of batch_size per evaluation
+  std::int64_t checkpoint_interval = 500;  ///< steps between checkpoints (0: only at the end)
+
+  /// Throws kmamba::UserError naming the first invalid field.
+  void validate() const;
+  /// The AdamW part.
+  AdamWConfig adamw() const;
+  /// A JSON object with one key per field (the names above).
+  std::string to_json() const;
+  /// Parses to_json()'s layout; absent keys keep their defaults, unknown keys and values of the
+  /// wrong type are UserErrors naming `source` and the key. Validates.
+  static TrainConfig from_json(const std::string& json_text, const std::string& source);
+  /// The configuration stored in `dir`/training_state.safetensors.
+  static TrainConfig from_checkpoint(const std::string& dir);
+};
+
+/// What one optimizer step did.
+struct StepResult {
+  std::int64_t step = 0;          ///< optimizer steps taken, this one included
+  double loss = 0.0;              ///< mean cross-entropy over the step's predicted tokens
+  std::int64_t tokens = 0;        ///< predicted tokens (targets != ignore_index)
+  std::int64_t correct = 0;       ///< predicted tokens whose arg-max is the target
+  std::int64_t input_tokens = 0;  ///< tokens read by the model (batch · seqlen over the micro-batches)
+  double grad_norm = 0.0;         ///< global gradient norm before clipping
+  double lr = 0.0;                ///< learning rate of this step
+
+  double accuracy() const { return tokens > 0 ? static_cast<double>(correct) / static_cast<double>(tokens) : 0.0; }
+};
+
+template <class ExecutionSpace>
+class Trainer {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+
+  /// Takes over `model` (initialised or loaded) and fresh AdamW state. `data` (may be null when only
+  /// the explicit-batch overloads are used) supplies step() and evaluate(); its vocabulary must fit
+  /// the model's. Validates `config`.
+  Trainer(LanguageModel<ExecutionSpace> model, const TrainConfig& config, std::shared_ptr<const Dataset> data,
+          const ExecutionSpace& exec = ExecutionSpace());
+
+  /// One optimizer step on config().grad_accum training micro-batches of config().batch_size from
+  /// the data set, starting at data_position(), which then advances past them.
+  StepResult step();
+  /// One optimizer step on `micro_batches`: zero the gradients; for each micro-batch i add
+  /// (tokens_i / Σ tokens) · ∇loss_i, so k micro-batches give the gradient of one batch of all their
+  /// sequences; clip to config().grad_clip; AdamW at learning_rate(steps_taken()). A non-finite loss
+  /// or gradient norm is a UserError, thrown before the parameters change.
+  StepResult step(const std::vector<TokenBatch>& micro_batches);
+
+  /// Mean loss and accuracy over config().eval_batches held-out batches (validation batches
+  /// 0, 1, ..., the same every time), or over the training split's first batches when the data has
+  /// no held-out split.
+  LossResult evaluate();
+  /// Mean loss and accuracy over `batches` (weighted by their predicted tokens).
+  LossResult evaluate(const std::vector<TokenBatch>& batches);
+
+  /// Writes the model (LanguageModel::save) and `dir`/training_state.safetensors, each file
+  /// atomically; creates `dir` if needed.
+  void save_checkpoint(const std::string& dir) const;
+  /// Restores the parameters, AdamW moments, step count and data position saved in `dir`. The
+  /// checkpoint's model configuration must equal this model's; a missing, extra, mis-shaped or
+  /// corrupt tensor, a model.safetensors from another save, or other data is a UserError naming it,
+  /// and leaves this trainer unchanged. Keeps config() (so a run can be extended); a changed
+  /// batch_size rescales the data position when it divides the sequences consumed.
+  void resume(const std::string& dir);
+
+  std::int64_t steps_taken() const { return optimizer_.steps_taken(); }
+  /// Training micro-batches (of config().batch_size) consumed by step().
+  std::int64_t data_position() const { return data_position_; }
+  const TrainConfig& config() const { return config_; }
+  LanguageModel<ExecutionSpace>& model() { return model_; }
+  const LanguageModel<ExecutionSpace>& model() const { return model_; }
+  const AdamW<memory_space>& optimizer() const { return optimizer_; }
+  const std::shared_ptr<const Dataset>& data() const { return data_; }
+
+ private:
+  const Dataset& dataset(const char* function) const;
+
+  ExecutionSpace exec_;
+  LanguageModel<ExecutionSpace> model_;
+  TrainConfig config_;
+  std::shared_ptr<const Dataset> data_;
+  AdamW<memory_space> optimizer_;
+  std::int64_t data_position_ = 0;
+};
+
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,413 @@
+#include <kmamba/KMamba.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/Trainer.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace kmamba {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* state_file = "training_state.safetensors";
+constexpr const char* state_format = "kmamba-training-state";
+constexpr const char* exp_avg_prefix = "optimizer.exp_avg.";
+constexpr const char* exp_avg_sq_prefix = "optimizer.exp_avg_sq.";
+constexpr const char* step_tensor = "trainer.step";
+constexpr const char* position_tensor = "trainer.data_position";
+constexpr const char* no_dataset = "none";
+
+// Visits every TrainConfig field with its JSON name (one list for writing, reading and errors).
+template <class Config, class Visitor>
+void visit_fields(Config& c, Visitor&& v) {
+  v("lr", c.lr);
+  v("min_lr", c.min_lr);
+  v("warmup_steps", c.warmup_steps);
+  v("total_steps", c.total_steps);
+  v("weight_decay", c.weight_decay);
+  v("beta1", c.beta1);
+  v("beta2", c.beta2);
+  v("eps", c.eps);
+  v("grad_clip", c.grad_clip);
+  v("batch_size", c.batch_size);
+  v("grad_accum", c.grad_accum);
+  v("seed", c.seed);
+  v("eval_interval", c.eval_interval);
+  v("eval_batches", c.eval_batches);
+  v("checkpoint_interval", c.checkpoint_interval);
+}
+
+struct FieldReader {
+  const json& object;
+  const std::string& source;
+  std::set<std::string>& seen;
+
+  std::string where(const char* key) const { return "kmamba::TrainConfig: " + source + ": \"" + key + "\""; }
+
+  void operator()(const char* key, double& value) const {
+    if (!object.contains(key)) return;
+    seen.insert(key);
+    const json& v = object[key];
+    KMAMBA_REQUIRE(v.is_number(), where(key) << " is " << v.dump() << ", expected a number");
+    value = v.get<double>();
+  }
+  void operator()(const char* key, std::int64_t& value) const {
+    if (!object.contains(key)) return;
+    seen.insert(key);
+    const json& v = object[key];
+    KMAMBA_REQUIRE(v.is_number_integer(), where(key) << " is " << v.dump() << ", expected an integer");
+    KMAMBA_REQUIRE(!v.is_number_unsigned() ||
+                       v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
+                   where(key) << " is " << v.dump() << ", out of range");
+    value = v.get<std::int64_t>();
+  }
+  void operator()(const char* key, std::uint64_t& value) const {
+    if (!object.contains(key)) return;
+    seen.insert(key);
+    const json& v = object[key];
+    KMAMBA_REQUIRE(v.is_number_unsigned() || (v.is_number_integer() && v.get<std::int64_t>() >= 0),
+                   where(key) << " is " << v.dump() << ", expected a non-negative integer");
+    value = v.get<std::uint64_t>();
+  }
+};
+
+// FNV-1a over the bytes of the parameter slab: ties training_state.safetensors to the
+// model.safetensors written with it.
+template <class MemorySpace>
+std::string parameter_checksum(const Tensor1<float, MemorySpace>& params) {
+  auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params);
+  std::uint64_t hash = 1469598103934665603ull;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(host.data());
+  for (std::size_t i = 0; i < host.extent(0) * sizeof(float); ++i) {
+    hash ^= bytes[i];
+    hash *= 1099511628211ull;
+  }
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(hash));
+  return text;
+}
+
+// "a, b and c" differ between two config.json texts.
+std::string differing_keys(const std::string& a, const std::string& b) {
+  const json ja = json::parse(a), jb = json::parse(b);
+  std::set<std::string> keys;
+  for (auto it = ja.begin(); it != ja.end(); ++it) keys.insert(it.key());
+  for (auto it = jb.begin(); it != jb.end(); ++it) keys.insert(it.key());
+  std::ostringstream s;
+  for (const std::string& k : keys) {
+    const json va = ja.contains(k) ? ja[k] : json(), vb = jb.contains(k) ? jb[k] : json();
+    if (va != vb) s << (s.tellp() > 0 ? ", " : "") << k << " (" << va.dump() << " vs " << vb.dump() << ")";
+  }
+  return s.str();
+}
+
+std::string metadata(const SafeTensorsReader& file, const std::string& key) {
+  const auto it = file.metadata().find(key);
+  KMAMBA_REQUIRE(it != file.metadata().end(), "kmamba::Trainer: '" << file.path() << "' has no metadata entry \"" << key
+                                                                   << "\" (not a kmamba training state?)");
+  return it->second;
+}
+
+std::int64_t read_counter(const SafeTensorsReader& file, const std::string& name) {
+  file.check_shape(name, {1});
+  const std::int64_t value = file.read_i64(name)[0];
+  KMAMBA_REQUIRE(value >= 0, "kmamba::Trainer: tensor '" << name << "' of '" << file.path() << "' is " << value
+                                                         << ", expected >= 0");
+  return value;
+}
+
+void check_batch(const char* function, const TokenBatch& b, std::size_t i) {
+  KMAMBA_REQUIRE(b.ids.is_allocated() && b.targets.is_allocated(), function << ": batch " << i << " is empty");
+  KMAMBA_REQUIRE(b.ids.extent(0) == b.targets.extent(0) && b.ids.extent(1) == b.targets.extent(1),
+                 function << ": batch " << i << " has ids (" << b.ids.extent(0) << ", " << b.ids.extent(1)
+                          << ") but targets (" << b.targets.extent(0) << ", " << b.targets.extent(1) << ")");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// TrainConfig
+
+void TrainConfig::validate() const {
+  const char* f = "kmamba::TrainConfig";
+  KMAMBA_REQUIRE(std::isfinite(lr) && lr >= 0.0, f << ": lr must be a finite number >= 0, got " << lr);
+  KMAMBA_REQUIRE(std::isfinite(min_lr) && min_lr >= 0.0 && min_lr <= lr,
+                 f << ": min_lr must lie in [0, lr = " << lr << "], got " << min_lr);
+  KMAMBA_REQUIRE(warmup_steps >= 0, f << ": warmup_steps must be >= 0, got " << warmup_steps);
+  KMAMBA_REQUIRE(total_steps >= 1, f << ": total_steps must be >= 1, got " << total_steps);
+  KMAMBA_REQUIRE(std::isfinite(weight_decay) && weight_decay >= 0.0,
+                 f << ": weight_decay must be >= 0, got " << weight_decay);
+  KMAMBA_REQUIRE(beta1 >= 0.0 && beta1 < 1.0, f << ": beta1 must lie in [0, 1), got " << beta1);
+  KMAMBA_REQUIRE(beta2 >= 0.0 && beta2 < 1.0, f << ": beta2 must lie in [0, 1), got " << beta2);
+  KMAMBA_REQUIRE(std::isfinite(eps) && eps > 0.0, f << ": eps must be positive, got " << eps);
+  KMAMBA_REQUIRE(std::isfinite(grad_clip) && grad_clip >= 0.0,
+                 f << ": grad_clip must be >= 0 (0: off), got " << grad_clip);
+  KMAMBA_REQUIRE(batch_size >= 1, f << ": batch_size must be >= 1, got " << batch_size);
+  KMAMBA_REQUIRE(grad_accum >= 1, f << ": grad_accum must be >= 1, got " << grad_accum);
+  KMAMBA_REQUIRE(eval_interval >= 0, f << ": eval_interval must be >= 0 (0: never), got " << eval_interval);
+  KMAMBA_REQUIRE(eval_batches >= 1, f << ": eval_batches must be >= 1, got " << eval_batches);
+  KMAMBA_REQUIRE(checkpoint_interval >= 0,
+                 f << ": checkpoint_interval must be >= 0 (0: at the end only), got " << checkpoint_interval);
+}
+
+AdamWConfig TrainConfig::adamw() const { return AdamWConfig{lr, beta1, beta2, eps, weight_decay}; }
+
+std::string TrainConfig::to_json() const {
+  json j = json::object();
+  TrainConfig copy = *this;
+  visit_fields(copy, [&j](const char* key, const auto& value) { j[key] = value; });
+  return j.dump(2);
+}
+
+TrainConfig TrainConfig::from_json(const std::string& json_text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    KMAMBA_USER_ERROR("kmamba::TrainConfig: " << source << " is not valid JSON: " << e.what());
+  }
+  KMAMBA_REQUIRE(j.is_object(), "kmamba::TrainConfig: " << source << " must hold a JSON object");
+  TrainConfig c;
+  std::set<std::string> seen;
+  visit_fields(c, FieldReader{j, source, seen});
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    KMAMBA_REQUIRE(seen.count(it.key()) != 0,
+                   "kmamba::TrainConfig: " << source << ": unknown key \"" << it.key() << "\"");
+  }
+  c.validate();
+  return c;
+}
+
+TrainConfig TrainConfig::from_checkpoint(const std::string& dir) {
+  const SafeTensorsReader state(dir + "/" + state_file);
+  return from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trainer
+
+namespace {
+const TrainConfig& validated(const TrainConfig& c) {
+  c.validate();
+  return c;
+}
+}  // namespace
+
+template <class ExecutionSpace>
+Trainer<ExecutionSpace>::Trainer(LanguageModel<ExecutionSpace> model, const TrainConfig& config,
+                                 std::shared_ptr<const Dataset> data, const ExecutionSpace& exec)
+    : exec_(exec),
+      model_(std::move(model)),
+      config_(validated(config)),
+      data_(std::move(data)),
+      optimizer_(model_.parameters().size(), config_.adamw()) {
+  if (data_) {
+    KMAMBA_REQUIRE(data_->vocab_size() <= model_.config().vocab_size, "kmamba::Trainer: the data's vocabulary ("
+                                                                          << data_->vocab_size()
+                                                                          << " tokens) exceeds the model's vocab_size "
+                                                                          << model_.config().vocab_size);
+  }
+}
+
+template <class ExecutionSpace>
+const Dataset& Trainer<ExecutionSpace>::dataset(const char* function) const {
+  KMAMBA_REQUIRE(data_ != nullptr, function << ": this trainer has no data set; pass batches explicitly");
+  return *data_;
+}
+
+template <class ExecutionSpace>
+StepResult Trainer<ExecutionSpace>::step() {
+  const Dataset& data = dataset("kmamba::Trainer::step");
+  std::vector<TokenBatch> micro_batches;
+  for (std::int64_t i = 0; i < config_.grad_accum; ++i) {
+    micro_batches.push_back(data.batch(Split::Train, data_position_ + i, config_.batch_size));
+  }
+  const StepResult result = step(micro_batches);
+  data_position_ += config_.grad_accum;
+  return result;
+}
+
+template <class ExecutionSpace>
+StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_batches) {
+  const char* function = "kmamba::Trainer::step";
+  KMAMBA_REQUIRE(!micro_batches.empty(), function << ": no micro-batches");
+  StepResult result;
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < micro_batches.size(); ++i) {
+    check_batch(function, micro_batches[i], i);
+    total += micro_batches[i].predicted_tokens();
+    result.input_tokens += static_cast<std::int64_t>(micro_batches[i].ids.extent(0) * micro_batches[i].ids.extent(1));
+  }
+  KMAMBA_REQUIRE(total > 0, function << ": the micro-batches hold no predicted tokens (every target is ignore_index)");
+
+  model_.zero_grads(exec_);
+  double loss_sum = 0.0;
+  for (const TokenBatch& b : micro_batches) {
+    const std::int64_t tokens = b.predicted_tokens();
+    if (tokens == 0) continue;
+    const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
+    const ConstTensor2<std::int64_t, memory_space> targets =
+        Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
+    const LossResult r =
+        model_.loss_and_backward(exec_, ids, targets, static_cast<double>(tokens) / static_cast<double>(total));
+    KMAMBA_ASSERT(r.tokens == tokens,
+                  "the model predicted " << r.tokens << " tokens of a batch with " << tokens << " targets");
+    loss_sum += r.loss * static_cast<double>(r.tokens);
+    result.tokens += r.tokens;
+    result.correct += r.correct;
+  }
+  result.loss = loss_sum / static_cast<double>(result.tokens);
+  const auto& slab = model_.parameters();
+  result.grad_norm = global_norm(exec_, ConstTensor1<float, memory_space>(slab.grads()));
+  KMAMBA_REQUIRE(std::isfinite(result.loss) && std::isfinite(result.grad_norm),
+                 function << ": step " << steps_taken() + 1 << ": the loss is " << result.loss
+                          << " and the gradient norm " << result.grad_norm
+                          << "; training diverged (try a lower learning rate or gradient clipping)");
+  result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
+  optimizer_.step(exec_, slab.params(), ConstTensor1<float, memory_space>(slab.grads()), slab.decay_end(), result.lr,
+                  clip_scale(result.grad_norm, config_.grad_clip));
+  exec_.fence();
+  result.step = steps_taken();
+  return result;
+}
+
+template <class ExecutionSpace>
+LossResult Trainer<ExecutionSpace>::evaluate() {
+  const Dataset& data = dataset("kmamba::Trainer::evaluate");
+  const Split split = data.has_validation() ? Split::Validation : Split::Train;
+  std::vector<TokenBatch> batches;
+  for (std::int64_t i = 0; i < config_.eval_batches; ++i) batches.push_back(data.batch(split, i, config_.batch_size));
+  return evaluate(batches);
+}
+
+template <class ExecutionSpace>
+LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batches) {
+  const char* function = "kmamba::Trainer::evaluate";
+  KMAMBA_REQUIRE(!batches.empty(), function << ": no batches");
+  LossResult total;
+  double loss_sum = 0.0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    check_batch(function, batches[i], i);
+    if (batches[i].predicted_tokens() == 0) continue;
+    const ConstTensor2<std::int64_t, memory_space> ids =
+        Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].ids);
+    const ConstTensor2<std::int64_t, memory_space> targets =
+        Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].targets);
+    const LossResult r = model_.loss(exec_, ids, targets);
+    loss_sum += r.loss * static_cast<double>(r.tokens);
+    total.tokens += r.tokens;
+    total.correct += r.correct;
+  }
+  KMAMBA_REQUIRE(total.tokens > 0, function << ": the batches hold no predicted tokens");
+  total.loss = loss_sum / static_cast<double>(total.tokens);
+  return total;
+}
+
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
+  model_.save(dir);
+  const auto& slab = model_.parameters();
+  auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer_.first_moment());
+  auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer_.second_moment());
+  SafeTensorsWriter file;
+  for (const auto& e : slab.entries()) {
+    file.add(exp_avg_prefix + e.name, DType::F32, e.shape, m.data() + e.offset);
+    file.add(exp_avg_sq_prefix + e.name, DType::F32, e.shape, v.data() + e.offset);
+  }
+  file.add_i64(step_tensor, {1}, std::vector<std::int64_t>{steps_taken()});
+  file.add_i64(position_tensor, {1}, std::vector<std::int64_t>{data_position_});
+  file.set_metadata("format", state_format);
+  file.set_metadata("format_version", "1");
+  file.set_metadata("producer", std::string("kmamba ") + version());
+  file.set_metadata("train_config", config_.to_json());
+  file.set_metadata("dataset", data_ ? data_->fingerprint() : no_dataset);
+  file.set_metadata("parameter_checksum", parameter_checksum(slab.params()));
+  file.write(dir + "/" + state_file);
+}
+
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::resume(const std::string& dir) {
+  const SafeTensorsReader state(dir + "/" + state_file);
+  KMAMBA_REQUIRE(metadata(state, "format") == state_format,
+                 "kmamba::Trainer::resume: '" << state.path() << "' is not a kmamba training state (format \""
+                                              << metadata(state, "format") << "\")");
+  KMAMBA_REQUIRE(metadata(state, "format_version") == "1", "kmamba::Trainer::resume: '"
+                                                               << state.path() << "' has format version "
+                                                               << metadata(state, "format_version") << ", expected 1");
+  LanguageModel<ExecutionSpace> loaded = LanguageModel<ExecutionSpace>::load(dir);
+  const std::string ours = model_.config().to_hf_json(), theirs = loaded.config().to_hf_json();
+  KMAMBA_REQUIRE(ours == theirs, "kmamba::Trainer::resume: the model in '"
+                                     << dir << "' differs from this run's: " << differing_keys(theirs, ours)
+                                     << " (checkpoint vs run)");
+  KMAMBA_REQUIRE(metadata(state, "parameter_checksum") == parameter_checksum(loaded.parameters().params()),
+                 "kmamba::Trainer::resume: model.safetensors in '"
+                     << dir
+                     << "' was not written together with training_state.safetensors (parameter checksums differ; "
+                     << "an interrupted or mixed checkpoint)");
+  const std::string saved_data = metadata(state, "dataset");
+  if (data_ && saved_data != no_dataset) {
+    KMAMBA_REQUIRE(saved_data == data_->fingerprint(), "kmamba::Trainer::resume: '"
+                                                           << dir << "' was trained on " << saved_data
+                                                           << ", this run's data is " << data_->fingerprint());
+  }
+
+  const auto& slab = loaded.parameters();
+  KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0),
+                "equal model configs gave different parameter counts");
+  std::vector<float> m(slab.size()), v(slab.size());
+  std::set<std::string> expected = {step_tensor, position_tensor};
+  for (const auto& e : slab.entries()) {
+    for (const auto& [prefix, moments] : {std::make_pair(exp_avg_prefix, &m), std::make_pair(exp_avg_sq_prefix, &v)}) {
+      const std::string name = prefix + e.name;
+      state.check_shape(name, e.shape);
+      KMAMBA_REQUIRE(state.info(name).dtype == DType::F32,
+                     "kmamba::Trainer::resume: tensor '" << name << "' of '" << state.path() << "' is "
+                                                         << dtype_name(state.info(name).dtype) << ", expected F32");
+      const std::vector<float> values = state.read_f32(name);
+      std::copy(values.begin(), values.end(), moments->begin() + static_cast<std::ptrdiff_t>(e.offset));
+      expected.insert(name);
+    }
+  }
+  for (const std::string& name : state.names()) {
+    KMAMBA_REQUIRE(expected.count(name) != 0, "kmamba::Trainer::resume: '" << state.path()
+                                                                           << "' holds an unexpected tensor '" << name
+                                                                           << "' (from another model?)");
+  }
+  const std::int64_t steps = read_counter(state, step_tensor);
+  const std::int64_t position = read_counter(state, position_tensor);
+  const TrainConfig saved =
+      TrainConfig::from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
+  const std::int64_t sequences = position * saved.batch_size;
+  KMAMBA_REQUIRE(sequences % config_.batch_size == 0,
+                 "kmamba::Trainer::resume: '" << dir << "' consumed " << sequences
+                                              << " training sequences in batches of " << saved.batch_size
+                                              << "; batch_size " << config_.batch_size
+                                              << " does not divide that (resume with a batch size that does)");
+
+  model_ = std::move(loaded);
+  using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  Kokkos::deep_copy(optimizer_.first_moment(), HostFloats(m.data(), m.size()));
+  Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
+  optimizer_.set_steps_taken(steps);
+  data_position_ = sequences / config_.batch_size;
+}
+
+#if KMAMBA_HAS_SERIAL
+template class Trainer<Kokkos::Serial>;
+#endif
+#if KMAMBA_HAS_OPENMP
+template class Trainer<Kokkos::OpenMP>;
+#endif
+#if KMAMBA_ENABLE_CUDA
+template class Trainer<Kokkos::Cuda>;
+#endif
+
+}  // namespace kmamba

@@ -1,0 +1,328 @@
+#include <kmamba/models/Data.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/Trainer.hpp>
+
+#include "Backends.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <class ExecSpace>
+class Trainer : public ::testing::Test {};
+TYPED_TEST_SUITE(Trainer, kmamba::test::Backends, kmamba::test::BackendNames);
+
+// A Mamba-2 small enough to train a few steps in a test.
+kmamba::ModelConfig tiny_config() {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba2;
+  c.d_model = 16;
+  c.n_layer = 2;
+  c.vocab_size = 32;
+  c.d_state = 8;
+  c.headdim = 8;
+  c.expand = 2;
+  c.chunk_size = 8;
+  c.validate();
+  return c;
+}
+
+kmamba::TrainConfig tiny_train_config() {
+  kmamba::TrainConfig t;
+  t.lr = 1e-2;
+  t.min_lr = 1e-3;
+  t.warmup_steps = 2;
+  t.total_steps = 6;
+  t.batch_size = 4;
+  t.grad_accum = 2;
+  t.eval_batches = 2;
+  t.grad_clip = 1.0;
+  return t;
+}
+
+std::shared_ptr<const kmamba::Dataset> tiny_task(std::uint64_t seed = 5) {
+  return std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{32, 24, 4, seed});
+}
+
+template <class Exec>
+kmamba::Trainer<Exec> make_trainer(const kmamba::TrainConfig& t, std::shared_ptr<const kmamba::Dataset> data,
+                                   std::uint64_t init_seed = 1) {
+  kmamba::LanguageModel<Exec> model(tiny_config());
+  model.initialize(init_seed);
+  return kmamba::Trainer<Exec>(std::move(model), t, std::move(data));
+}
+
+template <class View>
+std::vector<float> host_values(const View& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return std::vector<float>(h.data(), h.data() + h.extent(0));
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "kmamba_test_trainer_" + name;
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+template <class F>
+std::string user_error(F&& f) {
+  try {
+    f();
+  } catch (const kmamba::UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
+  using Exec = TypeParam;
+  const kmamba::TrainConfig t = tiny_train_config();
+  auto straight = make_trainer<Exec>(t, tiny_task());
+  std::vector<double> losses;
+  for (int i = 0; i < 6; ++i) losses.push_back(straight.step().loss);
+  EXPECT_LT(losses.back(), losses.front());
+
+  const std::string dir = fresh_dir(std::string("resume_") + Exec::name());
+  {
+    auto first_half = make_trainer<Exec>(t, tiny_task());
+    for (int i = 0; i < 3; ++i) {
+      const double loss = first_half.step().loss;
+      if (std::is_same<Exec, Kokkos::Serial>::value) {
+        EXPECT_EQ(loss, losses[static_cast<std::size_t>(i)]);
+      } else {
+        EXPECT_NEAR(loss, losses[static_cast<std::size_t>(i)], 1e-4);
+      }
+    }
+    first_half.save_checkpoint(dir);
+  }
+  EXPECT_EQ(kmamba::TrainConfig::from_checkpoint(dir).to_json(), t.to_json());
+  auto resumed = make_trainer<Exec>(t, tiny_task(), /*init_seed=*/99);
+  resumed.resume(dir);
+  EXPECT_EQ(resumed.steps_taken(), 3);
+  EXPECT_EQ(resumed.data_position(), 6);
+  std::vector<double> resumed_losses;
+  for (int i = 0; i < 3; ++i) resumed_losses.push_back(resumed.step().loss);
+
+  const std::vector<float> p_straight = host_values(straight.model().parameters().params());
+  const std::vector<float> p_resumed = host_values(resumed.model().parameters().params());
+  if (std::is_same<Exec, Kokkos::Serial>::value) {
+    // Serial is deterministic: the resumed run is the same run, bit for bit.
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)]);
+    EXPECT_EQ(p_resumed, p_straight);
+    EXPECT_EQ(host_values(resumed.optimizer().first_moment()), host_values(straight.optimizer().first_moment()));
+    EXPECT_EQ(host_values(resumed.optimizer().second_moment()), host_values(straight.optimizer().second_moment()));
+  } else {
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_NEAR(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)], 1e-4);
+    }
+    EXPECT_LT(relative_difference(p_resumed, p_straight), 1e-4);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TYPED_TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {
+  using Exec = TypeParam;
+  kmamba::TrainConfig t = tiny_train_config();
+  auto data = tiny_task();
+  // Micro-batches with different numbers of predicted tokens: the weights must follow the tokens.
+  kmamba::TokenBatch big = data->batch(kmamba::Split::Train, 0, 6);
+  for (std::size_t b = 0; b < 2; ++b) {
+    for (std::size_t s = 12; s < 24; s += 2) big.targets(b, s) = kmamba::ignore_index;
+  }
+  std::vector<kmamba::TokenBatch> micro(3);
+  for (std::size_t k = 0; k < 3; ++k) {
+    micro[k].ids = kmamba::Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::test::ids", 2, 24);
+    micro[k].targets = kmamba::Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::test::targets", 2, 24);
+    for (std::size_t b = 0; b < 2; ++b) {
+      for (std::size_t s = 0; s < 24; ++s) {
+        micro[k].ids(b, s) = big.ids(2 * k + b, s);
+        micro[k].targets(b, s) = big.targets(2 * k + b, s);
+      }
+    }
+  }
+  ASSERT_NE(micro[0].predicted_tokens(), micro[1].predicted_tokens());
+
+  t.batch_size = 6;
+  t.grad_accum = 1;
+  auto one = make_trainer<Exec>(t, nullptr);
+  t.batch_size = 2;
+  t.grad_accum = 3;
+  auto accumulated = make_trainer<Exec>(t, nullptr);
+  const kmamba::StepResult a = one.step({big});
+  const kmamba::StepResult b = accumulated.step(micro);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.tokens, big.predicted_tokens());
+  EXPECT_EQ(a.correct, b.correct);
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(a.loss));
+  EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-4 * a.grad_norm);
+  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().grads()),
+                                host_values(one.model().parameters().grads())),
+            1e-5);
+  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().params()),
+                                host_values(one.model().parameters().params())),
+            1e-5);
+}
+
+TYPED_TEST(Trainer, OneStepIsAClippedAdamWStep) {
+  using Exec = TypeParam;
+  kmamba::TrainConfig t = tiny_train_config();
+  t.grad_clip = 0.05;  // small enough to clip
+  t.weight_decay = 0.3;
+  auto data = tiny_task();
+  auto trainer = make_trainer<Exec>(t, data);
+  const auto& slab = trainer.model().parameters();
+  const std::vector<float> p0 = host_values(slab.params());
+  const kmamba::StepResult r = trainer.step();
+  const std::vector<float> g = host_values(slab.grads()), p1 = host_values(slab.params());
+
+  double norm = 0.0;
+  for (const float x : g) norm += static_cast<double>(x) * x;
+  norm = std::sqrt(norm);
+  EXPECT_NEAR(r.grad_norm, norm, 1e-6 * norm);
+  ASSERT_GT(norm, t.grad_clip) << "the test wants clipping to be active";
+  EXPECT_EQ(r.step, 1);
+  EXPECT_DOUBLE_EQ(r.lr, kmamba::learning_rate(0, t.lr, t.min_lr, t.warmup_steps, t.total_steps));
+  EXPECT_EQ(trainer.data_position(), t.grad_accum);
+
+  const double scale = t.grad_clip / (norm + 1e-6);
+  std::size_t decayed = 0;
+  for (std::size_t i = 0; i < p0.size(); ++i) {
+    const double gi = g[i] * scale;
+    double p = p0[i];
+    if (i < slab.decay_end()) p -= r.lr * t.weight_decay * p, ++decayed;
+    const double m = (1 - t.beta1) * gi, v = (1 - t.beta2) * gi * gi;
+    p -= r.lr * (m / (1 - t.beta1)) / (std::sqrt(v / (1 - t.beta2)) + t.eps);
+    ASSERT_NEAR(p1[i], p, 2e-6 * (1.0 + std::fabs(p))) << "parameter element " << i;
+  }
+  EXPECT_GT(decayed, 0u);
+  EXPECT_LT(decayed, p0.size()) << "norms, biases, A_log, D and dt_bias are not decayed";
+}
+
+TYPED_TEST(Trainer, EvaluationIsRepeatableAndLeavesTheModelAlone) {
+  using Exec = TypeParam;
+  auto trainer = make_trainer<Exec>(tiny_train_config(), tiny_task());
+  const std::vector<float> p0 = host_values(trainer.model().parameters().params());
+  const kmamba::LossResult a = trainer.evaluate(), b = trainer.evaluate();
+  EXPECT_EQ(a.tokens, 2 * 4 * 4);  // eval_batches x batch_size x pairs
+  EXPECT_NEAR(a.loss, b.loss, 1e-6 * a.loss);
+  EXPECT_GT(a.loss, 0.5 * std::log(32.0));
+  EXPECT_EQ(host_values(trainer.model().parameters().params()), p0);
+}
+
+TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {
+  using Exec = TypeParam;
+  const kmamba::TrainConfig t = tiny_train_config();
+  const std::string dir = fresh_dir(std::string("bad_") + Exec::name());
+  auto trainer = make_trainer<Exec>(t, tiny_task());
+  trainer.step();
+  trainer.save_checkpoint(dir);
+  const std::string state = dir + "/training_state.safetensors";
+
+  // Another architecture.
+  {
+    kmamba::ModelConfig other = tiny_config();
+    other.d_model = 24;
+    kmamba::LanguageModel<Exec> model(other);
+    kmamba::Trainer<Exec> different(std::move(model), t, tiny_task());
+    const std::string e = user_error([&] { different.resume(dir); });
+    EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
+  }
+  // Other data.
+  {
+    auto other_data = make_trainer<Exec>(t, tiny_task(/*seed=*/6));
+    const std::string e = user_error([&] { other_data.resume(dir); });
+    EXPECT_NE(e.find("trained on"), std::string::npos) << e;
+  }
+  auto fresh = make_trainer<Exec>(t, tiny_task());
+  const std::vector<float> before = host_values(fresh.model().parameters().params());
+  const std::string backup = dir + "/good_state.safetensors";
+  std::filesystem::copy_file(state, backup);
+  const kmamba::SafeTensorsReader good(backup);
+  const std::string first_moment = "optimizer.exp_avg." + fresh.model().parameters().entries().front().name;
+  auto rewrite = [&](const std::string& skip, const std::string& reshape) {
+    kmamba::SafeTensorsWriter w;
+    for (const std::string& name : good.names()) {
+      if (name == skip) continue;
+      const kmamba::TensorInfo& info = good.info(name);
+      std::vector<std::int64_t> shape = info.shape;
+      if (name == reshape) shape = {info.numel()};
+      w.add(name, info.dtype, shape, good.read_bytes(name).data());
+    }
+    for (const auto& [key, value] : good.metadata()) w.set_metadata(key, value);
+    w.write(state);
+  };
+  rewrite(first_moment, "");
+  std::string e = user_error([&] { fresh.resume(dir); });
+  EXPECT_NE(e.find(first_moment), std::string::npos) << e;
+  rewrite("", first_moment);
+  e = user_error([&] { fresh.resume(dir); });
+  EXPECT_NE(e.find(first_moment), std::string::npos) << e;
+  {  // truncated
+    std::filesystem::resize_file(state, std::filesystem::file_size(state) - 7);
+    EXPECT_THROW(fresh.resume(dir), kmamba::UserError);
+  }
+  // A model.safetensors from a later save than the training state.
+  trainer.save_checkpoint(dir);
+  trainer.step();
+  trainer.model().save(dir);
+  e = user_error([&] { fresh.resume(dir); });
+  EXPECT_NE(e.find("checksum"), std::string::npos) << e;
+  EXPECT_THROW(fresh.resume(fresh_dir("missing")), kmamba::UserError);
+  // A failed resume leaves the trainer as it was.
+  EXPECT_EQ(fresh.steps_taken(), 0);
+  EXPECT_EQ(host_values(fresh.model().parameters().params()), before);
+
+  // Bad batches and data.
+  EXPECT_THROW(fresh.step(std::vector<kmamba::TokenBatch>{}), kmamba::UserError);
+  kmamba::TokenBatch nothing = tiny_task()->batch(kmamba::Split::Train, 0, 2);
+  Kokkos::deep_copy(nothing.targets, kmamba::ignore_index);
+  EXPECT_THROW(fresh.step({nothing}), kmamba::UserError);
+  EXPECT_THROW(make_trainer<Exec>(t, nullptr).step(), kmamba::UserError);
+  auto big_vocab = std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{64, 24, 4, 0});
+  EXPECT_THROW(make_trainer<Exec>(t, big_vocab), kmamba::UserError);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainConfig, JsonRoundTripAndValidation) {
+  kmamba::TrainConfig t;
+  t.lr = 0.0123;
+  t.seed = 18446744073709551615ull;
+  t.grad_accum = 3;
+  const kmamba::TrainConfig back = kmamba::TrainConfig::from_json(t.to_json(), "test");
+  EXPECT_EQ(back.to_json(), t.to_json());
+  EXPECT_EQ(back.seed, t.seed);
+  EXPECT_EQ(kmamba::TrainConfig::from_json("{\"batch_size\": 7}", "test").batch_size, 7);
+  auto error = [](const std::string& text) {
+    return user_error([&] { kmamba::TrainConfig::from_json(text, "cfg.json"); });
+  };
+  EXPECT_NE(error("{\"batchsize\": 7}").find("unknown key \"batchsize\""), std::string::npos);
+  EXPECT_NE(error("{\"batch_size\": 1.5}").find("\"batch_size\""), std::string::npos);
+  EXPECT_NE(error("{\"lr\": \"fast\"}").find("\"lr\""), std::string::npos);
+  EXPECT_NE(error("{\"seed\": -1}").find("\"seed\""), std::string::npos);
+  EXPECT_NE(error("[1, 2]").find("object"), std::string::npos);
+  EXPECT_NE(error("{").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(error("{\"batch_size\": 0}").find("batch_size"), std::string::npos);
+  EXPECT_NE(error("{\"lr\": 0.001, \"min_lr\": 0.01}").find("min_lr"), std::string::npos);
+  EXPECT_NE(error("{\"beta2\": 1.0}").find("beta2"), std::string::npos);
+}
+
+}  // namespace
