@@ -67,8 +67,8 @@ int DataParallel<ExecutionSpace>::data_size() const {
 }
 
 template <class ExecutionSpace>
-std::int64_t DataParallel<ExecutionSpace>::global_tokens(std::int64_t local_tokens) const {
-  return mesh_->data().all_reduce_value(local_tokens);
+std::int64_t DataParallel<ExecutionSpace>::sum_over_data(std::int64_t local) const {
+  return mesh_->data().all_reduce_value(local);
 }
 
 template <class ExecutionSpace>

@@ -224,14 +224,77 @@ const Dataset& Trainer<ExecutionSpace>::dataset(const char* function) const {
 }
 
 template <class ExecutionSpace>
+int Trainer<ExecutionSpace>::data_rank() const {
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) return data_parallel_->data_rank();
+#endif
+  return 0;
+}
+
+template <class ExecutionSpace>
+int Trainer<ExecutionSpace>::data_size() const {
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) return data_parallel_->data_size();
+#endif
+  return 1;
+}
+
+template <class ExecutionSpace>
+template <class T>
+T Trainer<ExecutionSpace>::sum_over_data(T local) const {
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) return data_parallel_->sum_over_data(local);
+#endif
+  return local;
+}
+
+template <class ExecutionSpace>
+double Trainer<ExecutionSpace>::reduce_and_norm() {
+  const auto& slab = model_.parameters();
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) {
+    data_parallel_->reduce_gradients(exec_, slab);
+    return data_parallel_->grad_norm(exec_, slab);
+  }
+#endif
+  return global_norm(exec_, ConstTensor1<float, memory_space>(slab.grads()));
+}
+
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
+  const auto& slab = model_.parameters();
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) {
+    data_parallel_->step(exec_, slab, lr, grad_scale);
+    optimizer_.set_steps_taken(data_parallel_->steps_taken());
+    return;
+  }
+#endif
+  optimizer_.step(exec_, slab.params(), ConstTensor1<float, memory_space>(slab.grads()), slab.decay_end(), lr,
+                  grad_scale);
+}
+
+#if KMAMBA_ENABLE_MPI
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
+  auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(mesh, model_.config(), model_.parameters(),
+                                                                      config_.adamw(), options);
+  data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
+  exec_.fence();
+  data_parallel_ = std::move(data_parallel);
+}
+#endif
+
+template <class ExecutionSpace>
 StepResult Trainer<ExecutionSpace>::step() {
   const Dataset& data = dataset("kmamba::Trainer::step");
   std::vector<TokenBatch> micro_batches;
+  const std::int64_t first = data_position_ + data_rank() * config_.grad_accum;
   for (std::int64_t i = 0; i < config_.grad_accum; ++i) {
-    micro_batches.push_back(data.batch(Split::Train, data_position_ + i, config_.batch_size));
+    micro_batches.push_back(data.batch(Split::Train, first + i, config_.batch_size));
   }
   const StepResult result = step(micro_batches);
-  data_position_ += config_.grad_accum;
+  data_position_ += config_.grad_accum * data_size();
   return result;
 }
 
@@ -240,12 +303,13 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   const char* function = "kmamba::Trainer::step";
   KMAMBA_REQUIRE(!micro_batches.empty(), function << ": no micro-batches");
   StepResult result;
-  std::int64_t total = 0;
+  std::int64_t local_total = 0;
   for (std::size_t i = 0; i < micro_batches.size(); ++i) {
     check_batch(function, micro_batches[i], i);
-    total += micro_batches[i].predicted_tokens();
+    local_total += micro_batches[i].predicted_tokens();
     result.input_tokens += static_cast<std::int64_t>(micro_batches[i].ids.extent(0) * micro_batches[i].ids.extent(1));
   }
+  const std::int64_t total = sum_over_data(local_total);
   KMAMBA_REQUIRE(total > 0, function << ": the micro-batches hold no predicted tokens (every target is ignore_index)");
 
   model_.zero_grads(exec_);
@@ -264,16 +328,17 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     result.tokens += r.tokens;
     result.correct += r.correct;
   }
-  result.loss = loss_sum / static_cast<double>(result.tokens);
-  const auto& slab = model_.parameters();
-  result.grad_norm = global_norm(exec_, ConstTensor1<float, memory_space>(slab.grads()));
+  result.tokens = sum_over_data(result.tokens);
+  result.correct = sum_over_data(result.correct);
+  result.input_tokens = sum_over_data(result.input_tokens);
+  result.loss = sum_over_data(loss_sum) / static_cast<double>(result.tokens);
+  result.grad_norm = reduce_and_norm();
   KMAMBA_REQUIRE(std::isfinite(result.loss) && std::isfinite(result.grad_norm),
                  function << ": step " << steps_taken() + 1 << ": the loss is " << result.loss
                           << " and the gradient norm " << result.grad_norm
                           << "; training diverged (try a lower learning rate or gradient clipping)");
   result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
-  optimizer_.step(exec_, slab.params(), ConstTensor1<float, memory_space>(slab.grads()), slab.decay_end(), result.lr,
-                  clip_scale(result.grad_norm, config_.grad_clip));
+  optimizer_step(result.lr, clip_scale(result.grad_norm, config_.grad_clip));
   exec_.fence();
   result.step = steps_taken();
   return result;
@@ -313,10 +378,29 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
+  Tensor1<float, memory_space> m_slab = optimizer_.first_moment(), v_slab = optimizer_.second_moment();
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) {
+    m_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg", m_slab.extent(0));
+    v_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg_sq", v_slab.extent(0));
+    data_parallel_->gather_moments(exec_, m_slab, v_slab);
+    exec_.fence();
+    const bool writer = data_parallel_->mesh().world().rank() == 0;
+    if (writer) write_checkpoint(dir, m_slab, v_slab);
+    data_parallel_->mesh().world().barrier();  // the files exist on every rank's return
+    return;
+  }
+#endif
+  write_checkpoint(dir, m_slab, v_slab);
+}
+
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const Tensor1<float, memory_space>& m_slab,
+                                               const Tensor1<float, memory_space>& v_slab) const {
   model_.save(dir);
   const auto& slab = model_.parameters();
-  auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer_.first_moment());
-  auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer_.second_moment());
+  auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m_slab);
+  auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v_slab);
   SafeTensorsWriter file;
   for (const auto& e : slab.entries()) {
     file.add(exp_avg_prefix + e.name, DType::F32, e.shape, m.data() + e.offset);
@@ -398,6 +482,12 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
   optimizer_.set_steps_taken(steps);
   data_position_ = sequences / config_.batch_size;
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) {
+    data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), steps);
+    exec_.fence();
+  }
+#endif
 }
 
 #if KMAMBA_HAS_SERIAL

@@ -64,6 +64,7 @@ class DataParallel {
   DataParallel(const ProcessMesh& mesh, const ModelConfig& model, const Slab& slab, const AdamWConfig& adamw,
                const DataParallelConfig& config = DataParallelConfig());
 
+  const ProcessMesh& mesh() const { return *mesh_; }
   const DataParallelConfig& config() const { return config_; }
   const BucketLayout& layout() const { return reducer_.layout(); }
   /// This rank's position on the dp axis and its size: rank data_rank() trains on shard
@@ -72,9 +73,10 @@ class DataParallel {
   int data_size() const;
 
   /// Σ over the dp ranks of `local_tokens` (each rank's predicted tokens of one optimizer step).
-  std::int64_t global_tokens(std::int64_t local_tokens) const;
+  std::int64_t global_tokens(std::int64_t local_tokens) const { return sum_over_data(local_tokens); }
   /// Σ over the dp ranks of `local` (e.g. loss · tokens, to report the global mean loss).
   double sum_over_data(double local) const;
+  std::int64_t sum_over_data(std::int64_t local) const;
 
   /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp.
   /// ZeRO-1 reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.

@@ -18,10 +18,16 @@
 // "trainer.data_position" (I64, shape (1,)), and in its metadata the TrainConfig as JSON
 // ("train_config"), the data set's fingerprint ("dataset") and a checksum of the parameters
 // ("parameter_checksum") that ties it to the model.safetensors written with it.
+//
+// Data parallel (under mpirun): every rank builds the same trainer, then
+//   kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+//   trainer.enable_data_parallel(mesh, {/*zero_stage=*/1});
+// and step() gives each dp rank its own micro-batches of the step's global batch.
 #ifndef KMAMBA_MODELS_TRAINER_HPP
 #define KMAMBA_MODELS_TRAINER_HPP
 
 #include <kmamba/models/Data.hpp>
+#include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 
@@ -103,7 +109,8 @@ class Trainer {
   LossResult evaluate(const std::vector<TokenBatch>& batches);
 
   /// Writes the model (LanguageModel::save) and `dir`/training_state.safetensors, each file
-  /// atomically; creates `dir` if needed.
+  /// atomically; creates `dir` if needed. Data parallel: collective; the moments are gathered and
+  /// world rank 0 writes, and every rank returns once the files exist.
   void save_checkpoint(const std::string& dir) const;
   /// Restores the parameters, AdamW moments, step count and data position saved in `dir`. The
   /// checkpoint's model configuration must equal this model's; a missing, extra, mis-shaped or
@@ -112,8 +119,21 @@ class Trainer {
   /// batch_size rescales the data position when it divides the sequences consumed.
   void resume(const std::string& dir);
 
+#if KMAMBA_ENABLE_MPI
+  /// Trains data parallel over the dp axis of `mesh` (which must outlive this trainer) from now on,
+  /// through a DataParallel made for this model and config().adamw() with `options`: a step's
+  /// global batch is config().grad_accum micro-batches per dp rank (step() gives rank r the
+  /// data set's micro-batches data_position() + r·grad_accum + i), the gradients are summed over
+  /// dp once per step, weighted by the global token count, the norm is taken over the whole mesh,
+  /// and AdamW (its moments sharded under ZeRO-1) replaces this trainer's optimizer, which keeps
+  /// only the step count. StepResult reports global losses and counts. save_checkpoint() gathers
+  /// the moments and only world rank 0 writes; resume() gives each rank its shards. The current
+  /// optimizer state carries over. Collective over the mesh where noted; call on every rank.
+  void enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options = DataParallelConfig());
+#endif
+
   std::int64_t steps_taken() const { return optimizer_.steps_taken(); }
-  /// Training micro-batches (of config().batch_size) consumed by step().
+  /// Training micro-batches (of config().batch_size) consumed by step(), over all dp ranks.
   std::int64_t data_position() const { return data_position_; }
   const TrainConfig& config() const { return config_; }
   LanguageModel<ExecutionSpace>& model() { return model_; }
@@ -123,6 +143,15 @@ class Trainer {
 
  private:
   const Dataset& dataset(const char* function) const;
+  // The data-parallel hooks; without enable_data_parallel(): one rank, the sums are the values.
+  int data_rank() const;
+  int data_size() const;
+  template <class T>
+  T sum_over_data(T local) const;
+  double reduce_and_norm();
+  void optimizer_step(double lr, double grad_scale);
+  void write_checkpoint(const std::string& dir, const Tensor1<float, memory_space>& m,  // (parameters)
+                        const Tensor1<float, memory_space>& v) const;                  // (parameters)
 
   ExecutionSpace exec_;
   LanguageModel<ExecutionSpace> model_;
@@ -130,6 +159,9 @@ class Trainer {
   std::shared_ptr<const Dataset> data_;
   AdamW<memory_space> optimizer_;
   std::int64_t data_position_ = 0;
+#if KMAMBA_ENABLE_MPI
+  std::unique_ptr<DataParallel<ExecutionSpace>> data_parallel_;
+#endif
 };
 
 }  // namespace kmamba
