@@ -18,10 +18,9 @@ void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
                                                        << model.d_inner() << " (expand × d_model)");
     return;
   }
-  KMAMBA_REQUIRE(model.num_heads() % tp == 0,
-                 function << ": tensor_parallel_size " << tp << " does not divide the " << mixer_name(model.mixer)
-                          << " model's " << model.num_heads()
-                          << " heads; each tensor-parallel rank must hold whole heads");
+  KMAMBA_REQUIRE(model.num_heads() % tp == 0, function << ": tensor_parallel_size " << tp << " does not divide the "
+                                                       << mixer_name(model.mixer) << " model's " << model.num_heads()
+                                                       << " heads; each tensor-parallel rank must hold whole heads");
   KMAMBA_REQUIRE(model.ngroups % tp == 0,
                  function << ": tensor_parallel_size " << tp << " does not divide the " << mixer_name(model.mixer)
                           << " model's ngroups " << model.ngroups
@@ -171,8 +170,10 @@ void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, cons
     Kokkos::deep_copy(exec, v_, v);
   } else {
     for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
-      Kokkos::deep_copy(exec, range(m_, moment_offset, size), ConstTensor1<float, memory_space>(m.data() + begin, size));
-      Kokkos::deep_copy(exec, range(v_, moment_offset, size), ConstTensor1<float, memory_space>(v.data() + begin, size));
+      Kokkos::deep_copy(exec, range(m_, moment_offset, size),
+                        ConstTensor1<float, memory_space>(m.data() + begin, size));
+      Kokkos::deep_copy(exec, range(v_, moment_offset, size),
+                        ConstTensor1<float, memory_space>(v.data() + begin, size));
     });
   }
   step_ = steps;

@@ -8,10 +8,14 @@ namespace kmamba {
 
 const char* data_type_name(DataType type) {
   switch (type) {
-    case DataType::Float32: return "float32";
-    case DataType::Float64: return "float64";
-    case DataType::Int32: return "int32";
-    case DataType::Int64: return "int64";
+    case DataType::Float32:
+      return "float32";
+    case DataType::Float64:
+      return "float64";
+    case DataType::Int32:
+      return "int32";
+    case DataType::Int64:
+      return "int64";
   }
   return "unknown";
 }
@@ -19,19 +23,25 @@ const char* data_type_name(DataType type) {
 std::size_t data_type_size(DataType type) {
   switch (type) {
     case DataType::Float32:
-    case DataType::Int32: return 4;
+    case DataType::Int32:
+      return 4;
     case DataType::Float64:
-    case DataType::Int64: return 8;
+    case DataType::Int64:
+      return 8;
   }
   return 0;
 }
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Average: return "average";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Average:
+      return "average";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
   }
   return "unknown";
 }
@@ -58,8 +68,8 @@ void Communicator::rethrow_with_context(const char* operation) const {
 
 void Communicator::check_peer(const char* what, int peer, bool allow_none) const {
   if (allow_none && peer == no_peer) return;
-  KMAMBA_REQUIRE(peer >= 0 && peer < size_, what << " " << peer << " is not a rank of this communicator (size "
-                                                 << size_ << (allow_none ? "; kmamba::no_peer for none)" : ")"));
+  KMAMBA_REQUIRE(peer >= 0 && peer < size_, what << " " << peer << " is not a rank of this communicator (size " << size_
+                                                 << (allow_none ? "; kmamba::no_peer for none)" : ")"));
 }
 
 void Communicator::check_op(ReduceOp op, DataType type) {

@@ -18,8 +18,8 @@ void mpi_reduce_scatter(MPI_Comm comm, int rank, const void* send, void* recv, s
                         ReduceOp op, bool host_memory);
 void mpi_all_gather(MPI_Comm comm, int rank, const void* send, void* recv, std::size_t send_count, DataType type);
 void mpi_broadcast(MPI_Comm comm, void* data, std::size_t count, DataType type, int root);
-void mpi_send_recv(MPI_Comm comm, const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count,
-                   int source, DataType type);
+void mpi_send_recv(MPI_Comm comm, const void* send, std::size_t send_count, int dest, void* recv,
+                   std::size_t recv_count, int source, DataType type);
 
 }  // namespace impl
 }  // namespace kmamba

@@ -12,20 +12,28 @@ namespace {
 
 MPI_Datatype mpi_type(DataType type) {
   switch (type) {
-    case DataType::Float32: return MPI_FLOAT;
-    case DataType::Float64: return MPI_DOUBLE;
-    case DataType::Int32: return MPI_INT32_T;
-    case DataType::Int64: return MPI_INT64_T;
+    case DataType::Float32:
+      return MPI_FLOAT;
+    case DataType::Float64:
+      return MPI_DOUBLE;
+    case DataType::Int32:
+      return MPI_INT32_T;
+    case DataType::Int64:
+      return MPI_INT64_T;
   }
   KMAMBA_ASSERT(false, "unknown DataType " << static_cast<int>(type));
 }
 
 MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return MPI_SUM;
-    case ReduceOp::Max: return MPI_MAX;
-    case ReduceOp::Min: return MPI_MIN;
-    case ReduceOp::Average: break;
+    case ReduceOp::Sum:
+      return MPI_SUM;
+    case ReduceOp::Max:
+      return MPI_MAX;
+    case ReduceOp::Min:
+      return MPI_MIN;
+    case ReduceOp::Average:
+      break;
   }
   KMAMBA_ASSERT(false, "ReduceOp " << reduce_op_name(op) << " reached the MPI transport");
 }
@@ -79,8 +87,8 @@ void mpi_broadcast(MPI_Comm comm, void* data, std::size_t count, DataType type, 
   KMAMBA_MPI_CHECK(MPI_Bcast(data, n, mpi_type(type), root, comm));
 }
 
-void mpi_send_recv(MPI_Comm comm, const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count,
-                   int source, DataType type) {
+void mpi_send_recv(MPI_Comm comm, const void* send, std::size_t send_count, int dest, void* recv,
+                   std::size_t recv_count, int source, DataType type) {
   constexpr int tag = 0;
   MPI_Status status;
   KMAMBA_MPI_CHECK(MPI_Sendrecv(send, mpi_count(send_count), mpi_type(type), dest == no_peer ? MPI_PROC_NULL : dest,
@@ -122,8 +130,8 @@ void MpiCommunicator::do_all_reduce(const void* send, void* recv, std::size_t co
   impl::mpi_all_reduce(comm_.get(), send, recv, count, type, op);
 }
 
-void MpiCommunicator::do_reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type, ReduceOp op,
-                                        const StreamContext& stream) const {
+void MpiCommunicator::do_reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type,
+                                        ReduceOp op, const StreamContext& stream) const {
   prepare(stream);
   impl::mpi_reduce_scatter(comm_.get(), rank(), send, recv, recv_count, type, op, stream.host_accessible);
 }

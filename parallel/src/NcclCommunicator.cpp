@@ -11,20 +11,28 @@ namespace {
 
 ncclDataType_t nccl_type(DataType type) {
   switch (type) {
-    case DataType::Float32: return ncclFloat32;
-    case DataType::Float64: return ncclFloat64;
-    case DataType::Int32: return ncclInt32;
-    case DataType::Int64: return ncclInt64;
+    case DataType::Float32:
+      return ncclFloat32;
+    case DataType::Float64:
+      return ncclFloat64;
+    case DataType::Int32:
+      return ncclInt32;
+    case DataType::Int64:
+      return ncclInt64;
   }
   KMAMBA_ASSERT(false, "unknown DataType " << static_cast<int>(type));
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return ncclSum;
-    case ReduceOp::Average: return ncclAvg;
-    case ReduceOp::Max: return ncclMax;
-    case ReduceOp::Min: return ncclMin;
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Average:
+      return ncclAvg;
+    case ReduceOp::Max:
+      return ncclMax;
+    case ReduceOp::Min:
+      return ncclMin;
   }
   KMAMBA_ASSERT(false, "unknown ReduceOp " << static_cast<int>(op));
 }
@@ -48,7 +56,8 @@ void host_average(ReduceOp op, void* data, std::size_t count, DataType type, int
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(MPI_Comm parent, const std::string& axis) : NcclCommunicator(MpiComm(parent), axis) {}
+NcclCommunicator::NcclCommunicator(MPI_Comm parent, const std::string& axis)
+    : NcclCommunicator(MpiComm(parent), axis) {}
 
 NcclCommunicator::NcclCommunicator(MpiComm mpi, const std::string& axis)
     : Communicator(mpi.rank(), mpi.size(), axis), mpi_(std::move(mpi)) {
@@ -74,8 +83,9 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
 
 bool NcclCommunicator::use_nccl(const StreamContext& stream) const {
   if (stream.device_accessible && stream.cuda_stream != nullptr) return true;
-  KMAMBA_REQUIRE(stream.host_accessible, "device-memory views need a Kokkos::Cuda execution space instance, whose "
-                                         "stream orders the NCCL work");
+  KMAMBA_REQUIRE(stream.host_accessible,
+                 "device-memory views need a Kokkos::Cuda execution space instance, whose "
+                 "stream orders the NCCL work");
   stream.fence();
   return false;
 }

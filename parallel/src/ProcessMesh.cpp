@@ -33,13 +33,13 @@ MeshConfig MeshConfig::from_json(const std::string& json_text, const std::string
   KMAMBA_REQUIRE(root.is_object(), "kmamba::MeshConfig::from_json: " << source << " must hold a JSON object");
   MeshConfig config;
   for (auto it = root.begin(); it != root.end(); ++it) {
-    int* field = it.key() == dp_key ? &config.data_parallel_size
+    int* field = it.key() == dp_key   ? &config.data_parallel_size
                  : it.key() == tp_key ? &config.tensor_parallel_size
                  : it.key() == sp_key ? &config.sequence_parallel_size
                                       : nullptr;
     KMAMBA_REQUIRE(field != nullptr, "kmamba::MeshConfig::from_json: " << source << ": unknown key '" << it.key()
-                                                                        << "' (expected " << dp_key << ", " << tp_key
-                                                                        << ", " << sp_key << ")");
+                                                                       << "' (expected " << dp_key << ", " << tp_key
+                                                                       << ", " << sp_key << ")");
     const json& value = it.value();
     KMAMBA_REQUIRE(value.is_number_integer() && value.get<long long>() >= 0 && value.get<long long>() <= INT_MAX,
                    "kmamba::MeshConfig::from_json: " << source << ": '" << it.key()
@@ -60,7 +60,8 @@ std::string MeshConfig::to_json() const {
 MeshConfig MeshConfig::resolve(int world_size) const {
   constexpr const char* function = "kmamba::MeshConfig::resolve";
   KMAMBA_REQUIRE(world_size >= 1, function << ": the world size must be >= 1, got " << world_size);
-  KMAMBA_REQUIRE(tensor_parallel_size >= 1, function << ": " << tp_key << " must be >= 1, got " << tensor_parallel_size);
+  KMAMBA_REQUIRE(tensor_parallel_size >= 1,
+                 function << ": " << tp_key << " must be >= 1, got " << tensor_parallel_size);
   KMAMBA_REQUIRE(sequence_parallel_size >= 1,
                  function << ": " << sp_key << " must be >= 1, got " << sequence_parallel_size);
   KMAMBA_REQUIRE(data_parallel_size >= 0,
@@ -68,10 +69,10 @@ MeshConfig MeshConfig::resolve(int world_size) const {
   const long long model_ranks = static_cast<long long>(tensor_parallel_size) * sequence_parallel_size;
   MeshConfig resolved = *this;
   if (data_parallel_size == 0) {
-    KMAMBA_REQUIRE(world_size % model_ranks == 0,
-                   function << ": the world has " << world_size << " ranks, which is not a multiple of " << tp_key
-                            << " " << tensor_parallel_size << " × " << sp_key << " " << sequence_parallel_size
-                            << " = " << model_ranks);
+    KMAMBA_REQUIRE(world_size % model_ranks == 0, function << ": the world has " << world_size
+                                                           << " ranks, which is not a multiple of " << tp_key << " "
+                                                           << tensor_parallel_size << " × " << sp_key << " "
+                                                           << sequence_parallel_size << " = " << model_ranks);
     resolved.data_parallel_size = static_cast<int>(world_size / model_ranks);
   } else {
     KMAMBA_REQUIRE(model_ranks * data_parallel_size == world_size,
@@ -84,27 +85,36 @@ MeshConfig MeshConfig::resolve(int world_size) const {
 
 const char* mesh_axis_name(MeshAxis axis) {
   switch (axis) {
-    case MeshAxis::Data: return "dp";
-    case MeshAxis::Tensor: return "tp";
-    case MeshAxis::Sequence: return "sp";
-    case MeshAxis::DataSequence: return "dp_sp";
+    case MeshAxis::Data:
+      return "dp";
+    case MeshAxis::Tensor:
+      return "tp";
+    case MeshAxis::Sequence:
+      return "sp";
+    case MeshAxis::DataSequence:
+      return "dp_sp";
   }
   return "unknown";
 }
 
 MeshLayout::MeshLayout(const MeshConfig& config)
     : dp_(config.data_parallel_size), tp_(config.tensor_parallel_size), sp_(config.sequence_parallel_size) {
-  KMAMBA_REQUIRE(dp_ >= 1 && tp_ >= 1 && sp_ >= 1, "kmamba::MeshLayout: sizes must be >= 1 (resolve the config "
-                                                   "first), got dp "
-                                                       << dp_ << ", tp " << tp_ << ", sp " << sp_);
+  KMAMBA_REQUIRE(dp_ >= 1 && tp_ >= 1 && sp_ >= 1,
+                 "kmamba::MeshLayout: sizes must be >= 1 (resolve the config "
+                 "first), got dp "
+                     << dp_ << ", tp " << tp_ << ", sp " << sp_);
 }
 
 int MeshLayout::axis_size(MeshAxis axis) const {
   switch (axis) {
-    case MeshAxis::Data: return dp_;
-    case MeshAxis::Tensor: return tp_;
-    case MeshAxis::Sequence: return sp_;
-    case MeshAxis::DataSequence: return dp_ * sp_;
+    case MeshAxis::Data:
+      return dp_;
+    case MeshAxis::Tensor:
+      return tp_;
+    case MeshAxis::Sequence:
+      return sp_;
+    case MeshAxis::DataSequence:
+      return dp_ * sp_;
   }
   return 0;
 }
@@ -130,10 +140,14 @@ MeshCoordinates MeshLayout::coordinates_of(int rank) const {
 int MeshLayout::group_index(MeshAxis axis, int rank) const {
   const MeshCoordinates c = coordinates_of(rank);
   switch (axis) {
-    case MeshAxis::Data: return c.tp + tp_ * c.sp;
-    case MeshAxis::Tensor: return c.sp + sp_ * c.dp;
-    case MeshAxis::Sequence: return c.tp + tp_ * c.dp;
-    case MeshAxis::DataSequence: return c.tp;
+    case MeshAxis::Data:
+      return c.tp + tp_ * c.sp;
+    case MeshAxis::Tensor:
+      return c.sp + sp_ * c.dp;
+    case MeshAxis::Sequence:
+      return c.tp + tp_ * c.dp;
+    case MeshAxis::DataSequence:
+      return c.tp;
   }
   return 0;
 }
@@ -141,10 +155,14 @@ int MeshLayout::group_index(MeshAxis axis, int rank) const {
 int MeshLayout::group_rank(MeshAxis axis, int rank) const {
   const MeshCoordinates c = coordinates_of(rank);
   switch (axis) {
-    case MeshAxis::Data: return c.dp;
-    case MeshAxis::Tensor: return c.tp;
-    case MeshAxis::Sequence: return c.sp;
-    case MeshAxis::DataSequence: return c.sp + sp_ * c.dp;
+    case MeshAxis::Data:
+      return c.dp;
+    case MeshAxis::Tensor:
+      return c.tp;
+    case MeshAxis::Sequence:
+      return c.sp;
+    case MeshAxis::DataSequence:
+      return c.sp + sp_ * c.dp;
   }
   return 0;
 }
@@ -166,8 +184,9 @@ std::unique_ptr<Communicator> make_world(MPI_Comm parent, Transport transport) {
 #if KMAMBA_ENABLE_NCCL
     return std::unique_ptr<Communicator>(new NcclCommunicator(parent, "world"));
 #else
-    KMAMBA_USER_ERROR("kmamba::ProcessMesh: Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL (a CUDA build "
-                      "with NCCL found)");
+    KMAMBA_USER_ERROR(
+        "kmamba::ProcessMesh: Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL (a CUDA build "
+        "with NCCL found)");
 #endif
   }
   return std::unique_ptr<Communicator>(new MpiCommunicator(parent, "world"));
@@ -196,11 +215,12 @@ ProcessMesh::ProcessMesh(std::unique_ptr<Communicator> world, const MeshConfig& 
   const int rank = world_->rank();
   coordinates_ = layout_.coordinates_of(rank);
   for (const MeshAxis axis : {MeshAxis::Data, MeshAxis::Tensor, MeshAxis::Sequence, MeshAxis::DataSequence}) {
-    axes_.push_back(world_->split(layout_.group_index(axis, rank), layout_.group_rank(axis, rank), mesh_axis_name(axis)));
-    KMAMBA_ASSERT(axes_.back()->size() == layout_.axis_size(axis) &&
-                      axes_.back()->rank() == layout_.group_rank(axis, rank),
-                  "the " << mesh_axis_name(axis) << " communicator of rank " << rank << " has rank "
-                         << axes_.back()->rank() << " of " << axes_.back()->size());
+    axes_.push_back(
+        world_->split(layout_.group_index(axis, rank), layout_.group_rank(axis, rank), mesh_axis_name(axis)));
+    KMAMBA_ASSERT(
+        axes_.back()->size() == layout_.axis_size(axis) && axes_.back()->rank() == layout_.group_rank(axis, rank),
+        "the " << mesh_axis_name(axis) << " communicator of rank " << rank << " has rank " << axes_.back()->rank()
+               << " of " << axes_.back()->size());
   }
 }
 
@@ -208,9 +228,7 @@ ProcessMesh::~ProcessMesh() = default;
 ProcessMesh::ProcessMesh(ProcessMesh&&) noexcept = default;
 ProcessMesh& ProcessMesh::operator=(ProcessMesh&&) noexcept = default;
 
-const Communicator& ProcessMesh::axis(MeshAxis axis) const {
-  return *axes_[static_cast<std::size_t>(axis)];
-}
+const Communicator& ProcessMesh::axis(MeshAxis axis) const { return *axes_[static_cast<std::size_t>(axis)]; }
 #endif
 
 }  // namespace kmamba

@@ -115,7 +115,8 @@ std::vector<kmamba::MeshConfig> meshes() {
 
 std::string name(const kmamba::ProcessMesh& mesh) {
   return "mesh dp " + std::to_string(mesh.config().data_parallel_size) + " tp " +
-         std::to_string(mesh.config().tensor_parallel_size) + " sp " + std::to_string(mesh.config().sequence_parallel_size);
+         std::to_string(mesh.config().tensor_parallel_size) + " sp " +
+         std::to_string(mesh.config().sequence_parallel_size);
 }
 
 /// Every parameter's slice of `got` equals `ref`'s within the tolerance; only elements for which
@@ -252,7 +253,8 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
       for (int step = 0; step < steps; ++step) {
         data_parallel_backward(model, dp, make_batch(step));
         const double norm = dp.grad_norm(exec, model.parameters());
-        EXPECT_LE(std::abs(norm - ref_norms[static_cast<std::size_t>(step)]), 1e-6 * ref_norms[static_cast<std::size_t>(step)])
+        EXPECT_LE(std::abs(norm - ref_norms[static_cast<std::size_t>(step)]),
+                  1e-6 * ref_norms[static_cast<std::size_t>(step)])
             << "step " << step;
         // The clip factor is bitwise identical on every rank.
         EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
@@ -282,7 +284,8 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
       EXPECT_EQ(changed, 0u);
       // Every rank holds the same parameters.
       const auto& params = model.parameters().params();
-      kmamba::Tensor1<float, Mem> low("kmamba::test::low", params.extent(0)), high("kmamba::test::high", params.extent(0));
+      kmamba::Tensor1<float, Mem> low("kmamba::test::low", params.extent(0)),
+          high("kmamba::test::high", params.extent(0));
       mesh.world().all_reduce(exec, params, low, kmamba::ReduceOp::Min);
       mesh.world().all_reduce(exec, params, high, kmamba::ReduceOp::Max);
       std::size_t differing = 0;
@@ -317,8 +320,9 @@ TEST(DataParallel, Zero1ReducesEachRanksShard) {
               owned.begin() + static_cast<std::ptrdiff_t>(begin + layout.shard_size(bucket)), 1);
   }
   std::fill(owned.begin() + static_cast<std::ptrdiff_t>(layout.tail_begin()), owned.end(), 1);
-  expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(),
-                    [&](std::size_t i) { return owned[i] != 0; }, "owned gradient of");
+  expect_slab_equal(
+      model.parameters(), model.parameters().grads(), reference.parameters().grads(),
+      [&](std::size_t i) { return owned[i] != 0; }, "owned gradient of");
 }
 
 TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {

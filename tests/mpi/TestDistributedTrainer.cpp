@@ -69,7 +69,8 @@ kmamba::Trainer<Exec> make_trainer(std::int64_t grad_accum) {
   return kmamba::Trainer<Exec>(std::move(model), train_config(grad_accum), task());
 }
 
-void expect_same_parameters(const kmamba::Trainer<Exec>& got, const kmamba::Trainer<Exec>& ref, const std::string& what) {
+void expect_same_parameters(const kmamba::Trainer<Exec>& got, const kmamba::Trainer<Exec>& ref,
+                            const std::string& what) {
   const auto& slab = ref.model().parameters();
   const auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got.model().parameters().params());
   const auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
@@ -119,8 +120,8 @@ TEST(DistributedTrainer, DataParallelStepsAndCheckpointsEqualOneRank) {
 
     // The checkpoint holds the gathered moments: the 1-rank run and a data-parallel run resume
     // from it and take the same next step as the reference.
-    const std::string dir = ::testing::TempDir() + "kmamba_dp_trainer_np" + std::to_string(world_size()) + "_zero" +
-                            std::to_string(stage);
+    const std::string dir =
+        ::testing::TempDir() + "kmamba_dp_trainer_np" + std::to_string(world_size()) + "_zero" + std::to_string(stage);
     if (mesh.world().rank() == 0) std::filesystem::remove_all(dir);
     mesh.world().barrier();
     trainer.save_checkpoint(dir);

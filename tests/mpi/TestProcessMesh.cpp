@@ -53,7 +53,8 @@ std::vector<kmamba::MeshConfig> factorisations(int world) {
 }
 
 TEST(ProcessMesh, ConfigFromJson) {
-  const auto c = kmamba::MeshConfig::from_json(R"({"tensor_parallel_size": 2, "sequence_parallel_size": 4})", "mesh.json");
+  const auto c =
+      kmamba::MeshConfig::from_json(R"({"tensor_parallel_size": 2, "sequence_parallel_size": 4})", "mesh.json");
   EXPECT_EQ(c.data_parallel_size, 0);
   EXPECT_EQ(c.tensor_parallel_size, 2);
   EXPECT_EQ(c.sequence_parallel_size, 4);
@@ -74,11 +75,13 @@ TEST(ProcessMesh, ResolveAgainstTheWorldSize) {
   kmamba::MeshConfig c;
   c.tensor_parallel_size = 2;
   EXPECT_EQ(c.resolve(8).data_parallel_size, 4);
-  expect_contains(error_of([&] { c.resolve(3); }),
-                  "the world has 3 ranks, which is not a multiple of tensor_parallel_size 2 × sequence_parallel_size 1 = 2");
+  expect_contains(
+      error_of([&] { c.resolve(3); }),
+      "the world has 3 ranks, which is not a multiple of tensor_parallel_size 2 × sequence_parallel_size 1 = 2");
   c.data_parallel_size = 3;
-  expect_contains(error_of([&] { c.resolve(8); }),
-                  "data_parallel_size 3 × tensor_parallel_size 2 × sequence_parallel_size 1 = 6 ranks, but the world has 8");
+  expect_contains(
+      error_of([&] { c.resolve(8); }),
+      "data_parallel_size 3 × tensor_parallel_size 2 × sequence_parallel_size 1 = 6 ranks, but the world has 8");
   c.tensor_parallel_size = 0;
   expect_contains(error_of([&] { c.resolve(8); }), "tensor_parallel_size must be >= 1, got 0");
 }
@@ -159,8 +162,9 @@ TEST(ProcessMesh, MismatchedMeshFailsOnEveryRankWithoutHanging) {
   odd.tensor_parallel_size = world + 1;
   expect_contains(error_of([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, odd); }), "is not a multiple of");
 #if !KMAMBA_ENABLE_NCCL
-  expect_contains(error_of([] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig(), kmamba::Transport::Nccl); }),
-                  "Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL");
+  expect_contains(
+      error_of([] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig(), kmamba::Transport::Nccl); }),
+      "Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL");
 #endif
   // Every rank threw before communicating: they all reach this barrier.
   EXPECT_EQ(MPI_Barrier(MPI_COMM_WORLD), MPI_SUCCESS);
@@ -169,7 +173,7 @@ TEST(ProcessMesh, MismatchedMeshFailsOnEveryRankWithoutHanging) {
 TEST(ProcessMesh, MeshMustFitTheModel) {
   kmamba::ModelConfig model;  // Mamba-2
   model.d_model = 64;
-  model.headdim = 16;         // d_inner 128: 8 heads
+  model.headdim = 16;  // d_inner 128: 8 heads
   model.ngroups = 2;
   kmamba::MeshConfig mesh;
   mesh.tensor_parallel_size = 2;

@@ -95,11 +95,11 @@ class DataParallel {
   /// m, v ← the AdamW moments in the slab's layout, as a single-process AdamW holds them (for a
   /// checkpoint), on every rank: ZeRO-1 all-gathers the shards over dp. Collective over dp.
   void gather_moments(const ExecutionSpace& exec, const Tensor1<float, memory_space>& m,  // (slab size)
-                      const Tensor1<float, memory_space>& v) const;                     // (slab size)
+                      const Tensor1<float, memory_space>& v) const;                       // (slab size)
   /// Sets the moments from slab-layout moments held by every rank (a checkpoint), each rank keeping
   /// its shards, and the step count to `steps`. No communication.
   void load_moments(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& m,  // (slab size)
-                    const ConstTensor1<float, memory_space>& v,                             // (slab size)
+                    const ConstTensor1<float, memory_space>& v,                              // (slab size)
                     std::int64_t steps);
 
   std::int64_t steps_taken() const { return step_; }

@@ -151,7 +151,7 @@ class Trainer {
   double reduce_and_norm();
   void optimizer_step(double lr, double grad_scale);
   void write_checkpoint(const std::string& dir, const Tensor1<float, memory_space>& m,  // (parameters)
-                        const Tensor1<float, memory_space>& v) const;                  // (parameters)
+                        const Tensor1<float, memory_space>& v) const;                   // (parameters)
 
   ExecutionSpace exec_;
   LanguageModel<ExecutionSpace> model_;

@@ -74,10 +74,10 @@ constexpr int no_peer = -1;
 
 /// What a transport needs to know about the caller's execution space instance and buffers.
 struct StreamContext {
-  void* cuda_stream = nullptr;      ///< the cudaStream_t of a Kokkos::Cuda instance; null otherwise
-  bool host_accessible = true;      ///< the buffers can be read and written by the host
-  bool device_accessible = false;   ///< the buffers can be read and written by CUDA kernels
-  std::function<void()> fence;      ///< waits for the work already submitted to the instance
+  void* cuda_stream = nullptr;     ///< the cudaStream_t of a Kokkos::Cuda instance; null otherwise
+  bool host_accessible = true;     ///< the buffers can be read and written by the host
+  bool device_accessible = false;  ///< the buffers can be read and written by CUDA kernels
+  std::function<void()> fence;     ///< waits for the work already submitted to the instance
 };
 
 namespace impl {
@@ -125,7 +125,7 @@ class Communicator {
   /// recv ← op over the ranks of send (element-wise); recv may be send itself (in place).
   template <class ExecutionSpace, class SendView, class RecvView>
   void all_reduce(const ExecutionSpace& exec, const SendView& send,  // (n)
-                  const RecvView& recv,                               // (n)
+                  const RecvView& recv,                              // (n)
                   ReduceOp op = ReduceOp::Sum) const;
   /// In-place all_reduce.
   template <class ExecutionSpace, class View>
@@ -138,13 +138,13 @@ class Communicator {
   /// then unspecified.
   template <class ExecutionSpace, class SendView, class RecvView>
   void reduce_scatter(const ExecutionSpace& exec, const SendView& send,  // (size() · n)
-                      const RecvView& recv,                               // (n)
+                      const RecvView& recv,                              // (n)
                       ReduceOp op = ReduceOp::Sum) const;
 
   /// Block r of recv ← send of rank r. In place when send is recv's block rank().
   template <class ExecutionSpace, class SendView, class RecvView>
   void all_gather(const ExecutionSpace& exec, const SendView& send,  // (n)
-                  const RecvView& recv) const;                        // (size() · n)
+                  const RecvView& recv) const;                       // (size() · n)
 
   /// data ← data of rank `root`.
   template <class ExecutionSpace, class View>

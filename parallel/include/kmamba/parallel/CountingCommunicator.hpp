@@ -77,7 +77,8 @@ class CountingCommunicator final : public Communicator {
     log_->record(axis(), "all_gather", send_count * static_cast<std::size_t>(size()));
     inner_->do_all_gather(send, recv, send_count, type, stream);
   }
-  void do_broadcast(void* data, std::size_t count, DataType type, int root, const StreamContext& stream) const override {
+  void do_broadcast(void* data, std::size_t count, DataType type, int root,
+                    const StreamContext& stream) const override {
     log_->record(axis(), "broadcast", count);
     inner_->do_broadcast(data, count, type, root, stream);
   }

@@ -114,10 +114,11 @@ class GradientReducer {
 
   /// Σ data² over the elements this rank owns: its shard of every bucket, and the tail on rank 0;
   /// summed over the ranks this counts every element exactly once. Blocking (a host value).
-  double owned_sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data) const {  // (elements)
-    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(), "kmamba::GradientReducer::owned_sum_of_squares: the buffer has "
-                                                             << data.extent(0) << " elements, the layout "
-                                                             << layout_.elements());
+  double owned_sum_of_squares(const ExecutionSpace& exec,
+                              const ConstTensor1<float, memory_space>& data) const {  // (elements)
+    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(),
+                   "kmamba::GradientReducer::owned_sum_of_squares: the buffer has "
+                       << data.extent(0) << " elements, the layout " << layout_.elements());
     double total = 0.0;
     const int rank = comm_->rank();
     for (const auto& bucket : layout_.buckets()) {
@@ -134,9 +135,9 @@ class GradientReducer {
   }
 
   void check(const Tensor1<float, memory_space>& data, const char* function) const {
-    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(), "kmamba::GradientReducer::"
-                                                             << function << ": the buffer has " << data.extent(0)
-                                                             << " elements, the layout " << layout_.elements());
+    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(),
+                   "kmamba::GradientReducer::" << function << ": the buffer has " << data.extent(0)
+                                               << " elements, the layout " << layout_.elements());
   }
 
   void all_reduce_tail(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {
@@ -148,10 +149,10 @@ class GradientReducer {
                                std::size_t begin, std::size_t size) {
     if (size == 0) return 0.0;
     double sum = 0.0;
-    Kokkos::parallel_reduce("kmamba::gradient_reducer::sum_of_squares",
-                            Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, size),
-                            impl::SquaredSum<memory_space>{ConstTensor1<float, memory_space>(data.data() + begin, size)},
-                            sum);
+    Kokkos::parallel_reduce(
+        "kmamba::gradient_reducer::sum_of_squares",
+        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, size),
+        impl::SquaredSum<memory_space>{ConstTensor1<float, memory_space>(data.data() + begin, size)}, sum);
     return sum;
   }
 

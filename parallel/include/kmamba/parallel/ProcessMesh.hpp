@@ -29,7 +29,7 @@ namespace kmamba {
 /// The mesh sizes, as in a JSON options file: {"data_parallel_size": D, "tensor_parallel_size": t,
 /// "sequence_parallel_size": c}.
 struct MeshConfig {
-  int data_parallel_size = 0;      ///< 0: derived as world size / (tp · sp)
+  int data_parallel_size = 0;  ///< 0: derived as world size / (tp · sp)
   int tensor_parallel_size = 1;
   int sequence_parallel_size = 1;
 
