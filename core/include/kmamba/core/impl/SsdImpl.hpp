@@ -65,7 +65,9 @@ template <class ExecSpace>
 struct SsdScratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   using IntVec = Kokkos::View<int*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  using Mat = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
+  using Mat = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                           Kokkos::MemoryUnmanaged>;
 
   static constexpr int vectors = 9;
 
@@ -367,19 +369,22 @@ struct SsdBmmChunkFunctor {
   }
 };
 
-/// Stage 5 (chunk_scan): out_l = exp(dA_cs[l])·H_c C_l + Σ_{s≤l} CB[l,s]·exp(dA_cs[l]−dA_cs[s])·δ_s·x_s
-/// + D·x_l, then ·silu(z_l) when gated. One product per tile of rows, with the intra-chunk weights
-/// (formed as the product reads them, over the columns s < l0 + rows that can be nonzero) and
-/// the scaled C concatenated along the reduced index.
-template <class ExecSpace, class MemorySpace>
+/// Stage 5 (chunk_scan): out_x_l = exp(dA_cs[l])·H_c C_l + Σ_{s≤l} CB[l,s]·exp(dA_cs[l]−dA_cs[s])·δ_s·x_s
+/// + D·x_l; the forward writes out = out_x·silu(z) (out_x without z). One product per tile of rows,
+/// with the intra-chunk weights (formed as the product reads them, over the columns s < l0 + rows
+/// that can be nonzero) and the scaled C concatenated along the reduced index.
+/// With GateBackward (backward B1, z given) it writes g = dout·silu(z) to `out` and
+/// dz = dout·out_x·silu′(z) instead.
+template <class ExecSpace, class MemorySpace, bool GateBackward>
 struct SsdChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
   SsdOperands<MemorySpace> in;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
-  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
-  bool gate;
+  Tensor4<float, MemorySpace> out;        // (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim), with GateBackward
+  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim), with GateBackward
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
@@ -410,29 +415,17 @@ struct SsdChunkScanFunctor {
           },
           [&](const int i, const int p, const float v) {
             const int t = blk.t0 + l0 + i;
-            float o = v + skip * in.x(blk.b, t, blk.h, p);
-            if (gate) o *= silu(in.z(blk.b, t, blk.h, p));
-            out(blk.b, t, blk.h, p) = o;
+            const float o = v + skip * in.x(blk.b, t, blk.h, p);
+            if constexpr (GateBackward) {
+              const float zz = in.z(blk.b, t, blk.h, p);
+              const float go = dout(blk.b, t, blk.h, p);
+              out(blk.b, t, blk.h, p) = go * silu(zz);
+              dz(blk.b, t, blk.h, p) = go * o * silu_derivative(zz);
+            } else {
+              out(blk.b, t, blk.h, p) = in.has_z ? o * silu(in.z(blk.b, t, blk.h, p)) : o;
+            }
           });
     }
-  }
-};
-
-/// Backward B1 (gate): g = dout·silu(z), dz = dout·out_x·silu′(z), one work item per element.
-template <class MemorySpace>
-struct SsdGateBackwardFunctor {
-  ConstTensor4<float, MemorySpace> dout, z, out_x;  // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> g, dz;                // (batch, seqlen, nheads, headdim)
-
-  KOKKOS_INLINE_FUNCTION void operator()(const int item) const {
-    const int headdim = static_cast<int>(g.extent(3)), nheads = static_cast<int>(g.extent(2));
-    const int seqlen = static_cast<int>(g.extent(1));
-    const int p = item % headdim, h = (item / headdim) % nheads, t = (item / (headdim * nheads)) % seqlen;
-    const int b = item / (headdim * nheads * seqlen);
-    const float zz = z(b, t, h, p);
-    const float go = dout(b, t, h, p);
-    g(b, t, h, p) = go * silu(zz);
-    dz(b, t, h, p) = go * out_x(b, t, h, p) * silu_derivative(zz);
   }
 };
 
@@ -853,7 +846,7 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
   const SsdWorkspace<MemorySpace> ws(plan);
   ssd_prepare(exec, plan, in, ws, final_states);
   ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-             SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out, in.has_z},
+             SsdChunkScanFunctor<ExecSpace, MemorySpace, false>{in, ws, plan, out, {}, {}},
              SsdScratch<ExecSpace>::bytes(plan.chunk));
 }
 
@@ -870,16 +863,10 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
 
   ConstTensor4<float, MemorySpace> g = dout;
   if (in.has_z) {
-    const auto out_x = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-        "kmamba::ssd::out_x", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
-    ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, chunk_league,
-               SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out_x, false}, scratch);
     const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
         "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
-    Kokkos::parallel_for(
-        "kmamba::ssd::gate_backward",
-        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.nheads * plan.headdim),
-        SsdGateBackwardFunctor<MemorySpace>{dout, in.z, out_x, gated, grads.dz});
+    ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, chunk_league,
+               SsdChunkScanFunctor<ExecSpace, MemorySpace, true>{in, ws, plan, gated, dout, grads.dz}, scratch);
     g = gated;
   }
 
