@@ -2,11 +2,13 @@
 // the chunked SSD (algorithms.md §2.5, §2.6, §2.10).
 //
 // Work decomposition (same for every backend): the chunk stages are TeamPolicy launches with one
-// team per (batch, chunk, head) — (batch, chunk, group) for C·Bᵀ, (batch, head) for the passing of
-// states between chunks. A team stages its chunk's per-token vectors (δ, cumulative δ·a, run ids)
-// in level-0 scratch and builds the (tile × chunk) blocks of the intra-chunk weight matrices there,
-// a tile of rows at a time, so the scratch needed does not grow with chunk² (the tile is chosen to
-// fit). Every per-chunk product goes through TeamGemm (impl/TeamGemm.hpp).
+// team per (batch, chunk, head) — (batch, chunk, group, tile of rows) for C·Bᵀ; the passing of
+// states between chunks is one work item per state element. A team stages its chunk's per-token
+// vectors (δ, cumulative δ·a, run ids) in level-0 scratch and works on the intra-chunk matrices a
+// tile of rows at a time: the weights of the forward and of dx are formed inside the product's
+// operand, the backward keeps one (tile × chunk) block in level-1 scratch, so level-0 scratch
+// grows with the chunk only. Every per-chunk product goes through TeamGemm (impl/TeamGemm.hpp),
+// which a backend may specialise (with the team shape and scratch it wants, see ssd_plan).
 //
 // seq_idx: a "run" is a maximal stretch of tokens with equal seq_idx. Stage 1 writes, per token,
 // the number of run starts from the beginning of its chunk up to the token (the first token of a
@@ -53,32 +55,37 @@ struct SsdDims {
 };
 
 /// How the chunk stages cut the work: `chunk` tokens per chunk, `tile` rows of the intra-chunk
-/// matrices per scratch block.
+/// matrices per product, teams of `team_size` threads × `vector_length` lanes.
 struct SsdPlan {
   int batch, seqlen, nheads, headdim, ngroups, dstate, heads_per_group;
-  int chunk, nchunks, tile, vector_length;
+  int chunk, nchunks, tile, ntiles, team_size, vector_length;
 };
 
 template <class ExecSpace>
 struct SsdScratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   using IntVec = Kokkos::View<int*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  using Mat = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
+  using Mat = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                           Kokkos::MemoryUnmanaged>;
 
   static constexpr int vectors = 9;
 
   /// Bytes of level-0 scratch every chunk stage fits in: `vectors` float vectors and one int
-  /// vector of the chunk, a (tile × chunk) block and a (tile × max(headdim, dstate)) block.
-  static std::size_t bytes(int chunk, int tile, int headdim, int dstate) {
-    return vectors * Vec::shmem_size(chunk) + IntVec::shmem_size(chunk) + Mat::shmem_size(tile, chunk) +
-           Mat::shmem_size(tile, std::max(headdim, dstate));
+  /// vector of the chunk, and TeamGemm's staging.
+  static std::size_t bytes(int chunk) {
+    return vectors * Vec::shmem_size(chunk) + IntVec::shmem_size(chunk) + TeamGemm<ExecSpace>::scratch_bytes;
   }
+  /// Bytes of level-1 scratch of the backward's (tile × chunk) block of intra-chunk weights.
+  static std::size_t block_bytes(int tile, int chunk) { return Mat::shmem_size(tile, chunk); }
 };
 
 template <class ExecSpace>
 SsdPlan ssd_plan(const char* function, const SsdDims& dims, int chunk_size) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  using S = SsdScratch<ExecSpace>;
   constexpr int preferred_tile = 64;
+  constexpr int preferred_team_size = 8;
   constexpr int max_vector_length = 32;
   SsdPlan plan;
   plan.batch = static_cast<int>(dims.batch);
@@ -91,37 +98,46 @@ SsdPlan ssd_plan(const char* function, const SsdDims& dims, int chunk_size) {
   plan.chunk = chunk_size;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
-  plan.tile = std::min(preferred_tile, plan.chunk);
-  while (plan.tile > 1 && SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate) > limit) {
-    plan.tile = (plan.tile + 1) / 2;
-  }
-  const std::size_t need = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
-  KMAMBA_REQUIRE(need <= limit, function << ": chunk_size " << plan.chunk << " with headdim " << plan.headdim
-                                         << " and dstate " << plan.dstate << " needs " << need
+  const std::size_t need = S::bytes(plan.chunk);
+  KMAMBA_REQUIRE(need <= limit, function << ": chunk_size " << plan.chunk << " needs " << need
                                          << " bytes of team scratch memory but " << limit
                                          << " are available; pass a smaller chunk_size");
-  int vector_length = 1;
-  const int widest = std::max(plan.chunk, std::max(plan.headdim, plan.dstate));
-  while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
-  plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+  const std::size_t block_limit = static_cast<std::size_t>(Policy::scratch_size_max(1));
+  plan.tile = std::min(preferred_tile, plan.chunk);
+  while (plan.tile > 1 && S::block_bytes(plan.tile, plan.chunk) > block_limit) plan.tile = (plan.tile + 1) / 2;
+  const std::size_t block_need = S::block_bytes(plan.tile, plan.chunk);
+  KMAMBA_REQUIRE(block_need <= block_limit, function << ": chunk_size " << plan.chunk << " needs " << block_need
+                                                     << " bytes of level-1 team scratch memory but " << block_limit
+                                                     << " are available; pass a smaller chunk_size");
+  plan.ntiles = (plan.chunk + plan.tile - 1) / plan.tile;
+  if (TeamGemm<ExecSpace>::team_threads > 0) {
+    plan.vector_length = std::min(max_vector_length, static_cast<int>(Policy::vector_length_max()));
+    plan.team_size = std::max(1, TeamGemm<ExecSpace>::team_threads / plan.vector_length);
+  } else {
+    int vector_length = 1;
+    const int widest = std::max(plan.chunk, std::max(plan.headdim, plan.dstate));
+    while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
+    plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+    plan.team_size = preferred_team_size;
+  }
   return plan;
 }
 
+/// A TeamPolicy launch of the plan's team shape (fewer threads where the functor cannot have
+/// that many) with `scratch` bytes of level-0 and `block_scratch` bytes of level-1 team scratch.
 template <class ExecSpace, class Functor>
 void ssd_launch(const ExecSpace& exec, const char* label, const SsdPlan& plan, int league, const Functor& functor,
-                std::size_t scratch) {
-  using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  constexpr int preferred_team_size = 8;
+                std::size_t scratch, std::size_t block_scratch = 0) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace, typename TeamGemm<ExecSpace>::launch_bounds>;
   if (league == 0) return;
   Policy probe(exec, league, 1, plan.vector_length);
   probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
-  const int team_size =
-      std::max(1, std::min(preferred_team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+  const int team_size = std::max(1, std::min(plan.team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  if (block_scratch > 0) policy.set_scratch_size(1, Kokkos::PerTeam(block_scratch));
   Kokkos::parallel_for(label, policy, functor);
 }
-
 /// The inputs of the scan as the kernels read them.
 template <class MemorySpace>
 struct SsdOperands {
@@ -165,7 +181,7 @@ struct SsdWorkspace {
   Tensor4<float, MemorySpace> dA_cs;   // (batch, nheads, nchunks, chunk): inclusive cumsum of δ·a
   Tensor3<int, MemorySpace> run;       // (batch, nchunks, chunk): run starts since the chunk start
   Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering
-  Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s
+  Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s for s ≤ l
 
   explicit SsdWorkspace(const SsdPlan& plan)
       : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
@@ -275,37 +291,59 @@ struct SsdChunkStateFunctor {
   }
 };
 
+/// The decay of the state across chunk c of row b, head h: exp(dA_cs[last]), or 0 where a run
+/// starts inside the chunk.
+template <class MemorySpace>
+KOKKOS_INLINE_FUNCTION float ssd_chunk_decay(const SsdPlan& plan, const SsdWorkspace<MemorySpace>& ws, int b, int h,
+                                             int c) {
+  const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
+  return ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
+}
+
+/// Where a (batch, head, p, n) work item of the state passing works.
+struct SsdStateItem {
+  int b, h, p, n;
+};
+
+/// The number of (batch, head, p, n) work items.
+inline std::int64_t ssd_state_items(const SsdPlan& plan) {
+  return static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate;
+}
+
+KOKKOS_INLINE_FUNCTION SsdStateItem ssd_state_item(const SsdPlan& plan, std::int64_t item) {
+  const std::int64_t per_head = static_cast<std::int64_t>(plan.headdim) * plan.dstate;
+  const int pn = static_cast<int>(item % per_head);
+  const int bh = static_cast<int>(item / per_head);
+  return SsdStateItem{bh / plan.nheads, bh % plan.nheads, pn / plan.dstate, pn % plan.dstate};
+}
+
 /// Stage 3 (state_passing): replaces each chunk's local state by the state entering the chunk
-/// (H_{c+1} = decay_c·H_c + Sloc_c, H_0 = initial_states or 0) and writes the final state.
-template <class ExecSpace, class MemorySpace>
+/// (H_{c+1} = decay_c·H_c + Sloc_c, H_0 = initial_states or 0) and writes the final state. One
+/// work item per (batch, head, p, n) walks the chunks, reading the next local state ahead.
+template <class MemorySpace>
 struct SsdStatePassingFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   SsdOperands<MemorySpace> in;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
   Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate)
   bool write_final;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
-        float s = in.has_initial_states ? in.initial_states(b, h, p, n) : 0.0f;
-        for (int c = 0; c < plan.nchunks; ++c) {
-          const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
-          const float decay = ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
-          const float local = ws.states(b, c, h, p, n);
-          ws.states(b, c, h, p, n) = s;
-          s = decay * s + local;
-        }
-        if (write_final) final_states(b, h, p, n) = s;
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const SsdStateItem it = ssd_state_item(plan, item);
+    float s = in.has_initial_states ? in.initial_states(it.b, it.h, it.p, it.n) : 0.0f;
+    float local = plan.nchunks > 0 ? ws.states(it.b, 0, it.h, it.p, it.n) : 0.0f;
+    for (int c = 0; c < plan.nchunks; ++c) {
+      const float next = c + 1 < plan.nchunks ? ws.states(it.b, c + 1, it.h, it.p, it.n) : 0.0f;
+      ws.states(it.b, c, it.h, it.p, it.n) = s;
+      s = ssd_chunk_decay(plan, ws, it.b, it.h, c) * s + local;
+      local = next;
+    }
+    if (write_final) final_states(it.b, it.h, it.p, it.n) = s;
   }
 };
 
-/// Stage 4 (bmm_chunk): CB[l, s] = C_l·B_s within each chunk, per group.
+/// Stage 4 (bmm_chunk): CB[l, s] = C_l·B_s within each chunk, per group, for s ≤ l (the only
+/// entries the later stages read). One team per (batch, chunk, group, tile of rows l).
 template <class ExecSpace, class MemorySpace>
 struct SsdBmmChunkFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -314,30 +352,39 @@ struct SsdBmmChunkFunctor {
   SsdPlan plan;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int g = team.league_rank() % plan.ngroups;
-    const int c = (team.league_rank() / plan.ngroups) % plan.nchunks;
-    const int b = team.league_rank() / (plan.ngroups * plan.nchunks);
+    const int tile = team.league_rank() % plan.ntiles;
+    const int rest = team.league_rank() / plan.ntiles;
+    const int g = rest % plan.ngroups;
+    const int c = (rest / plan.ngroups) % plan.nchunks;
+    const int b = rest / (plan.ngroups * plan.nchunks);
     const int t0 = c * plan.chunk;
     const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
+    const int l0 = tile * plan.tile;
+    if (l0 >= len) return;
+    const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
     TeamGemm<ExecSpace>::apply(
-        team, len, len, plan.dstate, [&](const int l, const int n) { return in.C(b, t0 + l, g, n); },
+        team, rows, l0 + rows, plan.dstate, [&](const int i, const int n) { return in.C(b, t0 + l0 + i, g, n); },
         [&](const int n, const int s) { return in.B(b, t0 + s, g, n); },
-        [&](const int l, const int s, const float v) { ws.CB(b, c, g, l, s) = v; });
+        [&](const int i, const int s, const float v) { ws.CB(b, c, g, l0 + i, s) = v; });
   }
 };
 
-/// Stage 5 (chunk_scan): out_l = exp(dA_cs[l])·H_c C_l + Σ_{s≤l} CB[l,s]·exp(dA_cs[l]−dA_cs[s])·δ_s·x_s
-/// + D·x_l, then ·silu(z_l) when gated. One product per tile of rows with the intra-chunk weights
-/// and the scaled C concatenated along the reduced index.
-template <class ExecSpace, class MemorySpace>
+/// Stage 5 (chunk_scan): out_x_l = exp(dA_cs[l])·H_c C_l + Σ_{s≤l} CB[l,s]·exp(dA_cs[l]−dA_cs[s])·δ_s·x_s
+/// + D·x_l; the forward writes out = out_x·silu(z) (out_x without z). One product per tile of rows,
+/// with the intra-chunk weights (formed as the product reads them, over the columns s < l0 + rows
+/// that can be nonzero) and the scaled C concatenated along the reduced index.
+/// With GateBackward (backward B1, z given) it writes g = dout·silu(z) to `out` and
+/// dz = dout·out_x·silu′(z) instead.
+template <class ExecSpace, class MemorySpace, bool GateBackward>
 struct SsdChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
   SsdOperands<MemorySpace> in;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
-  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
-  bool gate;
+  Tensor4<float, MemorySpace> out;        // (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim), with GateBackward
+  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim), with GateBackward
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
@@ -345,56 +392,39 @@ struct SsdChunkScanFunctor {
     typename S::Vec sA(team.team_scratch(0), plan.chunk);
     typename S::Vec seA(team.team_scratch(0), plan.chunk);
     typename S::IntVec srun(team.team_scratch(0), plan.chunk);
-    typename S::Mat sW(team.team_scratch(0), plan.tile, plan.chunk);
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
       seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
     });
+    team.team_barrier();
     const float skip = in.skip(blk.h);
-    const int len = blk.len;
-    for (int l0 = 0; l0 < len; l0 += plan.tile) {
-      const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
-      team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
-        const int l = l0 + i;
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int s) {
-          sW(i, s) = s <= l && srun(s) == srun(l)
-                         ? ws.CB(blk.b, blk.c, blk.g, l, s) * ssd_decay(sA(l) - sA(s)) * sdt(s)
-                         : 0.0f;
-        });
-      });
-      team.team_barrier();
+    for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
+      const int rows = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
+      const int cols = l0 + rows;
       TeamGemm<ExecSpace>::apply(
-          team, rows, plan.headdim, len + plan.dstate,
+          team, rows, plan.headdim, cols + plan.dstate,
           [&](const int i, const int k) {
-            return k < len ? sW(i, k) : seA(l0 + i) * in.C(blk.b, blk.t0 + l0 + i, blk.g, k - len);
+            const int l = l0 + i;
+            if (k >= cols) return seA(l) * in.C(blk.b, blk.t0 + l, blk.g, k - cols);
+            return k <= l && srun(k) == srun(l) ? ws.CB(blk.b, blk.c, blk.g, l, k) * ssd_decay(sA(l) - sA(k)) * sdt(k)
+                                                : 0.0f;
           },
           [&](const int k, const int p) {
-            return k < len ? in.x(blk.b, blk.t0 + k, blk.h, p) : ws.states(blk.b, blk.c, blk.h, p, k - len);
+            return k < cols ? in.x(blk.b, blk.t0 + k, blk.h, p) : ws.states(blk.b, blk.c, blk.h, p, k - cols);
           },
           [&](const int i, const int p, const float v) {
             const int t = blk.t0 + l0 + i;
-            float o = v + skip * in.x(blk.b, t, blk.h, p);
-            if (gate) o *= silu(in.z(blk.b, t, blk.h, p));
-            out(blk.b, t, blk.h, p) = o;
+            const float o = v + skip * in.x(blk.b, t, blk.h, p);
+            if constexpr (GateBackward) {
+              const float zz = in.z(blk.b, t, blk.h, p);
+              const float go = dout(blk.b, t, blk.h, p);
+              out(blk.b, t, blk.h, p) = go * silu(zz);
+              dz(blk.b, t, blk.h, p) = go * o * silu_derivative(zz);
+            } else {
+              out(blk.b, t, blk.h, p) = in.has_z ? o * silu(in.z(blk.b, t, blk.h, p)) : o;
+            }
           });
-    }
-  }
-};
-
-/// Backward B1 (gate): g = dout·silu(z), dz = dout·out_x·silu′(z).
-template <class MemorySpace>
-struct SsdGateBackwardFunctor {
-  ConstTensor4<float, MemorySpace> dout, z, out_x;  // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> g, dz;                // (batch, seqlen, nheads, headdim)
-
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
-    for (int p = 0; p < static_cast<int>(g.extent(3)); ++p) {
-      const float zz = z(b, t, h, p);
-      const float go = dout(b, t, h, p);
-      g(b, t, h, p) = go * silu(zz);
-      dz(b, t, h, p) = go * out_x(b, t, h, p) * silu_derivative(zz);
     }
   }
 };
@@ -432,10 +462,9 @@ struct SsdChunkDstatesFunctor {
 };
 
 /// Backward B3 (state passing, reversed): replaces dH_c by dSloc_c, the gradient of the state
-/// leaving chunk c, and writes dinitial_states.
-template <class ExecSpace, class MemorySpace>
+/// leaving chunk c, and writes dinitial_states. One work item per (batch, head, p, n).
+template <class MemorySpace>
 struct SsdStatePassingBackwardFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
   ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate)
@@ -443,28 +472,26 @@ struct SsdStatePassingBackwardFunctor {
   Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate)
   bool has_dfinal, write_dinitial;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
-        float ds = has_dfinal ? dfinal_states(b, h, p, n) : 0.0f;
-        for (int c = plan.nchunks - 1; c >= 0; --c) {
-          const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
-          const float decay = ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
-          const float dh = dstates(b, c, h, p, n);
-          dstates(b, c, h, p, n) = ds;
-          ds = decay * ds + dh;
-        }
-        if (write_dinitial) dinitial_states(b, h, p, n) = ds;
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const SsdStateItem it = ssd_state_item(plan, item);
+    float ds = has_dfinal ? dfinal_states(it.b, it.h, it.p, it.n) : 0.0f;
+    float dh = plan.nchunks > 0 ? dstates(it.b, plan.nchunks - 1, it.h, it.p, it.n) : 0.0f;
+    for (int c = plan.nchunks - 1; c >= 0; --c) {
+      const float previous = c > 0 ? dstates(it.b, c - 1, it.h, it.p, it.n) : 0.0f;
+      dstates(it.b, c, it.h, it.p, it.n) = ds;
+      ds = ssd_chunk_decay(plan, ws, it.b, it.h, c) * ds + dh;
+      dh = previous;
+    }
+    if (write_dinitial) dinitial_states(it.b, it.h, it.p, it.n) = ds;
   }
 };
 
 /// Backward B4–B9 for one (batch, chunk, head): dx, ddt, this head's share of dB and dC, and the
 /// chunk's partial sums of dA, dD and ddt_bias. Gradients w.r.t. the per-token dA = δ·a are
-/// accumulated in the stable form of §2.6 B8 (every pair s < j ≤ l, no differences).
+/// accumulated in the stable form of §2.6 B8 (every pair s < j ≤ l, no differences). dx and dC
+/// (per head) hold their partial sums between the products of a tile; the (tile × chunk) block
+/// of intra-chunk weights lives in level-1 scratch. Products skip the columns that the causal
+/// mask makes zero.
 template <class ExecSpace, class MemorySpace>
 struct SsdChunkBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -488,12 +515,11 @@ struct SsdChunkBackwardFunctor {
     typename S::Vec seLast(team.team_scratch(0), plan.chunk);   // exp(dA_cs[last] − dA_cs[s]) in the last run
     typename S::Vec sddt(team.team_scratch(0), plan.chunk);     // ∂/∂δ, direct part
     typename S::Vec snext(team.team_scratch(0), plan.chunk);    // w_l of B5
-    typename S::Vec sprev(team.team_scratch(0), plan.chunk);    // ddA_prev_raw of B6
+    typename S::Vec sprev(team.team_scratch(0), plan.chunk);    // ddA_prev_raw of B6, then its suffix sums
     typename S::Vec sintra(team.team_scratch(0), plan.chunk);   // ddA_intra of B8 (iii)
     typename S::Vec sddA(team.team_scratch(0), plan.chunk);     // total gradient w.r.t. δ_j·a
     typename S::IntVec srun(team.team_scratch(0), plan.chunk);
-    typename S::Mat sW(team.team_scratch(0), plan.tile, plan.chunk);
-    typename S::Mat sacc(team.team_scratch(0), plan.tile, plan.headdim > plan.dstate ? plan.headdim : plan.dstate);
+    typename S::Mat sW(team.team_scratch(1), plan.tile, plan.chunk);
 
     const int b = blk.b, c = blk.c, h = blk.h, gr = blk.g, t0 = blk.t0, len = blk.len, last = len - 1;
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
@@ -520,35 +546,34 @@ struct SsdChunkBackwardFunctor {
     }
     const float skip = in.skip(h);
 
-    // B4 (and w_l of B5): acc_s = seLast_s·dSloc B_s + Σ_{k≥s} CB[k,s]·exp(dA_cs[k]−dA_cs[s])·g_k.
+    // B4 (and w_l of B5): acc_s = seLast_s·dSloc B_s + Σ_{k≥s} CB[k,s]·exp(dA_cs[k]−dA_cs[s])·g_k,
+    // accumulated in dx, tiles of rows s.
     for (int s0 = 0; s0 < len; s0 += plan.tile) {
       const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
-        const int s = s0 + i;
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int k) {
-          sW(i, k) = k >= s && srun(k) == srun(s) ? ws.CB(b, c, gr, k, s) * ssd_decay(sA(k) - sA(s)) : 0.0f;
-        });
-      });
       TeamGemm<ExecSpace>::apply(
           team, rows, plan.headdim, plan.dstate,
           [&](const int i, const int n) { return seLast(s0 + i) * in.B(b, t0 + s0 + i, gr, n); },
           [&](const int n, const int p) { return dstates(b, c, h, p, n); },
-          [&](const int i, const int p, const float v) { sacc(i, p) = v; });
+          [&](const int i, const int p, const float v) { dx(b, t0 + s0 + i, h, p) = v; });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
         const int s = s0 + i;
         float dot = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::ThreadVectorRange(team, plan.headdim),
-            [&](const int p, float& acc) { acc += sacc(i, p) * in.x(b, t0 + s, h, p); }, dot);
+            [&](const int p, float& acc) { acc += dx(b, t0 + s, h, p) * in.x(b, t0 + s, h, p); }, dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = sdt(s) * dot; });
       });
       team.team_barrier();
       TeamGemm<ExecSpace>::apply(
-          team, rows, plan.headdim, len, [&](const int i, const int k) { return sW(i, k); },
-          [&](const int k, const int p) { return g(b, t0 + k, h, p); },
-          [&](const int i, const int p, const float v) { sacc(i, p) += v; });
+          team, rows, plan.headdim, len - s0,
+          [&](const int i, const int kk) {
+            const int s = s0 + i, k = s0 + kk;
+            return k >= s && srun(k) == srun(s) ? ws.CB(b, c, gr, k, s) * ssd_decay(sA(k) - sA(s)) : 0.0f;
+          },
+          [&](const int kk, const int p) { return g(b, t0 + s0 + kk, h, p); },
+          [&](const int i, const int p, const float v) { dx(b, t0 + s0 + i, h, p) += v; });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
         const int s = s0 + i;
@@ -556,20 +581,23 @@ struct SsdChunkBackwardFunctor {
         Kokkos::parallel_reduce(
             Kokkos::ThreadVectorRange(team, plan.headdim),
             [&](const int p, float& acc) {
-              acc += sacc(i, p) * in.x(b, t0 + s, h, p);
-              dx(b, t0 + s, h, p) = sdt(s) * sacc(i, p) + skip * g(b, t0 + s, h, p);
+              const float v = dx(b, t0 + s, h, p);
+              acc += v * in.x(b, t0 + s, h, p);
+              dx(b, t0 + s, h, p) = sdt(s) * v + skip * g(b, t0 + s, h, p);
             },
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sddt(s) = dot; });
       });
     }
 
-    // B6, B7 (dC) and B8 (i), (iii), tiles of rows l: M[l,s] = <g_l, x_s>·δ_s·exp(dA_cs[l]−dA_cs[s]).
+    // B6, B7 (dC) and B8 (i), (iii), tiles of rows l: M[l,s] = <g_l, x_s>·δ_s·exp(dA_cs[l]−dA_cs[s])
+    // for s ≤ l, formed over the columns s < l0 + rows; dC (per head) accumulated in dC_head.
     for (int l0 = 0; l0 < len; l0 += plan.tile) {
       const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
+      const int cols = l0 + rows;
       team.team_barrier();
       TeamGemm<ExecSpace>::apply(
-          team, rows, len, plan.headdim, [&](const int i, const int p) { return g(b, t0 + l0 + i, h, p); },
+          team, rows, cols, plan.headdim, [&](const int i, const int p) { return g(b, t0 + l0 + i, h, p); },
           [&](const int p, const int s) { return in.x(b, t0 + s, h, p); },
           [&](const int i, const int s, const float v) {
             const int l = l0 + i;
@@ -579,82 +607,87 @@ struct SsdChunkBackwardFunctor {
           team, rows, plan.dstate, plan.headdim,
           [&](const int i, const int p) { return seA(l0 + i) * g(b, t0 + l0 + i, h, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
-          [&](const int i, const int n, const float v) { sacc(i, n) = v; });
+          [&](const int i, const int n, const float v) { dC_head(b, t0 + l0 + i, h, n) = v; });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
         const int l = l0 + i;
         float dot = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::ThreadVectorRange(team, plan.dstate),
-            [&](const int n, float& acc) { acc += sacc(i, n) * in.C(b, t0 + l, gr, n); }, dot);
+            [&](const int n, float& acc) { acc += dC_head(b, t0 + l, h, n) * in.C(b, t0 + l, gr, n); }, dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l) = dot; });
       });
-      TeamGemm<ExecSpace>::apply(
-          team, rows, plan.dstate, len, [&](const int i, const int s) { return sW(i, s); },
-          [&](const int s, const int n) { return in.B(b, t0 + s, gr, n); },
-          [&](const int i, const int n, const float v) { dC_head(b, t0 + l0 + i, h, n) = sacc(i, n) + v; });
       team.team_barrier();
-      // Row l of the block becomes Σ_{s<j} M[l,s]·CB[l,s] for j ≤ l (0 for j > l) ...
+      TeamGemm<ExecSpace>::apply(
+          team, rows, plan.dstate, cols, [&](const int i, const int s) { return sW(i, s); },
+          [&](const int s, const int n) { return in.B(b, t0 + s, gr, n); },
+          [&](const int i, const int n, const float v) { dC_head(b, t0 + l0 + i, h, n) += v; });
+      team.team_barrier();
+      // Row l of the block becomes the exclusive prefix sums Σ_{s<j} M[l,s]·CB[l,s] for j ≤ l
+      // (0 for j > l) ...
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
-        Kokkos::single(Kokkos::PerThread(team), [&]() {
-          const int l = l0 + i;
-          float running = 0.0f;
-          for (int j = 0; j < len; ++j) {
-            const float term = j < l ? sW(i, j) * ws.CB(b, c, gr, l, j) : 0.0f;
-            sW(i, j) = j <= l ? running : 0.0f;
-            running += term;
-          }
+        const int l = l0 + i;
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, cols), [&](const int j, float& running, const bool final) {
+          const float term = j < l ? sW(i, j) * ws.CB(b, c, gr, l, j) : 0.0f;
+          if (final) sW(i, j) = j <= l ? running : 0.0f;
+          running += term;
         });
       });
       team.team_barrier();
       // ... and column j summed over the rows gives this tile's share of ddA_intra[j].
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, len), [&](const int j) {
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, cols), [&](const int j) {
         float col = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::ThreadVectorRange(team, rows), [&](const int i, float& acc) { acc += sW(i, j); }, col);
-        Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
+        for (int i = 0; i < rows; ++i) col += sW(i, j);
+        sintra(j) += col;
       });
     }
 
-    // B5 (dB): dB_s = Σ_{l≥s} M[l,s]·C_l + seLast_s·δ_s·dSlocᵀ x_s, tiles of rows s.
+    // B5 (dB): dB_s = Σ_{l≥s} M[l,s]·C_l + seLast_s·δ_s·dSlocᵀ x_s, tiles of rows s, over the
+    // columns l ≥ s0.
     for (int s0 = 0; s0 < len; s0 += plan.tile) {
       const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
+      const int cols = len - s0;
       team.team_barrier();
       TeamGemm<ExecSpace>::apply(
-          team, rows, len, plan.headdim, [&](const int i, const int p) { return in.x(b, t0 + s0 + i, h, p); },
-          [&](const int p, const int l) { return g(b, t0 + l, h, p); },
-          [&](const int i, const int l, const float v) {
-            const int s = s0 + i;
-            sW(i, l) = l >= s && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
+          team, rows, cols, plan.headdim, [&](const int i, const int p) { return in.x(b, t0 + s0 + i, h, p); },
+          [&](const int p, const int ll) { return g(b, t0 + s0 + ll, h, p); },
+          [&](const int i, const int ll, const float v) {
+            const int s = s0 + i, l = s0 + ll;
+            sW(i, ll) = l >= s && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
           });
       team.team_barrier();
       TeamGemm<ExecSpace>::apply(
-          team, rows, plan.dstate, len + plan.headdim,
+          team, rows, plan.dstate, cols + plan.headdim,
           [&](const int i, const int k) {
             const int s = s0 + i;
-            return k < len ? sW(i, k) : seLast(s) * sdt(s) * in.x(b, t0 + s, h, k - len);
+            return k < cols ? sW(i, k) : seLast(s) * sdt(s) * in.x(b, t0 + s, h, k - cols);
           },
           [&](const int k, const int n) {
-            return k < len ? in.C(b, t0 + k, gr, n) : dstates(b, c, h, k - len, n);
+            return k < cols ? in.C(b, t0 + s0 + k, gr, n) : dstates(b, c, h, k - cols, n);
           },
           [&](const int i, const int n, const float v) { dB_head(b, t0 + s0 + i, h, n) = v; });
     }
     team.team_barrier();
 
     // B8 (i), (ii) and B9: ddA_j = ddA_intra[j] + Σ_{l<j} w_l + Σ_{l≥j} prev_l (+ ddA_chunk), then
-    // ∂/∂δ_j, ∂/∂(dt_j) and the chunk's sums for dA and ddt_bias.
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      float next = 0.0f;
-      for (int j = 0; j < len; ++j) {
-        sddA(j) = sintra(j) + next;
-        next += snext(j);
-      }
-      float prev = ddA_chunk;
-      for (int j = len - 1; j >= 0; --j) {
-        prev += sprev(j);
-        sddA(j) += prev;
+    // ∂/∂δ_j, ∂/∂(dt_j) and the chunk's sums for dA and ddt_bias. The prefix and suffix sums are
+    // vector-level scans of one team thread each.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2), [&](const int which) {
+      if (which == 0) {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int j, float& next, const bool final) {
+          if (final) sddA(j) = sintra(j) + next;
+          next += snext(j);
+        });
+      } else {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int r, float& prev, const bool final) {
+          const int j = len - 1 - r;
+          prev += sprev(j) + (r == 0 ? ddA_chunk : 0.0f);
+          if (final) sprev(j) = prev;
+        });
       }
     });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) { sddA(j) += sprev(j); });
     team.team_barrier();
     const float a = in.A(h);
     float dA_sum = 0.0f;
@@ -693,26 +726,27 @@ struct SsdChunkBackwardFunctor {
   }
 };
 
-/// dB and dC: the heads of each group summed in a fixed order.
+/// dB and dC: the heads of each group summed in a fixed order, one work item per element.
 template <class MemorySpace>
 struct SsdGroupSumFunctor {
   ConstTensor4<float, MemorySpace> dB_head, dC_head;  // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dB, dC;                 // (batch, seqlen, ngroups, dstate)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int g) const {
-    const int heads_per_group = static_cast<int>(dB_head.extent(2) / dB.extent(2));
-    for (int n = 0; n < static_cast<int>(dB.extent(3)); ++n) {
-      float sb = 0.0f, sc = 0.0f;
-      for (int k = 0; k < heads_per_group; ++k) {
-        sb += dB_head(b, t, g * heads_per_group + k, n);
-        sc += dC_head(b, t, g * heads_per_group + k, n);
-      }
-      dB(b, t, g, n) = sb;
-      dC(b, t, g, n) = sc;
+  KOKKOS_INLINE_FUNCTION void operator()(const int item) const {
+    const int dstate = static_cast<int>(dB.extent(3)), ngroups = static_cast<int>(dB.extent(2));
+    const int seqlen = static_cast<int>(dB.extent(1));
+    const int n = item % dstate, g = (item / dstate) % ngroups, t = (item / (dstate * ngroups)) % seqlen;
+    const int b = item / (dstate * ngroups * seqlen);
+    const int heads_per_group = static_cast<int>(dB_head.extent(2)) / ngroups;
+    float sb = 0.0f, sc = 0.0f;
+    for (int k = 0; k < heads_per_group; ++k) {
+      sb += dB_head(b, t, g * heads_per_group + k, n);
+      sc += dC_head(b, t, g * heads_per_group + k, n);
     }
+    dB(b, t, g, n) = sb;
+    dC(b, t, g, n) = sc;
   }
 };
-
 /// dA, dD and ddt_bias: the per-(batch, chunk) partial sums added in a fixed order.
 template <class MemorySpace>
 struct SsdParameterSumFunctor {
@@ -780,17 +814,17 @@ struct SsdStepFunctor {
 template <class ExecSpace, class MemorySpace>
 void ssd_prepare(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                  const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
-  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   ssd_launch(exec, "kmamba::ssd::chunk_cumsum", plan, chunk_league,
              SsdChunkCumsumFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
   ssd_launch(exec, "kmamba::ssd::chunk_state", plan, chunk_league,
-             SsdChunkStateFunctor<ExecSpace, MemorySpace>{in, ws, plan}, scratch);
-  ssd_launch(exec, "kmamba::ssd::state_passing", plan, plan.batch * plan.nheads,
-             SsdStatePassingFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()},
-             0);
-  ssd_launch(exec, "kmamba::ssd::bmm_chunk", plan, plan.batch * plan.nchunks * plan.ngroups,
-             SsdBmmChunkFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
+             SsdChunkStateFunctor<ExecSpace, MemorySpace>{in, ws, plan}, SsdScratch<ExecSpace>::bytes(plan.chunk));
+  Kokkos::parallel_for("kmamba::ssd::state_passing",
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, ssd_state_items(plan)),
+                       SsdStatePassingFunctor<MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()});
+  ssd_launch(exec, "kmamba::ssd::bmm_chunk", plan, plan.batch * plan.nchunks * plan.ngroups * plan.ntiles,
+             SsdBmmChunkFunctor<ExecSpace, MemorySpace>{in, ws, plan}, TeamGemm<ExecSpace>::scratch_bytes);
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -812,8 +846,8 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
   const SsdWorkspace<MemorySpace> ws(plan);
   ssd_prepare(exec, plan, in, ws, final_states);
   ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-             SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out, in.has_z},
-             SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate));
+             SsdChunkScanFunctor<ExecSpace, MemorySpace, false>{in, ws, plan, out, {}, {}},
+             SsdScratch<ExecSpace>::bytes(plan.chunk));
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -822,23 +856,17 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
                        const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
   const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
   const SsdOperands<MemorySpace> in(args);
-  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk, plan.tile, plan.headdim, plan.dstate);
+  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   const SsdWorkspace<MemorySpace> ws(plan);
   ssd_prepare(exec, plan, in, ws, Tensor4<float, MemorySpace>());
 
   ConstTensor4<float, MemorySpace> g = dout;
   if (in.has_z) {
-    const auto out_x = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-        "kmamba::ssd::out_x", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
-    ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, chunk_league,
-               SsdChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out_x, false}, scratch);
     const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
         "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
-    Kokkos::parallel_for(
-        "kmamba::ssd::gate_backward",
-        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
-        SsdGateBackwardFunctor<MemorySpace>{dout, in.z, out_x, gated, grads.dz});
+    ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, chunk_league,
+               SsdChunkScanFunctor<ExecSpace, MemorySpace, true>{in, ws, plan, gated, dout, grads.dz}, scratch);
     g = gated;
   }
 
@@ -846,12 +874,12 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
       "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
   ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
              SsdChunkDstatesFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates}, scratch);
-  ssd_launch(exec, "kmamba::ssd::state_passing_backward", plan, plan.batch * plan.nheads,
-             SsdStatePassingBackwardFunctor<ExecSpace, MemorySpace>{ws, plan, dfinal_states, dstates,
-                                                                    grads.dinitial_states,
-                                                                    dfinal_states.is_allocated(),
-                                                                    grads.dinitial_states.is_allocated()},
-             0);
+  Kokkos::parallel_for("kmamba::ssd::state_passing_backward",
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, ssd_state_items(plan)),
+                       SsdStatePassingBackwardFunctor<MemorySpace>{ws, plan, dfinal_states, dstates,
+                                                                   grads.dinitial_states, dfinal_states.is_allocated(),
+                                                                   grads.dinitial_states.is_allocated()});
 
   const auto dB_head = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::ssd::dB_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
@@ -862,18 +890,14 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
   ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
              SsdChunkBackwardFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
                                                              dB_head, dC_head, partial},
-             scratch);
-  if (plan.seqlen > 0) {
-    Kokkos::parallel_for(
-        "kmamba::ssd::group_sum",
-        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.ngroups}),
-        SsdGroupSumFunctor<MemorySpace>{dB_head, dC_head, grads.dB, grads.dC});
-  }
+             scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
+  Kokkos::parallel_for("kmamba::ssd::group_sum",
+                       Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
+                       SsdGroupSumFunctor<MemorySpace>{dB_head, dC_head, grads.dB, grads.dC});
   Kokkos::parallel_for("kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
                        SsdParameterSumFunctor<MemorySpace>{partial, grads.dA, grads.dD, grads.ddt_bias,
                                                            grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
 }
-
 template <class ExecSpace, class MemorySpace>
 void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs<MemorySpace>& args,
                    const Tensor4<float, MemorySpace>& state, const Tensor3<float, MemorySpace>& out) {
