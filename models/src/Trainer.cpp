@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -385,9 +386,21 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     v_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg_sq", v_slab.extent(0));
     data_parallel_->gather_moments(exec_, m_slab, v_slab);
     exec_.fence();
-    const bool writer = data_parallel_->mesh().world().rank() == 0;
-    if (writer) write_checkpoint(dir, m_slab, v_slab);
-    data_parallel_->mesh().world().barrier();  // the files exist on every rank's return
+    // World rank 0 writes; its success or failure reaches every rank (no rank waits forever, and
+    // the files exist on every rank's return).
+    const Communicator& world = data_parallel_->mesh().world();
+    std::exception_ptr error;
+    if (world.rank() == 0) {
+      try {
+        write_checkpoint(dir, m_slab, v_slab);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (world.all_reduce_value(error ? 1 : 0, ReduceOp::Max) != 0) {
+      if (error) std::rethrow_exception(error);
+      KMAMBA_USER_ERROR("kmamba::Trainer::save_checkpoint: world rank 0 failed to write '" << dir << "'");
+    }
     return;
   }
 #endif

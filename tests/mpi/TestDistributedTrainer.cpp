@@ -141,4 +141,21 @@ TEST(DistributedTrainer, DataParallelStepsAndCheckpointsEqualOneRank) {
   }
 }
 
+TEST(DistributedTrainer, AFailedCheckpointWriteFailsOnEveryRank) {
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig());
+  kmamba::Trainer<Exec> trainer = make_trainer(1);
+  trainer.enable_data_parallel(mesh);
+  std::string error = "no error";
+  try {
+    trainer.save_checkpoint("/proc/kmamba-not-writable/checkpoint");
+  } catch (const kmamba::UserError& e) {
+    error = e.what();
+  }
+  if (mesh.world().rank() == 0) {
+    EXPECT_NE(error.find("kmamba-not-writable"), std::string::npos) << error;
+  } else {
+    EXPECT_NE(error.find("world rank 0 failed to write"), std::string::npos) << error;
+  }
+}
+
 }  // namespace
