@@ -12,6 +12,7 @@
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
+#include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
