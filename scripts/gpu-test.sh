@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA flavour on a GPU machine from carried sources and runs the `cuda`-labelled tests,
-# kmamba-bench and the kernel benchmarks (kmamba-perf). Made for the device tool's machines, where
-# nothing can be downloaded.
+# kmamba-bench and the benchmarks (kmamba-perf, kmamba-perf-decode). Made for the device tool's
+# machines, where nothing can be downloaded.
 #
 # Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources,
 #                                                 # golden data; ~8 MB)
@@ -54,4 +54,5 @@ status=0
 ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
 { ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1
 ./perf/kmamba-perf --space Cuda 2>&1 | tee "$out/perf.log" || status=1
+./perf/kmamba-perf-decode --space Cuda 2>&1 | tee "$out/perf-decode.log" || status=1
 exit $status

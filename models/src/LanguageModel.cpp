@@ -70,6 +70,23 @@ struct CountCorrect {
   }
 };
 
+/// out(b, d) = residual(b, last, d) + mixed(b, last, d): the final block's sum at each sequence's
+/// last position, the input of the final norm.
+template <class MemorySpace>
+struct LastPositionSum {
+  Tensor2<float, MemorySpace> out;             // (batch, d_model)
+  ConstTensor3<float, MemorySpace> residual;   // (batch, seqlen, d_model)
+  ConstTensor3<float, MemorySpace> mixed;      // (batch, seqlen, d_model)
+  int last;
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int d) const {
+    out(b, d) = mixed(b, last, d) + residual(b, last, d);
+  }
+};
+
+template <class MemorySpace>
+Tensor1<float, MemorySpace> flat1(const Tensor2<float, MemorySpace>& v) {
+  return Tensor1<float, MemorySpace>(v.data(), v.span());
+}
 template <class MemorySpace>
 Tensor1<float, MemorySpace> flat1(const Tensor3<float, MemorySpace>& v) {
   return Tensor1<float, MemorySpace>(v.data(), v.span());
@@ -199,6 +216,19 @@ struct LanguageModel<ExecutionSpace>::State {
          0.0f, padded_logits);
   }
 
+  /// logits = norm_f(input) · head[:vocab_size]ᵀ for one token per sequence; `normed` receives
+  /// the norm's output. Only the real vocabulary's rows of the head are read.
+  void decode_head(const ExecutionSpace& exec, const Tensor2<float, Mem>& input,  // (batch, d_model)
+                   const Tensor2<float, Mem>& normed,                             // (batch, d_model)
+                   const Tensor2<float, Mem>& logits) const {                     // (batch, vocab_size)
+    rms_norm(exec, input, slab.template param<1>(impl::final_norm_name), static_cast<float>(config.norm_epsilon),
+             normed);
+    const ConstTensor2<float, Mem> head = head_weight();  // (padded_vocab, d_model)
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(normed),
+         ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
+         logits);
+  }
+
   void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
     const Tensor2<float, Mem> out(logits.data(), logits.extent(0) * logits.extent(1), logits.extent(2));
     Kokkos::parallel_for("kmamba::lm::copy_logits",
@@ -267,6 +297,41 @@ struct LanguageModel<ExecutionSpace>::State {
     for (auto& mixer : mixers) mixer->release_activations();
   }
 };
+
+template <class ExecutionSpace>
+struct DecodeState<ExecutionSpace>::Impl {
+  using Mem = typename ExecutionSpace::memory_space;
+  const void* owner = nullptr;  // the LanguageModel::State that made it
+  int batch = 0;
+  std::int64_t position = 0;
+  std::vector<std::unique_ptr<MixerCache<ExecutionSpace>>> caches;  // one per layer
+  Tensor2<float, Mem> residual;  // (batch, d_model): the residual stream of the current token
+  Tensor2<float, Mem> normed;    // (batch, d_model): a norm's output
+  Tensor2<float, Mem> mixed;     // (batch, d_model): a mixer's output
+};
+
+template <class ExecutionSpace>
+DecodeState<ExecutionSpace>::DecodeState(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+template <class ExecutionSpace>
+DecodeState<ExecutionSpace>::~DecodeState() = default;
+template <class ExecutionSpace>
+DecodeState<ExecutionSpace>::DecodeState(DecodeState&&) noexcept = default;
+template <class ExecutionSpace>
+DecodeState<ExecutionSpace>& DecodeState<ExecutionSpace>::operator=(DecodeState&&) noexcept = default;
+
+template <class ExecutionSpace>
+int DecodeState<ExecutionSpace>::batch() const {
+  return impl_->batch;
+}
+template <class ExecutionSpace>
+std::int64_t DecodeState<ExecutionSpace>::position() const {
+  return impl_->position;
+}
+template <class ExecutionSpace>
+void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
+  for (auto& cache : impl_->caches) cache->reset(exec);
+  impl_->position = 0;
+}
 
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config)) {}
@@ -364,6 +429,112 @@ LossResult LanguageModel<ExecutionSpace>::loss_and_backward(const ExecutionSpace
   return result;
 }
 
+template <class ExecutionSpace>
+DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int batch) const {
+  using Mem = memory_space;
+  KMAMBA_REQUIRE(batch >= 1, "kmamba::LanguageModel::make_decode_state: batch must be at least 1, got " << batch);
+  const State& s = *state_;
+  std::unique_ptr<typename DecodeState<ExecutionSpace>::Impl> impl(new typename DecodeState<ExecutionSpace>::Impl());
+  impl->owner = &s;
+  impl->batch = batch;
+  for (const auto& mixer : s.mixers) impl->caches.push_back(mixer->make_cache(batch));
+  const int dm = s.config.d_model;
+  impl->residual = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::residual", batch, dm);
+  impl->normed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::normed", batch, dm);
+  impl->mixed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::mixed", batch, dm);
+  return DecodeState<ExecutionSpace>(std::move(impl));
+}
+
+namespace {
+
+// The state's internals after checking that `model_state` made it.
+template <class Impl>
+Impl& decode_impl(const char* function, const std::unique_ptr<Impl>& impl, const void* model_state) {
+  KMAMBA_REQUIRE(impl != nullptr, function << ": the DecodeState was moved from");
+  KMAMBA_REQUIRE(impl->owner == model_state, function << ": the DecodeState was made by another LanguageModel");
+  return *impl;
+}
+
+}  // namespace
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
+                                            const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+                                            DecodeState<ExecutionSpace>& decode,
+                                            const Tensor2<float, memory_space>& last_logits) {    // (batch, vocab_size)
+  using Mem = memory_space;
+  constexpr const char* function = "kmamba::LanguageModel::prefill";
+  State& s = *state_;
+  auto& d = decode_impl(function, decode.impl_, &s);
+  KMAMBA_REQUIRE(ids.span_is_contiguous(), function << ": ids must be contiguous");
+  s.check_ids(function, ids, "input id", false);
+  const std::int64_t b = static_cast<std::int64_t>(ids.extent(0)), l = static_cast<std::int64_t>(ids.extent(1));
+  KMAMBA_REQUIRE(b == d.batch, function << ": ids has shape " << shape_of(ids).to_string()
+                                        << " but the DecodeState holds " << d.batch << " sequences");
+  if (last_logits.is_allocated()) {
+    check_shape(function, "last_logits", last_logits, {b, static_cast<std::int64_t>(s.config.vocab_size)},
+                "(batch, vocab_size)");
+  }
+  const std::int64_t dm = s.config.d_model;
+  const float eps = static_cast<float>(s.config.norm_epsilon);
+  const auto sequence = [&](const char* label) {
+    return allocate_uninitialized<Tensor3<float, Mem>>(label, b, l, dm);
+  };
+  const Tensor3<float, Mem> residual = sequence("kmamba::decode::prefill_residual");
+  const Tensor3<float, Mem> normed = sequence("kmamba::decode::prefill_normed");
+  const Tensor3<float, Mem> mixed = sequence("kmamba::decode::prefill_mixed");
+  const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, residual.span());
+  embedding_forward(exec, ConstTensor1<std::int64_t, Mem>(ids.data(), ids.span()),
+                    ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)), impl::rows_of(residual));
+  for (int i = 0; i < s.config.n_layer; ++i) {
+    if (i > 0) {
+      Kokkos::parallel_for("kmamba::decode::prefill_residual_add", all,
+                           impl::AccumulateInto<Mem>{impl::flat1(residual), impl::flat1(mixed)});
+    }
+    rms_norm(exec, impl::rows_of(residual), s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
+             impl::rows_of(normed));
+    const std::size_t layer = static_cast<std::size_t>(i);
+    s.mixers[layer]->prefill(exec, s.slab, normed, mixed, *d.caches[layer]);
+  }
+  d.position += l;
+  if (!last_logits.is_allocated()) return;
+  Kokkos::parallel_for("kmamba::decode::prefill_last_position",
+                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, dm}),
+                       impl::LastPositionSum<Mem>{d.residual, residual, mixed, static_cast<int>(l - 1)});
+  s.decode_head(exec, d.residual, d.normed, last_logits);
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
+                                                const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
+                                                DecodeState<ExecutionSpace>& decode,
+                                                const Tensor2<float, memory_space>& logits) const {   // (batch, vocab_size)
+  using Mem = memory_space;
+  constexpr const char* function = "kmamba::LanguageModel::decode_step";
+  const State& s = *state_;
+  auto& d = decode_impl(function, decode.impl_, &s);
+  const std::int64_t batch = d.batch, vocab = s.config.vocab_size;
+  check_shape(function, "ids", ids, {batch}, "(batch) of the DecodeState");
+  check_shape(function, "logits", logits, {batch, vocab}, "(batch, vocab_size)");
+  check_allocated(function, "logits", logits);
+  const float eps = static_cast<float>(s.config.norm_epsilon);
+  const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, d.residual.span());
+  embedding_forward(exec, ids, ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)), d.residual);
+  for (int i = 0; i < s.config.n_layer; ++i) {
+    if (i > 0) {
+      Kokkos::parallel_for("kmamba::decode::residual_add", all,
+                           impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+    }
+    rms_norm(exec, d.residual, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps, d.normed);
+    const std::size_t layer = static_cast<std::size_t>(i);
+    s.mixers[layer]->step(exec, s.slab, d.normed, d.mixed, *d.caches[layer]);
+  }
+  Kokkos::parallel_for("kmamba::decode::residual_add", all,
+                       impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+  s.decode_head(exec, d.residual, d.normed, logits);
+  d.position += 1;
+}
+
 namespace {
 
 bool is_directory(const std::string& path) {
@@ -435,12 +606,15 @@ void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
 }
 
 #if KMAMBA_HAS_SERIAL
+template class DecodeState<Kokkos::Serial>;
 template class LanguageModel<Kokkos::Serial>;
 #endif
 #if KMAMBA_HAS_OPENMP
+template class DecodeState<Kokkos::OpenMP>;
 template class LanguageModel<Kokkos::OpenMP>;
 #endif
 #if KMAMBA_ENABLE_CUDA
+template class DecodeState<Kokkos::Cuda>;
 template class LanguageModel<Kokkos::Cuda>;
 #endif
 

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace kmamba {
@@ -238,8 +239,61 @@ SsdArgs<Mem> make_ssd_args(const ModelConfig& config, const ParameterSlab<Mem>& 
 }  // namespace
 
 template <class ExecutionSpace>
+class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpace> {
+ public:
+  using Mem = typename ExecutionSpace::memory_space;
+
+  Cache(const Mamba2Mixer& mixer, int batch) : MixerCache<ExecutionSpace>(batch), shape(mixer.shape_key()) {
+    const int W = mixer.d_conv_;
+    for (int s = 0; s < segment_count; ++s) {
+      const std::string name = segment_names[s];
+      pre[s] = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::in_proj_" + name, batch, mixer.segment_widths_[s]);
+      if (s >= x_segment && s <= C_segment) {
+        conv[s] = allocate<Tensor3<float, Mem>>("kmamba::decode::mamba2::conv_state_" + name, batch,
+                                                mixer.segment_widths_[s], W - 1);
+        act[s] = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::conv_" + name, batch, mixer.segment_widths_[s]);
+      }
+    }
+    ssm = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba2::ssm_state", batch, mixer.nheads_, mixer.headdim_,
+                                        mixer.d_state_);
+    A = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::decode::mamba2::A", mixer.nheads_);
+    y = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::ssd_out", batch, mixer.d_inner_);
+    normed = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::norm_out", batch, mixer.d_inner_);
+  }
+
+  void reset(const ExecutionSpace& exec) override {
+    for (int s = x_segment; s <= C_segment; ++s) Kokkos::deep_copy(exec, conv[s], 0.0f);
+    Kokkos::deep_copy(exec, ssm, 0.0f);
+  }
+
+  std::array<int, 7> shape;                      // the dimensions of the mixer that made it
+  std::array<Tensor3<float, Mem>, segment_count> conv;  // x, B, C: (batch, width, d_conv − 1)
+  Tensor4<float, Mem> ssm;                       // (batch, nheads, headdim, d_state)
+  std::array<Matrix, segment_count> pre;         // (batch, width) per in_proj segment
+  std::array<Matrix, segment_count> act;         // x, B, C: (batch, width) after conv + SiLU
+  Tensor1<float, Mem> A;                         // (nheads)
+  Matrix y;                                      // (batch, d_inner)
+  Matrix normed;                                 // (batch, d_inner)
+};
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight,
+                                          const std::string& bias, int offset, int width, const ConstMatrix& u,
+                                          const Matrix& out) const {
+  using Mem = memory_space;
+  const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
+  float beta = 0.0f;
+  if (config_.bias) {
+    broadcast_bias(exec, flat(slab.params(), slab, bias), offset, out);
+    beta = 1.0f;
+  }
+  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
+                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), beta, out);
+}
+
+template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
-                                              const Matrix& out, Activations& a) const {
+                                              const Matrix& out, Activations& a, Cache* cache) const {
   using Mem = memory_space;
   const std::int64_t batch = a.batch, seqlen = a.seqlen;
   const std::string& p = prefix_;
@@ -248,15 +302,8 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
                        impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), a.A});
 
   // in_proj, one GEMM per segment of its rows.
-  float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   for (int s = 0; s < segment_count; ++s) {
-    float beta = 0.0f;
-    if (config_.bias) {
-      broadcast_bias(exec, flat(slab.params(), slab, p + "in_proj.bias"), segment_offsets_[s], a.pre[s]);
-      beta = 1.0f;
-    }
-    gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
-                              rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_), beta, a.pre[s]);
+    project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", segment_offsets_[s], segment_widths_[s], u, a.pre[s]);
   }
 
   // Causal depthwise conv + SiLU on x, B and C; their channels are rows [offset − d_inner, ...) of the conv.
@@ -268,26 +315,22 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     const ConstTensor1<float, Mem> bias =
         conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, static_cast<std::size_t>(width))
                           : ConstTensor1<float, Mem>();
+    const Tensor3<float, Mem> state = cache != nullptr ? cache->conv[s] : Tensor3<float, Mem>();
     causal_conv1d(exec, as_sequence(a.pre[s], batch, seqlen), rows_of<Mem>(conv_w, channel, width, d_conv_), bias,
-                  ConstTensor3<float, Mem>(), as_sequence(a.act[s], batch, seqlen), Tensor3<float, Mem>(),
-                  Conv1dActivation::silu);
+                  state, as_sequence(a.act[s], batch, seqlen), state, Conv1dActivation::silu);
   }
 
-  const SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
-                                          a.act[B_segment], a.act[C_segment]);
-  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), Tensor4<float, Mem>());
+  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
+                                    a.act[B_segment], a.act[C_segment]);
+  const Tensor4<float, Mem> ssm = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
+  args.initial_states = ssm;
+  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), ssm);
 
   gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"),
                  static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, a.normed,
                  a.rstd);
 
-  float beta = 0.0f;
-  if (config_.bias) {
-    broadcast_bias(exec, flat(slab.params(), slab, p + "out_proj.bias"), 0, out);
-    beta = 1.0f;
-  }
-  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, a.normed,
-                            slab.template param<2>(p + "out_proj.weight"), beta, out);
+  project(exec, slab, p + "out_proj.weight", p + "out_proj.bias", 0, d_model_, a.normed, out);
 }
 
 template <class ExecutionSpace>
@@ -313,12 +356,12 @@ void Mamba2Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
       kept_ = make_activations(batch, seqlen, true);
     }
     Kokkos::deep_copy(exec, kept_.u, u2);
-    run_forward(exec, slab, u2, out2, kept_);
+    run_forward(exec, slab, u2, out2, kept_, nullptr);
     has_kept_ = true;
   } else {
     release_activations();
     Activations local = make_activations(batch, seqlen, false);
-    run_forward(exec, slab, u2, out2, local);
+    run_forward(exec, slab, u2, out2, local, nullptr);
   }
 }
 
@@ -428,6 +471,106 @@ template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::release_activations() {
   kept_ = Activations();
   has_kept_ = false;
+}
+
+template <class ExecutionSpace>
+std::array<int, 7> Mamba2Mixer<ExecutionSpace>::shape_key() const {
+  return {d_model_, d_inner_, nheads_, headdim_, ngroups_, d_state_, d_conv_};
+}
+
+template <class ExecutionSpace>
+std::unique_ptr<MixerCache<ExecutionSpace>> Mamba2Mixer<ExecutionSpace>::make_cache(int batch) const {
+  KMAMBA_REQUIRE(batch >= 1, "kmamba::Mamba2Mixer::make_cache: batch must be at least 1, got " << batch);
+  return std::unique_ptr<MixerCache<ExecutionSpace>>(new Cache(*this, batch));
+}
+
+template <class ExecutionSpace>
+typename Mamba2Mixer<ExecutionSpace>::Cache& Mamba2Mixer<ExecutionSpace>::cache_of(const char* function,
+                                                                                    MixerCache<ExecutionSpace>& cache,
+                                                                                    std::int64_t batch) const {
+  Cache* const mine = dynamic_cast<Cache*>(&cache);
+  KMAMBA_REQUIRE(mine != nullptr && mine->shape == shape_key(),
+                 function << ": the cache was not made by a Mamba-2 mixer of these dimensions (d_model " << d_model_
+                          << ", nheads " << nheads_ << ", headdim " << headdim_ << ", ngroups " << ngroups_
+                          << ", d_state " << d_state_ << ", d_conv " << d_conv_ << ")");
+  KMAMBA_REQUIRE(mine->batch() == batch,
+                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
+  return *mine;
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab& slab,
+                                          const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                                          const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                                          MixerCache<ExecutionSpace>& cache) {
+  constexpr const char* function = "kmamba::Mamba2Mixer::prefill";
+  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
+  const auto batch = static_cast<std::int64_t>(u.extent(0));
+  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
+  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
+  Cache& c = cache_of(function, cache, batch);
+  check_parameters(function, slab);
+  release_activations();
+  if (seqlen == 0) return;
+  check_allocated(function, "u", u);
+  check_allocated(function, "out", out);
+  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  const std::int64_t rows = batch * seqlen;
+  Activations local = make_activations(batch, seqlen, false);
+  run_forward(exec, slab, ConstMatrix(u.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_)),
+              Matrix(out.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_)), local, &c);
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& slab,
+                                       const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+                                       const Tensor2<float, memory_space>& out,     // (batch, d_model)
+                                       MixerCache<ExecutionSpace>& cache) const {
+  using Mem = memory_space;
+  constexpr const char* function = "kmamba::Mamba2Mixer::step";
+  check_shape(function, "u", u, Shape({Shape::any, d_model_}), "(batch, d_model)");
+  const auto batch = static_cast<std::int64_t>(u.extent(0));
+  check_shape(function, "out", out, Shape({batch, d_model_}), "(batch, d_model) of u");
+  check_allocated(function, "u", u);
+  check_allocated(function, "out", out);
+  Cache& c = cache_of(function, cache, batch);
+  check_parameters(function, slab);
+  const std::string& p = prefix_;
+
+  Kokkos::parallel_for("kmamba::decode::mamba2::A", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
+                       impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), c.A});
+  for (int s = 0; s < segment_count; ++s) {
+    project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", segment_offsets_[s], segment_widths_[s], u, c.pre[s]);
+  }
+  float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
+  float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
+  for (int s = x_segment; s <= C_segment; ++s) {
+    const int channel = segment_offsets_[s] - d_inner_;
+    const int width = segment_widths_[s];
+    const ConstTensor1<float, Mem> bias =
+        conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, static_cast<std::size_t>(width))
+                          : ConstTensor1<float, Mem>();
+    causal_conv1d_update(exec, c.pre[s], rows_of<Mem>(conv_w, channel, width, d_conv_), bias, c.conv[s], c.act[s],
+                         Conv1dActivation::silu);
+  }
+  const std::size_t b = static_cast<std::size_t>(batch);
+  SsdStepArgs<Mem> args;
+  args.x = ConstTensor3<float, Mem>(c.act[x_segment].data(), b, static_cast<std::size_t>(nheads_),
+                                    static_cast<std::size_t>(headdim_));
+  args.dt = c.pre[dt_segment];
+  args.A = c.A;
+  args.B = ConstTensor3<float, Mem>(c.act[B_segment].data(), b, static_cast<std::size_t>(ngroups_),
+                                    static_cast<std::size_t>(d_state_));
+  args.C = ConstTensor3<float, Mem>(c.act[C_segment].data(), b, static_cast<std::size_t>(ngroups_),
+                                    static_cast<std::size_t>(d_state_));
+  args.D = slab.template param<1>(p + "D");
+  args.dt_bias = slab.template param<1>(p + "dt_bias");
+  args.dt_softplus = true;
+  ssd_step(exec, args, c.ssm,
+           Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)));
+  gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"),
+                 static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, c.normed);
+  project(exec, slab, p + "out_proj.weight", p + "out_proj.bias", 0, d_model_, c.normed, out);
 }
 
 #if KMAMBA_HAS_SERIAL

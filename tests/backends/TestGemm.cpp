@@ -39,7 +39,8 @@ TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
   using Mem = typename Exec::memory_space;
   struct Case { int m, n, k; float alpha, beta; };
   const Case cases[] = {{1, 1, 1, 1.0f, 0.0f}, {7, 5, 3, 1.0f, 0.0f}, {64, 33, 17, 0.5f, 2.0f},
-                        {3, 130, 65, -1.0f, 1.0f}, {4, 6, 0, 1.0f, 0.5f}, {4, 6, 0, 1.0f, 0.0f}};
+                        {3, 130, 65, -1.0f, 1.0f}, {4, 6, 0, 1.0f, 0.5f}, {4, 6, 0, 1.0f, 0.0f},
+                        {1, 300, 771, 1.0f, 0.5f}, {16, 40, 100, 2.0f, 0.0f}, {17, 40, 100, 1.0f, 1.0f}};
   std::uint64_t seed = 100;
   for (const Case& c : cases) {
     for (int t = 0; t < 4; ++t) {

@@ -14,6 +14,7 @@
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Data.hpp>
 #include <kmamba/models/Distributed.hpp>
+#include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>

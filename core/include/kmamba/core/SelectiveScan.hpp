@@ -119,7 +119,9 @@ SelectiveScanDims selective_scan_check_args(const char* function, const Selectiv
 }  // namespace impl
 
 /// Selective scan forward. Writes `out` = (y + D·u)·silu(z) and, when allocated, `last_state` =
-/// the state after the last token (the initial state for seqlen 0). Non-blocking on `exec`.
+/// the state after the last token (the initial state for seqlen 0). `last_state` may be
+/// `args.initial_state` itself: the state is then advanced in place (recurrent prefill; each team
+/// reads its channels' initial state before writing their last state). Non-blocking on `exec`.
 /// Throws kmamba::UserError for a wrong shape (the message names both shapes) or a chunk_size
 /// the team scratch memory cannot hold.
 template <class ExecutionSpace, class MemorySpace>

@@ -151,8 +151,10 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
 }  // namespace impl
 
 /// SSD forward. Writes `out` = (y + D·x)·silu(z) and, when allocated, `final_states` = the state
-/// after the last token (the initial state for seqlen 0). Non-blocking on `exec` (see the file
-/// comment). Throws kmamba::UserError for a wrong shape (the message names both shapes) or a
+/// after the last token (the initial state for seqlen 0). `final_states` may be
+/// `args.initial_states` itself: the state is then advanced in place (recurrent prefill; each
+/// element of the initial state is read before the same element of the final state is written).
+/// Non-blocking on `exec` (see the file comment). Throws kmamba::UserError for a wrong shape (the message names both shapes) or a
 /// chunk_size the team scratch memory cannot hold.
 template <class ExecutionSpace, class MemorySpace>
 void ssd_forward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,

@@ -9,6 +9,17 @@
 //   auto targets = kmamba::next_token_targets(exec, ids);             // labels = ids shifted by one
 //   float loss = model.loss_and_backward(exec, ids, targets);   // grads added to model.parameters()
 //   model.save("out/");                                         // config.json + model.safetensors
+//
+// Recurrent inference (algorithms.md §5): a DecodeState holds every layer's MixerCache and the
+// buffers of a decode step for a batch of sequences, allocated once. prefill runs the chunked
+// forward over a segment of tokens per sequence (continuing from the state, so a prompt may be
+// fed in several segments) and returns the logits of the segment's last position; decode_step
+// feeds one token per sequence and returns the next logits without allocating a tensor.
+// kmamba::generate (Generation.hpp) drives both, with prompts of different lengths.
+//
+//   auto state = model.make_decode_state(batch);
+//   model.prefill(exec, prompt_ids, state, logits);    // (batch, seqlen) → (batch, vocab_size)
+//   model.decode_step(exec, next_ids, state, logits);  // (batch) → (batch, vocab_size)
 #ifndef KMAMBA_MODELS_LANGUAGEMODEL_HPP
 #define KMAMBA_MODELS_LANGUAGEMODEL_HPP
 
@@ -64,6 +75,34 @@ struct LossResult {
 };
 
 template <class ExecutionSpace>
+class LanguageModel;
+
+/// The recurrent state of a batch of sequences of one LanguageModel: a MixerCache per layer (conv
+/// windows and SSM states) and the (batch, d_model) buffers of a decode step, allocated once by
+/// LanguageModel::make_decode_state. Only the model that made it may use it (others throw
+/// kmamba::UserError); it must not outlive that model. Move-only.
+template <class ExecutionSpace>
+class DecodeState {
+ public:
+  ~DecodeState();
+  DecodeState(DecodeState&&) noexcept;
+  DecodeState& operator=(DecodeState&&) noexcept;
+
+  /// The number of sequences.
+  int batch() const;
+  /// Tokens fed to every sequence since creation or the last reset (prefill segments and steps).
+  std::int64_t position() const;
+  /// Zeroes every state: the next prefill or step starts new sequences. Non-blocking on `exec`.
+  void reset(const ExecutionSpace& exec);
+
+ private:
+  friend class LanguageModel<ExecutionSpace>;
+  struct Impl;
+  explicit DecodeState(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+template <class ExecutionSpace>
 class LanguageModel {
  public:
   using execution_space = ExecutionSpace;
@@ -113,6 +152,29 @@ class LanguageModel {
 
   /// Sets every gradient to zero. Non-blocking.
   void zero_grads(const ExecutionSpace& exec);
+
+  /// A DecodeState for `batch` sequences (batch >= 1, else kmamba::UserError) with zero states.
+  DecodeState<ExecutionSpace> make_decode_state(int batch) const;
+
+  /// Feeds one segment of tokens per sequence through the chunked forward, continuing from
+  /// `state` and leaving the states after the segment in it (so prefill(a) then prefill(b) equals
+  /// prefill(a ++ b)). `last_logits`, when allocated, receives the logits after each sequence's
+  /// last token, over the real vocabulary (the reference's num_last_tokens = 1). Releases the
+  /// activations kept for backward. Blocking for the id check; its temporary (batch, seqlen,
+  /// d_model) buffers are released on return. A token outside the vocabulary, a shape that
+  /// disagrees or another model's state is a kmamba::UserError.
+  void prefill(const ExecutionSpace& exec,
+               const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen), seqlen >= 1
+               DecodeState<ExecutionSpace>& state,
+               const Tensor2<float, memory_space>& last_logits);      // (batch, vocab_size) or empty
+
+  /// One decode step: feeds ids(b) to sequence b and writes the logits that follow over the real
+  /// vocabulary. Allocates no tensor. Blocking for the id check only (the rest is ordered on
+  /// `exec`). Errors as prefill.
+  void decode_step(const ExecutionSpace& exec,
+                   const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
+                   DecodeState<ExecutionSpace>& state,
+                   const Tensor2<float, memory_space>& logits) const;     // (batch, vocab_size)
 
  private:
   struct State;

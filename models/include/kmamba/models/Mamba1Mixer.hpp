@@ -19,12 +19,25 @@
 // in fp32 on every backend. Backward runs the chain in reverse and adds every parameter
 // gradient into the slab's gradients.
 //
+// Recurrent inference (algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
+// d_conv − 1), the SSM state (batch, d_inner, d_state) in fp32 and the step's buffers. prefill is
+// the forward above with the cache's states as the conv's and the scan's initial states, advanced
+// in place to their final states. step runs, per token:
+//   [x | z]      = u·in_projᵀ (+ bias)
+//   xc           = causal_conv1d_update(x) then SiLU          conv window shifted in place
+//   [dt | B | C] = xc·x_projᵀ, one GEMM per part;  delta = dt·dt_projᵀ
+//   y            = selective_scan_step(xc, delta, A, B, C, D, z, dt_proj.bias, softplus)
+//   out          = y·out_projᵀ (+ bias)
+//
 //   kmamba::Mamba1Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
 //   mixer.declare_parameters(slab);
 //   slab.finalize("kmamba::model");
 //   mixer.initialize(exec, slab, seed);
 //   mixer.forward(exec, slab, u, out, true);
 //   mixer.backward(exec, slab, dout, du);
+//   auto cache = mixer.make_cache(batch);
+//   mixer.prefill(exec, slab, prompt, prompt_out, *cache);
+//   mixer.step(exec, slab, token, token_out, *cache);
 #ifndef KMAMBA_MODELS_MAMBA1MIXER_HPP
 #define KMAMBA_MODELS_MAMBA1MIXER_HPP
 
@@ -34,7 +47,9 @@
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace kmamba {
@@ -76,7 +91,22 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
 
   void release_activations() override;
 
+  std::unique_ptr<MixerCache<ExecutionSpace>> make_cache(int batch) const override;
+
+  /// See Mixer::prefill.
+  void prefill(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               MixerCache<ExecutionSpace>& cache) override;
+
+  /// See Mixer::step.
+  void step(const ExecutionSpace& exec, const Slab& slab,
+            const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+            const Tensor2<float, memory_space>& out,     // (batch, d_model)
+            MixerCache<ExecutionSpace>& cache) const override;
+
  private:
+  class Cache;  // the MixerCache of this mixer, defined in impl/Mamba1MixerImpl.hpp
   // What forward computes, token-major (rows = batch·seqlen) for the projections and
   // channel-major for the selective scan. Kept between forward and backward; z, delta, bc and
   // y_channels are needed by forward only and are kept as reusable workspace.
@@ -100,6 +130,17 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
   };
 
   void prepare_activations(std::int64_t batch, std::int64_t seqlen, bool keep_input);
+  // The forward over act_ (prepared for u's batch and seqlen); with a cache, its states are the
+  // initial states and receive the final ones. Errors about the slab name `function`.
+  void run_forward(const ExecutionSpace& exec, const char* function, const Slab& slab,
+                   const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                   const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                   Cache* cache);
+  // d_model, d_inner, d_state, d_conv, dt_rank: what a cache must have been made for.
+  std::array<int, 5> shape_key() const;
+  // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch
+  // differs from `batch`.
+  Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
 
   ModelConfig config_;
   std::string prefix_;

@@ -17,11 +17,26 @@
 // are released on return, which waits for the device where freeing memory does (cudaFree), as
 // the core SSD does; backward's gradient buffers are likewise released on return.
 //
+// Recurrent inference (algorithms.md §2.10): the cache holds the conv windows of x, B and C
+// (batch, width, d_conv − 1) each, the SSM state (batch, nheads, headdim, d_state) in fp32 and
+// the step's buffers. prefill is the forward above with the cache's states as the conv's and the
+// SSD's initial states, advanced in place to their final states. step runs, per token:
+//   [z | x | B | C | dt] = u · in_projᵀ, one GEMM per segment     (batch, width)
+//   [x | B | C]          = causal_conv1d_update(...) then SiLU     conv windows shifted in place
+//   y                    = ssd_step(x, dt, A, B, C, D, dt_bias)    SSM state advanced in place
+//   out                  = gated RMSNorm(y, z) · out_projᵀ
+// As the reference's step (algorithms.md §2.10, §9 flag 1), the decode step applies no dt limit
+// (the chunked forward clamps δ to [dt_limit_min, dt_limit_max]), so prefill and step agree
+// exactly only while δ lies within those limits — always with the default (0, ∞).
+//
 //   kmamba::Mamba2Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
 //   mixer.declare_parameters(slab);                 // before slab.finalize()
 //   mixer.initialize(exec, slab, seed);
 //   mixer.forward(exec, slab, u, out, true);
 //   mixer.backward(exec, slab, dout, du);           // du written, parameter gradients added
+//   auto cache = mixer.make_cache(batch);
+//   mixer.prefill(exec, slab, prompt, prompt_out, *cache);
+//   mixer.step(exec, slab, token, token_out, *cache);
 #ifndef KMAMBA_MODELS_MAMBA2MIXER_HPP
 #define KMAMBA_MODELS_MAMBA2MIXER_HPP
 
@@ -32,6 +47,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -78,7 +94,22 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
 
   void release_activations() override;
 
+  std::unique_ptr<MixerCache<ExecutionSpace>> make_cache(int batch) const override;
+
+  /// See Mixer::prefill.
+  void prefill(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               MixerCache<ExecutionSpace>& cache) override;
+
+  /// See Mixer::step. No dt limit (see the file comment).
+  void step(const ExecutionSpace& exec, const Slab& slab,
+            const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+            const Tensor2<float, memory_space>& out,     // (batch, d_model)
+            MixerCache<ExecutionSpace>& cache) const override;
+
  private:
+  class Cache;  // the MixerCache of this mixer, defined in Mamba2Mixer.cpp
   // The segments of in_proj's output, in the order of its rows (algorithms.md §2.2).
   enum Segment { z_segment = 0, x_segment, B_segment, C_segment, dt_segment, segment_count };
 
@@ -108,10 +139,21 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   void check_parameters(const char* function, const Slab& slab) const;
 
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
+  // The forward; with a cache, its states are the initial states and receive the final ones.
   void run_forward(const ExecutionSpace& exec, const Slab& slab,
                    const ConstMatrix& u,   // (batch·seqlen, d_model)
                    const Matrix& out,      // (batch·seqlen, d_model)
-                   Activations& acts) const;
+                   Activations& acts, Cache* cache) const;
+  // d_model, d_inner, nheads, headdim, ngroups, d_state, d_conv: what a cache must have been made for.
+  std::array<int, 7> shape_key() const;
+  // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch
+  // differs from `batch`.
+  Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
+  // out (rows, width) = bias(offset : offset + width) + u · (rows [offset, offset + width) of w)ᵀ.
+  void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, const std::string& bias,
+               int offset, int width,
+               const ConstMatrix& u,       // (rows, k)
+               const Matrix& out) const;   // (rows, width)
 
   ModelConfig config_;
   std::string prefix_;

@@ -3,11 +3,21 @@
 // checkpoint names, initialises them as the reference does, and runs forward and backward on
 // (batch, seqlen, d_model) activations, keeping what backward needs between the two.
 //
+// For recurrent inference (algorithms.md §1.6, §2.10, §5) a mixer makes a MixerCache per batch:
+// its conv window and SSM state plus every buffer a decode step needs. prefill runs the chunked
+// forward over a segment of tokens starting from the cache's states and leaves the final states
+// in it; step advances every sequence of the batch by one token. prefill over a sequence and
+// prefill/step over any split of it give the same outputs (within fp32 rounding).
+//
 //   auto mixer = kmamba::make_mixer<Exec>(config, "backbone.layers.0.mixer.");
 //   mixer->declare_parameters(slab);            // before slab.finalize()
 //   ...
 //   mixer->forward(exec, slab, u, out, true);   // training: keep activations
 //   mixer->backward(exec, slab, dout, du);      // du written, parameter gradients added
+//
+//   auto cache = mixer->make_cache(batch);      // zero states, all step buffers allocated once
+//   mixer->prefill(exec, slab, prompt, out, *cache);     // (batch, seqlen, d_model)
+//   mixer->step(exec, slab, token, token_out, *cache);   // (batch, d_model), no tensor allocated
 #ifndef KMAMBA_MODELS_MIXER_HPP
 #define KMAMBA_MODELS_MIXER_HPP
 
@@ -20,6 +30,28 @@
 #include <string>
 
 namespace kmamba {
+
+/// The recurrent state of one mixer for a batch of sequences (the conv window and the SSM state)
+/// and the scratch buffers of its decode step, allocated once by Mixer::make_cache. Opaque: only
+/// the mixer that made it reads it, and passing it to a mixer of another kind or other dimensions
+/// is a kmamba::UserError.
+template <class ExecutionSpace>
+class MixerCache {
+ public:
+  explicit MixerCache(int batch) : batch_(batch) {}
+  virtual ~MixerCache() = default;
+  MixerCache(const MixerCache&) = delete;
+  MixerCache& operator=(const MixerCache&) = delete;
+
+  /// The number of sequences the cache holds.
+  int batch() const { return batch_; }
+
+  /// Sets the conv and SSM states to zero: every sequence starts afresh. Non-blocking on `exec`.
+  virtual void reset(const ExecutionSpace& exec) = 0;
+
+ private:
+  int batch_;
+};
 
 template <class ExecutionSpace>
 class Mixer {
@@ -59,6 +91,30 @@ class Mixer {
 
   /// Releases the activations kept for backward.
   virtual void release_activations() = 0;
+
+  /// A cache for `batch` sequences with zero states and every buffer step() needs. Throws
+  /// kmamba::UserError unless batch >= 1.
+  virtual std::unique_ptr<MixerCache<ExecutionSpace>> make_cache(int batch) const = 0;
+
+  /// The chunked forward over one segment of tokens per sequence, continuing from the states in
+  /// `cache` (zero after make_cache or reset) and leaving the states after the segment's last
+  /// token in it; `out` is overwritten. A segment of length 0 changes nothing. Releases the
+  /// activations kept for backward, as an inference forward does. Non-blocking on `exec`, except
+  /// that the temporary buffers of the segment are released on return (which waits for the device
+  /// where freeing memory does). Throws kmamba::UserError for a wrong shape or a cache of another
+  /// mixer kind, dimensions or batch.
+  virtual void prefill(const ExecutionSpace& exec, const Slab& slab,
+                       const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                       const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                       MixerCache<ExecutionSpace>& cache) = 0;
+
+  /// One decode step: the next token of every sequence, from the states in `cache`, which are
+  /// advanced by that token; `out` is overwritten. Allocates no tensor (every buffer is in the
+  /// cache); non-blocking on `exec`. Throws kmamba::UserError like prefill.
+  virtual void step(const ExecutionSpace& exec, const Slab& slab,
+                    const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+                    const Tensor2<float, memory_space>& out,     // (batch, d_model)
+                    MixerCache<ExecutionSpace>& cache) const = 0;
 };
 
 /// The mixer of config.mixer (Mamba-1 or Mamba-2) with parameter names prefixed by `prefix`.

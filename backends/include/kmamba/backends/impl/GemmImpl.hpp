@@ -12,8 +12,41 @@
 namespace kmamba {
 namespace impl {
 
+/// C(i, j) = alpha · Σ_p A(i, p)·B(j, p) + beta · C(i, j) (C ignored when beta = 0) for a matrix A
+/// of few rows: one work item per column j reads row j of B once for every row of A, so B streams
+/// from memory once. Eight partial sums per dot product (combined pairwise) let the compiler
+/// vectorise the inner loop.
+template <class MemorySpace>
+struct GemmFewRowsFunctor {
+  ConstTensor2<float, MemorySpace> A;  // (m, k)
+  ConstTensor2<float, MemorySpace> B;  // (n, k)
+  Tensor2<float, MemorySpace> C;       // (m, n)
+  float alpha, beta;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int j) const {
+    const int m = static_cast<int>(A.extent(0)), k = static_cast<int>(A.extent(1));
+    const float* b = &B(j, 0);
+    for (int i = 0; i < m; ++i) {
+      const float* a = &A(i, 0);
+      float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      int p = 0;
+      for (; p + 8 <= k; p += 8) {
+        for (int u = 0; u < 8; ++u) s[u] += a[p + u] * b[p + u];
+      }
+      for (; p < k; ++p) s[0] += a[p] * b[p];
+      const float dot = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+      C(i, j) = alpha * dot + (beta == 0.0f ? 0.0f : beta * C(i, j));
+    }
+  }
+};
+
+/// The most rows of A for which the host path uses GemmFewRowsFunctor (C = A·Bᵀ only): the BLAS
+/// packs all of B on every call, a copy of the whole weight matrix for a decode step's few tokens.
+constexpr std::size_t gemm_few_rows = 16;
+
 // Host backends (and any space without a vendor path): Kokkos Kernels on the execution space
-// type of `exec`. Kokkos Kernels 3.4 has no execution-space-instance argument, so the call is
+// type of `exec`, except C = A·Bᵀ with at most gemm_few_rows rows in A (decode steps), which runs
+// GemmFewRowsFunctor. Kokkos Kernels 3.4 has no execution-space-instance argument, so the call is
 // ordered after the work already submitted to `exec` by fencing it first.
 template <class ExecSpace, class MemorySpace>
 struct GemmImpl {
@@ -32,6 +65,12 @@ struct GemmImpl {
       } else {
         KokkosBlas::scal(c, beta, c);
       }
+      return;
+    }
+    if (!trans_a && trans_b && a.extent(0) <= gemm_few_rows) {
+      Kokkos::parallel_for("kmamba::gemm::few_rows", Kokkos::RangePolicy<ExecSpace>(exec, 0, static_cast<int>(c.extent(1))),
+                           GemmFewRowsFunctor<MemorySpace>{A, B, C, alpha, beta});
+      exec.fence();
       return;
     }
     KokkosBlas::gemm(trans_a ? "T" : "N", trans_b ? "T" : "N", alpha, a, b, beta, c);

@@ -16,8 +16,10 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -472,26 +474,74 @@ void Mamba1Mixer<ExecutionSpace>::release_activations() {
 }
 
 template <class ExecutionSpace>
+class Mamba1Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpace> {
+ public:
+  using Mem = typename ExecutionSpace::memory_space;
+
+  Cache(const Mamba1Mixer& mixer, int batch) : MixerCache<ExecutionSpace>(batch), shape(mixer.shape_key()) {
+    const int E = mixer.d_inner_, N = mixer.d_state_;
+    const auto rows = [&](const char* label, int columns) {
+      return allocate_uninitialized<Tensor2<float, Mem>>(label, batch, columns);
+    };
+    conv = allocate<Tensor3<float, Mem>>("kmamba::decode::mamba1::conv_state", batch, E, mixer.d_conv_ - 1);
+    ssm = allocate<Tensor3<float, Mem>>("kmamba::decode::mamba1::ssm_state", batch, E, N);
+    x = rows("kmamba::decode::mamba1::x", E);
+    z = rows("kmamba::decode::mamba1::z", E);
+    xc = rows("kmamba::decode::mamba1::xc", E);
+    dt = rows("kmamba::decode::mamba1::dt", mixer.dt_rank_);
+    delta = rows("kmamba::decode::mamba1::delta", E);
+    y = rows("kmamba::decode::mamba1::y", E);
+    B = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::decode::mamba1::B", batch, 1, N);
+    C = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::decode::mamba1::C", batch, 1, N);
+    A = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::mamba1::A", E, N);
+  }
+
+  void reset(const ExecutionSpace& exec) override {
+    Kokkos::deep_copy(exec, conv, 0.0f);
+    Kokkos::deep_copy(exec, ssm, 0.0f);
+  }
+
+  std::array<int, 5> shape;     // the dimensions of the mixer that made it
+  Tensor3<float, Mem> conv;     // (batch, d_inner, d_conv − 1)
+  Tensor3<float, Mem> ssm;      // (batch, d_inner, d_state)
+  Tensor2<float, Mem> x, z, xc; // (batch, d_inner)
+  Tensor2<float, Mem> dt;       // (batch, dt_rank)
+  Tensor2<float, Mem> delta, y; // (batch, d_inner)
+  Tensor3<float, Mem> B, C;     // (batch, 1, d_state)
+  Tensor2<float, Mem> A;        // (d_inner, d_state), −exp(A_log)
+};
+
+template <class ExecutionSpace>
 void Mamba1Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab& slab,
                                           const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
                                           const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                                           bool keep_for_backward) {
-  using Mem = memory_space;
   constexpr const char* function = "kmamba::Mamba1Mixer::forward";
   const auto batch = static_cast<std::int64_t>(u.extent(0)), seqlen = static_cast<std::int64_t>(u.extent(1));
   impl::mamba1_check_activation(function, "u", u, batch, seqlen, d_model_);
   impl::mamba1_check_activation(function, "out", out, batch, seqlen, d_model_);
-  const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
-  const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   kept_ = false;
   prepare_activations(batch, seqlen, keep_for_backward);
+  if (keep_for_backward) Kokkos::deep_copy(exec, act_.u, impl::mamba1_token_rows(u));
+  run_forward(exec, function, slab, u, out, nullptr);
+  kept_ = keep_for_backward;
+}
+
+template <class ExecutionSpace>
+void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const char* function, const Slab& slab,
+                                              const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                                              const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                                              Cache* cache) {
+  using Mem = memory_space;
+  const std::int64_t batch = static_cast<std::int64_t>(u.extent(0));
+  const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
+  const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const Activations& a = act_;
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C);
   };
   const ConstTensor2<float, Mem> u_rows = impl::mamba1_token_rows(u);  // (batch·seqlen, d_model)
-  if (keep_for_backward) Kokkos::deep_copy(exec, a.u, u_rows);
 
   // [x | z] = u·in_projᵀ (+ bias)
   gemm(Transpose::No, Transpose::Yes, u_rows, p.in_x, 0.0f, a.x);
@@ -500,9 +550,10 @@ void Mamba1Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
     impl::mamba1_add_bias(exec, a.x, p.in_bias, 0);
     impl::mamba1_add_bias(exec, a.z, p.in_bias, d_inner_);
   }
-  // xc = silu(conv(x) + bias)
-  causal_conv1d(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, ConstTensor3<float, Mem>(),
-                impl::mamba1_token_tensor(a.xc, batch), Tensor3<float, Mem>(), Conv1dActivation::silu);
+  // xc = silu(conv(x) + bias), from and into the cache's conv window when there is one
+  const Tensor3<float, Mem> conv_state = cache != nullptr ? cache->conv : Tensor3<float, Mem>();
+  causal_conv1d(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, conv_state,
+                impl::mamba1_token_tensor(a.xc, batch), conv_state, Conv1dActivation::silu);
   // [dt | B | C] = xc·x_projᵀ;  delta = dt·dt_projᵀ
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_dt, 0.0f, a.dt);
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_bc, 0.0f, a.bc);
@@ -529,13 +580,115 @@ void Mamba1Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
   scan.z = a.z_channels;
   scan.delta_bias = p.dt_bias;
   scan.delta_softplus = true;
-  selective_scan_forward(exec, scan, a.y_channels, Tensor3<float, Mem>());
+  const Tensor3<float, Mem> ssm_state = cache != nullptr ? cache->ssm : Tensor3<float, Mem>();
+  scan.initial_state = ssm_state;
+  selective_scan_forward(exec, scan, a.y_channels, ssm_state);
   // out = y·out_projᵀ (+ bias)
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::y_to_tokens", a.y, 0, a.y_channels);
   const Tensor2<float, Mem> out_rows = impl::mamba1_token_rows(out);
   gemm(Transpose::No, Transpose::Yes, a.y, p.out_weight, 0.0f, out_rows);
   if (dims.bias) impl::mamba1_add_bias(exec, out_rows, p.out_bias, 0);
-  kept_ = keep_for_backward;
+}
+
+template <class ExecutionSpace>
+std::array<int, 5> Mamba1Mixer<ExecutionSpace>::shape_key() const {
+  return {d_model_, d_inner_, d_state_, d_conv_, dt_rank_};
+}
+
+template <class ExecutionSpace>
+std::unique_ptr<MixerCache<ExecutionSpace>> Mamba1Mixer<ExecutionSpace>::make_cache(int batch) const {
+  KMAMBA_REQUIRE(batch >= 1, "kmamba::Mamba1Mixer::make_cache: batch must be at least 1, got " << batch);
+  return std::unique_ptr<MixerCache<ExecutionSpace>>(new Cache(*this, batch));
+}
+
+template <class ExecutionSpace>
+typename Mamba1Mixer<ExecutionSpace>::Cache& Mamba1Mixer<ExecutionSpace>::cache_of(const char* function,
+                                                                                    MixerCache<ExecutionSpace>& cache,
+                                                                                    std::int64_t batch) const {
+  Cache* const mine = dynamic_cast<Cache*>(&cache);
+  KMAMBA_REQUIRE(mine != nullptr && mine->shape == shape_key(),
+                 function << ": the cache was not made by a Mamba-1 mixer of these dimensions (d_model " << d_model_
+                          << ", d_inner " << d_inner_ << ", d_state " << d_state_ << ", d_conv " << d_conv_
+                          << ", dt_rank " << dt_rank_ << ")");
+  KMAMBA_REQUIRE(mine->batch() == batch,
+                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
+  return *mine;
+}
+
+template <class ExecutionSpace>
+void Mamba1Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab& slab,
+                                          const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+                                          const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+                                          MixerCache<ExecutionSpace>& cache) {
+  constexpr const char* function = "kmamba::Mamba1Mixer::prefill";
+  const auto batch = static_cast<std::int64_t>(u.extent(0)), seqlen = static_cast<std::int64_t>(u.extent(1));
+  check_shape(function, "u", u, {batch, seqlen, d_model_}, "(batch, seqlen, d_model)");
+  check_shape(function, "out", out, {batch, seqlen, d_model_}, "(batch, seqlen, d_model) of u");
+  Cache& c = cache_of(function, cache, batch);
+  impl::mamba1_tensors(function, slab, prefix_, impl::mamba1_dims(config_), false);  // checked for seqlen 0 too
+  release_activations();
+  if (seqlen == 0) return;
+  impl::mamba1_check_activation(function, "u", u, batch, seqlen, d_model_);
+  impl::mamba1_check_activation(function, "out", out, batch, seqlen, d_model_);
+  prepare_activations(batch, seqlen, false);
+  run_forward(exec, function, slab, u, out, &c);
+  act_ = Activations{};  // the segment's buffers are not kept between segments
+}
+
+template <class ExecutionSpace>
+void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& slab,
+                                       const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+                                       const Tensor2<float, memory_space>& out,     // (batch, d_model)
+                                       MixerCache<ExecutionSpace>& cache) const {
+  using Mem = memory_space;
+  constexpr const char* function = "kmamba::Mamba1Mixer::step";
+  const auto batch = static_cast<std::int64_t>(u.extent(0));
+  check_shape(function, "u", u, {batch, d_model_}, "(batch, d_model)");
+  check_shape(function, "out", out, {batch, d_model_}, "(batch, d_model) of u");
+  check_allocated(function, "u", u);
+  check_allocated(function, "out", out);
+  Cache& c = cache_of(function, cache, batch);
+  const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
+  const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
+  const auto gemm = [&](const ConstTensor2<float, Mem>& A, const ConstTensor2<float, Mem>& W,
+                        const Tensor2<float, Mem>& C) {
+    kmamba::gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, W, 0.0f, C);
+  };
+  const std::size_t n = static_cast<std::size_t>(d_state_), e = static_cast<std::size_t>(d_inner_),
+                    b = static_cast<std::size_t>(batch);
+
+  // [x | z] = u·in_projᵀ (+ bias);  xc = silu(conv_update(x) + bias)
+  gemm(u, p.in_x, c.x);
+  gemm(u, p.in_z, c.z);
+  if (dims.bias) {
+    impl::mamba1_add_bias(exec, c.x, p.in_bias, 0);
+    impl::mamba1_add_bias(exec, c.z, p.in_bias, d_inner_);
+  }
+  causal_conv1d_update(exec, c.x, p.conv_weight, p.conv_bias, c.conv, c.xc, Conv1dActivation::silu);
+  // [dt | B | C] = xc·x_projᵀ, each part into its own buffer;  delta = dt·dt_projᵀ
+  gemm(c.xc, p.x_dt, c.dt);
+  gemm(c.xc, ConstTensor2<float, Mem>(p.x_bc.data(), n, e), Tensor2<float, Mem>(c.B.data(), b, n));
+  gemm(c.xc, ConstTensor2<float, Mem>(p.x_bc.data() + n * e, n, e), Tensor2<float, Mem>(c.C.data(), b, n));
+  gemm(c.dt, p.dt_weight, c.delta);
+  Kokkos::parallel_for("kmamba::decode::mamba1::A",
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(c.A.size())),
+                       impl::Mamba1NegativeExp<Mem>{ConstTensor1<float, Mem>(p.A_log.data(), p.A_log.size()),
+                                                    Tensor1<float, Mem>(c.A.data(), c.A.size())});
+  SelectiveScanStepArgs<Mem> scan;
+  scan.u = c.xc;
+  scan.delta = c.delta;
+  scan.A = c.A;
+  scan.B = c.B;
+  scan.C = c.C;
+  scan.D = p.D;
+  scan.z = c.z;
+  scan.delta_bias = p.dt_bias;
+  scan.delta_softplus = true;
+  selective_scan_step(exec, scan, c.ssm, c.y);
+  // out = y·out_projᵀ (+ bias)
+  gemm(c.y, p.out_weight, out);
+  if (dims.bias) impl::mamba1_add_bias(exec, out, p.out_bias, 0);
 }
 
 template <class ExecutionSpace>

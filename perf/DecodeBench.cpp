@@ -1,0 +1,265 @@
+// kmamba-perf-decode: recurrent inference of a mamba2-130m-shaped language model (random weights:
+// d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, vocab 50277 padded to 50288, tied
+// head), fp32 weights and states.
+//
+//   kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]
+//
+// Cases:
+//   decode step b1 / b64   one LanguageModel::decode_step for the whole batch, fenced, median over R
+//                          steps after a prefill: the latency per token (b1) and the throughput (b64)
+//   generate b1 / b64      kmamba::generate with a greedy sampler (prefill of the prompt, then decode
+//                          steps with the logits copied to the host and sampled there): the prefill and
+//                          decode tokens/s of its GenerationStats
+//   prefill                LanguageModel::prefill over (batch, seqlen) tokens: tokens/s
+// The floor of a decode step is its bytes over the H200's measured bandwidth (algorithms.md §6.5,
+// perf-anchors.md §6.3): every weight read once per step (the LM head's real rows included) plus,
+// per sequence, the SSM and conv states read and written, all fp32 here (the anchors' table uses
+// bf16 weights). The prefill floor is its FLOPs (projections, SSD, head of the last position) over
+// the fp32 FMA rate. On a host the ratio is printed against the same H200 floor, as a reference only.
+// --small keeps the model and shrinks the batch, prompt and step counts to what a 2-core CPU runs in
+// about a minute.
+#include <kmamba/KMamba.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+// H200 ceilings: measured device copy bandwidth; fp32 FMA rate from perf-anchors.md §6.
+constexpr double hbm_bytes_per_s = 4.3e12;
+constexpr double fp32_flop_per_s = 60e12;
+
+struct Options {
+  std::string space, mixer = "mamba2";
+  bool small = false;
+  int repeats = 20;
+};
+
+struct Shapes {
+  int batch_large, prompt, new_tokens, prefill_batch, prefill_seqlen;
+};
+
+Shapes shapes_for(const Options& o) {
+  return o.small ? Shapes{8, 32, 8, 1, 256} : Shapes{64, 128, 64, 8, 512};
+}
+
+kmamba::ModelConfig model_config(const std::string& mixer) {
+  kmamba::ModelConfig c;
+  KMAMBA_REQUIRE(mixer == "mamba2" || mixer == "mamba1",
+                 "kmamba-perf-decode: --mixer must be mamba2 or mamba1, got '" << mixer << "'");
+  c.mixer = mixer == "mamba2" ? kmamba::MixerKind::Mamba2 : kmamba::MixerKind::Mamba1;
+  c.d_model = 768;
+  c.n_layer = 24;
+  c.vocab_size = 50277;
+  c.pad_vocab_size_multiple = 16;
+  c.d_state = mixer == "mamba2" ? 128 : 16;
+  c.headdim = 64;
+  c.ngroups = 1;
+  c.expand = 2;
+  c.d_conv = 4;
+  c.chunk_size = 256;
+  c.tie_embeddings = true;
+  c.validate();
+  return c;
+}
+
+// Bytes a decode step must move and FLOPs it must do (algorithms.md §6.5), fp32 everywhere.
+struct StepCost {
+  double weight_bytes = 0, state_bytes_per_sequence = 0, flops_per_sequence = 0;
+  double bytes(int batch) const { return weight_bytes + batch * state_bytes_per_sequence; }
+};
+
+StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters) {
+  const double dm = c.d_model, E = c.d_inner(), N = c.d_state, W = c.d_conv, V = c.vocab_size;
+  const double padded = c.padded_vocab_size();
+  const double GN = c.mixer == kmamba::MixerKind::Mamba2 ? c.ngroups * N : 0;
+  const double conv_channels = E + 2 * GN;  // Mamba-2 convolves x, B and C; Mamba-1 x only
+  StepCost cost;
+  // Every parameter except the embedding's padding rows (the tied head reads its real rows).
+  const double read = static_cast<double>(parameters) - (padded - V) * dm;
+  cost.weight_bytes = 4.0 * read;
+  // The SSM state is E·N per layer for both (Mamba-2: nheads·headdim·N), read and written.
+  cost.state_bytes_per_sequence = c.n_layer * 2.0 * 4.0 * (E * N + conv_channels * (W - 1));
+  const double matmul = read - V * dm;  // the layers' weights; the head below
+  cost.flops_per_sequence = 2.0 * matmul + 2.0 * V * dm + c.n_layer * (5.0 * E * N + 2.0 * W * conv_channels + 10.0 * E);
+  return cost;
+}
+
+// FLOPs of a prefill over `tokens` tokens (algorithms.md §6.1, chunk Q): projections and SSD per
+// token, the head for the last position of each of `batch` sequences.
+double prefill_flops(const kmamba::ModelConfig& c, std::size_t parameters, double tokens, int batch) {
+  const double dm = c.d_model, E = c.d_inner(), N = c.d_state, Q = c.chunk_size, G = c.ngroups;
+  const double layer_weights = static_cast<double>(parameters) - c.padded_vocab_size() * dm;
+  const double scan = c.mixer == kmamba::MixerKind::Mamba2 ? 4 * E * N + Q * E + 2 * Q * G * N : 9 * E * N;
+  return tokens * (2.0 * layer_weights + c.n_layer * scan) + batch * 2.0 * c.vocab_size * dm;
+}
+
+template <class Exec, class F>
+double median_seconds(const Exec& exec, int repeats, const F& run) {
+  std::vector<double> t;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    exec.fence();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void report(const char* name, const std::string& shape, double seconds, double tokens, double bytes, double flops) {
+  const double floor_s = std::max(bytes / hbm_bytes_per_s, flops / fp32_flop_per_s);
+  std::printf("%-22s %-30s %10.3f ms %12.1f tok/s %8.1f GB/s %8.1f GFLOP/s   floor %8.3f ms  x%.1f\n", name,
+              shape.c_str(), seconds * 1e3, tokens / seconds, bytes / seconds * 1e-9, flops / seconds * 1e-9,
+              floor_s * 1e3, seconds / floor_s);
+}
+
+std::vector<std::vector<std::int64_t>> random_prompts(int batch, int length, int vocab) {
+  std::vector<std::vector<std::int64_t>> prompts(static_cast<std::size_t>(batch));
+  std::uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (auto& p : prompts) {
+    for (int t = 0; t < length; ++t) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      p.push_back(static_cast<std::int64_t>(x % static_cast<std::uint64_t>(vocab)));
+    }
+  }
+  return prompts;
+}
+
+template <class Exec>
+void run_space(const Options& o) {
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  const Shapes s = shapes_for(o);
+  const kmamba::ModelConfig config = model_config(o.mixer);
+  kmamba::LanguageModel<Exec> model(config);
+  model.initialize(1);
+  const std::size_t parameters = model.parameters().size();
+  const StepCost cost = step_cost(config, parameters);
+  std::printf("model: %s, d_model %d, %d layers, d_state %d, vocab %d (padded %d), %.1f M parameters (fp32 %.0f MB), "
+              "state %.1f MB per sequence (fp32, conv included)\n",
+              kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, config.d_state, config.vocab_size,
+              config.padded_vocab_size(), parameters * 1e-6, parameters * 4e-6, cost.state_bytes_per_sequence / 2 * 1e-6);
+  std::printf("%-22s %-30s %13s %18s %13s %16s   %s\n", "case", "shape", "median", "throughput", "bandwidth",
+              "arithmetic", "H200 floor and ratio");
+  const int vocab = config.vocab_size;
+  const kmamba::TokenSampler greedy = [](const float* logits, int v, int, const std::vector<std::int64_t>&) {
+    return static_cast<std::int64_t>(std::max_element(logits, logits + v) - logits);
+  };
+
+  for (const int batch : {1, s.batch_large}) {
+    const auto prompts = random_prompts(batch, s.prompt, vocab);
+    char shape[96];
+    // One decode step for the batch, after a prefill of the prompt.
+    {
+      auto state = model.make_decode_state(batch);
+      auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
+      auto host_ids = Kokkos::create_mirror_view(ids);
+      for (int b = 0; b < batch; ++b) {
+        for (int t = 0; t < s.prompt; ++t) host_ids(b, t) = prompts[b][t];
+      }
+      Kokkos::deep_copy(ids, host_ids);
+      auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
+      model.prefill(exec, ids, state, logits);
+      auto next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
+      Kokkos::deep_copy(next, 11);
+      model.decode_step(exec, next, state, logits);  // warm-up
+      const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, next, state, logits); });
+      std::snprintf(shape, sizeof shape, "b%d after %d tokens (%s)", batch, s.prompt, Exec::name());
+      report(batch == 1 ? "decode step b1" : "decode step batch", shape, t, batch, cost.bytes(batch),
+             batch * cost.flops_per_sequence);
+    }
+    // The generation loop: greedy, logits to the host every step.
+    {
+      kmamba::GenerationOptions options;
+      options.max_new_tokens = s.new_tokens;
+      const kmamba::GenerationResult r = kmamba::generate(exec, model, prompts, greedy, options);
+      const kmamba::GenerationStats& g = r.stats;
+      std::snprintf(shape, sizeof shape, "b%d L%d +%d (%s)", batch, s.prompt, s.new_tokens, Exec::name());
+      std::printf("%-22s %-30s prefill %.1f tok/s (%.3f s), decode %.1f tok/s (%lld steps, %.3f ms/step)\n",
+                  batch == 1 ? "generate b1" : "generate batch", shape, g.prefill_tokens_per_second(),
+                  g.prefill_seconds, g.decode_tokens_per_second(), static_cast<long long>(g.decode_steps),
+                  g.decode_steps > 0 ? g.decode_seconds / static_cast<double>(g.decode_steps) * 1e3 : 0.0);
+    }
+  }
+
+  // Prefill throughput.
+  {
+    auto state = model.make_decode_state(s.prefill_batch);
+    auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prefill_ids",
+                                                                                   s.prefill_batch, s.prefill_seqlen);
+    auto host_ids = Kokkos::create_mirror_view(ids);
+    const auto prompts = random_prompts(s.prefill_batch, s.prefill_seqlen, vocab);
+    for (int b = 0; b < s.prefill_batch; ++b) {
+      for (int t = 0; t < s.prefill_seqlen; ++t) host_ids(b, t) = prompts[b][t];
+    }
+    Kokkos::deep_copy(ids, host_ids);
+    auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::prefill_logits",
+                                                                              s.prefill_batch, vocab);
+    const int repeats = std::max(1, std::min(o.repeats, 5));
+    const double t = median_seconds(exec, repeats, [&] {
+      state.reset(exec);
+      model.prefill(exec, ids, state, logits);
+    });
+    const double tokens = static_cast<double>(s.prefill_batch) * s.prefill_seqlen;
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "b%d L%d (%s)", s.prefill_batch, s.prefill_seqlen, Exec::name());
+    report("prefill", shape, t, tokens, 4.0 * static_cast<double>(parameters),
+           prefill_flops(config, parameters, tokens, s.prefill_batch));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::printf("usage: kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]\n"
+                  "  --small   batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU);\n"
+                  "            default: batch 1 and 64, prompt 128, 64 new tokens, prefill 8x512\n");
+      return 0;
+    }
+  }
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        KMAMBA_REQUIRE(i + 1 < argc, "kmamba-perf-decode: " << a << " needs a value");
+        return argv[++i];
+      };
+      if (a == "--space") o.space = value();
+      else if (a == "--small") o.small = true;
+      else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--mixer") o.mixer = value();
+      else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-decode: unknown argument '" << a << "'");
+    }
+    kmamba::print_configuration(std::cout);
+    const std::string space = o.space.empty() ? Kokkos::DefaultExecutionSpace::name() : o.space;
+    bool ran = false;
+#if KMAMBA_ENABLE_CUDA
+    if (space == "Cuda") run_space<Kokkos::Cuda>(o), ran = true;
+#endif
+#if KMAMBA_HAS_OPENMP
+    if (space == "OpenMP") run_space<Kokkos::OpenMP>(o), ran = true;
+#endif
+#if KMAMBA_HAS_SERIAL
+    if (space == "Serial") run_space<Kokkos::Serial>(o), ran = true;
+#endif
+    KMAMBA_REQUIRE(ran, "kmamba-perf-decode: --space " << space << " is not an execution space of this build");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+}

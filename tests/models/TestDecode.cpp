@@ -1,0 +1,503 @@
+// Recurrent inference (algorithms.md §1.6, §2.10, §5) against the chunked forward:
+// - mixer level, Mamba-1 and Mamba-2 (random reference init, seqlen not a multiple of the chunk):
+//   prefill + steps, prefill in two segments, and steps alone from a reset cache ≡ forward;
+// - model level: prefill of a prompt + decode steps ≡ one forward over the whole sequence (the
+//   golden tiny checkpoints, also against their golden logits, and random models with a padded,
+//   tied or untied head); prefill in two segments ≡ one prefill;
+// - generation: prompts of different lengths in one batch ≡ each prompt alone; greedy generation
+//   is deterministic, matches the arg-max of a full forward, stops at stop tokens and
+//   max_new_tokens, streams every token through the callback and counts its work;
+// - errors: another mixer's cache, another model's state, a wrong batch, bad tokens.
+//
+// Tolerances, max|Δ| / max|ref| over the compared outputs: 5e-5 between the recurrent and the
+// chunked paths of kmamba (they differ only in summation order; ~1e-6 observed on Serial and
+// OpenMP), and ‖Δ‖/‖ref‖ ≤ 2e-4 against the golden logits (the golden README's tolerance).
+#include <kmamba/models/Generation.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/TensorIO.hpp>
+
+#include "Backends.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+const std::string golden_dir = KMAMBA_GOLDEN_DIR;
+constexpr double recurrent_tolerance = 5e-5;
+
+template <class View>
+std::vector<typename View::non_const_value_type> to_vector(const View& view) {
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  return std::vector<typename View::non_const_value_type>(host.data(), host.data() + host.span());
+}
+
+// A device tensor of the given extents holding `values` (row-major).
+template <class ViewType, class T, class... Extents>
+ViewType to_device(const std::vector<T>& values, Extents... extents) {
+  ViewType view("kmamba::test::decode_input", static_cast<std::size_t>(extents)...);
+  EXPECT_EQ(view.span(), values.size());
+  const auto host = Kokkos::create_mirror_view(view);
+  std::copy(values.begin(), values.end(), host.data());
+  Kokkos::deep_copy(view, host);
+  return view;
+}
+
+// Positions [first, last) of a row-major (batch, seqlen, width) host array.
+template <class T>
+std::vector<T> positions(const std::vector<T>& v, std::size_t batch, std::size_t seqlen, std::size_t width,
+                         std::size_t first, std::size_t last) {
+  std::vector<T> out;
+  for (std::size_t b = 0; b < batch; ++b) {
+    out.insert(out.end(), v.begin() + static_cast<std::ptrdiff_t>((b * seqlen + first) * width),
+               v.begin() + static_cast<std::ptrdiff_t>((b * seqlen + last) * width));
+  }
+  return out;
+}
+
+// Writes `part` (batch, count, width) into positions [first, first + count) of `whole`.
+void put_positions(std::vector<float>& whole, const std::vector<float>& part, std::size_t batch, std::size_t seqlen,
+                   std::size_t width, std::size_t first) {
+  const std::size_t count = part.size() / (batch * width);
+  for (std::size_t b = 0; b < batch; ++b) {
+    std::copy(part.begin() + static_cast<std::ptrdiff_t>(b * count * width),
+              part.begin() + static_cast<std::ptrdiff_t>((b + 1) * count * width),
+              whole.begin() + static_cast<std::ptrdiff_t>((b * seqlen + first) * width));
+  }
+}
+
+double max_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  EXPECT_EQ(got.size(), ref.size());
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+double l2_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
+    norm += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+std::vector<float> uniform_values(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(-1.5f, 1.5f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Mixer level.
+
+kmamba::ModelConfig small_mamba2_config(bool bias, bool norm_before_gate) {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba2;
+  c.d_model = 16;
+  c.n_layer = 2;
+  c.vocab_size = 40;
+  c.expand = 2;
+  c.headdim = 8;
+  c.ngroups = 2;
+  c.d_state = 8;
+  c.d_conv = 4;
+  c.chunk_size = 4;
+  c.bias = bias;
+  c.norm_before_gate = norm_before_gate;
+  c.validate();
+  return c;
+}
+
+kmamba::ModelConfig small_mamba1_config(bool bias) {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba1;
+  c.d_model = 16;
+  c.n_layer = 2;
+  c.vocab_size = 40;
+  c.expand = 2;
+  c.d_state = 8;
+  c.d_conv = 4;
+  c.dt_rank = 3;
+  c.bias = bias;
+  c.validate();
+  return c;
+}
+
+// prefill(u[:, :split]) then steps, prefill in two segments, and steps alone ≡ forward(u).
+template <class Exec>
+void check_mixer_recurrence(const kmamba::ModelConfig& config, int batch, int seqlen, int split) {
+  using Mem = typename Exec::memory_space;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  const Exec exec;
+  const std::size_t b = static_cast<std::size_t>(batch), L = static_cast<std::size_t>(seqlen),
+                    dm = static_cast<std::size_t>(config.d_model), s = static_cast<std::size_t>(split);
+  auto mixer = kmamba::make_mixer<Exec>(config, "backbone.layers.0.mixer.");
+  kmamba::ParameterSlab<Mem> slab;
+  mixer->declare_parameters(slab);
+  slab.finalize("kmamba::test::decode_slab");
+  mixer->initialize(exec, slab, 5);
+  const std::vector<float> u = uniform_values(b * L * dm, 17);
+  T3 reference("kmamba::test::reference", b, L, dm);
+  mixer->forward(exec, slab, to_device<T3>(u, b, L, dm), reference, false);
+  const std::vector<float> expected = to_vector(reference);
+
+  const auto run_steps = [&](kmamba::MixerCache<Exec>& cache, std::size_t first, std::vector<float>& got) {
+    T2 out("kmamba::test::step_out", b, dm);
+    for (std::size_t t = first; t < L; ++t) {
+      mixer->step(exec, slab, to_device<T2>(positions(u, b, L, dm, t, t + 1), b, dm), out, cache);
+      put_positions(got, to_vector(out), b, L, dm, t);
+    }
+  };
+  const auto run_prefill = [&](kmamba::MixerCache<Exec>& cache, std::size_t first, std::size_t last,
+                               std::vector<float>& got) {
+    T3 out("kmamba::test::prefill_out", b, last - first, dm);
+    mixer->prefill(exec, slab, to_device<T3>(positions(u, b, L, dm, first, last), b, last - first, dm), out, cache);
+    put_positions(got, to_vector(out), b, L, dm, first);
+  };
+
+  auto cache = mixer->make_cache(batch);
+  ASSERT_EQ(cache->batch(), batch);
+  std::vector<float> got(expected.size(), std::nanf(""));
+  run_prefill(*cache, 0, s, got);
+  run_steps(*cache, s, got);
+  const double prefill_then_steps = max_relative_error(got, expected);
+  EXPECT_LE(prefill_then_steps, recurrent_tolerance);
+
+  cache->reset(exec);
+  std::fill(got.begin(), got.end(), std::nanf(""));
+  run_prefill(*cache, 0, s, got);
+  run_prefill(*cache, s, s, got);  // an empty segment changes nothing
+  run_prefill(*cache, s, L, got);
+  const double two_segments = max_relative_error(got, expected);
+  EXPECT_LE(two_segments, recurrent_tolerance);
+
+  cache->reset(exec);
+  std::fill(got.begin(), got.end(), std::nanf(""));
+  run_steps(*cache, 0, got);
+  const double steps_only = max_relative_error(got, expected);
+  EXPECT_LE(steps_only, recurrent_tolerance);
+  std::printf("[ decode   ] %s mixer, %s: prefill+steps %.2e, two prefills %.2e, steps only %.2e\n",
+              kmamba::mixer_name(config.mixer), Exec::name(), prefill_then_steps, two_segments, steps_only);
+}
+
+template <class Exec>
+class DecodeTest : public ::testing::Test {};
+TYPED_TEST_SUITE(DecodeTest, kmamba::test::Backends, kmamba::test::BackendNames);
+
+TYPED_TEST(DecodeTest, Mamba2MixerStepsMatchForward) {
+  check_mixer_recurrence<TypeParam>(small_mamba2_config(false, false), 2, 11, 5);
+  check_mixer_recurrence<TypeParam>(small_mamba2_config(true, true), 3, 10, 7);
+}
+
+TYPED_TEST(DecodeTest, Mamba1MixerStepsMatchForward) {
+  check_mixer_recurrence<TypeParam>(small_mamba1_config(false), 2, 11, 5);
+  check_mixer_recurrence<TypeParam>(small_mamba1_config(true), 3, 10, 1);
+}
+
+TYPED_TEST(DecodeTest, MixersRejectForeignCaches) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  auto m1 = kmamba::make_mixer<Exec>(small_mamba1_config(false), "a.");
+  auto m2 = kmamba::make_mixer<Exec>(small_mamba2_config(false, false), "b.");
+  kmamba::ModelConfig wider = small_mamba2_config(false, false);
+  wider.d_state = 16;
+  auto m2_wide = kmamba::make_mixer<Exec>(wider, "c.");
+  kmamba::ParameterSlab<Mem> slab;
+  m1->declare_parameters(slab);
+  m2->declare_parameters(slab);
+  m2_wide->declare_parameters(slab);
+  slab.finalize("kmamba::test::decode_slab");
+  kmamba::Tensor2<float, Mem> u("kmamba::test::u", 2, 16), out("kmamba::test::out", 2, 16);
+  auto cache1 = m1->make_cache(2);
+  auto cache2 = m2->make_cache(2);
+  auto cache2_single = m2->make_cache(1);
+  EXPECT_THROW(m2->step(exec, slab, u, out, *cache1), kmamba::UserError);
+  EXPECT_THROW(m1->step(exec, slab, u, out, *cache2), kmamba::UserError);
+  EXPECT_THROW(m2_wide->step(exec, slab, u, out, *cache2), kmamba::UserError);
+  EXPECT_THROW(m2->step(exec, slab, u, out, *cache2_single), kmamba::UserError);
+  EXPECT_THROW(m1->make_cache(0), kmamba::UserError);
+  kmamba::Tensor3<float, Mem> seq("kmamba::test::seq", 2, 3, 16), seq_out("kmamba::test::seq_out", 2, 3, 16);
+  EXPECT_THROW(m1->prefill(exec, slab, seq, seq_out, *cache2), kmamba::UserError);
+  EXPECT_NO_THROW(m2->step(exec, slab, u, out, *cache2));
+  EXPECT_NO_THROW(m1->prefill(exec, slab, seq, seq_out, *cache1));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Model level.
+
+kmamba::ModelConfig random_model_config(kmamba::MixerKind kind) {
+  kmamba::ModelConfig c;
+  c.mixer = kind;
+  c.d_model = 32;
+  c.n_layer = 2;
+  c.vocab_size = 50;
+  c.pad_vocab_size_multiple = 8;  // 56 rows: the padding rows must not reach the logits
+  c.d_state = 8;
+  c.headdim = 8;
+  c.ngroups = 2;
+  c.chunk_size = 4;
+  c.dt_rank = 4;
+  c.tie_embeddings = kind == kmamba::MixerKind::Mamba2;
+  c.validate();
+  return c;
+}
+
+template <class Exec>
+kmamba::LanguageModel<Exec> random_model(kmamba::MixerKind kind) {
+  kmamba::LanguageModel<Exec> model(random_model_config(kind));
+  model.initialize(23);
+  return model;
+}
+
+std::vector<std::int64_t> random_ids(std::size_t n, int vocab, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> d(0, vocab - 1);
+  std::vector<std::int64_t> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Prefill of ids[:, :prefix], then one decode step per remaining token (teacher forcing); returns
+// the logits after every position from prefix − 1 on, (batch, seqlen − prefix + 1, vocab).
+template <class Exec>
+std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
+                                      std::size_t batch, std::size_t seqlen, std::size_t prefix) {
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  const std::size_t V = static_cast<std::size_t>(model.config().vocab_size), n = seqlen - prefix + 1;
+  auto state = model.make_decode_state(static_cast<int>(batch));
+  kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, V);
+  std::vector<float> all(batch * n * V);
+  model.prefill(exec, to_device<kmamba::Tensor2<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, 0, prefix), batch, prefix),
+                state, logits);
+  put_positions(all, to_vector(logits), batch, n, V, 0);
+  for (std::size_t t = prefix; t < seqlen; ++t) {
+    model.decode_step(exec, to_device<kmamba::Tensor1<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, t, t + 1), batch),
+                      state, logits);
+    put_positions(all, to_vector(logits), batch, n, V, t - prefix + 1);
+  }
+  EXPECT_EQ(state.position(), static_cast<std::int64_t>(seqlen));
+  return all;
+}
+
+template <class Exec>
+std::vector<float> forward_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
+                                  std::size_t batch, std::size_t seqlen) {
+  using Mem = typename Exec::memory_space;
+  kmamba::Tensor3<float, Mem> logits("kmamba::test::forward_logits", batch, seqlen,
+                                     static_cast<std::size_t>(model.config().vocab_size));
+  model.forward(Exec(), to_device<kmamba::Tensor2<std::int64_t, Mem>>(ids, batch, seqlen), logits);
+  return to_vector(logits);
+}
+
+template <class Exec>
+void check_golden_incremental(const std::string& name) {
+  SCOPED_TRACE(name);
+  auto model = kmamba::LanguageModel<Exec>::load(golden_dir + "/" + name);
+  const kmamba::SafeTensorsReader io(golden_dir + "/" + name + "_io.safetensors");
+  const auto ids_view = kmamba::read_view<kmamba::Tensor2<std::int64_t, Kokkos::HostSpace>>(io, "input_ids");
+  const std::vector<std::int64_t> ids(ids_view.data(), ids_view.data() + ids_view.span());
+  const std::size_t batch = ids_view.extent(0), seqlen = ids_view.extent(1), V = 96, prefix = 13;
+  const std::vector<float> got = incremental_logits(model, ids, batch, seqlen, prefix);
+  const double vs_forward = max_relative_error(got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V,
+                                                              prefix - 1, seqlen));
+  const double vs_golden = l2_relative_error(got, positions(io.read_f32("logits"), batch, seqlen, V, prefix - 1, seqlen));
+  EXPECT_LE(vs_forward, recurrent_tolerance);
+  EXPECT_LE(vs_golden, 2e-4);
+  std::printf("[ decode   ] %s, %s: prefill %zu + %zu steps vs forward %.2e, vs golden %.2e\n", name.c_str(),
+              Exec::name(), prefix, seqlen - prefix, vs_forward, vs_golden);
+}
+
+TYPED_TEST(DecodeTest, GoldenPrefillThenStepsMatchForward) {
+  check_golden_incremental<TypeParam>("tiny_mamba1");
+  check_golden_incremental<TypeParam>("tiny_mamba2");
+}
+
+TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
+  using Exec = TypeParam;
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    const std::size_t batch = 3, seqlen = 17, V = 50;
+    const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 3);
+    for (const std::size_t prefix : {std::size_t(1), std::size_t(6), std::size_t(17)}) {
+      const std::vector<float> got = incremental_logits(model, ids, batch, seqlen, prefix);
+      EXPECT_LE(max_relative_error(got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V, prefix - 1,
+                                                  seqlen)),
+                recurrent_tolerance)
+          << "prefix " << prefix;
+    }
+  }
+}
+
+TYPED_TEST(DecodeTest, PrefillInTwoSegmentsEqualsOnePrefill) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+  const Exec exec;
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    const std::size_t batch = 2, seqlen = 13, cut = 5;
+    const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 9);
+    kmamba::Tensor2<float, Mem> one("kmamba::test::one", batch, 50), two("kmamba::test::two", batch, 50);
+    auto whole = model.make_decode_state(2);
+    model.prefill(exec, to_device<Ids>(ids, batch, seqlen), whole, one);
+    auto split = model.make_decode_state(2);
+    model.prefill(exec, to_device<Ids>(positions(ids, batch, seqlen, 1, 0, cut), batch, cut), split, {});
+    model.prefill(exec, to_device<Ids>(positions(ids, batch, seqlen, 1, cut, seqlen), batch, seqlen - cut), split, two);
+    EXPECT_EQ(split.position(), whole.position());
+    EXPECT_LE(max_relative_error(to_vector(two), to_vector(one)), recurrent_tolerance);
+    // The states agree too: the next step gives the same logits.
+    const auto next = to_device<kmamba::Tensor1<std::int64_t, Mem>>(std::vector<std::int64_t>{4, 41}, batch);
+    model.decode_step(exec, next, whole, one);
+    model.decode_step(exec, next, split, two);
+    EXPECT_LE(max_relative_error(to_vector(two), to_vector(one)), recurrent_tolerance);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Generation.
+
+std::int64_t argmax(const float* logits, int vocab) {
+  return static_cast<std::int64_t>(std::max_element(logits, logits + vocab) - logits);
+}
+
+// A greedy sampler that also records every logits row it is given, per sequence.
+struct RecordingGreedy {
+  std::vector<std::vector<float>>* rows;
+  std::int64_t operator()(const float* logits, int vocab, int sequence, const std::vector<std::int64_t>&) const {
+    auto& row = (*rows)[static_cast<std::size_t>(sequence)];
+    row.insert(row.end(), logits, logits + vocab);
+    return argmax(logits, vocab);
+  }
+};
+
+TYPED_TEST(DecodeTest, PromptsOfDifferentLengthsMatchEachPromptAlone) {
+  using Exec = TypeParam;
+  const Exec exec;
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    const std::vector<std::vector<std::int64_t>> prompts = {random_ids(9, 50, 1), random_ids(3, 50, 2),
+                                                            random_ids(14, 50, 3), random_ids(3, 50, 4)};
+    kmamba::GenerationOptions options;
+    options.max_new_tokens = 7;
+    std::vector<std::vector<float>> batched_rows(prompts.size());
+    const kmamba::GenerationResult batched =
+        kmamba::generate(exec, model, prompts, RecordingGreedy{&batched_rows}, options);
+    EXPECT_EQ(batched.stats.prefill_tokens, 4 * 3);
+    EXPECT_EQ(batched.stats.generated_tokens, 4 * 7);
+    EXPECT_EQ(batched.stats.decode_steps, 14 - 3 + 7 - 1);
+    for (std::size_t s = 0; s < prompts.size(); ++s) {
+      std::vector<std::vector<float>> alone_rows(1);
+      const kmamba::GenerationResult alone =
+          kmamba::generate(exec, model, {prompts[s]}, RecordingGreedy{&alone_rows}, options);
+      EXPECT_EQ(batched.tokens[s], alone.tokens[0]) << "sequence " << s;
+      EXPECT_LE(max_relative_error(batched_rows[s], alone_rows[0]), recurrent_tolerance) << "sequence " << s;
+    }
+  }
+}
+
+TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
+  using Exec = TypeParam;
+  const Exec exec;
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    const std::vector<std::vector<std::int64_t>> prompts = {random_ids(6, 50, 11), random_ids(10, 50, 12)};
+    const kmamba::TokenSampler greedy = [](const float* logits, int vocab, int, const std::vector<std::int64_t>&) {
+      return argmax(logits, vocab);
+    };
+    kmamba::GenerationOptions options;
+    options.max_new_tokens = 9;
+    std::vector<std::vector<std::int64_t>> streamed(prompts.size());
+    const auto stream = [&](int s, std::int64_t token) { streamed[static_cast<std::size_t>(s)].push_back(token); };
+    const auto first = kmamba::generate(exec, model, prompts, greedy, options, stream);
+    auto state = model.make_decode_state(2);
+    const auto second = kmamba::generate(exec, model, state, prompts, greedy, options);
+    const auto third = kmamba::generate(exec, model, state, prompts, greedy, options);  // the state is reset
+    EXPECT_EQ(first.tokens, second.tokens);
+    EXPECT_EQ(first.tokens, third.tokens);
+    EXPECT_EQ(first.tokens, streamed);
+    for (std::size_t s = 0; s < prompts.size(); ++s) {
+      ASSERT_EQ(first.tokens[s].size(), 9u);
+      // Each generated token is the arg-max of a full forward over the prompt and the tokens before it.
+      std::vector<std::int64_t> sequence = prompts[s];
+      sequence.insert(sequence.end(), first.tokens[s].begin(), first.tokens[s].end() - 1);
+      const std::vector<float> logits = forward_logits(model, sequence, 1, sequence.size());
+      for (std::size_t k = 0; k < first.tokens[s].size(); ++k) {
+        const std::size_t position = prompts[s].size() - 1 + k;
+        EXPECT_EQ(first.tokens[s][k], argmax(logits.data() + position * 50, 50)) << "sequence " << s << " token " << k;
+      }
+    }
+
+    // A stop token ends its sequence (and is kept); the others run to max_new_tokens.
+    kmamba::GenerationOptions stopping = options;
+    stopping.stop_tokens = {first.tokens[0][3]};
+    const auto stopped = kmamba::generate(exec, model, state, prompts, greedy, stopping);
+    const auto stop_at = std::find(first.tokens[0].begin(), first.tokens[0].end(), first.tokens[0][3]);
+    EXPECT_EQ(stopped.tokens[0], std::vector<std::int64_t>(first.tokens[0].begin(), stop_at + 1));
+    for (std::size_t s = 1; s < prompts.size(); ++s) {
+      const auto own_stop = std::find(first.tokens[s].begin(), first.tokens[s].end(), first.tokens[0][3]);
+      EXPECT_EQ(stopped.tokens[s], std::vector<std::int64_t>(first.tokens[s].begin(),
+                                                              own_stop == first.tokens[s].end() ? own_stop : own_stop + 1));
+    }
+    kmamba::GenerationOptions none = options;
+    none.max_new_tokens = 0;
+    const auto empty = kmamba::generate(exec, model, state, prompts, greedy, none);
+    EXPECT_TRUE(empty.tokens[0].empty() && empty.tokens[1].empty());
+    EXPECT_GT(first.stats.prefill_tokens_per_second(), 0.0);
+    EXPECT_GT(first.stats.decode_tokens_per_second(), 0.0);
+    EXPECT_EQ(first.stats.decode_tokens, 2 * 8 + 4);  // 8 steps after the prefill for both, + 4 prompt tokens of the longer
+  }
+}
+
+TYPED_TEST(DecodeTest, RejectsForeignStatesAndBadInputs) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+  const Exec exec;
+  auto a = random_model<Exec>(kmamba::MixerKind::Mamba2);
+  auto b = random_model<Exec>(kmamba::MixerKind::Mamba2);
+  auto state = a.make_decode_state(2);
+  kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", 2, 50);
+  const Ids ids = to_device<Ids>(random_ids(8, 50, 1), 2, 4);
+  EXPECT_THROW(b.prefill(exec, ids, state, logits), kmamba::UserError);
+  EXPECT_THROW(a.prefill(exec, to_device<Ids>(random_ids(12, 50, 1), 3, 4), state, logits), kmamba::UserError);
+  kmamba::Tensor2<float, Mem> wrong("kmamba::test::wrong", 2, 56);  // the padded vocabulary
+  EXPECT_THROW(a.prefill(exec, ids, state, wrong), kmamba::UserError);
+  EXPECT_THROW(a.prefill(exec, to_device<Ids>(std::vector<std::int64_t>{1, 2, 50, 3}, 2, 2), state, logits),
+               kmamba::UserError);
+  EXPECT_THROW(a.decode_step(exec, to_device<kmamba::Tensor1<std::int64_t, Mem>>(std::vector<std::int64_t>{1, -1}, 2),
+                             state, logits),
+               kmamba::UserError);
+  EXPECT_THROW(a.make_decode_state(0), kmamba::UserError);
+  const kmamba::TokenSampler out_of_range = [](const float*, int vocab, int, const std::vector<std::int64_t>&) {
+    return static_cast<std::int64_t>(vocab);
+  };
+  EXPECT_THROW(kmamba::generate(exec, a, {{1, 2}}, out_of_range), kmamba::UserError);
+  EXPECT_THROW(kmamba::generate(exec, a, {{1, 2}, {}}, out_of_range), kmamba::UserError);
+  EXPECT_THROW(kmamba::generate(exec, a, state, {{1, 2}}, out_of_range), kmamba::UserError);  // batch 2 state
+}
+
+}  // namespace
