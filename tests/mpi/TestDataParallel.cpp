@@ -170,6 +170,29 @@ double data_parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, cons
   return dp.sum_over_data(loss_sum) / static_cast<double>(global);
 }
 
+/// The one-rank reference of data_parallel_backward: the whole batch on one model, one row per
+/// micro-batch with the same token weights (gradient accumulation), so that reference and data
+/// parallel run the same kernels on the same shapes and differ only by the reduction across ranks.
+/// (One micro-batch of the whole batch ≡ the accumulated rows is the Trainer's accumulation test.)
+kmamba::LossResult one_rank_backward(Model& model, const Batch& b) {
+  const Exec exec;
+  const std::int64_t global = predicted(b);
+  model.zero_grads(exec);
+  kmamba::LossResult total;
+  double loss_sum = 0.0;
+  for (int r = 0; r < batch; ++r) {
+    const Batch micro = rows(b, r, 1);
+    const kmamba::LossResult result = model.loss_and_backward(
+        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    loss_sum += result.loss * static_cast<double>(result.tokens);
+    total.tokens += result.tokens;
+    total.correct += result.correct;
+  }
+  exec.fence();
+  total.loss = loss_sum / static_cast<double>(global);
+  return total;
+}
+
 TEST(DataParallel, BucketLayoutShardsEveryBucketAndKeepsATail) {
   const kmamba::BucketLayout layout(10, 4, 5);  // buckets round down to a multiple of 4
   ASSERT_EQ(layout.buckets().size(), 2u);
@@ -185,13 +208,11 @@ TEST(DataParallel, BucketLayoutShardsEveryBucketAndKeepsATail) {
 }
 
 TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {
-  const Exec exec;
   const kmamba::ModelConfig config = tiny_mamba2();
   const Batch b = make_batch(0);
   Model reference(config);
   reference.initialize(init_seed);
-  reference.zero_grads(exec);
-  const kmamba::LossResult ref = reference.loss_and_backward(exec, b.ids, b.targets);
+  const kmamba::LossResult ref = one_rank_backward(reference, b);
 
   for (const auto& mesh_config : meshes()) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
@@ -228,8 +249,7 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   std::vector<double> ref_norms;
   for (int step = 0; step < steps; ++step) {
     const Batch b = make_batch(step);
-    reference.zero_grads(exec);
-    reference.loss_and_backward(exec, b.ids, b.targets);
+    one_rank_backward(reference, b);
     const double norm = kmamba::global_norm(exec, kmamba::ConstTensor1<float, Mem>(reference.parameters().grads()));
     ref_norms.push_back(norm);
     optimizer.step(exec, reference.parameters().params(), reference.parameters().grads(),
@@ -296,13 +316,11 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
 }
 
 TEST(DataParallel, Zero1ReducesEachRanksShard) {
-  const Exec exec;
   const kmamba::ModelConfig config = tiny_mamba2();
   const Batch b = make_batch(0);
   Model reference(config);
   reference.initialize(init_seed);
-  reference.zero_grads(exec);
-  reference.loss_and_backward(exec, b.ids, b.targets);
+  one_rank_backward(reference, b);
 
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig());
   Model model(config);
