@@ -541,13 +541,15 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   check_shape(function, "logits", logits, {batch, vocab}, "(batch, vocab_size)");
   check_allocated(function, "logits", logits);
   const float eps = static_cast<float>(s.config.norm_epsilon);
+  // The ids are checked here, blocking, so that the step itself never waits on the device.
+  const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
+  check_embedding_ids(exec, ids, static_cast<std::int64_t>(embedding.extent(0)), "kmamba::embedding_forward");
   // The step: the same kernels on the same buffers for every token (recorded once where the
   // backend records graphs).
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
                         const Tensor2<float, Mem>& step_logits) {
     const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(e, 0, d.residual.span());
-    embedding_forward(e, step_ids, ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)),
-                      d.residual);
+    embedding_forward(e, step_ids, embedding, d.residual, false);
     for (int i = 0; i < s.config.n_layer; ++i) {
       if (i > 0) {
         Kokkos::parallel_for("kmamba::decode::residual_add", all,
