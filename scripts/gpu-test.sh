@@ -68,7 +68,8 @@ for p in $perf; do
   case "$p" in
     none) ;;
     kmamba-bench) { ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1 ;;
-    *) { [ -x "./perf/$p" ] && "./perf/$p" --space Cuda || "./apps/$p" --space Cuda; } 2>&1 | tee "$out/$p.log" || status=1 ;;
+    *) dir=./perf; [ -x "$dir/$p" ] || dir=./apps
+       "$dir/$p" --space Cuda 2>&1 | tee "$out/$p.log" || status=1 ;;
   esac
 done
 exit $status

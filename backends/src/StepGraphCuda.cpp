@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <exception>
+#include <string>
 #include <vector>
 
 namespace kmamba {
@@ -38,12 +40,15 @@ struct StepGraph<Kokkos::Cuda>::Impl {
     KMAMBA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
       work(*instance);
-    } catch (...) {
+    } catch (const std::exception& e) {
+      // E.g. Kokkos refusing a launch that waits on the host while the stream is capturing: the
+      // step is not recordable; it runs normally from now on (a genuine error recurs there).
       cudaGraph_t partial = nullptr;
       cudaStreamEndCapture(stream, &partial);
       if (partial != nullptr) cudaGraphDestroy(partial);
       cudaGetLastError();
-      throw;
+      reason = std::string("recording the step failed: ") + e.what();
+      return nullptr;
     }
     cudaGraph_t g = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(stream, &g);
@@ -121,9 +126,9 @@ void StepGraph<Kokkos::Cuda>::run(const Kokkos::Cuda& exec, const std::function<
       KMAMBA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
       s.graph = s.record(work);
       if (s.graph == nullptr) {
-        work(*s.instance);
-        KMAMBA_CUDA_CHECK(cudaEventRecord(s.step_done, s.stream));
-        KMAMBA_CUDA_CHECK(cudaStreamWaitEvent(exec.cuda_stream(), s.step_done, 0));
+        // The private instance may hold state of the failed recording: the step runs on the
+        // caller's instance from now on.
+        work(exec);
         return;
       }
     }

@@ -11,6 +11,7 @@
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
 
@@ -233,8 +234,8 @@ struct LanguageModel<ExecutionSpace>::State {
   void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
     const Tensor2<float, Mem> out(logits.data(), logits.extent(0) * logits.extent(1), logits.extent(2));
     Kokkos::parallel_for("kmamba::lm::copy_logits",
-                         Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
-                             exec, {0, 0}, {static_cast<int>(out.extent(0)), static_cast<int>(out.extent(1))}),
+                         impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
+                             exec, {0, 0}, {static_cast<int>(out.extent(0)), static_cast<int>(out.extent(1))})),
                          impl::DropPaddedColumns<Mem>{out, padded_logits});
   }
 
@@ -548,7 +549,8 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   // backend records graphs).
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
                         const Tensor2<float, Mem>& step_logits) {
-    const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(e, 0, d.residual.span());
+    const auto all =
+        impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(e, 0, d.residual.span()));
     embedding_forward(e, step_ids, embedding, d.residual, false);
     for (int i = 0; i < s.config.n_layer; ++i) {
       if (i > 0) {

@@ -4,6 +4,7 @@
 #define KMAMBA_CORE_EMBEDDING_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
@@ -62,7 +63,7 @@ void embedding_forward(const ExecutionSpace& exec,
   if (check_ids) check_embedding_ids(exec, ids, vocab, function);
   if (tokens == 0 || dim == 0) return;
   Kokkos::parallel_for("kmamba::embedding::forward",
-                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim}),
+                       impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim})),
                        impl::EmbeddingGather<MemorySpace>{ids, table, out});
 }
 
