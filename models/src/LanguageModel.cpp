@@ -110,6 +110,7 @@ template <class ExecutionSpace>
 struct LanguageModel<ExecutionSpace>::State {
   using Mem = memory_space;
   ModelConfig config;
+  ModelParallel parallel;
   Slab slab;
   std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers;
 
@@ -125,12 +126,12 @@ struct LanguageModel<ExecutionSpace>::State {
   Tensor1<float, Mem> lse;                     // (batch·seqlen)
   Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
 
-  explicit State(const ModelConfig& c) : config(c) {
+  State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p) {
     config.validate();
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
     slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
     for (int i = 0; i < config.n_layer; ++i) {
-      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer."));
+      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer.", parallel));
       mixers.back()->declare_parameters(slab);
       slab.add(impl::layer_prefix(i) + "norm.weight", {dm}, WeightDecay::No);
     }
@@ -334,7 +335,25 @@ void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
 }
 
 template <class ExecutionSpace>
-LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config)) {}
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config, ModelParallel())) {}
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const ModelParallel& parallel)
+    : state_(new State(config, parallel)) {}
+
+template <class ExecutionSpace>
+const ModelParallel& LanguageModel<ExecutionSpace>::parallel() const {
+  return state_->parallel;
+}
+
+template <class ExecutionSpace>
+std::vector<ShardedParameter> LanguageModel<ExecutionSpace>::sharded_parameters() const {
+  std::vector<ShardedParameter> all;
+  for (const auto& mixer : state_->mixers) {
+    for (ShardedParameter& p : mixer->sharded_parameters()) all.push_back(std::move(p));
+  }
+  return all;
+}
 
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace>::~LanguageModel() = default;
@@ -593,8 +612,11 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
-  make_directories(dir);
   const State& s = *state_;
+  KMAMBA_REQUIRE(s.parallel.tensor_size() == 1,
+                 "kmamba::LanguageModel::save: this model holds one tensor-parallel shard of "
+                     << s.parallel.tensor_size() << "; gather it into an unsplit model first (kmamba::gather_parameters)");
+  make_directories(dir);
   SafeTensorsWriter file;
   const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s.slab.params());
   for (const auto& entry : s.slab.entries()) {

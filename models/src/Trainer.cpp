@@ -279,7 +279,8 @@ void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
   auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(mesh, model_.config(), model_.parameters(),
-                                                                      config_.adamw(), options);
+                                                                      config_.adamw(), options,
+                                                                      model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
   exec_.fence();
   data_parallel_ = std::move(data_parallel);

@@ -1,7 +1,8 @@
 // Data parallelism of a small Mamba-2 language model (run at 1, 2 and 4 ranks; fp32; "equal" is
 // max|Δ| ≤ 1e-5·max|ref| per parameter, distributed.md §8.1). Every rank also computes the 1-rank
 // reference on the whole batch, so no reference data is communicated. Covered, on every
-// dp × tp × sp factorisation of the world (tp and sp ranks are replicas in this version):
+// dp × tp factorisation of the world with an unsplit model (the tp ranks are replicas here; split
+// models and sequence parallelism are TestModelParallel's):
 // D1 dp ranks on shards of a batch = 1 rank on the batch (loss and every gradient);
 // D4 micro-batches accumulate without communication, one bucketed reduction per step (checked
 //    with the communication audit);
@@ -103,12 +104,9 @@ std::vector<kmamba::MeshConfig> meshes() {
   std::vector<kmamba::MeshConfig> all;
   const int world = world_size();
   for (int tp = 1; tp <= world; tp *= 2) {
-    for (int sp = 1; tp * sp <= world; sp *= 2) {
-      kmamba::MeshConfig c;
-      c.tensor_parallel_size = tp;
-      c.sequence_parallel_size = sp;
-      all.push_back(c);
-    }
+    kmamba::MeshConfig c;
+    c.tensor_parallel_size = tp;
+    all.push_back(c);
   }
   return all;
 }

@@ -111,6 +111,12 @@ class LanguageModel {
 
   /// Declares (zero-valued) parameters for `config` (validated).
   explicit LanguageModel(const ModelConfig& config);
+  /// The same, each mixer split over the ranks of `parallel` (ModelParallel.hpp; the communicators
+  /// must outlive the model): the slab holds this rank's shards under the unsplit names, and under
+  /// sequence parallelism the ids and targets given to every call are this rank's segment of each
+  /// sequence (all ranks of `parallel.sequence` call together). initialize() gives each rank the
+  /// slices of the unsplit initialisation; save() needs an unsplit model (gather_parameters).
+  LanguageModel(const ModelConfig& config, const ModelParallel& parallel);
   ~LanguageModel();
   LanguageModel(LanguageModel&&) noexcept;
   LanguageModel& operator=(LanguageModel&&) noexcept;
@@ -126,6 +132,9 @@ class LanguageModel {
   void initialize(std::uint64_t seed);
 
   const ModelConfig& config() const;
+  const ModelParallel& parallel() const;
+  /// The parameters this rank holds a tensor-parallel shard of (empty when not split).
+  std::vector<ShardedParameter> sharded_parameters() const;
   Slab& parameters();
   const Slab& parameters() const;
 
