@@ -125,6 +125,10 @@ struct LanguageModel<ExecutionSpace>::State {
   Tensor2<float, Mem> padded_logits;           // (batch·seqlen, padded_vocab)
   Tensor1<float, Mem> lse;                     // (batch·seqlen)
   Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
+  // Activation checkpointing: the training forward keeps only the blocks' inputs (residuals) and
+  // backward recomputes one block at a time into these (batch, seqlen, d_model) buffers.
+  bool checkpointing = false;
+  Tensor3<float, Mem> recompute_in, recompute_out;
 
   State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p) {
     config.validate();
@@ -161,6 +165,12 @@ struct LanguageModel<ExecutionSpace>::State {
       padded_logits = Tensor2<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::logits"), rows, vp);
       lse = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::lse"), rows);
       norm_grad = Tensor1<float, Mem>("kmamba::lm::norm_grad", dm);
+      recompute_in = Tensor3<float, Mem>();
+      recompute_out = Tensor3<float, Mem>();
+    }
+    if (training && checkpointing && !recompute_in.is_allocated()) {
+      recompute_in = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::recompute_in"), b, l, dm);
+      recompute_out = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::recompute_out"), b, l, dm);
     }
     // Inference keeps one residual buffer; training one per layer.
     const std::size_t wanted = training ? static_cast<std::size_t>(config.n_layer) : 1u;
@@ -206,7 +216,7 @@ struct LanguageModel<ExecutionSpace>::State {
       }
       rms_norm(exec, impl::rows_of(residual), slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
                impl::rows_of(normed), rstds[slot]);
-      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training);
+      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training && !checkpointing);
     }
     Kokkos::parallel_for("kmamba::lm::residual_add", all,
                          impl::AddViews<Mem>{impl::flat1(final_input), impl::flat1(mixed),
@@ -284,7 +294,14 @@ struct LanguageModel<ExecutionSpace>::State {
     // dres now holds d(final_input) = dh_{n−1} = d(residual_{n−1}) (norm paths still to add).
     for (int i = config.n_layer - 1; i >= 0; --i) {
       const std::string norm = impl::layer_prefix(i) + "norm.weight";
-      mixers[static_cast<std::size_t>(i)]->backward(exec, slab, dres, dnormed);
+      Mixer<ExecutionSpace>& mixer = *mixers[static_cast<std::size_t>(i)];
+      if (checkpointing) {  // recompute the block's forward from its kept input
+        rms_norm(exec, impl::rows_of(residuals[static_cast<std::size_t>(i)]), slab.template param<1>(norm),
+                 static_cast<float>(config.norm_epsilon), impl::rows_of(recompute_in), rstds[static_cast<std::size_t>(i)]);
+        mixer.forward(exec, slab, recompute_in, recompute_out, true);
+      }
+      mixer.backward(exec, slab, dres, dnormed);
+      if (checkpointing) mixer.release_activations();
       rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(residuals[static_cast<std::size_t>(i)]),
                         slab.template param<1>(norm), rstds[static_cast<std::size_t>(i)],
                         impl::rows_of(final_input), norm_grad);
@@ -340,6 +357,20 @@ LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const ModelParallel& parallel)
     : state_(new State(config, parallel)) {}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
+  state_->checkpointing = on;
+  if (!on) {
+    state_->recompute_in = Tensor3<float, memory_space>();
+    state_->recompute_out = Tensor3<float, memory_space>();
+  }
+}
+
+template <class ExecutionSpace>
+bool LanguageModel<ExecutionSpace>::activation_checkpointing() const {
+  return state_->checkpointing;
+}
 
 template <class ExecutionSpace>
 const ModelParallel& LanguageModel<ExecutionSpace>::parallel() const {

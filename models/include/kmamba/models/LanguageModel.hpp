@@ -133,6 +133,13 @@ class LanguageModel {
 
   const ModelConfig& config() const;
   const ModelParallel& parallel() const;
+  /// Per-layer activation checkpointing: when on, a training forward keeps only each block's input
+  /// (the residual stream, and its norm's rstd); backward recomputes the block's norm and mixer
+  /// forward right before the block's backward and releases them after, so one block's mixer
+  /// activations are alive at a time instead of all of them. The gradients are the same. Under
+  /// sequence parallelism the recompute repeats the block's state passing. Off by default.
+  void set_activation_checkpointing(bool on);
+  bool activation_checkpointing() const;
   /// The parameters this rank holds a tensor-parallel shard of (empty when not split).
   std::vector<ShardedParameter> sharded_parameters() const;
   Slab& parameters();

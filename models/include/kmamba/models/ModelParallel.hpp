@@ -40,7 +40,7 @@ struct ShardedParameter {
   struct Run {
     std::int64_t full_offset = 0, local_offset = 0, count = 0;
   };
-  std::string name;                     ///< the full (prefixed) Hugging Face name
+  std::string name;                      ///< the full (prefixed) Hugging Face name
   std::vector<std::int64_t> full_shape;  ///< the unsplit shape
   std::vector<Run> runs;
 };
