@@ -769,7 +769,9 @@ void start_mpi(int& argc, char**& argv, const Run& run) {
   mpi_running = true;
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) KMAMBA_REQUIRE(std::freopen("/dev/null", "w", stdout) != nullptr, "kmamba-train: cannot silence rank " << rank);
+  if (rank != 0) {
+    KMAMBA_REQUIRE(std::freopen("/dev/null", "w", stdout) != nullptr, "kmamba-train: cannot silence rank " << rank);
+  }
 #else
   (void)argc;
   (void)argv;

@@ -24,13 +24,17 @@ SequenceSegment sequence_segment(std::int64_t seqlen, int rank, int size) {
 
 namespace {
 
-template <class Mem>
-Tensor1<float, Mem> part(float* data, std::int64_t offset, std::int64_t count) {
-  return Tensor1<float, Mem>(data + offset, static_cast<std::size_t>(count));
+// dst[dst_offset, dst_offset + count) ← src[src_offset, src_offset + count).
+template <class ExecutionSpace>
+void copy_range(const ExecutionSpace& exec, float* dst, std::int64_t dst_offset, const float* src,
+                std::int64_t src_offset, std::int64_t count) {
+  using Mem = typename ExecutionSpace::memory_space;
+  const auto n = static_cast<std::size_t>(count);
+  Kokkos::deep_copy(exec, Tensor1<float, Mem>(dst + dst_offset, n), ConstTensor1<float, Mem>(src + src_offset, n));
 }
 
-// Checks that the two models' configs and slabs fit and calls copy(full entry, local entry, shard
-// or null) for every parameter.
+// Checks that the two models and vectors fit together and calls copy(full offset, local offset,
+// local size, shard or null) for every parameter of `local`.
 template <class ExecutionSpace, class Copy>
 void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace>& full,
                         const LanguageModel<ExecutionSpace>& local, std::size_t full_size, std::size_t local_size,
@@ -46,9 +50,9 @@ void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace
   std::map<std::string, ShardedParameter> shards;
   for (ShardedParameter& p : local.sharded_parameters()) shards[p.name] = std::move(p);
   for (const auto& entry : local.parameters().entries()) {
-    const auto& source = full.parameters().entry(entry.name);
     const auto it = shards.find(entry.name);
-    copy(source, entry, it != shards.end() ? &it->second : nullptr);
+    copy(static_cast<std::int64_t>(full.parameters().entry(entry.name).offset), static_cast<std::int64_t>(entry.offset),
+         static_cast<std::int64_t>(entry.size), it != shards.end() ? &it->second : nullptr);
   }
 }
 
@@ -59,23 +63,18 @@ void scatter_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpa
                     const ConstTensor1<float, typename ExecutionSpace::memory_space>& full_values,
                     const LanguageModel<ExecutionSpace>& local,
                     const Tensor1<float, typename ExecutionSpace::memory_space>& local_values) {
-  using Mem = typename ExecutionSpace::memory_space;
-  float* const from = const_cast<float*>(full_values.data());
+  float* const to = local_values.data();
+  const float* const from = full_values.data();
   for_each_parameter("kmamba::scatter_values", full, local, full_values.extent(0), local_values.extent(0),
-                     [&](const auto& source, const auto& target, const ShardedParameter* shard) {
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
+                         const ShardedParameter* shard) {
                        if (shard == nullptr) {
-                         Kokkos::deep_copy(exec, part<Mem>(local_values.data(), static_cast<std::int64_t>(target.offset),
-                                                           static_cast<std::int64_t>(target.size)),
-                                           part<Mem>(from, static_cast<std::int64_t>(source.offset),
-                                                     static_cast<std::int64_t>(source.size)));
+                         copy_range(exec, to, local_offset, from, full_offset, size);
                          return;
                        }
                        for (const ShardedParameter::Run& run : shard->runs) {
-                         Kokkos::deep_copy(
-                             exec,
-                             part<Mem>(local_values.data(), static_cast<std::int64_t>(target.offset) + run.local_offset,
-                                       run.count),
-                             part<Mem>(from, static_cast<std::int64_t>(source.offset) + run.full_offset, run.count));
+                         copy_range(exec, to, local_offset + run.local_offset, from, full_offset + run.full_offset,
+                                    run.count);
                        }
                      });
   exec.fence();
@@ -86,28 +85,22 @@ void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpac
                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,
                    const LanguageModel<ExecutionSpace>& full,
                    const Tensor1<float, typename ExecutionSpace::memory_space>& full_values) {
-  using Mem = typename ExecutionSpace::memory_space;
   // Each rank writes its shards into zeros (the replicated parameters on tp rank 0 only); the sum
   // over the tensor ranks is then exact.
   Kokkos::deep_copy(exec, full_values, 0.0f);
-  const int rank = local.parallel().tensor_rank();
-  float* const from = const_cast<float*>(local_values.data());
+  const bool first = local.parallel().tensor_rank() == 0;
+  float* const to = full_values.data();
+  const float* const from = local_values.data();
   for_each_parameter("kmamba::gather_values", full, local, full_values.extent(0), local_values.extent(0),
-                     [&](const auto& target, const auto& source, const ShardedParameter* shard) {
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
+                         const ShardedParameter* shard) {
                        if (shard == nullptr) {
-                         if (rank != 0) return;
-                         Kokkos::deep_copy(exec, part<Mem>(full_values.data(), static_cast<std::int64_t>(target.offset),
-                                                           static_cast<std::int64_t>(target.size)),
-                                           part<Mem>(from, static_cast<std::int64_t>(source.offset),
-                                                     static_cast<std::int64_t>(source.size)));
+                         if (first) copy_range(exec, to, full_offset, from, local_offset, size);
                          return;
                        }
                        for (const ShardedParameter::Run& run : shard->runs) {
-                         Kokkos::deep_copy(
-                             exec,
-                             part<Mem>(full_values.data(), static_cast<std::int64_t>(target.offset) + run.full_offset,
-                                       run.count),
-                             part<Mem>(from, static_cast<std::int64_t>(source.offset) + run.local_offset, run.count));
+                         copy_range(exec, to, full_offset + run.full_offset, from, local_offset + run.local_offset,
+                                    run.count);
                        }
                      });
   if (local.parallel().tensor_size() > 1) local.parallel().tensor->all_reduce(exec, full_values);

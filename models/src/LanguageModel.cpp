@@ -169,8 +169,8 @@ struct LanguageModel<ExecutionSpace>::State {
       recompute_out = Tensor3<float, Mem>();
     }
     if (training && checkpointing && !recompute_in.is_allocated()) {
-      recompute_in = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::recompute_in"), b, l, dm);
-      recompute_out = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::recompute_out"), b, l, dm);
+      recompute_in = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_in", b, l, dm);
+      recompute_out = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_out", b, l, dm);
     }
     // Inference keeps one residual buffer; training one per layer.
     const std::size_t wanted = training ? static_cast<std::size_t>(config.n_layer) : 1u;
@@ -217,6 +217,8 @@ struct LanguageModel<ExecutionSpace>::State {
       rms_norm(exec, impl::rows_of(residual), slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
                impl::rows_of(normed), rstds[slot]);
       mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training && !checkpointing);
+      // A mixer may keep its buffers as workspace after a forward that keeps nothing (Mamba-1).
+      if (training && checkpointing) mixers[static_cast<std::size_t>(i)]->release_activations();
     }
     Kokkos::parallel_for("kmamba::lm::residual_add", all,
                          impl::AddViews<Mem>{impl::flat1(final_input), impl::flat1(mixed),
@@ -296,8 +298,9 @@ struct LanguageModel<ExecutionSpace>::State {
       const std::string norm = impl::layer_prefix(i) + "norm.weight";
       Mixer<ExecutionSpace>& mixer = *mixers[static_cast<std::size_t>(i)];
       if (checkpointing) {  // recompute the block's forward from its kept input
-        rms_norm(exec, impl::rows_of(residuals[static_cast<std::size_t>(i)]), slab.template param<1>(norm),
-                 static_cast<float>(config.norm_epsilon), impl::rows_of(recompute_in), rstds[static_cast<std::size_t>(i)]);
+        const std::size_t layer = static_cast<std::size_t>(i);
+        rms_norm(exec, impl::rows_of(residuals[layer]), slab.template param<1>(norm),
+                 static_cast<float>(config.norm_epsilon), impl::rows_of(recompute_in), rstds[layer]);
         mixer.forward(exec, slab, recompute_in, recompute_out, true);
       }
       mixer.backward(exec, slab, dres, dnormed);

@@ -212,14 +212,16 @@ void Mamba2Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const S
       const std::string name = prefix_ + spec.name;
       const auto local = flat(slab.params(), slab, name);
       const auto source = flat(unsplit.params(), unsplit, name);
-      const auto shard = std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
+      const auto shard =
+          std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
       if (shard == shards.end()) {
         Kokkos::deep_copy(exec, local, source);
         continue;
       }
       for (const ShardedParameter::Run& run : shard->runs) {
-        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, static_cast<std::size_t>(run.count)),
-                          Tensor1<float, memory_space>(source.data() + run.full_offset, static_cast<std::size_t>(run.count)));
+        const auto count = static_cast<std::size_t>(run.count);
+        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, count),
+                          Tensor1<float, memory_space>(source.data() + run.full_offset, count));
       }
     }
     exec.fence();
@@ -412,8 +414,8 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     if (split_sequence && next != no_peer) sequence->send(exec, final_state, next);
   }
 
-  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
-                                    a.act[B_segment], a.act[C_segment]);
+  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
+                                    a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
   args.initial_states = final_states;
   if (split_sequence) {  // the state entering this segment, from the previous rank
@@ -544,8 +546,8 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   if (split_sequence) {
     args.initial_states = a.ssm_initial;
     if (next != no_peer) {
-      dfinal_states =
-          allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_, headdim_, d_state_);
+      dfinal_states = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_,
+                                                                  headdim_, d_state_);
       sequence->recv(exec, dfinal_states, next);
     }
     if (previous != no_peer) {

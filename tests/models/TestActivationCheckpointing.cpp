@@ -1,10 +1,10 @@
 // Per-layer activation checkpointing (LanguageModel::set_activation_checkpointing): the loss and
 // every gradient equal the run that keeps every activation (bit-identical on Serial, which
-// recomputes with the same kernels on the same inputs in the same order; within 1e-6 of the largest
-// gradient on the backends whose reductions may change order between runs), and the peak of live Kokkos allocations during loss_and_backward is lower. The peak is
-// measured with the Kokkos tools allocate/deallocate callbacks (every managed View allocation).
-// Measured on the 2-core CPU (Mamba-2, 6 layers, d_model 64, batch 4 × seqlen 128): see the
-// "[ measured ]" line.
+// recomputes with the same kernels on the same inputs in the same order; within 1e-6 of the
+// largest gradient on backends whose reductions may change order between runs), and the peak of
+// live Kokkos allocations during loss_and_backward is lower. The peak is measured with the Kokkos
+// tools allocate/deallocate callbacks (every managed View allocation). Measured on the 2-core CPU
+// (6 layers, d_model 64, batch 4 × seqlen 128): see the "[ measured ]" lines.
 #include <kmamba/models/LanguageModel.hpp>
 
 #include "Backends.hpp"

@@ -366,9 +366,11 @@ TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
       EXPECT_EQ(tail, 2) << "the 4-rank run must exercise the unsharded tail";
     }
 
+    // The sums and reductions run over the group that shares the parameters, dp × sp ("dp_sp"),
+    // which is the dp group on this mesh.
     log->clear();
     const std::int64_t global = dp.global_tokens(predicted(mine));
-    EXPECT_EQ(log->tally("dp", "all_reduce").calls, 1);
+    EXPECT_EQ(log->tally("dp_sp", "all_reduce").calls, 1);
     EXPECT_EQ(log->total_calls(), 1);
 
     log->clear();
@@ -382,13 +384,13 @@ TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
 
     dp.reduce_gradients(exec, model.parameters());
     if (stage == 0) {
-      EXPECT_EQ(log->tally("dp", "all_reduce").calls, buckets + (tail > 0));
-      EXPECT_EQ(log->tally("dp", "all_reduce").elements, static_cast<std::int64_t>(layout.elements()));
+      EXPECT_EQ(log->tally("dp_sp", "all_reduce").calls, buckets + (tail > 0));
+      EXPECT_EQ(log->tally("dp_sp", "all_reduce").elements, static_cast<std::int64_t>(layout.elements()));
     } else {
-      EXPECT_EQ(log->tally("dp", "reduce_scatter").calls, buckets);
-      EXPECT_EQ(log->tally("dp", "reduce_scatter").elements, sharded);
-      EXPECT_EQ(log->tally("dp", "all_reduce").calls, tail > 0 ? 1 : 0);
-      EXPECT_EQ(log->tally("dp", "all_reduce").elements, tail);
+      EXPECT_EQ(log->tally("dp_sp", "reduce_scatter").calls, buckets);
+      EXPECT_EQ(log->tally("dp_sp", "reduce_scatter").elements, sharded);
+      EXPECT_EQ(log->tally("dp_sp", "all_reduce").calls, tail > 0 ? 1 : 0);
+      EXPECT_EQ(log->tally("dp_sp", "all_reduce").elements, tail);
     }
     const std::int64_t reduction_calls = log->total_calls();
 
@@ -398,8 +400,8 @@ TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
 
     log->clear();
     dp.step(exec, model.parameters(), 1e-3);
-    EXPECT_EQ(log->tally("dp", "all_gather").calls, stage == 1 ? buckets : 0);
-    EXPECT_EQ(log->tally("dp", "all_gather").elements, stage == 1 ? sharded : 0);
+    EXPECT_EQ(log->tally("dp_sp", "all_gather").calls, stage == 1 ? buckets : 0);
+    EXPECT_EQ(log->tally("dp_sp", "all_gather").elements, stage == 1 ? sharded : 0);
     EXPECT_EQ(log->total_calls(), stage == 1 ? buckets : 0);
   }
 }

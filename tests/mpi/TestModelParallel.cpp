@@ -11,7 +11,8 @@
 //    gather is the identity;
 // M1 also holds with activation checkpointing (the recompute repeats the sequence state passing);
 // M4 a tensor-parallel size that does not divide the heads/groups is one clear error on every rank;
-//    sequence_segment splits unevenly and rejects a segment of no tokens.
+//    sequence_segment splits unevenly and rejects a segment of no tokens;
+// M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits.
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/ModelParallel.hpp>
@@ -335,6 +336,55 @@ TEST(ModelParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
                     name(mesh).c_str(), stage, steps, worst_all);
       }
     }
+  }
+}
+
+// Recurrent inference on a tensor-parallel model (prefill, then decode steps) gives the unsplit
+// model's logits; a sequence-split model refuses it.
+TEST(ModelParallel, TensorParallelDecodeEqualsTheUnsplitModel) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(3, 9);
+  const int rows = 2, prompt = 6;
+  const Batch head = slice(b, 0, rows, 0, prompt);
+  Model full(config);
+  full.initialize(init_seed);
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    SCOPED_TRACE(name(mesh));
+    Model local(config, split_of(mesh));
+    local.initialize(init_seed);
+    if (mesh.config().sequence_parallel_size > 1) {
+      auto state = local.make_decode_state(rows);
+      EXPECT_THROW(local.prefill(exec, head.ids, state, kmamba::Tensor2<float, Mem>()), kmamba::UserError);
+      continue;
+    }
+    auto full_state = full.make_decode_state(rows);
+    auto local_state = local.make_decode_state(rows);
+    kmamba::Tensor2<float, Mem> want("kmamba::test::want", rows, config.vocab_size);
+    kmamba::Tensor2<float, Mem> got("kmamba::test::got", rows, config.vocab_size);
+    full.prefill(exec, head.ids, full_state, want);
+    local.prefill(exec, head.ids, local_state, got);
+    double worst = 0.0, scale = 0.0;
+    const auto compare = [&] {
+      exec.fence();
+      for (int r = 0; r < rows; ++r) {
+        for (int v = 0; v < config.vocab_size; ++v) {
+          worst = std::max(worst, std::abs(static_cast<double>(got(r, v)) - want(r, v)));
+          scale = std::max(scale, std::abs(static_cast<double>(want(r, v))));
+        }
+      }
+    };
+    compare();
+    for (int t = prompt; t < 9; ++t) {
+      kmamba::Tensor1<std::int64_t, Mem> next("kmamba::test::next", rows);
+      for (int r = 0; r < rows; ++r) next(r) = b.ids(r, t);
+      full.decode_step(exec, next, full_state, want);
+      local.decode_step(exec, next, local_state, got);
+      compare();
+    }
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(worst, tolerance * scale);
   }
 }
 
