@@ -618,7 +618,9 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
                          impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
     s.decode_head(e, d.residual, d.normed, step_logits);
   };
-  if (StepGraph<ExecutionSpace>::records) {
+  // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
+  // not repeat: split models run their steps normally.
+  if (StepGraph<ExecutionSpace>::records && s.parallel.tensor_size() == 1) {
     Kokkos::deep_copy(exec, d.step_ids, ids);
     d.graph.run(exec, [&](const ExecutionSpace& e) { step(e, d.step_ids, d.step_logits); });
     Kokkos::deep_copy(exec, logits, d.step_logits);

@@ -96,7 +96,7 @@ class DecodeState {
   void reset(const ExecutionSpace& exec);
   /// On CUDA, decode steps are recorded once into a CUDA graph and replayed (one launch per step
   /// instead of a few hundred; see kmamba/backends/StepGraph.hpp); on by default. Host backends
-  /// run every step normally either way.
+  /// and tensor-parallel models run every step normally either way.
   void set_step_graph(bool enabled);
   /// "recorded", "warming up" (the first steps run normally) or "not recorded: <why>".
   std::string step_graph_status() const;
