@@ -117,7 +117,7 @@ class Mixer {
                     MixerCache<ExecutionSpace>& cache) const = 0;
 };
 
-/// The mixer of config.mixer (Mamba-1 or Mamba-2) with parameter names prefixed by `prefix`.
+/// The mixer of config.mixer (Mamba-1, Mamba-2 or Mamba-3) with parameter names prefixed by `prefix`.
 /// Throws kmamba::UserError for a mixer kind this build cannot run.
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix);
