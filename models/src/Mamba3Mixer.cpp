@@ -133,6 +133,7 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
   config_.validate();
   KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba3, "kmamba::Mamba3Mixer: the config's mixer is "
                                                          << mixer_name(config_.mixer) << ", not Mamba3");
+  KMAMBA_REQUIRE(!config_.bias, "kmamba::Mamba3Mixer: bias is true, but the Mamba-3 projections have no bias");
   KMAMBA_REQUIRE(!(config_.is_mimo && config_.is_outproj_norm),
                  "kmamba::Mamba3Mixer: is_outproj_norm with is_mimo is not supported (the per-rank output norm "
                  "comes before the mimo_o contraction, which the MIMO scan fuses)");

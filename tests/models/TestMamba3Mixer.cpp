@@ -705,6 +705,9 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
   kmamba::ModelConfig mimo_norm = Q.cfg;
   mimo_norm.is_outproj_norm = true;
   expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(mimo_norm, prefix); }, {"is_outproj_norm", "is_mimo"});
+  kmamba::ModelConfig biased = P.cfg;
+  biased.bias = true;
+  expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(biased, prefix); }, {"bias"});
   EXPECT_NE(dynamic_cast<kmamba::Mamba3Mixer<Exec>*>(kmamba::make_mixer<Exec>(P.cfg, prefix).get()), nullptr);
 }
 

@@ -28,7 +28,8 @@
 // core decode step.
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
-// reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses).
+// reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses),
+// and config.bias (the reference's projections have none).
 //
 //   kmamba::Mamba3Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
 //   mixer.declare_parameters(slab);                 // before slab.finalize()
