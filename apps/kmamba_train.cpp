@@ -76,14 +76,14 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"vocab-size", "N", "recall: vocabulary size (default 64)"},
         {"validation-fraction", "X", "text/token data: held-out tail (default 0.1)"}}},
       {"model (new models; --model takes them from its config.json)",
-       {{"mixer", "NAME", "mamba1 or mamba2 (default mamba2)"},
+       {{"mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)"},
         {"d-model", "N", "model width (default 64 for recall, 128 otherwise)"},
         {"n-layer", "N", "residual blocks (default 2 for recall, 4 otherwise)"},
         {"d-state", "N", "state size per channel (default 16)"},
-        {"headdim", "N", "mamba2: channels per head (default 16)"},
-        {"ngroups", "N", "mamba2: B/C groups, a multiple of --tp (default 1)"},
+        {"headdim", "N", "mamba2/mamba3: channels per head (default 16)"},
+        {"ngroups", "N", "mamba2/mamba3: B/C groups, a multiple of --tp (default 1)"},
         {"expand", "N", "inner width = expand * d-model (default 2)"},
-        {"chunk-size", "N", "mamba2: SSD chunk length (default 16 for recall, 64 otherwise)"}}},
+        {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"}}},
       {"progress and output",
        {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
         {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
@@ -339,9 +339,11 @@ Run resolve(const Options& o) {
   }
   kmamba::ModelConfig& m = r.model;
   const std::string mixer = o.text("mixer", "mamba2");
-  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2",
-                 "kmamba-train: --mixer must be mamba1 or mamba2, got '" << mixer << "'");
-  m.mixer = mixer == "mamba1" ? kmamba::MixerKind::Mamba1 : kmamba::MixerKind::Mamba2;
+  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2" || mixer == "mamba3",
+                 "kmamba-train: --mixer must be mamba1, mamba2 or mamba3, got '" << mixer << "'");
+  m.mixer = mixer == "mamba1"   ? kmamba::MixerKind::Mamba1
+            : mixer == "mamba2" ? kmamba::MixerKind::Mamba2
+                                : kmamba::MixerKind::Mamba3;
   m.d_model = static_cast<int>(o.integer("d-model", recall ? 64 : 128, 1));
   m.n_layer = static_cast<int>(o.integer("n-layer", recall ? 2 : 4, 1));
   m.d_state = static_cast<int>(o.integer("d-state", 16, 1));

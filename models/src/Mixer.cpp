@@ -5,6 +5,7 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Mamba1Mixer.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
+#include <kmamba/models/Mamba3Mixer.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -18,9 +19,9 @@ std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, con
     case MixerKind::Mamba2:
       return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix));
     case MixerKind::Mamba3:
-      break;
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba3Mixer<ExecutionSpace>(config, prefix));
   }
-  KMAMBA_USER_ERROR("kmamba::make_mixer: the " << mixer_name(config.mixer) << " mixer is not available in this build");
+  KMAMBA_USER_ERROR("kmamba::make_mixer: unknown mixer kind " << static_cast<int>(config.mixer));
 }
 
 template <class ExecutionSpace>

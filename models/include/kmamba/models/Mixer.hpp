@@ -123,7 +123,7 @@ class Mixer {
   virtual std::vector<ShardedParameter> sharded_parameters() const { return {}; }
 };
 
-/// The mixer of config.mixer (Mamba-1 or Mamba-2) with parameter names prefixed by `prefix`.
+/// The mixer of config.mixer (Mamba-1, Mamba-2 or Mamba-3) with parameter names prefixed by `prefix`.
 /// Throws kmamba::UserError for a mixer kind this build cannot run.
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix);
