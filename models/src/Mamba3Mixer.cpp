@@ -1,4 +1,5 @@
 #include <kmamba/models/Mamba3Mixer.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Gemm.hpp>
@@ -677,7 +678,8 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   rms_norm(exec, as_vectors(c.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"), eps, c.Bn);
   rms_norm(exec, as_vectors(c.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, c.Cn);
   Kokkos::parallel_for("kmamba::decode::mamba3::preprocess",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * nheads_),
+                       impl::light_weight(
+                           Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * nheads_)),
                        impl::Mamba3PreprocessFunctor<Mem>{c.pre[dt_segment], c.pre[A_segment], c.pre[trap_segment],
                                                           c.pre[angle_segment], slab.template param<1>(p + "dt_bias"),
                                                           c.dt, c.adt, c.trap, c.angles,

@@ -394,7 +394,7 @@ TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
 // the steps launched one by one compute, across many replays with changing tokens.
 TYPED_TEST(DecodeTest, RecordedStepGraphMatchesPlainSteps) {
   using Exec = TypeParam;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
     SCOPED_TRACE(kmamba::mixer_name(kind));
     auto model = random_model<Exec>(kind);
     const std::size_t batch = 2, seqlen = 24, prefix = 3;
