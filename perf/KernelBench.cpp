@@ -1,15 +1,20 @@
 // kmamba-perf: kernel benchmarks with roofline ratios.
 //
-//   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]
+//   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--precision fp32|tf32|both]
 //
 // Each case states the bytes it must move and the operations it must do; the floor is the largest of
 // bytes / bandwidth, FLOPs / FMA rate and transcendental count / SFU rate (H200 ceilings measured or
 // from perf-anchors.md §6; on a host the ratio is printed against the same H200 floor only as a
 // reference point). Inputs are fresh random data (never zeros); timings are medians of fenced runs.
+// The SSD and Mamba-3 SISO run in each MatmulPrecision asked for (--precision, default both) that
+// the backend distinguishes: their "tf32" rows (tensor-core chunk products) take the TF32 tensor-core rate as
+// their FLOP ceiling.
 #include <kmamba/KMamba.hpp>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -24,9 +29,12 @@ namespace {
 constexpr double hbm_bytes_per_s = 4.3e12;
 constexpr double fp32_flop_per_s = 60e12;
 constexpr double exp_per_s = 3.9e12;
+// Dense TF32 tensor-core rate: half the measured bf16 one (perf-anchors.md §6: 790 TFLOP/s), the
+// datasheet's TF32 : bf16 ratio.
+constexpr double tf32_flop_per_s = 395e12;
 
 struct Options {
-  std::string only_case, space;
+  std::string only_case, space, precision = "both";
   bool small = false;
   int repeats = 10;
 };
@@ -34,6 +42,7 @@ struct Options {
 struct Measurement {
   std::string name, shape;
   double seconds = 0, bytes = 0, flops = 0, exps = 0;
+  double flop_per_s = fp32_flop_per_s;  // the FLOP ceiling of the floor
 };
 
 template <class Exec, class F>
@@ -52,10 +61,21 @@ double median_seconds(const Exec& exec, int repeats, const F& run) {
 }
 
 void report(const Measurement& m) {
-  const double floor_s = std::max({m.bytes / hbm_bytes_per_s, m.flops / fp32_flop_per_s, m.exps / exp_per_s});
+  const double floor_s = std::max({m.bytes / hbm_bytes_per_s, m.flops / m.flop_per_s, m.exps / exp_per_s});
   std::printf("%-28s %-34s %10.3f ms %9.1f GB/s %9.1f GFLOP/s   floor %8.3f ms  x%.1f\n", m.name.c_str(),
               m.shape.c_str(), m.seconds * 1e3, m.bytes / m.seconds * 1e-9, m.flops / m.seconds * 1e-9, floor_s * 1e3,
               m.seconds / floor_s);
+}
+
+// max|a − b| / max|b| over two host views of the same shape (contiguous).
+template <class HostView>
+double relative_difference(const HostView& a, const HostView& b) {
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < b.span(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a.data()[i]) - b.data()[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b.data()[i])));
+  }
+  return diff / std::max(scale, 1e-30);
 }
 
 // Mamba-1 selective scan at perf-anchors §6.2's shape (batch 8, seqlen 4096, d_inner 1536, d_state 16),
@@ -167,18 +187,6 @@ void bench_ssd(const Options& o) {
   args.chunk_size = chunk;
   auto out = kmamba::allocate_uninitialized<T4>("kmamba::perf::out", batch, seqlen, nheads, headdim);
   auto final_states = kmamba::allocate_uninitialized<T4>("kmamba::perf::final_states", batch, nheads, headdim, dstate);
-  char shape[96];
-  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, chunk,
-                Exec::name());
-  const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + nheads);  // x, z, out, B, C, dt (fp32)
-
-  Measurement fwd{"ssd fwd", shape};
-  fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
-  fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
-  fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
-  fwd.exps = tokens * nheads * Q / 2;
-  report(fwd);
-
   auto dout = kmamba::allocate_uninitialized<T4>("kmamba::perf::dout", batch, seqlen, nheads, headdim);
   kmamba::fill_normal(exec, dout, 19, 0.0f, 1.0f);
   kmamba::SsdGrads<Mem> g;
@@ -190,34 +198,193 @@ void bench_ssd(const Options& o) {
   g.dC = kmamba::allocate_uninitialized<T4>("kmamba::perf::dC", batch, seqlen, ngroups, dstate);
   g.dD = kmamba::allocate_uninitialized<T1>("kmamba::perf::dD", nheads);
   g.ddt_bias = kmamba::allocate_uninitialized<T1>("kmamba::perf::ddt_bias", nheads);
-  Measurement bwd{"ssd bwd", shape};
-  bwd.seconds = median_seconds(exec, o.repeats, [&] {
-    kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
-  });
-  bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
-  bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
-  bwd.exps = 3.0 * tokens * nheads * Q / 2;
-  report(bwd);
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, chunk,
+                Exec::name());
+  const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + nheads);  // x, z, out, B, C, dt (fp32)
 
-  Measurement both{"ssd fwd+bwd", shape};
-  both.seconds = fwd.seconds + bwd.seconds;
-  both.bytes = fwd.bytes + bwd.bytes;
-  both.flops = fwd.flops + bwd.flops;
-  both.exps = fwd.exps + bwd.exps;
-  report(both);
+  // out and dx of the last fp32 run, against which a tf32 run's are compared.
+  auto out_fp32 = Kokkos::create_mirror(Kokkos::HostSpace(), out);
+  auto dx_fp32 = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
+  bool have_fp32 = false;
+  for (const kmamba::MatmulPrecision precision : {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
+    const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
+    if (o.precision != "both" && o.precision != kmamba::matmul_precision_name(precision)) continue;
+    if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
+      std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "ssd tf32", shape);
+      continue;
+    }
+    args.matmul_precision = precision;
+    const std::string suffix = tf32 ? " tf32" : "";
+    const double flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
+
+    Measurement fwd{"ssd fwd" + suffix, shape};
+    fwd.flop_per_s = flop_per_s;
+    fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
+    fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
+    fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
+    fwd.exps = tokens * nheads * Q / 2;
+    report(fwd);
+
+    Measurement bwd{"ssd bwd" + suffix, shape};
+    bwd.flop_per_s = flop_per_s;
+    bwd.seconds = median_seconds(exec, o.repeats, [&] {
+      kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
+    });
+    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
+    bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
+    bwd.exps = 3.0 * tokens * nheads * Q / 2;
+    report(bwd);
+
+    Measurement both{"ssd fwd+bwd" + suffix, shape};
+    both.flop_per_s = flop_per_s;
+    both.seconds = fwd.seconds + bwd.seconds;
+    both.bytes = fwd.bytes + bwd.bytes;
+    both.flops = fwd.flops + bwd.flops;
+    both.exps = fwd.exps + bwd.exps;
+    report(both);
+
+    if (!tf32) {
+      Kokkos::deep_copy(out_fp32, out);
+      Kokkos::deep_copy(dx_fp32, g.dx);
+      have_fp32 = true;
+    } else if (have_fp32) {
+      auto out_tf32 = Kokkos::create_mirror(Kokkos::HostSpace(), out);
+      auto dx_tf32 = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
+      Kokkos::deep_copy(out_tf32, out);
+      Kokkos::deep_copy(dx_tf32, g.dx);
+      std::printf("%-28s %-34s   max|tf32 - fp32| / max|fp32|: out %.2e, dx %.2e\n", "ssd tf32 accuracy", shape,
+                  relative_difference(out_tf32, out_fp32), relative_difference(dx_tf32, dx_fp32));
+    }
+  }
+}
+
+// Mamba-3 SISO (mamba3_siso_combined) at the shape of the CUDA performance issue: batch 8, seqlen
+// 4096, 32 heads, headdim 64, d_state 128 (a quarter of it rotated: 16 angles), ngroups 1, chunk 64,
+// with D and z; fp32 inputs. No FLOP model of its own in algorithms.md: the SSD's (§6.1–§6.2) at
+// Q = 64, which counts the products that dominate (the rotations and per-token scalars are O(N)).
+template <class Exec>
+void bench_mamba3_siso(const Options& o) {
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  const Exec exec;
+  const int batch = o.small ? 1 : 8, seqlen = o.small ? 1024 : 4096, nheads = o.small ? 8 : 32, headdim = 64;
+  const int dstate = o.small ? 64 : 128, nangles = dstate / 8, ngroups = 1, chunk = 64;
+  const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
+  auto q = kmamba::allocate_uninitialized<T4>("kmamba::perf::q", batch, seqlen, ngroups, dstate);
+  auto k = kmamba::allocate_uninitialized<T4>("kmamba::perf::k", batch, seqlen, ngroups, dstate);
+  auto v = kmamba::allocate_uninitialized<T4>("kmamba::perf::v", batch, seqlen, nheads, headdim);
+  auto z = kmamba::allocate_uninitialized<T4>("kmamba::perf::z", batch, seqlen, nheads, headdim);
+  auto adt = kmamba::allocate_uninitialized<T3>("kmamba::perf::adt", batch, nheads, seqlen);
+  auto dt = kmamba::allocate_uninitialized<T3>("kmamba::perf::dt", batch, nheads, seqlen);
+  auto trap = kmamba::allocate_uninitialized<T3>("kmamba::perf::trap", batch, nheads, seqlen);
+  auto q_bias = kmamba::allocate_uninitialized<T2>("kmamba::perf::q_bias", nheads, dstate);
+  auto k_bias = kmamba::allocate_uninitialized<T2>("kmamba::perf::k_bias", nheads, dstate);
+  auto angles = kmamba::allocate_uninitialized<T4>("kmamba::perf::angles", batch, seqlen, nheads, nangles);
+  auto D = kmamba::allocate_uninitialized<T1>("kmamba::perf::D", nheads);
+  kmamba::fill_normal(exec, q, 21, 0.0f, 0.1f);
+  kmamba::fill_normal(exec, k, 22, 0.0f, 0.1f);
+  kmamba::fill_normal(exec, v, 23, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, z, 24, 0.0f, 1.0f);
+  kmamba::fill_uniform(exec, adt, 25, -0.2f, -0.001f);
+  kmamba::fill_uniform(exec, dt, 26, 0.001f, 0.1f);
+  kmamba::fill_normal(exec, trap, 27, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, q_bias, 28, 0.0f, 0.1f);
+  kmamba::fill_normal(exec, k_bias, 29, 0.0f, 0.1f);
+  kmamba::fill_normal(exec, angles, 30, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, D, 31, 1.0f, 0.1f);
+  kmamba::Mamba3SisoArgs<Mem> args;
+  args.q = q;
+  args.k = k;
+  args.v = v;
+  args.adt = adt;
+  args.dt = dt;
+  args.trap = trap;
+  args.q_bias = q_bias;
+  args.k_bias = k_bias;
+  args.angles = angles;
+  args.D = D;
+  args.z = z;
+  args.chunk_size = chunk;
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::perf::out", batch, seqlen, nheads, headdim);
+  const kmamba::Mamba3SisoStates<Mem> final_states{
+      kmamba::allocate_uninitialized<T3>("kmamba::perf::final_angle", batch, nheads, nangles),
+      kmamba::allocate_uninitialized<T4>("kmamba::perf::final_ssm", batch, nheads, headdim, dstate),
+      kmamba::allocate_uninitialized<T3>("kmamba::perf::final_k", batch, nheads, dstate),
+      kmamba::allocate_uninitialized<T3>("kmamba::perf::final_v", batch, nheads, headdim)};
+  auto dout = kmamba::allocate_uninitialized<T4>("kmamba::perf::dout", batch, seqlen, nheads, headdim);
+  kmamba::fill_normal(exec, dout, 32, 0.0f, 1.0f);
+  kmamba::Mamba3SisoGrads<Mem> g;
+  g.dq = kmamba::allocate_uninitialized<T4>("kmamba::perf::dq", batch, seqlen, ngroups, dstate);
+  g.dk = kmamba::allocate_uninitialized<T4>("kmamba::perf::dk", batch, seqlen, ngroups, dstate);
+  g.dv = kmamba::allocate_uninitialized<T4>("kmamba::perf::dv", batch, seqlen, nheads, headdim);
+  g.dadt = kmamba::allocate_uninitialized<T3>("kmamba::perf::dadt", batch, nheads, seqlen);
+  g.ddt = kmamba::allocate_uninitialized<T3>("kmamba::perf::ddt", batch, nheads, seqlen);
+  g.dtrap = kmamba::allocate_uninitialized<T3>("kmamba::perf::dtrap", batch, nheads, seqlen);
+  g.dq_bias = kmamba::allocate_uninitialized<T2>("kmamba::perf::dq_bias", nheads, dstate);
+  g.dk_bias = kmamba::allocate_uninitialized<T2>("kmamba::perf::dk_bias", nheads, dstate);
+  g.dangles = kmamba::allocate_uninitialized<T4>("kmamba::perf::dangles", batch, seqlen, nheads, nangles);
+  g.dD = kmamba::allocate_uninitialized<T1>("kmamba::perf::dD", nheads);
+  g.dz = kmamba::allocate_uninitialized<T4>("kmamba::perf::dz", batch, seqlen, nheads, headdim);
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, chunk,
+                Exec::name());
+  // q, k, v, z, out, adt, dt, trap, angles (fp32)
+  const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + 3 * nheads + nheads * nangles);
+
+  for (const kmamba::MatmulPrecision precision : {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
+    const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
+    if (o.precision != "both" && o.precision != kmamba::matmul_precision_name(precision)) continue;
+    if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
+      std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "mamba3 siso tf32", shape);
+      continue;
+    }
+    args.matmul_precision = precision;
+    const std::string suffix = tf32 ? " tf32" : "";
+    const double flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
+
+    Measurement fwd{"mamba3 siso fwd" + suffix, shape};
+    fwd.flop_per_s = flop_per_s;
+    fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::mamba3_siso_forward(exec, args, out, final_states); });
+    fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
+    fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
+    fwd.exps = tokens * nheads * Q / 2;
+    report(fwd);
+
+    Measurement bwd{"mamba3 siso bwd" + suffix, shape};
+    bwd.flop_per_s = flop_per_s;
+    bwd.seconds = median_seconds(exec, o.repeats, [&] {
+      kmamba::mamba3_siso_backward(exec, args, dout, kmamba::Mamba3SisoConstStates<Mem>(), g);
+    });
+    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
+    bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
+    bwd.exps = 3.0 * tokens * nheads * Q / 2;
+    report(bwd);
+
+    Measurement both{"mamba3 siso fwd+bwd" + suffix, shape};
+    both.flop_per_s = flop_per_s;
+    both.seconds = fwd.seconds + bwd.seconds;
+    both.bytes = fwd.bytes + bwd.bytes;
+    both.flops = fwd.flops + bwd.flops;
+    both.exps = fwd.exps + bwd.exps;
+    report(both);
+  }
 }
 
 template <class Exec>
 void run_space(const Options& o) {
   const std::vector<std::pair<std::string, std::function<void(const Options&)>>> cases = {
-      {"ssd", bench_ssd<Exec>}, {"selective_scan", bench_selective_scan<Exec>}};
+      {"ssd", bench_ssd<Exec>}, {"mamba3_siso", bench_mamba3_siso<Exec>}, {"selective_scan", bench_selective_scan<Exec>}};
   bool ran = false;
   for (const auto& c : cases) {
     if (!o.only_case.empty() && o.only_case != c.first) continue;
     c.second(o);
     ran = true;
   }
-  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, selective_scan)");
+  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan)");
 }
 
 }  // namespace
@@ -227,8 +394,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
-      std::printf("usage: kmamba-perf [--case ssd|selective_scan] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
-                  "  --small   shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n");
+      std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
+                  "                   [--precision fp32|tf32|both]\n"
+                  "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n"
+                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n");
       return 0;
     }
   }
@@ -244,6 +413,11 @@ int main(int argc, char** argv) {
       else if (a == "--space") o.space = value();
       else if (a == "--small") o.small = true;
       else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--precision") {
+        o.precision = value();
+        KMAMBA_REQUIRE(o.precision == "fp32" || o.precision == "tf32" || o.precision == "both",
+                       "kmamba-perf: --precision must be fp32, tf32 or both, got '" << o.precision << "'");
+      }
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf: unknown argument '" << a << "'");
     }
     kmamba::print_configuration(std::cout);

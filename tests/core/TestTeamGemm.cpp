@@ -1,11 +1,19 @@
 // TeamGemm (kmamba/core/impl/TeamGemm.hpp), the team-level product under the SSD stages, on its
-// own: every output stored exactly once with Σ_l a(i,l)·b(l,j), for shapes that do and do not fill
-// the backend's blocks (k = 0 included), with the team shape the SSD plan asks for and with a
-// smaller one (the generic path on backends that specialise), leaving the caller's own team
-// scratch untouched.
+// own, in both precisions: every output stored exactly once with Σ_l a(i,l)·b(l,j), for shapes
+// that do and do not fill the backend's blocks (k = 0 included), with the team shape the SSD plan
+// asks for and with a smaller one (the generic path on backends that specialise), leaving the
+// caller's own team scratch untouched.
 //
-// Tolerance: |C − ref| ≤ 1e-6·Σ_l |a(i,l)·b(l,j)| + 1e-30 against a double reference (fp32
-// accumulation of k ≤ 300 products).
+// Tolerances against double references, with mag = Σ_l |a(i,l)·b(l,j)|:
+// - exact fp32 forms (Float32 everywhere; TensorFloat32 where the backend has no tensor-core form
+//   or the team is not the one it specialises for): |C − ref| ≤ 1e-6·mag + 1e-30 (fp32
+//   accumulation of k ≤ 300 products);
+// - the tensor-core form (TensorFloat32 on Cuda with the plan's team): the reference sums the
+//   products of the operands rounded to TF32 as the hardware conversion does (cvt.rna: nearest,
+//   ties away from zero, 10-bit mantissa), which the tensor cores multiply exactly; what remains is
+//   their fp32 accumulation, which truncates: |C − ref_tf32| ≤ (k + 16)·2^-22·mag + 1e-30 (about 8×
+//   the bound of one truncation per MMA of 8 products). The distance to the exact reference,
+//   ≤ (2^-10 + (k + 16)·2^-22)·mag, is checked too and reported.
 #include <kmamba/core/impl/TeamGemm.hpp>
 
 #include "Backends.hpp"
@@ -15,13 +23,28 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace {
 
-template <class Exec>
+using kmamba::MatmulPrecision;
+
+// v rounded to TF32 as cvt.rna.tf32.f32 does: the 13 low mantissa bits rounded off, to nearest
+// with ties away from zero (the sign is a separate bit, so rounding the magnitude's bits up at
+// half rounds away from zero).
+float round_to_tf32(float v) {
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <class Exec, MatmulPrecision Precision>
 struct GemmProbe {
   using member_type = typename Kokkos::TeamPolicy<Exec>::member_type;
   using Mem = typename Exec::memory_space;
@@ -37,7 +60,7 @@ struct GemmProbe {
     Vec mine(team.team_scratch(0), own);
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, own), [&](const int q) { mine(q) = 0.5f + q; });
     team.team_barrier();
-    kmamba::impl::TeamGemm<Exec>::apply(
+    kmamba::impl::TeamGemm<Exec, Precision>::apply(
         team, m, n, k, [&](const int i, const int l) { return A(i, l) * (mine(0) + 0.5f); },
         [&](const int l, const int j) { return Bt(j, l); },
         [&](const int i, const int j, const float v) {
@@ -51,12 +74,13 @@ struct GemmProbe {
   }
 };
 
-template <class Exec>
+template <class Exec, MatmulPrecision Precision>
 void check_product(int m, int n, int k, bool plan_shape) {
   using Mem = typename Exec::memory_space;
   using Policy = Kokkos::TeamPolicy<Exec>;
-  using Gemm = kmamba::impl::TeamGemm<Exec>;
-  const std::string ctx = "m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+  using Gemm = kmamba::impl::TeamGemm<Exec, Precision>;
+  const std::string ctx = std::string(kmamba::matmul_precision_name(Precision)) + " m=" + std::to_string(m) +
+                          " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                           (plan_shape ? " (plan's team shape)" : " (small team)");
   std::mt19937 rng(static_cast<unsigned>(m * 7919 + n * 131 + k));
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -81,13 +105,17 @@ void check_product(int m, int n, int k, bool plan_shape) {
   int team_size = Gemm::team_threads > 0 ? Gemm::team_threads / vector_length : 8;
   if (!plan_shape) team_size = std::max(1, team_size / 4);
   const Exec exec;
-  const GemmProbe<Exec> probe{A, Bt, C, calls, intact, m, n, k, own};
+  const GemmProbe<Exec, Precision> probe{A, Bt, C, calls, intact, m, n, k, own};
   Policy sizing(exec, 1, 1, vector_length);
-  const std::size_t scratch = GemmProbe<Exec>::Vec::shmem_size(own) + Gemm::scratch_bytes;
+  const std::size_t scratch = GemmProbe<Exec, Precision>::Vec::shmem_size(own) + Gemm::scratch_bytes;
   sizing.set_scratch_size(0, Kokkos::PerTeam(scratch));
   team_size = std::min(team_size, sizing.team_size_max(probe, Kokkos::ParallelForTag()));
   Policy policy(exec, 1, team_size, vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  if (plan_shape && Gemm::team_threads > 0) {
+    EXPECT_EQ(team_size * vector_length, Gemm::team_threads) << ctx << ": the specialised form is not exercised";
+  }
+  const bool tensor_cores = Gemm::tensor_cores && team_size * vector_length == Gemm::team_threads;
   Kokkos::parallel_for("kmamba::test::team_gemm", policy, probe);
   exec.fence();
 
@@ -98,16 +126,23 @@ void check_product(int m, int n, int k, bool plan_shape) {
   int wrong_calls = 0, wrong_values = 0;
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
-      double ref = 0.0, mag = 0.0;
+      double ref = 0.0, ref_tf32 = 0.0, mag = 0.0;
       for (int l = 0; l < k; ++l) {
         const double t = static_cast<double>(hA(i, l)) * hB(j, l);
         ref += t;
+        ref_tf32 += static_cast<double>(round_to_tf32(hA(i, l))) * round_to_tf32(hB(j, l));
         mag += std::abs(t);
       }
       if (hcalls(i, j) != 1) ++wrong_calls;
-      if (!(std::abs(hC(i, j) - ref) <= 1e-6 * mag + 1e-30)) {
+      const double accumulation = (k + 16) * std::ldexp(1.0, -22) * mag + 1e-30;
+      const bool ok = tensor_cores ? std::abs(hC(i, j) - ref_tf32) <= accumulation &&
+                                         std::abs(hC(i, j) - ref) <= std::ldexp(1.0, -10) * mag + accumulation
+                                   : std::abs(hC(i, j) - ref) <= 1e-6 * mag + 1e-30;
+      if (!ok) {
         if (wrong_values == 0) {
-          ADD_FAILURE() << ctx << ": C(" << i << "," << j << ") = " << hC(i, j) << ", reference " << ref;
+          ADD_FAILURE() << ctx << ": C(" << i << "," << j << ") = " << hC(i, j) << ", reference " << ref
+                        << ", TF32-operand reference " << ref_tf32 << ", sum of |products| " << mag
+                        << (tensor_cores ? " (tensor-core form)" : " (exact fp32 form)");
         }
         ++wrong_values;
       }
@@ -121,12 +156,20 @@ template <class ExecSpace>
 class TeamGemmTest : public ::testing::Test {};
 TYPED_TEST_SUITE(TeamGemmTest, kmamba::test::Backends, kmamba::test::BackendNames);
 
+constexpr int shapes[][3] = {{1, 1, 1},   {3, 5, 7},     {64, 64, 16},  {64, 128, 256}, {65, 129, 17},
+                             {130, 257, 33}, {17, 64, 300}, {64, 65, 1}, {5, 3, 0},     {200, 40, 48}};
+
 TYPED_TEST(TeamGemmTest, StoresEveryProductOnceForAnyShape) {
-  const int shapes[][3] = {{1, 1, 1},   {3, 5, 7},     {64, 64, 16},  {64, 128, 256}, {65, 129, 17},
-                           {130, 257, 33}, {17, 64, 300}, {64, 65, 1}, {5, 3, 0},     {200, 40, 48}};
   for (const auto& s : shapes) {
-    check_product<TypeParam>(s[0], s[1], s[2], true);
-    check_product<TypeParam>(s[0], s[1], s[2], false);
+    check_product<TypeParam, MatmulPrecision::Float32>(s[0], s[1], s[2], true);
+    check_product<TypeParam, MatmulPrecision::Float32>(s[0], s[1], s[2], false);
+  }
+}
+
+TYPED_TEST(TeamGemmTest, TensorFloat32StoresEveryProductOnceForAnyShape) {
+  for (const auto& s : shapes) {
+    check_product<TypeParam, MatmulPrecision::TensorFloat32>(s[0], s[1], s[2], true);
+    check_product<TypeParam, MatmulPrecision::TensorFloat32>(s[0], s[1], s[2], false);
   }
 }
 

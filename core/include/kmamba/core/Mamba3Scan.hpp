@@ -31,7 +31,8 @@
 // and k; each chunk's own end state; the passing of states across chunks; the chunk scan. The
 // backward runs the same decomposition in reverse (algorithms.md §3.5, rank sums inside the inner
 // products for MIMO); the reduction of angles mod 2π is treated as the identity, as the reference
-// does. All arithmetic and states are fp32. Every op is non-blocking on the execution space
+// does. All arithmetic and states are fp32 (the per-chunk products optionally with TF32 operands on
+// the tensor cores: matmul_precision). Every op is non-blocking on the execution space
 // instance it is given, except that temporary buffers are released on return (which waits for the
 // device where freeing memory does, as cudaFree).
 //
@@ -45,6 +46,7 @@
 #define KMAMBA_CORE_MAMBA3SCAN_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/Mamba3ScanImpl.hpp>
@@ -121,6 +123,9 @@ struct Mamba3SisoArgs {
   /// Tokens per chunk (the reference's default 64). A value whose team scratch memory the backend
   /// cannot provide is a UserError.
   int chunk_size = 64;
+  /// The per-chunk products (kmamba/core/MatmulPrecision.hpp, as SsdArgs::matmul_precision):
+  /// Float32 (default) exact; TensorFloat32 on the tensor cores with TF32 operands on Cuda.
+  MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
 /// Gradients written by mamba3_siso_backward. dq, dk, dv, dadt, ddt, dtrap, dq_bias, dk_bias and
@@ -164,6 +169,8 @@ struct Mamba3MimoArgs {
   Mamba3MimoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
   /// Tokens per chunk; 0 = the reference's default 64 / rank (at least 1).
   int chunk_size = 0;
+  /// The per-chunk products, as Mamba3SisoArgs::matmul_precision.
+  MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
 /// Gradients written by mamba3_mimo_backward (required/optional as Mamba3SisoGrads; dmimo_v and
@@ -511,7 +518,7 @@ void mamba3_siso_forward(const ExecutionSpace& exec, const Mamba3SisoArgs<Memory
               "(batch, seqlen, nheads, headdim)");
   check_allocated(function, "out", out);
   impl::mamba3_check_siso_states(function, "final_states", final_states, dims);
-  impl::mamba3_forward_impl(exec, function, dims, args.chunk_size, impl::mamba3_operands(args), out,
+  impl::mamba3_forward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args), out,
                             impl::mamba3_state_views(final_states));
 }
 
@@ -562,7 +569,7 @@ void mamba3_siso_backward(
   g.dz = grads.dz;
   g.dinitial = impl::mamba3_state_views(grads.dinitial);
   g.mimo = false;
-  impl::mamba3_backward_impl(exec, function, dims, args.chunk_size, impl::mamba3_operands(args), dout,
+  impl::mamba3_backward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args), dout,
                              impl::mamba3_state_views(dfinal_states), g);
 }
 
@@ -589,7 +596,7 @@ void mamba3_mimo_forward(const ExecutionSpace& exec, const Mamba3MimoArgs<Memory
   check_allocated(function, "out", out);
   impl::mamba3_check_mimo_states(function, "final_states", final_states, dims);
   impl::mamba3_forward_impl(exec, function, dims, impl::mamba3_mimo_chunk_size(args.chunk_size, dims.rank),
-                            impl::mamba3_operands(args), out, impl::mamba3_state_views(final_states));
+                            args.matmul_precision, impl::mamba3_operands(args), out, impl::mamba3_state_views(final_states));
 }
 
 template <class MemorySpace>
@@ -650,7 +657,7 @@ void mamba3_mimo_backward(
   g.dinitial = impl::mamba3_state_views(grads.dinitial);
   g.mimo = true;
   impl::mamba3_backward_impl(exec, function, dims, impl::mamba3_mimo_chunk_size(args.chunk_size, dims.rank),
-                             impl::mamba3_operands(args), dout, impl::mamba3_state_views(dfinal_states), g);
+                             args.matmul_precision, impl::mamba3_operands(args), dout, impl::mamba3_state_views(dfinal_states), g);
 }
 
 template <class MemorySpace>

@@ -13,7 +13,8 @@
 // The sequence is cut into chunks of `chunk_size` tokens (the last may be partial) and computed
 // in the reference's stages: δ and the chunk cumsum of δ·A; each chunk's own end state; the
 // passing of states across chunks; C·Bᵀ within each chunk; the chunk scan with the incoming
-// state, D and the gate. All arithmetic, states and cumsums are fp32. Every op is non-blocking
+// state, D and the gate. All arithmetic, states and cumsums are fp32 (the per-chunk products
+// optionally with TF32 operands on the tensor cores: SsdArgs::matmul_precision). Every op is non-blocking
 // on the execution space instance it is given, except that temporary buffers are released on
 // return (which waits for the device where freeing memory does, as cudaFree).
 //
@@ -26,6 +27,7 @@
 #define KMAMBA_CORE_SSD_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/SsdImpl.hpp>
@@ -62,6 +64,12 @@ struct SsdArgs {
   /// Tokens per chunk (the reference's chunk_size; Mamba-2 uses 256). A value whose team scratch
   /// memory the backend cannot provide is a UserError.
   int chunk_size = 256;
+  /// The per-chunk products of the forward and backward (kmamba/core/MatmulPrecision.hpp).
+  /// Float32 (default): exact fp32 products, the accuracy the rest of the library is tested at.
+  /// TensorFloat32: on Cuda the products run on the tensor cores with operands rounded to TF32
+  /// (fp32 sums; out and the gradients then carry relative errors of order 1e-3 of their
+  /// magnitude instead of 1e-6); on host backends the same as Float32.
+  MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
 /// Gradients written by ssd_backward. dx, ddt, dA, dB, dC are required; dD, ddt_bias and

@@ -479,7 +479,7 @@ struct Mamba3RotateFunctor {
 };
 
 /// Stage 3 (chunk_state): the chunk's own end state Σ_rows scale_s·exp(cs_last − cs_s)·v_row ⊗ k_row.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkStateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
@@ -495,7 +495,7 @@ struct Mamba3ChunkStateFunctor {
       sw(j) = ws.scale(b, h, t0 + s) * Kokkos::Experimental::exp(ws.cs(b, h, t0 + last) - ws.cs(b, h, t0 + s));
     });
     team.team_barrier();
-    TeamGemm<ExecSpace>::apply(
+    TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
         [&](const int p, const int j) { return ws.v(b, h, row0 + j, p) * sw(j); },
         [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
@@ -541,7 +541,7 @@ struct Mamba3StatePassingFunctor {
 /// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r for a tile
 /// of rows at a time (the intra-chunk weights and the scaled q concatenated along the reduced
 /// index); then either the gated, rank-contracted output or the rows y_t,r themselves.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
@@ -569,14 +569,14 @@ struct Mamba3ChunkScanFunctor {
       const int tokens = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
       const int nr = tokens * R, i0 = l0 * R;
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, rows, plan.dstate, [&](const int i, const int n) { return ws.q(b, h, row0 + i0 + i, n); },
           [&](const int n, const int j) { return ws.k(b, h, row0 + j, n); },
           [&](const int i, const int j, const float v) {
             sW(i, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + i / R, j / R);
           });
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
           [&](const int i, const int k) {
             return k < rows ? sW(i, k) : seA(i0 + i) * ws.q(b, h, row0 + i0 + i, k - rows);
@@ -641,7 +641,7 @@ struct Mamba3GateBackwardFunctor {
 
 /// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row, the gradient the chunk's outputs send to
 /// the state entering it.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkDstatesFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
@@ -656,7 +656,7 @@ struct Mamba3ChunkDstatesFunctor {
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows),
                          [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
     team.team_barrier();
-    TeamGemm<ExecSpace>::apply(
+    TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
         [&](const int p, const int j) { return bw.g(b, h, row0 + j, p) * seA(j); },
         [&](const int j, const int n) { return ws.q(b, h, row0 + j, n); },
@@ -756,7 +756,7 @@ struct Mamba3InitialStateBackwardFunctor {
 /// added, none subtracted); then dv_j = Σ_i w·A·g_i + scale_s·exp(cs_last − cs_s)·dĤ k_j + D·g_j and
 /// dk_j = Σ_i w·B·q_i + scale_s·exp(cs_last − cs_s)·dĤᵀ v_j. Pass 2 runs over tiles of target rows i:
 /// dq_i = Σ_j w·(g_i·v_j)·k_j + exp(cs_t)·Ĥᵀ g_i (and the part of ∂/∂adt through exp(cs_t)).
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
@@ -812,15 +812,15 @@ struct Mamba3ChunkBackwardFunctor {
         const int s = s0 + jj / R;
         srow(jj) = sscale(s) * Kokkos::Experimental::exp(cs_last - scs(s));
       });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
           [&](const int p, const int n) { return bw.dstates(b, c, h, p, n); },
           [&](const int jj, const int n, const float v) { sacc(jj, n) = v; });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, rows, plan.dstate, [&](const int jj, const int n) { return ws.k(b, h, j0 + jj, n); },
           [&](const int n, const int i) { return ws.q(b, h, row0 + i, n); },
           [&](const int jj, const int i, const float v) { sA(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, rows, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
           [&](const int p, const int i) { return bw.g(b, h, row0 + i, p); },
           [&](const int jj, const int i, const float v) { sB(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
@@ -882,7 +882,7 @@ struct Mamba3ChunkBackwardFunctor {
             Kokkos::ThreadVectorRange(team, tokens), [&](const int ss, float& acc) { acc += sX(ss, j); }, col);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
       });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
           [&](const int jj, const int k) { return k < rows ? sA(jj, k) : srow(jj) * ws.k(b, h, j0 + jj, k - rows); },
           [&](const int k, const int p) {
@@ -891,7 +891,7 @@ struct Mamba3ChunkBackwardFunctor {
           [&](const int jj, const int p, const float v) {
             bw.dv(b, h, j0 + jj, p) = v + skip * bw.g(b, h, j0 + jj, p);
           });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, rows, [&](const int jj, const int i) { return sB(jj, i); },
           [&](const int i, const int n) { return ws.q(b, h, row0 + i, n); },
           [&](const int jj, const int n, const float v) { bw.dk(b, h, j0 + jj, n) = v + srow(jj) * sacc(jj, n); });
@@ -905,12 +905,12 @@ struct Mamba3ChunkBackwardFunctor {
       Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr),
                            [&](const int ii) { srow(ii) = Kokkos::Experimental::exp(scs(l0 + ii / R)); });
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim,
           [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
           [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
           [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
           [&](const int ii, const int j, const float v) {
@@ -928,7 +928,7 @@ struct Mamba3ChunkBackwardFunctor {
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
       });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, rows, [&](const int ii, const int j) { return sB(ii, j); },
           [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
           [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
@@ -1277,7 +1277,7 @@ void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const floa
 
 /// Stages 1–4: angles, cumsums and scales; rotated rows (and the final k, v); entering states (and
 /// the final ssm state).
-template <class ExecSpace, class MemorySpace>
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
 void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                     const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
   const std::size_t scratch =
@@ -1290,25 +1290,36 @@ void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3O
       Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
       Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_launch(exec, "kmamba::mamba3::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
-                Mamba3ChunkStateFunctor<ExecSpace, MemorySpace>{ws, plan}, scratch);
+                Mamba3ChunkStateFunctor<ExecSpace, MemorySpace, Precision>{ws, plan}, scratch);
   mamba3_launch(exec, "kmamba::mamba3::state_passing", plan, plan.batch * plan.nheads,
                 Mamba3StatePassingFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states}, 0);
 }
 
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void mamba3_forward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                           const Tensor4<float, MemorySpace>& out,
+                           const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const Mamba3Workspace<MemorySpace> ws(plan);
+  mamba3_prepare<Precision>(exec, plan, in, ws, final_states);
+  mamba3_launch(
+      exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
+      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, out, Tensor4<float, MemorySpace>(), false},
+      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
+}
+
 template <class ExecSpace, class MemorySpace>
 void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
-                         const Mamba3Operands<MemorySpace>& in, const Tensor4<float, MemorySpace>& out,
+                         MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
+                         const Tensor4<float, MemorySpace>& out,
                          const Mamba3StateViews<float, MemorySpace>& final_states) {
   const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
   if (plan.seqlen == 0) {
     mamba3_pass_states(exec, in.initial, final_states);
     return;
   }
-  const Mamba3Workspace<MemorySpace> ws(plan);
-  mamba3_prepare(exec, plan, in, ws, final_states);
-  mamba3_launch(exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-                Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, out, Tensor4<float, MemorySpace>(), false},
-                Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
+  with_matmul_precision<ExecSpace>(precision, [&](auto p) {
+    mamba3_forward_stages<decltype(p)::value>(exec, plan, in, out, final_states);
+  });
 }
 
 /// The gradients of a sequence of length 0: the states pass through; every parameter gets zero.
@@ -1330,28 +1341,23 @@ void mamba3_backward_empty(const ExecSpace& exec, const Mamba3Operands<MemorySpa
   if (grads.dD.is_allocated()) Kokkos::deep_copy(exec, grads.dD, 0.0f);
 }
 
-template <class ExecSpace, class MemorySpace>
-void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
-                          const Mamba3Operands<MemorySpace>& in, const ConstTensor4<float, MemorySpace>& dout,
-                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
-                          const Mamba3GradViews<MemorySpace>& grads) {
-  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
-  if (plan.seqlen == 0) {
-    mamba3_backward_empty(exec, in, dfinal, grads);
-    return;
-  }
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                            const ConstTensor4<float, MemorySpace>& dout,
+                            const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                            const Mamba3GradViews<MemorySpace>& grads) {
   const std::size_t scratch =
       Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   const int head_league = plan.batch * plan.nheads;
   const Mamba3Workspace<MemorySpace> ws(plan);
-  mamba3_prepare(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
+  mamba3_prepare<Precision>(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
   const bool keep_y = in.has_z || in.mimo;
   const Mamba3BackwardWorkspace<MemorySpace> bw(plan, keep_y);
   if (keep_y) {
     mamba3_launch(
         exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
-        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
+        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
         scratch);
   }
   const Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>> tokens(exec, {0, 0, 0},
@@ -1359,13 +1365,13 @@ void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mam
   Kokkos::parallel_for("kmamba::mamba3::gate_backward", tokens,
                        Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.y, bw.g, grads.dz});
   mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
-                Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace>{ws, bw, plan}, scratch);
+                Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{ws, bw, plan}, scratch);
   mamba3_launch(exec, "kmamba::mamba3::state_passing_backward", plan, head_league,
                 Mamba3StatePassingBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, grads.dinitial}, 0);
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
   mamba3_launch(exec, "kmamba::mamba3::chunk_backward", plan, chunk_league,
-                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace>{in, ws, bw, plan, grads.dadt}, scratch);
+                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, bw, plan, grads.dadt}, scratch);
   Kokkos::parallel_for("kmamba::mamba3::token_backward", tokens,
                        Mamba3TokenBackwardFunctor<MemorySpace>{in, ws, bw, plan, dfinal, grads.dv});
   mamba3_launch(exec, "kmamba::mamba3::angle_backward", plan, head_league,
@@ -1388,6 +1394,22 @@ void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mam
     Kokkos::parallel_for("kmamba::mamba3::skip_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
                          Mamba3SkipSumFunctor<MemorySpace>{bw.partial, grads.dD});
   }
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
+                          MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
+                          const ConstTensor4<float, MemorySpace>& dout,
+                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                          const Mamba3GradViews<MemorySpace>& grads) {
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
+  if (plan.seqlen == 0) {
+    mamba3_backward_empty(exec, in, dfinal, grads);
+    return;
+  }
+  with_matmul_precision<ExecSpace>(precision, [&](auto p) {
+    mamba3_backward_stages<decltype(p)::value>(exec, plan, in, dout, dfinal, grads);
+  });
 }
 
 template <class ExecSpace, class MemorySpace>

@@ -8,7 +8,10 @@
 // tile of rows at a time: the weights of the forward and of dx are formed inside the product's
 // operand, the backward keeps one (tile × chunk) block in level-1 scratch, so level-0 scratch
 // grows with the chunk only. Every per-chunk product goes through TeamGemm (impl/TeamGemm.hpp),
-// which a backend may specialise (with the team shape and scratch it wants, see ssd_plan).
+// which a backend may specialise (with the team shape and scratch it wants, see ssd_plan). The
+// functors that multiply take the MatmulPrecision of their products as a template parameter;
+// ssd_forward_impl / ssd_backward_impl instantiate the stages once per precision the backend's
+// TeamGemm distinguishes (with_matmul_precision: twice on Cuda, once elsewhere).
 //
 // seq_idx: a "run" is a maximal stretch of tokens with equal seq_idx. Stage 1 writes, per token,
 // the number of run starts from the beginning of its chunk up to the token (the first token of a
@@ -263,7 +266,7 @@ struct SsdChunkCumsumFunctor {
 
 /// Stage 2 (chunk_state): the chunk's own end state Σ_l x_l ⊗ B_l·δ_l·exp(dA_cs[last] − dA_cs[l])
 /// over the tokens of the chunk's last run.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct SsdChunkStateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
@@ -284,7 +287,7 @@ struct SsdChunkStateFunctor {
       sw(l) = srun(l) == srun(last) ? sdt(l) * ssd_decay(sA(last) - sA(l)) : 0.0f;
     });
     team.team_barrier();
-    TeamGemm<ExecSpace>::apply(
+    TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.len,
         [&](const int p, const int l) { return in.x(blk.b, blk.t0 + l, blk.h, p) * sw(l); },
         [&](const int l, const int n) { return in.B(blk.b, blk.t0 + l, blk.g, n); },
@@ -345,7 +348,7 @@ struct SsdStatePassingFunctor {
 
 /// Stage 4 (bmm_chunk): CB[l, s] = C_l·B_s within each chunk, per group, for s ≤ l (the only
 /// entries the later stages read). One team per (batch, chunk, group, tile of rows l).
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct SsdBmmChunkFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   SsdOperands<MemorySpace> in;
@@ -363,7 +366,7 @@ struct SsdBmmChunkFunctor {
     const int l0 = tile * plan.tile;
     if (l0 >= len) return;
     const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
-    TeamGemm<ExecSpace>::apply(
+    TeamGemm<ExecSpace, Precision>::apply(
         team, rows, l0 + rows, plan.dstate, [&](const int i, const int n) { return in.C(b, t0 + l0 + i, g, n); },
         [&](const int n, const int s) { return in.B(b, t0 + s, g, n); },
         [&](const int i, const int s, const float v) { ws.CB(b, c, g, l0 + i, s) = v; });
@@ -376,7 +379,7 @@ struct SsdBmmChunkFunctor {
 /// that can be nonzero) and the scaled C concatenated along the reduced index.
 /// With GateBackward (backward B1, z given) it writes g = dout·silu(z) to `out` and
 /// dz = dout·out_x·silu′(z) instead.
-template <class ExecSpace, class MemorySpace, bool GateBackward>
+template <class ExecSpace, class MemorySpace, bool GateBackward, MatmulPrecision Precision>
 struct SsdChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
@@ -403,7 +406,7 @@ struct SsdChunkScanFunctor {
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
       const int rows = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
       const int cols = l0 + rows;
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.headdim, cols + plan.dstate,
           [&](const int i, const int k) {
             const int l = l0 + i;
@@ -432,7 +435,7 @@ struct SsdChunkScanFunctor {
 
 /// Backward B2 (dstates): dH_c = Σ_l exp(dA_cs[l])·g_l ⊗ C_l over the tokens the entering state
 /// reaches.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct SsdChunkDstatesFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
@@ -454,7 +457,7 @@ struct SsdChunkDstatesFunctor {
       seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
     });
     team.team_barrier();
-    TeamGemm<ExecSpace>::apply(
+    TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.len,
         [&](const int p, const int l) { return g(blk.b, blk.t0 + l, blk.h, p) * seA(l); },
         [&](const int l, const int n) { return in.C(blk.b, blk.t0 + l, blk.g, n); },
@@ -493,7 +496,7 @@ struct SsdStatePassingBackwardFunctor {
 /// (per head) hold their partial sums between the products of a tile; the (tile × chunk) block
 /// of intra-chunk weights lives in level-1 scratch. Products skip the columns that the causal
 /// mask makes zero.
-template <class ExecSpace, class MemorySpace>
+template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct SsdChunkBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = SsdScratch<ExecSpace>;
@@ -552,7 +555,7 @@ struct SsdChunkBackwardFunctor {
     for (int s0 = 0; s0 < len; s0 += plan.tile) {
       const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.headdim, plan.dstate,
           [&](const int i, const int n) { return seLast(s0 + i) * in.B(b, t0 + s0 + i, gr, n); },
           [&](const int n, const int p) { return dstates(b, c, h, p, n); },
@@ -567,7 +570,7 @@ struct SsdChunkBackwardFunctor {
         Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = sdt(s) * dot; });
       });
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.headdim, len - s0,
           [&](const int i, const int kk) {
             const int s = s0 + i, k = s0 + kk;
@@ -597,14 +600,14 @@ struct SsdChunkBackwardFunctor {
       const int rows = len - l0 < plan.tile ? len - l0 : plan.tile;
       const int cols = l0 + rows;
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, cols, plan.headdim, [&](const int i, const int p) { return g(b, t0 + l0 + i, h, p); },
           [&](const int p, const int s) { return in.x(b, t0 + s, h, p); },
           [&](const int i, const int s, const float v) {
             const int l = l0 + i;
             sW(i, s) = s <= l && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
           });
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.dstate, plan.headdim,
           [&](const int i, const int p) { return seA(l0 + i) * g(b, t0 + l0 + i, h, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
@@ -619,7 +622,7 @@ struct SsdChunkBackwardFunctor {
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l) = dot; });
       });
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.dstate, cols, [&](const int i, const int s) { return sW(i, s); },
           [&](const int s, const int n) { return in.B(b, t0 + s, gr, n); },
           [&](const int i, const int n, const float v) { dC_head(b, t0 + l0 + i, h, n) += v; });
@@ -649,7 +652,7 @@ struct SsdChunkBackwardFunctor {
       const int rows = len - s0 < plan.tile ? len - s0 : plan.tile;
       const int cols = len - s0;
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, cols, plan.headdim, [&](const int i, const int p) { return in.x(b, t0 + s0 + i, h, p); },
           [&](const int p, const int ll) { return g(b, t0 + s0 + ll, h, p); },
           [&](const int i, const int ll, const float v) {
@@ -657,7 +660,7 @@ struct SsdChunkBackwardFunctor {
             sW(i, ll) = l >= s && srun(s) == srun(l) ? v * sdt(s) * ssd_decay(sA(l) - sA(s)) : 0.0f;
           });
       team.team_barrier();
-      TeamGemm<ExecSpace>::apply(
+      TeamGemm<ExecSpace, Precision>::apply(
           team, rows, plan.dstate, cols + plan.headdim,
           [&](const int i, const int k) {
             const int s = s0 + i;
@@ -812,20 +815,31 @@ struct SsdStepFunctor {
 };
 
 /// Stages 1–4: δ, cumsums and run ids; entering states (and the final state); C·Bᵀ.
-template <class ExecSpace, class MemorySpace>
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
 void ssd_prepare(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                  const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   ssd_launch(exec, "kmamba::ssd::chunk_cumsum", plan, chunk_league,
              SsdChunkCumsumFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
   ssd_launch(exec, "kmamba::ssd::chunk_state", plan, chunk_league,
-             SsdChunkStateFunctor<ExecSpace, MemorySpace>{in, ws, plan}, SsdScratch<ExecSpace>::bytes(plan.chunk));
+             SsdChunkStateFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan},
+             SsdScratch<ExecSpace>::bytes(plan.chunk));
   Kokkos::parallel_for("kmamba::ssd::state_passing",
                        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                            exec, 0, ssd_state_items(plan)),
                        SsdStatePassingFunctor<MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()});
   ssd_launch(exec, "kmamba::ssd::bmm_chunk", plan, plan.batch * plan.nchunks * plan.ngroups * plan.ntiles,
-             SsdBmmChunkFunctor<ExecSpace, MemorySpace>{in, ws, plan}, TeamGemm<ExecSpace>::scratch_bytes);
+             SsdBmmChunkFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan}, TeamGemm<ExecSpace>::scratch_bytes);
+}
+
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void ssd_forward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                        const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states) {
+  const SsdWorkspace<MemorySpace> ws(plan);
+  ssd_prepare<Precision>(exec, plan, in, ws, final_states);
+  ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
+             SsdChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}},
+             SsdScratch<ExecSpace>::bytes(plan.chunk));
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -844,37 +858,34 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
     }
     return;
   }
-  const SsdWorkspace<MemorySpace> ws(plan);
-  ssd_prepare(exec, plan, in, ws, final_states);
-  ssd_launch(exec, "kmamba::ssd::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-             SsdChunkScanFunctor<ExecSpace, MemorySpace, false>{in, ws, plan, out, {}, {}},
-             SsdScratch<ExecSpace>::bytes(plan.chunk));
+  with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {
+    ssd_forward_stages<decltype(precision)::value>(exec, plan, in, out, final_states);
+  });
 }
 
-template <class ExecSpace, class MemorySpace>
-void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDims& dims,
-                       const SsdArgs<MemorySpace>& args, const ConstTensor4<float, MemorySpace>& dout,
-                       const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
-  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
-  const SsdOperands<MemorySpace> in(args);
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                         const ConstTensor4<float, MemorySpace>& dout,
+                         const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
   const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   const SsdWorkspace<MemorySpace> ws(plan);
-  ssd_prepare(exec, plan, in, ws, Tensor4<float, MemorySpace>());
+  ssd_prepare<Precision>(exec, plan, in, ws, Tensor4<float, MemorySpace>());
 
   ConstTensor4<float, MemorySpace> g = dout;
   if (in.has_z) {
     const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
         "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
     ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, chunk_league,
-               SsdChunkScanFunctor<ExecSpace, MemorySpace, true>{in, ws, plan, gated, dout, grads.dz}, scratch);
+               SsdChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, gated, dout, grads.dz},
+               scratch);
     g = gated;
   }
 
   const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
       "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
   ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
-             SsdChunkDstatesFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates}, scratch);
+             SsdChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates}, scratch);
   Kokkos::parallel_for("kmamba::ssd::state_passing_backward",
                        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                            exec, 0, ssd_state_items(plan)),
@@ -889,8 +900,8 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
   const auto partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch, plan.nchunks, plan.nheads, 3);
   ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
-             SsdChunkBackwardFunctor<ExecSpace, MemorySpace>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
-                                                             dB_head, dC_head, partial},
+             SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
+                                                                        dB_head, dC_head, partial},
              scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
   Kokkos::parallel_for("kmamba::ssd::group_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
@@ -898,6 +909,17 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
   Kokkos::parallel_for("kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
                        SsdParameterSumFunctor<MemorySpace>{partial, grads.dA, grads.dD, grads.ddt_bias,
                                                            grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
+}
+
+template <class ExecSpace, class MemorySpace>
+void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDims& dims,
+                       const SsdArgs<MemorySpace>& args, const ConstTensor4<float, MemorySpace>& dout,
+                       const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
+  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
+  const SsdOperands<MemorySpace> in(args);
+  with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {
+    ssd_backward_stages<decltype(precision)::value>(exec, plan, in, dout, dfinal_states, grads);
+  });
 }
 template <class ExecSpace, class MemorySpace>
 void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs<MemorySpace>& args,

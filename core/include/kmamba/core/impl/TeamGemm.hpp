@@ -1,36 +1,51 @@
 // A small matrix product computed by one Kokkos team, shared by the SSD chunk stages
 // (kmamba/core/impl/SsdImpl.hpp) for their per-chunk products (C·Bᵀ, x·(δ·decay·B)ᵀ, W·x, ...).
 //
-//   TeamGemm<ExecSpace>::apply(team, m, n, k, a, b, store);
+//   TeamGemm<ExecSpace, Precision>::apply(team, m, n, k, a, b, store);
 //
-// computes, for every i < m and j < n, sum = Σ_{l<k} a(i, l)·b(l, j) in fp32 (l in increasing
-// order) and calls store(i, j, sum) exactly once. `a` and `b` are callables returning float: they
-// may read team scratch or global memory, apply masks and scales, or concatenate two operands
-// along l, so that a stage never materialises its operands just to multiply them. They are only
-// called inside 0 ≤ i < m, 0 ≤ l < k, 0 ≤ j < n.
+// computes, for every i < m and j < n, sum = Σ_{l<k} a(i, l)·b(l, j) with fp32 sums and calls
+// store(i, j, sum) exactly once. `a` and `b` are callables returning float: they may read team
+// scratch or global memory, apply masks and scales, or concatenate two operands along l, so that a
+// stage never materialises its operands just to multiply them. They are only called inside
+// 0 ≤ i < m, 0 ≤ l < k, 0 ≤ j < n.
+//
+// Precision (kmamba/core/MatmulPrecision.hpp, default Float32) selects the form at compile time:
+// Float32 multiplies exactly in fp32 and sums l in increasing order on every backend;
+// TensorFloat32 has a form of its own only where `tensor_cores` is true (Cuda), and is Float32
+// elsewhere.
 //
 // Per backend:
 // - host backends: each team thread takes whole rows and accumulates a block of columns at once,
 //   so that the innermost loop runs over j (contiguous in the stages' operands, vectorisable);
 // - Cuda: the team (team_threads threads) stages (64 × depth) tiles of a and (depth × 64) tiles of
-//   b in level-0 team scratch, evaluating each operand element once per (64 × 64) output block,
-//   and every thread accumulates a 4 × 4 block of outputs in registers; the next tiles are
-//   fetched into registers while the current ones are multiplied;
-// - otherwise (and on Cuda when the team has another size or no scratch was reserved): the m·n
-//   outputs spread over the team's threads and each sum over the thread's vector lanes.
+//   b in level-0 team scratch, evaluating each operand element once per (64 × 64) output block;
+//   the next tiles are fetched into registers while the current ones are multiplied. Float32:
+//   every thread accumulates a 4 × 4 block of outputs in registers (CUDA cores). TensorFloat32:
+//   the tiles are staged rounded to TF32 (round to nearest) and each of the 8 warps multiplies a
+//   16 × 32 part of the block with m16n16k8 TF32 warp MMAs (nvcuda::wmma) into fp32
+//   accumulators, which leave through a 16 × 16 buffer per warp in the staging scratch;
+// - otherwise (and on Cuda when the team has another size or no scratch was reserved, in either
+//   precision): the m·n outputs spread over the team's threads and each sum over the thread's
+//   vector lanes, in fp32.
 //
-// Launch contract: a launch whose functor calls apply reserves scratch_bytes of level-0 team
-// scratch beyond what the functor itself allocates, uses the launch_bounds policy property, and
-// prefers teams of team_threads threads (0: no preference). apply uses that scratch past the
-// functor's own allocations (it allocates from a copy of the team's scratch space, so repeated
-// calls reuse the same bytes).
+// Launch contract (the same for both precisions): a launch whose functor calls apply reserves
+// scratch_bytes of level-0 team scratch beyond what the functor itself allocates, uses the
+// launch_bounds policy property, and prefers teams of team_threads threads (0: no preference).
+// apply uses that scratch past the functor's own allocations (it allocates from a copy of the
+// team's scratch space, so repeated calls reuse the same bytes).
 // Synchronisation: the caller places a team barrier between writing data that a or b read and
 // the call, and between the call and reading what store wrote (the Cuda version also
 // synchronises internally, the others do not).
 #ifndef KMAMBA_CORE_IMPL_TEAMGEMM_HPP
 #define KMAMBA_CORE_IMPL_TEAMGEMM_HPP
 
+#include <kmamba/core/MatmulPrecision.hpp>
+
 #include <Kokkos_Core.hpp>
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <mma.h>
+#endif
 
 #include <cstddef>
 #include <type_traits>
@@ -70,10 +85,12 @@ KOKKOS_INLINE_FUNCTION void team_gemm_lanes(const Member& team, const int m, con
   });
 }
 
-template <class ExecSpace>
+template <class ExecSpace, MatmulPrecision Precision = MatmulPrecision::Float32>
 struct TeamGemm {
   static constexpr int team_threads = 0;
   static constexpr std::size_t scratch_bytes = 0;
+  /// Whether Precision has a form of its own here (false: TensorFloat32 computes as Float32).
+  static constexpr bool tensor_cores = false;
   using launch_bounds = Kokkos::LaunchBounds<>;
 
   template <class Member, class AOperand, class BOperand, class Store>
@@ -88,15 +105,28 @@ struct TeamGemm {
 };
 
 #if defined(KOKKOS_ENABLE_CUDA)
-template <>
-struct TeamGemm<Kokkos::Cuda> {
-  static constexpr int team_threads = 256;  // a 16 × 16 grid of threads over each output block
-  static constexpr int block = 64;          // output rows and columns per block: 4 × 4 per thread
-  static constexpr int depth = 16;          // reduced index per staged tile
-  static constexpr int lda = block + 4;     // padded rows of the staged tiles: no bank conflicts on
-  static constexpr int ldb = block + 8;     // the stores into them, 16-byte aligned rows
+template <MatmulPrecision Precision>
+struct TeamGemm<Kokkos::Cuda, Precision> {
+  static constexpr bool tensor_cores = Precision == MatmulPrecision::TensorFloat32;
+  static constexpr int team_threads = 256;  // Float32: a 16 × 16 grid of threads; TensorFloat32: 8 warps
+  static constexpr int block = 64;          // output rows and columns per block
+  static constexpr int depth = 16;          // reduced index per staged tile (two MMA steps of 8)
+  static constexpr int wide = block + 8;    // the widest staged row, of both forms' layouts
+  // Padded rows of the staged tiles, 16-byte aligned. Float32: no bank conflicts on the stores
+  // into them. TensorFloat32: a row length of 8 mod 32 words keeps the fragment loads (lanes over
+  // 8 rows × 4 columns of a tile) free of bank conflicts, and every fragment's first element
+  // 32-byte aligned (rows and fragment offsets are multiples of 8 floats).
+  static constexpr int lda = tensor_cores ? block + 8 : block + 4;
+  static constexpr int ldb = block + 8;
   static constexpr int loads = block * depth / team_threads;  // operand elements a thread stages
-  static constexpr std::size_t scratch_bytes = sizeof(float) * depth * (lda + ldb) + 16;
+  static constexpr int warps = team_threads / 32;
+  static constexpr int mma = 16;  // rows and columns of one accumulator fragment
+  /// Both forms fit in the same bytes (the TensorFloat32 output buffers, warps × mma × mma floats,
+  /// reuse the tiles), with room to align the staging to 32 bytes.
+  static constexpr std::size_t scratch_bytes = sizeof(float) * depth * 2 * wide + 32;
+  static_assert(warps * mma * mma <= depth * (lda + ldb), "TeamGemm<Cuda>: the output buffers must fit the tiles");
+  static_assert(lda % 8 == 0 || !tensor_cores, "TeamGemm<Cuda>: fragment rows must start 32-byte aligned");
+  static_assert(ldb % 8 == 0 && (depth * lda) % 8 == 0, "TeamGemm<Cuda>: fragment rows must start 32-byte aligned");
   /// Two teams per multiprocessor: at most 128 registers a thread.
   using launch_bounds = Kokkos::LaunchBounds<team_threads, 2>;
 
@@ -105,11 +135,19 @@ struct TeamGemm<Kokkos::Cuda> {
                                            const AOperand& a, const BOperand& b, const Store& store) {
 #ifdef __CUDA_ARCH__
     typename Kokkos::Cuda::scratch_memory_space space = team.team_scratch(0);
-    float* const stage = static_cast<float*>(space.get_shmem_aligned(scratch_bytes - 16, 16, 0));
+    float* const stage = static_cast<float*>(space.get_shmem_aligned(scratch_bytes - 32, 32, 0));
     if (stage == nullptr || static_cast<int>(blockDim.x * blockDim.y * blockDim.z) != team_threads) {
       team_gemm_lanes(team, m, n, k, a, b, store);
     } else {
-      blocks(team, stage, m, n, k, a, b, store);
+#if __CUDA_ARCH__ >= 800
+      if constexpr (tensor_cores) {
+        tensor_core_blocks(team, stage, m, n, k, a, b, store);
+      } else {
+        cuda_core_blocks(team, stage, m, n, k, a, b, store);
+      }
+#else
+      cuda_core_blocks(team, stage, m, n, k, a, b, store);
+#endif
     }
 #else
     team_gemm_lanes(team, m, n, k, a, b, store);
@@ -139,16 +177,33 @@ struct TeamGemm<Kokkos::Cuda> {
     }
   }
 
+  // Writes what fetch read into the staged tiles As[l][i] = a(i0 + i, l0 + l) (ld lda) and
+  // Bs[l][j] = b(l0 + l, j0 + j) (ld ldb), rounded to TF32 in the tensor-core form.
+  KOKKOS_FORCEINLINE_FUNCTION static void put(float* const As, float* const Bs, const int warp, const int lane,
+                                              const float (&ra)[loads], const float (&rb)[loads]) {
+#pragma unroll
+    for (int r = 0; r < loads; ++r) {
+      float av = ra[r], bv = rb[r];
+#if __CUDA_ARCH__ >= 800
+      if constexpr (tensor_cores) {
+        av = nvcuda::wmma::__float_to_tf32(av);
+        bv = nvcuda::wmma::__float_to_tf32(bv);
+      }
+#endif
+      As[((r / 2) * 8 + (lane & 7)) * lda + (warp + 8 * (r % 2)) * 4 + ((lane >> 3) & 3)] = av;
+      Bs[(r * 4 + ((lane >> 3) & 3)) * ldb + warp * 8 + (lane & 7)] = bv;
+    }
+  }
+
   // Output blocks of block × block; thread (ty, tx) of the 16 × 16 grid owns rows 4·ty..4·ty+3 and
   // columns 4·tx..4·tx+3. A warp covers 4 × 8 grid cells, so that its float4 reads of the staged
-  // tiles touch 64 and 128 consecutive bytes. The next tiles are fetched into registers while the
-  // current ones are multiplied.
+  // tiles touch 64 and 128 consecutive bytes.
   template <class Member, class AOperand, class BOperand, class Store>
-  KOKKOS_FORCEINLINE_FUNCTION static void blocks(const Member& team, float* const stage, const int m, const int n,
-                                                 const int k, const AOperand& a, const BOperand& b,
-                                                 const Store& store) {
-    float* const As = stage;                // [depth][lda], As[l][i] = a(i0 + i, l0 + l)
-    float* const Bs = stage + depth * lda;  // [depth][ldb], Bs[l][j] = b(l0 + l, j0 + j)
+  KOKKOS_FORCEINLINE_FUNCTION static void cuda_core_blocks(const Member& team, float* const stage, const int m,
+                                                           const int n, const int k, const AOperand& a,
+                                                           const BOperand& b, const Store& store) {
+    float* const As = stage;                // [depth][lda]
+    float* const Bs = stage + depth * lda;  // [depth][ldb]
     const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
     const int warp = tid >> 5, lane = tid & 31;
     const int ty = (warp >> 1) * 4 + (lane >> 3);
@@ -165,11 +220,7 @@ struct TeamGemm<Kokkos::Cuda> {
         fetch(a, b, m, n, k, i0, j0, 0, warp, lane, ra, rb);
         for (int l0 = 0; l0 < k; l0 += depth) {
           team.team_barrier();
-#pragma unroll
-          for (int r = 0; r < loads; ++r) {
-            As[((r / 2) * 8 + (lane & 7)) * lda + (warp + 8 * (r % 2)) * 4 + ((lane >> 3) & 3)] = ra[r];
-            Bs[(r * 4 + ((lane >> 3) & 3)) * ldb + warp * 8 + (lane & 7)] = rb[r];
-          }
+          put(As, Bs, warp, lane, ra, rb);
           team.team_barrier();
           if (l0 + depth < k) fetch(a, b, m, n, k, i0, j0, l0 + depth, warp, lane, ra, rb);
 #pragma unroll
@@ -196,9 +247,84 @@ struct TeamGemm<Kokkos::Cuda> {
       }
     }
   }
+
+#if __CUDA_ARCH__ >= 800
+  // Output blocks of block × block; warp w owns rows 16·(w / 2)..+15 and columns 32·(w % 2)..+31 of
+  // a block as two 16 × 16 fp32 accumulator fragments. Per staged tile and step of 8 in l it loads
+  // one fragment of a (column-major in As) and two of b (row-major in Bs) and issues two MMAs.
+  // After the last tile (and a barrier, as the tiles are still being read) each warp stores its
+  // fragments one at a time into its own 16 × 16 row-major buffer at stage + 256·w, and its lanes
+  // call store for the buffer's elements (row e / 16, column e % 16 for e = lane + 32·r).
+  template <class Member, class AOperand, class BOperand, class Store>
+  KOKKOS_FORCEINLINE_FUNCTION static void tensor_core_blocks(const Member& team, float* const stage, const int m,
+                                                             const int n, const int k, const AOperand& a,
+                                                             const BOperand& b, const Store& store) {
+    namespace wmma = nvcuda::wmma;
+    float* const As = stage;                // [depth][lda]
+    float* const Bs = stage + depth * lda;  // [depth][ldb]
+    const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+    const int warp = tid >> 5, lane = tid & 31;
+    const int wi = (warp >> 1) * mma, wj = (warp & 1) * 2 * mma;
+    float* const out = stage + warp * mma * mma;
+    for (int i0 = 0; i0 < m; i0 += block) {
+      for (int j0 = 0; j0 < n; j0 += block) {
+        float ra[loads], rb[loads];
+        wmma::fragment<wmma::accumulator, mma, mma, 8, float> acc[2];
+        wmma::fill_fragment(acc[0], 0.0f);
+        wmma::fill_fragment(acc[1], 0.0f);
+        fetch(a, b, m, n, k, i0, j0, 0, warp, lane, ra, rb);
+        for (int l0 = 0; l0 < k; l0 += depth) {
+          team.team_barrier();
+          put(As, Bs, warp, lane, ra, rb);
+          team.team_barrier();
+          if (l0 + depth < k) fetch(a, b, m, n, k, i0, j0, l0 + depth, warp, lane, ra, rb);
+#pragma unroll
+          for (int l = 0; l < depth; l += 8) {
+            wmma::fragment<wmma::matrix_a, mma, mma, 8, wmma::precision::tf32, wmma::col_major> fa;
+            wmma::fragment<wmma::matrix_b, mma, mma, 8, wmma::precision::tf32, wmma::row_major> fb[2];
+            wmma::load_matrix_sync(fa, As + l * lda + wi, lda);
+            wmma::load_matrix_sync(fb[0], Bs + l * ldb + wj, ldb);
+            wmma::load_matrix_sync(fb[1], Bs + l * ldb + wj + mma, ldb);
+            wmma::mma_sync(acc[0], fa, fb[0], acc[0]);
+            wmma::mma_sync(acc[1], fa, fb[1], acc[1]);
+          }
+        }
+        team.team_barrier();
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          wmma::store_matrix_sync(out, acc[f], mma, wmma::mem_row_major);
+          __syncwarp();
+#pragma unroll
+          for (int r = 0; r < mma * mma / 32; ++r) {
+            const int e = lane + 32 * r;
+            const int i = i0 + wi + e / mma, j = j0 + wj + f * mma + e % mma;
+            if (i < m && j < n) store(i, j, out[e]);
+          }
+          __syncwarp();
+        }
+      }
+    }
+  }
+#endif
 #endif
 };
 #endif
+
+/// Calls run(std::integral_constant<MatmulPrecision, P>()) once, with P = `requested` where
+/// TeamGemm<ExecSpace, P> has a form of its own and P = Float32 otherwise, so that a backend without
+/// tensor cores instantiates a stage once.
+template <class ExecSpace, class Run>
+void with_matmul_precision(const MatmulPrecision requested, const Run& run) {
+  using TF32 = std::integral_constant<MatmulPrecision, MatmulPrecision::TensorFloat32>;
+  using F32 = std::integral_constant<MatmulPrecision, MatmulPrecision::Float32>;
+  if constexpr (TeamGemm<ExecSpace, MatmulPrecision::TensorFloat32>::tensor_cores) {
+    if (requested == MatmulPrecision::TensorFloat32) {
+      run(TF32());
+      return;
+    }
+  }
+  run(F32());
+}
 
 }  // namespace impl
 }  // namespace kmamba
