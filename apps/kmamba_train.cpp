@@ -584,7 +584,16 @@ int train(Run& r) {
     const int world = mpi_world_size();
     const kmamba::MeshConfig resolved = r.mesh.resolve(world);
     kmamba::check_mesh_fits_model(resolved, model_config);
-    mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved);
+    // Device memory travels through NCCL (one GPU per rank); host memory through MPI.
+    constexpr bool device_memory =
+        !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
+#if KMAMBA_ENABLE_NCCL
+    const kmamba::Transport transport = device_memory ? kmamba::Transport::Nccl : kmamba::Transport::Mpi;
+#else
+    (void)device_memory;  // a CUDA build without NCCL: the MPI transport says what is missing
+    const kmamba::Transport transport = kmamba::Transport::Mpi;
+#endif
+    mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved, transport);
   }
   const bool root = mesh == nullptr || mesh->world().rank() == 0;
   const bool split = mesh != nullptr && (mesh->config().tensor_parallel_size > 1 ||
