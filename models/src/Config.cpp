@@ -11,6 +11,8 @@
 #include <limits>
 #include <sstream>
 
+#include <unistd.h>
+
 namespace kmamba {
 namespace {
 
@@ -378,6 +380,8 @@ void ModelConfig::save(const std::string& path) const {
   std::FILE* f = std::fopen(temporary.c_str(), "wb");
   KMAMBA_REQUIRE(f != nullptr, "config: cannot create '" << temporary << "': " << std::strerror(errno));
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = (std::fflush(f) == 0) && ok;
+  ok = (::fsync(::fileno(f)) == 0) && ok;  // on disk before the rename publishes it
   ok = (std::fclose(f) == 0) && ok;
   if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
     std::remove(temporary.c_str());
