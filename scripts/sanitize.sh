@@ -37,13 +37,13 @@ cmake -S "$root" -B "$build_dir" -DKokkos_ROOT="$kokkos_root" -DCMAKE_BUILD_TYPE
 
 t0=$(date +%s)
 if [ "$all" = 1 ]; then
-  cmake --build "$build_dir" -j "$jobs" >"$build_dir.build.log" 2>&1 || { tail -n 40 "$build_dir.build.log" >&2; die "build failed"; }
+  cmake --build "$build_dir" -j "$jobs" >"$build_dir/sanitize-build.log" 2>&1 || { tail -n 40 "$build_dir/sanitize-build.log" >&2; die "build failed"; }
   filter=()
 else
   targets=()
   for s in "${suites[@]}"; do targets+=("kmamba_${s}_tests"); done
-  cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" >"$build_dir.build.log" 2>&1 \
-    || { tail -n 40 "$build_dir.build.log" >&2; die "build failed (log: $build_dir.build.log)"; }
+  cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" >"$build_dir/sanitize-build.log" 2>&1 \
+    || { tail -n 40 "$build_dir/sanitize-build.log" >&2; die "build failed (log: $build_dir/sanitize-build.log)"; }
   regex="^($(IFS='|'; echo "${suites[*]}"))\\."
   filter=(-R "$regex")
 fi
