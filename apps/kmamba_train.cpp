@@ -88,6 +88,9 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
        {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
         {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
         {"checkpoint-interval", "N", "steps between checkpoints, 0 = only at the end (default 200)"},
+        {"max-skipped-steps", "N",
+         "consecutive steps with a non-finite loss or gradient to skip before stopping, 0 = stop at the first "
+         "(default 10)"},
         {"log-interval", "N", "steps between progress lines when stdout is not a terminal (default 10)"}}},
       {"parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)",
        {{"data-parallel-size", "N", "--dp: data-parallel ranks (default: N / (tp * sp))"},
@@ -307,6 +310,7 @@ Run resolve(const Options& o) {
   t.eval_interval = o.integer("eval-interval", 50, 0);
   t.eval_batches = o.integer("eval-batches", 8, 1);
   t.checkpoint_interval = o.integer("checkpoint-interval", 200, 0);
+  t.max_skipped_steps = o.integer("max-skipped-steps", 10, 0);
   t.validate();
   r.log_interval = o.integer("log-interval", 10, 1);
   r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0, 0));
@@ -454,7 +458,7 @@ class Metrics {
       accuracy_ema_ = train_steps_.size() == 1 ? record.at("accuracy").get<double>()
                                                : 0.95 * accuracy_ema_ + 0.05 * record.at("accuracy").get<double>();
       train_accuracy_.push_back(100.0 * accuracy_ema_);
-    } else {
+    } else if (record.at("type") == "eval") {
       eval_steps_.push_back(step);
       eval_loss_.push_back(record.at("loss").get<double>());
       eval_accuracy_.push_back(100.0 * record.at("accuracy").get<double>());
@@ -690,6 +694,17 @@ int train(Run& r) {
     session_tokens += s.input_tokens;
     ++session_steps;
     const double tokens_per_second = static_cast<double>(session_tokens) / std::max(train_seconds, 1e-9);
+    if (s.skipped) {
+      metrics.append({{"type", "skipped"},
+                      {"step", s.step + 1},
+                      {"loss", std::isfinite(s.loss) ? json(s.loss) : json(std::to_string(s.loss))},
+                      {"grad_norm", std::isfinite(s.grad_norm) ? json(s.grad_norm) : json(std::to_string(s.grad_norm))},
+                      {"skipped_steps", trainer.skipped_steps()},
+                      {"reason", s.non_finite}});
+      console.line(format("skip  step %6lld | %s (skipped %lld so far)", static_cast<long long>(s.step + 1),
+                          s.non_finite.c_str(), static_cast<long long>(trainer.skipped_steps())));
+      continue;
+    }
     metrics.append({{"type", "train"},
                     {"step", s.step},
                     {"loss", s.loss},
@@ -728,6 +743,10 @@ int train(Run& r) {
                 rate(static_cast<double>(session_tokens) / std::max(train_seconds, 1e-9)).c_str(), last_eval.loss,
                 recall ? format(", recall accuracy %.1f%%", 100.0 * accuracy_of(last_eval)).c_str() : "");
   }
+  if (trainer.skipped_steps() > 0) {
+    std::printf("kmamba-train: %lld steps were skipped for a non-finite loss or gradient (see \"skipped\" in %s)\n",
+                static_cast<long long>(trainer.skipped_steps()), metrics.path().c_str());
+  }
   std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", checkpoint.c_str(), metrics.path().c_str(),
               metrics.plot_path().c_str());
   return 0;
@@ -756,6 +775,7 @@ Run configure(int argc, char** argv) {
   if (Options(first).flag("resume")) {
     const std::string out = resolve(Options(first)).out;
     const std::string saved = out + "/run.json";
+    kmamba::StagedDirectory::recover(out + "/checkpoint");  // a save killed mid-way on a file system without exchange
     KMAMBA_REQUIRE(std::filesystem::exists(out + "/checkpoint/training_state.safetensors"),
                    "kmamba-train: --resume: no checkpoint in '" << out << "/checkpoint' (pass the run's --out)");
     if (std::filesystem::exists(saved)) merged = read_json_options(saved, {"config", "resume"});

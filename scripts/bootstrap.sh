@@ -74,7 +74,8 @@ deps_dir="$(cd "$deps_dir" && pwd)"
 # ---------------------------------------------------------------------------------------------
 debian_packages=(build-essential cmake git libgtest-dev libgmock-dev
                  libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
-                 ca-certificates xz-utils dpkg-dev)
+                 ca-certificates xz-utils dpkg-dev
+                 clang libclang-rt-14-dev)   # clang + libFuzzer for scripts/fuzz.sh
 if [ "$use_apt" = 1 ]; then
   command -v dpkg-query >/dev/null 2>&1 || die "dpkg-query not found: this is not a Debian machine; install the equivalents of: ${debian_packages[*]} and rerun with --no-apt"
   missing=()

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,8 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+
+#include <unistd.h>
 
 namespace kmamba {
 namespace {
@@ -141,9 +144,10 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
     c.norm_before_gate = f.boolean("norm_before_gate", false);
     f.pair("time_step_limit", c.dt_limit_min, c.dt_limit_max);
   } else if (f.has("intermediate_size")) {
-    KMAMBA_REQUIRE(f.integer("intermediate_size", 0) == c.expand * c.d_model,
+    const long long d_inner = static_cast<long long>(c.expand) * c.d_model;
+    KMAMBA_REQUIRE(f.integer("intermediate_size", 0) == d_inner,
                    f.where("intermediate_size") << " is " << f.integer("intermediate_size", 0)
-                                                << " but expand * hidden_size = " << c.expand * c.d_model);
+                                                << " but expand * hidden_size = " << d_inner);
   }
 }
 
@@ -220,8 +224,9 @@ const char* mixer_name(MixerKind kind) {
 }
 
 int ModelConfig::padded_vocab_size() const {
-  const int m = pad_vocab_size_multiple > 0 ? pad_vocab_size_multiple : 1;
-  return (vocab_size + m - 1) / m * m;
+  const long long m = pad_vocab_size_multiple > 0 ? pad_vocab_size_multiple : 1;
+  const long long padded = (static_cast<long long>(vocab_size) + m - 1) / m * m;  // validate() checks it fits
+  return static_cast<int>(std::min<long long>(padded, std::numeric_limits<int>::max()));
 }
 
 void ModelConfig::validate() const {
@@ -237,6 +242,18 @@ void ModelConfig::validate() const {
   positive("headdim", headdim);
   positive("ngroups", ngroups);
   positive("chunk_size", chunk_size);
+  // Sizes derived from the fields are ints: they must not overflow (a hostile config.json).
+  constexpr long long int_max = std::numeric_limits<int>::max();
+  KMAMBA_REQUIRE(d_model <= int_max - 15, "kmamba::ModelConfig: d_model " << d_model << " is too large");
+  const long long d_inner_wide = static_cast<long long>(expand) * d_model;
+  KMAMBA_REQUIRE(d_inner_wide <= int_max, "kmamba::ModelConfig: d_inner = expand * d_model = " << expand << " * "
+                                                                                             << d_model
+                                                                                             << " is too large");
+  KMAMBA_REQUIRE(static_cast<long long>(vocab_size) + pad_vocab_size_multiple - 1 <= int_max,
+                 "kmamba::ModelConfig: vocab_size " << vocab_size << " padded to a multiple of "
+                                                    << pad_vocab_size_multiple << " is too large");
+  KMAMBA_REQUIRE(nheads <= 0 || static_cast<long long>(nheads) * headdim <= int_max,
+                 "kmamba::ModelConfig: num_heads * headdim = " << nheads << " * " << headdim << " is too large");
   KMAMBA_REQUIRE(rms_norm, "kmamba::ModelConfig: rms_norm is false; kmamba supports RMSNorm models only");
   KMAMBA_REQUIRE(d_intermediate == 0, "kmamba::ModelConfig: d_intermediate is " << d_intermediate
                                                                                 << "; the GatedMLP blocks are not supported");
@@ -255,7 +272,7 @@ void ModelConfig::validate() const {
   KMAMBA_REQUIRE(d_inner() % headdim == 0, "kmamba::ModelConfig: d_inner = expand * d_model = " << d_inner()
                                                                                              << " is not divisible by headdim "
                                                                                              << headdim);
-  KMAMBA_REQUIRE(num_heads() * headdim == d_inner(), "kmamba::ModelConfig: num_heads " << num_heads() << " * headdim "
+  KMAMBA_REQUIRE(static_cast<long long>(num_heads()) * headdim == d_inner(), "kmamba::ModelConfig: num_heads " << num_heads() << " * headdim "
                                                                                       << headdim << " = "
                                                                                       << num_heads() * headdim
                                                                                       << " but d_inner = " << d_inner());
@@ -378,6 +395,8 @@ void ModelConfig::save(const std::string& path) const {
   std::FILE* f = std::fopen(temporary.c_str(), "wb");
   KMAMBA_REQUIRE(f != nullptr, "config: cannot create '" << temporary << "': " << std::strerror(errno));
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = (std::fflush(f) == 0) && ok;
+  ok = (::fsync(::fileno(f)) == 0) && ok;  // on disk before the rename publishes it
   ok = (std::fclose(f) == 0) && ok;
   if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
     std::remove(temporary.c_str());

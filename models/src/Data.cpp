@@ -1,6 +1,7 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/models/Data.hpp>
+#include <kmamba/models/TokenFile.hpp>
 
 #include <unistd.h>
 
@@ -16,9 +17,6 @@
 
 namespace kmamba {
 namespace {
-
-constexpr char token_magic[8] = {'K', 'M', 'T', 'O', 'K', 'E', 'N', 'S'};
-constexpr std::size_t token_header_bytes = 32;
 
 // The random numbers of one sequence: Philox4x32-10 keyed by the seed, counting through blocks of
 // four words for (stream, sequence number), so every sequence is independent of every other and
@@ -109,57 +107,6 @@ std::vector<unsigned char> read_file(const std::string& path) {
   std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   KMAMBA_REQUIRE(!in.bad(), "kmamba::TokenDataset: reading '" << path << "' failed");
   return bytes;
-}
-
-std::uint64_t load_le(const unsigned char* p, int bytes) {
-  std::uint64_t x = 0;
-  for (int i = bytes - 1; i >= 0; --i) x = (x << 8) | p[i];
-  return x;
-}
-
-void store_le(std::vector<unsigned char>& out, std::uint64_t x, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<unsigned char>((x >> (8 * i)) & 0xffu));
-}
-
-bool has_token_magic(const std::vector<unsigned char>& bytes) {
-  return bytes.size() >= sizeof(token_magic) && std::memcmp(bytes.data(), token_magic, sizeof(token_magic)) == 0;
-}
-
-std::vector<std::uint32_t> parse_token_file(const std::vector<unsigned char>& bytes, const std::string& path,
-                                            int& vocab_size) {
-  KMAMBA_REQUIRE(has_token_magic(bytes),
-                 "kmamba::TokenDataset: '" << path << "' is not a token file (no KMTOKENS magic)");
-  KMAMBA_REQUIRE(bytes.size() >= token_header_bytes, "kmamba::TokenDataset: token file '"
-                                                         << path << "' is truncated: " << bytes.size()
-                                                         << " bytes, the header alone has " << token_header_bytes);
-  const std::uint64_t version = load_le(bytes.data() + 8, 4);
-  const std::uint64_t width = load_le(bytes.data() + 12, 4);
-  const std::uint64_t vocab = load_le(bytes.data() + 16, 8);
-  const std::uint64_t count = load_le(bytes.data() + 24, 8);
-  KMAMBA_REQUIRE(version == 1, "kmamba::TokenDataset: token file '" << path << "' has format version " << version
-                                                                    << ", this kmamba reads version 1");
-  KMAMBA_REQUIRE(width == 2 || width == 4, "kmamba::TokenDataset: token file '" << path << "' declares " << width
-                                                                                << " bytes per token, expected 2 or 4");
-  KMAMBA_REQUIRE(
-      vocab >= 1 && vocab <= (width == 2 ? 65536u : static_cast<std::uint64_t>(std::numeric_limits<int>::max())),
-      "kmamba::TokenDataset: token file '" << path << "' declares vocabulary size " << vocab << ", outside [1, "
-                                           << (width == 2 ? 65536 : std::numeric_limits<int>::max()) << "] for "
-                                           << width << "-byte tokens");
-  const std::uint64_t payload = bytes.size() - token_header_bytes;
-  KMAMBA_REQUIRE(count <= payload / width && payload == count * width,
-                 "kmamba::TokenDataset: token file '" << path << "' declares " << count << " tokens (" << count * width
-                                                      << " bytes) but holds " << payload << " bytes of tokens"
-                                                      << (payload < count * width ? " (truncated)" : ""));
-  std::vector<std::uint32_t> tokens(static_cast<std::size_t>(count));
-  const unsigned char* p = bytes.data() + token_header_bytes;
-  for (std::size_t i = 0; i < tokens.size(); ++i) {
-    tokens[i] = static_cast<std::uint32_t>(load_le(p + i * width, static_cast<int>(width)));
-    KMAMBA_REQUIRE(tokens[i] < vocab, "kmamba::TokenDataset: token file '"
-                                          << path << "': token " << i << " is " << tokens[i]
-                                          << ", not below the vocabulary size " << vocab);
-  }
-  vocab_size = static_cast<int>(vocab);
-  return tokens;
 }
 
 void write_atomically(const std::string& path, const std::vector<unsigned char>& bytes) {
@@ -292,9 +239,9 @@ TokenDataset::TokenDataset(std::vector<std::uint32_t> tokens, int vocab_size, co
 
 TokenDataset TokenDataset::from_file(const std::string& path, const TokenDatasetConfig& config) {
   std::vector<unsigned char> bytes = read_file(path);
-  if (has_token_magic(bytes)) {
+  if (has_token_magic(bytes.data(), bytes.size())) {
     int vocab = 0;
-    std::vector<std::uint32_t> tokens = parse_token_file(bytes, path, vocab);
+    std::vector<std::uint32_t> tokens = parse_token_file(bytes.data(), bytes.size(), path, vocab);
     return TokenDataset(std::move(tokens), vocab, config, "token file '" + path + "'");
   }
   KMAMBA_REQUIRE(!bytes.empty(), "kmamba::TokenDataset: '" << path << "' is empty");
@@ -309,27 +256,13 @@ TokenDataset TokenDataset::from_text(const std::string& path, const TokenDataset
 
 TokenDataset TokenDataset::from_token_file(const std::string& path, const TokenDatasetConfig& config) {
   int vocab = 0;
-  std::vector<std::uint32_t> tokens = parse_token_file(read_file(path), path, vocab);
+  const std::vector<unsigned char> bytes = read_file(path);
+  std::vector<std::uint32_t> tokens = parse_token_file(bytes.data(), bytes.size(), path, vocab);
   return TokenDataset(std::move(tokens), vocab, config, "token file '" + path + "'");
 }
 
 void TokenDataset::write_token_file(const std::string& path, const std::vector<std::uint32_t>& tokens, int vocab_size) {
-  KMAMBA_REQUIRE(vocab_size >= 1,
-                 "kmamba::TokenDataset::write_token_file: vocabulary size must be >= 1, got " << vocab_size);
-  const int width = vocab_size <= 65536 ? 2 : 4;
-  std::vector<unsigned char> bytes(token_magic, token_magic + sizeof(token_magic));
-  store_le(bytes, 1, 4);
-  store_le(bytes, static_cast<std::uint64_t>(width), 4);
-  store_le(bytes, static_cast<std::uint64_t>(vocab_size), 8);
-  store_le(bytes, tokens.size(), 8);
-  bytes.reserve(bytes.size() + tokens.size() * static_cast<std::size_t>(width));
-  for (std::size_t i = 0; i < tokens.size(); ++i) {
-    KMAMBA_REQUIRE(tokens[i] < static_cast<std::uint32_t>(vocab_size),
-                   "kmamba::TokenDataset::write_token_file: token "
-                       << i << " is " << tokens[i] << ", not below the vocabulary size " << vocab_size);
-    store_le(bytes, tokens[i], width);
-  }
-  write_atomically(path, bytes);
+  write_atomically(path, encode_token_file(tokens, vocab_size));
 }
 
 std::int64_t TokenDataset::size(Split split) const {

@@ -1,4 +1,3 @@
-#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
@@ -24,6 +23,15 @@ constexpr std::uint64_t max_header_bytes = 100ull * 1024 * 1024;
 const std::pair<const char*, DType> dtype_table[] = {
     {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
     {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::Bool}};
+
+// bf16 -> float is exact: the bf16 bits are the top half of the float's (kmamba/core/Bf16.hpp holds the
+// device-side twin; this file stays free of Kokkos so that the reader can be fuzzed on its own).
+float bf16_to_float(std::uint16_t bits) {
+  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
 
 float half_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h >> 15) << 31;
@@ -174,6 +182,8 @@ SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
     for (const nlohmann::json& d : value["shape"]) {
       KMAMBA_REQUIRE(d.is_number_unsigned(), where << ": shape holds '" << d.dump() << "', not a non-negative integer");
       const std::uint64_t extent = d.get<std::uint64_t>();
+      KMAMBA_REQUIRE(extent <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
+                     where << ": shape " << value["shape"].dump() << " has an extent beyond 2^63 - 1");
       KMAMBA_REQUIRE(extent == 0 || numel <= data_size / extent, where << ": shape " << value["shape"].dump()
                                                                        << " is larger than the file");
       numel *= extent;
@@ -287,7 +297,7 @@ std::vector<float> SafeTensorsReader::read_f32(const std::string& name) const {
       for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load_le<double>(&bytes[8 * i]));
       break;
     case DType::BF16:
-      for (std::size_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(load_le<std::uint16_t>(&bytes[2 * i]));
+      for (std::size_t i = 0; i < n; ++i) out[i] = bf16_to_float(load_le<std::uint16_t>(&bytes[2 * i]));
       break;
     case DType::F16:
       for (std::size_t i = 0; i < n; ++i) out[i] = half_to_float(load_le<std::uint16_t>(&bytes[2 * i]));

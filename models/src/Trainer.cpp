@@ -1,6 +1,7 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/Trainer.hpp>
 
 #include <nlohmann/json.hpp>
@@ -44,6 +45,7 @@ void visit_fields(Config& c, Visitor&& v) {
   v("eval_interval", c.eval_interval);
   v("eval_batches", c.eval_batches);
   v("checkpoint_interval", c.checkpoint_interval);
+  v("max_skipped_steps", c.max_skipped_steps);
 }
 
 struct FieldReader {
@@ -157,6 +159,9 @@ void TrainConfig::validate() const {
   KMAMBA_REQUIRE(eval_batches >= 1, f << ": eval_batches must be >= 1, got " << eval_batches);
   KMAMBA_REQUIRE(checkpoint_interval >= 0,
                  f << ": checkpoint_interval must be >= 0 (0: at the end only), got " << checkpoint_interval);
+  KMAMBA_REQUIRE(max_skipped_steps >= 0,
+                 f << ": max_skipped_steps must be >= 0 (0: stop at the first non-finite step), got "
+                   << max_skipped_steps);
 }
 
 AdamWConfig TrainConfig::adamw() const { return AdamWConfig{lr, beta1, beta2, eps, weight_decay}; }
@@ -262,6 +267,36 @@ double Trainer<ExecutionSpace>::reduce_and_norm() {
 }
 
 template <class ExecutionSpace>
+std::string Trainer<ExecutionSpace>::non_finite_report(double loss, double grad_norm) const {
+  const auto& slab = model_.parameters();
+  const auto params = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
+  const auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.grads());
+  std::ostringstream s;
+  s << "the loss is " << loss << " and the gradient norm " << grad_norm;
+  // Non-finite parameters are the likely cause; non-finite gradients show where it spread.
+  for (const bool of_params : {true, false}) {
+    const auto& values = of_params ? params : grads;
+    std::ostringstream names;
+    int listed = 0, more = 0;
+    for (const auto& e : slab.entries()) {
+      std::size_t bad = 0;
+      for (std::size_t i = e.offset; i < e.offset + e.size; ++i) bad += std::isfinite(values(i)) ? 0 : 1;
+      if (bad == 0) continue;
+      if (listed < 4) {
+        names << (listed ? ", " : "") << e.name << " (" << bad << " of " << e.size << " values)";
+        ++listed;
+      } else {
+        ++more;
+      }
+    }
+    if (listed == 0) continue;
+    s << "; non-finite " << (of_params ? "parameters" : "gradients") << " in " << names.str();
+    if (more > 0) s << " and " << more << " more";
+  }
+  return s.str();
+}
+
+template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
   const auto& slab = model_.parameters();
 #if KMAMBA_ENABLE_MPI
@@ -357,11 +392,24 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   result.input_tokens = sum_over_data(result.input_tokens);
   result.loss = sum_over_data(loss_sum) / static_cast<double>(result.tokens);
   result.grad_norm = reduce_and_norm();
-  KMAMBA_REQUIRE(std::isfinite(result.loss) && std::isfinite(result.grad_norm),
-                 function << ": step " << steps_taken() + 1 << ": the loss is " << result.loss
-                          << " and the gradient norm " << result.grad_norm
-                          << "; training diverged (try a lower learning rate or gradient clipping)");
   result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
+  if (!std::isfinite(result.loss) || !std::isfinite(result.grad_norm)) {
+    result.non_finite = non_finite_report(result.loss, result.grad_norm);
+    KMAMBA_REQUIRE(consecutive_skips_ < config_.max_skipped_steps,
+                   function << ": step " << steps_taken() + 1 << ": " << result.non_finite << "; "
+                            << (config_.max_skipped_steps == 0
+                                    ? std::string("max_skipped_steps is 0")
+                                    : std::to_string(consecutive_skips_ + 1) + " non-finite steps in a row, more than "
+                                                                               "max_skipped_steps = " +
+                                          std::to_string(config_.max_skipped_steps))
+                            << ": training diverged (try a lower learning rate or gradient clipping)");
+    ++consecutive_skips_;
+    ++skipped_steps_;
+    result.skipped = true;
+    result.step = steps_taken();
+    return result;
+  }
+  consecutive_skips_ = 0;
   optimizer_step(result.lr, clip_scale(result.grad_norm, config_.grad_clip));
   exec_.fence();
   result.step = steps_taken();
@@ -453,7 +501,8 @@ template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
                                                const Tensor1<float, memory_space>& m_slab,
                                                const Tensor1<float, memory_space>& v_slab) const {
-  model.save(dir);
+  StagedDirectory staged(dir);
+  model.save(staged.path());
   const auto& slab = model.parameters();
   auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m_slab);
   auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v_slab);
@@ -470,11 +519,14 @@ void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const Lan
   file.set_metadata("train_config", config_.to_json());
   file.set_metadata("dataset", data_ ? data_->fingerprint() : no_dataset);
   file.set_metadata("parameter_checksum", parameter_checksum(slab.params()));
-  file.write(dir + "/" + state_file);
+  file.set_metadata("skipped_steps", std::to_string(skipped_steps_));
+  file.write(staged.path() + "/" + state_file);
+  staged.commit();
 }
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::resume(const std::string& dir) {
+  StagedDirectory::recover(dir);
   const SafeTensorsReader state(dir + "/" + state_file);
   KMAMBA_REQUIRE(metadata(state, "format") == state_format,
                  "kmamba::Trainer::resume: '" << state.path() << "' is not a kmamba training state (format \""
@@ -521,6 +573,14 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   }
   const std::int64_t steps = read_counter(state, step_tensor);
   const std::int64_t position = read_counter(state, position_tensor);
+  std::int64_t skipped = 0;  // absent from checkpoints written before steps could be skipped
+  if (state.metadata().count("skipped_steps") != 0) {
+    const std::string text = metadata(state, "skipped_steps");
+    KMAMBA_REQUIRE(!text.empty() && text.size() < 19 && text.find_first_not_of("0123456789") == std::string::npos,
+                   "kmamba::Trainer::resume: '" << state.path() << "' has skipped_steps \"" << text
+                                                << "\", expected a non-negative integer");
+    skipped = std::stoll(text);
+  }
   const TrainConfig saved =
       TrainConfig::from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
   const std::int64_t sequences = position * saved.batch_size;
@@ -554,6 +614,8 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   model_.set_activation_checkpointing(checkpointing);
   optimizer_.set_steps_taken(steps);
   data_position_ = sequences / config_.batch_size;
+  skipped_steps_ = skipped;
+  consecutive_skips_ = 0;
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {
     data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), steps);

@@ -1,5 +1,8 @@
 #include <kmamba/parallel/Mpi.hpp>
 
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <utility>
 
 namespace kmamba {
@@ -55,6 +58,28 @@ void MpiComm::release() noexcept {
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Comm_free(&comm_);
   comm_ = MPI_COMM_NULL;
+}
+
+namespace {
+[[noreturn]] void abort_all(MPI_Comm comm, const char* what) {
+  int rank = -1, size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  std::fprintf(stderr, "kmamba: rank %d of %d failed: %s; aborting all %d ranks\n", rank, size, what, size);
+  std::fflush(stderr);
+  MPI_Abort(comm, 1);
+  std::_Exit(1);  // MPI_Abort does not return; should it, this rank still must not go on
+}
+}  // namespace
+
+int run_or_abort(MPI_Comm comm, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    abort_all(comm, e.what());
+  } catch (...) {
+    abort_all(comm, "an exception that is not a std::exception");
+  }
 }
 
 }  // namespace kmamba

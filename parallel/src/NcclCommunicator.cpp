@@ -4,6 +4,8 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <chrono>
+#include <cstdio>
 #include <utility>
 
 namespace kmamba {
@@ -69,10 +71,42 @@ NcclCommunicator::NcclCommunicator(MpiComm mpi, const std::string& axis)
     KMAMBA_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, mpi_.get()));
     KMAMBA_NCCL_CHECK(ncclCommInitRank(&nccl_, size(), id, rank()));
   });
+  watchdog_ = std::thread([this] { watch(); });
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (nccl_ != nullptr) ncclCommDestroy(nccl_);
+  {
+    const std::lock_guard<std::mutex> lock(watchdog_mutex_);
+    watchdog_stop_ = true;
+  }
+  watchdog_wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  // An aborted communicator has already released its resources.
+  if (nccl_ != nullptr && async_error_.load() == ncclSuccess) ncclCommDestroy(nccl_);
+}
+
+void NcclCommunicator::watch() {
+  std::unique_lock<std::mutex> lock(watchdog_mutex_);
+  while (!watchdog_wake_.wait_for(lock, std::chrono::milliseconds(100), [this] { return watchdog_stop_; })) {
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(nccl_, &state) != ncclSuccess) continue;
+    if (state == ncclSuccess || state == ncclInProgress) continue;
+    std::fprintf(stderr, "kmamba: NCCL communicator '%s', rank %d of %d: asynchronous error: %s; aborting it\n",
+                 axis().c_str(), rank(), size(), ncclGetErrorString(state));
+    async_error_.store(state);
+    ncclCommAbort(nccl_);  // ends the NCCL kernels that this rank's streams wait on
+    return;
+  }
+}
+
+void NcclCommunicator::check_async_error() const {
+  const int state = async_error_.load();
+  if (state != ncclSuccess) {
+    impl::throw_vendor_error("NCCL", "ncclCommGetAsyncError (watchdog)", state,
+                             std::string(ncclGetErrorString(static_cast<ncclResult_t>(state))) +
+                                 "; the communicator was aborted (a peer rank failed or a connection broke)",
+                             __FILE__, __LINE__);
+  }
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& axis) const {
@@ -82,6 +116,7 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
 }
 
 bool NcclCommunicator::use_nccl(const StreamContext& stream) const {
+  check_async_error();
   if (stream.device_accessible && stream.cuda_stream != nullptr) return true;
   KMAMBA_REQUIRE(stream.host_accessible,
                  "device-memory views need a Kokkos::Cuda execution space instance, whose "

@@ -126,6 +126,16 @@ TEST(Config, RejectsInconsistentConfigsWithClearErrors) {
   expect_config_error(R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1})",
                       "need 0 < dt_min <= dt_max");
   expect_config_error(R"({"model_type": "mamba", "hidden_act": "gelu"})", "supports \"silu\" only");
+  // Sizes whose products overflow an int (found by tests/fuzz/FuzzConfig.cpp).
+  expect_config_error(R"({"d_model": 2147483640, "ssm_cfg": {"layer": "Mamba2"}})", "d_model 2147483640 is too large");
+  expect_config_error(R"({"d_model": 1073741824, "ssm_cfg": {"layer": "Mamba2"}})",
+                      "expand * d_model = 2 * 1073741824 is too large");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 1073741824, "intermediate_size": 5})",
+                      "but expand * hidden_size = 2147483648");
+  expect_config_error(R"({"d_model": 64, "vocab_size": 2147483640, "pad_vocab_size_multiple": 16})",
+                      "vocab_size 2147483640 padded to a multiple of 16 is too large");
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 1073741824, "head_dim": 64})",
+                      "num_heads * headdim = 1073741824 * 64 is too large");
   EXPECT_THROW(kmamba::ModelConfig::load("/nonexistent/config.json"), kmamba::UserError);
 }
 

@@ -104,6 +104,10 @@ TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {
   expect_user_error(p, "not a non-negative integer");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 4]}})", 4);
   expect_user_error(p, "larger than the file");
+  write_raw(p, R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})", 0);
+  expect_user_error(p, "extent beyond 2^63 - 1");
+  write_raw(p, "{\"a\xff\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4);
+  expect_user_error(p, "not valid JSON");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
                R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
   expect_user_error(p, "overlap");

@@ -8,8 +8,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -326,3 +328,101 @@ TEST(TrainConfig, JsonRoundTripAndValidation) {
 }
 
 }  // namespace
+
+namespace {
+
+// Sets value `index` of parameter `name` to `value` (fault injection); returns the old value.
+template <class Exec>
+float poison(kmamba::Trainer<Exec>& trainer, const std::string& name, std::size_t index, float value) {
+  const auto& slab = trainer.model().parameters();
+  auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
+  for (const auto& e : slab.entries()) {
+    if (e.name != name) continue;
+    const float old = host(e.offset + index);
+    host(e.offset + index) = value;
+    Kokkos::deep_copy(slab.params(), host);
+    return old;
+  }
+  ADD_FAILURE() << "no parameter " << name;
+  return 0.0f;
+}
+
+}  // namespace
+
+TYPED_TEST(Trainer, NonFiniteStepsAreSkippedCountedAndNamed) {
+  using Exec = TypeParam;
+  kmamba::TrainConfig t = tiny_train_config();
+  t.max_skipped_steps = 2;
+  auto trainer = make_trainer<Exec>(t, tiny_task());
+  trainer.step();
+  const std::string victim = "backbone.layers.1.mixer.D";
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  int injected = 0;
+
+  // A NaN parameter: the step is skipped, nothing but the data position and the counter changes.
+  const float original = poison(trainer, victim, 3, nan);
+  ++injected;
+  const std::vector<float> params = host_values(trainer.model().parameters().params());
+  const std::vector<float> moment = host_values(trainer.optimizer().first_moment());
+  const std::int64_t position = trainer.data_position();
+  kmamba::StepResult r = trainer.step();
+  EXPECT_TRUE(r.skipped);
+  EXPECT_EQ(r.step, 1);
+  EXPECT_FALSE(std::isfinite(r.loss));
+  EXPECT_NE(r.non_finite.find("non-finite parameters in " + victim + " (1 of "), std::string::npos) << r.non_finite;
+  EXPECT_NE(r.non_finite.find("non-finite gradients"), std::string::npos) << r.non_finite;
+  EXPECT_EQ(trainer.steps_taken(), 1);
+  EXPECT_EQ(trainer.skipped_steps(), 1);
+  EXPECT_GT(trainer.data_position(), position);
+  const std::vector<float> after = host_values(trainer.model().parameters().params());
+  ASSERT_EQ(after.size(), params.size());
+  EXPECT_EQ(std::memcmp(after.data(), params.data(), after.size() * sizeof(float)), 0) << "a skipped step changed "
+                                                                                          "the parameters";
+  EXPECT_EQ(host_values(trainer.optimizer().first_moment()), moment);
+
+  // An infinite one as well: the second skip in a row.
+  poison(trainer, "backbone.norm_f.weight", 0, inf);
+  ++injected;
+  r = trainer.step();
+  EXPECT_TRUE(r.skipped);
+  EXPECT_NE(r.non_finite.find("backbone.norm_f.weight"), std::string::npos) << r.non_finite;
+  EXPECT_EQ(trainer.skipped_steps(), 2);
+
+  // A third in a row is more than max_skipped_steps: a UserError naming the parameters.
+  ++injected;
+  std::string e = user_error([&] { trainer.step(); });
+  EXPECT_NE(e.find("3 non-finite steps in a row, more than max_skipped_steps = 2"), std::string::npos) << e;
+  EXPECT_NE(e.find(victim), std::string::npos) << e;
+  EXPECT_EQ(trainer.steps_taken(), 1);
+
+  // Repaired, training goes on and the run of skips starts again.
+  poison(trainer, victim, 3, original);
+  poison(trainer, "backbone.norm_f.weight", 0, 1.0f);
+  r = trainer.step();
+  EXPECT_FALSE(r.skipped);
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_EQ(trainer.steps_taken(), 2);
+  poison(trainer, victim, 0, -inf);
+  ++injected;
+  EXPECT_TRUE(trainer.step().skipped);
+  EXPECT_EQ(trainer.skipped_steps(), 3);
+  poison(trainer, victim, 0, original);
+
+  // The count survives a checkpoint.
+  const std::string dir = fresh_dir(std::string("skipped_") + Exec::name());
+  trainer.save_checkpoint(dir);
+  auto resumed = make_trainer<Exec>(t, tiny_task());
+  resumed.resume(dir);
+  EXPECT_EQ(resumed.skipped_steps(), 3);
+
+  // max_skipped_steps = 0: the first non-finite step is an error.
+  t.max_skipped_steps = 0;
+  auto strict = make_trainer<Exec>(t, tiny_task());
+  poison(strict, victim, 1, nan);
+  ++injected;
+  e = user_error([&] { strict.step(); });
+  EXPECT_NE(e.find("max_skipped_steps is 0"), std::string::npos) << e;
+  EXPECT_NE(e.find(victim), std::string::npos) << e;
+  EXPECT_EQ(strict.skipped_steps(), 0);
+  std::printf("non-finite faults injected: %d\n", injected);
+}

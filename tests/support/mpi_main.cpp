@@ -1,5 +1,8 @@
 // GoogleTest main for MPI suites: owns MPI and Kokkos start-up; only rank 0 prints results, and a
-// failure on any rank fails the run on every rank.
+// failure on any rank fails the run on every rank. An exception escaping a test on one rank aborts
+// every rank (kmamba::run_or_abort) instead of leaving the others blocked in a collective.
+#include <kmamba/parallel/Mpi.hpp>
+
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -11,15 +14,15 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   ::testing::InitGoogleTest(&argc, argv);
+  ::testing::GTEST_FLAG(catch_exceptions) = false;
   if (rank != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
   }
-  int failed = 0;
-  {
+  const int failed = kmamba::run_or_abort(MPI_COMM_WORLD, [&] {
     Kokkos::ScopeGuard kokkos(argc, argv);
-    failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  }
+    return RUN_ALL_TESTS() != 0 ? 1 : 0;
+  });
   int any_failed = 0;
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && any_failed && !failed) {

@@ -20,7 +20,9 @@
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/Sampling.hpp>
+#include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/TensorIO.hpp>
+#include <kmamba/models/TokenFile.hpp>
 #include <kmamba/models/Tokenizer.hpp>
 #include <kmamba/models/Trainer.hpp>
 

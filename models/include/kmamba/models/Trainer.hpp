@@ -56,6 +56,9 @@ struct TrainConfig {
   std::int64_t eval_interval = 100;        ///< steps between held-out evaluations (0: none)
   std::int64_t eval_batches = 8;           ///< held-out batches of batch_size per evaluation
   std::int64_t checkpoint_interval = 500;  ///< steps between checkpoints (0: only at the end)
+  /// Consecutive steps with a non-finite loss or gradient that are skipped (parameters and
+  /// optimizer untouched, counted in skipped_steps()) before step() throws; 0: throw at the first.
+  std::int64_t max_skipped_steps = 10;
 
   /// Throws kmamba::UserError naming the first invalid field.
   void validate() const;
@@ -79,6 +82,8 @@ struct StepResult {
   std::int64_t input_tokens = 0;  ///< tokens read by the model (batch · seqlen over the micro-batches)
   double grad_norm = 0.0;         ///< global gradient norm before clipping
   double lr = 0.0;                ///< learning rate of this step
+  bool skipped = false;           ///< non-finite loss or gradients: no update was made (see non_finite)
+  std::string non_finite;         ///< when skipped: what was non-finite, naming the parameters
 
   double accuracy() const { return tokens > 0 ? static_cast<double>(correct) / static_cast<double>(tokens) : 0.0; }
 };
@@ -101,7 +106,10 @@ class Trainer {
   /// One optimizer step on `micro_batches`: zero the gradients; for each micro-batch i add
   /// (tokens_i / Σ tokens) · ∇loss_i, so k micro-batches give the gradient of one batch of all their
   /// sequences; clip to config().grad_clip; AdamW at learning_rate(steps_taken()). A non-finite loss
-  /// or gradient norm is a UserError, thrown before the parameters change.
+  /// or gradient norm skips the update (StepResult::skipped, steps_taken() unchanged, the data
+  /// position still advances past the batches) and is counted in skipped_steps(); more than
+  /// config().max_skipped_steps such steps in a row is a UserError naming the non-finite
+  /// parameters and gradients, thrown before the parameters change.
   StepResult step(const std::vector<TokenBatch>& micro_batches);
 
   /// Mean loss and accuracy over config().eval_batches held-out batches (validation batches
@@ -111,9 +119,12 @@ class Trainer {
   /// Mean loss and accuracy over `batches` (weighted by their predicted tokens).
   LossResult evaluate(const std::vector<TokenBatch>& batches);
 
-  /// Writes the model (LanguageModel::save) and `dir`/training_state.safetensors, each file
-  /// atomically; creates `dir` if needed. Data parallel: collective; the moments are gathered and
-  /// world rank 0 writes, and every rank returns once the files exist.
+  /// Writes the model (LanguageModel::save) and `dir`/training_state.safetensors into a staging
+  /// directory and replaces `dir` with it as a whole (StagedDirectory): a save killed at any moment
+  /// leaves the previous checkpoint or the new one, never a mix; files in `dir` that are not part
+  /// of the checkpoint are not kept. Creates the parents of `dir` if needed. Data parallel:
+  /// collective; the moments are gathered and world rank 0 writes, and every rank returns once the
+  /// files exist.
   void save_checkpoint(const std::string& dir) const;
   /// Restores the parameters, AdamW moments, step count and data position saved in `dir`. The
   /// checkpoint's model configuration must equal this model's; a missing, extra, mis-shaped or
@@ -138,6 +149,8 @@ class Trainer {
   std::int64_t steps_taken() const { return optimizer_.steps_taken(); }
   /// Training micro-batches (of config().batch_size) consumed by step(), over all dp ranks.
   std::int64_t data_position() const { return data_position_; }
+  /// Steps skipped for a non-finite loss or gradient (saved in checkpoints).
+  std::int64_t skipped_steps() const { return skipped_steps_; }
   const TrainConfig& config() const { return config_; }
   LanguageModel<ExecutionSpace>& model() { return model_; }
   const LanguageModel<ExecutionSpace>& model() const { return model_; }
@@ -152,6 +165,8 @@ class Trainer {
   template <class T>
   T sum_over_data(T local) const;
   double reduce_and_norm();
+  // "the loss is nan; non-finite gradients in backbone.layers.1.mixer.D (16 values), ...".
+  std::string non_finite_report(double loss, double grad_norm) const;
   void optimizer_step(double lr, double grad_scale);
   void write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
                         const Tensor1<float, memory_space>& m,  // (parameters of model)
@@ -165,6 +180,8 @@ class Trainer {
   std::shared_ptr<const Dataset> data_;
   AdamW<memory_space> optimizer_;
   std::int64_t data_position_ = 0;
+  std::int64_t skipped_steps_ = 0;
+  std::int64_t consecutive_skips_ = 0;
 #if KMAMBA_ENABLE_MPI
   std::unique_ptr<DataParallel<ExecutionSpace>> data_parallel_;
 #endif

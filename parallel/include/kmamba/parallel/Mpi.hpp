@@ -9,6 +9,7 @@
 #if KMAMBA_ENABLE_MPI
 #include <mpi.h>
 
+#include <functional>
 #include <string>
 
 namespace kmamba {
@@ -44,6 +45,13 @@ class MpiComm {
   int rank_ = 0;
   int size_ = 1;
 };
+
+/// For the main() of an MPI program: runs `body` and returns its result; if it throws, prints
+/// "kmamba: rank R of N failed: <what>; aborting all N ranks" to stderr and calls
+/// MPI_Abort(`comm`, 1), so that the other ranks, which may be blocked in a collective waiting for
+/// this one, are ended by the MPI runtime instead of hanging. (The library itself never aborts;
+/// this is for application and test mains.)
+int run_or_abort(MPI_Comm comm, const std::function<int()>& body);
 
 }  // namespace kmamba
 #endif

@@ -15,8 +15,12 @@
 #include <kmamba/parallel/Communicator.hpp>
 #include <kmamba/parallel/Mpi.hpp>
 
+#include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 namespace kmamba {
 
@@ -24,6 +28,11 @@ class NcclCommunicator final : public Communicator {
  public:
   /// Duplicates `parent` (MPI must be initialised; kmamba never calls MPI_Init) and creates the
   /// NCCL communicator over its ranks. Collective over `parent`.
+  ///
+  /// A watchdog thread polls ncclCommGetAsyncError every 100 ms; on an asynchronous error (a
+  /// peer that aborted its communicator, a broken connection) it aborts the NCCL communicator,
+  /// which ends the NCCL kernels this rank's streams wait on, and every later operation throws a
+  /// kmamba::VendorError naming the error, instead of hanging in a fence.
   explicit NcclCommunicator(MPI_Comm parent, const std::string& axis = "world");
   ~NcclCommunicator() override;
 
@@ -52,9 +61,17 @@ class NcclCommunicator final : public Communicator {
   /// True when the buffers go through NCCL on stream.cuda_stream; false for the MPI host path
   /// (after fencing the caller's instance).
   bool use_nccl(const StreamContext& stream) const;
+  /// Throws the asynchronous error the watchdog found, if any.
+  void check_async_error() const;
+  void watch();
 
   MpiComm mpi_;
   ncclComm_t nccl_ = nullptr;
+  std::atomic<int> async_error_{0};  // the ncclResult_t the watchdog saw (0: ncclSuccess)
+  std::mutex watchdog_mutex_;
+  std::condition_variable watchdog_wake_;
+  bool watchdog_stop_ = false;  // guarded by watchdog_mutex_
+  std::thread watchdog_;
 };
 
 }  // namespace kmamba
