@@ -57,7 +57,7 @@ struct Options {
   double horizon = 5.0;        // forecast length in Lyapunov times
   int d_model = 64;
   int n_layer = 2;
-  double lr = 3e-3;
+  double lr = 1e-2;
   std::uint64_t seed = 1;
   std::string out = "runs/lorenz96";
   bool check = false;
@@ -78,7 +78,7 @@ void print_help() {
       "  --horizon T        forecast length in Lyapunov times (default 5)\n"
       "  --d-model N        model width (default 64)\n"
       "  --layers N         Mamba-2 blocks (default 2)\n"
-      "  --lr X             peak learning rate (default 3e-3)\n"
+      "  --lr X             peak learning rate (default 1e-2)\n"
       "  --seed N           initial conditions and model initialisation (default 1)\n"
       "  --out DIR          where forecast.png goes (default runs/lorenz96)\n"
       "  --check            exit with status 1 unless the surrogate's mean error over the first\n"

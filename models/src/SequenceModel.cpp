@@ -210,7 +210,7 @@ struct SequenceModel<ExecutionSpace>::State {
 
   float eps() const { return static_cast<float>(config.backbone.norm_epsilon); }
 
-  void ensure_buffers(std::int64_t b, std::int64_t l, bool training) {
+  void ensure_buffers(const ExecutionSpace& exec, std::int64_t b, std::int64_t l, bool training) {
     const std::int64_t dm = config.backbone.d_model, n = b * l;
     if (batch != b || seqlen != l || !normed.is_allocated()) {
       batch = b;
@@ -224,7 +224,7 @@ struct SequenceModel<ExecutionSpace>::State {
       mixed = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::mixed", b, l, dm);
       norm_grad = allocate<Tensor1<float, Mem>>("kmamba::sequence_model::norm_grad", dm);
       ones = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_model::ones", n, 1);
-      Kokkos::deep_copy(ones, 1.0f);
+      Kokkos::deep_copy(exec, ones, 1.0f);
     }
     // Inference keeps one residual buffer; training one per layer.
     const std::size_t wanted = training ? static_cast<std::size_t>(config.backbone.n_layer) : 1u;
@@ -272,7 +272,7 @@ struct SequenceModel<ExecutionSpace>::State {
   void run_forward(const ExecutionSpace& exec, const ConstTensor3<float, Mem>& inputs,
                    const Tensor3<float, Mem>& outputs, bool training) {
     const std::int64_t b = inputs.extent(0), l = inputs.extent(1);
-    ensure_buffers(b, l, training);
+    ensure_buffers(exec, b, l, training);
     const Range all(exec, 0, static_cast<std::size_t>(b * l * config.backbone.d_model));
     linear(exec, impl::seq::rows(inputs), impl::seq::input_weight, impl::seq::input_bias,
            impl::seq::rows(residuals[0]));
@@ -457,7 +457,7 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
                                                    const ConstTensor3<float, memory_space>& targets) {  // (batch, seqlen, output_size)
   State& s = *state_;
   s.check_io("kmamba::SequenceModel::loss", inputs, "targets", targets);
-  s.ensure_buffers(inputs.extent(0), inputs.extent(1), false);
+  s.ensure_buffers(exec, inputs.extent(0), inputs.extent(1), false);
   s.ensure_prediction(inputs.extent(0), inputs.extent(1));
   s.run_forward(exec, inputs, s.prediction, false);
   return s.squared_error(exec, s.prediction, targets);
@@ -474,7 +474,7 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss_and_backward(
   State& s = *state_;
   s.check_io(function, inputs, "targets", targets);
   if (outputs.is_allocated()) s.check_io(function, inputs, "outputs", outputs);
-  s.ensure_buffers(inputs.extent(0), inputs.extent(1), true);
+  s.ensure_buffers(exec, inputs.extent(0), inputs.extent(1), true);
   s.ensure_prediction(inputs.extent(0), inputs.extent(1));
   s.run_forward(exec, inputs, s.prediction, true);
   if (outputs.is_allocated()) Kokkos::deep_copy(exec, outputs, s.prediction);

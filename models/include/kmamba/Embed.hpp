@@ -142,7 +142,8 @@ class Model {
 #endif
 
   /// outputs = model(inputs), on `exec` and non-blocking: fence `exec` (or order later work on
-  /// it) before reading outputs. Forward, train_step and evaluate share the model's activation
+  /// it) before reading outputs. (A call with a new batch shape first reallocates the model's
+  /// buffers, which may wait for the device.) Forward, train_step and evaluate share the model's activation
   /// buffers, so calls on different instances must not overlap.
   template <class InputView, class OutputView>
   void forward(const ExecutionSpace& exec,

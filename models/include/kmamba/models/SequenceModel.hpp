@@ -105,8 +105,9 @@ class SequenceModel {
   Slab& parameters();
   const Slab& parameters() const;
 
-  /// outputs = model(inputs). Non-blocking on `exec`. The model's activation buffers are shared by
-  /// forward, loss and loss_and_backward: calls on different execution-space instances must not
+  /// outputs = model(inputs). Non-blocking on `exec` (a call with a new (batch, seqlen) first
+  /// reallocates the activation buffers, which may wait for the device). The buffers are shared
+  /// by forward, loss and loss_and_backward: calls on different execution-space instances must not
   /// overlap.
   void forward(const ExecutionSpace& exec,
                const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
