@@ -19,6 +19,7 @@
 // --small keeps the model and shrinks the batch, prompt and step counts to what a 2-core CPU runs in
 // about a minute.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/backends/StepGraph.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -158,9 +159,12 @@ void run_space(const Options& o) {
   for (const int batch : {1, s.batch_large}) {
     const auto prompts = random_prompts(batch, s.prompt, vocab);
     char shape[96];
-    // One decode step for the batch, after a prefill of the prompt.
-    {
+    // One decode step for the batch, after a prefill of the prompt: recorded as one graph (the
+    // default; CUDA only) and launched kernel by kernel.
+    for (const bool graph : {true, false}) {
+      if (!graph && !kmamba::StepGraph<Exec>::records) continue;
       auto state = model.make_decode_state(batch);
+      state.set_step_graph(graph);
       auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
       auto host_ids = Kokkos::create_mirror_view(ids);
       for (int b = 0; b < batch; ++b) {
@@ -171,11 +175,13 @@ void run_space(const Options& o) {
       model.prefill(exec, ids, state, logits);
       auto next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
       Kokkos::deep_copy(next, 11);
-      model.decode_step(exec, next, state, logits);  // warm-up
+      for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, next, state, logits);  // warm-up (and recording)
       const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, next, state, logits); });
       std::snprintf(shape, sizeof shape, "b%d after %d tokens (%s)", batch, s.prompt, Exec::name());
-      report(batch == 1 ? "decode step b1" : "decode step batch", shape, t, batch, cost.bytes(batch),
-             batch * cost.flops_per_sequence);
+      const std::string name = std::string(batch == 1 ? "decode step b1" : "decode step batch") +
+                               (kmamba::StepGraph<Exec>::records ? (graph ? " graph" : " kernels") : "");
+      report(name.c_str(), shape, t, batch, cost.bytes(batch), batch * cost.flops_per_sequence);
+      if (graph && kmamba::StepGraph<Exec>::records) std::printf("  step graph: %s\n", state.step_graph_status().c_str());
     }
     // The generation loop: greedy, logits to the host every step.
     {

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up the dependencies (scripts/bootstrap.sh), then configures and builds kmamba.
 #
-#   scripts/build.sh [--flavour host|cuda] [--build-dir DIR] [--werror] [-- extra CMake arguments]
+#   scripts/build.sh [--flavour host|cuda] [--build-dir DIR] [--werror] [--target T]... [-- extra CMake arguments]
+#
+# --target builds only the named targets (repeatable; default: everything).
 #
 # Other bootstrap options (--source, --no-apt, --deps-dir, --jobs) are passed through.
 set -euo pipefail
@@ -13,15 +15,17 @@ build_dir=""
 werror=OFF
 bootstrap_args=()
 cmake_args=()
+targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --flavour) flavour="$2"; bootstrap_args+=(--flavour "$2"); shift 2 ;;
     --build-dir) build_dir="$2"; shift 2 ;;
     --werror) werror=ON; shift ;;
+    --target) targets+=(--target "$2"); shift 2 ;;
     --source|--deps-dir|--jobs) bootstrap_args+=("$1" "$2"); shift 2 ;;
     --no-apt) bootstrap_args+=("$1"); shift ;;
     --) shift; cmake_args+=("$@"); break ;;
-    -h|--help) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -40,5 +44,5 @@ mkdir -p "$build_dir"
 cmake -S "$root" -B "$build_dir" "${config[@]}" "${cmake_args[@]}" >"$build_dir.configure.log" 2>&1 \
   || { tail -n 30 "$build_dir.configure.log" >&2; echo "build.sh: configuring failed (log: $build_dir.configure.log)" >&2; exit 1; }
 echo "build.sh: building with $jobs jobs" >&2
-cmake --build "$build_dir" -j "$jobs" >&2
+cmake --build "$build_dir" -j "$jobs" "${targets[@]}" >&2
 echo "$build_dir"

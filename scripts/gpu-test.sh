@@ -6,6 +6,11 @@
 # Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources,
 #                                                 # golden data; ~8 MB)
 # There:         scripts/gpu-test.sh             # with .deps carried; logs go to $OUT (or ./gpu-out)
+#
+# A shorter run: GPU_TEST_TARGETS="kmamba_decode_tests kmamba-perf-decode" builds only those targets,
+# GPU_TEST_REGEX=decode runs only the matching cuda tests, GPU_TEST_PERF="kmamba-perf-decode
+# kmamba-perf-train" runs only those benchmarks (names under build/perf or build/apps; default: the
+# kernel and decode benchmarks and kmamba-bench; "none" runs none).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -45,14 +50,26 @@ if ! command -v mpicxx >/dev/null 2>&1; then
 fi
 t0=$(date +%s)
 set -o pipefail
-build_dir="$("$here/build.sh" --flavour cuda --no-apt --source "$deps/kokkos-src.tar.xz" \
+target_args=()
+for t in ${GPU_TEST_TARGETS:-}; do target_args+=(--target "$t"); done
+build_dir="$("$here/build.sh" "${target_args[@]}" --flavour cuda --no-apt --source "$deps/kokkos-src.tar.xz" \
                --deps-dir /tmp/kmamba-deps --build-dir "$root/build-gpu" -- "${extra[@]}" 2> >(tee "$out/build.log" >&2) | tail -n 1)"
 t1=$(date +%s)
 echo "gpu-test.sh: dependencies + build took $((t1 - t0)) s" | tee -a "$out/build.log"
 cd "$build_dir"
 status=0
-ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
-{ ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1
-./perf/kmamba-perf --space Cuda 2>&1 | tee "$out/perf.log" || status=1
-./perf/kmamba-perf-decode --space Cuda 2>&1 | tee "$out/perf-decode.log" || status=1
+if [ -n "${GPU_TEST_REGEX:-}" ]; then
+  ctest --output-on-failure -L cuda -R "$GPU_TEST_REGEX" 2>&1 | tee "$out/ctest.log" || status=1
+elif [ -z "${GPU_TEST_TARGETS:-}" ]; then
+  ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
+fi
+perf="${GPU_TEST_PERF:-kmamba-bench kmamba-perf kmamba-perf-decode}"
+for p in $perf; do
+  case "$p" in
+    none) ;;
+    kmamba-bench) { ./apps/kmamba-bench --space Cuda --elements 268435456 && ./apps/kmamba-bench; } 2>&1 | tee "$out/bench.log" || status=1 ;;
+    *) dir=./perf; [ -x "$dir/$p" ] || dir=./apps
+       "$dir/$p" --space Cuda 2>&1 | tee "$out/$p.log" || status=1 ;;
+  esac
+done
 exit $status

@@ -4,12 +4,14 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Gemm.hpp>
+#include <kmamba/backends/StepGraph.hpp>
 #include <kmamba/core/CrossEntropy.hpp>
 #include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
 
@@ -232,8 +234,8 @@ struct LanguageModel<ExecutionSpace>::State {
   void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
     const Tensor2<float, Mem> out(logits.data(), logits.extent(0) * logits.extent(1), logits.extent(2));
     Kokkos::parallel_for("kmamba::lm::copy_logits",
-                         Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
-                             exec, {0, 0}, {static_cast<int>(out.extent(0)), static_cast<int>(out.extent(1))}),
+                         impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
+                             exec, {0, 0}, {static_cast<int>(out.extent(0)), static_cast<int>(out.extent(1))})),
                          impl::DropPaddedColumns<Mem>{out, padded_logits});
   }
 
@@ -308,6 +310,11 @@ struct DecodeState<ExecutionSpace>::Impl {
   Tensor2<float, Mem> residual;  // (batch, d_model): the residual stream of the current token
   Tensor2<float, Mem> normed;    // (batch, d_model): a norm's output
   Tensor2<float, Mem> mixed;     // (batch, d_model): a mixer's output
+  // Where the backend records the decode step as one graph (StepGraph::records): the step reads
+  // its ids from and writes its logits to these fixed buffers, copied from and to the caller's.
+  StepGraph<ExecutionSpace> graph;
+  Tensor1<std::int64_t, Mem> step_ids;  // (batch)
+  Tensor2<float, Mem> step_logits;      // (batch, vocab_size)
 };
 
 template <class ExecutionSpace>
@@ -327,6 +334,18 @@ template <class ExecutionSpace>
 std::int64_t DecodeState<ExecutionSpace>::position() const {
   return impl_->position;
 }
+template <class ExecutionSpace>
+void DecodeState<ExecutionSpace>::set_step_graph(bool enabled) {
+  impl_->graph = StepGraph<ExecutionSpace>(enabled);
+}
+
+template <class ExecutionSpace>
+std::string DecodeState<ExecutionSpace>::step_graph_status() const {
+  if (impl_->graph.recorded()) return "recorded";
+  const std::string& reason = impl_->graph.fallback_reason();
+  return reason.empty() ? "warming up" : "not recorded: " + reason;
+}
+
 template <class ExecutionSpace>
 void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
   for (auto& cache : impl_->caches) cache->reset(exec);
@@ -442,6 +461,11 @@ DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int
   impl->residual = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::residual", batch, dm);
   impl->normed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::normed", batch, dm);
   impl->mixed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::mixed", batch, dm);
+  if (StepGraph<ExecutionSpace>::records) {
+    impl->step_ids = allocate_uninitialized<Tensor1<std::int64_t, Mem>>("kmamba::decode::step_ids", batch);
+    impl->step_logits =
+        allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::step_logits", batch, s.config.vocab_size);
+  }
   return DecodeState<ExecutionSpace>(std::move(impl));
 }
 
@@ -518,20 +542,36 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   check_shape(function, "logits", logits, {batch, vocab}, "(batch, vocab_size)");
   check_allocated(function, "logits", logits);
   const float eps = static_cast<float>(s.config.norm_epsilon);
-  const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, d.residual.span());
-  embedding_forward(exec, ids, ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)), d.residual);
-  for (int i = 0; i < s.config.n_layer; ++i) {
-    if (i > 0) {
-      Kokkos::parallel_for("kmamba::decode::residual_add", all,
-                           impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+  // The ids are checked here, blocking, so that the step itself never waits on the device.
+  const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
+  check_embedding_ids(exec, ids, static_cast<std::int64_t>(embedding.extent(0)), "kmamba::embedding_forward");
+  // The step: the same kernels on the same buffers for every token (recorded once where the
+  // backend records graphs).
+  const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
+                        const Tensor2<float, Mem>& step_logits) {
+    const auto all =
+        impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(e, 0, d.residual.span()));
+    embedding_forward(e, step_ids, embedding, d.residual, false);
+    for (int i = 0; i < s.config.n_layer; ++i) {
+      if (i > 0) {
+        Kokkos::parallel_for("kmamba::decode::residual_add", all,
+                             impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+      }
+      rms_norm(e, d.residual, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps, d.normed);
+      const std::size_t layer = static_cast<std::size_t>(i);
+      s.mixers[layer]->step(e, s.slab, d.normed, d.mixed, *d.caches[layer]);
     }
-    rms_norm(exec, d.residual, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps, d.normed);
-    const std::size_t layer = static_cast<std::size_t>(i);
-    s.mixers[layer]->step(exec, s.slab, d.normed, d.mixed, *d.caches[layer]);
+    Kokkos::parallel_for("kmamba::decode::residual_add", all,
+                         impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+    s.decode_head(e, d.residual, d.normed, step_logits);
+  };
+  if (StepGraph<ExecutionSpace>::records) {
+    Kokkos::deep_copy(exec, d.step_ids, ids);
+    d.graph.run(exec, [&](const ExecutionSpace& e) { step(e, d.step_ids, d.step_logits); });
+    Kokkos::deep_copy(exec, logits, d.step_logits);
+  } else {
+    step(exec, ids, logits);
   }
-  Kokkos::parallel_for("kmamba::decode::residual_add", all,
-                       impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
-  s.decode_head(exec, d.residual, d.normed, logits);
   d.position += 1;
 }
 

@@ -1,4 +1,5 @@
 #include <kmamba/models/Mamba2Mixer.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Gemm.hpp>
@@ -74,8 +75,8 @@ void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor
 template <class Exec, class Mem>
 void broadcast_bias(const Exec& exec, const Tensor1<float, Mem>& bias, int offset, const Tensor2<float, Mem>& out) {
   Kokkos::parallel_for("kmamba::mamba2::broadcast_bias",
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(out.size())),
+                       impl::light_weight(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(out.size()))),
                        impl::Mamba2BroadcastBiasFunctor<Mem>{bias, out, offset});
 }
 
@@ -537,7 +538,7 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   check_parameters(function, slab);
   const std::string& p = prefix_;
 
-  Kokkos::parallel_for("kmamba::decode::mamba2::A", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
+  Kokkos::parallel_for("kmamba::decode::mamba2::A", impl::light_weight(Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_)),
                        impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), c.A});
   for (int s = 0; s < segment_count; ++s) {
     project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", segment_offsets_[s], segment_widths_[s], u, c.pre[s]);

@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -278,13 +279,16 @@ std::vector<std::int64_t> random_ids(std::size_t n, int vocab, std::uint64_t see
 
 // Prefill of ids[:, :prefix], then one decode step per remaining token (teacher forcing); returns
 // the logits after every position from prefix − 1 on, (batch, seqlen − prefix + 1, vocab).
+// `graph_status`, when given, receives the state's step_graph_status() after the last step.
 template <class Exec>
 std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
-                                      std::size_t batch, std::size_t seqlen, std::size_t prefix) {
+                                      std::size_t batch, std::size_t seqlen, std::size_t prefix,
+                                      bool step_graph = true, std::string* graph_status = nullptr) {
   using Mem = typename Exec::memory_space;
   const Exec exec;
   const std::size_t V = static_cast<std::size_t>(model.config().vocab_size), n = seqlen - prefix + 1;
   auto state = model.make_decode_state(static_cast<int>(batch));
+  state.set_step_graph(step_graph);
   kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, V);
   std::vector<float> all(batch * n * V);
   model.prefill(exec, to_device<kmamba::Tensor2<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, 0, prefix), batch, prefix),
@@ -296,6 +300,7 @@ std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const 
     put_positions(all, to_vector(logits), batch, n, V, t - prefix + 1);
   }
   EXPECT_EQ(state.position(), static_cast<std::int64_t>(seqlen));
+  if (graph_status != nullptr) *graph_status = state.step_graph_status();
   return all;
 }
 
@@ -345,6 +350,29 @@ TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
                                                   seqlen)),
                 recurrent_tolerance)
           << "prefix " << prefix;
+    }
+  }
+}
+
+// The recorded decode step (a CUDA graph; host backends run steps normally) computes exactly what
+// the steps launched one by one compute, across many replays with changing tokens.
+TYPED_TEST(DecodeTest, RecordedStepGraphMatchesPlainSteps) {
+  using Exec = TypeParam;
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    const std::size_t batch = 2, seqlen = 24, prefix = 3;
+    const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 11);
+    std::string with_status, without_status;
+    const std::vector<float> with_graph = incremental_logits(model, ids, batch, seqlen, prefix, true, &with_status);
+    const std::vector<float> without_graph =
+        incremental_logits(model, ids, batch, seqlen, prefix, false, &without_status);
+    EXPECT_EQ(max_relative_error(with_graph, without_graph), 0.0);
+    if (std::is_same<typename Exec::memory_space, Kokkos::HostSpace>::value) {
+      EXPECT_EQ(with_status, "not recorded: kernel graphs are a CUDA feature");
+    } else {
+      EXPECT_EQ(with_status, "recorded");
+      EXPECT_EQ(without_status, "not recorded: disabled by the caller");
     }
   }
 }

@@ -17,6 +17,7 @@
 #define KMAMBA_CORE_CONV1D_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -258,7 +259,7 @@ void causal_conv1d_update(
   check_allocated(function, "y", y);
   Kokkos::parallel_for(
       "kmamba::conv1d::update",
-      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * channels),
+      impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * channels)),
       impl::Conv1dUpdateFunctor<Mem>{x, weight, bias, conv_state, y, has_bias, activation == Conv1dActivation::silu,
                                      static_cast<int>(width), static_cast<int>(channels)});
 }

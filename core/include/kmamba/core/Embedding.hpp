@@ -4,6 +4,7 @@
 #define KMAMBA_CORE_EMBEDDING_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
@@ -33,25 +34,36 @@ struct EmbeddingScatterAdd {
 };
 }  // namespace impl
 
-/// out[t, :] = table[ids[t], :]. Blocking only for the id check: throws kmamba::UserError naming the
-/// first id outside [0, vocab) and its position.
+/// Throws kmamba::UserError (from `function`) naming the first id outside [0, vocab) — the rows of
+/// the embedding table — and its position. Blocking.
+template <class ExecutionSpace, class MemorySpace>
+void check_embedding_ids(const ExecutionSpace& exec,
+                         const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+                         const std::int64_t vocab, const char* function = "kmamba::embedding_forward") {
+  const impl::InvalidIds bad = impl::find_invalid_ids(exec, ids, false, 0, vocab);
+  KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " token id(s) are outside [0, " << vocab
+                                          << "), the rows of the embedding table; the first is " << bad.first_value
+                                          << " at position " << bad.first_row);
+}
+
+/// out[t, :] = table[ids[t], :]. Blocking only for the id check (check_embedding_ids). With
+/// `check_ids` false the caller guarantees the ids are valid (checked before, e.g. outside a
+/// recorded step graph) and the call is non-blocking.
 template <class ExecutionSpace, class MemorySpace>
 void embedding_forward(const ExecutionSpace& exec,
                        const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                        const ConstTensor2<float, MemorySpace>& table,       // (vocab, dim)
-                       const Tensor2<float, MemorySpace>& out) {            // (tokens, dim)
+                       const Tensor2<float, MemorySpace>& out,              // (tokens, dim)
+                       const bool check_ids = true) {
   constexpr const char* function = "kmamba::embedding_forward";
   const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
   const std::int64_t vocab = static_cast<std::int64_t>(table.extent(0));
   const std::int64_t dim = static_cast<std::int64_t>(table.extent(1));
   check_shape(function, "out", out, {tokens, dim}, "(tokens, dim) with dim from table");
-  const impl::InvalidIds bad = impl::find_invalid_ids(exec, ids, false, 0, vocab);
-  KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " token id(s) are outside [0, " << vocab
-                                          << "), the rows of the embedding table; the first is " << bad.first_value
-                                          << " at position " << bad.first_row);
+  if (check_ids) check_embedding_ids(exec, ids, vocab, function);
   if (tokens == 0 || dim == 0) return;
   Kokkos::parallel_for("kmamba::embedding::forward",
-                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim}),
+                       impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim})),
                        impl::EmbeddingGather<MemorySpace>{ids, table, out});
 }
 

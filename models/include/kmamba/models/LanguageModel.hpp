@@ -94,6 +94,12 @@ class DecodeState {
   std::int64_t position() const;
   /// Zeroes every state: the next prefill or step starts new sequences. Non-blocking on `exec`.
   void reset(const ExecutionSpace& exec);
+  /// On CUDA, decode steps are recorded once into a CUDA graph and replayed (one launch per step
+  /// instead of a few hundred; see kmamba/backends/StepGraph.hpp); on by default. Host backends
+  /// run every step normally either way.
+  void set_step_graph(bool enabled);
+  /// "recorded", "warming up" (the first steps run normally) or "not recorded: <why>".
+  std::string step_graph_status() const;
 
  private:
   friend class LanguageModel<ExecutionSpace>;

@@ -14,6 +14,7 @@
 #define KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
 
@@ -241,7 +242,7 @@ void rms_norm_forward(const ExecutionSpace& exec, const XView& x, const ZView& z
   if (rows == 0) return;
   using Functor = RmsNormForwardFunctor<ExecutionSpace, XView, ZView, WView, YView, RstdView>;
   Kokkos::parallel_for("kmamba::rms_norm::forward",
-                       Kokkos::TeamPolicy<ExecutionSpace>(exec, rows * ngroups, Kokkos::AUTO),
+                       light_weight(Kokkos::TeamPolicy<ExecutionSpace>(exec, rows * ngroups, Kokkos::AUTO)),
                        Functor{{x, z, gate}, weight, y, rstd, eps, group_size, ngroups, write_rstd});
 }
 

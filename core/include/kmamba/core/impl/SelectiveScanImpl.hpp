@@ -14,6 +14,7 @@
 #define KMAMBA_CORE_IMPL_SELECTIVESCANIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 
@@ -154,7 +155,7 @@ void selective_scan_launch(const ExecSpace& exec, const char* label, const Selec
       host ? 1 : std::max(1, std::min(plan.channels_per_team, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
-  Kokkos::parallel_for(label, policy, functor);
+  Kokkos::parallel_for(label, light_weight(policy), functor);
 }
 
 /// The sequence inputs of the scan as the kernels read them.

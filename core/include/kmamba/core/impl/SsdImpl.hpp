@@ -20,6 +20,7 @@
 #define KMAMBA_CORE_IMPL_SSDIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/TeamGemm.hpp>
@@ -136,7 +137,7 @@ void ssd_launch(const ExecSpace& exec, const char* label, const SsdPlan& plan, i
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
   if (block_scratch > 0) policy.set_scratch_size(1, Kokkos::PerTeam(block_scratch));
-  Kokkos::parallel_for(label, policy, functor);
+  Kokkos::parallel_for(label, light_weight(policy), functor);
 }
 /// The inputs of the scan as the kernels read them.
 template <class MemorySpace>

@@ -5,6 +5,7 @@
 #define KMAMBA_MODELS_IMPL_MAMBA1MIXERIMPL_HPP
 
 #include <kmamba/backends/Gemm.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Random.hpp>
@@ -264,8 +265,8 @@ void mamba1_add_bias(const ExecutionSpace& exec,
                      const ConstTensor1<float, typename ExecutionSpace::memory_space>& bias,  // (≥ bias0 + columns)
                      int bias0) {
   Kokkos::parallel_for("kmamba::mamba1::add_bias",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(rows.size())),
+                       light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(rows.size()))),
                        Mamba1AddBias<typename ExecutionSpace::memory_space>{rows, bias, bias0});
 }
 
@@ -671,8 +672,8 @@ void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   gemm(c.xc, ConstTensor2<float, Mem>(p.x_bc.data() + n * e, n, e), Tensor2<float, Mem>(c.C.data(), b, n));
   gemm(c.dt, p.dt_weight, c.delta);
   Kokkos::parallel_for("kmamba::decode::mamba1::A",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(c.A.size())),
+                       impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(c.A.size()))),
                        impl::Mamba1NegativeExp<Mem>{ConstTensor1<float, Mem>(p.A_log.data(), p.A_log.size()),
                                                     Tensor1<float, Mem>(c.A.data(), c.A.size())});
   SelectiveScanStepArgs<Mem> scan;
