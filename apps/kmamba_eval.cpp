@@ -2,9 +2,10 @@
 // against the reference implementation.
 //
 //   kmamba-eval --model DIR --input IN.safetensors --output OUT.safetensors [--grads] [--check TOL]
-//   kmamba-eval --op ssd|selective_scan|mamba3_siso|mamba3_mimo --input IN.safetensors --output OUT.safetensors
+//   kmamba-eval --op ssd|selective_scan|mamba3_siso|mamba3_mimo|mamba3_mixer --input IN.safetensors --output OUT.safetensors
 //               [--check TOL]
 #include <kmamba/KMamba.hpp>
+#include <kmamba/models/Mamba3Mixer.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -48,6 +49,10 @@ void print_help() {
       "                   (config: chunk_size, default 64)\n"
       "  mamba3_mimo      as mamba3_siso with a rank axis, plus MIMO_V, MIMO_O [, MIMO_Z with Z]\n"
       "                   (config: chunk_size, default 64 / rank)\n"
+      "  mamba3_mixer     a Mamba-3 mixer: parameters param.<name> (the reference module's names), input\n"
+      "                   u (batch, seqlen, d_model); output out; cotangent dout; grad.u, grad.<name>\n"
+      "                   (config: d_model, d_state, expand, headdim, ngroups, rope_fraction, A_floor,\n"
+      "                   rmsnorm_eps, is_mimo, mimo_rank, is_outproj_norm, chunk_size default 64)\n"
       "\n"
       "options:\n"
       "  --check TOL      compare every output with the tensor of the same name in IN (if present) and\n"
@@ -418,6 +423,54 @@ void run_mamba3_mimo(const Options& o, const kmamba::SafeTensorsReader& in, kmam
   add_gradient(out_file, "initial_v", g.dinitial.v);
 }
 
+void run_mamba3_mixer(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
+  using T3 = kmamba::Tensor3<float, Mem>;
+  const Exec exec;
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba3;
+  c.n_layer = 1;
+  const auto integer = [&](const char* key, double fallback) { return static_cast<int>(in.config_number(key, fallback)); };
+  c.d_model = integer("d_model", 0);
+  c.d_state = integer("d_state", 128);
+  c.expand = integer("expand", 2);
+  c.headdim = integer("headdim", 64);
+  c.ngroups = integer("ngroups", 1);
+  c.rope_fraction = in.config_number("rope_fraction", 0.5);
+  c.A_floor = in.config_number("A_floor", 1e-4);
+  c.norm_epsilon = in.config_number("rmsnorm_eps", 1e-5);
+  c.is_mimo = in.config_bool("is_mimo", false);
+  c.mimo_rank = integer("mimo_rank", 4);
+  c.is_outproj_norm = in.config_bool("is_outproj_norm", false);
+  c.chunk_size = o.chunk_size > 0 ? o.chunk_size : integer("chunk_size", 64);
+  c.validate();
+  kmamba::Mamba3Mixer<Exec> mixer(c, "");
+  kmamba::ParameterSlab<Mem> slab;
+  mixer.declare_parameters(slab);
+  slab.finalize("kmamba::eval::mamba3_mixer");
+  const auto params = Kokkos::create_mirror_view(slab.params());
+  for (const auto& entry : slab.entries()) {
+    in.check_shape("param." + entry.name, entry.shape);
+    const std::vector<float> values = in.read_f32("param." + entry.name);
+    std::copy(values.begin(), values.end(), params.data() + entry.offset);
+  }
+  Kokkos::deep_copy(slab.params(), params);
+  const T3 u = kmamba::read_view<T3>(in, "u");
+  auto out = kmamba::allocate_uninitialized<T3>("kmamba::eval::out", u.extent(0), u.extent(1), u.extent(2));
+  const bool backward = in.contains("dout");
+  mixer.forward(exec, slab, u, out, backward);
+  kmamba::add_view(out_file, "out", out);
+  if (!backward) return;
+  const T3 dout = kmamba::read_view<T3>(in, "dout");
+  auto du = kmamba::allocate_uninitialized<T3>("kmamba::eval::du", u.extent(0), u.extent(1), u.extent(2));
+  Kokkos::deep_copy(slab.grads(), 0.0f);
+  mixer.backward(exec, slab, dout, du);
+  kmamba::add_view(out_file, "grad.u", du);
+  const auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.grads());
+  for (const auto& entry : slab.entries()) {
+    out_file.add("grad." + entry.name, kmamba::DType::F32, entry.shape, grads.data() + entry.offset);
+  }
+}
+
 void run_model(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
   using I2 = kmamba::Tensor2<std::int64_t, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
@@ -528,7 +581,8 @@ int main(int argc, char** argv) {
         ops = {{"ssd", run_ssd},
                {"selective_scan", run_selective_scan},
                {"mamba3_siso", run_mamba3_siso},
-               {"mamba3_mimo", run_mamba3_mimo}};
+               {"mamba3_mimo", run_mamba3_mimo},
+               {"mamba3_mixer", run_mamba3_mixer}};
     const auto op = ops.find(o.op);
     KMAMBA_REQUIRE(!o.model.empty() || op != ops.end(), "kmamba-eval: unknown --op '" << o.op << "' (see --help for the list)");
     const std::string name = o.model.empty() ? o.op : o.model;

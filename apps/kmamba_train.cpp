@@ -1,13 +1,20 @@
 // kmamba-train: trains a Mamba language model. With no arguments it runs the embedded default, a
 // small Mamba-2 learning multi-query associative recall; --data trains on text or token files and
-// --model fine-tunes a Hugging Face checkpoint. See print_help() for every option.
+// --model fine-tunes a Hugging Face checkpoint. See print_help() for every option. Under
+// `mpirun -np N` it trains on a dp × tp × sp process mesh (--dp --tp --sp); only world rank 0
+// prints and writes.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/parallel/ProcessMesh.hpp>
 
 #include "Plot.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
+
+#if KMAMBA_ENABLE_MPI
+#include <mpi.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -69,18 +76,24 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"vocab-size", "N", "recall: vocabulary size (default 64)"},
         {"validation-fraction", "X", "text/token data: held-out tail (default 0.1)"}}},
       {"model (new models; --model takes them from its config.json)",
-       {{"mixer", "NAME", "mamba1 or mamba2 (default mamba2)"},
+       {{"mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)"},
         {"d-model", "N", "model width (default 64 for recall, 128 otherwise)"},
         {"n-layer", "N", "residual blocks (default 2 for recall, 4 otherwise)"},
         {"d-state", "N", "state size per channel (default 16)"},
-        {"headdim", "N", "mamba2: channels per head (default 16)"},
+        {"headdim", "N", "mamba2/mamba3: channels per head (default 16)"},
+        {"ngroups", "N", "mamba2/mamba3: B/C groups, a multiple of --tp (default 1)"},
         {"expand", "N", "inner width = expand * d-model (default 2)"},
-        {"chunk-size", "N", "mamba2: SSD chunk length (default 16 for recall, 64 otherwise)"}}},
+        {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"}}},
       {"progress and output",
        {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
         {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
         {"checkpoint-interval", "N", "steps between checkpoints, 0 = only at the end (default 200)"},
         {"log-interval", "N", "steps between progress lines when stdout is not a terminal (default 10)"}}},
+      {"parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)",
+       {{"data-parallel-size", "N", "--dp: data-parallel ranks (default: N / (tp * sp))"},
+        {"tensor-parallel-size", "N", "--tp: ranks splitting each Mamba-2 layer's heads (default 1)"},
+        {"sequence-parallel-size", "N", "--sp: ranks splitting each sequence into segments (default 1)"},
+        {"activation-checkpointing", nullptr, "keep only each layer's input and recompute the rest in backward"}}},
   };
   return table;
 }
@@ -110,6 +123,9 @@ void print_help() {
 }
 
 const OptionSpec* find_option(const std::string& name) {
+  if (name == "dp") return find_option("data-parallel-size");
+  if (name == "tp") return find_option("tensor-parallel-size");
+  if (name == "sp") return find_option("sequence-parallel-size");
   for (const auto& group : option_table()) {
     for (const OptionSpec& o : group.second) {
       if (name == o.name) return &o;
@@ -138,6 +154,7 @@ Values parse_command_line(int argc, char** argv) {
     if (inline_value) value = name.substr(eq + 1), name = name.substr(0, eq);
     const OptionSpec* spec = find_option(name);
     KMAMBA_REQUIRE(spec != nullptr, "kmamba-train: unknown option '--" << name << "' (see --help)");
+    name = spec->name;  // --dp, --tp, --sp are short for the mesh options
     if (spec->value == nullptr) {
       KMAMBA_REQUIRE(!inline_value, "kmamba-train: --" << name << " takes no value");
       value = "true";
@@ -231,6 +248,7 @@ struct Run {
   kmamba::AssociativeRecallConfig recall;
   kmamba::TokenDatasetConfig tokens;
   kmamba::ModelConfig model;
+  kmamba::MeshConfig mesh;
   std::int64_t log_interval = 10;
 };
 
@@ -291,6 +309,9 @@ Run resolve(const Options& o) {
   t.checkpoint_interval = o.integer("checkpoint-interval", 200, 0);
   t.validate();
   r.log_interval = o.integer("log-interval", 10, 1);
+  r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0, 0));
+  r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1, 1));
+  r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1, 1));
 
   const std::int64_t seqlen = o.integer("seqlen", recall ? 64 : 128, 1);
   if (recall) {
@@ -310,7 +331,7 @@ Run resolve(const Options& o) {
   }
 
   if (!r.model_dir.empty()) {
-    for (const char* name : {"mixer", "d-model", "n-layer", "d-state", "headdim", "expand", "chunk-size"}) {
+    for (const char* name : {"mixer", "d-model", "n-layer", "d-state", "headdim", "ngroups", "expand", "chunk-size"}) {
       KMAMBA_REQUIRE(!o.has(name), "kmamba-train: --" << name << " conflicts with --model (the architecture comes from "
                                                       << r.model_dir << "/config.json)");
     }
@@ -318,14 +339,17 @@ Run resolve(const Options& o) {
   }
   kmamba::ModelConfig& m = r.model;
   const std::string mixer = o.text("mixer", "mamba2");
-  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2",
-                 "kmamba-train: --mixer must be mamba1 or mamba2, got '" << mixer << "'");
-  m.mixer = mixer == "mamba1" ? kmamba::MixerKind::Mamba1 : kmamba::MixerKind::Mamba2;
+  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2" || mixer == "mamba3",
+                 "kmamba-train: --mixer must be mamba1, mamba2 or mamba3, got '" << mixer << "'");
+  m.mixer = mixer == "mamba1"   ? kmamba::MixerKind::Mamba1
+            : mixer == "mamba2" ? kmamba::MixerKind::Mamba2
+                                : kmamba::MixerKind::Mamba3;
   m.d_model = static_cast<int>(o.integer("d-model", recall ? 64 : 128, 1));
   m.n_layer = static_cast<int>(o.integer("n-layer", recall ? 2 : 4, 1));
   m.d_state = static_cast<int>(o.integer("d-state", 16, 1));
   m.expand = static_cast<int>(o.integer("expand", 2, 1));
   m.headdim = static_cast<int>(o.integer("headdim", 16, 1));
+  m.ngroups = static_cast<int>(o.integer("ngroups", 1, 1));
   m.chunk_size = static_cast<int>(o.integer("chunk-size", recall ? 16 : 64, 1));
   m.vocab_size = recall ? r.recall.vocab_size : 256;  // replaced by a token file's vocabulary
   return r;
@@ -335,6 +359,15 @@ Run resolve(const Options& o) {
 // Progress, metrics and the loss curve.
 
 volatile std::sig_atomic_t stop_requested = 0;
+bool mpi_running = false;           // main initialised MPI (launched by mpirun, or given a mesh option)
+bool errors_are_collective = true;  // an error so far is raised on every rank alike (MPI_Finalize, not Abort)
+#if KMAMBA_ENABLE_MPI
+int mpi_world_size() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+#endif
 bool progress_line_open = false;  // a \r-updated line is on the terminal without its newline
 
 extern "C" void on_stop_signal(int) {
@@ -377,11 +410,13 @@ std::string rate(double tokens_per_second) {
 // The metrics log and the curves drawn from it.
 class Metrics {
  public:
-  Metrics(const std::string& dir, bool recall)
-      : path_(dir + "/metrics.jsonl"), plot_path_(dir + "/loss.png"), recall_(recall) {}
+  // `writes`: false on the ranks other than world rank 0, which only keep the records.
+  Metrics(const std::string& dir, bool recall, bool writes)
+      : path_(dir + "/metrics.jsonl"), plot_path_(dir + "/loss.png"), recall_(recall), writes_(writes) {}
 
   // Keeps the records of steps <= `last_step` (those the checkpoint covers) and drops the rest.
   void resume(std::int64_t last_step) {
+    if (!writes_) return;
     std::ifstream in(path_);
     std::vector<json> kept;
     for (std::string line; std::getline(in, line);) {
@@ -399,13 +434,16 @@ class Metrics {
   }
 
   void start() {
+    if (!writes_) return;
     file_.open(path_, std::ios::trunc);
     KMAMBA_REQUIRE(file_.good(), "kmamba-train: cannot write '" << path_ << "'");
   }
 
   void append(const json& record) {
-    file_ << record.dump() << '\n';
-    file_.flush();
+    if (writes_) {
+      file_ << record.dump() << '\n';
+      file_.flush();
+    }
     const double step = static_cast<double>(record.at("step").get<std::int64_t>());
     if (record.at("type") == "train") {
       const double loss = record.at("loss").get<double>();
@@ -427,6 +465,7 @@ class Metrics {
   const std::string& plot_path() const { return plot_path_; }
 
   void plot() const {
+    if (!writes_) return;
     using kmamba::app::Rgb;
     using kmamba::app::Series;
     const Rgb light{174, 199, 232}, blue{31, 119, 180}, orange{255, 127, 14};
@@ -447,6 +486,7 @@ class Metrics {
  private:
   std::string path_, plot_path_;
   bool recall_;
+  bool writes_;
   std::ofstream file_;
   double ema_ = 0.0, accuracy_ema_ = 0.0;
   std::vector<double> train_steps_, train_loss_, train_ema_, train_accuracy_, eval_steps_, eval_loss_, eval_accuracy_;
@@ -536,22 +576,54 @@ int train(Run& r) {
   } else if (!r.model_dir.empty()) {
     model_config = kmamba::ModelConfig::load(r.model_dir + "/config.json");
   }
+#if KMAMBA_ENABLE_MPI
+  // The mesh: a size that does not fit the world or the model is the same error on every rank,
+  // raised before any rank communicates.
+  std::unique_ptr<kmamba::ProcessMesh> mesh;
+  if (mpi_running) {
+    const int world = mpi_world_size();
+    const kmamba::MeshConfig resolved = r.mesh.resolve(world);
+    kmamba::check_mesh_fits_model(resolved, model_config);
+    mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved);
+  }
+  const bool root = mesh == nullptr || mesh->world().rank() == 0;
+  const bool split = mesh != nullptr && (mesh->config().tensor_parallel_size > 1 ||
+                                         mesh->config().sequence_parallel_size > 1);
+#else
+  KMAMBA_REQUIRE(r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 &&
+                     r.mesh.data_parallel_size <= 1,
+                 "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
+  const bool root = true, split = false;
+#endif
   auto make_model = [&]() {
     if (!r.resume && !r.model_dir.empty()) return kmamba::LanguageModel<Exec>::load(r.model_dir);
     kmamba::LanguageModel<Exec> model(model_config);
     if (!r.resume) model.initialize(r.train.seed);
     return model;
   };
-  kmamba::Trainer<Exec> trainer(make_model(), r.train, data, exec);
-  std::filesystem::create_directories(r.out);
-  Metrics metrics(r.out, recall);
+  kmamba::LanguageModel<Exec> model = make_model();
+#if KMAMBA_ENABLE_MPI
+  if (split) {  // this rank's shards of the unsplit model
+    kmamba::LanguageModel<Exec> local(model.config(), {&mesh->tensor(), &mesh->sequence()});
+    kmamba::scatter_parameters(exec, model, local);
+    model = std::move(local);
+  }
+#endif
+  model.set_activation_checkpointing(r.options.flag("activation-checkpointing"));
+  kmamba::Trainer<Exec> trainer(std::move(model), r.train, data, exec);
+#if KMAMBA_ENABLE_MPI
+  if (mesh) trainer.enable_data_parallel(*mesh);
+  errors_are_collective = mesh == nullptr;  // from here on an error may strike one rank only
+#endif
+  if (root) std::filesystem::create_directories(r.out);
+  Metrics metrics(r.out, recall, root);
   if (r.resume) {
     trainer.resume(checkpoint);
     metrics.resume(trainer.steps_taken());
   } else {
     metrics.start();
   }
-  write_run_json(r);
+  if (root) write_run_json(r);
 
   const std::int64_t total = r.train.total_steps;
   std::printf("kmamba-train: %s\n", describe_data(r, *data).c_str());
@@ -559,6 +631,13 @@ int train(Run& r) {
               kmamba::mixer_name(model_config.mixer), model_config.d_model, model_config.n_layer,
               trainer.model().parameters().size(), Exec::name(),
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
+#if KMAMBA_ENABLE_MPI
+  if (mesh) {
+    std::printf("kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d\n",
+                mesh->world().size(), mesh->config().data_parallel_size, mesh->config().tensor_parallel_size,
+                mesh->config().sequence_parallel_size);
+  }
+#endif
   std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n", static_cast<long long>(total),
               static_cast<long long>(r.train.grad_accum), static_cast<long long>(r.train.batch_size), r.train.lr,
               r.out.c_str(), r.resume ? (", resumed at step " + std::to_string(trainer.steps_taken())).c_str() : "");
@@ -588,7 +667,14 @@ int train(Run& r) {
   const auto started = std::chrono::steady_clock::now();
   double train_seconds = 0.0;  // in step(), without evaluations and checkpoints
   std::int64_t session_tokens = 0, session_steps = 0;
-  while (trainer.steps_taken() < total && stop_requested == 0) {
+  // Ctrl-C on any rank stops every rank after the same step.
+  const auto stop = [&]() {
+#if KMAMBA_ENABLE_MPI
+    if (mesh) return mesh->world().all_reduce_value(static_cast<int>(stop_requested), kmamba::ReduceOp::Max) != 0;
+#endif
+    return stop_requested != 0;
+  };
+  while (trainer.steps_taken() < total && !stop()) {
     const auto t0 = std::chrono::steady_clock::now();
     const kmamba::StepResult s = trainer.step();
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -672,6 +758,40 @@ Run configure(int argc, char** argv) {
 
 }  // namespace
 
+// MPI is started when a launcher started this process or a mesh option asks for ranks; every rank
+// but world rank 0 then writes nothing to stdout.
+void start_mpi(int& argc, char**& argv, const Run& run) {
+#if KMAMBA_ENABLE_MPI
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+                        std::getenv("PMIX_RANK") != nullptr;
+  const bool asked = run.options.has("data-parallel-size") || run.options.has("tensor-parallel-size") ||
+                     run.options.has("sequence-parallel-size");
+  if (!launched && !asked) return;
+  MPI_Init(&argc, &argv);
+  mpi_running = true;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {
+    KMAMBA_REQUIRE(std::freopen("/dev/null", "w", stdout) != nullptr, "kmamba-train: cannot silence rank " << rank);
+  }
+#else
+  (void)argc;
+  (void)argv;
+  (void)run;
+#endif
+}
+
+// Ends MPI: an error raised on one rank only aborts the others (they may wait in a collective).
+int finish_mpi(int status) {
+#if KMAMBA_ENABLE_MPI
+  if (mpi_running) {
+    if (status != 0 && !errors_are_collective) MPI_Abort(MPI_COMM_WORLD, status);
+    MPI_Finalize();
+  }
+#endif
+  return status;
+}
+
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -682,6 +802,7 @@ int main(int argc, char** argv) {
   }
   try {
     Run run = configure(argc, argv);
+    start_mpi(argc, argv, run);
     // Kokkos sees only its own options: it would also claim --device and --threads.
     std::vector<char*> kokkos_args = {argv[0]};
     for (int i = 1; i < argc; ++i) {
@@ -689,16 +810,20 @@ int main(int argc, char** argv) {
     }
     int kokkos_argc = static_cast<int>(kokkos_args.size());
     kokkos_args.push_back(nullptr);
-    Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_args.data());
-    try {
-      return dispatch(run);
-    } catch (const std::exception& e) {
-      Console().finish();
-      std::fprintf(stderr, "%s\n", e.what());
-      return 2;
+    int status = 0;
+    {
+      Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_args.data());
+      try {
+        status = dispatch(run);
+      } catch (const std::exception& e) {
+        Console().finish();
+        std::fprintf(stderr, "%s\n", e.what());
+        status = 2;
+      }
     }
+    return finish_mpi(status);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
-    return 2;
+    return finish_mpi(2);
   }
 }

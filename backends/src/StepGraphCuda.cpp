@@ -65,10 +65,15 @@ struct StepGraph<Kokkos::Cuda>::Impl {
     for (const cudaGraphNode_t node : nodes) {
       cudaGraphNodeType type;
       KMAMBA_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
-      if (type != cudaGraphNodeTypeKernel && type != cudaGraphNodeTypeMemset && type != cudaGraphNodeTypeEmpty) {
+      // Stream-ordered allocations (cuBLAS takes its workspace so) become graph memory nodes,
+      // which replay correctly.
+      const bool replayable = type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemset ||
+                              type == cudaGraphNodeTypeEmpty || type == cudaGraphNodeTypeMemAlloc ||
+                              type == cudaGraphNodeTypeMemFree;
+      if (!replayable) {
         cudaGraphDestroy(g);
         reason = "the recorded step holds a node of type " + std::to_string(static_cast<int>(type)) +
-                 " (not a kernel or memset; e.g. a kernel launched through constant memory copies its "
+                 " (not a kernel, memset or memory node; e.g. a kernel launched through constant memory copies its "
                  "arguments from host memory, which a replay would read stale)";
         return nullptr;
       }

@@ -2,9 +2,144 @@
 
 #include <kmamba/core/Error.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 
 namespace kmamba {
+
+SequenceSegment sequence_segment(std::int64_t seqlen, int rank, int size) {
+  KMAMBA_REQUIRE(size >= 1 && rank >= 0 && rank < size,
+                 "kmamba::sequence_segment: rank " << rank << " is not in [0, " << size << ")");
+  KMAMBA_REQUIRE(seqlen >= size, "kmamba::sequence_segment: a sequence of " << seqlen << " tokens cannot be split over "
+                                                                            << size
+                                                                            << " sequence-parallel ranks (each needs "
+                                                                               "at least one token)");
+  const std::int64_t base = seqlen / size, extra = seqlen % size;
+  SequenceSegment segment;
+  segment.length = base + (rank < extra ? 1 : 0);
+  segment.begin = rank * base + std::min<std::int64_t>(rank, extra);
+  return segment;
+}
+
+namespace {
+
+// dst[dst_offset, dst_offset + count) ← src[src_offset, src_offset + count).
+template <class ExecutionSpace>
+void copy_range(const ExecutionSpace& exec, float* dst, std::int64_t dst_offset, const float* src,
+                std::int64_t src_offset, std::int64_t count) {
+  using Mem = typename ExecutionSpace::memory_space;
+  const auto n = static_cast<std::size_t>(count);
+  Kokkos::deep_copy(exec, Tensor1<float, Mem>(dst + dst_offset, n), ConstTensor1<float, Mem>(src + src_offset, n));
+}
+
+// Checks that the two models and vectors fit together and calls copy(full offset, local offset,
+// local size, shard or null) for every parameter of `local`.
+template <class ExecutionSpace, class Copy>
+void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace>& full,
+                        const LanguageModel<ExecutionSpace>& local, std::size_t full_size, std::size_t local_size,
+                        const Copy& copy) {
+  KMAMBA_REQUIRE(full.config().to_hf_json() == local.config().to_hf_json(),
+                 function << ": the two models have different configs");
+  KMAMBA_REQUIRE(full.parallel().tensor_size() == 1 && full.parallel().sequence_size() == 1,
+                 function << ": the unsplit model must not be split itself");
+  KMAMBA_REQUIRE(full_size == full.parameters().size() && local_size == local.parameters().size(),
+                 function << ": the vectors have " << full_size << " and " << local_size
+                          << " elements; the slabs of the unsplit and the local model have "
+                          << full.parameters().size() << " and " << local.parameters().size());
+  std::map<std::string, ShardedParameter> shards;
+  for (ShardedParameter& p : local.sharded_parameters()) shards[p.name] = std::move(p);
+  for (const auto& entry : local.parameters().entries()) {
+    const auto it = shards.find(entry.name);
+    copy(static_cast<std::int64_t>(full.parameters().entry(entry.name).offset), static_cast<std::int64_t>(entry.offset),
+         static_cast<std::int64_t>(entry.size), it != shards.end() ? &it->second : nullptr);
+  }
+}
+
+}  // namespace
+
+template <class ExecutionSpace>
+void scatter_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& full,
+                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& full_values,
+                    const LanguageModel<ExecutionSpace>& local,
+                    const Tensor1<float, typename ExecutionSpace::memory_space>& local_values) {
+  float* const to = local_values.data();
+  const float* const from = full_values.data();
+  for_each_parameter("kmamba::scatter_values", full, local, full_values.extent(0), local_values.extent(0),
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
+                         const ShardedParameter* shard) {
+                       if (shard == nullptr) {
+                         copy_range(exec, to, local_offset, from, full_offset, size);
+                         return;
+                       }
+                       for (const ShardedParameter::Run& run : shard->runs) {
+                         copy_range(exec, to, local_offset + run.local_offset, from, full_offset + run.full_offset,
+                                    run.count);
+                       }
+                     });
+  exec.fence();
+}
+
+template <class ExecutionSpace>
+void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& local,
+                   const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,
+                   const LanguageModel<ExecutionSpace>& full,
+                   const Tensor1<float, typename ExecutionSpace::memory_space>& full_values) {
+  // Each rank writes its shards into zeros (the replicated parameters on tp rank 0 only); the sum
+  // over the tensor ranks is then exact.
+  Kokkos::deep_copy(exec, full_values, 0.0f);
+  const bool first = local.parallel().tensor_rank() == 0;
+  float* const to = full_values.data();
+  const float* const from = local_values.data();
+  for_each_parameter("kmamba::gather_values", full, local, full_values.extent(0), local_values.extent(0),
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
+                         const ShardedParameter* shard) {
+                       if (shard == nullptr) {
+                         if (first) copy_range(exec, to, full_offset, from, local_offset, size);
+                         return;
+                       }
+                       for (const ShardedParameter::Run& run : shard->runs) {
+                         copy_range(exec, to, full_offset + run.full_offset, from, local_offset + run.local_offset,
+                                    run.count);
+                       }
+                     });
+  if (local.parallel().tensor_size() > 1) local.parallel().tensor->all_reduce(exec, full_values);
+  exec.fence();
+}
+
+template <class ExecutionSpace>
+void scatter_parameters(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& full,
+                        LanguageModel<ExecutionSpace>& local) {
+  scatter_values(exec, full, ConstTensor1<float, typename ExecutionSpace::memory_space>(full.parameters().params()),
+                 local, local.parameters().params());
+}
+
+template <class ExecutionSpace>
+void gather_parameters(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& local,
+                       LanguageModel<ExecutionSpace>& full) {
+  gather_values(exec, local, ConstTensor1<float, typename ExecutionSpace::memory_space>(local.parameters().params()),
+                full, full.parameters().params());
+}
+
+#define KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Exec)                                                                  \
+  template void scatter_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                   \
+                                     const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&,  \
+                                     const Tensor1<float, Exec::memory_space>&);                                  \
+  template void gather_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                    \
+                                    const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&,   \
+                                    const Tensor1<float, Exec::memory_space>&);                                   \
+  template void scatter_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);        \
+  template void gather_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);
+#if KMAMBA_HAS_SERIAL
+KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::Serial)
+#endif
+#if KMAMBA_HAS_OPENMP
+KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::OpenMP)
+#endif
+#if KMAMBA_ENABLE_CUDA
+KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::Cuda)
+#endif
+#undef KMAMBA_INSTANTIATE_TENSOR_PARALLEL
 
 void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
   constexpr const char* function = "kmamba::check_mesh_fits_model";
@@ -38,13 +173,23 @@ Tensor1<float, MemorySpace> range(const Tensor1<float, MemorySpace>& data, std::
 
 template <class ExecutionSpace>
 DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelConfig& model, const Slab& slab,
-                                           const AdamWConfig& adamw, const DataParallelConfig& config)
+                                           const AdamWConfig& adamw, const DataParallelConfig& config,
+                                           const std::vector<ShardedParameter>& tensor_sharded)
     : mesh_(&mesh),
       config_(config),
       adamw_(adamw),
-      reducer_(mesh.data(), slab.size(), config.bucket_elements),
+      reducer_(mesh.data_sequence(), slab.size(), config.bucket_elements),
       decay_end_(slab.decay_end()) {
   check_mesh_fits_model(mesh.config(), model);
+  if (mesh.coordinates().tp == 0) {
+    counted_.emplace_back(0, slab.size());
+  } else {
+    for (const ShardedParameter& p : tensor_sharded) {
+      const auto& e = slab.entry(p.name);
+      counted_.emplace_back(e.offset, e.offset + e.size);
+    }
+    std::sort(counted_.begin(), counted_.end());
+  }
   KMAMBA_REQUIRE(config.zero_stage == 0 || config.zero_stage == 1,
                  "kmamba::DataParallel: zero_stage must be 0 (replicated optimizer state) or 1 (ZeRO-1), got "
                      << config.zero_stage);
@@ -67,12 +212,12 @@ int DataParallel<ExecutionSpace>::data_size() const {
 
 template <class ExecutionSpace>
 std::int64_t DataParallel<ExecutionSpace>::sum_over_data(std::int64_t local) const {
-  return mesh_->data().all_reduce_value(local);
+  return mesh_->data_sequence().all_reduce_value(local);
 }
 
 template <class ExecutionSpace>
 double DataParallel<ExecutionSpace>::sum_over_data(double local) const {
-  return mesh_->data().all_reduce_value(local);
+  return mesh_->data_sequence().all_reduce_value(local);
 }
 
 template <class ExecutionSpace>
@@ -96,10 +241,7 @@ void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, 
 template <class ExecutionSpace>
 double DataParallel<ExecutionSpace>::grad_norm(const ExecutionSpace& exec, const Slab& slab) const {
   check_slab("grad_norm", slab);
-  const MeshCoordinates& at = mesh_->coordinates();
-  const double owned = at.tp == 0 && at.sp == 0
-                           ? reducer_.owned_sum_of_squares(exec, ConstTensor1<float, memory_space>(slab.grads()))
-                           : 0.0;
+  const double owned = reducer_.owned_sum_of_squares(exec, ConstTensor1<float, memory_space>(slab.grads()), counted_);
   return std::sqrt(mesh_->world().all_reduce_value(owned));
 }
 
@@ -126,7 +268,7 @@ template <class ExecutionSpace>
 template <class Copy>
 void DataParallel<ExecutionSpace>::for_each_shard(const Copy& copy) const {
   const BucketLayout& layout = reducer_.layout();
-  const int rank = data_rank();
+  const int rank = reducer_.communicator().rank();  // on the dp × sp group the shards are laid over
   for (const auto& bucket : layout.buckets()) {
     copy(layout.shard_begin(bucket, rank), bucket.shard_offset, layout.shard_size(bucket));
   }

@@ -112,6 +112,7 @@ template <class ExecutionSpace>
 struct LanguageModel<ExecutionSpace>::State {
   using Mem = memory_space;
   ModelConfig config;
+  ModelParallel parallel;
   Slab slab;
   std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers;
 
@@ -126,13 +127,17 @@ struct LanguageModel<ExecutionSpace>::State {
   Tensor2<float, Mem> padded_logits;           // (batch·seqlen, padded_vocab)
   Tensor1<float, Mem> lse;                     // (batch·seqlen)
   Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
+  // Activation checkpointing: the training forward keeps only the blocks' inputs (residuals) and
+  // backward recomputes one block at a time into these (batch, seqlen, d_model) buffers.
+  bool checkpointing = false;
+  Tensor3<float, Mem> recompute_in, recompute_out;
 
-  explicit State(const ModelConfig& c) : config(c) {
+  State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p) {
     config.validate();
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
     slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
     for (int i = 0; i < config.n_layer; ++i) {
-      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer."));
+      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer.", parallel));
       mixers.back()->declare_parameters(slab);
       slab.add(impl::layer_prefix(i) + "norm.weight", {dm}, WeightDecay::No);
     }
@@ -162,6 +167,12 @@ struct LanguageModel<ExecutionSpace>::State {
       padded_logits = Tensor2<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::logits"), rows, vp);
       lse = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::lse"), rows);
       norm_grad = Tensor1<float, Mem>("kmamba::lm::norm_grad", dm);
+      recompute_in = Tensor3<float, Mem>();
+      recompute_out = Tensor3<float, Mem>();
+    }
+    if (training && checkpointing && !recompute_in.is_allocated()) {
+      recompute_in = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_in", b, l, dm);
+      recompute_out = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_out", b, l, dm);
     }
     // Inference keeps one residual buffer; training one per layer.
     const std::size_t wanted = training ? static_cast<std::size_t>(config.n_layer) : 1u;
@@ -207,7 +218,9 @@ struct LanguageModel<ExecutionSpace>::State {
       }
       rms_norm(exec, impl::rows_of(residual), slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
                impl::rows_of(normed), rstds[slot]);
-      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training);
+      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training && !checkpointing);
+      // A mixer may keep its buffers as workspace after a forward that keeps nothing (Mamba-1).
+      if (training && checkpointing) mixers[static_cast<std::size_t>(i)]->release_activations();
     }
     Kokkos::parallel_for("kmamba::lm::residual_add", all,
                          impl::AddViews<Mem>{impl::flat1(final_input), impl::flat1(mixed),
@@ -285,7 +298,15 @@ struct LanguageModel<ExecutionSpace>::State {
     // dres now holds d(final_input) = dh_{n−1} = d(residual_{n−1}) (norm paths still to add).
     for (int i = config.n_layer - 1; i >= 0; --i) {
       const std::string norm = impl::layer_prefix(i) + "norm.weight";
-      mixers[static_cast<std::size_t>(i)]->backward(exec, slab, dres, dnormed);
+      Mixer<ExecutionSpace>& mixer = *mixers[static_cast<std::size_t>(i)];
+      if (checkpointing) {  // recompute the block's forward from its kept input
+        const std::size_t layer = static_cast<std::size_t>(i);
+        rms_norm(exec, impl::rows_of(residuals[layer]), slab.template param<1>(norm),
+                 static_cast<float>(config.norm_epsilon), impl::rows_of(recompute_in), rstds[layer]);
+        mixer.forward(exec, slab, recompute_in, recompute_out, true);
+      }
+      mixer.backward(exec, slab, dres, dnormed);
+      if (checkpointing) mixer.release_activations();
       rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(residuals[static_cast<std::size_t>(i)]),
                         slab.template param<1>(norm), rstds[static_cast<std::size_t>(i)],
                         impl::rows_of(final_input), norm_grad);
@@ -353,7 +374,39 @@ void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
 }
 
 template <class ExecutionSpace>
-LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config)) {}
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config, ModelParallel())) {}
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const ModelParallel& parallel)
+    : state_(new State(config, parallel)) {}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
+  state_->checkpointing = on;
+  if (!on) {
+    state_->recompute_in = Tensor3<float, memory_space>();
+    state_->recompute_out = Tensor3<float, memory_space>();
+  }
+}
+
+template <class ExecutionSpace>
+bool LanguageModel<ExecutionSpace>::activation_checkpointing() const {
+  return state_->checkpointing;
+}
+
+template <class ExecutionSpace>
+const ModelParallel& LanguageModel<ExecutionSpace>::parallel() const {
+  return state_->parallel;
+}
+
+template <class ExecutionSpace>
+std::vector<ShardedParameter> LanguageModel<ExecutionSpace>::sharded_parameters() const {
+  std::vector<ShardedParameter> all;
+  for (const auto& mixer : state_->mixers) {
+    for (ShardedParameter& p : mixer->sharded_parameters()) all.push_back(std::move(p));
+  }
+  return all;
+}
 
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace>::~LanguageModel() = default;
@@ -565,7 +618,9 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
                          impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
     s.decode_head(e, d.residual, d.normed, step_logits);
   };
-  if (StepGraph<ExecutionSpace>::records) {
+  // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
+  // not repeat: split models run their steps normally.
+  if (StepGraph<ExecutionSpace>::records && s.parallel.tensor_size() == 1) {
     Kokkos::deep_copy(exec, d.step_ids, ids);
     d.graph.run(exec, [&](const ExecutionSpace& e) { step(e, d.step_ids, d.step_logits); });
     Kokkos::deep_copy(exec, logits, d.step_logits);
@@ -633,8 +688,11 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
-  make_directories(dir);
   const State& s = *state_;
+  KMAMBA_REQUIRE(s.parallel.tensor_size() == 1,
+                 "kmamba::LanguageModel::save: this model holds one tensor-parallel shard of "
+                     << s.parallel.tensor_size() << "; gather it into an unsplit model first (kmamba::gather_parameters)");
+  make_directories(dir);
   SafeTensorsWriter file;
   const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s.slab.params());
   for (const auto& entry : s.slab.entries()) {

@@ -13,6 +13,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -92,15 +93,25 @@ void add_bias_grad(const Exec& exec, const ConstTensor2<float, Mem>& g, const Te
 
 template <class ExecutionSpace>
 Mamba2Mixer<ExecutionSpace>::Mamba2Mixer(const ModelConfig& config, const std::string& prefix)
-    : config_(config), prefix_(prefix) {
+    : Mamba2Mixer(config, prefix, ModelParallel()) {}
+
+template <class ExecutionSpace>
+Mamba2Mixer<ExecutionSpace>::Mamba2Mixer(const ModelConfig& config, const std::string& prefix,
+                                         const ModelParallel& parallel)
+    : config_(config), prefix_(prefix), parallel_(parallel) {
   config_.validate();
   KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba2, "kmamba::Mamba2Mixer: the config's mixer is "
                                                          << mixer_name(config_.mixer) << ", not Mamba2");
+  const int t = parallel_.tensor_size();
+  KMAMBA_REQUIRE(config_.num_heads() % t == 0 && config_.ngroups % t == 0,
+                 "kmamba::Mamba2Mixer: tensor_parallel_size " << t << " must divide nheads " << config_.num_heads()
+                                                              << " and ngroups " << config_.ngroups
+                                                              << " (each rank holds whole heads with their B/C group)");
   d_model_ = config_.d_model;
-  d_inner_ = config_.d_inner();
-  nheads_ = config_.num_heads();
+  d_inner_ = config_.d_inner() / t;
+  nheads_ = config_.num_heads() / t;
   headdim_ = config_.headdim;
-  ngroups_ = config_.ngroups;
+  ngroups_ = config_.ngroups / t;
   d_state_ = config_.d_state;
   d_conv_ = config_.d_conv;
   conv_dim_ = d_inner_ + 2 * ngroups_ * d_state_;
@@ -154,8 +165,69 @@ void Mamba2Mixer<ExecutionSpace>::check_parameters(const char* function, const S
 }
 
 template <class ExecutionSpace>
+std::vector<ShardedParameter> Mamba2Mixer<ExecutionSpace>::sharded_parameters() const {
+  const std::int64_t t = parallel_.tensor_size(), r = parallel_.tensor_rank();
+  if (t == 1) return {};
+  const std::int64_t d = d_model_, K = d_conv_, E = d_inner_ * t, GN = ngroups_ * d_state_ * t, H = nheads_ * t;
+  const std::array<std::int64_t, segment_count> full_offsets = {0, E, 2 * E, 2 * E + GN, 2 * E + 2 * GN};
+  std::vector<ShardedParameter> out;
+  // The five (or, for the conv, the x, B, C) segments: rank r's block of each, `row` elements per channel.
+  const auto segments = [&](const char* name, std::vector<std::int64_t> full_shape, int first, int last,
+                            std::int64_t row, std::int64_t base) {
+    ShardedParameter p{prefix_ + name, std::move(full_shape), {}};
+    for (int s = first; s <= last; ++s) {
+      const std::int64_t w = segment_widths_[s];
+      p.runs.push_back({(full_offsets[s] - base + r * w) * row, (segment_offsets_[s] - (base / t)) * row, w * row});
+    }
+    out.push_back(p);
+  };
+  const auto slice = [&](const char* name, std::int64_t full, std::int64_t local) {
+    out.push_back({prefix_ + name, {full}, {{r * local, 0, local}}});
+  };
+  segments("in_proj.weight", {2 * E + 2 * GN + H, d}, z_segment, dt_segment, d, 0);
+  if (config_.bias) segments("in_proj.bias", {2 * E + 2 * GN + H}, z_segment, dt_segment, 1, 0);
+  segments("conv1d.weight", {E + 2 * GN, 1, K}, x_segment, C_segment, K, E);
+  if (config_.conv_bias) segments("conv1d.bias", {E + 2 * GN}, x_segment, C_segment, 1, E);
+  slice("dt_bias", H, nheads_);
+  slice("A_log", H, nheads_);
+  slice("D", H, nheads_);
+  slice("norm.weight", E, d_inner_);
+  ShardedParameter out_proj{prefix_ + "out_proj.weight", {d, E}, {}};
+  for (std::int64_t i = 0; i < d; ++i) out_proj.runs.push_back({i * E + r * d_inner_, i * d_inner_, d_inner_});
+  out.push_back(out_proj);
+  return out;
+}
+
+template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const {
   check_parameters("kmamba::Mamba2Mixer::initialize", slab);
+  if (parallel_.tensor_size() > 1) {
+    // This rank's slices of the unsplit mixer's initialisation.
+    const Mamba2Mixer full(config_, prefix_);
+    Slab unsplit;
+    full.declare_parameters(unsplit);
+    unsplit.finalize("kmamba::mamba2::unsplit_init");
+    full.initialize(exec, unsplit, seed);
+    const std::vector<ShardedParameter> shards = sharded_parameters();
+    for (const ParameterSpec& spec : parameter_specs()) {
+      const std::string name = prefix_ + spec.name;
+      const auto local = flat(slab.params(), slab, name);
+      const auto source = flat(unsplit.params(), unsplit, name);
+      const auto shard =
+          std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
+      if (shard == shards.end()) {
+        Kokkos::deep_copy(exec, local, source);
+        continue;
+      }
+      for (const ShardedParameter::Run& run : shard->runs) {
+        const auto count = static_cast<std::size_t>(run.count);
+        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, count),
+                          Tensor1<float, memory_space>(source.data() + run.full_offset, count));
+      }
+    }
+    exec.fence();
+    return;
+  }
   const auto param = [&](const char* name) { return flat(slab.params(), slab, prefix_ + name); };
   const auto uniform = [&](const char* name, double bound) {
     fill_uniform(exec, param(name), parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
@@ -207,6 +279,15 @@ typename Mamba2Mixer<ExecutionSpace>::Activations Mamba2Mixer<ExecutionSpace>::m
   a.y = allocate_uninitialized<Matrix>("kmamba::mamba2::ssd_out", rows, d_inner_);
   a.rstd = allocate_uninitialized<Matrix>("kmamba::mamba2::norm_rstd", rows, ngroups_);
   a.normed = allocate_uninitialized<Matrix>("kmamba::mamba2::norm_out", rows, d_inner_);
+  if (parallel_.sequence_size() > 1) {
+    // Zero on the first rank, which receives nothing.
+    for (int s = x_segment; s <= C_segment; ++s) {
+      a.conv_initial[s] = allocate<Tensor3<float, memory_space>>(
+          std::string("kmamba::mamba2::conv_initial_") + segment_names[s], batch, segment_widths_[s], d_conv_ - 1);
+    }
+    a.ssm_initial = allocate<Tensor4<float, memory_space>>("kmamba::mamba2::ssm_initial", batch, nheads_, headdim_,
+                                                           d_state_);
+  }
   return a;
 }
 
@@ -215,19 +296,18 @@ namespace {
 // The SSD inputs of one forward: x, B, C after the conv, dt from in_proj, A = −exp(A_log).
 template <class Mem>
 SsdArgs<Mem> make_ssd_args(const ModelConfig& config, const ParameterSlab<Mem>& slab, const std::string& prefix,
-                           std::int64_t batch, std::int64_t seqlen,
+                           int nheads, int ngroups, std::int64_t batch, std::int64_t seqlen,
                            const Tensor2<float, Mem>& x,    // (batch·seqlen, d_inner)
                            const Tensor2<float, Mem>& dt,   // (batch·seqlen, nheads)
                            const Tensor1<float, Mem>& A,    // (nheads)
                            const Tensor2<float, Mem>& B,    // (batch·seqlen, ngroups·d_state)
                            const Tensor2<float, Mem>& C) {  // (batch·seqlen, ngroups·d_state)
-  const int nheads = config.num_heads();
   SsdArgs<Mem> args;
   args.x = as_heads(x, batch, seqlen, nheads);
   args.dt = as_sequence(dt, batch, seqlen);
   args.A = A;
-  args.B = as_heads(B, batch, seqlen, config.ngroups);
-  args.C = as_heads(C, batch, seqlen, config.ngroups);
+  args.B = as_heads(B, batch, seqlen, ngroups);
+  args.C = as_heads(C, batch, seqlen, ngroups);
   args.D = slab.template param<1>(prefix + "D");
   args.dt_bias = slab.template param<1>(prefix + "dt_bias");
   args.dt_softplus = true;
@@ -284,7 +364,7 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
   using Mem = memory_space;
   const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
   float beta = 0.0f;
-  if (config_.bias) {
+  if (config_.bias && !bias.empty()) {
     broadcast_bias(exec, flat(slab.params(), slab, bias), offset, out);
     beta = 1.0f;
   }
@@ -298,6 +378,10 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   using Mem = memory_space;
   const std::int64_t batch = a.batch, seqlen = a.seqlen;
   const std::string& p = prefix_;
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int k = parallel_.sequence_rank();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
 
   Kokkos::parallel_for("kmamba::mamba2::A", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
                        impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), a.A});
@@ -316,22 +400,48 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     const ConstTensor1<float, Mem> bias =
         conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, static_cast<std::size_t>(width))
                           : ConstTensor1<float, Mem>();
-    const Tensor3<float, Mem> state = cache != nullptr ? cache->conv[s] : Tensor3<float, Mem>();
+    Tensor3<float, Mem> initial = cache != nullptr ? cache->conv[s] : Tensor3<float, Mem>();
+    Tensor3<float, Mem> final_state = initial;
+    if (split_sequence) {  // the halo: the previous rank's last d_conv − 1 inputs
+      initial = a.conv_initial[s];
+      if (previous != no_peer) sequence->recv(exec, initial, previous);
+      final_state = next != no_peer ? allocate_uninitialized<Tensor3<float, Mem>>(
+                                          std::string("kmamba::mamba2::conv_final_") + segment_names[s], batch, width,
+                                          d_conv_ - 1)
+                                    : Tensor3<float, Mem>();
+    }
     causal_conv1d(exec, as_sequence(a.pre[s], batch, seqlen), rows_of<Mem>(conv_w, channel, width, d_conv_), bias,
-                  state, as_sequence(a.act[s], batch, seqlen), state, Conv1dActivation::silu);
+                  initial, as_sequence(a.act[s], batch, seqlen), final_state, Conv1dActivation::silu);
+    if (split_sequence && next != no_peer) sequence->send(exec, final_state, next);
   }
 
-  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
-                                    a.act[B_segment], a.act[C_segment]);
-  const Tensor4<float, Mem> ssm = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
-  args.initial_states = ssm;
-  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), ssm);
+  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
+                                    a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
+  Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
+  args.initial_states = final_states;
+  if (split_sequence) {  // the state entering this segment, from the previous rank
+    if (previous != no_peer) sequence->recv(exec, a.ssm_initial, previous);
+    args.initial_states = a.ssm_initial;
+    final_states = next != no_peer ? allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::ssm_final", batch,
+                                                                                 nheads_, headdim_, d_state_)
+                                   : Tensor4<float, Mem>();
+  }
+  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), final_states);
+  if (split_sequence && next != no_peer) sequence->send(exec, final_states, next);
 
   gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"),
                  static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, a.normed,
                  a.rstd);
 
-  project(exec, slab, p + "out_proj.weight", p + "out_proj.bias", 0, d_model_, a.normed, out);
+  // Row parallel: each tensor rank adds its channels' part; the bias is added once.
+  project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
+          d_model_, a.normed, out);
+  sum_over_tensor_ranks(exec, out);
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const {
+  if (parallel_.tensor_size() > 1) parallel_.tensor->all_reduce(exec, m);
 }
 
 template <class ExecutionSpace>
@@ -387,6 +497,10 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const std::string& p = prefix_;
   const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
   const auto grad_matrix = [&](const char* name) { return slab.template grad<2>(p + name); };
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int k = parallel_.sequence_rank();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
 
   // out = normed · out_projᵀ (+ bias).
   const Matrix dnormed = allocate_uninitialized<Matrix>("kmamba::mamba2::d_norm_out", rows, d_inner_);
@@ -425,9 +539,25 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   g.dC = as_heads(dact[C_segment], batch, seqlen, ngroups_);
   g.dD = dD;
   g.ddt_bias = ddt_bias;
-  const SsdArgs<Mem> args = make_ssd_args(config_, slab, p, batch, seqlen, a.act[x_segment], a.pre[dt_segment], a.A,
-                                          a.act[B_segment], a.act[C_segment]);
-  ssd_backward(exec, args, as_heads(dy, batch, seqlen, nheads_), ConstTensor4<float, Mem>(), g);
+  SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
+                                    a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
+  // Sequence parallel: the gradient of this segment's final state comes back from the next rank,
+  // the gradient of its initial state goes to the previous one.
+  Tensor4<float, Mem> dfinal_states;
+  if (split_sequence) {
+    args.initial_states = a.ssm_initial;
+    if (next != no_peer) {
+      dfinal_states = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_,
+                                                                  headdim_, d_state_);
+      sequence->recv(exec, dfinal_states, next);
+    }
+    if (previous != no_peer) {
+      g.dinitial_states = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_initial", batch, nheads_,
+                                                                      headdim_, d_state_);
+    }
+  }
+  ssd_backward(exec, args, as_heads(dy, batch, seqlen, nheads_), dfinal_states, g);
+  if (split_sequence && previous != no_peer) sequence->send(exec, g.dinitial_states, previous);
   accumulate(exec, dD, grad("D"));
   accumulate(exec, ddt_bias, grad("dt_bias"));
   Kokkos::parallel_for("kmamba::mamba2::A_log_grad", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
@@ -445,12 +575,23 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     const ConstTensor1<float, Mem> bias =
         conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, width) : ConstTensor1<float, Mem>();
     const Vector dbias = conv_b != nullptr ? Vector(dconv_bias.data() + channel, width) : Vector();
+    // Sequence parallel: the halo's gradient comes back from the next rank and goes to the previous one.
+    Tensor3<float, Mem> dfinal_state, dinitial_state;
+    if (split_sequence && next != no_peer) {
+      dfinal_state = allocate_uninitialized<Tensor3<float, Mem>>(
+          std::string("kmamba::mamba2::d_conv_final_") + segment_names[s], batch, width, d_conv_ - 1);
+      sequence->recv(exec, dfinal_state, next);
+    }
+    if (split_sequence && previous != no_peer) {
+      dinitial_state = allocate_uninitialized<Tensor3<float, Mem>>(
+          std::string("kmamba::mamba2::d_conv_initial_") + segment_names[s], batch, width, d_conv_ - 1);
+    }
     causal_conv1d_backward(exec, as_sequence(a.pre[s], batch, seqlen),
-                           rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, ConstTensor3<float, Mem>(),
-                           as_sequence(dact[s], batch, seqlen), ConstTensor3<float, Mem>(),
-                           as_sequence(dpre[s], batch, seqlen),
+                           rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, a.conv_initial[s],
+                           as_sequence(dact[s], batch, seqlen), dfinal_state, as_sequence(dpre[s], batch, seqlen),
                            rows_of<Mem>(dconv_weight.data(), channel, segment_widths_[s], d_conv_), dbias,
-                           Tensor3<float, Mem>(), Conv1dActivation::silu);
+                           dinitial_state, Conv1dActivation::silu);
+    if (split_sequence && previous != no_peer) sequence->send(exec, dinitial_state, previous);
   }
   accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()), grad("conv1d.weight"));
   if (config_.conv_bias) accumulate(exec, dconv_bias, grad("conv1d.bias"));
@@ -466,6 +607,7 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
                               s == 0 ? 0.0f : 1.0f, du2);
     if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], grad("in_proj.bias"), segment_offsets_[s]);
   }
+  sum_over_tensor_ranks(exec, du2);
 }
 
 template <class ExecutionSpace>
@@ -511,6 +653,9 @@ void Mamba2Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
   check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
+  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
+                 function << ": a mixer split across " << parallel_.sequence_size()
+                          << " sequence-parallel ranks does not run recurrent inference");
   release_activations();
   if (seqlen == 0) return;
   check_allocated(function, "u", u);
@@ -536,6 +681,9 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   check_allocated(function, "out", out);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
+  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
+                 function << ": a mixer split across " << parallel_.sequence_size()
+                          << " sequence-parallel ranks does not run recurrent inference");
   const std::string& p = prefix_;
 
   Kokkos::parallel_for("kmamba::decode::mamba2::A", impl::light_weight(Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_)),
@@ -571,7 +719,9 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
            Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)));
   gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"),
                  static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, c.normed);
-  project(exec, slab, p + "out_proj.weight", p + "out_proj.bias", 0, d_model_, c.normed, out);
+  project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
+          d_model_, c.normed, out);
+  sum_over_tensor_ranks(exec, out);
 }
 
 #if KMAMBA_HAS_SERIAL

@@ -5,6 +5,7 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Mamba1Mixer.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
+#include <kmamba/models/Mamba3Mixer.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -18,19 +19,36 @@ std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, con
     case MixerKind::Mamba2:
       return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix));
     case MixerKind::Mamba3:
-      break;
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba3Mixer<ExecutionSpace>(config, prefix));
   }
-  KMAMBA_USER_ERROR("kmamba::make_mixer: the " << mixer_name(config.mixer) << " mixer is not available in this build");
+  KMAMBA_USER_ERROR("kmamba::make_mixer: unknown mixer kind " << static_cast<int>(config.mixer));
 }
 
+template <class ExecutionSpace>
+std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix,
+                                                  const ModelParallel& parallel) {
+  if (parallel.tensor_size() == 1 && parallel.sequence_size() == 1) return make_mixer<ExecutionSpace>(config, prefix);
+  KMAMBA_REQUIRE(config.mixer == MixerKind::Mamba2,
+                 "kmamba::make_mixer: tensor_parallel_size " << parallel.tensor_size() << " and sequence_parallel_size "
+                                                             << parallel.sequence_size() << " need a Mamba2 mixer; the "
+                                                             << mixer_name(config.mixer)
+                                                             << " mixer is not split across ranks in this version");
+  return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix, parallel));
+}
+
+#define KMAMBA_INSTANTIATE_MAKE_MIXER(Exec)                                                                   \
+  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&);             \
+  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&, \
+                                                         const ModelParallel&);
 #if KMAMBA_HAS_SERIAL
-template std::unique_ptr<Mixer<Kokkos::Serial>> make_mixer<Kokkos::Serial>(const ModelConfig&, const std::string&);
+KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::Serial)
 #endif
 #if KMAMBA_HAS_OPENMP
-template std::unique_ptr<Mixer<Kokkos::OpenMP>> make_mixer<Kokkos::OpenMP>(const ModelConfig&, const std::string&);
+KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::OpenMP)
 #endif
 #if KMAMBA_ENABLE_CUDA
-template std::unique_ptr<Mixer<Kokkos::Cuda>> make_mixer<Kokkos::Cuda>(const ModelConfig&, const std::string&);
+KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::Cuda)
 #endif
+#undef KMAMBA_INSTANTIATE_MAKE_MIXER
 
 }  // namespace kmamba

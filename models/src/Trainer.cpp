@@ -279,12 +279,31 @@ void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
   auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(mesh, model_.config(), model_.parameters(),
-                                                                      config_.adamw(), options);
+                                                                      config_.adamw(), options,
+                                                                      model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
   exec_.fence();
   data_parallel_ = std::move(data_parallel);
 }
 #endif
+
+template <class ExecutionSpace>
+TokenBatch Trainer<ExecutionSpace>::sequence_segment_of(const TokenBatch& b) const {
+  const ModelParallel& parallel = model_.parallel();
+  const auto rows = static_cast<std::int64_t>(b.ids.extent(0));
+  const SequenceSegment segment =
+      sequence_segment(static_cast<std::int64_t>(b.ids.extent(1)), parallel.sequence_rank(), parallel.sequence_size());
+  TokenBatch out;
+  out.ids = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_ids", rows, segment.length);
+  out.targets = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_targets", rows, segment.length);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t t = 0; t < segment.length; ++t) {
+      out.ids(r, t) = b.ids(r, segment.begin + t);
+      out.targets(r, t) = b.targets(r, segment.begin + t);
+    }
+  }
+  return out;
+}
 
 template <class ExecutionSpace>
 StepResult Trainer<ExecutionSpace>::step() {
@@ -305,19 +324,23 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   KMAMBA_REQUIRE(!micro_batches.empty(), function << ": no micro-batches");
   StepResult result;
   std::int64_t local_total = 0;
+  const bool split_sequence = model_.parallel().sequence_size() > 1;
+  std::vector<TokenBatch> segments;  // this rank's segment of each micro-batch (sequence parallel)
   for (std::size_t i = 0; i < micro_batches.size(); ++i) {
     check_batch(function, micro_batches[i], i);
-    local_total += micro_batches[i].predicted_tokens();
-    result.input_tokens += static_cast<std::int64_t>(micro_batches[i].ids.extent(0) * micro_batches[i].ids.extent(1));
+    if (split_sequence) segments.push_back(sequence_segment_of(micro_batches[i]));
+    const TokenBatch& mine = split_sequence ? segments.back() : micro_batches[i];
+    local_total += mine.predicted_tokens();
+    result.input_tokens += static_cast<std::int64_t>(mine.ids.extent(0) * mine.ids.extent(1));
   }
   const std::int64_t total = sum_over_data(local_total);
   KMAMBA_REQUIRE(total > 0, function << ": the micro-batches hold no predicted tokens (every target is ignore_index)");
 
   model_.zero_grads(exec_);
   double loss_sum = 0.0;
-  for (const TokenBatch& b : micro_batches) {
+  for (const TokenBatch& b : split_sequence ? segments : micro_batches) {
     const std::int64_t tokens = b.predicted_tokens();
-    if (tokens == 0) continue;
+    if (tokens == 0 && !split_sequence) continue;  // the segments of a sequence run together
     const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
     const ConstTensor2<std::int64_t, memory_space> targets =
         Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
@@ -360,17 +383,23 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
   KMAMBA_REQUIRE(!batches.empty(), function << ": no batches");
   LossResult total;
   double loss_sum = 0.0;
+  const Communicator* const sequence = model_.parallel().sequence_size() > 1 ? model_.parallel().sequence : nullptr;
   for (std::size_t i = 0; i < batches.size(); ++i) {
     check_batch(function, batches[i], i);
-    if (batches[i].predicted_tokens() == 0) continue;
-    const ConstTensor2<std::int64_t, memory_space> ids =
-        Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].ids);
+    const TokenBatch b = sequence != nullptr ? sequence_segment_of(batches[i]) : batches[i];
+    if (b.predicted_tokens() == 0 && sequence == nullptr) continue;
+    const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
     const ConstTensor2<std::int64_t, memory_space> targets =
-        Kokkos::create_mirror_view_and_copy(memory_space(), batches[i].targets);
+        Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
     const LossResult r = model_.loss(exec_, ids, targets);
-    loss_sum += r.loss * static_cast<double>(r.tokens);
+    if (r.tokens > 0) loss_sum += r.loss * static_cast<double>(r.tokens);
     total.tokens += r.tokens;
     total.correct += r.correct;
+  }
+  if (sequence != nullptr) {  // the segments' sums make the sequences'
+    loss_sum = sequence->all_reduce_value(loss_sum);
+    total.tokens = sequence->all_reduce_value(total.tokens);
+    total.correct = sequence->all_reduce_value(total.correct);
   }
   KMAMBA_REQUIRE(total.tokens > 0, function << ": the batches hold no predicted tokens");
   total.loss = loss_sum / static_cast<double>(total.tokens);
@@ -386,13 +415,26 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     v_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg_sq", v_slab.extent(0));
     data_parallel_->gather_moments(exec_, m_slab, v_slab);
     exec_.fence();
+    // A tensor-parallel model is written unsplit: parameters and moments gathered over tp.
+    std::unique_ptr<LanguageModel<ExecutionSpace>> full;
+    if (model_.parallel().tensor_size() > 1) {
+      full = std::make_unique<LanguageModel<ExecutionSpace>>(model_.config());
+      gather_parameters(exec_, model_, *full);
+      const std::size_t n = full->parameters().size();
+      Tensor1<float, memory_space> m_full("kmamba::trainer::exp_avg_unsplit", n);
+      Tensor1<float, memory_space> v_full("kmamba::trainer::exp_avg_sq_unsplit", n);
+      gather_values(exec_, model_, ConstTensor1<float, memory_space>(m_slab), *full, m_full);
+      gather_values(exec_, model_, ConstTensor1<float, memory_space>(v_slab), *full, v_full);
+      m_slab = m_full;
+      v_slab = v_full;
+    }
     // World rank 0 writes; its success or failure reaches every rank (no rank waits forever, and
     // the files exist on every rank's return).
     const Communicator& world = data_parallel_->mesh().world();
     std::exception_ptr error;
     if (world.rank() == 0) {
       try {
-        write_checkpoint(dir, m_slab, v_slab);
+        write_checkpoint(dir, full ? *full : model_, m_slab, v_slab);
       } catch (...) {
         error = std::current_exception();
       }
@@ -404,14 +446,15 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     return;
   }
 #endif
-  write_checkpoint(dir, m_slab, v_slab);
+  write_checkpoint(dir, model_, m_slab, v_slab);
 }
 
 template <class ExecutionSpace>
-void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const Tensor1<float, memory_space>& m_slab,
+void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
+                                               const Tensor1<float, memory_space>& m_slab,
                                                const Tensor1<float, memory_space>& v_slab) const {
-  model_.save(dir);
-  const auto& slab = model_.parameters();
+  model.save(dir);
+  const auto& slab = model.parameters();
   auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m_slab);
   auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v_slab);
   SafeTensorsWriter file;
@@ -457,8 +500,6 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   }
 
   const auto& slab = loaded.parameters();
-  KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0),
-                "equal model configs gave different parameter counts");
   std::vector<float> m(slab.size()), v(slab.size());
   std::set<std::string> expected = {step_tensor, position_tensor};
   for (const auto& e : slab.entries()) {
@@ -489,10 +530,28 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
                                               << "; batch_size " << config_.batch_size
                                               << " does not divide that (resume with a batch size that does)");
 
-  model_ = std::move(loaded);
   using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  Kokkos::deep_copy(optimizer_.first_moment(), HostFloats(m.data(), m.size()));
-  Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
+  const ModelParallel parallel = model_.parallel();
+  const bool checkpointing = model_.activation_checkpointing();
+  if (parallel.tensor_size() > 1 || parallel.sequence_size() > 1) {
+    // A split model takes its part of the unsplit checkpoint.
+    LanguageModel<ExecutionSpace> local(loaded.config(), parallel);
+    scatter_parameters(exec_, loaded, local);
+    Tensor1<float, memory_space> m_full("kmamba::trainer::exp_avg_unsplit", m.size());
+    Tensor1<float, memory_space> v_full("kmamba::trainer::exp_avg_sq_unsplit", v.size());
+    Kokkos::deep_copy(m_full, HostFloats(m.data(), m.size()));
+    Kokkos::deep_copy(v_full, HostFloats(v.data(), v.size()));
+    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(m_full), local, optimizer_.first_moment());
+    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(v_full), local, optimizer_.second_moment());
+    model_ = std::move(local);
+  } else {
+    KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0),
+                  "equal model configs gave different parameter counts");
+    model_ = std::move(loaded);
+    Kokkos::deep_copy(optimizer_.first_moment(), HostFloats(m.data(), m.size()));
+    Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
+  }
+  model_.set_activation_checkpointing(checkpointing);
   optimizer_.set_steps_taken(steps);
   data_position_ = sequences / config_.batch_size;
 #if KMAMBA_ENABLE_MPI

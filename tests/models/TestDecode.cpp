@@ -1,9 +1,10 @@
 // Recurrent inference (algorithms.md §1.6, §2.10, §5) against the chunked forward:
-// - mixer level, Mamba-1 and Mamba-2 (random reference init, seqlen not a multiple of the chunk):
+// - mixer level, Mamba-1, Mamba-2 and Mamba-3 (SISO, SISO with the output norm, MIMO; random
+//   reference init, seqlen not a multiple of the chunk):
 //   prefill + steps, prefill in two segments, and steps alone from a reset cache ≡ forward;
 // - model level: prefill of a prompt + decode steps ≡ one forward over the whole sequence (the
 //   golden tiny checkpoints, also against their golden logits, and random models with a padded,
-//   tied or untied head); prefill in two segments ≡ one prefill;
+//   tied or untied head; Mamba-3 SISO and MIMO); prefill in two segments ≡ one prefill;
 // - generation: prompts of different lengths in one batch ≡ each prompt alone; greedy generation
 //   is deterministic, matches the arg-max of a full forward, stops at stop tokens and
 //   max_new_tokens, streams every token through the callback and counts its work;
@@ -31,6 +32,7 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -141,6 +143,25 @@ kmamba::ModelConfig small_mamba1_config(bool bias) {
   return c;
 }
 
+kmamba::ModelConfig small_mamba3_config(bool mimo, bool outproj_norm) {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba3;
+  c.d_model = 16;
+  c.n_layer = 2;
+  c.vocab_size = 40;
+  c.expand = 2;
+  c.headdim = 8;
+  c.ngroups = 2;
+  c.d_state = 8;
+  c.chunk_size = 4;
+  c.is_mimo = mimo;
+  c.mimo_rank = 2;
+  c.is_outproj_norm = outproj_norm;
+  c.rope_fraction = mimo ? 1.0 : 0.5;
+  c.validate();
+  return c;
+}
+
 // prefill(u[:, :split]) then steps, prefill in two segments, and steps alone ≡ forward(u).
 template <class Exec>
 void check_mixer_recurrence(const kmamba::ModelConfig& config, int batch, int seqlen, int split) {
@@ -213,6 +234,12 @@ TYPED_TEST(DecodeTest, Mamba1MixerStepsMatchForward) {
   check_mixer_recurrence<TypeParam>(small_mamba1_config(true), 3, 10, 1);
 }
 
+TYPED_TEST(DecodeTest, Mamba3MixerStepsMatchForward) {
+  check_mixer_recurrence<TypeParam>(small_mamba3_config(false, false), 2, 11, 5);
+  check_mixer_recurrence<TypeParam>(small_mamba3_config(false, true), 3, 10, 1);
+  check_mixer_recurrence<TypeParam>(small_mamba3_config(true, false), 2, 9, 4);
+}
+
 TYPED_TEST(DecodeTest, MixersRejectForeignCaches) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -245,9 +272,12 @@ TYPED_TEST(DecodeTest, MixersRejectForeignCaches) {
 // ----------------------------------------------------------------------------------------------
 // Model level.
 
-kmamba::ModelConfig random_model_config(kmamba::MixerKind kind) {
+// Mamba-3: SISO, or MIMO of rank 2 when `mimo`.
+kmamba::ModelConfig random_model_config(kmamba::MixerKind kind, bool mimo = false) {
   kmamba::ModelConfig c;
   c.mixer = kind;
+  c.is_mimo = mimo;
+  c.mimo_rank = 2;
   c.d_model = 32;
   c.n_layer = 2;
   c.vocab_size = 50;
@@ -263,8 +293,8 @@ kmamba::ModelConfig random_model_config(kmamba::MixerKind kind) {
 }
 
 template <class Exec>
-kmamba::LanguageModel<Exec> random_model(kmamba::MixerKind kind) {
-  kmamba::LanguageModel<Exec> model(random_model_config(kind));
+kmamba::LanguageModel<Exec> random_model(kmamba::MixerKind kind, bool mimo = false) {
+  kmamba::LanguageModel<Exec> model(random_model_config(kind, mimo));
   model.initialize(23);
   return model;
 }
@@ -339,9 +369,15 @@ TYPED_TEST(DecodeTest, GoldenPrefillThenStepsMatchForward) {
 
 TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
   using Exec = TypeParam;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
-    SCOPED_TRACE(kmamba::mixer_name(kind));
-    auto model = random_model<Exec>(kind);
+  const std::vector<std::pair<kmamba::MixerKind, bool>> models = {{kmamba::MixerKind::Mamba1, false},
+                                                                    {kmamba::MixerKind::Mamba2, false},
+                                                                    {kmamba::MixerKind::Mamba3, false},
+                                                                    {kmamba::MixerKind::Mamba3, true}};
+  for (const auto& entry : models) {
+    const kmamba::MixerKind kind = entry.first;
+    const bool mimo = entry.second;
+    SCOPED_TRACE(std::string(kmamba::mixer_name(kind)) + (mimo ? " MIMO" : ""));
+    auto model = random_model<Exec>(kind, mimo);
     const std::size_t batch = 3, seqlen = 17, V = 50;
     const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 3);
     for (const std::size_t prefix : {std::size_t(1), std::size_t(6), std::size_t(17)}) {
@@ -358,7 +394,7 @@ TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
 // the steps launched one by one compute, across many replays with changing tokens.
 TYPED_TEST(DecodeTest, RecordedStepGraphMatchesPlainSteps) {
   using Exec = TypeParam;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
     SCOPED_TRACE(kmamba::mixer_name(kind));
     auto model = random_model<Exec>(kind);
     const std::size_t batch = 2, seqlen = 24, prefix = 3;
@@ -382,7 +418,7 @@ TYPED_TEST(DecodeTest, PrefillInTwoSegmentsEqualsOnePrefill) {
   using Mem = typename Exec::memory_space;
   using Ids = kmamba::Tensor2<std::int64_t, Mem>;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
     SCOPED_TRACE(kmamba::mixer_name(kind));
     auto model = random_model<Exec>(kind);
     const std::size_t batch = 2, seqlen = 13, cut = 5;
@@ -423,7 +459,7 @@ struct RecordingGreedy {
 TYPED_TEST(DecodeTest, PromptsOfDifferentLengthsMatchEachPromptAlone) {
   using Exec = TypeParam;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
     SCOPED_TRACE(kmamba::mixer_name(kind));
     auto model = random_model<Exec>(kind);
     const std::vector<std::vector<std::int64_t>> prompts = {random_ids(9, 50, 1), random_ids(3, 50, 2),
@@ -449,7 +485,7 @@ TYPED_TEST(DecodeTest, PromptsOfDifferentLengthsMatchEachPromptAlone) {
 TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
   using Exec = TypeParam;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
     SCOPED_TRACE(kmamba::mixer_name(kind));
     auto model = random_model<Exec>(kind);
     const std::vector<std::vector<std::int64_t>> prompts = {random_ids(6, 50, 11), random_ids(10, 50, 12)};

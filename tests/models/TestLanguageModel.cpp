@@ -113,10 +113,15 @@ TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   const Exec exec;
-  for (const char* mixer : {"mamba1", "mamba2"}) {
+  for (const char* mixer : {"mamba1", "mamba2", "mamba3", "mamba3_mimo"}) {
     SCOPED_TRACE(mixer);
+    const std::string name = mixer;
     kmamba::ModelConfig config;
-    config.mixer = std::string(mixer) == "mamba1" ? kmamba::MixerKind::Mamba1 : kmamba::MixerKind::Mamba2;
+    config.mixer = name == "mamba1"   ? kmamba::MixerKind::Mamba1
+                   : name == "mamba2" ? kmamba::MixerKind::Mamba2
+                                      : kmamba::MixerKind::Mamba3;
+    config.is_mimo = name == "mamba3_mimo";
+    config.mimo_rank = 2;
     config.d_model = 32;
     config.n_layer = 2;
     config.vocab_size = 50;

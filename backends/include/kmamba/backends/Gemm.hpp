@@ -2,7 +2,7 @@
 // fp32 matrices. CUDA goes through cuBLAS on the caller's stream; host backends through Kokkos
 // Kernels (OpenBLAS where the host flavour was built with it, the native Kokkos Kernels code
 // otherwise), except A·Bᵀ for an A of at most 16 rows (a decode step's tokens against a weight
-// matrix), which a kmamba kernel computes reading B once instead of the BLAS packing all of it.
+// matrix), which a kmamba kernel computes reading B once (on CUDA: a warp per column of C).
 #ifndef KMAMBA_BACKENDS_GEMM_HPP
 #define KMAMBA_BACKENDS_GEMM_HPP
 

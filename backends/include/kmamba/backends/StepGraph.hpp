@@ -11,11 +11,11 @@
 //
 // Contract for `work`: it launches on the instance it is given, always the same kernels on the
 // same buffers (the data may change between calls: a graph reads the buffers when it runs), and
-// never waits on the device. A recording that is not a plain chain of kernels and memsets (a
-// host-side copy or wait inside `work`, e.g. a Kokkos kernel whose functor exceeds 512 bytes
-// and is launched through constant memory — kmamba's step kernels use impl::light_weight to avoid
-// that) is discarded and the step keeps running normally: fallback_reason() says why. invalidate() drops the graph (after the buffers
-// are reallocated).
+// never waits on the device. A recording that holds anything but kernels, memsets and
+// stream-ordered allocations (a host-side copy or wait inside `work`, e.g. a Kokkos kernel whose
+// functor exceeds 512 bytes and is launched through constant memory — kmamba's step kernels use
+// impl::light_weight to avoid that) is discarded and the step keeps running normally:
+// fallback_reason() says why. invalidate() drops the graph (after the buffers are reallocated).
 #ifndef KMAMBA_BACKENDS_STEPGRAPH_HPP
 #define KMAMBA_BACKENDS_STEPGRAPH_HPP
 

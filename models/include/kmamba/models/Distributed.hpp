@@ -18,14 +18,26 @@
 // over dp gives exactly the gradient of the mean loss over the global batch, so dp = N ranks on N
 // shards of a batch equal one rank on the whole batch (whatever the ranks' token counts).
 //
-// In this version parameters are not split across the tensor- and sequence-parallel axes: the
-// ranks of a tp or sp group hold replicas and see the same data; they count once in the norm.
+// Tensor and sequence parallelism (ModelParallel.hpp): a LanguageModel made with
+// ModelParallel{&mesh.tensor(), &mesh.sequence()} holds this rank's shards; the ranks of a tp group
+// see the same data, the ranks of an sp group the segments of the same sequences. DataParallel sums
+// the gradients over dp × sp (the ranks that share each parameter), counts a tensor-parallel shard
+// on its own rank and a replicated parameter once per tp group in the norm. scatter_parameters and
+// gather_parameters convert between the shards and the unsplit (checkpoint) layout:
+//
+//   kmamba::LanguageModel<Exec> full(config);  full.initialize(seed);   // or LanguageModel::load
+//   kmamba::LanguageModel<Exec> local(config, {&mesh.tensor(), &mesh.sequence()});
+//   kmamba::scatter_parameters(exec, full, local);          // split on load
+//   ...
+//   kmamba::gather_parameters(exec, local, full);           // collective over tp; then full.save(dir)
 #ifndef KMAMBA_MODELS_DISTRIBUTED_HPP
 #define KMAMBA_MODELS_DISTRIBUTED_HPP
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
@@ -36,6 +48,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace kmamba {
 
@@ -43,6 +57,33 @@ namespace kmamba {
 /// tensor-parallel size must divide the heads and the B/C groups of Mamba-2/3 (each rank keeps
 /// whole heads with their group) and d_inner of Mamba-1.
 void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model);
+
+/// local_values ← this rank's part of full_values: the runs of every sharded parameter, every
+/// other parameter whole. Both are slab-layout vectors (parameters, gradients or moments), of
+/// `full`'s and `local`'s slabs; the models have the same config. No communication. Blocking.
+template <class ExecutionSpace>
+void scatter_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& full,
+                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& full_values,  // (full slab)
+                    const LanguageModel<ExecutionSpace>& local,
+                    const Tensor1<float, typename ExecutionSpace::memory_space>& local_values);    // (local slab)
+
+/// full_values ← the unsplit vector assembled from local_values of every rank of
+/// local.parallel().tensor (the replicated parameters from its rank 0), on every one of them.
+/// Collective over the tensor ranks. Blocking.
+template <class ExecutionSpace>
+void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& local,
+                   const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,  // (local slab)
+                   const LanguageModel<ExecutionSpace>& full,
+                   const Tensor1<float, typename ExecutionSpace::memory_space>& full_values);       // (full slab)
+
+/// local's parameters ← its part of full's (split on load). No communication. Blocking.
+template <class ExecutionSpace>
+void scatter_parameters(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& full,
+                        LanguageModel<ExecutionSpace>& local);
+/// full's parameters ← the unsplit parameters (gathered for a save). Collective over tp. Blocking.
+template <class ExecutionSpace>
+void gather_parameters(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& local,
+                       LanguageModel<ExecutionSpace>& full);
 
 /// Options of DataParallel.
 struct DataParallelConfig {
@@ -59,10 +100,13 @@ class DataParallel {
   using Slab = ParameterSlab<memory_space>;
 
   /// Checks the mesh against `model` (check_mesh_fits_model) and lays `slab` out in buckets over
-  /// the mesh's dp axis. Keeps a reference to `mesh`, which must outlive this object. Does not
-  /// communicate: every rank must start from the same parameters (same seed or checkpoint).
+  /// the mesh's dp × sp group. `tensor_sharded` lists the slab's tensor-parallel shards
+  /// (LanguageModel::sharded_parameters(); empty without tensor parallelism). Keeps a reference to
+  /// `mesh`, which must outlive this object. Does not communicate: every rank must start from the
+  /// same parameters (same seed or checkpoint).
   DataParallel(const ProcessMesh& mesh, const ModelConfig& model, const Slab& slab, const AdamWConfig& adamw,
-               const DataParallelConfig& config = DataParallelConfig());
+               const DataParallelConfig& config = DataParallelConfig(),
+               const std::vector<ShardedParameter>& tensor_sharded = {});
 
   const ProcessMesh& mesh() const { return *mesh_; }
   const DataParallelConfig& config() const { return config_; }
@@ -72,19 +116,20 @@ class DataParallel {
   int data_rank() const;
   int data_size() const;
 
-  /// Σ over the dp ranks of `local_tokens` (each rank's predicted tokens of one optimizer step).
+  /// Σ over the dp × sp ranks of `local_tokens` (each rank's predicted tokens of one optimizer step).
   std::int64_t global_tokens(std::int64_t local_tokens) const { return sum_over_data(local_tokens); }
-  /// Σ over the dp ranks of `local` (e.g. loss · tokens, to report the global mean loss).
+  /// Σ over the dp × sp ranks of `local` (e.g. loss · tokens, to report the global mean loss).
   double sum_over_data(double local) const;
   std::int64_t sum_over_data(std::int64_t local) const;
 
-  /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp.
+  /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp × sp.
   /// ZeRO-1 reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.
   void reduce_gradients(const ExecutionSpace& exec, const Slab& slab) const;
 
   /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
-  /// the squares it owns — its shards, the tail on dp rank 0, only on tp and sp rank 0 — and one
-  /// all-reduce over the world adds them. Identical on every rank. Blocking.
+  /// the squares it owns — its ZeRO shards, the tail on dp × sp rank 0; tensor-parallel shards on
+  /// every tp rank, replicated parameters only on tp rank 0 — and one all-reduce over the world
+  /// adds them. Identical on every rank. Blocking.
   double grad_norm(const ExecutionSpace& exec, const Slab& slab) const;
 
   /// AdamW step at learning rate `lr` on the reduced gradients scaled by `grad_scale` (the clip
@@ -119,6 +164,7 @@ class DataParallel {
   AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
   std::size_t decay_end_;
+  std::vector<std::pair<std::size_t, std::size_t>> counted_;  // slab ranges this rank counts in the norm
   Tensor1<float, memory_space> m_, v_;
   std::int64_t step_ = 0;
 };

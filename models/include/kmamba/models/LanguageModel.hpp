@@ -96,7 +96,7 @@ class DecodeState {
   void reset(const ExecutionSpace& exec);
   /// On CUDA, decode steps are recorded once into a CUDA graph and replayed (one launch per step
   /// instead of a few hundred; see kmamba/backends/StepGraph.hpp); on by default. Host backends
-  /// run every step normally either way.
+  /// and tensor-parallel models run every step normally either way.
   void set_step_graph(bool enabled);
   /// "recorded", "warming up" (the first steps run normally) or "not recorded: <why>".
   std::string step_graph_status() const;
@@ -117,6 +117,12 @@ class LanguageModel {
 
   /// Declares (zero-valued) parameters for `config` (validated).
   explicit LanguageModel(const ModelConfig& config);
+  /// The same, each mixer split over the ranks of `parallel` (ModelParallel.hpp; the communicators
+  /// must outlive the model): the slab holds this rank's shards under the unsplit names, and under
+  /// sequence parallelism the ids and targets given to every call are this rank's segment of each
+  /// sequence (all ranks of `parallel.sequence` call together). initialize() gives each rank the
+  /// slices of the unsplit initialisation; save() needs an unsplit model (gather_parameters).
+  LanguageModel(const ModelConfig& config, const ModelParallel& parallel);
   ~LanguageModel();
   LanguageModel(LanguageModel&&) noexcept;
   LanguageModel& operator=(LanguageModel&&) noexcept;
@@ -132,6 +138,16 @@ class LanguageModel {
   void initialize(std::uint64_t seed);
 
   const ModelConfig& config() const;
+  const ModelParallel& parallel() const;
+  /// Per-layer activation checkpointing: when on, a training forward keeps only each block's input
+  /// (the residual stream, and its norm's rstd); backward recomputes the block's norm and mixer
+  /// forward right before the block's backward and releases them after, so one block's mixer
+  /// activations are alive at a time instead of all of them. The gradients are the same. Under
+  /// sequence parallelism the recompute repeats the block's state passing. Off by default.
+  void set_activation_checkpointing(bool on);
+  bool activation_checkpointing() const;
+  /// The parameters this rank holds a tensor-parallel shard of (empty when not split).
+  std::vector<ShardedParameter> sharded_parameters() const;
   Slab& parameters();
   const Slab& parameters() const;
 

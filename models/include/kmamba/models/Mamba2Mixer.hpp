@@ -29,6 +29,23 @@
 // (the chunked forward clamps δ to [dt_limit_min, dt_limit_max]), so prefill and step agree
 // exactly only while δ lies within those limits — always with the default (0, ∞).
 //
+// Tensor parallelism (distributed.md §1.1; ModelParallel.tensor of t ranks): rank r holds heads
+// [r·H/t, (r+1)·H/t) and groups [r·G/t, (r+1)·G/t) (H and G divisible by t). Its in_proj.weight is
+// the rows [z_r | x_r | B_r | C_r | dt_r] of the unsplit one (column parallel), its conv channels,
+// dt_bias, A_log, D and norm.weight the matching slices (the gated norm's groups of E/G channels stay
+// whole, so the norm is local), out_proj.weight the columns of its channels (row parallel): forward
+// all-reduces the partial outputs over the tensor ranks (out_proj.bias added once), backward
+// all-reduces du. Grads of the shards are complete on their rank; out_proj.bias is replicated.
+//
+// Sequence parallelism (distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
+// rank k holds one contiguous segment of every sequence (any lengths >= 1). Forward receives from
+// rank k−1 the last d_conv − 1 pre-conv inputs of x, B, C (the halo, as the conv's initial state)
+// and the SSM state entering its segment (the SSD's initial state), and sends rank k+1 its own
+// final conv and SSM states; backward runs the same chain in reverse with the gradients of those
+// states (the conv's and the SSD's dfinal/dinitial). Parameter gradients are partial sums over
+// the segments; the caller sums them over the sequence ranks (DataParallel does, over dp × sp).
+// prefill and step do not take a sequence split.
+//
 //   kmamba::Mamba2Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
 //   mixer.declare_parameters(slab);                 // before slab.finalize()
 //   mixer.initialize(exec, slab, seed);
@@ -63,6 +80,10 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   /// A Mamba-2 mixer for `config` (validated; config.mixer must be Mamba2) whose parameters are
   /// named `prefix` + the Hugging Face names.
   Mamba2Mixer(const ModelConfig& config, const std::string& prefix);
+  /// The same, split over the ranks of `parallel` (see the file comment); the communicators must
+  /// outlive the mixer. Throws kmamba::UserError unless the tensor-parallel size divides nheads and
+  /// ngroups.
+  Mamba2Mixer(const ModelConfig& config, const std::string& prefix, const ModelParallel& parallel);
 
   const std::string& prefix() const override { return prefix_; }
 
@@ -71,7 +92,8 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   /// (d_model, E), and in_proj.bias / out_proj.bias when bias. Weight decay on the three weights.
   void declare_parameters(Slab& slab) const override;
 
-  /// The reference initialisation: in_proj and out_proj weights uniform in ±1/sqrt(fan_in) (torch's
+  /// The reference initialisation (under tensor parallelism: this rank's slices of the unsplit
+  /// mixer's initialisation): in_proj and out_proj weights uniform in ±1/sqrt(fan_in) (torch's
   /// kaiming_uniform(a=√5)), out_proj then divided by sqrt(n_layer) when rescale_prenorm_residual;
   /// conv weight and bias uniform in ±1/sqrt(d_conv); dt_bias = invsp(max(dt_init_floor, dt)) with
   /// dt log-uniform in [dt_min, dt_max]; A_log = log(U[1, 16)); D = 1; norm weight 1; linear
@@ -95,6 +117,9 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   void release_activations() override;
 
   std::unique_ptr<MixerCache<ExecutionSpace>> make_cache(int batch) const override;
+
+  /// Under tensor parallelism every parameter but out_proj.bias (see the file comment).
+  std::vector<ShardedParameter> sharded_parameters() const override;
 
   /// See Mixer::prefill.
   void prefill(const ExecutionSpace& exec, const Slab& slab,
@@ -126,6 +151,9 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
     Matrix y;                                // (rows, d_inner), the SSD output
     Matrix rstd;                             // (rows, ngroups), the gated norm's rstd
     Matrix normed;                           // (rows, d_inner), the gated norm's output
+    // Sequence parallelism: the states entering this rank's segment (zero on the first rank).
+    std::array<Tensor3<float, memory_space>, segment_count> conv_initial;  // x, B, C: (batch, width, d_conv − 1)
+    Tensor4<float, memory_space> ssm_initial;  // (batch, nheads, headdim, d_state)
   };
 
   struct ParameterSpec {
@@ -155,8 +183,12 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
                const ConstMatrix& u,       // (rows, k)
                const Matrix& out) const;   // (rows, width)
 
+  // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
+  void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)
+
   ModelConfig config_;
   std::string prefix_;
+  ModelParallel parallel_;
   int d_model_, d_inner_, nheads_, headdim_, ngroups_, d_state_, d_conv_, conv_dim_, in_proj_rows_;
   std::array<int, segment_count> segment_offsets_{}, segment_widths_{};
 

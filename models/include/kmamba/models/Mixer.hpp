@@ -23,11 +23,13 @@
 
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
+#include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace kmamba {
 
@@ -115,12 +117,22 @@ class Mixer {
                     const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
                     const Tensor2<float, memory_space>& out,     // (batch, d_model)
                     MixerCache<ExecutionSpace>& cache) const = 0;
+
+  /// The parameters this rank holds a tensor-parallel shard of (ModelParallel.hpp); every other
+  /// parameter is replicated, with its unsplit shape. Empty for a mixer that is not split.
+  virtual std::vector<ShardedParameter> sharded_parameters() const { return {}; }
 };
 
-/// The mixer of config.mixer (Mamba-1 or Mamba-2) with parameter names prefixed by `prefix`.
+/// The mixer of config.mixer (Mamba-1, Mamba-2 or Mamba-3) with parameter names prefixed by `prefix`.
 /// Throws kmamba::UserError for a mixer kind this build cannot run.
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix);
+
+/// The same, split over the ranks of `parallel` (tensor and sequence parallelism: Mamba-2 only).
+/// Throws kmamba::UserError when the mixer kind cannot be split or the split does not fit it.
+template <class ExecutionSpace>
+std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix,
+                                                  const ModelParallel& parallel);
 
 }  // namespace kmamba
 

@@ -22,7 +22,10 @@
 // Data parallel (under mpirun): every rank builds the same trainer, then
 //   kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
 //   trainer.enable_data_parallel(mesh, {/*zero_stage=*/1});
-// and step() gives each dp rank its own micro-batches of the step's global batch.
+// and step() gives each dp rank its own micro-batches of the step's global batch. With tensor or
+// sequence parallelism the trainer takes a model split over the mesh's tp and sp axes
+// (LanguageModel(config, {&mesh.tensor(), &mesh.sequence()})): step() and evaluate() give each sp
+// rank its segment of every sequence, checkpoints are written and resumed in the unsplit layout.
 #ifndef KMAMBA_MODELS_TRAINER_HPP
 #define KMAMBA_MODELS_TRAINER_HPP
 
@@ -150,8 +153,11 @@ class Trainer {
   T sum_over_data(T local) const;
   double reduce_and_norm();
   void optimizer_step(double lr, double grad_scale);
-  void write_checkpoint(const std::string& dir, const Tensor1<float, memory_space>& m,  // (parameters)
-                        const Tensor1<float, memory_space>& v) const;                   // (parameters)
+  void write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
+                        const Tensor1<float, memory_space>& m,  // (parameters of model)
+                        const Tensor1<float, memory_space>& v) const;  // (parameters of model)
+  // Under sequence parallelism: this rank's segment of every sequence of b.
+  TokenBatch sequence_segment_of(const TokenBatch& b) const;
 
   ExecutionSpace exec_;
   LanguageModel<ExecutionSpace> model_;

@@ -17,7 +17,9 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 namespace kmamba {
@@ -125,6 +127,30 @@ class GradientReducer {
       total += sum_of_squares(exec, data, layout_.shard_begin(bucket, rank), layout_.shard_size(bucket));
     }
     if (rank == 0) total += sum_of_squares(exec, data, layout_.tail_begin(), layout_.elements() - layout_.tail_begin());
+    return total;
+  }
+
+  /// The same over the owned elements that also lie in one of `counted`, half-open [begin, end)
+  /// ranges that do not overlap (e.g. leaving out parameters another group of ranks counts).
+  double owned_sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data,  // (elements)
+                              const std::vector<std::pair<std::size_t, std::size_t>>& counted) const {
+    KMAMBA_REQUIRE(data.extent(0) == layout_.elements(),
+                   "kmamba::GradientReducer::owned_sum_of_squares: the buffer has "
+                       << data.extent(0) << " elements, the layout " << layout_.elements());
+    const int rank = comm_->rank();
+    std::vector<std::pair<std::size_t, std::size_t>> owned;
+    for (const auto& bucket : layout_.buckets()) {
+      const std::size_t begin = layout_.shard_begin(bucket, rank);
+      owned.emplace_back(begin, begin + layout_.shard_size(bucket));
+    }
+    if (rank == 0) owned.emplace_back(layout_.tail_begin(), layout_.elements());
+    double total = 0.0;
+    for (const auto& o : owned) {
+      for (const auto& c : counted) {
+        const std::size_t begin = std::max(o.first, c.first), end = std::min(o.second, c.second);
+        if (begin < end) total += sum_of_squares(exec, data, begin, end - begin);
+      }
+    }
     return total;
   }
 

@@ -18,6 +18,7 @@
 #define KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/TeamGemm.hpp>
@@ -269,7 +270,7 @@ void mamba3_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& p
       std::max(1, std::min(preferred_team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
-  Kokkos::parallel_for(label, policy, functor);
+  Kokkos::parallel_for(label, light_weight(policy), functor);
 }
 
 /// Buffers the forward stages hand to each other (recomputed by the backward).

@@ -1,0 +1,180 @@
+// The Mamba-3 mixer (algorithms.md §3.1–§3.7; reference `modules/mamba3.py`), SISO and MIMO,
+// forward and backward in fp32. No convolution and no A_log: A is data dependent.
+//
+//   [z | x | B | C | dd_dt | dd_A | trap | angle] = u · in_projᵀ     (b·L, 2E + 2·R·G·N + 3H + S)
+//   B̃, C̃    = RMSNorm_N(B)·B_norm.weight, RMSNorm_N(C)·C_norm.weight  per (rank, group), eps norm_epsilon
+//   Δ       = softplus(dd_dt + dt_bias)                               (b, H, L)
+//   A       = min(−f(dd_A), −A_floor), f(v) = 1 + v (v ≥ 0), 1/(1 − v) (v < 0)
+//   ADT     = A·Δ;  angles(b, t, h, :) = angle(b, t, :) for every head
+//   y       = mamba3 scan(q = C̃, k = B̃, v = x, ADT, Δ, trap, C_bias, B_bias, angles, D
+//                         [, z, mimo_x, mimo_z, mimo_o])              kmamba/core/Mamba3Scan.hpp
+//             (the scan applies the z gate when there is no output norm)
+//   y       = RMSNorm over each head's P values · norm.weight ⊙ silu(z)  (is_outproj_norm, SISO only)
+//   out     = y · out_projᵀ
+// with E = d_inner, R = mimo_rank (1 for SISO), G = ngroups, N = d_state, H = nheads and
+// S = (floor(N·rope_fraction) rounded down to even) / 2 rotary angles. The scan's chunk is
+// config.chunk_size for SISO and max(1, chunk_size / R) for MIMO (the reference's 64 / R).
+//
+// Each in_proj segment is its own GEMM over the matching rows of in_proj.weight. Training keeps a
+// copy of u, the segments, the normed B and C with their rstd, the scan inputs (Δ, ADT, trap,
+// angles), y and the output norm's rstd and output; the scan's internals are recomputed by the core
+// backward. Buffers of an inference forward and backward's gradient buffers are released on return
+// (which waits for the device where freeing memory does).
+//
+// Recurrent inference (§3.7): the cache holds the scan's four states, angle (b, H, S), ssm
+// (b, H, P, N), k (b, H[, R], N) rotated and biased, v (b, H[, R], P) (SISO: the last x; MIMO: the
+// last x ⊙ mimo_x, the scan's convention), all fp32, and the step's buffers. prefill is the forward
+// above continuing from the cache's states; step runs the same pre-processing on one token and the
+// core decode step.
+//
+// Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
+// reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses),
+// and config.bias (the reference's projections have none).
+//
+//   kmamba::Mamba3Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
+//   mixer.declare_parameters(slab);                 // before slab.finalize()
+//   mixer.initialize(exec, slab, seed);
+//   mixer.forward(exec, slab, u, out, true);
+//   mixer.backward(exec, slab, dout, du);           // du written, parameter gradients added
+//   auto cache = mixer.make_cache(batch);
+//   mixer.prefill(exec, slab, prompt, prompt_out, *cache);
+//   mixer.step(exec, slab, token, token_out, *cache);
+#ifndef KMAMBA_MODELS_MAMBA3MIXER_HPP
+#define KMAMBA_MODELS_MAMBA3MIXER_HPP
+
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+
+template <class ExecutionSpace>
+class Mamba3Mixer : public Mixer<ExecutionSpace> {
+ public:
+  using execution_space = ExecutionSpace;
+  using memory_space = typename ExecutionSpace::memory_space;
+  using Slab = ParameterSlab<memory_space>;
+
+  /// A Mamba-3 mixer for `config` (validated; config.mixer must be Mamba3) whose parameters are
+  /// named `prefix` + the reference module's names.
+  Mamba3Mixer(const ModelConfig& config, const std::string& prefix);
+
+  const std::string& prefix() const override { return prefix_; }
+
+  /// in_proj.weight (2E + 2RGN + 3H + S, d_model), dt_bias (H), B_bias, C_bias (H, R, N),
+  /// B_norm.weight, C_norm.weight (N), D (H), mimo_x, mimo_z, mimo_o (H, R, P) when is_mimo,
+  /// norm.weight (E) when is_outproj_norm, out_proj.weight (d_model, E). Weight decay on the two
+  /// projection weights only.
+  void declare_parameters(Slab& slab) const override;
+
+  /// The reference initialisation (§3.1, §4.4): in_proj and out_proj uniform in ±1/sqrt(fan_in),
+  /// out_proj then divided by sqrt(n_layer) when rescale_prenorm_residual; dt_bias =
+  /// invsp(max(dt_init_floor, dt)) with dt log-uniform in [dt_min, dt_max]; B_bias = C_bias = 1;
+  /// norm weights 1; D = 1; mimo_x = mimo_o = 1/R, mimo_z = 1. Each random parameter draws its own
+  /// Philox stream keyed by `seed` and its full name. Non-blocking on `exec`.
+  void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const override;
+
+  /// See Mixer::forward. Throws kmamba::UserError naming the tensor and both shapes when u or out
+  /// is not (batch, seqlen, d_model), or when `slab` lacks one of this mixer's parameters.
+  void forward(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               bool keep_for_backward) override;
+
+  /// See Mixer::backward.
+  void backward(const ExecutionSpace& exec, const Slab& slab,
+                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
+
+  void release_activations() override;
+
+  std::unique_ptr<MixerCache<ExecutionSpace>> make_cache(int batch) const override;
+
+  /// See Mixer::prefill.
+  void prefill(const ExecutionSpace& exec, const Slab& slab,
+               const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
+               const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
+               MixerCache<ExecutionSpace>& cache) override;
+
+  /// See Mixer::step.
+  void step(const ExecutionSpace& exec, const Slab& slab,
+            const ConstTensor2<float, memory_space>& u,  // (batch, d_model)
+            const Tensor2<float, memory_space>& out,     // (batch, d_model)
+            MixerCache<ExecutionSpace>& cache) const override;
+
+  /// The number of rotary angles S.
+  int nangles() const { return nangles_; }
+
+ private:
+  class Cache;  // the MixerCache of this mixer, defined in Mamba3Mixer.cpp
+  // The segments of in_proj's output, in the order of its rows (§3.1).
+  enum Segment {
+    z_segment = 0,
+    x_segment,
+    B_segment,
+    C_segment,
+    dt_segment,
+    A_segment,
+    trap_segment,
+    angle_segment,
+    segment_count
+  };
+
+  using Matrix = Tensor2<float, memory_space>;
+  using ConstMatrix = ConstTensor2<float, memory_space>;
+
+  // What forward computes; matrices are (batch·seqlen, width) row-major.
+  struct Activations {
+    std::int64_t batch = 0, seqlen = 0;
+    Matrix u;                                // (rows, d_model), a copy of the input (training only)
+    std::array<Matrix, segment_count> pre;   // (rows, width) per in_proj segment
+    Matrix Bn, Cn;                           // (rows·R·G, N) after their RMSNorm
+    Tensor1<float, memory_space> Brstd, Crstd;  // (rows·R·G)
+    Tensor3<float, memory_space> dt, adt, trap;  // (batch, nheads, seqlen)
+    Tensor4<float, memory_space> angles;     // (batch, seqlen, nheads, nangles)
+    Matrix y;                                // (rows, d_inner), the scan output
+    Matrix rstd;                             // (rows, nheads), the output norm's rstd (is_outproj_norm)
+    Matrix normed;                           // (rows, d_inner), the output norm's output (is_outproj_norm)
+  };
+
+  struct ParameterSpec {
+    std::string name;  // without the prefix
+    std::vector<std::int64_t> shape;
+    WeightDecay decay;
+  };
+  std::vector<ParameterSpec> parameter_specs() const;
+  void check_parameters(const char* function, const Slab& slab) const;
+
+  Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
+  // The forward; with a cache, its states are the initial states and receive the final ones.
+  void run_forward(const ExecutionSpace& exec, const Slab& slab,
+                   const ConstMatrix& u,   // (batch·seqlen, d_model)
+                   const Matrix& out,      // (batch·seqlen, d_model)
+                   Activations& acts, Cache* cache) const;
+  // d_model, nheads, headdim, ngroups, d_state, nangles, rank: what a cache must have been made for.
+  std::array<int, 7> shape_key() const;
+  Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
+  // out (rows, width) = u · (rows [offset, offset + width) of in_proj.weight)ᵀ.
+  void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
+               const ConstMatrix& u,       // (rows, k)
+               const Matrix& out) const;   // (rows, width)
+
+  ModelConfig config_;
+  std::string prefix_;
+  int d_model_, d_inner_, nheads_, headdim_, ngroups_, d_state_, nangles_, rank_, chunk_, in_proj_rows_;
+  std::array<int, segment_count> segment_offsets_{}, segment_widths_{};
+
+  Activations kept_;
+  bool has_kept_ = false;
+};
+
+}  // namespace kmamba
+
+#endif

@@ -1,0 +1,71 @@
+# Runs kmamba-train on one rank and under mpirun on a process mesh over the same global batches
+# (the one-rank run accumulates the dp ranks' micro-batches) and checks that the training loss of
+# every step agrees within MAX_DIFF (absolute; the losses are about 4 at the start, and
+# metrics.jsonl rounds them to about 1e-6 here).
+#
+#   cmake -DTRAIN=<kmamba-train> -DMPIEXEC=<mpiexec> "-DMPIFLAGS=-n;4;--oversubscribe" -DOUT=<dir>
+#         "-DARGS=--steps;12" "-DONE_RANK=--grad-accum;2" "-DMESH=--dp;2;--tp;2" -DMAX_DIFF=0.00002
+#         -P CheckParallelTraining.cmake
+
+# A decimal number as an integer count of millionths (CMake's math() has integers only).
+function(to_millionths text out)
+  if(text MATCHES "[eE]")
+    set(${out} 0 PARENT_SCOPE)  # below 1e-4 in metrics.jsonl: not a loss here
+  elseif(text MATCHES "^([0-9]+)(\\.([0-9]*))?")
+    set(fraction "${CMAKE_MATCH_3}000000")
+    string(SUBSTRING "${fraction}" 0 6 fraction)
+    math(EXPR value "${CMAKE_MATCH_1} * 1000000 + 1${fraction} - 1000000")
+    set(${out} ${value} PARENT_SCOPE)
+  else()
+    message(FATAL_ERROR "CheckParallelTraining: cannot read the loss '${text}'")
+  endif()
+endfunction()
+
+function(train_losses dir out)
+  file(STRINGS "${dir}/metrics.jsonl" records REGEX "\"type\":\"train\"")
+  set(losses "")
+  foreach(record IN LISTS records)
+    string(REGEX MATCH "\"loss\":([-0-9.eE+]+)" ignored "${record}")
+    list(APPEND losses "${CMAKE_MATCH_1}")
+  endforeach()
+  set(${out} "${losses}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE "${OUT}/one_rank" "${OUT}/mesh")
+execute_process(COMMAND "${TRAIN}" ${ARGS} ${ONE_RANK} --out "${OUT}/one_rank" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "CheckParallelTraining: kmamba-train on one rank exited with ${rc}")
+endif()
+execute_process(COMMAND "${MPIEXEC}" ${MPIFLAGS} "${TRAIN}" ${ARGS} ${MESH} --out "${OUT}/mesh" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "CheckParallelTraining: mpiexec ${MPIFLAGS} kmamba-train ${MESH} exited with ${rc}")
+endif()
+train_losses("${OUT}/one_rank" reference)
+train_losses("${OUT}/mesh" parallel)
+list(LENGTH reference steps)
+list(LENGTH parallel parallel_steps)
+if(steps EQUAL 0 OR NOT steps EQUAL parallel_steps)
+  message(FATAL_ERROR "CheckParallelTraining: ${steps} one-rank steps vs ${parallel_steps} on the mesh")
+endif()
+to_millionths("${MAX_DIFF}" limit)
+set(worst 0)
+math(EXPR last "${steps} - 1")
+foreach(i RANGE ${last})
+  list(GET reference ${i} a)
+  list(GET parallel ${i} b)
+  to_millionths("${a}" a_micro)
+  to_millionths("${b}" b_micro)
+  math(EXPR diff "${a_micro} - ${b_micro}")
+  if(diff LESS 0)
+    math(EXPR diff "-${diff}")
+  endif()
+  if(diff GREATER worst)
+    set(worst ${diff})
+  endif()
+  math(EXPR step "${i} + 1")
+  message(STATUS "CheckParallelTraining: step ${step}: loss ${a} (one rank) vs ${b} (${MESH})")
+  if(diff GREATER limit)
+    message(FATAL_ERROR "CheckParallelTraining: step ${step}: the losses differ by ${diff}e-6 > ${MAX_DIFF}")
+  endif()
+endforeach()
+message(STATUS "CheckParallelTraining: ${steps} steps, largest loss difference ${worst}e-6 (limit ${MAX_DIFF})")

@@ -1,0 +1,787 @@
+// The Mamba-3 mixer against the golden file `mamba3_block_small` (output, grad of u and of every
+// parameter), against a naive double-precision reference written from algorithms.md §3.1–§3.6
+// (in_proj, B/C RMSNorm, heavy-tail A, softplus Δ, data-dependent rotary angles, the
+// exponential-trapezoidal recurrence token by token, D skip, z gate or output norm, MIMO
+// projections, out_proj), its gradients against central finite differences of that reference,
+// prefill + step against the forward, gradient accumulation, errors and initialisation.
+//
+// Tolerances (largest errors observed on Serial/OpenMP in brackets):
+// - golden (fp32 reference): ‖Δ‖/‖ref‖ ≤ 1e-3 per tensor (the golden README) [4.1e-7]; the double
+//   reference itself against the golden output: 1e-5;
+// - forward against the double reference: max|Δ| ≤ 1e-4·max|ref| [2.9e-7];
+// - gradients against central differences of the double reference (step 1e-5): 2e-4·max|ref| [2.9e-6];
+// - prefill/step against the forward: 1e-4·max|ref|; a second backward doubles the gradients: 1e-5.
+#include <kmamba/core/Core.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mamba3Mixer.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/SafeTensors.hpp>
+
+#include "Backends.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+const std::string prefix = "backbone.layers.1.mixer.";
+constexpr double pi = 3.14159265358979323846;
+
+// ----------------------------------------------------------------------------------------------
+// Problem description and the double reference.
+
+struct Case {
+  int batch = 2, seqlen = 7, d_model = 8, expand = 2, headdim = 4, ngroups = 2, d_state = 8, chunk = 4;
+  double rope_fraction = 0.5;
+  bool mimo = false, outproj_norm = false;
+  int rank = 2;
+  std::uint64_t seed = 1;
+
+  kmamba::ModelConfig config() const {
+    kmamba::ModelConfig c;
+    c.mixer = kmamba::MixerKind::Mamba3;
+    c.d_model = d_model;
+    c.n_layer = 3;
+    c.vocab_size = 16;
+    c.expand = expand;
+    c.headdim = headdim;
+    c.nheads = 0;
+    c.ngroups = ngroups;
+    c.d_state = d_state;
+    c.chunk_size = chunk;
+    c.rope_fraction = rope_fraction;
+    c.is_mimo = mimo;
+    c.mimo_rank = rank;
+    c.is_outproj_norm = outproj_norm;
+    c.validate();
+    return c;
+  }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "batch=" << batch << " seqlen=" << seqlen << " d_model=" << d_model << " headdim=" << headdim
+      << " ngroups=" << ngroups << " d_state=" << d_state << " chunk=" << chunk << " rope_fraction=" << rope_fraction
+      << " mimo=" << mimo << " rank=" << rank << " outproj_norm=" << outproj_norm << " seed=" << seed;
+    return s.str();
+  }
+};
+
+double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+double silu(double v) { return v * sigmoid(v); }
+
+using Params = std::map<std::string, std::vector<double>>;  // names without the prefix
+
+struct Problem {
+  Case c;
+  kmamba::ModelConfig cfg;
+  Params params;
+  std::vector<double> u, dout;  // (batch, seqlen, d_model)
+
+  int E() const { return cfg.d_inner(); }
+  int H() const { return cfg.num_heads(); }
+  int R() const { return cfg.is_mimo ? cfg.mimo_rank : 1; }
+  int S() const {
+    const int split = static_cast<int>(std::floor(cfg.d_state * cfg.rope_fraction));
+    return (split - split % 2) / 2;
+  }
+  int RGN() const { return R() * cfg.ngroups * cfg.d_state; }
+  int F() const { return 2 * E() + 2 * RGN() + 3 * H() + S(); }
+};
+
+Problem make_problem(const Case& c) {
+  Problem P;
+  P.c = c;
+  P.cfg = c.config();
+  std::mt19937_64 rng(c.seed);
+  const auto uniform = [&](std::size_t n, double lo, double hi) {
+    std::uniform_real_distribution<double> d(lo, hi);
+    std::vector<double> v(n);
+    for (double& x : v) x = d(rng);
+    return v;
+  };
+  const std::size_t Dm = c.d_model, E = P.E(), H = P.H(), F = P.F(), N = c.d_state, R = P.R(), hd = c.headdim;
+  const double in_bound = 1.0 / std::sqrt(double(Dm)), out_bound = 1.0 / std::sqrt(double(E));
+  P.params["in_proj.weight"] = uniform(F * Dm, -in_bound, in_bound);
+  P.params["dt_bias"] = uniform(H, -2.5, 0.0);
+  P.params["B_bias"] = uniform(H * R * N, 0.3, 1.3);
+  P.params["C_bias"] = uniform(H * R * N, 0.3, 1.3);
+  P.params["B_norm.weight"] = uniform(N, 0.5, 1.5);
+  P.params["C_norm.weight"] = uniform(N, 0.5, 1.5);
+  P.params["D"] = uniform(H, 0.5, 1.5);
+  if (c.mimo) {
+    P.params["mimo_x"] = uniform(H * R * hd, 0.2, 1.2);
+    P.params["mimo_z"] = uniform(H * R * hd, 0.5, 1.5);
+    P.params["mimo_o"] = uniform(H * R * hd, 0.2, 1.2);
+  }
+  if (c.outproj_norm) P.params["norm.weight"] = uniform(E, 0.5, 1.5);
+  P.params["out_proj.weight"] = uniform(Dm * E, -out_bound, out_bound);
+  const std::size_t n = std::size_t(c.batch) * c.seqlen * Dm;
+  P.u = uniform(n, -1.5, 1.5);
+  P.dout = uniform(n, -1.0, 1.0);
+  return P;
+}
+
+// out (batch, seqlen, d_model) of the mixer, written from the spec with every loop explicit.
+std::vector<double> ref_forward(const Problem& P, const Params& w, const std::vector<double>& u) {
+  const Case& c = P.c;
+  const int Dm = c.d_model, E = P.E(), H = P.H(), hd = c.headdim, G = c.ngroups, N = c.d_state, R = P.R();
+  const int S = P.S(), F = P.F(), RGN = P.RGN();
+  const double eps = P.cfg.norm_epsilon, A_floor = P.cfg.A_floor;
+  const std::vector<double>& w_in = w.at("in_proj.weight");
+  const std::vector<double>& w_out = w.at("out_proj.weight");
+  const auto param = [&](const char* name, int i) { return w.at(name)[std::size_t(i)]; };
+  std::vector<double> out(std::size_t(c.batch) * c.seqlen * Dm);
+  for (int b = 0; b < c.batch; ++b) {
+    // in_proj: (seqlen, F) = [z | x | B (R, G, N) | C | dd_dt | dd_A | trap | angle].
+    std::vector<double> proj(std::size_t(c.seqlen) * F);
+    for (int t = 0; t < c.seqlen; ++t)
+      for (int f = 0; f < F; ++f) {
+        double s = 0.0;
+        for (int k = 0; k < Dm; ++k) s += u[(std::size_t(b) * c.seqlen + t) * Dm + k] * w_in[std::size_t(f) * Dm + k];
+        proj[std::size_t(t) * F + f] = s;
+      }
+    std::vector<double> o(std::size_t(c.seqlen) * E, 0.0);
+    for (int h = 0; h < H; ++h) {
+      const int g = h / (H / G);
+      std::vector<double> state(std::size_t(hd) * N, 0.0), theta(S, 0.0);
+      std::vector<std::vector<double>> k_prev(R, std::vector<double>(N, 0.0)), v_prev(R, std::vector<double>(hd, 0.0));
+      for (int t = 0; t < c.seqlen; ++t) {
+        const double* row = &proj[std::size_t(t) * F];
+        const double* z = row;
+        const double* x = row + E;
+        const double* Bp = row + 2 * E;
+        const double* Cp = row + 2 * E + RGN;
+        const double* tail = row + 2 * E + 2 * RGN;
+        const double delta = softplus20(tail[h] + param("dt_bias", h));
+        const double v = tail[H + h];
+        const double f = v >= 0.0 ? 1.0 + v : 1.0 / (1.0 - v);
+        const double A = std::min(-f, -A_floor);
+        const double alpha = std::exp(A * delta), lambda = sigmoid(tail[2 * H + h]);
+        const double beta = (1.0 - lambda) * delta * alpha, gamma = lambda * delta;
+        for (int i = 0; i < S; ++i) theta[i] += pi * std::tanh(tail[3 * H + i]) * delta;
+        std::vector<std::vector<double>> k(R, std::vector<double>(N)), q(R, std::vector<double>(N)),
+            vr(R, std::vector<double>(hd));
+        for (int r = 0; r < R; ++r) {
+          const auto normed = [&](const double* src, const char* weight, const char* bias, std::vector<double>& dst) {
+            double ss = 0.0;
+            for (int n = 0; n < N; ++n) ss += src[n] * src[n];
+            const double rstd = 1.0 / std::sqrt(ss / N + eps);
+            for (int n = 0; n < N; ++n) dst[n] = src[n] * rstd * param(weight, n) + param(bias, (h * R + r) * N + n);
+            for (int i = 0; i < S; ++i) {  // adjacent pairs (2i, 2i + 1)
+              const double p0 = dst[2 * i], p1 = dst[2 * i + 1];
+              dst[2 * i] = p0 * std::cos(theta[i]) - p1 * std::sin(theta[i]);
+              dst[2 * i + 1] = p0 * std::sin(theta[i]) + p1 * std::cos(theta[i]);
+            }
+          };
+          normed(Bp + (r * G + g) * N, "B_norm.weight", "B_bias", k[r]);
+          normed(Cp + (r * G + g) * N, "C_norm.weight", "C_bias", q[r]);
+          for (int p = 0; p < hd; ++p) vr[r][p] = x[h * hd + p] * (c.mimo ? param("mimo_x", (h * R + r) * hd + p) : 1.0);
+        }
+        for (int p = 0; p < hd; ++p)
+          for (int n = 0; n < N; ++n) {
+            double s = alpha * state[std::size_t(p) * N + n];
+            for (int r = 0; r < R; ++r) s += beta * v_prev[r][p] * k_prev[r][n] + gamma * vr[r][p] * k[r][n];
+            state[std::size_t(p) * N + n] = s;
+          }
+        for (int r = 0; r < R; ++r) {
+          std::vector<double> y(hd);
+          for (int p = 0; p < hd; ++p) {
+            double s = param("D", h) * vr[r][p];
+            for (int n = 0; n < N; ++n) s += state[std::size_t(p) * N + n] * q[r][n];
+            y[p] = s;
+          }
+          double rstd = 1.0;
+          if (c.outproj_norm) {
+            double ss = 0.0;
+            for (int p = 0; p < hd; ++p) ss += y[p] * y[p];
+            rstd = 1.0 / std::sqrt(ss / hd + eps);
+          }
+          for (int p = 0; p < hd; ++p) {
+            const int i = h * hd + p;
+            const double yn = c.outproj_norm ? y[p] * rstd * param("norm.weight", i) : y[p];
+            const double zz = z[i] * (c.mimo ? param("mimo_z", (h * R + r) * hd + p) : 1.0);
+            o[std::size_t(t) * E + i] += yn * silu(zz) * (c.mimo ? param("mimo_o", (h * R + r) * hd + p) : 1.0);
+          }
+        }
+        k_prev = k;
+        v_prev = vr;
+      }
+    }
+    for (int t = 0; t < c.seqlen; ++t)
+      for (int m = 0; m < Dm; ++m) {
+        double s = 0.0;
+        for (int i = 0; i < E; ++i) s += o[std::size_t(t) * E + i] * w_out[std::size_t(m) * E + i];
+        out[(std::size_t(b) * c.seqlen + t) * Dm + m] = s;
+      }
+  }
+  return out;
+}
+
+double ref_loss(const Problem& P, const Params& w, const std::vector<double>& u) {
+  const std::vector<double> out = ref_forward(P, w, u);
+  double loss = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) loss += out[i] * P.dout[i];
+  return loss;
+}
+
+Params ref_gradients(const Problem& P, double step) {
+  Params grads;
+  Params w = P.params;
+  std::vector<double> u = P.u;
+  const auto central = [&](double& value) {
+    const double saved = value;
+    value = saved + step;
+    const double plus = ref_loss(P, w, u);
+    value = saved - step;
+    const double minus = ref_loss(P, w, u);
+    value = saved;
+    return (plus - minus) / (2.0 * step);
+  };
+  for (auto& entry : w) {
+    std::vector<double>& g = grads[entry.first];
+    for (double& value : entry.second) g.push_back(central(value));
+  }
+  std::vector<double>& gu = grads["u"];
+  for (double& value : u) gu.push_back(central(value));
+  return grads;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Device side.
+
+template <class View>
+void upload(const View& v, const std::vector<double>& values) {
+  auto h = Kokkos::create_mirror_view(v);
+  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
+  Kokkos::deep_copy(v, h);
+}
+
+template <class View>
+std::vector<double> download(const View& v) {
+  auto h = kmamba::test::to_host(v);
+  std::vector<double> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
+  return out;
+}
+
+template <class Mem>
+std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
+                                const std::string& name) {
+  const auto& e = slab.entry(name);
+  const std::vector<double> all = download(storage);
+  return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                             all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
+}
+
+template <class Exec>
+struct Harness {
+  using Mem = typename Exec::memory_space;
+  using T3 = kmamba::Tensor3<float, Mem>;
+
+  kmamba::Mamba3Mixer<Exec> mixer;
+  kmamba::ParameterSlab<Mem> slab;
+  T3 u, out, dout, du;
+
+  Harness(const kmamba::ModelConfig& cfg, const Params& params, int batch, int seqlen, const std::vector<double>& u_values,
+          const std::vector<double>& dout_values)
+      : mixer(cfg, prefix) {
+    mixer.declare_parameters(slab);
+    slab.finalize("kmamba::test::mamba3");
+    auto host = Kokkos::create_mirror_view(slab.params());
+    for (const auto& entry : params) {
+      const auto& e = slab.entry(prefix + entry.first);
+      EXPECT_EQ(e.size, entry.second.size()) << entry.first;
+      for (std::size_t i = 0; i < e.size; ++i) host(e.offset + i) = static_cast<float>(entry.second[i]);
+    }
+    EXPECT_EQ(slab.entries().size(), params.size());
+    Kokkos::deep_copy(slab.params(), host);
+    u = kmamba::allocate_uninitialized<T3>("kmamba::test::u", batch, seqlen, cfg.d_model);
+    out = kmamba::allocate_uninitialized<T3>("kmamba::test::out", batch, seqlen, cfg.d_model);
+    dout = kmamba::allocate_uninitialized<T3>("kmamba::test::dout", batch, seqlen, cfg.d_model);
+    du = kmamba::allocate_uninitialized<T3>("kmamba::test::du", batch, seqlen, cfg.d_model);
+    upload(u, u_values);
+    upload(dout, dout_values);
+  }
+  explicit Harness(const Problem& P) : Harness(P.cfg, P.params, P.c.batch, P.c.seqlen, P.u, P.dout) {}
+
+  std::vector<double> forward(bool keep) {
+    Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
+    mixer.forward(Exec(), slab, u, out, keep);
+    Kokkos::fence();
+    return download(out);
+  }
+
+  std::vector<double> backward() {
+    Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
+    mixer.backward(Exec(), slab, dout, du);
+    Kokkos::fence();
+    return download(du);
+  }
+
+  std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
+};
+
+double expect_close(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
+                    double tol) {
+  EXPECT_EQ(kernel.size(), ref.size()) << what;
+  double max_diff = 0.0, max_ref = 0.0;
+  bool finite = true;
+  for (std::size_t i = 0; i < std::min(kernel.size(), ref.size()); ++i) {
+    finite = finite && std::isfinite(kernel[i]);
+    max_diff = std::max(max_diff, std::abs(kernel[i] - ref[i]));
+    max_ref = std::max(max_ref, std::abs(ref[i]));
+  }
+  EXPECT_TRUE(finite) << what << ": the kernel wrote a non-finite value";
+  EXPECT_GT(max_ref, 0.0) << what << ": the reference is zero, the comparison proves nothing";
+  EXPECT_LE(max_diff, tol * max_ref) << what << ": max|Δ| = " << max_diff << ", max|ref| = " << max_ref;
+  return max_ref > 0.0 ? max_diff / max_ref : max_diff;
+}
+
+// ‖kernel − ref‖ / ‖ref‖ ≤ tol (the golden README's measure).
+double expect_close_norm(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
+                         double tol) {
+  EXPECT_EQ(kernel.size(), ref.size()) << what;
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < std::min(kernel.size(), ref.size()); ++i) {
+    diff += (kernel[i] - ref[i]) * (kernel[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  EXPECT_GT(norm, 0.0) << what;
+  const double rel = std::sqrt(diff / norm);
+  EXPECT_LE(rel, tol) << what << ": ‖Δ‖/‖ref‖ = " << rel;
+  return rel;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases;
+  Case a;  // SISO, one group, seqlen not a multiple of the chunk
+  a.ngroups = 1;
+  a.seqlen = 13;
+  a.seed = 11;
+  cases.push_back(a);
+  Case b;  // SISO, two groups, rope_fraction 1, output norm, one partial chunk
+  b.rope_fraction = 1.0;
+  b.outproj_norm = true;
+  b.seqlen = 9;
+  b.chunk = 16;
+  b.seed = 12;
+  cases.push_back(b);
+  Case c;  // MIMO rank 2, two groups, chunk 8 / 2
+  c.mimo = true;
+  c.seqlen = 11;
+  c.chunk = 8;
+  c.seed = 13;
+  cases.push_back(c);
+  Case d;  // MIMO rank 4, rope_fraction 1, seqlen 1
+  d.mimo = true;
+  d.rank = 4;
+  d.rope_fraction = 1.0;
+  d.seqlen = 1;
+  d.batch = 3;
+  d.seed = 14;
+  cases.push_back(d);
+  Case e;  // MIMO rank 1, one group, batch 1
+  e.mimo = true;
+  e.rank = 1;
+  e.ngroups = 1;
+  e.batch = 1;
+  e.seqlen = 10;
+  e.seed = 15;
+  cases.push_back(e);
+  Case f;  // SISO seqlen 1, wider state
+  f.seqlen = 1;
+  f.d_state = 16;
+  f.seed = 16;
+  cases.push_back(f);
+  return cases;
+}
+
+std::vector<Case> gradient_cases() {
+  std::vector<Case> cases;
+  Case a;  // SISO, two groups, output norm, three chunks (the last partial)
+  a.seqlen = 10;
+  a.outproj_norm = true;
+  a.seed = 21;
+  cases.push_back(a);
+  Case b;  // SISO, one group, rope_fraction 1, z gate
+  b.ngroups = 1;
+  b.rope_fraction = 1.0;
+  b.seqlen = 6;
+  b.seed = 22;
+  cases.push_back(b);
+  Case c;  // MIMO rank 2, two groups
+  c.mimo = true;
+  c.seqlen = 7;
+  c.seed = 23;
+  cases.push_back(c);
+  return cases;
+}
+
+template <class ExecSpace>
+class Mamba3Mixer : public ::testing::Test {};
+TYPED_TEST_SUITE(Mamba3Mixer, kmamba::test::Backends, kmamba::test::BackendNames);
+
+// ----------------------------------------------------------------------------------------------
+// The golden file.
+
+struct Golden {
+  kmamba::ModelConfig cfg;
+  Params params;
+  std::vector<double> u, out, dout;
+  Params grads;  // "u" and every parameter
+  int batch = 0, seqlen = 0;
+};
+
+Golden load_golden() {
+  const kmamba::SafeTensorsReader file(std::string(KMAMBA_GOLDEN_DIR) + "/mamba3_block_small.safetensors");
+  Golden g;
+  kmamba::ModelConfig& c = g.cfg;
+  c.mixer = kmamba::MixerKind::Mamba3;
+  c.d_model = static_cast<int>(file.config_number("d_model", 0));
+  c.d_state = static_cast<int>(file.config_number("d_state", 0));
+  c.expand = static_cast<int>(file.config_number("expand", 0));
+  c.headdim = static_cast<int>(file.config_number("headdim", 0));
+  c.ngroups = static_cast<int>(file.config_number("ngroups", 0));
+  c.rope_fraction = file.config_number("rope_fraction", 0);
+  c.is_mimo = file.config_bool("is_mimo", true);
+  c.A_floor = file.config_number("A_floor", 0);
+  c.norm_epsilon = file.config_number("rmsnorm_eps", 0);
+  c.chunk_size = 8;  // 24 tokens: three chunks
+  c.n_layer = 1;
+  c.vocab_size = 16;
+  c.validate();
+  EXPECT_EQ(c.num_heads(), static_cast<int>(file.config_number("nheads", 0)));
+  const auto values = [&](const std::string& name) {
+    const std::vector<float> f = file.read_f32(name);
+    return std::vector<double>(f.begin(), f.end());
+  };
+  for (const std::string& name : file.names()) {
+    if (name.compare(0, 6, "param.") == 0) g.params[name.substr(6)] = values(name);
+    if (name.compare(0, 5, "grad.") == 0) g.grads[name.substr(5)] = values(name);
+  }
+  g.u = values("u");
+  g.out = values("out");
+  g.dout = values("dout");
+  g.batch = static_cast<int>(file.info("u").shape[0]);
+  g.seqlen = static_cast<int>(file.info("u").shape[1]);
+  return g;
+}
+
+TEST(Mamba3MixerReference, MatchesTheGoldenOutput) {
+  const Golden g = load_golden();
+  Problem P;
+  P.cfg = g.cfg;
+  P.c.batch = g.batch;
+  P.c.seqlen = g.seqlen;
+  P.c.d_model = g.cfg.d_model;
+  P.c.headdim = g.cfg.headdim;
+  P.c.ngroups = g.cfg.ngroups;
+  P.c.d_state = g.cfg.d_state;
+  P.c.rope_fraction = g.cfg.rope_fraction;
+  P.params = g.params;
+  expect_close_norm("reference out", ref_forward(P, g.params, g.u), g.out, 1e-5);
+}
+
+TYPED_TEST(Mamba3Mixer, MatchesTheGoldenBlock) {
+  using Exec = TypeParam;
+  const Golden g = load_golden();
+  Harness<Exec> h(g.cfg, g.params, g.batch, g.seqlen, g.u, g.dout);
+  for (const auto& e : h.slab.entries()) {
+    EXPECT_EQ(g.params.count(e.name.substr(prefix.size())), 1u) << e.name << " is declared but not in the golden file";
+  }
+  double worst = expect_close_norm("out", h.forward(true), g.out, 1e-3);
+  worst = std::max(worst, expect_close_norm("grad.u", h.backward(), g.grads.at("u"), 1e-3));
+  for (const auto& entry : g.params) {
+    worst = std::max(worst, expect_close_norm("grad." + entry.first, h.grad(entry.first), g.grads.at(entry.first), 1e-3));
+  }
+  std::printf("largest golden error ‖Δ‖/‖ref‖: %.3g\n", worst);
+}
+
+// ----------------------------------------------------------------------------------------------
+// The double reference.
+
+TEST(Mamba3MixerReference, FiniteDifferencesAreConverged) {
+  Case c = gradient_cases().front();
+  c.seqlen = 5;
+  const Problem P = make_problem(c);
+  const Params coarse = ref_gradients(P, 1e-5);
+  const Params fine = ref_gradients(P, 2.5e-6);
+  for (const auto& entry : coarse) {
+    const std::vector<double>& f = fine.at(entry.first);
+    double worst = 0.0;
+    for (std::size_t i = 0; i < f.size(); ++i) {
+      worst = std::max(worst, std::abs(entry.second[i] - f[i]) / (1.0 + std::abs(f[i])));
+    }
+    EXPECT_LE(worst, 1e-7) << entry.first;
+  }
+}
+
+TYPED_TEST(Mamba3Mixer, ForwardMatchesReference) {
+  using Exec = TypeParam;
+  double worst = 0.0;
+  for (const Case& c : forward_cases()) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    Harness<Exec> h(P);
+    const std::vector<double> ref = ref_forward(P, P.params, P.u);
+    worst = std::max(worst, expect_close("out", h.forward(true), ref, 1e-4));
+    worst = std::max(worst, expect_close("out (inference)", h.forward(false), ref, 1e-4));
+  }
+  std::printf("largest forward error relative to max|ref|: %.3g\n", worst);
+}
+
+TYPED_TEST(Mamba3Mixer, BackwardMatchesReferenceGradients) {
+  using Exec = TypeParam;
+  double worst = 0.0;
+  for (const Case& c : gradient_cases()) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    const Params ref = ref_gradients(P, 1e-5);
+    Harness<Exec> h(P);
+    h.forward(true);
+    worst = std::max(worst, expect_close("du", h.backward(), ref.at("u"), 2e-4));
+    for (const auto& entry : P.params) {
+      worst = std::max(worst, expect_close(entry.first, h.grad(entry.first), ref.at(entry.first), 2e-4));
+    }
+  }
+  std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
+}
+
+TYPED_TEST(Mamba3Mixer, BackwardAddsIntoTheGradients) {
+  using Exec = TypeParam;
+  Case c;
+  c.mimo = true;
+  c.seqlen = 6;
+  c.seed = 41;
+  const Problem P = make_problem(c);
+  Harness<Exec> h(P);
+  h.forward(true);
+  const std::vector<double> du1 = h.backward();
+  Params once;
+  for (const auto& entry : P.params) once[entry.first] = h.grad(entry.first);
+  const std::vector<double> du2 = h.backward();
+  expect_close("du (second backward)", du2, du1, 1e-6);
+  for (const auto& entry : P.params) {
+    std::vector<double> doubled = once.at(entry.first);
+    for (double& v : doubled) v *= 2.0;
+    expect_close(entry.first + " after two backwards", h.grad(entry.first), doubled, 1e-5);
+  }
+}
+
+// prefill of the first tokens, a decode step per token, prefill of the rest: the forward's outputs.
+TYPED_TEST(Mamba3Mixer, PrefillAndStepMatchTheForward) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  std::vector<Case> cases(3);
+  cases[0].seqlen = 12;
+  cases[0].seed = 71;
+  cases[1].seqlen = 11;
+  cases[1].outproj_norm = true;
+  cases[1].ngroups = 1;
+  cases[1].rope_fraction = 1.0;
+  cases[1].seed = 72;
+  cases[2].seqlen = 10;
+  cases[2].mimo = true;
+  cases[2].chunk = 8;
+  cases[2].seed = 73;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.describe());
+    const Problem P = make_problem(c);
+    Harness<Exec> h(P);
+    const std::vector<double> full = h.forward(false);
+    const int Dm = c.d_model, first = 5, steps = 3;
+    const auto u_host = kmamba::test::to_host(h.u);
+    std::vector<double> pieced(full.size(), std::numeric_limits<double>::quiet_NaN());
+    auto cache = h.mixer.make_cache(c.batch);
+    const auto run_prefill = [&](int begin, int end) {
+      const T3 u("kmamba::test::u_part", c.batch, end - begin, Dm), out("kmamba::test::out_part", c.batch, end - begin, Dm);
+      auto uh = Kokkos::create_mirror_view(u);
+      for (int b = 0; b < c.batch; ++b)
+        for (int t = begin; t < end; ++t)
+          for (int m = 0; m < Dm; ++m) uh(b, t - begin, m) = u_host(b, t, m);
+      Kokkos::deep_copy(u, uh);
+      h.mixer.prefill(Exec(), h.slab, u, out, *cache);
+      Kokkos::fence();
+      const auto oh = kmamba::test::to_host(out);
+      for (int b = 0; b < c.batch; ++b)
+        for (int t = begin; t < end; ++t)
+          for (int m = 0; m < Dm; ++m) pieced[(std::size_t(b) * c.seqlen + t) * Dm + m] = oh(b, t - begin, m);
+    };
+    run_prefill(0, first);
+    const T2 tok("kmamba::test::token", c.batch, Dm), tok_out("kmamba::test::token_out", c.batch, Dm);
+    for (int t = first; t < first + steps; ++t) {
+      auto th = Kokkos::create_mirror_view(tok);
+      for (int b = 0; b < c.batch; ++b)
+        for (int m = 0; m < Dm; ++m) th(b, m) = u_host(b, t, m);
+      Kokkos::deep_copy(tok, th);
+      h.mixer.step(Exec(), h.slab, tok, tok_out, *cache);
+      Kokkos::fence();
+      const auto oh = kmamba::test::to_host(tok_out);
+      for (int b = 0; b < c.batch; ++b)
+        for (int m = 0; m < Dm; ++m) pieced[(std::size_t(b) * c.seqlen + t) * Dm + m] = oh(b, m);
+    }
+    run_prefill(first + steps, c.seqlen);
+    expect_close("prefill + step + prefill", pieced, full, 1e-4);
+    cache->reset(Exec());
+    run_prefill(0, c.seqlen);
+    expect_close("prefill after reset", pieced, full, 1e-4);
+  }
+}
+
+TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  Case c;
+  c.seed = 51;
+  const Problem P = make_problem(c);
+  Harness<Exec> h(P);
+  const auto expect_user_error = [](const std::function<void()>& call, const std::vector<std::string>& fragments) {
+    try {
+      call();
+      ADD_FAILURE() << "no kmamba::UserError thrown";
+    } catch (const kmamba::UserError& e) {
+      const std::string message = e.what();
+      for (const std::string& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
+    }
+  };
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba3Mixer::backward", "keep_for_backward"});
+  h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
+  const T3 u_wide("kmamba::test::u_wide", c.batch, c.seqlen, c.d_model + 1);
+  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, u_wide, h.out, true); },
+                    {"Mamba3Mixer::forward", "u", "(batch, seqlen, d_model)", "(2, 7, 9)", "(*, *, 8)"});
+  const T3 out_short("kmamba::test::out_short", c.batch, c.seqlen - 1, c.d_model);
+  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, h.u, out_short, true); }, {"out", "(2, 6, 8)", "(2, 7, 8)"});
+  h.mixer.forward(Exec(), h.slab, h.u, h.out, true);
+  const T3 d_short("kmamba::test::d_short", c.batch, c.seqlen - 1, c.d_model);
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, d_short, h.du); }, {"dout", "of the last forward", "(2, 7, 8)"});
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, d_short); }, {"du", "(2, 6, 8)"});
+  h.mixer.backward(Exec(), h.slab, h.dout, h.du);
+  h.mixer.release_activations();
+  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
+
+  // Caches: another batch, another mixer's dimensions, a step of the wrong width.
+  auto cache = h.mixer.make_cache(c.batch + 1);
+  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *cache); }, {"Mamba3Mixer::prefill", "3 sequences"});
+  Case mimo = c;
+  mimo.mimo = true;
+  const Problem Q = make_problem(mimo);
+  kmamba::Mamba3Mixer<Exec> other(Q.cfg, prefix);
+  auto other_cache = other.make_cache(c.batch);
+  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *other_cache); }, {"not made by a Mamba-3 mixer"});
+  auto good_cache = h.mixer.make_cache(c.batch);
+  const T2 tok_wide("kmamba::test::tok_wide", c.batch, c.d_model + 1), tok_out("kmamba::test::tok_out", c.batch, c.d_model);
+  expect_user_error([&] { h.mixer.step(Exec(), h.slab, tok_wide, tok_out, *good_cache); },
+                    {"Mamba3Mixer::step", "(batch, d_model)"});
+  expect_user_error([&] { h.mixer.make_cache(0); }, {"batch must be at least 1"});
+
+  // Parameters and configs.
+  kmamba::ParameterSlab<Mem> wrong;
+  wrong.add(prefix + "in_proj.weight", {4, 4}, kmamba::WeightDecay::Yes);
+  wrong.finalize("kmamba::test::wrong");
+  expect_user_error([&] { h.mixer.forward(Exec(), wrong, h.u, h.out, true); }, {"in_proj.weight", "(4, 4)"});
+  kmamba::ParameterSlab<Mem> empty;
+  empty.finalize("kmamba::test::empty");
+  expect_user_error([&] { h.mixer.initialize(Exec(), empty, 1); }, {"no '" + prefix + "in_proj.weight'"});
+  kmamba::ModelConfig mamba2 = P.cfg;
+  mamba2.mixer = kmamba::MixerKind::Mamba2;
+  expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(mamba2, prefix); }, {"Mamba2"});
+  kmamba::ModelConfig mimo_norm = Q.cfg;
+  mimo_norm.is_outproj_norm = true;
+  expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(mimo_norm, prefix); }, {"is_outproj_norm", "is_mimo"});
+  kmamba::ModelConfig biased = P.cfg;
+  biased.bias = true;
+  expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(biased, prefix); }, {"bias"});
+  EXPECT_NE(dynamic_cast<kmamba::Mamba3Mixer<Exec>*>(kmamba::make_mixer<Exec>(P.cfg, prefix).get()), nullptr);
+}
+
+TYPED_TEST(Mamba3Mixer, InitializesAsTheReference) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  Case c;
+  c.d_model = 32;
+  c.headdim = 8;
+  c.d_state = 16;
+  c.mimo = true;
+  c.rank = 4;
+  kmamba::ModelConfig cfg = c.config();
+  cfg.n_layer = 4;
+  const auto init = [&](const std::string& p, std::uint64_t seed) {
+    kmamba::Mamba3Mixer<Exec> mixer(cfg, p);
+    kmamba::ParameterSlab<Mem> slab;
+    mixer.declare_parameters(slab);
+    slab.finalize("kmamba::test::init");
+    Kokkos::deep_copy(slab.params(), std::numeric_limits<float>::quiet_NaN());
+    mixer.initialize(Exec(), slab, seed);
+    Kokkos::fence();
+    Params values;
+    for (const auto& e : slab.entries()) {
+      values[e.name.substr(p.size())] = slab_values(slab, slab.params(), e.name);
+      const bool decayed = e.name == p + "in_proj.weight" || e.name == p + "out_proj.weight";
+      EXPECT_EQ(e.decay, decayed ? kmamba::WeightDecay::Yes : kmamba::WeightDecay::No) << e.name;
+    }
+    return values;
+  };
+  const Params w = init(prefix, 7);
+  EXPECT_EQ(w.size(), 11u);
+  const auto expect_uniform = [](const std::string& name, const std::vector<double>& v, double bound) {
+    double lo = 1e30, hi = -1e30, mean = 0.0;
+    for (double x : v) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+      mean += x / static_cast<double>(v.size());
+    }
+    EXPECT_GE(lo, -bound) << name;
+    EXPECT_LE(hi, bound) << name;
+    EXPECT_LE(lo, -0.8 * bound) << name;
+    EXPECT_GE(hi, 0.8 * bound) << name;
+    EXPECT_LE(std::abs(mean), 0.15 * bound) << name;
+  };
+  const double E = cfg.d_inner();
+  expect_uniform("in_proj.weight", w.at("in_proj.weight"), 1.0 / std::sqrt(double(cfg.d_model)));
+  expect_uniform("out_proj.weight", w.at("out_proj.weight"), 1.0 / std::sqrt(E) / std::sqrt(double(cfg.n_layer)));
+  for (const char* one : {"B_bias", "C_bias", "B_norm.weight", "C_norm.weight", "D", "mimo_z"}) {
+    for (double v : w.at(one)) EXPECT_EQ(v, 1.0) << one;
+  }
+  for (const char* quarter : {"mimo_x", "mimo_o"}) {
+    for (double v : w.at(quarter)) EXPECT_EQ(v, 0.25) << quarter;
+  }
+  for (double v : w.at("dt_bias")) {
+    const double dt = softplus20(v);
+    EXPECT_GE(dt, cfg.dt_min * (1.0 - 1e-4));
+    EXPECT_LE(dt, cfg.dt_max * (1.0 + 1e-4));
+  }
+  const Params again = init(prefix, 7);
+  const Params reseeded = init(prefix, 8);
+  const Params other_layer = init("backbone.layers.2.mixer.", 7);
+  for (const char* random : {"in_proj.weight", "out_proj.weight", "dt_bias"}) {
+    EXPECT_EQ(again.at(random), w.at(random)) << random;
+    EXPECT_NE(reseeded.at(random), w.at(random)) << random;
+    EXPECT_NE(other_layer.at(random), w.at(random)) << random;
+  }
+  cfg.is_mimo = false;
+  cfg.is_outproj_norm = true;
+  const Params siso = init(prefix, 7);
+  EXPECT_EQ(siso.size(), 9u);
+  EXPECT_EQ(siso.count("mimo_x"), 0u);
+  for (double v : siso.at("norm.weight")) EXPECT_EQ(v, 1.0);
+}
+
+}  // namespace

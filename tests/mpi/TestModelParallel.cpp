@@ -1,0 +1,406 @@
+// Tensor and sequence parallelism of a small Mamba-2 language model (run at 1, 2 and 4 ranks;
+// fp32). Every rank also runs the unsplit 1-rank reference on the whole batch, so no reference
+// data is communicated. On every dp × tp × sp factorisation of the world (tp splits the 8 heads and
+// 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter than
+// the conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them):
+// M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
+//    1-rank run's, max|Δ| ≤ 1e-5·max|ref| per parameter (distributed.md §8.1);
+// M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's, and the
+//    mesh-wide gradient norm equals the 1-rank norm;
+// M3 initialize() gives each tensor rank the slices of the unsplit initialisation; scatter then
+//    gather is the identity;
+// M1 also holds with activation checkpointing (the recompute repeats the sequence state passing);
+// M4 a tensor-parallel size that does not divide the heads/groups is one clear error on every rank;
+//    sequence_segment splits unevenly and rejects a segment of no tokens;
+// M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits.
+#include <kmamba/models/Distributed.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/ModelParallel.hpp>
+#include <kmamba/models/Optimizer.hpp>
+#include <kmamba/parallel/ProcessMesh.hpp>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Exec = Kokkos::DefaultHostExecutionSpace;
+using Mem = Exec::memory_space;
+using Model = kmamba::LanguageModel<Exec>;
+using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+
+constexpr std::uint64_t init_seed = 77;
+constexpr int batch = 4, seqlen = 13;
+constexpr double tolerance = 1e-5;
+
+kmamba::ModelConfig tiny_mamba2() {
+  kmamba::ModelConfig c;
+  c.mixer = kmamba::MixerKind::Mamba2;
+  c.d_model = 32;
+  c.n_layer = 2;
+  c.vocab_size = 64;
+  c.d_state = 8;
+  c.headdim = 8;  // d_inner 64: 8 heads
+  c.ngroups = 4;  // 2 heads per group
+  c.chunk_size = 4;
+  c.bias = true;  // in_proj.bias is split, out_proj.bias replicated
+  c.validate();
+  return c;
+}
+
+struct Batch {
+  Ids ids, targets;  // (rows, length)
+};
+
+/// Random tokens; targets are the next tokens, the first r % 3 positions of row r also ignored.
+Batch make_batch(int step, int length = seqlen) {
+  std::mt19937_64 rng(500 + static_cast<std::uint64_t>(step));
+  std::uniform_int_distribution<std::int64_t> token(0, 63);
+  Batch b{Ids("kmamba::test::ids", batch, length), Ids("kmamba::test::targets", batch, length)};
+  for (int r = 0; r < batch; ++r) {
+    for (int t = 0; t < length; ++t) b.ids(r, t) = token(rng);
+  }
+  for (int r = 0; r < batch; ++r) {
+    for (int t = 0; t < length; ++t) {
+      b.targets(r, t) = t + 1 < length && t >= r % 3 ? b.ids(r, t + 1) : kmamba::ignore_index;
+    }
+  }
+  return b;
+}
+
+/// Rows [first, first + count) and positions [begin, begin + length) of b.
+Batch slice(const Batch& b, int first, int count, std::int64_t begin, std::int64_t length) {
+  Batch out{Ids("kmamba::test::ids", count, length), Ids("kmamba::test::targets", count, length)};
+  for (int r = 0; r < count; ++r) {
+    for (std::int64_t t = 0; t < length; ++t) {
+      out.ids(r, t) = b.ids(first + r, begin + t);
+      out.targets(r, t) = b.targets(first + r, begin + t);
+    }
+  }
+  return out;
+}
+
+std::int64_t predicted(const Batch& b) {
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < b.targets.span(); ++i) n += b.targets.data()[i] != kmamba::ignore_index;
+  return n;
+}
+
+int world_size() {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+int world_rank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+/// Every (tp, sp) with tp · sp dividing the world; dp is the rest.
+std::vector<kmamba::MeshConfig> meshes() {
+  std::vector<kmamba::MeshConfig> all;
+  const int world = world_size();
+  for (int tp = 1; tp <= world; tp *= 2) {
+    for (int sp = 1; tp * sp <= world; sp *= 2) {
+      kmamba::MeshConfig c;
+      c.tensor_parallel_size = tp;
+      c.sequence_parallel_size = sp;
+      all.push_back(c);
+    }
+  }
+  return all;
+}
+
+std::string name(const kmamba::ProcessMesh& mesh) {
+  return "mesh dp " + std::to_string(mesh.config().data_parallel_size) + " tp " +
+         std::to_string(mesh.config().tensor_parallel_size) + " sp " +
+         std::to_string(mesh.config().sequence_parallel_size);
+}
+
+kmamba::ModelParallel split_of(const kmamba::ProcessMesh& mesh) { return {&mesh.tensor(), &mesh.sequence()}; }
+
+/// max over parameters of max|got − ref| / max|ref|, with a failure for each parameter over the
+/// tolerance.
+double expect_slab_equal(const Model::Slab& slab, const kmamba::Tensor1<float, Mem>& got,
+                         const kmamba::Tensor1<float, Mem>& ref, const std::string& what) {
+  double worst = 0.0;
+  for (const auto& entry : slab.entries()) {
+    double diff = 0.0, scale = 0.0;
+    for (std::size_t i = entry.offset; i < entry.offset + entry.size; ++i) {
+      scale = std::max(scale, std::abs(static_cast<double>(ref(i))));
+      diff = std::max(diff, std::abs(static_cast<double>(got(i)) - static_cast<double>(ref(i))));
+    }
+    EXPECT_LE(diff, tolerance * scale) << what << " " << entry.name;
+    if (scale > 0) worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+/// The 1-rank reference: the whole batch, one row per micro-batch, weighted by tokens.
+double one_rank_backward(Model& model, const Batch& b) {
+  const Exec exec;
+  const std::int64_t global = predicted(b);
+  model.zero_grads(exec);
+  double loss_sum = 0.0;
+  for (int r = 0; r < batch; ++r) {
+    const Batch micro = slice(b, r, 1, 0, static_cast<std::int64_t>(b.ids.extent(1)));
+    const kmamba::LossResult result = model.loss_and_backward(
+        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    loss_sum += result.loss * static_cast<double>(result.tokens);
+  }
+  exec.fence();
+  return loss_sum / static_cast<double>(global);
+}
+
+/// The same on this rank's rows (dp) and segment (sp) of b; one reduction over dp × sp at the end.
+/// Returns the global mean loss.
+double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kmamba::ProcessMesh& mesh,
+                         const Batch& b) {
+  const Exec exec;
+  const int per_rank = batch / dp.data_size();
+  const kmamba::SequenceSegment segment = kmamba::sequence_segment(
+      static_cast<std::int64_t>(b.ids.extent(1)), mesh.coordinates().sp, mesh.config().sequence_parallel_size);
+  const Batch mine = slice(b, dp.data_rank() * per_rank, per_rank, segment.begin, segment.length);
+  const std::int64_t global = dp.global_tokens(predicted(mine));
+  model.zero_grads(exec);
+  double loss_sum = 0.0;
+  for (int r = 0; r < per_rank; ++r) {
+    const Batch micro = slice(mine, r, 1, 0, segment.length);
+    const kmamba::LossResult result = model.loss_and_backward(
+        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    loss_sum += result.loss * static_cast<double>(result.tokens);
+  }
+  dp.reduce_gradients(exec, model.parameters());
+  exec.fence();
+  return dp.sum_over_data(loss_sum) / static_cast<double>(global);
+}
+
+TEST(ModelParallel, SequenceSegmentsSplitUnevenlyAndCoverTheSequence) {
+  const std::int64_t lengths[] = {4, 3, 3, 3};
+  std::int64_t begin = 0;
+  for (int r = 0; r < 4; ++r) {
+    const kmamba::SequenceSegment s = kmamba::sequence_segment(13, r, 4);
+    EXPECT_EQ(s.begin, begin);
+    EXPECT_EQ(s.length, lengths[r]);
+    begin += s.length;
+  }
+  EXPECT_THROW(kmamba::sequence_segment(3, 0, 4), kmamba::UserError);
+}
+
+TEST(ModelParallel, InitializeGivesTheSlicesOfTheUnsplitModelAndGatherInvertsScatter) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  Model full(config);
+  full.initialize(init_seed);
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    SCOPED_TRACE(name(mesh));
+    Model local(config, split_of(mesh));
+    local.initialize(init_seed);
+    if (mesh.config().tensor_parallel_size > 1) {
+      EXPECT_LT(local.parameters().size(), full.parameters().size());
+      EXPECT_FALSE(local.sharded_parameters().empty());
+    }
+    Model scattered(config, split_of(mesh));
+    kmamba::scatter_parameters(exec, full, scattered);
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < local.parameters().size(); ++i) {
+      differing += local.parameters().params()(i) != scattered.parameters().params()(i);
+    }
+    EXPECT_EQ(differing, 0u);
+    Model gathered(config);
+    kmamba::gather_parameters(exec, local, gathered);
+    differing = 0;
+    for (std::size_t i = 0; i < full.parameters().size(); ++i) {
+      differing += full.parameters().params()(i) != gathered.parameters().params()(i);
+    }
+    EXPECT_EQ(differing, 0u);
+    if (mesh.config().tensor_parallel_size > 1) {
+      EXPECT_THROW(local.save("unused"), kmamba::UserError);
+    }
+  }
+}
+
+TEST(ModelParallel, LossAndGradientsEqualOneRank) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(0);
+  Model reference(config);
+  reference.initialize(init_seed);
+  const double ref_loss = one_rank_backward(reference, b);
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    for (const bool checkpointing : {false, true}) {
+      SCOPED_TRACE(name(mesh) + (checkpointing ? " with activation checkpointing" : ""));
+      Model model(config, split_of(mesh));
+      model.initialize(init_seed);
+      model.set_activation_checkpointing(checkpointing);
+      kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(),
+                                    kmamba::DataParallelConfig(), model.sharded_parameters());
+      const double loss = parallel_backward(model, dp, mesh, b);
+      EXPECT_LE(std::abs(loss - ref_loss), tolerance * ref_loss);
+      Model full(config);
+      kmamba::gather_values(exec, model, kmamba::ConstTensor1<float, Mem>(model.parameters().grads()), full,
+                            full.parameters().grads());
+      const double worst = expect_slab_equal(reference.parameters(), full.parameters().grads(),
+                                             reference.parameters().grads(), "gradient");
+      const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
+      if (world_rank() == 0) {
+        std::printf("[ measured ] %s%s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n",
+                    name(mesh).c_str(), checkpointing ? " checkpointing" : "", loss, ref_loss, worst_all);
+      }
+    }
+  }
+}
+
+// Segments of 2, 2, 1, 1 tokens at 4 ranks, shorter than the conv halo of 3: a rank's halo then
+// reaches back over several ranks (through the previous rank's conv state, which holds part of
+// its own halo), and its gradient flows back the same way.
+TEST(ModelParallel, SegmentsShorterThanTheHaloEqualOneRank) {
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(7, 6);
+  Model reference(config);
+  reference.initialize(init_seed);
+  const double ref_loss = one_rank_backward(reference, b);
+  kmamba::MeshConfig mesh_config;
+  mesh_config.sequence_parallel_size = world_size();
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+  Model model(config, split_of(mesh));
+  model.initialize(init_seed);
+  kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig());
+  const double loss = parallel_backward(model, dp, mesh, b);
+  EXPECT_LE(std::abs(loss - ref_loss), tolerance * ref_loss);
+  expect_slab_equal(reference.parameters(), model.parameters().grads(), reference.parameters().grads(), "gradient");
+}
+
+TEST(ModelParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  constexpr int steps = 3;
+  constexpr double lr = 3e-3, max_norm = 0.25;
+  kmamba::AdamWConfig adamw;
+  adamw.weight_decay = 0.1;
+  adamw.eps = 1e-5;  // bounds Adam's amplification of rounding-level gradients (see TestDataParallel)
+
+  Model reference(config);
+  reference.initialize(init_seed);
+  kmamba::AdamW<Mem> optimizer(reference.parameters().size(), adamw);
+  std::vector<double> ref_norms;
+  for (int step = 0; step < steps; ++step) {
+    one_rank_backward(reference, make_batch(step));
+    const double norm = kmamba::global_norm(exec, kmamba::ConstTensor1<float, Mem>(reference.parameters().grads()));
+    ref_norms.push_back(norm);
+    optimizer.step(exec, reference.parameters().params(), reference.parameters().grads(),
+                   reference.parameters().decay_end(), lr, kmamba::clip_scale(norm, max_norm));
+  }
+  exec.fence();
+  ASSERT_GT(ref_norms[0], max_norm) << "the test must exercise clipping";
+
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    for (const int stage : {0, 1}) {
+      SCOPED_TRACE(name(mesh) + " zero_stage " + std::to_string(stage));
+      Model model(config, split_of(mesh));
+      model.initialize(init_seed);
+      kmamba::DataParallelConfig options;
+      options.zero_stage = stage;
+      options.bucket_elements = 1000;
+      kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), adamw, options, model.sharded_parameters());
+      for (int step = 0; step < steps; ++step) {
+        parallel_backward(model, dp, mesh, make_batch(step));
+        const double norm = dp.grad_norm(exec, model.parameters());
+        const double ref = ref_norms[static_cast<std::size_t>(step)];
+        EXPECT_LE(std::abs(norm - ref), 1e-6 * ref) << "step " << step;
+        EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
+                  mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Min));
+        dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
+      }
+      exec.fence();
+      Model full(config);
+      kmamba::gather_parameters(exec, model, full);
+      const double worst = expect_slab_equal(reference.parameters(), full.parameters().params(),
+                                             reference.parameters().params(), "parameter");
+      const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
+      if (world_rank() == 0) {
+        std::printf("[ measured ] %s zero_stage %d: parameters after %d steps max|d|/max|ref| %.2e\n",
+                    name(mesh).c_str(), stage, steps, worst_all);
+      }
+    }
+  }
+}
+
+// Recurrent inference on a tensor-parallel model (prefill, then decode steps) gives the unsplit
+// model's logits; a sequence-split model refuses it.
+TEST(ModelParallel, TensorParallelDecodeEqualsTheUnsplitModel) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = make_batch(3, 9);
+  const int rows = 2, prompt = 6;
+  const Batch head = slice(b, 0, rows, 0, prompt);
+  Model full(config);
+  full.initialize(init_seed);
+  for (const auto& mesh_config : meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    SCOPED_TRACE(name(mesh));
+    Model local(config, split_of(mesh));
+    local.initialize(init_seed);
+    if (mesh.config().sequence_parallel_size > 1) {
+      auto state = local.make_decode_state(rows);
+      EXPECT_THROW(local.prefill(exec, head.ids, state, kmamba::Tensor2<float, Mem>()), kmamba::UserError);
+      continue;
+    }
+    auto full_state = full.make_decode_state(rows);
+    auto local_state = local.make_decode_state(rows);
+    kmamba::Tensor2<float, Mem> want("kmamba::test::want", rows, config.vocab_size);
+    kmamba::Tensor2<float, Mem> got("kmamba::test::got", rows, config.vocab_size);
+    full.prefill(exec, head.ids, full_state, want);
+    local.prefill(exec, head.ids, local_state, got);
+    double worst = 0.0, scale = 0.0;
+    const auto compare = [&] {
+      exec.fence();
+      for (int r = 0; r < rows; ++r) {
+        for (int v = 0; v < config.vocab_size; ++v) {
+          worst = std::max(worst, std::abs(static_cast<double>(got(r, v)) - want(r, v)));
+          scale = std::max(scale, std::abs(static_cast<double>(want(r, v))));
+        }
+      }
+    };
+    compare();
+    for (int t = prompt; t < 9; ++t) {
+      kmamba::Tensor1<std::int64_t, Mem> next("kmamba::test::next", rows);
+      for (int r = 0; r < rows; ++r) next(r) = b.ids(r, t);
+      full.decode_step(exec, next, full_state, want);
+      local.decode_step(exec, next, local_state, got);
+      compare();
+    }
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(worst, tolerance * scale);
+  }
+}
+
+TEST(ModelParallel, RejectsATensorSplitThatDoesNotFitTheHeads) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  kmamba::ModelConfig config = tiny_mamba2();
+  config.ngroups = 1;
+  kmamba::MeshConfig mesh_config;
+  mesh_config.tensor_parallel_size = 2;
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+  try {
+    Model model(config, split_of(mesh));
+    ADD_FAILURE() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("must divide nheads 8 and ngroups 1"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
