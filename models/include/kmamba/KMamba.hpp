@@ -9,6 +9,7 @@
 #define KMAMBA_KMAMBA_HPP
 
 #include <kmamba/Config.hpp>
+#include <kmamba/Embed.hpp>
 #include <kmamba/backends/Devices.hpp>
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
@@ -20,6 +21,7 @@
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/Sampling.hpp>
+#include <kmamba/models/SequenceModel.hpp>
 #include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/TensorIO.hpp>
 #include <kmamba/models/TokenFile.hpp>

@@ -1,0 +1,100 @@
+// The embedding API's data parallelism (run at 1, 2 and 4 ranks; fp32): Model::train_step on each
+// rank's shard of a global batch after enable_data_parallel(MPI_COMM_WORLD) equals one Model on
+// the whole batch — losses, gradient norms and parameters after 3 steps, with replicated (stage
+// 0) and sharded (ZeRO-1) AdamW moments — starting from rank 0's parameters whatever each rank
+// initialised; save writes once (rank 0) and every rank loads the same model. "Equal" is
+// max|Δ| ≤ 1e-5·max|ref| over the parameters (rounding differs between the batch shapes).
+#include <kmamba/KMamba.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Exec = Kokkos::DefaultHostExecutionSpace;
+using Mem = Exec::memory_space;
+
+constexpr double tolerance = 1e-5;
+
+kmamba::SequenceModelConfig tiny_config() {
+  kmamba::SequenceModelConfig c;
+  c.input_size = 3;
+  c.output_size = 2;
+  c.backbone.mixer = kmamba::MixerKind::Mamba2;
+  c.backbone.d_model = 16;
+  c.backbone.n_layer = 2;
+  c.backbone.d_state = 8;
+  c.backbone.headdim = 8;
+  c.backbone.chunk_size = 8;
+  return c;
+}
+
+std::vector<float> parameters_of(const kmamba::Model<Exec>& model) {
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.sequence_model().parameters().params());
+  return std::vector<float>(host.data(), host.data() + host.span());
+}
+
+double max_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return diff / scale;
+}
+
+}  // namespace
+
+TEST(EmbedDataParallel, ShardsOfABatchEqualOneModelOnTheWholeBatch) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const int batch = 4, seqlen = 20, shard = batch / size;
+  ASSERT_EQ(batch % size, 0);
+  const Exec exec;
+  // The same global batch on every rank (fresh random values), and this rank's shard of it.
+  kmamba::Tensor3<float, Mem> x("kmamba::test::x", batch, seqlen, 3), t("kmamba::test::t", batch, seqlen, 2);
+  kmamba::fill_normal(exec, x, 91, 0.0f, 1.0f);
+  kmamba::fill_normal(exec, t, 92, 0.0f, 1.0f);
+  kmamba::Tensor3<float, Mem> xs("kmamba::test::xs", shard, seqlen, 3), ts("kmamba::test::ts", shard, seqlen, 2);
+  const auto mine = std::make_pair(rank * shard, (rank + 1) * shard);
+  Kokkos::deep_copy(exec, xs, Kokkos::subview(x, mine, Kokkos::ALL, Kokkos::ALL));
+  Kokkos::deep_copy(exec, ts, Kokkos::subview(t, mine, Kokkos::ALL, Kokkos::ALL));
+  exec.fence();
+  for (const int zero_stage : {0, 1}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(zero_stage));
+    kmamba::TrainOptions options;
+    options.lr = 3e-3;
+    options.warmup_steps = 1;
+    options.total_steps = 5;
+    options.grad_clip = 0.5;
+    options.eps = 1e-5;  // bounds Adam's amplification of rounding differences
+    options.zero_stage = zero_stage;
+    kmamba::Model<Exec> reference(tiny_config(), 5, options);
+    kmamba::Model<Exec> parallel(tiny_config(), 5 + static_cast<std::uint64_t>(rank), options);  // rank 0's wins
+    parallel.enable_data_parallel(MPI_COMM_WORLD);
+    EXPECT_EQ(parallel.data_size(), size);
+    EXPECT_EQ(parallel.data_rank(), rank);
+    EXPECT_EQ(parameters_of(parallel), parameters_of(reference));
+    for (int step = 0; step < 3; ++step) {
+      const kmamba::TrainStepResult r = reference.train_step(exec, x, t);
+      const kmamba::TrainStepResult p = parallel.train_step(exec, xs, ts);
+      EXPECT_EQ(p.step, r.step);
+      EXPECT_NEAR(p.loss, r.loss, 1e-6 * r.loss);
+      EXPECT_NEAR(p.grad_norm, r.grad_norm, 1e-5 * r.grad_norm);
+      EXPECT_EQ(p.lr, r.lr);
+    }
+    EXPECT_LE(max_relative_error(parameters_of(parallel), parameters_of(reference)), tolerance);
+    // Rank 0 writes; every rank returns once the files exist and loads the same parameters.
+    const std::string dir = std::string(::testing::TempDir()) + "kmamba_embed_dp_np" + std::to_string(size);
+    parallel.save(dir);
+    EXPECT_EQ(parameters_of(kmamba::Model<Exec>::load(dir)), parameters_of(parallel));
+    MPI_Barrier(MPI_COMM_WORLD);  // nobody saves the next stage's model while another rank still loads
+  }
+}
