@@ -102,8 +102,18 @@ TEST(CheckpointKill, EveryKilledSaveLeavesALoadableCheckpoint) {
     }
     const auto save_us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
                                                                                begin_time).count();
-    // A random moment within the next few steps-and-saves.
-    std::uniform_int_distribution<long long> delay(0, 3 * std::max<long long>(save_us, 1000));
+    // Every other kill: a random moment within the next few steps-and-saves (wherever it lands);
+    // otherwise a random moment around the next save, from its "begin" line on (when steps take
+    // much longer than saves, the first kind alone would rarely hit a save).
+    const long long span = std::max<long long>(save_us, 1000);
+    if (k % 2 == 1) {
+      const long long next = helper.saved + 1;
+      while (helper.begun < next) {
+        ASSERT_TRUE(helper.read_lines(1000)) << "the helper died before its save " << next;
+        ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(120)) << "no save within 2 minutes";
+      }
+    }
+    std::uniform_int_distribution<long long> delay(0, (k % 2 == 1 ? 2 : 3) * span);
     std::this_thread::sleep_for(std::chrono::microseconds(delay(random)));
     helper.kill();
     if (helper.begun > helper.saved) ++inside_save;
