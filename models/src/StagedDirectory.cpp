@@ -36,7 +36,7 @@ std::string parent_of(const std::string& path) {
 }
 
 // Atomically swaps two existing directories; false where the file system cannot.
-bool exchange(const std::string& a, const std::string& b) {
+bool exchange_directories(const std::string& a, const std::string& b) {
 #ifdef RENAME_EXCHANGE
   if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return true;
   KMAMBA_REQUIRE(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP,
@@ -75,7 +75,7 @@ void StagedDirectory::commit() {
   fsync_path(staging_, O_RDONLY | O_DIRECTORY);
   std::error_code error;
   const bool had_previous = fs::is_directory(target_, error);
-  if (had_previous && exchange(staging_, target_)) {
+  if (had_previous && exchange_directories(staging_, target_)) {
     committed_ = true;  // staging_ now holds the previous directory
     fsync_path(parent_of(target_), O_RDONLY | O_DIRECTORY);
     fs::remove_all(staging_, error);
