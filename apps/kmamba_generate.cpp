@@ -3,6 +3,10 @@
 // to stdout as they are produced; --batch-file generates many prompts as batches. See print_help().
 #include <kmamba/KMamba.hpp>
 
+#include "DeviceOption.hpp"
+
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -149,43 +153,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// The --device names this build can run.
-std::vector<std::string> devices_of_this_build() {
-  std::vector<std::string> names;
-#if KMAMBA_HAS_SERIAL
-  names.push_back("serial");
-#endif
-#if KMAMBA_HAS_OPENMP
-  names.push_back("openmp");
-#endif
-#if KMAMBA_ENABLE_CUDA
-  names.push_back("cuda");
-#endif
-  return names;
-}
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (const unsigned char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
-
 // One prompt: its text (empty for --prompt-ids) and ids.
 struct Prompt {
   std::string text;
@@ -314,15 +281,12 @@ int run(const Options& o) {
         std::printf("\n");
       }
       if (json_out) {
-        std::fprintf(json_out, "{\"prompt\": %s, \"prompt_ids\": [", json_string(prompt.text).c_str());
-        for (std::size_t i = 0; i < prompt.ids.size(); ++i) {
-          std::fprintf(json_out, "%s%lld", i ? ", " : "", static_cast<long long>(prompt.ids[i]));
-        }
-        std::fprintf(json_out, "], \"completion\": %s, \"ids\": [", json_string(completion).c_str());
-        for (std::size_t i = 0; i < tokens.size(); ++i) {
-          std::fprintf(json_out, "%s%lld", i ? ", " : "", static_cast<long long>(tokens[i]));
-        }
-        std::fprintf(json_out, "]}\n");
+        const nlohmann::json line = {{"prompt", prompt.text},
+                                     {"prompt_ids", prompt.ids},
+                                     {"completion", completion},
+                                     {"ids", tokens}};
+        // Invalid UTF-8 (a model's byte output) becomes U+FFFD instead of an exception.
+        std::fprintf(json_out, "%s\n", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
       }
     }
     std::fflush(stdout);
@@ -350,14 +314,7 @@ int run(const Options& o) {
 }
 
 int dispatch(const Options& o) {
-  if (!o.device.empty()) {
-    const std::vector<std::string> devices = devices_of_this_build();
-    if (std::find(devices.begin(), devices.end(), o.device) == devices.end()) {
-      std::string list;
-      for (const std::string& d : devices) list += " " + d;
-      KMAMBA_USER_ERROR("kmamba-generate: --device " << o.device << " is not in this build (available:" << list << ")");
-    }
-  }
+  kmamba_apps::check_device("kmamba-generate", o.device);
 #if KMAMBA_HAS_SERIAL
   if (o.device == "serial") return run<Kokkos::Serial>(o);
 #endif

@@ -6,6 +6,7 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
+#include "DeviceOption.hpp"
 #include "Plot.hpp"
 
 #include <nlohmann/json.hpp>
@@ -261,21 +262,6 @@ std::string base_name(const std::string& path) {
   return name.empty() ? "run" : name;
 }
 
-// The --device names this build can run.
-std::vector<std::string> devices_of_this_build() {
-  std::vector<std::string> names;
-#if KMAMBA_HAS_SERIAL
-  names.push_back("serial");
-#endif
-#if KMAMBA_HAS_OPENMP
-  names.push_back("openmp");
-#endif
-#if KMAMBA_ENABLE_CUDA
-  names.push_back("cuda");
-#endif
-  return names;
-}
-
 Run resolve(const Options& o) {
   Run r(o);
   r.data_path = o.text("data", "");
@@ -284,13 +270,7 @@ Run resolve(const Options& o) {
   const bool recall = r.kind == Run::Kind::Recall;
   r.resume = o.flag("resume");
   r.device = o.text("device", "");
-  const std::vector<std::string> devices = devices_of_this_build();
-  if (!r.device.empty() && std::find(devices.begin(), devices.end(), r.device) == devices.end()) {
-    std::string list;
-    for (const std::string& d : devices) list += " " + d;
-    KMAMBA_USER_ERROR("kmamba-train: --device " << r.device
-                                                << " is not an execution space of this build (one of:" << list << ")");
-  }
+  kmamba_apps::check_device("kmamba-train", r.device);
   r.out = o.text("out", !r.model_dir.empty() ? "runs/finetune-" + base_name(r.model_dir)
                         : recall             ? "runs/recall"
                                              : "runs/" + base_name(r.data_path));
