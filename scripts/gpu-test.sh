@@ -10,7 +10,8 @@
 # A shorter run: GPU_TEST_TARGETS="kmamba_decode_tests kmamba-perf-decode" builds only those targets,
 # GPU_TEST_REGEX=decode runs only the matching cuda tests, GPU_TEST_PERF="kmamba-perf-decode
 # kmamba-perf-train" runs only those benchmarks (names under build/perf or build/apps; default: the
-# kernel and decode benchmarks and kmamba-bench; "none" runs none).
+# kernel and decode benchmarks and kmamba-bench; "none" runs none). GPU_TEST_JOBS=N runs N tests at
+# once (default 1; the tests share the one GPU, so use it for correctness runs, not for timing).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -59,9 +60,9 @@ echo "gpu-test.sh: dependencies + build took $((t1 - t0)) s" | tee -a "$out/buil
 cd "$build_dir"
 status=0
 if [ -n "${GPU_TEST_REGEX:-}" ]; then
-  ctest --output-on-failure -L cuda -R "$GPU_TEST_REGEX" 2>&1 | tee "$out/ctest.log" || status=1
+  ctest --output-on-failure -j "${GPU_TEST_JOBS:-1}" -L cuda -R "$GPU_TEST_REGEX" 2>&1 | tee "$out/ctest.log" || status=1
 elif [ -z "${GPU_TEST_TARGETS:-}" ]; then
-  ctest --output-on-failure -L cuda 2>&1 | tee "$out/ctest.log" || status=1
+  ctest --output-on-failure -j "${GPU_TEST_JOBS:-1}" -L cuda 2>&1 | tee "$out/ctest.log" || status=1
 fi
 perf="${GPU_TEST_PERF:-kmamba-bench kmamba-perf kmamba-perf-decode}"
 for p in $perf; do
