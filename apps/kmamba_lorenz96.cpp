@@ -376,12 +376,12 @@ int run(const Options& o, const MpiSession& mpi) {
         host_history(s, t, i) = static_cast<float>((host_truth(s, t, i) - stats.mean) / stats.scale);
   Kokkos::deep_copy(exec, history, host_history);
   session.prefill(exec, history, history_out);
-  const auto increments = Kokkos::create_mirror_view_and_copy(
-      Kokkos::HostSpace(), Kokkos::subview(history_out, Kokkos::ALL, last, Kokkos::ALL));
+  // The whole output comes back: a strided subview cannot be copied between host and device.
+  const auto host_history_out = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), history_out);
   std::vector<double> forecast(static_cast<std::size_t>(streams * variables));
   for (int s = 0; s < streams; ++s)
     for (int i = 0; i < variables; ++i)
-      forecast[static_cast<std::size_t>(s * variables + i)] = host_truth(s, last, i) + stats.increment_scale * increments(s, i);
+      forecast[static_cast<std::size_t>(s * variables + i)] = host_truth(s, last, i) + stats.increment_scale * host_history_out(s, last, i);
   Kokkos::View<float**, Kokkos::LayoutRight, Mem> x_t("kmamba::lorenz96::x_t", streams, variables);
   Kokkos::View<float**, Kokkos::LayoutRight, Mem> y_t("kmamba::lorenz96::y_t", streams, variables);
   auto host_x = Kokkos::create_mirror_view(x_t);

@@ -10,6 +10,7 @@
 // the backend distinguishes: their "tf32" rows (tensor-core chunk products) take the TF32 tensor-core rate as
 // their FLOP ceiling.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/backends/Gemm.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +22,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -374,17 +376,61 @@ void bench_mamba3_siso(const Options& o) {
   }
 }
 
+// The decode step's projections, C = A·Bᵀ with few rows (A: tokens, B: a weight matrix), at the
+// mamba2-130m shapes: in_proj (3352 × 768), out_proj (768 × 1536), the tied head (50288 × 768).
+// The floor streams the weight once. On CUDA the same products also run through cuBLAS SGEMM, the
+// path the library takes above gemm_few_rows rows, for comparison.
+template <class Exec>
+void bench_gemm_few_rows(const Options& o) {
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  struct Shape { const char* name; int n, k; };
+  const Shape shapes[] = {{"in_proj", 3352, 768}, {"out_proj", 768, 1536}, {"head", 50288, 768}};
+  std::uint64_t seed = 40;
+  for (const int m : {1, 16}) {
+    for (const Shape& sh : shapes) {
+      auto A = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::A", m, sh.k);
+      auto B = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::B", sh.n, sh.k);
+      auto C = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::C", m, sh.n);
+      kmamba::fill_normal(exec, A, seed++, 0.0f, 1.0f);
+      kmamba::fill_normal(exec, B, seed++, 0.0f, 0.05f);
+      char shape[96];
+      std::snprintf(shape, sizeof shape, "%s m%d n%d k%d (%s)", sh.name, m, sh.n, sh.k, Exec::name());
+      Measurement g{"gemm A*B^T", shape};
+      g.seconds = median_seconds(exec, o.repeats, [&] {
+        kmamba::gemm(exec, kmamba::Transpose::No, kmamba::Transpose::Yes, 1.0f, kmamba::ConstTensor2<float, Mem>(A),
+                     kmamba::ConstTensor2<float, Mem>(B), 0.0f, C);
+      });
+      g.bytes = 4.0 * (double(sh.n) * sh.k + double(m) * sh.k + double(m) * sh.n);
+      g.flops = 2.0 * m * double(sh.n) * sh.k;
+      report(g);
+#if KMAMBA_ENABLE_CUDA
+      if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) {
+        Measurement c = g;
+        c.name = "gemm A*B^T cublas";
+        c.seconds = median_seconds(exec, o.repeats, [&] {
+          kmamba::impl::cublas_sgemm_row_major(exec.cuda_stream(), false, true, m, sh.n, sh.k, 1.0f, A.data(), sh.k,
+                                               B.data(), sh.k, 0.0f, C.data(), sh.n);
+        });
+        report(c);
+      }
+#endif
+    }
+  }
+}
+
 template <class Exec>
 void run_space(const Options& o) {
   const std::vector<std::pair<std::string, std::function<void(const Options&)>>> cases = {
-      {"ssd", bench_ssd<Exec>}, {"mamba3_siso", bench_mamba3_siso<Exec>}, {"selective_scan", bench_selective_scan<Exec>}};
+      {"ssd", bench_ssd<Exec>}, {"mamba3_siso", bench_mamba3_siso<Exec>}, {"selective_scan", bench_selective_scan<Exec>},
+      {"gemm_few_rows", bench_gemm_few_rows<Exec>}};
   bool ran = false;
   for (const auto& c : cases) {
     if (!o.only_case.empty() && o.only_case != c.first) continue;
     c.second(o);
     ran = true;
   }
-  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan)");
+  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan, gemm_few_rows)");
 }
 
 }  // namespace
@@ -394,7 +440,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
-      std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
+      std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan|gemm_few_rows] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
                   "                   [--precision fp32|tf32|both]\n"
                   "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n"
                   "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n");

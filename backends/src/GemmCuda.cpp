@@ -3,6 +3,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <cstdint>
 #include <mutex>
 
 namespace kmamba {
@@ -26,7 +27,91 @@ cublasHandle_t cublas_handle() {
   return handle;
 }
 
+constexpr int few_rows_warps_per_block = 8;
+
+// Row i of A against row j of B for every i < m (M ≥ m, a compile-time bound so that the partial
+// sums live in registers), Vec = float4 or float: each lane walks k in Vec-wide strides 32 apart.
+template <int M, class Vec>
+__device__ void few_rows_dots(int m, int k_vec, const Vec* __restrict__ a, const Vec* __restrict__ b, int lane,
+                              float (&acc)[M]) {
+#pragma unroll 4
+  for (int p = lane; p < k_vec; p += 32) {
+    const Vec bv = __ldg(&b[p]);
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (i < m) {
+        const Vec av = __ldg(&a[static_cast<std::size_t>(i) * k_vec + p]);
+        if constexpr (sizeof(Vec) == sizeof(float4)) {
+          acc[i] += av.x * bv.x + av.y * bv.y + av.z * bv.z + av.w * bv.w;
+        } else {
+          acc[i] += av * bv;
+        }
+      }
+    }
+  }
+}
+
+template <int M>
+__global__ void __launch_bounds__(32 * few_rows_warps_per_block)
+    gemm_few_rows_kernel(int m, int n, int k, float alpha, const float* __restrict__ A, const float* __restrict__ B,
+                         float beta, float* __restrict__ C, bool vectorised) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int j = static_cast<int>(blockIdx.x) * few_rows_warps_per_block + static_cast<int>(threadIdx.x) / 32;
+  if (j >= n) return;
+  float acc[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) acc[i] = 0.0f;
+  const float* b = B + static_cast<std::size_t>(j) * k;
+  if (vectorised) {
+    few_rows_dots<M>(m, k / 4, reinterpret_cast<const float4*>(A), reinterpret_cast<const float4*>(b), lane, acc);
+  } else {
+    few_rows_dots<M>(m, k, A, b, lane, acc);
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], offset);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (i < m) {
+        float* c = C + static_cast<std::size_t>(i) * n + j;
+        *c = alpha * acc[i] + (beta == 0.0f ? 0.0f : beta * *c);
+      }
+    }
+  }
+}
+
+template <int M>
+void launch_few_rows(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
+                     float* C) {
+  const bool vectorised = k % 4 == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 &&
+                          reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
+  const int blocks = (n + few_rows_warps_per_block - 1) / few_rows_warps_per_block;
+  gemm_few_rows_kernel<M><<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C,
+                                                                               vectorised);
+  KMAMBA_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
+                        float beta, float* C) {
+  KMAMBA_ASSERT(m >= 1 && m <= static_cast<int>(gemm_few_rows) && n >= 1 && k >= 1,
+                "gemm_few_rows_cuda: m = " << m << ", n = " << n << ", k = " << k);
+  if (m == 1) {
+    launch_few_rows<1>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 2) {
+    launch_few_rows<2>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 4) {
+    launch_few_rows<4>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 8) {
+    launch_few_rows<8>(stream, m, n, k, alpha, A, B, beta, C);
+  } else {
+    launch_few_rows<16>(stream, m, n, k, alpha, A, B, beta, C);
+  }
+}
 
 void cublas_sgemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                             const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {

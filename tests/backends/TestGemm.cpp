@@ -40,7 +40,10 @@ TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
   struct Case { int m, n, k; float alpha, beta; };
   const Case cases[] = {{1, 1, 1, 1.0f, 0.0f}, {7, 5, 3, 1.0f, 0.0f}, {64, 33, 17, 0.5f, 2.0f},
                         {3, 130, 65, -1.0f, 1.0f}, {4, 6, 0, 1.0f, 0.5f}, {4, 6, 0, 1.0f, 0.0f},
-                        {1, 300, 771, 1.0f, 0.5f}, {16, 40, 100, 2.0f, 0.0f}, {17, 40, 100, 1.0f, 1.0f}};
+                        {1, 300, 771, 1.0f, 0.5f}, {16, 40, 100, 2.0f, 0.0f}, {17, 40, 100, 1.0f, 1.0f},
+                        // Few rows with k a multiple of 4 (the CUDA path's 16-byte loads), each row bucket.
+                        {1, 70, 256, 1.0f, 0.0f}, {2, 9, 64, 0.5f, 1.0f}, {3, 33, 768, 1.0f, 0.0f},
+                        {8, 17, 128, -1.0f, 0.5f}, {13, 50, 1536, 1.0f, 0.0f}};
   std::uint64_t seed = 100;
   for (const Case& c : cases) {
     for (int t = 0; t < 4; ++t) {

@@ -4,7 +4,6 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Tensor.hpp>
-#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <KokkosBlas1_scal.hpp>
 #include <KokkosBlas3_gemm.hpp>
@@ -42,7 +41,7 @@ struct GemmFewRowsFunctor {
 };
 
 /// The most rows of A for which C = A·Bᵀ runs a few-rows kernel (GemmFewRowsFunctor on hosts,
-/// GemmFewRowsWarpFunctor on CUDA): the BLAS packs all of B on every call, a copy of the whole
+/// gemm_few_rows_cuda on CUDA): the BLAS packs all of B on every call, a copy of the whole
 /// weight matrix for a decode step's few tokens, and cuBLAS spreads it over few blocks.
 constexpr std::size_t gemm_few_rows = 16;
 
@@ -80,34 +79,13 @@ struct GemmImpl {
 };
 
 #if KMAMBA_ENABLE_CUDA
-/// The GPU form of GemmFewRowsFunctor: a warp per column j (vector lanes over k, coalesced reads of
-/// row j of B), eight columns per team. cuBLAS SGEMM at m ≤ 16 spreads a weight matrix over few
-/// blocks; this reads it once across the whole GPU.
-template <class MemorySpace>
-struct GemmFewRowsWarpFunctor {
-  static constexpr int columns_per_team = 8;
-  ConstTensor2<float, MemorySpace> A;  // (m, k)
-  ConstTensor2<float, MemorySpace> B;  // (n, k)
-  Tensor2<float, MemorySpace> C;       // (m, n)
-  float alpha, beta;
-
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
-    const int m = static_cast<int>(A.extent(0)), k = static_cast<int>(A.extent(1)), n = static_cast<int>(C.extent(1));
-    const int j0 = team.league_rank() * columns_per_team;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, columns_per_team), [&](const int t) {
-      const int j = j0 + t;
-      if (j >= n) return;
-      for (int i = 0; i < m; ++i) {
-        float dot = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::ThreadVectorRange(team, k), [&](const int p, float& sum) { sum += A(i, p) * B(j, p); }, dot);
-        Kokkos::single(Kokkos::PerThread(team),
-                       [&]() { C(i, j) = alpha * dot + (beta == 0.0f ? 0.0f : beta * C(i, j)); });
-      }
-    });
-  }
-};
+/// C = alpha · A·Bᵀ + beta · C (C ignored when beta = 0) on `stream` for 1 ≤ m ≤ gemm_few_rows, all
+/// row-major and contiguous: A (m, k), B (n, k), C (m, n). A warp per column j streams row j of B
+/// once (16-byte loads when rows are 16-byte aligned, several loads in flight per lane) against
+/// all m rows of A (read through the cache), and reduces m dot products with shuffles. It is the
+/// decode step's projection (m = batch ≤ 16), which cuBLAS SGEMM spreads over few blocks.
+void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
+                        float beta, float* C);
 
 // C = alpha op(A) op(B) + beta C in row-major is Cᵀ = alpha op(B)ᵀ op(A)ᵀ + beta Cᵀ in cuBLAS's
 // column-major view of the same memory.
@@ -121,12 +99,8 @@ struct GemmImpl<Kokkos::Cuda, MemorySpace> {
                   const Tensor2<float, MemorySpace>& C) {
     const int m = static_cast<int>(C.extent(0)), n = static_cast<int>(C.extent(1));
     const int k = static_cast<int>(trans_a ? A.extent(0) : A.extent(1));
-    if (!trans_a && trans_b && static_cast<std::size_t>(m) <= gemm_few_rows) {
-      using Functor = GemmFewRowsWarpFunctor<MemorySpace>;
-      const int teams = (n + Functor::columns_per_team - 1) / Functor::columns_per_team;
-      Kokkos::parallel_for("kmamba::gemm::few_rows",
-                           light_weight(Kokkos::TeamPolicy<Kokkos::Cuda>(exec, teams, Functor::columns_per_team, 32)),
-                           Functor{A, B, C, alpha, beta});
+    if (!trans_a && trans_b && k > 0 && static_cast<std::size_t>(m) <= gemm_few_rows) {
+      gemm_few_rows_cuda(exec.cuda_stream(), m, n, k, alpha, A.data(), B.data(), beta, C.data());
       return;
     }
     const auto ld = [](std::size_t columns) { return columns > 0 ? static_cast<int>(columns) : 1; };
