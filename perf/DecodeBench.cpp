@@ -3,6 +3,7 @@
 // head), fp32 weights and states.
 //
 //   kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]
+//                      [--profile-steps N [--profile-batch B]]
 //
 // Cases:
 //   decode step b1 / b64   one LanguageModel::decode_step for the whole batch, fenced, median over R
@@ -17,9 +18,15 @@
 // bf16 weights). The prefill floor is its FLOPs (projections, SSD, head of the last position) over
 // the fp32 FMA rate. On a host the ratio is printed against the same H200 floor, as a reference only.
 // --small keeps the model and shrinks the batch, prompt and step counts to what a 2-core CPU runs in
-// about a minute.
+// about a minute. --profile-steps N runs only N plain (not recorded) decode steps at batch B (default
+// 1) after the prefill and warm-ups, between cudaProfilerStart and cudaProfilerStop on CUDA: under
+// `ncu --profile-from-start off` that profiles exactly the kernels of a decode step.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/StepGraph.hpp>
+
+#if KMAMBA_ENABLE_CUDA
+#include <cuda_profiler_api.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -40,6 +47,7 @@ struct Options {
   std::string space, mixer = "mamba2";
   bool small = false;
   int repeats = 20;
+  int profile_steps = 0, profile_batch = 1;
 };
 
 struct Shapes {
@@ -156,6 +164,35 @@ void run_space(const Options& o) {
     return static_cast<std::int64_t>(std::max_element(logits, logits + v) - logits);
   };
 
+  if (o.profile_steps > 0) {
+    const int batch = o.profile_batch;
+    const auto prompts = random_prompts(batch, s.prompt, vocab);
+    auto state = model.make_decode_state(batch);
+    state.set_step_graph(false);
+    auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
+    auto host_ids = Kokkos::create_mirror_view(ids);
+    for (int b = 0; b < batch; ++b) {
+      for (int t = 0; t < s.prompt; ++t) host_ids(b, t) = prompts[b][t];
+    }
+    Kokkos::deep_copy(ids, host_ids);
+    auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
+    model.prefill(exec, ids, state, logits);
+    auto next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
+    Kokkos::deep_copy(next, 11);
+    for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, next, state, logits);
+    exec.fence();
+#if KMAMBA_ENABLE_CUDA
+    cudaProfilerStart();
+#endif
+    for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, next, state, logits);
+    exec.fence();
+#if KMAMBA_ENABLE_CUDA
+    cudaProfilerStop();
+#endif
+    std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, batch);
+    return;
+  }
+
   for (const int batch : {1, s.batch_large}) {
     const auto prompts = random_prompts(batch, s.prompt, vocab);
     char shape[96];
@@ -231,8 +268,11 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf("usage: kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]\n"
-                  "  --small   batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU);\n"
-                  "            default: batch 1 and 64, prompt 128, 64 new tokens, prefill 8x512\n");
+                  "                          [--profile-steps N [--profile-batch B]]\n"
+                  "  --small          batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU);\n"
+                  "                   default: batch 1 and 64, prompt 128, 64 new tokens, prefill 8x512\n"
+                  "  --profile-steps  only N plain decode steps at batch B (default 1), inside cudaProfilerStart/Stop\n"
+                  "                   on CUDA (for ncu --profile-from-start off)\n");
       return 0;
     }
   }
@@ -248,6 +288,8 @@ int main(int argc, char** argv) {
       else if (a == "--small") o.small = true;
       else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
       else if (a == "--mixer") o.mixer = value();
+      else if (a == "--profile-steps") o.profile_steps = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--profile-batch") o.profile_batch = std::max(1, std::atoi(value().c_str()));
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-decode: unknown argument '" << a << "'");
     }
     kmamba::print_configuration(std::cout);

@@ -786,15 +786,22 @@ struct SsdStepFunctor {
   Tensor3<float, MemorySpace> out;           // (batch, nheads, headdim)
   bool has_D, has_z, has_dt_bias, dt_softplus;
   SsdPlan plan;
+  int rows_per_team;  // headdim rows of one head per team: a decode step at batch 1 still fills the GPU
+
+  int league() const { return plan.batch * plan.nheads * row_blocks(); }
+  KOKKOS_INLINE_FUNCTION int row_blocks() const { return (plan.headdim + rows_per_team - 1) / rows_per_team; }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
+    const int block = team.league_rank() % row_blocks();
+    const int h = (team.league_rank() / row_blocks()) % plan.nheads;
+    const int b = team.league_rank() / row_blocks() / plan.nheads;
     const int g = h / plan.heads_per_group;
     const float pre = dt(b, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
     const float d = dt_softplus ? softplus(pre) : pre;
     const float decay = Kokkos::Experimental::exp(d * A(h));
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
+    const int p_begin = block * rows_per_team;
+    const int p_end = p_begin + rows_per_team < plan.headdim ? p_begin + rows_per_team : plan.headdim;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p_begin, p_end), [&](const int p) {
       const float xv = x(b, h, p);
       float y = 0.0f;
       Kokkos::parallel_reduce(
@@ -939,8 +946,9 @@ void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs
                                                        args.z.is_allocated(),
                                                        args.dt_bias.is_allocated(),
                                                        args.dt_softplus,
-                                                       plan};
-  ssd_launch(exec, "kmamba::ssd::step", plan, plan.batch * plan.nheads, functor, 0);
+                                                       plan,
+                                                       plan.team_size};
+  ssd_launch(exec, "kmamba::ssd::step", plan, functor.league(), functor, 0);
 }
 
 }  // namespace impl
