@@ -335,6 +335,7 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
         act[s] = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::conv_" + name, batch, mixer.segment_widths_[s]);
       }
     }
+    projected = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::in_proj", batch, mixer.in_proj_rows_);
     ssm = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba2::ssm_state", batch, mixer.nheads_, mixer.headdim_,
                                         mixer.d_state_);
     A = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::decode::mamba2::A", mixer.nheads_);
@@ -350,6 +351,7 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
   std::array<int, 7> shape;                      // the dimensions of the mixer that made it
   std::array<Tensor3<float, Mem>, segment_count> conv;  // x, B, C: (batch, width, d_conv − 1)
   Tensor4<float, Mem> ssm;                       // (batch, nheads, headdim, d_state)
+  Matrix projected;                              // (batch, in_proj_rows): the whole in_proj output
   std::array<Matrix, segment_count> pre;         // (batch, width) per in_proj segment
   std::array<Matrix, segment_count> act;         // x, B, C: (batch, width) after conv + SiLU
   Tensor1<float, Mem> A;                         // (nheads)
@@ -688,9 +690,17 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
 
   Kokkos::parallel_for("kmamba::decode::mamba2::A", impl::light_weight(Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_)),
                        impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), c.A});
+  // in_proj as one product (its segments are consecutive rows of the weight), then split.
+  project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", 0, in_proj_rows_, u, c.projected);
+  impl::Mamba2SplitSegmentsFunctor<Mem, segment_count> split{c.projected, {}, {}};
   for (int s = 0; s < segment_count; ++s) {
-    project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", segment_offsets_[s], segment_widths_[s], u, c.pre[s]);
+    split.segment[s] = c.pre[s];
+    split.offset[s] = segment_offsets_[s];
   }
+  Kokkos::parallel_for("kmamba::decode::mamba2::split_in_proj",
+                       impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, batch * static_cast<std::int64_t>(in_proj_rows_))),
+                       split);
   float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
   float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
   for (int s = x_segment; s <= C_segment; ++s) {
