@@ -379,7 +379,7 @@ void bench_mamba3_siso(const Options& o) {
 // The decode step's projections, C = A·Bᵀ with few rows (A: tokens, B: a weight matrix), at the
 // mamba2-130m shapes: in_proj (3352 × 768), out_proj (768 × 1536), the tied head (50288 × 768).
 // The floor streams the weight once. On CUDA the same products also run through cuBLAS SGEMM, the
-// path the library takes above gemm_few_rows rows, for comparison.
+// path the library takes above impl::gemm_few_rows_cuda_max rows, for comparison.
 template <class Exec>
 void bench_gemm_few_rows(const Options& o) {
   using Mem = typename Exec::memory_space;
@@ -387,7 +387,7 @@ void bench_gemm_few_rows(const Options& o) {
   struct Shape { const char* name; int n, k; };
   const Shape shapes[] = {{"in_proj", 3352, 768}, {"out_proj", 768, 1536}, {"head", 50288, 768}};
   std::uint64_t seed = 40;
-  for (const int m : {1, 16}) {
+  for (const int m : {1, 4, 16}) {
     for (const Shape& sh : shapes) {
       auto A = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::A", m, sh.k);
       auto B = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::B", sh.n, sh.k);

@@ -79,13 +79,19 @@ struct GemmImpl {
 };
 
 #if KMAMBA_ENABLE_CUDA
-/// C = alpha · A·Bᵀ + beta · C (C ignored when beta = 0) on `stream` for 1 ≤ m ≤ gemm_few_rows, all
+/// C = alpha · A·Bᵀ + beta · C (C ignored when beta = 0) on `stream` for 1 ≤ m ≤ 16, all
 /// row-major and contiguous: A (m, k), B (n, k), C (m, n). A warp per column j streams row j of B
 /// once (16-byte loads when rows are 16-byte aligned, several loads in flight per lane) against
 /// all m rows of A (read through the cache), and reduces m dot products with shuffles. It is the
-/// decode step's projection (m = batch ≤ 16), which cuBLAS SGEMM spreads over few blocks.
+/// decode step's projection at small batch, which cuBLAS SGEMM spreads over few blocks.
 void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
                         float beta, float* C);
+
+/// The most rows for which the CUDA GEMM takes gemm_few_rows_cuda rather than cuBLAS. Measured on
+/// the H200 (perf/RESULTS.md, 2026-12-03): at m = 1 it beats cuBLAS SGEMM on every decode shape
+/// (in_proj 13 vs 17 µs, head 50 vs 55 µs); at m = 16 cuBLAS wins (head 122 vs 309 µs). The cut
+/// at 4 lies between the two measured points (`kmamba-perf --case gemm_few_rows` times m = 4 too).
+constexpr int gemm_few_rows_cuda_max = 4;
 
 // C = alpha op(A) op(B) + beta C in row-major is Cᵀ = alpha op(B)ᵀ op(A)ᵀ + beta Cᵀ in cuBLAS's
 // column-major view of the same memory.
@@ -99,7 +105,7 @@ struct GemmImpl<Kokkos::Cuda, MemorySpace> {
                   const Tensor2<float, MemorySpace>& C) {
     const int m = static_cast<int>(C.extent(0)), n = static_cast<int>(C.extent(1));
     const int k = static_cast<int>(trans_a ? A.extent(0) : A.extent(1));
-    if (!trans_a && trans_b && k > 0 && static_cast<std::size_t>(m) <= gemm_few_rows) {
+    if (!trans_a && trans_b && k > 0 && m <= gemm_few_rows_cuda_max) {
       gemm_few_rows_cuda(exec.cuda_stream(), m, n, k, alpha, A.data(), B.data(), beta, C.data());
       return;
     }
