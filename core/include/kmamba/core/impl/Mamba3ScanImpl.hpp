@@ -1014,30 +1014,27 @@ struct Mamba3ChunkBackwardFunctor {
         });
       });
       team.team_barrier();
-      // Row s of X becomes scale_s·Σ_{t≥j} X(s, t) for j > s (0 for j ≤ s) ...
+      // Row s of X becomes scale_s·Σ_{t≥j} X(s, t) for j > s (0 for j ≤ s), a suffix scan along
+      // the row (index r = len − 1 − j) ...
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int ss) {
-        Kokkos::single(Kokkos::PerThread(team), [&]() {
-          const int s = s0 + ss;
-          sdiag(s) = sX(ss, s);
-          float running = 0.0f;
-          for (int j = len - 1; j >= 0; --j) {
-            if (j > s) {
-              running += sX(ss, j);
-              sX(ss, j) = sscale(s) * running;
-            } else {
-              sX(ss, j) = 0.0f;
-            }
+        const int s = s0 + ss;
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int r, float& running, const bool final) {
+          const int j = len - 1 - r;
+          const float x = sX(ss, j);
+          if (j > s) running += x;
+          if (final) {
+            if (j == s) sdiag(s) = x;
+            if (r == len - 1) soff(s) = running + snext(s);
+            sX(ss, j) = j > s ? sscale(s) * running : 0.0f;
           }
-          soff(s) = running + snext(s);
         });
       });
       team.team_barrier();
       // ... and column j summed over the rows gives this tile's share of the intra-chunk ∂/∂adt_j.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, len), [&](const int j) {
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) {
         float col = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::ThreadVectorRange(team, tokens), [&](const int ss, float& acc) { acc += sX(ss, j); }, col);
-        Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
+        for (int ss = 0; ss < tokens; ++ss) col += sX(ss, j);
+        sintra(j) += col;
       });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
@@ -1092,22 +1089,26 @@ struct Mamba3ChunkBackwardFunctor {
     }
     team.team_barrier();
 
-    // ∂/∂adt_j = intra + Σ_{s<j} scale_s·snext_s + Σ_{t≥j} sprev_t + the chunk term.
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      float next = 0.0f;
-      for (int j = 0; j < len; ++j) {
-        sintra(j) += next;
-        next += sscale(j) * snext(j);
-      }
-      float prev = chunk_term;
-      for (int j = len - 1; j >= 0; --j) {
-        prev += sprev(j);
-        sintra(j) += prev;
+    // ∂/∂adt_j = intra + Σ_{s<j} scale_s·snext_s + Σ_{t≥j} sprev_t + the chunk term: snext becomes
+    // the prefix sums and sprev the suffix sums (vector-level scans of one team thread each).
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2), [&](const int which) {
+      if (which == 0) {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int j, float& next, const bool final) {
+          const float term = sscale(j) * snext(j);
+          if (final) snext(j) = next;
+          next += term;
+        });
+      } else {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int r, float& prev, const bool final) {
+          const int j = len - 1 - r;
+          prev += sprev(j) + (r == 0 ? chunk_term : 0.0f);
+          if (final) sprev(j) = prev;
+        });
       }
     });
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) {
-      dadt(b, h, t0 + j) = sintra(j);
+      dadt(b, h, t0 + j) = sintra(j) + snext(j) + sprev(j);
       bw.off(b, h, t0 + j) = soff(j);
       bw.diag(b, h, t0 + j) = sdiag(j);
     });
