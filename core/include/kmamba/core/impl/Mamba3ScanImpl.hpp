@@ -342,7 +342,7 @@ struct Mamba3Workspace {
 /// Buffers of the backward stages.
 template <class MemorySpace>
 struct Mamba3BackwardWorkspace {
-  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (when needed)
+  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (MIMO)
   Tensor4<float, MemorySpace> g;       // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
   Tensor4<float, MemorySpace> dv;      // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
   Tensor4<float, MemorySpace> dq, dk;  // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
@@ -355,9 +355,9 @@ struct Mamba3BackwardWorkspace {
   Tensor3<float, MemorySpace> partial;  // (batch, nchunks, nheads): the chunk's share of dD
   Tensor4<float, MemorySpace> dq_bias_partial, dk_bias_partial;  // (batch, nchunks, nheads, rank·dstate)
 
-  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_y) {
+  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_rows) {
     const int rows = plan.seqlen * plan.rank;
-    if (keep_y) {
+    if (keep_rows) {
       y = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::y", plan.batch, plan.nheads, rows,
                                                               plan.headdim);
     }
@@ -683,17 +683,21 @@ struct Mamba3StatePassingFunctor {
 
 /// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r for a tile
 /// of rows at a time (the intra-chunk weights and the scaled q concatenated along the reduced
-/// index); then either the gated, rank-contracted output or the rows y_t,r themselves.
-template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
+/// index); then the gated, rank-contracted output (forward) or, with GateBackward (backward B1 fused
+/// into the recompute), g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r), dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
+/// mimo_z_r)·mimo_z_r (with z) and the rows y_t,r themselves (when `y` is allocated).
+template <class ExecSpace, class MemorySpace, bool GateBackward, MatmulPrecision Precision>
 struct Mamba3ChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
-  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> y;    // (batch, nheads, seqlen·rank, headdim), written instead of out when allocated
-  bool write_rows;
+  Tensor4<float, MemorySpace> out;        // forward: (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> dout;  // GateBackward: (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> g;          // GateBackward: (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> dz;         // GateBackward with z: (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> y;          // GateBackward, optional: (batch, nheads, seqlen·rank, headdim)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
@@ -729,24 +733,36 @@ struct Mamba3ChunkScanFunctor {
           },
           [&](const int i, const int p, const float v) { sy(i, p) = v + skip * ws.v(b, h, row0 + i0 + i, p); });
       team.team_barrier();
-      if (write_rows) {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nr), [&](const int i) {
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
-                               [&](const int p) { y(b, h, row0 + i0 + i, p) = sy(i, p); });
-        });
-      } else {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
-          const int t = t0 + l0 + l;
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
+        const int t = t0 + l0 + l;
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+          if constexpr (GateBackward) {
+            const float go = dout(b, t, h, p);
+            float dzp = 0.0f;
+            for (int r = 0; r < R; ++r) {
+              const int row = row0 + i0 + l * R + r;
+              const float yr = sy(l * R + r, p);
+              const float scaled = go * in.o_proj(h, r, p);
+              if (y.is_allocated()) y(b, h, row, p) = yr;
+              if (in.has_z) {
+                const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
+                g(b, h, row, p) = scaled * silu(zr);
+                dzp += scaled * yr * silu_derivative(zr) * in.z_proj(h, r, p);
+              } else {
+                g(b, h, row, p) = scaled;
+              }
+            }
+            if (in.has_z) dz(b, t, h, p) = dzp;
+          } else {
             float o = 0.0f;
             for (int r = 0; r < R; ++r) {
               const float gate = in.has_z ? silu(in.z(b, t, h, p) * in.z_proj(h, r, p)) : 1.0f;
               o += sy(l * R + r, p) * gate * in.o_proj(h, r, p);
             }
             out(b, t, h, p) = o;
-          });
+          }
         });
-      }
+      });
     }
   }
 };
@@ -767,35 +783,20 @@ KOKKOS_INLINE_FUNCTION Mamba3TokenItem mamba3_token_item(const Mamba3Plan& plan,
   return it;
 }
 
-/// Backward B1 (gate): g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r) and dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
-/// mimo_z_r)·mimo_z_r.
+/// Backward B1 without z and rank projections (otherwise fused into the recomputed chunk scan):
+/// g_t,r = dout·mimo_o_r, one item per (batch, token, head, channel).
 template <class MemorySpace>
 struct Mamba3GateBackwardFunctor {
   Mamba3Operands<MemorySpace> in;
   Mamba3Plan plan;
   ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
-  ConstTensor4<float, MemorySpace> y;     // (batch, nheads, seqlen·rank, headdim)
   Tensor4<float, MemorySpace> g;          // (batch, nheads, seqlen·rank, headdim)
-  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim)
 
-  /// One item per (batch, token, head, channel).
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const Mamba3TokenItem it = mamba3_token_item(plan, item, plan.headdim);
     const int b = it.b, t = it.t, h = it.h, p = it.j;
     const float go = dout(b, t, h, p);
-    float dzp = 0.0f;
-    for (int r = 0; r < plan.rank; ++r) {
-      const int row = t * plan.rank + r;
-      const float scaled = go * in.o_proj(h, r, p);
-      if (in.has_z) {
-        const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
-        g(b, h, row, p) = scaled * silu(zr);
-        dzp += scaled * y(b, h, row, p) * silu_derivative(zr) * in.z_proj(h, r, p);
-      } else {
-        g(b, h, row, p) = scaled;
-      }
-    }
-    if (in.has_z) dz(b, t, h, p) = dzp;
+    for (int r = 0; r < plan.rank; ++r) g(b, h, t * plan.rank + r, p) = go * in.o_proj(h, r, p);
   }
 };
 
@@ -1051,7 +1052,10 @@ struct Mamba3ChunkBackwardFunctor {
           [&](const int jj, const int n, const float v) { bw.dk(b, h, j0 + jj, n) = v + srow(jj) * sacc(jj, n); });
     }
 
-    // Pass 2: tiles of target tokens t.
+    // Pass 2: tiles of target tokens t. Where one tile holds the whole chunk, pass 1 left the
+    // weighted products w·(v_j·g_i) of every pair in sB (rows j, columns i): the block pass 2 needs,
+    // transposed.
+    const bool whole_chunk = len <= plan.tile;
     for (int l0 = 0; l0 < len; l0 += plan.tile) {
       const int tokens = len - l0 < plan.tile ? len - l0 : plan.tile;
       const int nr = tokens * R, i0 = row0 + l0 * R;
@@ -1064,12 +1068,14 @@ struct Mamba3ChunkBackwardFunctor {
           [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
           [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
-      TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
-          [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
-          [&](const int ii, const int j, const float v) {
-            sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
-          });
+      if (!whole_chunk) {
+        TeamGemm<ExecSpace, Precision>::apply(
+            team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
+            [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
+            [&](const int ii, const int j, const float v) {
+              sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
+            });
+      }
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
         float dot = 0.0f;
@@ -1083,7 +1089,8 @@ struct Mamba3ChunkBackwardFunctor {
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
       });
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, plan.dstate, rows, [&](const int ii, const int j) { return sB(ii, j); },
+          team, nr, plan.dstate, rows,
+          [&](const int ii, const int j) { return whole_chunk ? sB(j, ii) : sB(ii, j); },
           [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
           [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
     }
@@ -1561,7 +1568,7 @@ void mamba3_forward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const 
   mamba3_prepare<Precision>(exec, plan, in, ws, final_states);
   mamba3_launch(
       exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, out, Tensor4<float, MemorySpace>(), false},
+      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}, {}, {}},
       S::bytes(plan.chunk, plan.rank, plan.tile),
       S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
 }
@@ -1614,16 +1621,18 @@ void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const
   const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   const Mamba3Workspace<MemorySpace> ws(plan);
   mamba3_prepare<Precision>(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
-  const bool keep_y = in.has_z || in.mimo;
-  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, keep_y);
-  if (keep_y) {
-    mamba3_launch(
-        exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
-        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
-        scratch, block_scratch);
+  // The rows y_t,r are kept for the projection sums (MIMO); the gate backward needs them (with z or
+  // rank projections) inside the recomputed chunk scan, or not at all.
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.mimo);
+  if (in.has_z || in.mimo) {
+    mamba3_launch(exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
+                  Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g,
+                                                                                 grads.dz, bw.y},
+                  scratch, block_scratch);
+  } else {
+    mamba3_for(exec, "kmamba::mamba3::gate_backward", tokens * plan.headdim,
+               Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.g});
   }
-  mamba3_for(exec, "kmamba::mamba3::gate_backward", tokens * plan.headdim,
-             Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.y, bw.g, grads.dz});
   mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
                 Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{ws, bw, plan}, scratch);
   mamba3_for(exec, "kmamba::mamba3::state_passing_backward", mamba3_state_items(plan),
