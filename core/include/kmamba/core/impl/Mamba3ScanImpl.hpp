@@ -1088,9 +1088,11 @@ struct Mamba3ChunkBackwardFunctor {
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
       });
+      const float* const weighted = sB.data();
+      const std::size_t across = whole_chunk ? sB.stride_1() : sB.stride_0();
+      const std::size_t along = whole_chunk ? sB.stride_0() : sB.stride_1();
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, plan.dstate, rows,
-          [&](const int ii, const int j) { return whole_chunk ? sB(j, ii) : sB(ii, j); },
+          team, nr, plan.dstate, rows, [&](const int ii, const int j) { return weighted[ii * across + j * along]; },
           [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
           [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
     }
