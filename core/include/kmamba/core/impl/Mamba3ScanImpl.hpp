@@ -7,13 +7,16 @@
 // rotated, biased q and k and the projected v as rows of per-head workspaces, so that the chunk
 // stages read plain (rows × dstate) and (rows × headdim) blocks.
 //
-// Work decomposition (as the SSD, kmamba/core/impl/SsdImpl.hpp): the per-token scans (angles,
-// decays, scales; their backward) are one team per (batch, head); the chunk stages are TeamPolicy
-// launches with one team per (batch, chunk, head) that build the (tile rows × chunk rows) blocks of
-// the intra-chunk weights in level-0 scratch, a tile of tokens at a time (the tile is chosen so that
-// the scratch fits); the passing of states is one team per (batch, head). Every per-chunk product
-// goes through TeamGemm (impl/TeamGemm.hpp). Sums over batch, seqlen or heads are taken in a fixed
-// order (no atomics).
+// Work decomposition (as the SSD, kmamba/core/impl/SsdImpl.hpp): the chunk stages are TeamPolicy
+// launches with one team per (batch, chunk, head), of TeamGemm's preferred shape (256 threads on
+// Cuda) with its launch bounds and staging scratch; a team keeps its chunk's per-token vectors in
+// level-0 scratch and its (tile rows × chunk rows) blocks of intra-chunk weights in level-1
+// scratch, a tile of tokens at a time. Every per-chunk product goes through TeamGemm
+// (impl/TeamGemm.hpp). Everything else is a flat launch of one work item per element (rotations,
+// gates, group and bias sums, passing of states: one item per (batch, head, p, n) walking the
+// chunks) or per (batch, head, chunk, angle) (the angle scans, split in three: chunk sums, a walk
+// over the chunks, the scan within each chunk), so that no thread walks the whole sequence. Sums
+// over batch, seqlen or heads are taken in a fixed order (no atomics).
 #ifndef KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
 #define KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
 
@@ -198,26 +201,32 @@ struct Mamba3StepOperands {
 };
 
 /// How the chunk stages cut the work: `chunk` tokens (`rows` = chunk·rank rows) per chunk, `tile`
-/// tokens (`tile_rows` rows) per scratch block.
+/// tokens (`tile_rows` rows) per scratch block, teams of `team_size` threads × `vector_length` lanes.
 struct Mamba3Plan {
   int batch, seqlen, nheads, headdim, ngroups, dstate, nangles, rank, heads_per_group;
-  int chunk, nchunks, rows, tile, tile_rows, vector_length;
+  int chunk, nchunks, rows, tile, tile_rows, team_size, vector_length;
 };
 
 template <class ExecSpace>
 struct Mamba3Scratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  using Mat = Kokkos::View<float**, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
+  using Mat = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                           Kokkos::MemoryUnmanaged>;
 
   static constexpr int token_vectors = 8;
 
   /// Bytes of level-0 scratch every chunk stage fits in: `token_vectors` vectors of the chunk's
-  /// tokens, one of its rows, one of a tile's rows, two (tile rows × chunk rows) blocks, a
-  /// (tile × chunk) block of token pairs and a (tile rows × max(headdim, dstate)) block.
-  static std::size_t bytes(int chunk, int rank, int tile, int headdim, int dstate) {
+  /// tokens, one of its rows, one of a tile's rows, and TeamGemm's staging.
+  static std::size_t bytes(int chunk, int rank, int tile) {
+    return token_vectors * Vec::shmem_size(chunk) + Vec::shmem_size(chunk * rank) + Vec::shmem_size(tile * rank) +
+           TeamGemm<ExecSpace>::scratch_bytes;
+  }
+  /// Bytes of level-1 scratch of the blocks: two (tile rows × chunk rows) blocks, a (tile × chunk)
+  /// block of token pairs and a (tile rows × max(headdim, dstate)) block.
+  static std::size_t block_bytes(int chunk, int rank, int tile, int headdim, int dstate) {
     const int rows = chunk * rank, tile_rows = tile * rank;
-    return token_vectors * Vec::shmem_size(chunk) + Vec::shmem_size(rows) + Vec::shmem_size(tile_rows) +
-           2 * Mat::shmem_size(tile_rows, rows) + Mat::shmem_size(tile, chunk) +
+    return 2 * Mat::shmem_size(tile_rows, rows) + Mat::shmem_size(tile, chunk) +
            Mat::shmem_size(tile_rows, std::max(headdim, dstate));
   }
 };
@@ -225,7 +234,9 @@ struct Mamba3Scratch {
 template <class ExecSpace>
 Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_size) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  using S = Mamba3Scratch<ExecSpace>;
   constexpr int preferred_tile_rows = 64;
+  constexpr int preferred_team_size = 8;
   constexpr int max_vector_length = 32;
   Mamba3Plan plan;
   plan.batch = static_cast<int>(dims.batch);
@@ -240,37 +251,54 @@ Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_s
   plan.chunk = chunk_size;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   plan.rows = plan.chunk * plan.rank;
-  const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
+  const std::size_t block_limit = static_cast<std::size_t>(Policy::scratch_size_max(1));
   plan.tile = std::min(std::max(1, preferred_tile_rows / plan.rank), plan.chunk);
-  auto need = [&]() {
-    return Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
-  };
-  while (plan.tile > 1 && need() > limit) plan.tile = (plan.tile + 1) / 2;
-  KMAMBA_REQUIRE(need() <= limit, function << ": chunk_size " << plan.chunk << " with rank " << plan.rank
-                                           << ", headdim " << plan.headdim << " and dstate " << plan.dstate << " needs "
-                                           << need() << " bytes of team scratch memory but " << limit
-                                           << " are available; pass a smaller chunk_size");
+  auto block_need = [&]() { return S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate); };
+  while (plan.tile > 1 && block_need() > block_limit) plan.tile = (plan.tile + 1) / 2;
+  const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
+  const std::size_t need = S::bytes(plan.chunk, plan.rank, plan.tile);
+  KMAMBA_REQUIRE(need <= limit && block_need() <= block_limit,
+                 function << ": chunk_size " << plan.chunk << " with rank " << plan.rank << ", headdim "
+                          << plan.headdim << " and dstate " << plan.dstate << " needs " << need << " bytes of team scratch memory and "
+                          << block_need() << " of level-1 team scratch memory but " << limit << " and " << block_limit
+                          << " are available; pass a smaller chunk_size");
   plan.tile_rows = plan.tile * plan.rank;
-  int vector_length = 1;
-  const int widest = std::max(plan.rows, std::max(plan.headdim, plan.dstate));
-  while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
-  plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+  if (TeamGemm<ExecSpace>::team_threads > 0) {
+    plan.vector_length = std::min(max_vector_length, static_cast<int>(Policy::vector_length_max()));
+    plan.team_size = std::max(1, TeamGemm<ExecSpace>::team_threads / plan.vector_length);
+  } else {
+    int vector_length = 1;
+    const int widest = std::max(plan.rows, std::max(plan.headdim, plan.dstate));
+    while (vector_length < widest && vector_length < max_vector_length) vector_length *= 2;
+    plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
+    plan.team_size = preferred_team_size;
+  }
   return plan;
 }
 
+/// A TeamPolicy launch of the plan's team shape (fewer threads where the functor cannot have that
+/// many) with TeamGemm's launch bounds, `scratch` bytes of level-0 and `block_scratch` bytes of
+/// level-1 team scratch.
 template <class ExecSpace, class Functor>
 void mamba3_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, int league, const Functor& functor,
-                   std::size_t scratch) {
-  using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  constexpr int preferred_team_size = 8;
+                   std::size_t scratch, std::size_t block_scratch = 0) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace, typename TeamGemm<ExecSpace>::launch_bounds>;
   if (league == 0) return;
   Policy probe(exec, league, 1, plan.vector_length);
   probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
-  const int team_size =
-      std::max(1, std::min(preferred_team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+  const int team_size = std::max(1, std::min(plan.team_size, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  if (block_scratch > 0) policy.set_scratch_size(1, Kokkos::PerTeam(block_scratch));
   Kokkos::parallel_for(label, light_weight(policy), functor);
+}
+
+/// A flat launch of `items` work items.
+template <class ExecSpace, class Functor>
+void mamba3_for(const ExecSpace& exec, const char* label, std::int64_t items, const Functor& functor) {
+  if (items == 0) return;
+  Kokkos::parallel_for(
+      label, light_weight(Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, items)), functor);
 }
 
 /// Buffers the forward stages hand to each other (recomputed by the backward).
@@ -283,6 +311,10 @@ struct Mamba3Workspace {
   Tensor4<float, MemorySpace> q, k;    // (batch, nheads, seqlen·rank, dstate): rotated, biased
   Tensor4<float, MemorySpace> v;       // (batch, nheads, seqlen·rank, headdim): projected
   Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ
+  /// (batch, nheads, nchunks, nangles): the chunk's sum of angle increments, then θ entering the
+  /// chunk (the backward reuses it for the sums of ∂/∂θ and the gradient entering from the right)
+  Tensor4<float, MemorySpace> angle_sum;
+  Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
 
   explicit Mamba3Workspace(const Mamba3Plan& plan)
       : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
@@ -300,13 +332,17 @@ struct Mamba3Workspace {
         v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch, plan.nheads,
                                                               plan.seqlen * plan.rank, plan.headdim)),
         states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
-                                                                   plan.nheads, plan.headdim, plan.dstate)) {}
+                                                                   plan.nheads, plan.headdim, plan.dstate)),
+        angle_sum(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_chunk_sum", plan.batch,
+                                                                      plan.nheads, plan.nchunks, plan.nangles)),
+        angle_turns(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_turns", plan.batch,
+                                                                        plan.nheads, plan.nchunks, plan.nangles)) {}
 };
 
 /// Buffers of the backward stages.
 template <class MemorySpace>
 struct Mamba3BackwardWorkspace {
-  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (when needed)
+  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (MIMO)
   Tensor4<float, MemorySpace> g;       // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
   Tensor4<float, MemorySpace> dv;      // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
   Tensor4<float, MemorySpace> dq, dk;  // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
@@ -317,10 +353,11 @@ struct Mamba3BackwardWorkspace {
   Tensor2<float, MemorySpace> dbeta0;   // (batch, nheads): ∂/∂β̃_0 through the initial k, v
   Tensor4<float, MemorySpace> dtheta;   // (batch, nheads, seqlen, nangles): ∂/∂θ_t, then G·π·tanh(φ)
   Tensor3<float, MemorySpace> partial;  // (batch, nchunks, nheads): the chunk's share of dD
+  Tensor4<float, MemorySpace> dq_bias_partial, dk_bias_partial;  // (batch, nchunks, nheads, rank·dstate)
 
-  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_y) {
+  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_rows) {
     const int rows = plan.seqlen * plan.rank;
-    if (keep_y) {
+    if (keep_rows) {
       y = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::y", plan.batch, plan.nheads, rows,
                                                               plan.headdim);
     }
@@ -345,6 +382,10 @@ struct Mamba3BackwardWorkspace {
                                                                  plan.seqlen, plan.nangles);
     partial = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::partial_dD", plan.batch,
                                                                   plan.nchunks, plan.nheads);
+    dq_bias_partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+        "kmamba::mamba3::partial_dq_bias", plan.batch, plan.nchunks, plan.nheads, plan.rank * plan.dstate);
+    dk_bias_partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+        "kmamba::mamba3::partial_dk_bias", plan.batch, plan.nchunks, plan.nheads, plan.rank * plan.dstate);
   }
 };
 
@@ -391,52 +432,115 @@ KOKKOS_INLINE_FUNCTION void mamba3_stage_tokens(const Member& team, const Mamba3
   });
 }
 
-/// Stage 1 (per-token scans, one team per (batch, head)): thread i < nangles accumulates the angle
-/// θ_i over the sequence (reduced into [0, 2π) at every token; the number of turns taken out is
-/// kept for the MIMO final angle); thread nangles writes the chunk cumsum of adt, γ and scale.
-template <class ExecSpace, class MemorySpace>
-struct Mamba3TokenScanFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+/// The increment of angle i at token t: π·tanh(angles)·dt.
+template <class MemorySpace>
+KOKKOS_INLINE_FUNCTION float mamba3_angle_step(const Mamba3Operands<MemorySpace>& in, int b, int t, int h, int i) {
+  return mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, t, h, i)) * in.dt(b, h, t);
+}
+
+/// Where a (batch, head, chunk, job) work item works (job fastest).
+struct Mamba3ChunkItem {
+  int b, h, c, job;
+};
+
+KOKKOS_INLINE_FUNCTION Mamba3ChunkItem mamba3_chunk_item(const Mamba3Plan& plan, std::int64_t item, int jobs) {
+  Mamba3ChunkItem it;
+  it.job = static_cast<int>(item % jobs);
+  const std::int64_t rest = item / jobs;
+  it.c = static_cast<int>(rest % plan.nchunks);
+  const int bh = static_cast<int>(rest / plan.nchunks);
+  it.h = bh % plan.nheads;
+  it.b = bh / plan.nheads;
+  return it;
+}
+
+/// Stage 1a (per chunk, one item per (batch, head, chunk, job)): job i < nangles sums the chunk's
+/// increments of angle i; job nangles writes the chunk cumsum of adt, γ and scale of its tokens.
+template <class MemorySpace>
+struct Mamba3ChunkTokensFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles + 1);
+    const int b = it.b, h = it.h, t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
+    if (it.job < plan.nangles) {
+      float sum = 0.0f;
+      for (int l = 0; l < len; ++l) sum += mamba3_angle_step(in, b, t0 + l, h, it.job);
+      ws.angle_sum(b, h, it.c, it.job) = sum;
+    } else {
+      float cs = 0.0f;
+      for (int l = 0; l < len; ++l) {
+        const int t = t0 + l;
+        const float gamma = sigmoid(in.trap(b, h, t)) * in.dt(b, h, t);
+        const float next = t + 1 < plan.seqlen ? in.beta_tilde(b, h, t + 1) : 0.0f;
+        cs += in.adt(b, h, t);
+        ws.cs(b, h, t) = cs;
+        ws.gamma(b, h, t) = gamma;
+        ws.scale(b, h, t) = gamma + next;
+      }
+    }
+  }
+};
+
+/// Stage 1b (one item per (batch, head, angle)): walks the chunks, replacing each chunk's sum of
+/// increments by the angle entering it (reduced into [0, 2π) after every chunk; the turns taken
+/// out before the chunk are kept for the MIMO final angle).
+template <class MemorySpace>
+struct Mamba3AnglePassingFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int i = static_cast<int>(item % plan.nangles);
+    const int bh = static_cast<int>(item / plan.nangles);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    float theta = in.initial.angle_or_zero(b, h, i);
+    float turns = 0.0f;
+    for (int c = 0; c < plan.nchunks; ++c) {
+      const float total = ws.angle_sum(b, h, c, i);
+      ws.angle_sum(b, h, c, i) = theta;
+      ws.angle_turns(b, h, c, i) = turns;
+      theta += total;
+      const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      theta -= mamba3_two_pi * wraps;
+      turns += wraps;
+    }
+  }
+};
+
+/// Stage 1c (one item per (batch, head, chunk, angle)): θ_t from the angle entering the chunk,
+/// reduced into [0, 2π) at every token; the final angle at the last token.
+template <class MemorySpace>
+struct Mamba3AngleScanFunctor {
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Tensor3<float, MemorySpace> final_angle;  // (batch, nheads, nangles)
   bool write_final_angle;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.nangles + 1), [&](const int job) {
-      Kokkos::single(Kokkos::PerThread(team), [&]() {
-        if (job < plan.nangles) {
-          float theta = in.initial.angle_or_zero(b, h, job);
-          float turns = 0.0f;
-          for (int t = 0; t < plan.seqlen; ++t) {
-            theta += mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, t, h, job)) * in.dt(b, h, t);
-            const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
-            theta -= mamba3_two_pi * wraps;
-            turns += wraps;
-            ws.theta(b, h, t, job) = theta;
-          }
-          if (write_final_angle) final_angle(b, h, job) = in.wrap_angle ? theta : theta + mamba3_two_pi * turns;
-        } else {
-          float cs = 0.0f;
-          for (int t = 0; t < plan.seqlen; ++t) {
-            const float gamma = sigmoid(in.trap(b, h, t)) * in.dt(b, h, t);
-            const float next = t + 1 < plan.seqlen ? in.beta_tilde(b, h, t + 1) : 0.0f;
-            cs = (t % plan.chunk == 0 ? 0.0f : cs) + in.adt(b, h, t);
-            ws.cs(b, h, t) = cs;
-            ws.gamma(b, h, t) = gamma;
-            ws.scale(b, h, t) = gamma + next;
-          }
-        }
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles);
+    const int b = it.b, h = it.h, i = it.job, t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
+    float theta = ws.angle_sum(b, h, it.c, i);
+    float turns = ws.angle_turns(b, h, it.c, i);
+    for (int l = 0; l < len; ++l) {
+      theta += mamba3_angle_step(in, b, t0 + l, h, i);
+      const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      theta -= mamba3_two_pi * wraps;
+      turns += wraps;
+      ws.theta(b, h, t0 + l, i) = theta;
+    }
+    if (write_final_angle && it.c == plan.nchunks - 1) {
+      final_angle(b, h, i) = in.wrap_angle ? theta : theta + mamba3_two_pi * turns;
+    }
   }
 };
 
-/// Stage 2 (rotate, one thread per (batch, token, head)): the rotated, biased q and k rows, the
-/// projected v rows; the final k and v states at the last token.
+/// Stage 2a (rotate, one item per (batch, head, row, state)): the rotated, biased q and k rows;
+/// the final k state at the last token.
 template <class MemorySpace>
 struct Mamba3RotateFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -444,37 +548,57 @@ struct Mamba3RotateFunctor {
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int n = static_cast<int>(item % plan.dstate);
+    const std::int64_t rest = item / plan.dstate;
+    const int nrows = plan.seqlen * plan.rank;
+    const int row = static_cast<int>(rest % nrows);
+    const int bh = static_cast<int>(rest / nrows);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    const int t = row / plan.rank, r = row % plan.rank;
     const int g = h / plan.heads_per_group;
-    const bool last = t == plan.seqlen - 1;
-    for (int r = 0; r < plan.rank; ++r) {
-      const int row = t * plan.rank + r;
-      for (int n = 2 * plan.nangles; n < plan.dstate; ++n) {
-        ws.q(b, h, row, n) = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n);
-        ws.k(b, h, row, n) = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
-      }
-      for (int i = 0; i < plan.nangles; ++i) {
-        const float theta = ws.theta(b, h, t, i);
-        const float c = Kokkos::Experimental::cos(theta);
-        const float s = Kokkos::Experimental::sin(theta);
-        const int n0 = 2 * i, n1 = 2 * i + 1;
-        const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
-        const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
-        const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
-        const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
-        ws.q(b, h, row, n0) = q0 * c - q1 * s;
-        ws.q(b, h, row, n1) = q0 * s + q1 * c;
-        ws.k(b, h, row, n0) = k0 * c - k1 * s;
-        ws.k(b, h, row, n1) = k0 * s + k1 * c;
-      }
-      for (int p = 0; p < plan.headdim; ++p) ws.v(b, h, row, p) = in.v(b, t, h, p) * in.v_proj(h, r, p);
-      if (last && final_states.has_k) {
-        for (int n = 0; n < plan.dstate; ++n) final_states.k(b, h, r, n) = ws.k(b, h, row, n);
-      }
-      if (last && final_states.has_v) {
-        for (int p = 0; p < plan.headdim; ++p) final_states.v(b, h, r, p) = ws.v(b, h, row, p);
-      }
+    float qv, kv;
+    if (n < 2 * plan.nangles) {
+      const int n0 = n & ~1, n1 = n0 + 1;
+      const float theta = ws.theta(b, h, t, n0 / 2);
+      const float c = Kokkos::Experimental::cos(theta);
+      const float s = Kokkos::Experimental::sin(theta);
+      const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
+      const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
+      const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
+      const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
+      qv = n == n0 ? q0 * c - q1 * s : q0 * s + q1 * c;
+      kv = n == n0 ? k0 * c - k1 * s : k0 * s + k1 * c;
+    } else {
+      qv = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n);
+      kv = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
     }
+    ws.q(b, h, row, n) = qv;
+    ws.k(b, h, row, n) = kv;
+    if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
+  }
+};
+
+/// Stage 2b (one item per (batch, head, row, channel)): the projected v rows; the final v state at
+/// the last token.
+template <class MemorySpace>
+struct Mamba3ProjectFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Mamba3StateViews<float, MemorySpace> final_states;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int p = static_cast<int>(item % plan.headdim);
+    const std::int64_t rest = item / plan.headdim;
+    const int nrows = plan.seqlen * plan.rank;
+    const int row = static_cast<int>(rest % nrows);
+    const int bh = static_cast<int>(rest / nrows);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    const int t = row / plan.rank, r = row % plan.rank;
+    const float v = in.v(b, t, h, p) * in.v_proj(h, r, p);
+    ws.v(b, h, row, p) = v;
+    if (t == plan.seqlen - 1 && final_states.has_v) final_states.v(b, h, r, p) = v;
   }
 };
 
@@ -503,54 +627,77 @@ struct Mamba3ChunkStateFunctor {
   }
 };
 
-/// Stage 4 (state_passing): replaces each chunk's local state by the state Ĥ entering the chunk
-/// (Ĥ_{−1} = initial ssm + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ) and writes the final ssm state.
-template <class ExecSpace, class MemorySpace>
+/// Where a (batch, head, p, n) work item of the passing of states works.
+struct Mamba3StateItem {
+  int b, h, p, n;
+};
+
+KOKKOS_INLINE_FUNCTION Mamba3StateItem mamba3_state_item(const Mamba3Plan& plan, std::int64_t item) {
+  const std::int64_t per_head = static_cast<std::int64_t>(plan.headdim) * plan.dstate;
+  const int pn = static_cast<int>(item % per_head);
+  const int bh = static_cast<int>(item / per_head);
+  return Mamba3StateItem{bh / plan.nheads, bh % plan.nheads, pn / plan.dstate, pn % plan.dstate};
+}
+
+/// The number of (batch, head, p, n) work items.
+inline std::int64_t mamba3_state_items(const Mamba3Plan& plan) {
+  return static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate;
+}
+
+/// The decay of the state across chunk c: exp(cs at the chunk's last token).
+template <class MemorySpace>
+KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Mamba3Workspace<MemorySpace>& ws, int b,
+                                                int h, int c) {
+  return Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
+}
+
+/// Stage 4 (state_passing, one item per (batch, head, p, n)): replaces each chunk's local state by
+/// the state Ĥ entering the chunk (Ĥ_{−1} = initial ssm + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ) and writes the
+/// final ssm state, reading the next local state ahead.
+template <class MemorySpace>
 struct Mamba3StatePassingFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    const float beta0 = in.beta_tilde(b, h, 0);
-    const bool carry_kv = in.initial.has_k && in.initial.has_v;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
-        float s = in.initial.ssm_or_zero(b, h, p, n);
-        if (carry_kv) {
-          float kv = 0.0f;
-          for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
-          s += beta0 * kv;
-        }
-        for (int c = 0; c < plan.nchunks; ++c) {
-          const float decay = Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
-          const float local = ws.states(b, c, h, p, n);
-          ws.states(b, c, h, p, n) = s;
-          s = decay * s + local;
-        }
-        if (final_states.has_ssm) final_states.ssm(b, h, p, n) = s;
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3StateItem it = mamba3_state_item(plan, item);
+    const int b = it.b, h = it.h, p = it.p, n = it.n;
+    float s = in.initial.ssm_or_zero(b, h, p, n);
+    if (in.initial.has_k && in.initial.has_v) {
+      float kv = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
+      s += in.beta_tilde(b, h, 0) * kv;
+    }
+    float local = ws.states(b, 0, h, p, n);
+    for (int c = 0; c < plan.nchunks; ++c) {
+      const float next = c + 1 < plan.nchunks ? ws.states(b, c + 1, h, p, n) : 0.0f;
+      ws.states(b, c, h, p, n) = s;
+      s = mamba3_chunk_decay(plan, ws, b, h, c) * s + local;
+      local = next;
+    }
+    if (final_states.has_ssm) final_states.ssm(b, h, p, n) = s;
   }
 };
 
 /// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r for a tile
 /// of rows at a time (the intra-chunk weights and the scaled q concatenated along the reduced
-/// index); then either the gated, rank-contracted output or the rows y_t,r themselves.
-template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
+/// index); then the gated, rank-contracted output (forward) or, with GateBackward (backward B1 fused
+/// into the recompute), g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r), dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
+/// mimo_z_r)·mimo_z_r (with z) and the rows y_t,r themselves (when `y` is allocated).
+template <class ExecSpace, class MemorySpace, bool GateBackward, MatmulPrecision Precision>
 struct Mamba3ChunkScanFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using S = Mamba3Scratch<ExecSpace>;
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
-  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> y;    // (batch, nheads, seqlen·rank, headdim), written instead of out when allocated
-  bool write_rows;
+  Tensor4<float, MemorySpace> out;        // forward: (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> dout;  // GateBackward: (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> g;          // GateBackward: (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> dz;         // GateBackward with z: (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> y;          // GateBackward, optional: (batch, nheads, seqlen·rank, headdim)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
@@ -558,8 +705,8 @@ struct Mamba3ChunkScanFunctor {
     typename S::Vec sscale(team.team_scratch(0), plan.chunk);
     typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
     typename S::Vec seA(team.team_scratch(0), plan.rows);
-    typename S::Mat sW(team.team_scratch(0), plan.tile_rows, plan.rows);
-    typename S::Mat sy(team.team_scratch(0), plan.tile_rows, plan.headdim);
+    typename S::Mat sW(team.team_scratch(1), plan.tile_rows, plan.rows);
+    typename S::Mat sy(team.team_scratch(1), plan.tile_rows, plan.headdim);
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, row0 = blk.row0, rows = blk.rows, R = plan.rank;
     mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows),
@@ -586,56 +733,70 @@ struct Mamba3ChunkScanFunctor {
           },
           [&](const int i, const int p, const float v) { sy(i, p) = v + skip * ws.v(b, h, row0 + i0 + i, p); });
       team.team_barrier();
-      if (write_rows) {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nr), [&](const int i) {
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
-                               [&](const int p) { y(b, h, row0 + i0 + i, p) = sy(i, p); });
-        });
-      } else {
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
-          const int t = t0 + l0 + l;
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
+        const int t = t0 + l0 + l;
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+          if constexpr (GateBackward) {
+            const float go = dout(b, t, h, p);
+            float dzp = 0.0f;
+            for (int r = 0; r < R; ++r) {
+              const int row = row0 + i0 + l * R + r;
+              const float yr = sy(l * R + r, p);
+              const float scaled = go * in.o_proj(h, r, p);
+              if (y.is_allocated()) y(b, h, row, p) = yr;
+              if (in.has_z) {
+                const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
+                g(b, h, row, p) = scaled * silu(zr);
+                dzp += scaled * yr * silu_derivative(zr) * in.z_proj(h, r, p);
+              } else {
+                g(b, h, row, p) = scaled;
+              }
+            }
+            if (in.has_z) dz(b, t, h, p) = dzp;
+          } else {
             float o = 0.0f;
             for (int r = 0; r < R; ++r) {
               const float gate = in.has_z ? silu(in.z(b, t, h, p) * in.z_proj(h, r, p)) : 1.0f;
               o += sy(l * R + r, p) * gate * in.o_proj(h, r, p);
             }
             out(b, t, h, p) = o;
-          });
+          }
         });
-      }
+      });
     }
   }
 };
 
-/// Backward B1 (gate): g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r) and dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
-/// mimo_z_r)·mimo_z_r.
+/// Where a (batch, token, head, j) work item works (j fastest).
+struct Mamba3TokenItem {
+  int b, t, h, j;
+};
+
+KOKKOS_INLINE_FUNCTION Mamba3TokenItem mamba3_token_item(const Mamba3Plan& plan, std::int64_t item, int width) {
+  Mamba3TokenItem it;
+  it.j = static_cast<int>(item % width);
+  const std::int64_t rest = item / width;
+  it.h = static_cast<int>(rest % plan.nheads);
+  const int bt = static_cast<int>(rest / plan.nheads);
+  it.t = bt % plan.seqlen;
+  it.b = bt / plan.seqlen;
+  return it;
+}
+
+/// Backward B1 without z and rank projections (otherwise fused into the recomputed chunk scan):
+/// g_t,r = dout·mimo_o_r, one item per (batch, token, head, channel).
 template <class MemorySpace>
 struct Mamba3GateBackwardFunctor {
   Mamba3Operands<MemorySpace> in;
   Mamba3Plan plan;
   ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
-  ConstTensor4<float, MemorySpace> y;     // (batch, nheads, seqlen·rank, headdim)
   Tensor4<float, MemorySpace> g;          // (batch, nheads, seqlen·rank, headdim)
-  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
-    for (int p = 0; p < plan.headdim; ++p) {
-      const float go = dout(b, t, h, p);
-      float dzp = 0.0f;
-      for (int r = 0; r < plan.rank; ++r) {
-        const int row = t * plan.rank + r;
-        const float scaled = go * in.o_proj(h, r, p);
-        if (in.has_z) {
-          const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
-          g(b, h, row, p) = scaled * silu(zr);
-          dzp += scaled * y(b, h, row, p) * silu_derivative(zr) * in.z_proj(h, r, p);
-        } else {
-          g(b, h, row, p) = scaled;
-        }
-      }
-      if (in.has_z) dz(b, t, h, p) = dzp;
-    }
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3TokenItem it = mamba3_token_item(plan, item, plan.headdim);
+    const int b = it.b, t = it.t, h = it.h, p = it.j;
+    const float go = dout(b, t, h, p);
+    for (int r = 0; r < plan.rank; ++r) g(b, h, t * plan.rank + r, p) = go * in.o_proj(h, r, p);
   }
 };
 
@@ -664,33 +825,30 @@ struct Mamba3ChunkDstatesFunctor {
   }
 };
 
-/// Backward B3 (state passing, reversed): replaces each chunk's dstates by the gradient of the
-/// state leaving the chunk (the last one's is dfinal ssm) and writes ∂/∂Ĥ_{−1} (= dinitial ssm).
-template <class ExecSpace, class MemorySpace>
+/// Backward B3 (state passing reversed, one item per (batch, head, p, n)): replaces each chunk's
+/// dstates by the gradient of the state leaving the chunk (the last one's is dfinal ssm) and
+/// writes ∂/∂Ĥ_{−1} (= dinitial ssm), reading the previous chunk's dstates ahead.
+template <class MemorySpace>
 struct Mamba3StatePassingBackwardFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Mamba3StateViews<float, MemorySpace> dinitial;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.headdim), [&](const int p) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
-        float ds = dfinal.ssm_or_zero(b, h, p, n);
-        for (int c = plan.nchunks - 1; c >= 0; --c) {
-          const float decay = Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
-          const float dh = bw.dstates(b, c, h, p, n);
-          bw.dstates(b, c, h, p, n) = ds;
-          ds = decay * ds + dh;
-        }
-        bw.dH0(b, h, p, n) = ds;
-        if (dinitial.has_ssm) dinitial.ssm(b, h, p, n) = ds;
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3StateItem it = mamba3_state_item(plan, item);
+    const int b = it.b, h = it.h, p = it.p, n = it.n;
+    float ds = dfinal.ssm_or_zero(b, h, p, n);
+    float dh = bw.dstates(b, plan.nchunks - 1, h, p, n);
+    for (int c = plan.nchunks - 1; c >= 0; --c) {
+      const float previous = c > 0 ? bw.dstates(b, c - 1, h, p, n) : 0.0f;
+      bw.dstates(b, c, h, p, n) = ds;
+      ds = mamba3_chunk_decay(plan, ws, b, h, c) * ds + dh;
+      dh = previous;
+    }
+    bw.dH0(b, h, p, n) = ds;
+    if (dinitial.has_ssm) dinitial.ssm(b, h, p, n) = ds;
   }
 };
 
@@ -777,10 +935,10 @@ struct Mamba3ChunkBackwardFunctor {
     typename S::Vec sprev(team.team_scratch(0), plan.chunk);   // Σ_r q_t,r·exp(cs_t)·Ĥᵀ g_t,r
     typename S::Vec snext(team.team_scratch(0), plan.chunk);   // exp(cs_last − cs_s)·Σ_r′ v_jᵀ dĤ k_j
     typename S::Vec srow(team.team_scratch(0), plan.tile_rows);
-    typename S::Mat sA(team.team_scratch(0), plan.tile_rows, plan.rows);
-    typename S::Mat sB(team.team_scratch(0), plan.tile_rows, plan.rows);
-    typename S::Mat sX(team.team_scratch(0), plan.tile, plan.chunk);
-    typename S::Mat sacc(team.team_scratch(0), plan.tile_rows, plan.headdim > plan.dstate ? plan.headdim : plan.dstate);
+    typename S::Mat sA(team.team_scratch(1), plan.tile_rows, plan.rows);
+    typename S::Mat sB(team.team_scratch(1), plan.tile_rows, plan.rows);
+    typename S::Mat sX(team.team_scratch(1), plan.tile, plan.chunk);
+    typename S::Mat sacc(team.team_scratch(1), plan.tile_rows, plan.headdim > plan.dstate ? plan.headdim : plan.dstate);
 
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, len = blk.len, row0 = blk.row0, rows = blk.rows;
     const int R = plan.rank, last = len - 1;
@@ -857,30 +1015,27 @@ struct Mamba3ChunkBackwardFunctor {
         });
       });
       team.team_barrier();
-      // Row s of X becomes scale_s·Σ_{t≥j} X(s, t) for j > s (0 for j ≤ s) ...
+      // Row s of X becomes scale_s·Σ_{t≥j} X(s, t) for j > s (0 for j ≤ s), a suffix scan along
+      // the row (index r = len − 1 − j) ...
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int ss) {
-        Kokkos::single(Kokkos::PerThread(team), [&]() {
-          const int s = s0 + ss;
-          sdiag(s) = sX(ss, s);
-          float running = 0.0f;
-          for (int j = len - 1; j >= 0; --j) {
-            if (j > s) {
-              running += sX(ss, j);
-              sX(ss, j) = sscale(s) * running;
-            } else {
-              sX(ss, j) = 0.0f;
-            }
+        const int s = s0 + ss;
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int r, float& running, const bool final) {
+          const int j = len - 1 - r;
+          const float x = sX(ss, j);
+          if (j > s) running += x;
+          if (final) {
+            if (j == s) sdiag(s) = x;
+            if (r == len - 1) soff(s) = running + snext(s);
+            sX(ss, j) = j > s ? sscale(s) * running : 0.0f;
           }
-          soff(s) = running + snext(s);
         });
       });
       team.team_barrier();
       // ... and column j summed over the rows gives this tile's share of the intra-chunk ∂/∂adt_j.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, len), [&](const int j) {
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) {
         float col = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::ThreadVectorRange(team, tokens), [&](const int ss, float& acc) { acc += sX(ss, j); }, col);
-        Kokkos::single(Kokkos::PerThread(team), [&]() { sintra(j) += col; });
+        for (int ss = 0; ss < tokens; ++ss) col += sX(ss, j);
+        sintra(j) += col;
       });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
@@ -897,7 +1052,10 @@ struct Mamba3ChunkBackwardFunctor {
           [&](const int jj, const int n, const float v) { bw.dk(b, h, j0 + jj, n) = v + srow(jj) * sacc(jj, n); });
     }
 
-    // Pass 2: tiles of target tokens t.
+    // Pass 2: tiles of target tokens t. Where one tile holds the whole chunk, pass 1 left the
+    // weighted products w·(v_j·g_i) of every pair in sB (rows j, columns i): the block pass 2 needs,
+    // transposed.
+    const bool whole_chunk = len <= plan.tile;
     for (int l0 = 0; l0 < len; l0 += plan.tile) {
       const int tokens = len - l0 < plan.tile ? len - l0 : plan.tile;
       const int nr = tokens * R, i0 = row0 + l0 * R;
@@ -910,12 +1068,14 @@ struct Mamba3ChunkBackwardFunctor {
           [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
           [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
-      TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
-          [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
-          [&](const int ii, const int j, const float v) {
-            sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
-          });
+      if (!whole_chunk) {
+        TeamGemm<ExecSpace, Precision>::apply(
+            team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
+            [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
+            [&](const int ii, const int j, const float v) {
+              sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
+            });
+      }
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
         float dot = 0.0f;
@@ -928,29 +1088,36 @@ struct Mamba3ChunkBackwardFunctor {
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
       });
+      const float* const weighted = sB.data();
+      const std::size_t across = whole_chunk ? sB.stride_1() : sB.stride_0();
+      const std::size_t along = whole_chunk ? sB.stride_0() : sB.stride_1();
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, plan.dstate, rows, [&](const int ii, const int j) { return sB(ii, j); },
+          team, nr, plan.dstate, rows, [&](const int ii, const int j) { return weighted[ii * across + j * along]; },
           [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
           [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
     }
     team.team_barrier();
 
-    // ∂/∂adt_j = intra + Σ_{s<j} scale_s·snext_s + Σ_{t≥j} sprev_t + the chunk term.
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      float next = 0.0f;
-      for (int j = 0; j < len; ++j) {
-        sintra(j) += next;
-        next += sscale(j) * snext(j);
-      }
-      float prev = chunk_term;
-      for (int j = len - 1; j >= 0; --j) {
-        prev += sprev(j);
-        sintra(j) += prev;
+    // ∂/∂adt_j = intra + Σ_{s<j} scale_s·snext_s + Σ_{t≥j} sprev_t + the chunk term: snext becomes
+    // the prefix sums and sprev the suffix sums (vector-level scans of one team thread each).
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2), [&](const int which) {
+      if (which == 0) {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int j, float& next, const bool final) {
+          const float term = sscale(j) * snext(j);
+          if (final) snext(j) = next;
+          next += term;
+        });
+      } else {
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, len), [&](const int r, float& prev, const bool final) {
+          const int j = len - 1 - r;
+          prev += sprev(j) + (r == 0 ? chunk_term : 0.0f);
+          if (final) sprev(j) = prev;
+        });
       }
     });
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) {
-      dadt(b, h, t0 + j) = sintra(j);
+      dadt(b, h, t0 + j) = sintra(j) + snext(j) + sprev(j);
       bw.off(b, h, t0 + j) = soff(j);
       bw.diag(b, h, t0 + j) = sdiag(j);
     });
@@ -969,131 +1136,228 @@ struct Mamba3ChunkBackwardFunctor {
   }
 };
 
-/// Backward B6 (per token): adds the final k and v cotangents at the last token; turns the rotated
-/// gradients of q and k back (into ∂/∂ the biased q, k, in place) and writes ∂/∂θ_t; dv = Σ_r ∂/∂v_t,r·mimo_v_r.
+/// Backward B6a (one item per (batch, head, token, state)): adds the final k cotangent at the last
+/// token and turns the rotated gradients of q and k back (into ∂/∂ the biased q, k, in place); the
+/// item of the first state of a rotated pair turns the pair over every rank and writes ∂/∂θ_t.
 template <class MemorySpace>
 struct Mamba3TokenBackwardFunctor {
-  Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3StateViews<const float, MemorySpace> dfinal;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int n = static_cast<int>(item % plan.dstate);
+    const std::int64_t rest = item / plan.dstate;
+    const int t = static_cast<int>(rest % plan.seqlen);
+    const int bh = static_cast<int>(rest / plan.seqlen);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    const bool add_final = t == plan.seqlen - 1 && dfinal.has_k;
+    if (n >= 2 * plan.nangles) {
+      if (add_final) {
+        for (int r = 0; r < plan.rank; ++r) bw.dk(b, h, t * plan.rank + r, n) += dfinal.k(b, h, r, n);
+      }
+      return;
+    }
+    if (n % 2 != 0) return;
+    const int i = n / 2, n0 = n, n1 = n + 1;
+    const float theta = ws.theta(b, h, t, i);
+    const float c = Kokkos::Experimental::cos(theta);
+    const float s = Kokkos::Experimental::sin(theta);
+    float dtheta = 0.0f;
+    for (int r = 0; r < plan.rank; ++r) {
+      const int row = t * plan.rank + r;
+      const float dq0 = bw.dq(b, h, row, n0), dq1 = bw.dq(b, h, row, n1);
+      float dk0 = bw.dk(b, h, row, n0), dk1 = bw.dk(b, h, row, n1);
+      if (add_final) {
+        dk0 += dfinal.k(b, h, r, n0);
+        dk1 += dfinal.k(b, h, r, n1);
+      }
+      dtheta += dq1 * ws.q(b, h, row, n0) - dq0 * ws.q(b, h, row, n1);
+      dtheta += dk1 * ws.k(b, h, row, n0) - dk0 * ws.k(b, h, row, n1);
+      bw.dq(b, h, row, n0) = dq0 * c + dq1 * s;
+      bw.dq(b, h, row, n1) = dq1 * c - dq0 * s;
+      bw.dk(b, h, row, n0) = dk0 * c + dk1 * s;
+      bw.dk(b, h, row, n1) = dk1 * c - dk0 * s;
+    }
+    bw.dtheta(b, h, t, i) = dtheta;
+  }
+};
+
+/// Backward B6b (one item per (batch, token, head, channel)): adds the final v cotangent at the
+/// last token (in place, for the projection sums) and writes dv = Σ_r ∂/∂v_t,r·mimo_v_r.
+template <class MemorySpace>
+struct Mamba3ValueBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Tensor4<float, MemorySpace> dv;  // (batch, seqlen, nheads, headdim)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int h) const {
-    if (t == plan.seqlen - 1) {
-      for (int r = 0; r < plan.rank; ++r) {
-        const int row = t * plan.rank + r;
-        if (dfinal.has_k) {
-          for (int n = 0; n < plan.dstate; ++n) bw.dk(b, h, row, n) += dfinal.k(b, h, r, n);
-        }
-        if (dfinal.has_v) {
-          for (int p = 0; p < plan.headdim; ++p) bw.dv(b, h, row, p) += dfinal.v(b, h, r, p);
-        }
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3TokenItem it = mamba3_token_item(plan, item, plan.headdim);
+    const int b = it.b, t = it.t, h = it.h, p = it.j;
+    const bool add_final = t == plan.seqlen - 1 && dfinal.has_v;
+    float sum = 0.0f;
+    for (int r = 0; r < plan.rank; ++r) {
+      const int row = t * plan.rank + r;
+      float d = bw.dv(b, h, row, p);
+      if (add_final) {
+        d += dfinal.v(b, h, r, p);
+        bw.dv(b, h, row, p) = d;
       }
+      sum += d * in.v_proj(h, r, p);
     }
-    for (int i = 0; i < plan.nangles; ++i) {
-      const float theta = ws.theta(b, h, t, i);
-      const float c = Kokkos::Experimental::cos(theta);
-      const float s = Kokkos::Experimental::sin(theta);
-      const int n0 = 2 * i, n1 = 2 * i + 1;
-      float dtheta = 0.0f;
-      for (int r = 0; r < plan.rank; ++r) {
-        const int row = t * plan.rank + r;
-        const float dq0 = bw.dq(b, h, row, n0), dq1 = bw.dq(b, h, row, n1);
-        const float dk0 = bw.dk(b, h, row, n0), dk1 = bw.dk(b, h, row, n1);
-        dtheta += dq1 * ws.q(b, h, row, n0) - dq0 * ws.q(b, h, row, n1);
-        dtheta += dk1 * ws.k(b, h, row, n0) - dk0 * ws.k(b, h, row, n1);
-        bw.dq(b, h, row, n0) = dq0 * c + dq1 * s;
-        bw.dq(b, h, row, n1) = dq1 * c - dq0 * s;
-        bw.dk(b, h, row, n0) = dk0 * c + dk1 * s;
-        bw.dk(b, h, row, n1) = dk1 * c - dk0 * s;
-      }
-      bw.dtheta(b, h, t, i) = dtheta;
-    }
-    for (int p = 0; p < plan.headdim; ++p) {
-      float sum = 0.0f;
-      for (int r = 0; r < plan.rank; ++r) sum += bw.dv(b, h, t * plan.rank + r, p) * in.v_proj(h, r, p);
-      dv(b, t, h, p) = sum;
-    }
+    dv(b, t, h, p) = sum;
   }
 };
 
-/// Backward B7 (per-token scans reversed, one team per (batch, head)): thread i accumulates
-/// G_i = dfinal angle + Σ_{t′≥t} ∂/∂θ_t′ backwards, writes dangles and leaves G·π·tanh(φ) (the part of
-/// ∂/∂dt through the angles) in dtheta; then per token ∂/∂dt and ∂/∂trap from ∂/∂γ_t = diag_t + off_t
-/// and ∂/∂β̃_t = off_{t−1} (∂/∂β̃_0 through the initial k, v).
-template <class ExecSpace, class MemorySpace>
-struct Mamba3AngleBackwardFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  Mamba3Operands<MemorySpace> in;
+/// Backward B7a (one item per (batch, head, chunk, angle)): the chunk's sum of ∂/∂θ_t, last token first.
+template <class MemorySpace>
+struct Mamba3DthetaChunkSumFunctor {
+  Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles);
+    const int t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
+    float sum = 0.0f;
+    for (int l = len - 1; l >= 0; --l) sum += bw.dtheta(it.b, it.h, t0 + l, it.job);
+    ws.angle_sum(it.b, it.h, it.c, it.job) = sum;
+  }
+};
+
+/// Backward B7b (one item per (batch, head, angle)): walks the chunks backwards, replacing each
+/// chunk's sum by G entering it from the right (dfinal angle + the sums of the chunks after it);
+/// writes dinitial angle.
+template <class MemorySpace>
+struct Mamba3DthetaPassingFunctor {
+  Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Mamba3StateViews<float, MemorySpace> dinitial;
-  Tensor4<float, MemorySpace> dangles;  // (batch, seqlen, nheads, nangles)
-  Tensor3<float, MemorySpace> ddt;      // (batch, nheads, seqlen)
-  Tensor3<float, MemorySpace> dtrap;    // (batch, nheads, seqlen)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int h = team.league_rank() % plan.nheads;
-    const int b = team.league_rank() / plan.nheads;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.nangles), [&](const int i) {
-      Kokkos::single(Kokkos::PerThread(team), [&]() {
-        float G = dfinal.angle_or_zero(b, h, i);
-        for (int t = plan.seqlen - 1; t >= 0; --t) {
-          G += bw.dtheta(b, h, t, i);
-          const float th = Kokkos::Experimental::tanh(in.angles(b, t, h, i));
-          dangles(b, t, h, i) = G * in.dt(b, h, t) * mamba3_pi * (1.0f - th * th);
-          bw.dtheta(b, h, t, i) = G * mamba3_pi * th;
-        }
-        if (dinitial.has_angle) dinitial.angle(b, h, i) = G;
-      });
-    });
-    team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.seqlen), [&](const int t) {
-      float from_angles = 0.0f;
-      Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(team, plan.nangles), [&](const int i, float& acc) { acc += bw.dtheta(b, h, t, i); },
-          from_angles);
-      Kokkos::single(Kokkos::PerThread(team), [&]() {
-        const float d = in.dt(b, h, t);
-        const float lambda = sigmoid(in.trap(b, h, t));
-        const float one_minus = sigmoid(-in.trap(b, h, t));
-        const float dgamma = bw.diag(b, h, t) + bw.off(b, h, t);
-        const float dbeta = t > 0 ? bw.off(b, h, t - 1) : bw.dbeta0(b, h);
-        ddt(b, h, t) = from_angles + dgamma * lambda + dbeta * one_minus;
-        dtrap(b, h, t) = (dgamma - dbeta) * d * lambda * one_minus;
-      });
-    });
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int i = static_cast<int>(item % plan.nangles);
+    const int bh = static_cast<int>(item / plan.nangles);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    float G = dfinal.angle_or_zero(b, h, i);
+    for (int c = plan.nchunks - 1; c >= 0; --c) {
+      const float sum = ws.angle_sum(b, h, c, i);
+      ws.angle_sum(b, h, c, i) = G;
+      G += sum;
+    }
+    if (dinitial.has_angle) dinitial.angle(b, h, i) = G;
   }
 };
 
-/// dq, dk: the heads of each group summed in a fixed order.
+/// Backward B7c (one item per (batch, head, chunk, angle)): G_i = dfinal angle + Σ_{t′≥t} ∂/∂θ_t′
+/// backwards through the chunk from the G entering it; writes dangles and leaves G·π·tanh(φ) (the
+/// part of ∂/∂dt through the angles) in dtheta.
+template <class MemorySpace>
+struct Mamba3AngleBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Tensor4<float, MemorySpace> dangles;  // (batch, seqlen, nheads, nangles)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles);
+    const int b = it.b, h = it.h, i = it.job, t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
+    float G = ws.angle_sum(b, h, it.c, i);
+    for (int l = len - 1; l >= 0; --l) {
+      const int t = t0 + l;
+      G += bw.dtheta(b, h, t, i);
+      const float th = Kokkos::Experimental::tanh(in.angles(b, t, h, i));
+      dangles(b, t, h, i) = G * in.dt(b, h, t) * mamba3_pi * (1.0f - th * th);
+      bw.dtheta(b, h, t, i) = G * mamba3_pi * th;
+    }
+  }
+};
+
+/// Backward B7d (one item per (batch, head, token)): ∂/∂dt and ∂/∂trap from ∂/∂γ_t = diag_t + off_t,
+/// ∂/∂β̃_t = off_{t−1} (∂/∂β̃_0 through the initial k, v) and the angles' part.
+template <class MemorySpace>
+struct Mamba3ScalarBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Tensor3<float, MemorySpace> ddt;    // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> dtrap;  // (batch, nheads, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int t = static_cast<int>(item % plan.seqlen);
+    const int bh = static_cast<int>(item / plan.seqlen);
+    const int h = bh % plan.nheads, b = bh / plan.nheads;
+    float from_angles = 0.0f;
+    for (int i = 0; i < plan.nangles; ++i) from_angles += bw.dtheta(b, h, t, i);
+    const float d = in.dt(b, h, t);
+    const float lambda = sigmoid(in.trap(b, h, t));
+    const float one_minus = sigmoid(-in.trap(b, h, t));
+    const float dgamma = bw.diag(b, h, t) + bw.off(b, h, t);
+    const float dbeta = t > 0 ? bw.off(b, h, t - 1) : bw.dbeta0(b, h);
+    ddt(b, h, t) = from_angles + dgamma * lambda + dbeta * one_minus;
+    dtrap(b, h, t) = (dgamma - dbeta) * d * lambda * one_minus;
+  }
+};
+
+/// dq, dk: the heads of each group summed in a fixed order, one item per (batch, token, rank,
+/// group, state).
 template <class MemorySpace>
 struct Mamba3GroupSumFunctor {
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3GradViews<MemorySpace> grads;
   Mamba3Plan plan;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t, const int g) const {
-    for (int r = 0; r < plan.rank; ++r) {
-      const int row = t * plan.rank + r;
-      for (int n = 0; n < plan.dstate; ++n) {
-        float sq = 0.0f, sk = 0.0f;
-        for (int k = 0; k < plan.heads_per_group; ++k) {
-          const int h = g * plan.heads_per_group + k;
-          sq += bw.dq(b, h, row, n);
-          sk += bw.dk(b, h, row, n);
-        }
-        grads.dq(b, t, r, g, n) = sq;
-        grads.dk(b, t, r, g, n) = sk;
-      }
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int n = static_cast<int>(item % plan.dstate);
+    std::int64_t rest = item / plan.dstate;
+    const int g = static_cast<int>(rest % plan.ngroups);
+    rest /= plan.ngroups;
+    const int row = static_cast<int>(rest % (plan.seqlen * plan.rank));
+    const int b = static_cast<int>(rest / (plan.seqlen * plan.rank));
+    const int t = row / plan.rank, r = row % plan.rank;
+    float sq = 0.0f, sk = 0.0f;
+    for (int k = 0; k < plan.heads_per_group; ++k) {
+      const int h = g * plan.heads_per_group + k;
+      sq += bw.dq(b, h, row, n);
+      sk += bw.dk(b, h, row, n);
     }
+    grads.dq(b, t, r, g, n) = sq;
+    grads.dk(b, t, r, g, n) = sk;
   }
 };
 
-/// dq_bias, dk_bias: sums over batch and tokens, one thread per (head, rank, state).
+/// dq_bias, dk_bias, first step: each chunk's sums over its tokens, one item per (batch, chunk,
+/// head, rank, state).
+template <class MemorySpace>
+struct Mamba3BiasPartialFunctor {
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int rn = static_cast<int>(item % (plan.rank * plan.dstate));
+    const std::int64_t rest = item / (plan.rank * plan.dstate);
+    const int h = static_cast<int>(rest % plan.nheads);
+    const int bc = static_cast<int>(rest / plan.nheads);
+    const int c = bc % plan.nchunks, b = bc / plan.nchunks;
+    const int r = rn / plan.dstate, n = rn % plan.dstate;
+    const int t0 = c * plan.chunk, len = mamba3_chunk_length(plan, c);
+    float sq = 0.0f, sk = 0.0f;
+    for (int l = 0; l < len; ++l) {
+      const int row = (t0 + l) * plan.rank + r;
+      sq += bw.dq(b, h, row, n);
+      sk += bw.dk(b, h, row, n);
+    }
+    bw.dq_bias_partial(b, c, h, rn) = sq;
+    bw.dk_bias_partial(b, c, h, rn) = sk;
+  }
+};
+
+/// dq_bias, dk_bias: the per-(batch, chunk) partial sums added in a fixed order, one thread per
+/// (head, rank, state).
 template <class MemorySpace>
 struct Mamba3BiasSumFunctor {
   Mamba3BackwardWorkspace<MemorySpace> bw;
@@ -1101,18 +1365,17 @@ struct Mamba3BiasSumFunctor {
   Mamba3Plan plan;
 
   KOKKOS_INLINE_FUNCTION void operator()(const int idx) const {
-    const int n = idx % plan.dstate;
-    const int r = (idx / plan.dstate) % plan.rank;
-    const int h = idx / (plan.dstate * plan.rank);
+    const int rn = idx % (plan.rank * plan.dstate);
+    const int h = idx / (plan.rank * plan.dstate);
     float sq = 0.0f, sk = 0.0f;
     for (int b = 0; b < plan.batch; ++b) {
-      for (int t = 0; t < plan.seqlen; ++t) {
-        sq += bw.dq(b, h, t * plan.rank + r, n);
-        sk += bw.dk(b, h, t * plan.rank + r, n);
+      for (int c = 0; c < plan.nchunks; ++c) {
+        sq += bw.dq_bias_partial(b, c, h, rn);
+        sk += bw.dk_bias_partial(b, c, h, rn);
       }
     }
-    grads.dq_bias(h, r, n) = sq;
-    grads.dk_bias(h, r, n) = sk;
+    grads.dq_bias(h, rn / plan.dstate, rn % plan.dstate) = sq;
+    grads.dk_bias(h, rn / plan.dstate, rn % plan.dstate) = sk;
   }
 };
 
@@ -1280,31 +1543,36 @@ void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const floa
 template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
 void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                     const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
-  const std::size_t scratch =
-      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
-  mamba3_launch(
-      exec, "kmamba::mamba3::token_scan", plan, plan.batch * plan.nheads,
-      Mamba3TokenScanFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle}, 0);
-  Kokkos::parallel_for(
-      "kmamba::mamba3::rotate",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.nheads}),
-      Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
+  const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
+  const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.seqlen * plan.rank;
+  mamba3_for(exec, "kmamba::mamba3::chunk_tokens", head_chunks * (plan.nangles + 1),
+             Mamba3ChunkTokensFunctor<MemorySpace>{in, ws, plan});
+  mamba3_for(exec, "kmamba::mamba3::angle_passing", static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nangles,
+             Mamba3AnglePassingFunctor<MemorySpace>{in, ws, plan});
+  mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
+             Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
+  mamba3_for(exec, "kmamba::mamba3::rotate", rows * plan.dstate, Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
+  mamba3_for(exec, "kmamba::mamba3::project", rows * plan.headdim,
+             Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_launch(exec, "kmamba::mamba3::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
-                Mamba3ChunkStateFunctor<ExecSpace, MemorySpace, Precision>{ws, plan}, scratch);
-  mamba3_launch(exec, "kmamba::mamba3::state_passing", plan, plan.batch * plan.nheads,
-                Mamba3StatePassingFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states}, 0);
+                Mamba3ChunkStateFunctor<ExecSpace, MemorySpace, Precision>{ws, plan},
+                Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile));
+  mamba3_for(exec, "kmamba::mamba3::state_passing", mamba3_state_items(plan),
+             Mamba3StatePassingFunctor<MemorySpace>{in, ws, plan, final_states});
 }
 
 template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
 void mamba3_forward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                            const Tensor4<float, MemorySpace>& out,
                            const Mamba3StateViews<float, MemorySpace>& final_states) {
+  using S = Mamba3Scratch<ExecSpace>;
   const Mamba3Workspace<MemorySpace> ws(plan);
   mamba3_prepare<Precision>(exec, plan, in, ws, final_states);
   mamba3_launch(
       exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, out, Tensor4<float, MemorySpace>(), false},
-      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
+      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}, {}, {}},
+      S::bytes(plan.chunk, plan.rank, plan.tile),
+      S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -1346,42 +1614,53 @@ void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const
                             const ConstTensor4<float, MemorySpace>& dout,
                             const Mamba3StateViews<const float, MemorySpace>& dfinal,
                             const Mamba3GradViews<MemorySpace>& grads) {
-  const std::size_t scratch =
-      Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
+  using S = Mamba3Scratch<ExecSpace>;
+  const std::size_t scratch = S::bytes(plan.chunk, plan.rank, plan.tile);
+  const std::size_t block_scratch = S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   const int head_league = plan.batch * plan.nheads;
+  const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
+  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   const Mamba3Workspace<MemorySpace> ws(plan);
   mamba3_prepare<Precision>(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
-  const bool keep_y = in.has_z || in.mimo;
-  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, keep_y);
-  if (keep_y) {
-    mamba3_launch(
-        exec, "kmamba::mamba3::chunk_scan", plan, chunk_league,
-        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, Tensor4<float, MemorySpace>(), bw.y, true},
-        scratch);
+  // The rows y_t,r are kept for the projection sums (MIMO); the gate backward needs them (with z or
+  // rank projections) inside the recomputed chunk scan, or not at all.
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.mimo);
+  if (in.has_z || in.mimo) {
+    mamba3_launch(exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
+                  Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g,
+                                                                                 grads.dz, bw.y},
+                  scratch, block_scratch);
+  } else {
+    mamba3_for(exec, "kmamba::mamba3::gate_backward", tokens * plan.headdim,
+               Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.g});
   }
-  const Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>> tokens(exec, {0, 0, 0},
-                                                                 {plan.batch, plan.seqlen, plan.nheads});
-  Kokkos::parallel_for("kmamba::mamba3::gate_backward", tokens,
-                       Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.y, bw.g, grads.dz});
   mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
                 Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{ws, bw, plan}, scratch);
-  mamba3_launch(exec, "kmamba::mamba3::state_passing_backward", plan, head_league,
-                Mamba3StatePassingBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, grads.dinitial}, 0);
+  mamba3_for(exec, "kmamba::mamba3::state_passing_backward", mamba3_state_items(plan),
+             Mamba3StatePassingBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal, grads.dinitial});
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
   mamba3_launch(exec, "kmamba::mamba3::chunk_backward", plan, chunk_league,
-                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, bw, plan, grads.dadt}, scratch);
-  Kokkos::parallel_for("kmamba::mamba3::token_backward", tokens,
-                       Mamba3TokenBackwardFunctor<MemorySpace>{in, ws, bw, plan, dfinal, grads.dv});
-  mamba3_launch(exec, "kmamba::mamba3::angle_backward", plan, head_league,
-                Mamba3AngleBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dinitial, grads.dangles,
-                                                                   grads.ddt, grads.dtrap},
-                0);
-  Kokkos::parallel_for(
-      "kmamba::mamba3::group_sum",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec, {0, 0, 0}, {plan.batch, plan.seqlen, plan.ngroups}),
-      Mamba3GroupSumFunctor<MemorySpace>{bw, grads, plan});
+                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, bw, plan, grads.dadt}, scratch,
+                block_scratch);
+  mamba3_for(exec, "kmamba::mamba3::token_backward", tokens * plan.dstate,
+             Mamba3TokenBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal});
+  mamba3_for(exec, "kmamba::mamba3::value_backward", tokens * plan.headdim,
+             Mamba3ValueBackwardFunctor<MemorySpace>{in, bw, plan, dfinal, grads.dv});
+  mamba3_for(exec, "kmamba::mamba3::dtheta_chunk_sum", head_chunks * plan.nangles,
+             Mamba3DthetaChunkSumFunctor<MemorySpace>{ws, bw, plan});
+  mamba3_for(exec, "kmamba::mamba3::dtheta_passing", static_cast<std::int64_t>(head_league) * plan.nangles,
+             Mamba3DthetaPassingFunctor<MemorySpace>{ws, plan, dfinal, grads.dinitial});
+  mamba3_for(exec, "kmamba::mamba3::angle_backward", head_chunks * plan.nangles,
+             Mamba3AngleBackwardFunctor<MemorySpace>{in, ws, bw, plan, grads.dangles});
+  mamba3_for(exec, "kmamba::mamba3::scalar_backward", tokens,
+             Mamba3ScalarBackwardFunctor<MemorySpace>{in, bw, plan, grads.ddt, grads.dtrap});
+  mamba3_for(exec, "kmamba::mamba3::group_sum",
+             static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.rank * plan.ngroups * plan.dstate,
+             Mamba3GroupSumFunctor<MemorySpace>{bw, grads, plan});
+  mamba3_for(exec, "kmamba::mamba3::bias_partial", head_chunks * plan.rank * plan.dstate,
+             Mamba3BiasPartialFunctor<MemorySpace>{bw, plan});
   Kokkos::parallel_for("kmamba::mamba3::bias_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads * plan.rank * plan.dstate),
                        Mamba3BiasSumFunctor<MemorySpace>{bw, grads, plan});
