@@ -239,13 +239,35 @@ void DataParallel<ExecutionSpace>::check_slab(const char* function, const Slab& 
 }
 
 template <class ExecutionSpace>
-void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) const {
+typename GradientReducer<ExecutionSpace>::Reduction DataParallel<ExecutionSpace>::reduction() const {
+  using Reduction = typename GradientReducer<ExecutionSpace>::Reduction;
+  return config_.zero_stage == 1 ? Reduction::ReduceScatter : Reduction::AllReduce;
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) {
+  check_slab("attach", model.parameters());
+  reducer_.set_ready_sequence(model.gradients_ready_sequence());
+  model.set_gradients_ready_hook([this](const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
+    gradients_ready(exec, begin, end);
+  });
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::begin_reduction(const Slab& slab) {
+  check_slab("begin_reduction", slab);
+  reducer_.begin(slab.grads(), reduction());
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::gradients_ready(const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
+  reducer_.ready(exec, begin, end);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) {
   check_slab("reduce_gradients", slab);
-  if (config_.zero_stage == 1) {
-    reducer_.reduce_scatter(exec, slab.grads());
-  } else {
-    reducer_.all_reduce(exec, slab.grads());
-  }
+  reducer_.finish(exec, slab.grads(), reduction());
 }
 
 template <class ExecutionSpace>

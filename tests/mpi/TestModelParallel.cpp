@@ -187,8 +187,8 @@ double one_rank_backward(Model& model, const Batch& b) {
   return loss_sum / static_cast<double>(global);
 }
 
-/// The same on this rank's rows (dp) and segment (sp) of b; one reduction over dp × sp at the end.
-/// Returns the global mean loss.
+/// The same on this rank's rows (dp) and segment (sp) of b; the reduction over dp × sp overlaps the
+/// last micro-batch's backward (DataParallel::attach). Returns the global mean loss.
 double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kmamba::ProcessMesh& mesh,
                          const Batch& b) {
   const Exec exec;
@@ -197,9 +197,11 @@ double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kma
       static_cast<std::int64_t>(b.ids.extent(1)), mesh.coordinates().sp, mesh.config().sequence_parallel_size);
   const Batch mine = slice(b, dp.data_rank() * per_rank, per_rank, segment.begin, segment.length);
   const std::int64_t global = dp.global_tokens(predicted(mine));
+  dp.attach(model);
   model.zero_grads(exec);
   double loss_sum = 0.0;
   for (int r = 0; r < per_rank; ++r) {
+    if (r == per_rank - 1) dp.begin_reduction(model.parameters());
     const Batch micro = slice(mine, r, 1, 0, segment.length);
     const kmamba::LossResult result = model.loss_and_backward(
         exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
