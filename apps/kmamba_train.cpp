@@ -95,7 +95,7 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"log-interval", "N", "steps between progress lines when stdout is not a terminal (default 10)"}}},
       {"parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)",
        {{"data-parallel-size", "N", "--dp: data-parallel ranks (default: N / (tp * sp))"},
-        {"tensor-parallel-size", "N", "--tp: ranks splitting each Mamba-2 layer's heads (default 1)"},
+        {"tensor-parallel-size", "N", "--tp: ranks splitting each Mamba-2/3 layer's heads (default 1)"},
         {"sequence-parallel-size", "N", "--sp: ranks splitting each sequence into segments (default 1)"},
         {"activation-checkpointing", nullptr, "keep only each layer's input and recompute the rest in backward"}}},
   };

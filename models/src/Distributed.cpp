@@ -85,7 +85,7 @@ void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpac
                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,
                    const LanguageModel<ExecutionSpace>& full,
                    const Tensor1<float, typename ExecutionSpace::memory_space>& full_values) {
-  // Each rank writes its shards into zeros (the replicated parameters on tp rank 0 only); the sum
+  // Each rank writes its shards into zeros (the replicated parameters and runs on tp rank 0 only); the sum
   // over the tensor ranks is then exact.
   Kokkos::deep_copy(exec, full_values, 0.0f);
   const bool first = local.parallel().tensor_rank() == 0;
@@ -99,6 +99,7 @@ void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpac
                          return;
                        }
                        for (const ShardedParameter::Run& run : shard->runs) {
+                         if (run.replicated && !first) continue;
                          copy_range(exec, to, full_offset + run.full_offset, from, local_offset + run.local_offset,
                                     run.count);
                        }
@@ -186,7 +187,16 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
   } else {
     for (const ShardedParameter& p : tensor_sharded) {
       const auto& e = slab.entry(p.name);
-      counted_.emplace_back(e.offset, e.offset + e.size);
+      const bool has_replicated_run = std::any_of(p.runs.begin(), p.runs.end(),
+                                                  [](const ShardedParameter::Run& run) { return run.replicated; });
+      if (!has_replicated_run) {
+        counted_.emplace_back(e.offset, e.offset + e.size);
+        continue;
+      }
+      for (const ShardedParameter::Run& run : p.runs) {
+        const auto begin = e.offset + static_cast<std::size_t>(run.local_offset);
+        if (!run.replicated) counted_.emplace_back(begin, begin + static_cast<std::size_t>(run.count));
+      }
     }
     std::sort(counted_.begin(), counted_.end());
   }
@@ -229,13 +239,35 @@ void DataParallel<ExecutionSpace>::check_slab(const char* function, const Slab& 
 }
 
 template <class ExecutionSpace>
-void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) const {
+typename GradientReducer<ExecutionSpace>::Reduction DataParallel<ExecutionSpace>::reduction() const {
+  using Reduction = typename GradientReducer<ExecutionSpace>::Reduction;
+  return config_.zero_stage == 1 ? Reduction::ReduceScatter : Reduction::AllReduce;
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) {
+  check_slab("attach", model.parameters());
+  reducer_.set_ready_sequence(model.gradients_ready_sequence());
+  model.set_gradients_ready_hook([this](const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
+    gradients_ready(exec, begin, end);
+  });
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::begin_reduction(const Slab& slab) {
+  check_slab("begin_reduction", slab);
+  reducer_.begin(slab.grads(), reduction());
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::gradients_ready(const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
+  reducer_.ready(exec, begin, end);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) {
   check_slab("reduce_gradients", slab);
-  if (config_.zero_stage == 1) {
-    reducer_.reduce_scatter(exec, slab.grads());
-  } else {
-    reducer_.all_reduce(exec, slab.grads());
-  }
+  reducer_.finish(exec, slab.grads(), reduction());
 }
 
 template <class ExecutionSpace>

@@ -17,6 +17,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -131,6 +132,10 @@ struct LanguageModel<ExecutionSpace>::State {
   // backward recomputes one block at a time into these (batch, seqlen, d_model) buffers.
   bool checkpointing = false;
   Tensor3<float, Mem> recompute_in, recompute_out;
+  // Announces finished gradients (set_gradients_ready_hook): ready_sequence[k] after block
+  // n_layer − 1 − k's backward, the last entry at the end of backward.
+  GradientsReadyHook gradients_ready;
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> ready_sequence;
 
   State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p) {
     config.validate();
@@ -144,6 +149,37 @@ struct LanguageModel<ExecutionSpace>::State {
     slab.add(impl::final_norm_name, {dm}, WeightDecay::No);
     if (!config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
     slab.finalize("kmamba::lm");
+    const auto ranges_of = [&](const auto& belongs) {
+      std::vector<std::pair<std::size_t, std::size_t>> ranges;
+      for (const auto& e : slab.entries()) {
+        if (belongs(e.name)) ranges.emplace_back(e.offset, e.offset + e.size);
+      }
+      std::sort(ranges.begin(), ranges.end());
+      std::vector<std::pair<std::size_t, std::size_t>> merged;
+      for (const auto& r : ranges) {
+        if (!merged.empty() && merged.back().second == r.first) {
+          merged.back().second = r.second;
+        } else {
+          merged.push_back(r);
+        }
+      }
+      return merged;
+    };
+    const auto starts_with = [](const std::string& name, const std::string& prefix) {
+      return name.compare(0, prefix.size(), prefix) == 0;
+    };
+    for (int i = config.n_layer - 1; i >= 0; --i) {
+      const std::string prefix = impl::layer_prefix(i);
+      ready_sequence.push_back(ranges_of([&](const std::string& name) { return starts_with(name, prefix); }));
+    }
+    ready_sequence.push_back(
+        ranges_of([&](const std::string& name) { return !starts_with(name, "backbone.layers."); }));
+  }
+
+  // Calls the gradients-ready hook with announcement k of ready_sequence.
+  void announce(const ExecutionSpace& exec, std::size_t k) const {
+    if (!gradients_ready) return;
+    for (const auto& r : ready_sequence[k]) gradients_ready(exec, r.first, r.second);
   }
 
   ConstTensor2<float, Mem> head_weight() const {
@@ -311,12 +347,14 @@ struct LanguageModel<ExecutionSpace>::State {
                         slab.template param<1>(norm), rstds[static_cast<std::size_t>(i)],
                         impl::rows_of(final_input), norm_grad);
       add_norm_grad(exec, norm);
+      announce(exec, static_cast<std::size_t>(config.n_layer - 1 - i));
       Kokkos::parallel_for("kmamba::lm::accumulate_residual_grad", all,
                            impl::AccumulateInto<Mem>{impl::flat1(dres), impl::flat1(final_input)});
     }
     const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
     embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::rows_of(dres)),
                        Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
+    announce(exec, static_cast<std::size_t>(config.n_layer));
     for (auto& mixer : mixers) mixer->release_activations();
   }
 };
@@ -387,6 +425,17 @@ void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
     state_->recompute_in = Tensor3<float, memory_space>();
     state_->recompute_out = Tensor3<float, memory_space>();
   }
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::set_gradients_ready_hook(GradientsReadyHook hook) {
+  state_->gradients_ready = std::move(hook);
+}
+
+template <class ExecutionSpace>
+std::vector<std::vector<std::pair<std::size_t, std::size_t>>> LanguageModel<ExecutionSpace>::gradients_ready_sequence()
+    const {
+  return state_->ready_sequence;
 }
 
 template <class ExecutionSpace>

@@ -126,11 +126,62 @@ Mamba3MimoArgs<Mem> mimo_args(const ScanOperands<Mem>& o, int chunk) {
   return a;
 }
 
+// The scan's four states with k and v on a rank axis (1 for SISO), as the SISO or MIMO states.
+template <class Mem>
+struct ScanStates {
+  Tensor3<float, Mem> angle;  // (batch, nheads, nangles)
+  Tensor4<float, Mem> ssm;    // (batch, nheads, headdim, d_state)
+  Tensor4<float, Mem> k;      // (batch, nheads, rank, d_state)
+  Tensor4<float, Mem> v;      // (batch, nheads, rank, headdim)
+
+  static ScanStates make(const std::string& what, std::int64_t batch, int nheads, int nangles, int headdim,
+                         int d_state, int rank) {
+    ScanStates s;
+    s.angle = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba3::" + what + "_angle", batch, nheads, nangles);
+    s.ssm = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_ssm", batch, nheads, headdim,
+                                                        d_state);
+    s.k = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_k", batch, nheads, rank, d_state);
+    s.v = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_v", batch, nheads, rank, headdim);
+    return s;
+  }
+  bool allocated() const { return ssm.is_allocated(); }
+  Mamba3SisoStates<Mem> siso() const {
+    Mamba3SisoStates<Mem> s;
+    if (!allocated()) return s;
+    s.angle = angle;
+    s.ssm = ssm;
+    s.k = Tensor3<float, Mem>(k.data(), k.extent(0), k.extent(1), k.extent(3));
+    s.v = Tensor3<float, Mem>(v.data(), v.extent(0), v.extent(1), v.extent(3));
+    return s;
+  }
+  Mamba3MimoStates<Mem> mimo() const { return {angle, ssm, k, v}; }
+  // Sends the four states to (receives them from) rank `peer` of `comm`, in one fixed order.
+  template <class Exec>
+  void send(const Exec& exec, const Communicator& comm, int peer) const {
+    comm.send(exec, angle, peer);
+    comm.send(exec, ssm, peer);
+    comm.send(exec, k, peer);
+    comm.send(exec, v, peer);
+  }
+  template <class Exec>
+  void recv(const Exec& exec, const Communicator& comm, int peer) const {
+    comm.recv(exec, angle, peer);
+    comm.recv(exec, ssm, peer);
+    comm.recv(exec, k, peer);
+    comm.recv(exec, v, peer);
+  }
+};
+
 }  // namespace
 
 template <class ExecutionSpace>
 Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::string& prefix)
-    : config_(config), prefix_(prefix) {
+    : Mamba3Mixer(config, prefix, ModelParallel()) {}
+
+template <class ExecutionSpace>
+Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::string& prefix,
+                                         const ModelParallel& parallel)
+    : config_(config), prefix_(prefix), parallel_(parallel) {
   config_.validate();
   KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba3, "kmamba::Mamba3Mixer: the config's mixer is "
                                                          << mixer_name(config_.mixer) << ", not Mamba3");
@@ -138,11 +189,16 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
   KMAMBA_REQUIRE(!(config_.is_mimo && config_.is_outproj_norm),
                  "kmamba::Mamba3Mixer: is_outproj_norm with is_mimo is not supported (the per-rank output norm "
                  "comes before the mimo_o contraction, which the MIMO scan fuses)");
+  const int t = parallel_.tensor_size();
+  KMAMBA_REQUIRE(config_.num_heads() % t == 0 && config_.ngroups % t == 0,
+                 "kmamba::Mamba3Mixer: tensor_parallel_size " << t << " must divide nheads " << config_.num_heads()
+                                                              << " and ngroups " << config_.ngroups
+                                                              << " (each rank holds whole heads with their B/C group)");
   d_model_ = config_.d_model;
-  d_inner_ = config_.d_inner();
-  nheads_ = config_.num_heads();
+  d_inner_ = config_.d_inner() / t;
+  nheads_ = config_.num_heads() / t;
   headdim_ = config_.headdim;
-  ngroups_ = config_.ngroups;
+  ngroups_ = config_.ngroups / t;
   d_state_ = config_.d_state;
   const int split = static_cast<int>(std::floor(d_state_ * config_.rope_fraction));
   nangles_ = (split - split % 2) / 2;
@@ -206,8 +262,77 @@ void Mamba3Mixer<ExecutionSpace>::check_parameters(const char* function, const S
 }
 
 template <class ExecutionSpace>
+std::vector<ShardedParameter> Mamba3Mixer<ExecutionSpace>::sharded_parameters() const {
+  const std::int64_t t = parallel_.tensor_size(), r = parallel_.tensor_rank();
+  if (t == 1) return {};
+  const std::int64_t d = d_model_, E = d_inner_ * t, H = nheads_ * t, R = rank_, N = d_state_, P = headdim_;
+  const std::int64_t GN = ngroups_ * d_state_;  // this rank's B (or C) values per mimo rank
+  std::vector<ShardedParameter> out;
+  // in_proj.weight: rank r's block of z, x, dd_dt, dd_A, trap; of B and C its groups within each
+  // of the R rank blocks; the angle rows whole (replicated).
+  ShardedParameter in_proj{prefix_ + "in_proj.weight", {2 * E + 2 * R * GN * t + 3 * H + nangles_, d}, {}};
+  std::int64_t full = 0;
+  for (int s = 0; s < segment_count; ++s) {
+    const std::int64_t local = segment_offsets_[s], width = segment_widths_[s];
+    if (s == angle_segment) {
+      in_proj.runs.push_back({full * d, local * d, width * d, true});
+    } else if (s == B_segment || s == C_segment) {
+      for (std::int64_t q = 0; q < R; ++q) {
+        in_proj.runs.push_back({(full + (q * t + r) * GN) * d, (local + q * GN) * d, GN * d});
+      }
+    } else {
+      in_proj.runs.push_back({(full + r * width) * d, local * d, width * d});
+    }
+    full += s == angle_segment ? width : width * t;
+  }
+  out.push_back(in_proj);
+  const auto heads = [&](const char* name, std::vector<std::int64_t> full_shape, std::int64_t per_head) {
+    out.push_back({prefix_ + name, std::move(full_shape), {{r * nheads_ * per_head, 0, nheads_ * per_head}}});
+  };
+  heads("dt_bias", {H}, 1);
+  heads("B_bias", {H, R, N}, R * N);
+  heads("C_bias", {H, R, N}, R * N);
+  heads("D", {H}, 1);
+  if (config_.is_mimo) {
+    for (const char* name : {"mimo_x", "mimo_z", "mimo_o"}) heads(name, {H, R, P}, R * P);
+  }
+  if (config_.is_outproj_norm) heads("norm.weight", {E}, P);
+  ShardedParameter out_proj{prefix_ + "out_proj.weight", {d, E}, {}};
+  for (std::int64_t i = 0; i < d; ++i) out_proj.runs.push_back({i * E + r * d_inner_, i * d_inner_, d_inner_});
+  out.push_back(out_proj);
+  return out;
+}
+
+template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const {
   check_parameters("kmamba::Mamba3Mixer::initialize", slab);
+  if (parallel_.tensor_size() > 1) {
+    // This rank's slices of the unsplit mixer's initialisation.
+    const Mamba3Mixer full(config_, prefix_);
+    Slab unsplit;
+    full.declare_parameters(unsplit);
+    unsplit.finalize("kmamba::mamba3::unsplit_init");
+    full.initialize(exec, unsplit, seed);
+    const std::vector<ShardedParameter> shards = sharded_parameters();
+    for (const ParameterSpec& spec : parameter_specs()) {
+      const std::string name = prefix_ + spec.name;
+      const auto local = flat(slab.params(), slab, name);
+      const auto source = flat(unsplit.params(), unsplit, name);
+      const auto shard =
+          std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
+      if (shard == shards.end()) {
+        Kokkos::deep_copy(exec, local, source);
+        continue;
+      }
+      for (const ShardedParameter::Run& run : shard->runs) {
+        const auto count = static_cast<std::size_t>(run.count);
+        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, count),
+                          Tensor1<float, memory_space>(source.data() + run.full_offset, count));
+      }
+    }
+    exec.fence();
+    return;
+  }
   const auto param = [&](const char* name) { return flat(slab.params(), slab, prefix_ + name); };
   const auto uniform = [&](const char* name, double bound) {
     fill_uniform(exec, param(name), parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
@@ -260,6 +385,12 @@ typename Mamba3Mixer<ExecutionSpace>::Activations Mamba3Mixer<ExecutionSpace>::m
   if (config_.is_outproj_norm) {
     a.rstd = allocate_uninitialized<Matrix>("kmamba::mamba3::norm_rstd", rows, nheads_);
     a.normed = allocate_uninitialized<Matrix>("kmamba::mamba3::norm_out", rows, d_inner_);
+  }
+  if (parallel_.sequence_size() > 1) {  // zero on the first rank, which receives nothing
+    a.angle_initial = allocate<Tensor3<float, Mem>>("kmamba::mamba3::angle_initial", batch, nheads_, nangles_);
+    a.ssm_initial = allocate<Tensor4<float, Mem>>("kmamba::mamba3::ssm_initial", batch, nheads_, headdim_, d_state_);
+    a.k_initial = allocate<Tensor4<float, Mem>>("kmamba::mamba3::k_initial", batch, nheads_, rank_, d_state_);
+    a.v_initial = allocate<Tensor4<float, Mem>>("kmamba::mamba3::v_initial", batch, nheads_, rank_, headdim_);
   }
   return a;
 }
@@ -350,6 +481,10 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const std::int64_t batch = a.batch, seqlen = a.seqlen, rows = batch * seqlen;
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int k = parallel_.sequence_rank();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
 
   for (int s = 0; s < segment_count; ++s) {
     project(exec, slab, p + "in_proj.weight", segment_offsets_[s], segment_widths_[s], u, a.pre[s]);
@@ -380,6 +515,14 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   o.k_bias = slab.template param<3>(p + "B_bias");
   o.D = slab.template param<1>(p + "D");
   const Tensor4<float, Mem> y(a.y.data(), b, L, H, P);
+  // Sequence parallel: the states entering this segment come from the previous rank, the final
+  // states go to the next one.
+  const ScanStates<Mem> sp_initial{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
+  ScanStates<Mem> sp_final;
+  if (split_sequence) {
+    if (previous != no_peer) sp_initial.recv(exec, *sequence, previous);
+    if (next != no_peer) sp_final = ScanStates<Mem>::make("final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+  }
   if (config_.is_mimo) {
     o.mimo_x = slab.template param<3>(p + "mimo_x");
     o.mimo_z = slab.template param<3>(p + "mimo_z");
@@ -395,6 +538,10 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
       Kokkos::deep_copy(exec, initial.v, final_states.v);
       args.initial = initial;
     }
+    if (split_sequence) {
+      args.initial = sp_initial.mimo();
+      final_states = sp_final.mimo();
+    }
     mamba3_mimo_forward(exec, args, y, final_states);
   } else {
     Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
@@ -408,14 +555,25 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
       Kokkos::deep_copy(exec, initial.v, final_states.v);
       args.initial = initial;
     }
+    if (split_sequence) {
+      args.initial = sp_initial.siso();
+      final_states = sp_final.siso();
+    }
     mamba3_siso_forward(exec, args, y, final_states);
   }
+  if (split_sequence && next != no_peer) sp_final.send(exec, *sequence, next);
 
   if (config_.is_outproj_norm) {
     gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), eps, headdim_, true,
                    a.normed, a.rstd);
   }
   project(exec, slab, p + "out_proj.weight", 0, d_model_, config_.is_outproj_norm ? a.normed : a.y, out);
+  sum_over_tensor_ranks(exec, out);  // row parallel: each tensor rank adds its channels' part
+}
+
+template <class ExecutionSpace>
+void Mamba3Mixer<ExecutionSpace>::sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const {
+  if (parallel_.tensor_size() > 1) parallel_.tensor->all_reduce(exec, m);
 }
 
 template <class ExecutionSpace>
@@ -474,6 +632,16 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
   const std::size_t b = sz(batch), L = sz(seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
   const std::size_t H = sz(nheads_), P = sz(headdim_);
+  const bool split_tensor = parallel_.tensor_size() > 1, split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int k = parallel_.sequence_rank();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
+  // Tensor parallel: the gradients of the replicated B_norm.weight, C_norm.weight (d_state each) and
+  // angle rows of in_proj.weight (nangles, d_model), partial over this rank's heads, summed over the
+  // tensor ranks in one all-reduce.
+  const Vector replicated_grads =
+      split_tensor ? allocate_uninitialized<Vector>("kmamba::mamba3::d_replicated", 2 * d_state_ + nangles_ * d_model_)
+                   : Vector();
 
   // out = (normed or y) · out_projᵀ.
   const Matrix dy_out = allocate_uninitialized<Matrix>("kmamba::mamba3::d_out_proj_in", rows, d_inner_);
@@ -509,6 +677,19 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const Vector dD = allocate_uninitialized<Vector>("kmamba::mamba3::d_D", nheads_);
   const T4 dy4(dy.data(), b, L, H, P);
   const T4 dz4 = config_.is_outproj_norm ? T4() : T4(dpre[z_segment].data(), b, L, H, P);
+  // Sequence parallel: the gradients of this segment's final states come back from the next rank,
+  // those of its initial states go to the previous one.
+  const ScanStates<Mem> sp_initial{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
+  ScanStates<Mem> sp_dfinal, sp_dinitial;
+  if (split_sequence) {
+    if (next != no_peer) {
+      sp_dfinal = ScanStates<Mem>::make("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+      sp_dfinal.recv(exec, *sequence, next);
+    }
+    if (previous != no_peer) {
+      sp_dinitial = ScanStates<Mem>::make("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+    }
+  }
 
   ScanOperands<Mem> o;
   o.q = Tensor5<float, Mem>(a.Cn.data(), b, L, R, G, N);
@@ -543,7 +724,12 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     g.dmimo_o = allocate_uninitialized<T3>("kmamba::mamba3::d_mimo_o", nheads_, rank_, headdim_);
     g.dD = dD;
     g.dz = dz4;
-    mamba3_mimo_backward(exec, mimo_args(o, chunk_), dy4, Mamba3MimoConstStates<Mem>(), g);
+    Mamba3MimoArgs<Mem> args = mimo_args(o, chunk_);
+    if (split_sequence) {
+      args.initial = sp_initial.mimo();
+      g.dinitial = sp_dinitial.mimo();
+    }
+    mamba3_mimo_backward(exec, args, dy4, split_sequence ? sp_dfinal.mimo() : Mamba3MimoStates<Mem>(), g);
     accumulate_view(exec, g.dmimo_v, grad("mimo_x"));
     if (g.dmimo_z.is_allocated()) accumulate_view(exec, g.dmimo_z, grad("mimo_z"));
     accumulate_view(exec, g.dmimo_o, grad("mimo_o"));
@@ -560,20 +746,29 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     g.dangles = dangles;
     g.dD = dD;
     g.dz = dz4;
-    mamba3_siso_backward(exec, siso_args(o, chunk_), dy4, Mamba3SisoConstStates<Mem>(), g);
+    Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
+    if (split_sequence) {
+      args.initial = sp_initial.siso();
+      g.dinitial = sp_dinitial.siso();
+    }
+    mamba3_siso_backward(exec, args, dy4, split_sequence ? sp_dfinal.siso() : Mamba3SisoStates<Mem>(), g);
   }
+  if (split_sequence && previous != no_peer) sp_dinitial.send(exec, *sequence, previous);
   accumulate(exec, dD, grad("D"));
   accumulate_view(exec, dC_bias, grad("C_bias"));
   accumulate_view(exec, dB_bias, grad("B_bias"));
 
   // B and C RMSNorms.
-  const Vector dnorm_weight = allocate_uninitialized<Vector>("kmamba::mamba3::d_BC_norm_weight", d_state_);
+  const Vector dnorm_weight =
+      split_tensor ? Vector(replicated_grads.data(), sz(d_state_))
+                   : allocate_uninitialized<Vector>("kmamba::mamba3::d_BC_norm_weight", d_state_);
+  const Vector dC_norm_weight = split_tensor ? Vector(replicated_grads.data() + d_state_, sz(d_state_)) : dnorm_weight;
   rms_norm_backward(exec, dBn, as_vectors(a.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"),
                     a.Brstd, as_vectors(dpre[B_segment], d_state_), dnorm_weight);
-  accumulate(exec, dnorm_weight, grad("B_norm.weight"));
+  if (!split_tensor) accumulate(exec, dnorm_weight, grad("B_norm.weight"));
   rms_norm_backward(exec, dCn, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"),
-                    a.Crstd, as_vectors(dpre[C_segment], d_state_), dnorm_weight);
-  accumulate(exec, dnorm_weight, grad("C_norm.weight"));
+                    a.Crstd, as_vectors(dpre[C_segment], d_state_), dC_norm_weight);
+  if (!split_tensor) accumulate(exec, dC_norm_weight, grad("C_norm.weight"));
 
   // Pre-processing: dd_dt, dd_A, trap, angle and dt_bias.
   Kokkos::parallel_for("kmamba::mamba3::preprocess_backward",
@@ -591,11 +786,24 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   for (int s = 0; s < segment_count; ++s) {
-    gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
-                              rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_));
+    if (split_tensor && s == angle_segment) {  // replicated rows: summed over the tensor ranks below
+      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 0.0f,
+                                Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)));
+    } else {
+      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
+                                rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_));
+    }
     gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
                               rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
                               s == 0 ? 0.0f : 1.0f, du2);
+  }
+  if (split_tensor) {
+    parallel_.tensor->all_reduce(exec, replicated_grads);
+    accumulate(exec, Vector(replicated_grads.data(), sz(d_state_)), grad("B_norm.weight"));
+    accumulate(exec, Vector(replicated_grads.data() + d_state_, sz(d_state_)), grad("C_norm.weight"));
+    accumulate(exec, Vector(replicated_grads.data() + 2 * d_state_, sz(nangles_ * d_model_)),
+               Vector(dw_in + sz(segment_offsets_[angle_segment]) * sz(d_model_), sz(nangles_ * d_model_)));
+    sum_over_tensor_ranks(exec, du2);
   }
 }
 
@@ -642,6 +850,9 @@ void Mamba3Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
   check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
+  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
+                 function << ": a mixer split across " << parallel_.sequence_size()
+                          << " sequence-parallel ranks does not run recurrent inference");
   release_activations();
   if (seqlen == 0) return;
   check_allocated(function, "u", u);
@@ -667,6 +878,9 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   check_allocated(function, "out", out);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
+  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
+                 function << ": a mixer split across " << parallel_.sequence_size()
+                          << " sequence-parallel ranks does not run recurrent inference");
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
   const std::size_t b = sz(batch), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_), H = sz(nheads_);
@@ -727,6 +941,7 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
                    c.normed);
   }
   project(exec, slab, p + "out_proj.weight", 0, d_model_, config_.is_outproj_norm ? c.normed : c.y, out);
+  sum_over_tensor_ranks(exec, out);
 }
 
 #if KMAMBA_HAS_SERIAL

@@ -28,12 +28,19 @@ template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix,
                                                   const ModelParallel& parallel) {
   if (parallel.tensor_size() == 1 && parallel.sequence_size() == 1) return make_mixer<ExecutionSpace>(config, prefix);
-  KMAMBA_REQUIRE(config.mixer == MixerKind::Mamba2,
-                 "kmamba::make_mixer: tensor_parallel_size " << parallel.tensor_size() << " and sequence_parallel_size "
-                                                             << parallel.sequence_size() << " need a Mamba2 mixer; the "
-                                                             << mixer_name(config.mixer)
-                                                             << " mixer is not split across ranks in this version");
-  return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix, parallel));
+  switch (config.mixer) {
+    case MixerKind::Mamba2:
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba2Mixer<ExecutionSpace>(config, prefix, parallel));
+    case MixerKind::Mamba3:
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba3Mixer<ExecutionSpace>(config, prefix, parallel));
+    case MixerKind::Mamba1:
+      break;
+  }
+  KMAMBA_USER_ERROR("kmamba::make_mixer: tensor_parallel_size " << parallel.tensor_size() << " and sequence_parallel_size "
+                                                                << parallel.sequence_size()
+                                                                << " need a Mamba2 or Mamba3 mixer; the "
+                                                                << mixer_name(config.mixer)
+                                                                << " mixer is not split across ranks in this version");
 }
 
 #define KMAMBA_INSTANTIATE_MAKE_MIXER(Exec)                                                                   \

@@ -317,6 +317,7 @@ void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, cons
                                                                       config_.adamw(), options,
                                                                       model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
+  data_parallel->attach(model_);  // the last micro-batch's gradients are reduced as its backward runs
   exec_.fence();
   data_parallel_ = std::move(data_parallel);
 }
@@ -373,9 +374,18 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
 
   model_.zero_grads(exec_);
   double loss_sum = 0.0;
-  for (const TokenBatch& b : split_sequence ? segments : micro_batches) {
+  const std::vector<TokenBatch>& runs = split_sequence ? segments : micro_batches;
+  std::size_t last = runs.size();  // the last micro-batch that runs: its backward reduces the gradients
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    if (split_sequence || runs[i].predicted_tokens() > 0) last = i;
+  }
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const TokenBatch& b = runs[i];
     const std::int64_t tokens = b.predicted_tokens();
     if (tokens == 0 && !split_sequence) continue;  // the segments of a sequence run together
+#if KMAMBA_ENABLE_MPI
+    if (data_parallel_ && i == last) data_parallel_->begin_reduction(model_.parameters());
+#endif
     const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
     const ConstTensor2<std::int64_t, memory_space> targets =
         Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);

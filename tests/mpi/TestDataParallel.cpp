@@ -6,6 +6,10 @@
 // D1 dp ranks on shards of a batch = 1 rank on the batch (loss and every gradient);
 // D4 micro-batches accumulate without communication, one bucketed reduction per step (checked
 //    with the communication audit);
+// D2 the overlapped reduction (DataParallel::attach + begin_reduction): buckets are reduced during
+//    the last micro-batch's backward, as its layers finish (the audit counts reductions issued
+//    before backward ends), each once, none during the accumulation micro-steps, and the reduced
+//    gradients are bitwise those of the reduction after backward (same bucket layout);
 // D3 ZeRO-1 and DDP: parameters and AdamW moments after 3 clipped steps; moments gather into the
 //    slab layout and load back;
 // D5 the mesh-wide gradient norm, each parameter counted exactly once; D6 a non-finite gradient on
@@ -403,6 +407,82 @@ TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
     EXPECT_EQ(log->tally("dp_sp", "all_gather").calls, stage == 1 ? buckets : 0);
     EXPECT_EQ(log->tally("dp_sp", "all_gather").elements, stage == 1 ? sharded : 0);
     EXPECT_EQ(log->total_calls(), stage == 1 ? buckets : 0);
+  }
+}
+
+TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReductionAfterIt) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const auto log = std::make_shared<kmamba::CommunicationLog>();
+  const kmamba::ProcessMesh mesh(
+      std::make_unique<kmamba::CountingCommunicator>(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log),
+      kmamba::MeshConfig());
+  const int per_rank = batch / mesh.data().size();
+  const Batch mine = rows(make_batch(0), mesh.data().rank() * per_rank, per_rank);
+  for (const int stage : {0, 1}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(stage));
+    kmamba::DataParallelConfig options;
+    options.zero_stage = stage;
+    options.bucket_elements = 1000;
+    const std::int64_t global = kmamba::DataParallel<Exec>(mesh, config, Model(config).parameters(),
+                                                           kmamba::AdamWConfig(), options)
+                                    .global_tokens(predicted(mine));
+    const auto accumulate = [&](Model& model, kmamba::DataParallel<Exec>* overlapped) {
+      model.zero_grads(exec);
+      for (int r = 0; r < per_rank; ++r) {
+        if (overlapped != nullptr && r == per_rank - 1) overlapped->begin_reduction(model.parameters());
+        const Batch micro = rows(mine, r, 1);
+        model.loss_and_backward(exec, micro.ids, micro.targets,
+                                static_cast<double>(predicted(micro)) / static_cast<double>(global));
+      }
+    };
+
+    Model after(config);
+    after.initialize(init_seed);
+    kmamba::DataParallel<Exec> dp_after(mesh, config, after.parameters(), kmamba::AdamWConfig(), options);
+    accumulate(after, nullptr);
+    dp_after.reduce_gradients(exec, after.parameters());
+    exec.fence();
+
+    Model during(config);
+    during.initialize(init_seed);
+    kmamba::DataParallel<Exec> dp(mesh, config, during.parameters(), kmamba::AdamWConfig(), options);
+    dp.attach(during);
+    // The reductions issued by the time of each announcement of the backward.
+    std::vector<std::int64_t> issued;
+    during.set_gradients_ready_hook([&](const Exec& e, std::size_t begin, std::size_t end) {
+      dp.gradients_ready(e, begin, end);
+      issued.push_back(log->total_calls());
+    });
+    log->clear();
+    accumulate(during, &dp);
+    const std::size_t per_backward = issued.size() / static_cast<std::size_t>(per_rank);
+    ASSERT_EQ(issued.size(), per_backward * static_cast<std::size_t>(per_rank));
+    ASSERT_GT(per_backward, 1u);
+    const std::size_t last_backward = issued.size() - per_backward;
+    EXPECT_EQ(issued[last_backward == 0 ? 0 : last_backward - 1], 0) << "an accumulation micro-step communicated";
+    EXPECT_GT(issued[last_backward], 0) << "no bucket was reduced after the last layer's backward";
+    EXPECT_LT(issued[last_backward], issued.back()) << "every bucket was reduced at once";
+    dp.reduce_gradients(exec, during.parameters());
+    exec.fence();
+    const kmamba::BucketLayout& layout = dp.layout();
+    const std::int64_t buckets = static_cast<std::int64_t>(layout.buckets().size());
+    const bool tail = layout.tail_begin() < layout.elements();
+    EXPECT_EQ(log->total_calls(), buckets + (tail ? 1 : 0)) << "each bucket is reduced exactly once";
+
+    // Bitwise the same reduced gradients (ZeRO-1: this rank's shards and the tail).
+    std::vector<char> owned(layout.elements(), stage == 0 ? 1 : 0);
+    for (const auto& bucket : layout.buckets()) {
+      const std::size_t begin = layout.shard_begin(bucket, mesh.data().rank());
+      std::fill(owned.begin() + static_cast<std::ptrdiff_t>(begin),
+                owned.begin() + static_cast<std::ptrdiff_t>(begin + layout.shard_size(bucket)), 1);
+    }
+    std::fill(owned.begin() + static_cast<std::ptrdiff_t>(layout.tail_begin()), owned.end(), 1);
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < layout.elements(); ++i) {
+      differing += owned[i] != 0 && during.parameters().grads()(i) != after.parameters().grads()(i);
+    }
+    EXPECT_EQ(differing, 0u);
   }
 }
 

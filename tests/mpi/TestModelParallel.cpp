@@ -1,8 +1,9 @@
-// Tensor and sequence parallelism of a small Mamba-2 language model (run at 1, 2 and 4 ranks;
-// fp32). Every rank also runs the unsplit 1-rank reference on the whole batch, so no reference
+// Tensor and sequence parallelism of small Mamba-2 and Mamba-3 (SISO with the output norm, and
+// MIMO of rank 2) language models (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank reference on the whole batch, so no reference
 // data is communicated. On every dp × tp × sp factorisation of the world (tp splits the 8 heads and
 // 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter than
-// the conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them):
+// the Mamba-2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes
+// its four scan states instead):
 // M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
 //    1-rank run's, max|Δ| ≤ 1e-5·max|ref| per parameter (distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's, and the
@@ -55,6 +56,30 @@ kmamba::ModelConfig tiny_mamba2() {
   c.validate();
   return c;
 }
+
+/// The same dimensions with Mamba-3 mixers (2 rotary angles, replicated across the tensor ranks):
+/// SISO with the per-head output norm, or MIMO of rank 2 (chunk 2) with the gate in the scan.
+kmamba::ModelConfig tiny_mamba3(bool mimo) {
+  kmamba::ModelConfig c = tiny_mamba2();
+  c.mixer = kmamba::MixerKind::Mamba3;
+  c.bias = false;
+  c.is_mimo = mimo;
+  c.mimo_rank = 2;
+  c.is_outproj_norm = !mimo;
+  c.validate();
+  return c;
+}
+
+kmamba::ModelConfig config_named(const std::string& name) {
+  if (name == "mamba2") return tiny_mamba2();
+  return tiny_mamba3(name == "mamba3_mimo");
+}
+
+/// The tests below run on each of these models.
+class SplitModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  kmamba::ModelConfig model_config() const { return config_named(GetParam()); }
+};
 
 struct Batch {
   Ids ids, targets;  // (rows, length)
@@ -162,8 +187,8 @@ double one_rank_backward(Model& model, const Batch& b) {
   return loss_sum / static_cast<double>(global);
 }
 
-/// The same on this rank's rows (dp) and segment (sp) of b; one reduction over dp × sp at the end.
-/// Returns the global mean loss.
+/// The same on this rank's rows (dp) and segment (sp) of b; the reduction over dp × sp overlaps the
+/// last micro-batch's backward (DataParallel::attach). Returns the global mean loss.
 double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kmamba::ProcessMesh& mesh,
                          const Batch& b) {
   const Exec exec;
@@ -172,9 +197,11 @@ double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kma
       static_cast<std::int64_t>(b.ids.extent(1)), mesh.coordinates().sp, mesh.config().sequence_parallel_size);
   const Batch mine = slice(b, dp.data_rank() * per_rank, per_rank, segment.begin, segment.length);
   const std::int64_t global = dp.global_tokens(predicted(mine));
+  dp.attach(model);
   model.zero_grads(exec);
   double loss_sum = 0.0;
   for (int r = 0; r < per_rank; ++r) {
+    if (r == per_rank - 1) dp.begin_reduction(model.parameters());
     const Batch micro = slice(mine, r, 1, 0, segment.length);
     const kmamba::LossResult result = model.loss_and_backward(
         exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
@@ -197,9 +224,9 @@ TEST(ModelParallel, SequenceSegmentsSplitUnevenlyAndCoverTheSequence) {
   EXPECT_THROW(kmamba::sequence_segment(3, 0, 4), kmamba::UserError);
 }
 
-TEST(ModelParallel, InitializeGivesTheSlicesOfTheUnsplitModelAndGatherInvertsScatter) {
+TEST_P(SplitModel, InitializeGivesTheSlicesOfTheUnsplitModelAndGatherInvertsScatter) {
   const Exec exec;
-  const kmamba::ModelConfig config = tiny_mamba2();
+  const kmamba::ModelConfig config = model_config();
   Model full(config);
   full.initialize(init_seed);
   for (const auto& mesh_config : meshes()) {
@@ -231,9 +258,9 @@ TEST(ModelParallel, InitializeGivesTheSlicesOfTheUnsplitModelAndGatherInvertsSca
   }
 }
 
-TEST(ModelParallel, LossAndGradientsEqualOneRank) {
+TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   const Exec exec;
-  const kmamba::ModelConfig config = tiny_mamba2();
+  const kmamba::ModelConfig config = model_config();
   const Batch b = make_batch(0);
   Model reference(config);
   reference.initialize(init_seed);
@@ -256,18 +283,19 @@ TEST(ModelParallel, LossAndGradientsEqualOneRank) {
                                              reference.parameters().grads(), "gradient");
       const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
       if (world_rank() == 0) {
-        std::printf("[ measured ] %s%s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n",
-                    name(mesh).c_str(), checkpointing ? " checkpointing" : "", loss, ref_loss, worst_all);
+        std::printf("[ measured ] %s %s%s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n",
+                    GetParam().c_str(), name(mesh).c_str(), checkpointing ? " checkpointing" : "", loss, ref_loss, worst_all);
       }
     }
   }
 }
 
-// Segments of 2, 2, 1, 1 tokens at 4 ranks, shorter than the conv halo of 3: a rank's halo then
-// reaches back over several ranks (through the previous rank's conv state, which holds part of
-// its own halo), and its gradient flows back the same way.
-TEST(ModelParallel, SegmentsShorterThanTheHaloEqualOneRank) {
-  const kmamba::ModelConfig config = tiny_mamba2();
+// Segments of 2, 2, 1, 1 tokens at 4 ranks, shorter than the Mamba-2 conv halo of 3: a rank's
+// halo then reaches back over several ranks (through the previous rank's conv state, which holds
+// part of its own halo), and its gradient flows back the same way. Mamba-3: one-token segments,
+// whose final k and v states are their only token's.
+TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
+  const kmamba::ModelConfig config = model_config();
   const Batch b = make_batch(7, 6);
   Model reference(config);
   reference.initialize(init_seed);
@@ -283,9 +311,9 @@ TEST(ModelParallel, SegmentsShorterThanTheHaloEqualOneRank) {
   expect_slab_equal(reference.parameters(), model.parameters().grads(), reference.parameters().grads(), "gradient");
 }
 
-TEST(ModelParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   const Exec exec;
-  const kmamba::ModelConfig config = tiny_mamba2();
+  const kmamba::ModelConfig config = model_config();
   constexpr int steps = 3;
   constexpr double lr = 3e-3, max_norm = 0.25;
   kmamba::AdamWConfig adamw;
@@ -332,8 +360,8 @@ TEST(ModelParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
                                              reference.parameters().params(), "parameter");
       const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
       if (world_rank() == 0) {
-        std::printf("[ measured ] %s zero_stage %d: parameters after %d steps max|d|/max|ref| %.2e\n",
-                    name(mesh).c_str(), stage, steps, worst_all);
+        std::printf("[ measured ] %s %s zero_stage %d: parameters after %d steps max|d|/max|ref| %.2e\n",
+                    GetParam().c_str(), name(mesh).c_str(), stage, steps, worst_all);
       }
     }
   }
@@ -341,9 +369,9 @@ TEST(ModelParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
 
 // Recurrent inference on a tensor-parallel model (prefill, then decode steps) gives the unsplit
 // model's logits; a sequence-split model refuses it.
-TEST(ModelParallel, TensorParallelDecodeEqualsTheUnsplitModel) {
+TEST_P(SplitModel, TensorParallelDecodeEqualsTheUnsplitModel) {
   const Exec exec;
-  const kmamba::ModelConfig config = tiny_mamba2();
+  const kmamba::ModelConfig config = model_config();
   const Batch b = make_batch(3, 9);
   const int rows = 2, prompt = 6;
   const Batch head = slice(b, 0, rows, 0, prompt);
@@ -388,9 +416,9 @@ TEST(ModelParallel, TensorParallelDecodeEqualsTheUnsplitModel) {
   }
 }
 
-TEST(ModelParallel, RejectsATensorSplitThatDoesNotFitTheHeads) {
+TEST_P(SplitModel, RejectsATensorSplitThatDoesNotFitTheHeads) {
   if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  kmamba::ModelConfig config = tiny_mamba2();
+  kmamba::ModelConfig config = model_config();
   config.ngroups = 1;
   kmamba::MeshConfig mesh_config;
   mesh_config.tensor_parallel_size = 2;
@@ -402,5 +430,8 @@ TEST(ModelParallel, RejectsATensorSplitThatDoesNotFitTheHeads) {
     EXPECT_NE(std::string(e.what()).find("must divide nheads 8 and ngroups 1"), std::string::npos) << e.what();
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Mixers, SplitModel, ::testing::Values("mamba2", "mamba3_siso", "mamba3_mimo"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

@@ -14,6 +14,17 @@
 //   const double norm = dp.grad_norm(exec, model.parameters());     // the same value on every rank
 //   dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
 //
+// Overlap with backward (distributed.md §3): attached to the model, the gradients of the last
+// micro-batch are reduced bucket by bucket while its backward runs (on CUDA on a communication
+// stream; on host transports synchronously, through the same path):
+//
+//   dp.attach(model);                                  // once: the model's gradients-ready hook
+//   for (i ...) {
+//     if (i == last) dp.begin_reduction(model.parameters());   // accumulation steps stay silent
+//     model.loss_and_backward(...);
+//   }
+//   dp.reduce_gradients(exec, model.parameters());     // reduces what is left, waits for the rest
+//
 // Weighting micro-batch i by tokens_i / (tokens over all micro-batches of all dp ranks) and summing
 // over dp gives exactly the gradient of the mean loss over the global batch, so dp = N ranks on N
 // shards of a batch equal one rank on the whole batch (whatever the ranks' token counts).
@@ -122,9 +133,21 @@ class DataParallel {
   double sum_over_data(double local) const;
   std::int64_t sum_over_data(std::int64_t local) const;
 
-  /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp × sp.
-  /// ZeRO-1 reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.
-  void reduce_gradients(const ExecutionSpace& exec, const Slab& slab) const;
+  /// Makes `model` announce its gradients to this object as its backward produces them (its
+  /// gradients-ready hook, LanguageModel::set_gradients_ready_hook) and reduces the buckets in the
+  /// order of those announcements. `model` keeps a pointer to this object: detach or outlive it.
+  void attach(LanguageModel<ExecutionSpace>& model);
+  /// Arms the reduction of the coming backward (the last micro-batch of an optimizer step): each
+  /// bucket is reduced as soon as its gradients are announced. Without it (accumulation micro-steps)
+  /// announcements do nothing.
+  void begin_reduction(const Slab& slab);
+  /// The announcement of an attached model: the gradients of slab elements [begin, end) are final.
+  void gradients_ready(const ExecutionSpace& exec, std::size_t begin, std::size_t end);
+
+  /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp × sp
+  /// (the buckets begin_reduction's backward did not reduce yet, or all of them). ZeRO-1
+  /// reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.
+  void reduce_gradients(const ExecutionSpace& exec, const Slab& slab);
 
   /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
   /// the squares it owns — its ZeRO shards, the tail on dp × sp rank 0; tensor-parallel shards on
@@ -154,6 +177,7 @@ class DataParallel {
 
  private:
   void check_slab(const char* function, const Slab& slab) const;
+  typename GradientReducer<ExecutionSpace>::Reduction reduction() const;
   void check_full(const char* function, const char* name, std::size_t size) const;
   // Calls copy(slab_begin, shard_storage_begin, size) for each of this rank's shards (stage 1).
   template <class Copy>

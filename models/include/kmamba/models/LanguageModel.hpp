@@ -30,9 +30,12 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kmamba {
@@ -146,6 +149,18 @@ class LanguageModel {
   /// sequence parallelism the recompute repeats the block's state passing. Off by default.
   void set_activation_checkpointing(bool on);
   bool activation_checkpointing() const;
+  /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
+  /// parameters().grads() whose gradients that backward has finished (their work enqueued on
+  /// `exec`, not necessarily done): each block's parameters (its mixer's and its norm's) right after
+  /// the block's backward, layers n_layer − 1 … 0, then every other parameter (embedding, final norm,
+  /// LM head) at the end — the announcements of gradients_ready_sequence(). Data parallelism reduces
+  /// each gradient bucket as soon as it is complete (DataParallel::attach). An empty hook (the
+  /// default) is not called.
+  using GradientsReadyHook = std::function<void(const ExecutionSpace& exec, std::size_t begin, std::size_t end)>;
+  void set_gradients_ready_hook(GradientsReadyHook hook);
+  /// The ranges the hook receives during one backward, announcement by announcement (contiguous
+  /// entries of the slab merged into one range).
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> gradients_ready_sequence() const;
   /// The parameters this rank holds a tensor-parallel shard of (empty when not split).
   std::vector<ShardedParameter> sharded_parameters() const;
   Slab& parameters();

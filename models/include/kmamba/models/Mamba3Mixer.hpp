@@ -27,6 +27,23 @@
 // above continuing from the cache's states; step runs the same pre-processing on one token and the
 // core decode step.
 //
+// Tensor parallelism (distributed.md §1.1; ModelParallel.tensor of t ranks, H and G divisible by t):
+// rank r holds heads [r·H/t, (r+1)·H/t) and groups [r·G/t, (r+1)·G/t). Its in_proj.weight is the
+// rows [z_r | x_r | B_r | C_r | dd_dt_r | dd_A_r | trap_r | angle] of the unsplit one (column
+// parallel; B and C are (R, G, N) per token, so each of the R rank blocks contributes its G/t
+// groups), dt_bias, D, B_bias, C_bias, mimo_* and norm.weight the slices of its heads, out_proj.weight
+// the columns of its channels (row parallel: forward all-reduces the partial outputs over the tensor
+// ranks, backward all-reduces du). The angle rows of in_proj.weight and B_norm.weight, C_norm.weight
+// are shared by every head: replicated, their gradients (partial sums over this rank's heads) are
+// all-reduced over the tensor ranks in backward, so they are complete and equal on every tensor rank.
+//
+// Sequence parallelism (distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
+// Mamba-3 has no convolution, so no halo: rank k receives from rank k−1 the scan's four states
+// entering its segment (angle, ssm, k, v) as the scan's initial states and sends rank k+1 its final
+// ones; backward passes their gradients the other way (the scan's dfinal_states / dinitial).
+// Parameter gradients are partial sums over the segments (DataParallel sums them over dp × sp).
+// prefill and step do not take a sequence split.
+//
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
 // reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses),
 // and config.bias (the reference's projections have none).
@@ -65,6 +82,9 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   /// A Mamba-3 mixer for `config` (validated; config.mixer must be Mamba3) whose parameters are
   /// named `prefix` + the reference module's names.
   Mamba3Mixer(const ModelConfig& config, const std::string& prefix);
+  /// The same, this rank's shard under `parallel` (see the file comment). Throws kmamba::UserError
+  /// when the tensor-parallel size does not divide nheads and ngroups.
+  Mamba3Mixer(const ModelConfig& config, const std::string& prefix, const ModelParallel& parallel);
 
   const std::string& prefix() const override { return prefix_; }
 
@@ -109,6 +129,10 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
             const Tensor2<float, memory_space>& out,     // (batch, d_model)
             MixerCache<ExecutionSpace>& cache) const override;
 
+  /// Under tensor parallelism every parameter but B_norm.weight and C_norm.weight; the angle rows of
+  /// in_proj.weight are a replicated run (see the file comment).
+  std::vector<ShardedParameter> sharded_parameters() const override;
+
   /// The number of rotary angles S.
   int nangles() const { return nangles_; }
 
@@ -142,6 +166,11 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Matrix y;                                // (rows, d_inner), the scan output
     Matrix rstd;                             // (rows, nheads), the output norm's rstd (is_outproj_norm)
     Matrix normed;                           // (rows, d_inner), the output norm's output (is_outproj_norm)
+    // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank).
+    Tensor3<float, memory_space> angle_initial;  // (batch, nheads, nangles)
+    Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)
+    Tensor4<float, memory_space> k_initial;      // (batch, nheads, rank, d_state)
+    Tensor4<float, memory_space> v_initial;      // (batch, nheads, rank, headdim)
   };
 
   struct ParameterSpec {
@@ -165,9 +194,12 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
                const ConstMatrix& u,       // (rows, k)
                const Matrix& out) const;   // (rows, width)
+  // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
+  void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)
 
   ModelConfig config_;
   std::string prefix_;
+  ModelParallel parallel_;
   int d_model_, d_inner_, nheads_, headdim_, ngroups_, d_state_, nangles_, rank_, chunk_, in_proj_rows_;
   std::array<int, segment_count> segment_offsets_{}, segment_widths_{};
 

@@ -128,7 +128,7 @@ class Mixer {
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix);
 
-/// The same, split over the ranks of `parallel` (tensor and sequence parallelism: Mamba-2 only).
+/// The same, split over the ranks of `parallel` (tensor and sequence parallelism: Mamba-2 and Mamba-3).
 /// Throws kmamba::UserError when the mixer kind cannot be split or the split does not fit it.
 template <class ExecutionSpace>
 std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, const std::string& prefix,

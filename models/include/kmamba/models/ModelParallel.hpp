@@ -1,8 +1,8 @@
 // How one rank holds a model that is split across ranks inside a layer (distributed.md §1, §2.1):
-// tensor parallelism splits each Mamba-2 mixer's heads, with their B/C groups, conv channels,
-// dt_bias, A_log, D and gated-norm slice, over the ranks of `tensor`; sequence parallelism gives
-// each rank of `sequence` one contiguous segment of every sequence (segments may differ in length)
-// and passes the conv halo and the SSM state from rank to rank.
+// tensor parallelism splits each Mamba-2 or Mamba-3 mixer's heads, with their B/C groups and
+// per-head parameters, over the ranks of `tensor` (Mamba2Mixer.hpp, Mamba3Mixer.hpp); sequence
+// parallelism gives each rank of `sequence` one contiguous segment of every sequence (segments may
+// differ in length) and passes the recurrent states (conv halo, SSM state; Mamba-3's scan states) from rank to rank.
 //
 //   kmamba::ModelParallel parallel{&mesh.tensor(), &mesh.sequence()};
 //   kmamba::LanguageModel<Exec> model(config, parallel);   // this rank's shard of every mixer
@@ -39,6 +39,9 @@ struct ModelParallel {
 struct ShardedParameter {
   struct Run {
     std::int64_t full_offset = 0, local_offset = 0, count = 0;
+    /// The same elements on every tensor rank (e.g. Mamba-3's angle rows of in_proj.weight):
+    /// scattered to every rank, gathered from tensor rank 0 and counted once in the gradient norm.
+    bool replicated = false;
   };
   std::string name;                      ///< the full (prefixed) Hugging Face name
   std::vector<std::int64_t> full_shape;  ///< the unsplit shape

@@ -9,16 +9,32 @@
 // DDP all-reduces every bucket. ZeRO-1 reduce-scatters every bucket (rank r ends with the summed
 // gradient of its shards), updates its shards, then all-gathers the parameters; the tail (fewer
 // elements than ranks) is all-reduced and updated by every rank alike.
+//
+// Overlap with backward (distributed.md §3): begin() arms a reduction for the current backward,
+// ready() announces the elements whose gradients are final (e.g. one layer's, right after its
+// backward), and each bucket is reduced as soon as all its elements are announced — on CUDA on a
+// communication stream that waits for the compute stream (CommunicationStream.hpp), so that the
+// reduction of layer l runs while layer l−1's backward computes; on host transports synchronously.
+// finish() reduces what is left and orders the compute stream after the reductions. Buckets are
+// reduced in one order fixed by set_ready_sequence() on every rank (collectives must match), so a
+// rank that armed late or never gives the same schedule:
+//
+//   reducer.set_ready_sequence(model_announcements);        // once
+//   reducer.begin(grads, Reduction::AllReduce);             // before the last micro-batch's backward
+//   reducer.ready(exec, begin, end);                        // from the backward, per layer
+//   reducer.finish(exec, grads, Reduction::AllReduce);      // after it
 #ifndef KMAMBA_PARALLEL_GRADIENTBUCKETS_HPP
 #define KMAMBA_PARALLEL_GRADIENTBUCKETS_HPP
 
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/parallel/CommunicationStream.hpp>
 #include <kmamba/parallel/Communicator.hpp>
 
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -77,30 +93,87 @@ template <class ExecutionSpace>
 class GradientReducer {
  public:
   using memory_space = typename ExecutionSpace::memory_space;
+  using Range = std::pair<std::size_t, std::size_t>;  ///< elements [first, second)
+
+  /// How buckets are reduced: summed on every rank (DDP) or into each rank's shard (ZeRO-1).
+  enum class Reduction { AllReduce, ReduceScatter };
 
   GradientReducer(const Communicator& comm, std::size_t elements, std::size_t bucket_elements = 0)
-      : comm_(&comm), layout_(elements, comm.size(), bucket_elements) {}
+      : comm_(&comm),
+        layout_(elements, comm.size(), bucket_elements),
+        stream_(std::make_shared<CommunicationStream<ExecutionSpace>>()) {
+    set_ready_sequence({});
+  }
+
+  /// The announcements a backward makes, in order (announcement i: the ranges ready() receives at
+  /// that point). Buckets are reduced in the order they become complete under it, the rest after
+  /// them in index order (the default: index order). Every rank must give the same sequence.
+  void set_ready_sequence(const std::vector<std::vector<Range>>& announcements) {
+    std::vector<std::size_t> pending = bucket_sizes();
+    std::vector<bool> placed(pending.size(), false);
+    order_.clear();
+    for (const auto& announcement : announcements) {
+      for (const Range& r : announcement) subtract(pending, r);
+      for (std::size_t b = 0; b < pending.size(); ++b) {
+        if (pending[b] == 0 && !placed[b]) {
+          order_.push_back(b);
+          placed[b] = true;
+        }
+      }
+    }
+    for (std::size_t b = 0; b < pending.size(); ++b) {
+      if (!placed[b]) order_.push_back(b);
+    }
+  }
+
+  /// Arms an overlapped reduction of `data` (the gradients of the coming backward): ready() then
+  /// reduces each bucket once all its elements are announced. `data` must stay alive until finish().
+  void begin(const Tensor1<float, memory_space>& data, Reduction how) {  // (elements)
+    check(data, "begin");
+    armed_ = true;
+    how_ = how;
+    data_ = data;
+    pending_ = bucket_sizes();
+    next_ = 0;
+  }
+  bool armed() const { return armed_; }
+
+  /// Announces that the gradients of elements [begin, end) are final for this backward (their
+  /// work enqueued on `exec`); reduces every bucket that is next in order and complete. Nothing
+  /// unless armed.
+  void ready(const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
+    if (!armed_) return;
+    subtract(pending_, {begin, end});
+    while (next_ < order_.size() && pending_[order_[next_]] == 0) launch(exec, order_[next_++]);
+  }
+
+  /// Reduces every bucket not reduced yet (all of them when not armed) and the tail, and orders
+  /// `exec`'s later work after the reductions. Disarms.
+  void finish(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data, Reduction how) {  // (elements)
+    check(data, "finish");
+    KMAMBA_REQUIRE(!armed_ || (data.data() == data_.data() && how == how_),
+                   "kmamba::GradientReducer::finish: not the buffer or the reduction begin() armed");
+    if (!armed_) begin(data, how);
+    while (next_ < order_.size()) launch(exec, order_[next_++]);
+    stream_->wait_for(exec);
+    all_reduce_tail(stream_->instance(exec), data);
+    stream_->join(exec);
+    armed_ = false;
+    data_ = Tensor1<float, memory_space>();
+  }
 
   const BucketLayout& layout() const { return layout_; }
   const Communicator& communicator() const { return *comm_; }
 
-  /// data ← Σ over the ranks of data, bucket by bucket (DDP).
-  void all_reduce(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {  // (elements)
-    check(data, "all_reduce");
-    for (const auto& bucket : layout_.buckets()) comm_->all_reduce(exec, range(data, bucket.begin, bucket.size));
-    all_reduce_tail(exec, data);
+  /// data ← Σ over the ranks of data, bucket by bucket (DDP); finish() without begin().
+  void all_reduce(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) {  // (elements)
+    finish(exec, data, Reduction::AllReduce);
   }
 
   /// This rank's shard of every bucket ← the sum over the ranks of that shard, and the tail ← its
-  /// sum; the other elements of data are left unspecified (ZeRO-1).
-  void reduce_scatter(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) const {  // (elements)
-    check(data, "reduce_scatter");
-    const int rank = comm_->rank();
-    for (const auto& bucket : layout_.buckets()) {
-      comm_->reduce_scatter(exec, range(data, bucket.begin, bucket.size),
-                            range(data, layout_.shard_begin(bucket, rank), layout_.shard_size(bucket)));
-    }
-    all_reduce_tail(exec, data);
+  /// sum; the other elements of data are left unspecified (ZeRO-1); finish() without begin().
+  void reduce_scatter(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) {  // (elements)
+    finish(exec, data, Reduction::ReduceScatter);
   }
 
   /// Every rank's shard of every bucket ← that rank's values (after each rank updated its shards).
@@ -171,6 +244,35 @@ class GradientReducer {
     if (tail > 0) comm_->all_reduce(exec, range(data, layout_.tail_begin(), tail));
   }
 
+  std::vector<std::size_t> bucket_sizes() const {
+    std::vector<std::size_t> sizes;
+    for (const auto& bucket : layout_.buckets()) sizes.push_back(bucket.size);
+    return sizes;
+  }
+
+  // pending[b] −= the elements of bucket b in r.
+  void subtract(std::vector<std::size_t>& pending, const Range& r) const {
+    const auto& buckets = layout_.buckets();
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const std::size_t begin = std::max(r.first, buckets[b].begin);
+      const std::size_t end = std::min(r.second, buckets[b].begin + buckets[b].size);
+      if (begin < end) pending[b] -= std::min(pending[b], end - begin);
+    }
+  }
+
+  // Reduces bucket b of the armed buffer on the communication stream, after exec's work so far.
+  void launch(const ExecutionSpace& exec, std::size_t b) const {
+    const auto& bucket = layout_.buckets()[b];
+    stream_->wait_for(exec);
+    const ExecutionSpace on = stream_->instance(exec);
+    if (how_ == Reduction::AllReduce) {
+      comm_->all_reduce(on, range(data_, bucket.begin, bucket.size));
+    } else {
+      comm_->reduce_scatter(on, range(data_, bucket.begin, bucket.size),
+                            range(data_, layout_.shard_begin(bucket, comm_->rank()), layout_.shard_size(bucket)));
+    }
+  }
+
   static double sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data,
                                std::size_t begin, std::size_t size) {
     if (size == 0) return 0.0;
@@ -184,6 +286,14 @@ class GradientReducer {
 
   const Communicator* comm_;
   BucketLayout layout_;
+  std::shared_ptr<CommunicationStream<ExecutionSpace>> stream_;
+  std::vector<std::size_t> order_;  // bucket indices in the order they are reduced
+  // The armed reduction (begin() … finish()).
+  bool armed_ = false;
+  Reduction how_ = Reduction::AllReduce;
+  Tensor1<float, memory_space> data_;  // (elements)
+  std::vector<std::size_t> pending_;   // per bucket: elements not announced yet
+  std::size_t next_ = 0;               // position in order_ of the next bucket to reduce
 };
 
 }  // namespace kmamba
