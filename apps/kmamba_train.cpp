@@ -84,7 +84,12 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"headdim", "N", "mamba2/mamba3: channels per head (default 16)"},
         {"ngroups", "N", "mamba2/mamba3: B/C groups, a multiple of --tp (default 1)"},
         {"expand", "N", "inner width = expand * d-model (default 2)"},
-        {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"}}},
+        {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"},
+        {"dt-min", "X", "smallest initial time step (default 0.001)"},
+        {"dt-max", "X", "largest initial time step (default 0.1)"},
+        {"bc-bias-init", "X",
+         "mamba3: initial B_bias and C_bias (default 0.1 for recall, where the reference's 1 leaves the model "
+         "stuck near 1 / kv-pairs accuracy; 1 otherwise)"}}},
       {"progress and output",
        {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
         {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
@@ -315,7 +320,8 @@ Run resolve(const Options& o) {
   }
 
   if (!r.model_dir.empty()) {
-    for (const char* name : {"mixer", "d-model", "n-layer", "d-state", "headdim", "ngroups", "expand", "chunk-size"}) {
+    for (const char* name : {"mixer", "d-model", "n-layer", "d-state", "headdim", "ngroups", "expand", "chunk-size",
+                           "dt-min", "dt-max", "bc-bias-init"}) {
       KMAMBA_REQUIRE(!o.has(name), "kmamba-train: --" << name << " conflicts with --model (the architecture comes from "
                                                       << r.model_dir << "/config.json)");
     }
@@ -335,6 +341,11 @@ Run resolve(const Options& o) {
   m.headdim = static_cast<int>(o.integer("headdim", 16, 1));
   m.ngroups = static_cast<int>(o.integer("ngroups", 1, 1));
   m.chunk_size = static_cast<int>(o.integer("chunk-size", recall ? 16 : 64, 1));
+  m.dt_min = o.number("dt-min", m.dt_min);
+  m.dt_max = o.number("dt-max", m.dt_max);
+  KMAMBA_REQUIRE(m.mixer == kmamba::MixerKind::Mamba3 || !o.has("bc-bias-init"),
+                 "kmamba-train: --bc-bias-init configures a mamba3 model, not " << mixer);
+  if (m.mixer == kmamba::MixerKind::Mamba3) m.bc_bias_init = o.number("bc-bias-init", recall ? 0.1 : 1.0);
   m.vocab_size = recall ? r.recall.vocab_size : 256;  // replaced by a token file's vocabulary
   return r;
 }

@@ -282,6 +282,7 @@ void ModelConfig::validate() const {
     KMAMBA_REQUIRE(rope_fraction == 0.5 || rope_fraction == 1.0,
                    "kmamba::ModelConfig: rope_fraction must be 0.5 or 1.0, got " << rope_fraction);
     KMAMBA_REQUIRE(A_floor > 0.0, "kmamba::ModelConfig: A_floor must be positive, got " << A_floor);
+    KMAMBA_REQUIRE(std::isfinite(bc_bias_init), "kmamba::ModelConfig: bc_bias_init must be finite, got " << bc_bias_init);
     if (is_mimo) positive("mimo_rank", mimo_rank);
   }
 }

@@ -342,8 +342,9 @@ void Mamba3Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const S
   double out_bound = 1.0 / std::sqrt(static_cast<double>(d_inner_));
   if (config_.rescale_prenorm_residual) out_bound /= std::sqrt(static_cast<double>(config_.n_layer));
   uniform("out_proj.weight", out_bound);
-  for (const char* name : {"B_bias", "C_bias", "B_norm.weight", "C_norm.weight", "D"}) {
-    Kokkos::deep_copy(exec, param(name), 1.0f);
+  for (const char* name : {"B_norm.weight", "C_norm.weight", "D"}) Kokkos::deep_copy(exec, param(name), 1.0f);
+  for (const char* name : {"B_bias", "C_bias"}) {
+    Kokkos::deep_copy(exec, param(name), static_cast<float>(config_.bc_bias_init));
   }
   if (config_.is_mimo) {
     Kokkos::deep_copy(exec, param("mimo_x"), 1.0f / static_cast<float>(rank_));

@@ -95,6 +95,18 @@ TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
   EXPECT_EQ(m3.chunk_size, 64);
   const auto back = kmamba::ModelConfig::from_json(m3.to_hf_json(), "m3 round trip");
   EXPECT_EQ(back.to_hf_json(), m3.to_hf_json());
+  // bc_bias_init is an initialisation setting: config.json (read by mamba_ssm too) does not carry it.
+  EXPECT_EQ(m3.bc_bias_init, 1.0);
+  auto small_bias = m3;
+  small_bias.bc_bias_init = 0.1;
+  EXPECT_EQ(small_bias.to_hf_json(), m3.to_hf_json());
+  small_bias.bc_bias_init = std::nan("");
+  try {
+    small_bias.validate();
+    FAIL() << "a NaN bc_bias_init was accepted";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("bc_bias_init must be finite"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, AcceptsEveryInfinitySpelling) {

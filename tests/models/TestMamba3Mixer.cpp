@@ -782,6 +782,17 @@ TYPED_TEST(Mamba3Mixer, InitializesAsTheReference) {
   EXPECT_EQ(siso.size(), 9u);
   EXPECT_EQ(siso.count("mimo_x"), 0u);
   for (double v : siso.at("norm.weight")) EXPECT_EQ(v, 1.0);
+  // bc_bias_init sets the B and C biases alone (kmamba-train's recall default is 0.1).
+  cfg.bc_bias_init = 0.1;
+  const Params small_bias = init(prefix, 7);
+  for (const char* bias : {"B_bias", "C_bias"}) {
+    for (double v : small_bias.at(bias)) EXPECT_EQ(v, 0.1f) << bias;
+  }
+  for (const char* one : {"B_norm.weight", "C_norm.weight", "D", "norm.weight"}) {
+    for (double v : small_bias.at(one)) EXPECT_EQ(v, 1.0) << one;
+  }
+  EXPECT_EQ(small_bias.at("in_proj.weight"), siso.at("in_proj.weight"));
+  EXPECT_EQ(small_bias.at("dt_bias"), siso.at("dt_bias"));
 }
 
 }  // namespace

@@ -53,6 +53,9 @@ struct ModelConfig {
   bool is_mimo = false;
   int mimo_rank = 4;
   bool is_outproj_norm = false;
+  // The initial value of every B_bias and C_bias entry (a kmamba addition; the reference's is 1).
+  // Initialisation only: config.json does not carry it (mamba_ssm's Mamba3 takes no such argument).
+  double bc_bias_init = 1.0;
 
   int d_inner() const { return expand * d_model; }
   int num_heads() const { return nheads > 0 ? nheads : d_inner() / headdim; }

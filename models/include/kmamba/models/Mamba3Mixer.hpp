@@ -96,9 +96,10 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
 
   /// The reference initialisation (§3.1, §4.4): in_proj and out_proj uniform in ±1/sqrt(fan_in),
   /// out_proj then divided by sqrt(n_layer) when rescale_prenorm_residual; dt_bias =
-  /// invsp(max(dt_init_floor, dt)) with dt log-uniform in [dt_min, dt_max]; B_bias = C_bias = 1;
-  /// norm weights 1; D = 1; mimo_x = mimo_o = 1/R, mimo_z = 1. Each random parameter draws its own
-  /// Philox stream keyed by `seed` and its full name. Non-blocking on `exec`.
+  /// invsp(max(dt_init_floor, dt)) with dt log-uniform in [dt_min, dt_max]; B_bias = C_bias =
+  /// config.bc_bias_init (the reference's 1); norm weights 1; D = 1; mimo_x = mimo_o = 1/R,
+  /// mimo_z = 1. Each random parameter draws its own Philox stream keyed by `seed` and its full
+  /// name. Non-blocking on `exec`.
   void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const override;
 
   /// See Mixer::forward. Throws kmamba::UserError naming the tensor and both shapes when u or out
