@@ -87,9 +87,7 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"},
         {"dt-min", "X", "smallest initial time step (default 0.001)"},
         {"dt-max", "X", "largest initial time step (default 0.1)"},
-        {"bc-bias-init", "X",
-         "mamba3: initial B_bias and C_bias (default 0.1 for recall, where the reference's 1 leaves the model "
-         "stuck near 1 / kv-pairs accuracy; 1 otherwise)"}}},
+        {"bc-bias-init", "X", "mamba3: initial B_bias and C_bias (default 0.1 for recall, the reference's 1 otherwise)"}}},
       {"progress and output",
        {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
         {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
