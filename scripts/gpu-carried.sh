@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# CUDA tests, benchmarks and compute-sanitizer runs from binaries built HERE (no GPU needed to
+# build) and carried to the GPU machine, so that no device time goes into compiling.
+#
+# Here:    scripts/gpu-carried.sh --pack [build-dir]   # default build-cuda; writes .gl/bin.tar.xz
+#                                                      # (stripped, ~23 MB for the default list)
+# There:   scripts/gpu-carried.sh                      # carry .deps and .gl; logs go to $OUT
+#
+# GPU_CARRIED_SUITES names the test suites (default below), GPU_CARRIED_RACECHECK the suites run
+# under racecheck (default: the same), GPU_CARRIED_PERF=0 skips the benchmarks.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+suites=(${GPU_CARRIED_SUITES:-mamba3_scan decode rms_norm sequence_model ssd selective_scan conv1d})
+if [ "${1:-}" = "--pack" ]; then
+  build="${2:-$root/build-cuda}"
+  targets=(kmamba-perf kmamba-perf-decode kmamba-lorenz96 kmamba-train)
+  for s in "${suites[@]}"; do targets+=("kmamba_${s}_tests"); done
+  cmake --build "$build" -j 2 $(printf -- '--target %s ' "${targets[@]}") || exit 1
+  rm -rf "$root/.gl/bin" && mkdir -p "$root/.gl/bin"
+  cp "$build"/perf/kmamba-perf "$build"/perf/kmamba-perf-decode "$build"/apps/kmamba-lorenz96 \
+     "$build"/apps/kmamba-train "$root/.gl/bin/"
+  for s in "${suites[@]}"; do cp "$build/tests/kmamba_${s}_tests" "$root/.gl/bin/"; done
+  strip "$root"/.gl/bin/*
+  tar cJf "$root/.gl/bin.tar.xz" -C "$root/.gl" bin && rm -rf "$root/.gl/bin"
+  du -h "$root/.gl/bin.tar.xz"
+  exit 0
+fi
+
+out="${OUT:-$root/gpu-out}"
+mkdir -p "$out"
+export PATH="/usr/local/cuda/bin:$PATH" NCCL_NVLS_ENABLE=0 OMP_PROC_BIND=spread OMP_PLACES=threads
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+[ -f "$root/.gl/bin.tar.xz" ] || { echo "gpu-carried.sh: .gl/bin.tar.xz missing: run --pack here and carry .gl" >&2; exit 1; }
+tar xJf "$root/.gl/bin.tar.xz" -C "$root/.gl"
+bin="$root/.gl/bin"
+# The test binaries look for the golden data where the build machine had it (../shared/golden).
+[ -d "$root/../shared/golden" ] || { mkdir -p "$root/../shared" && ln -sfn "$root/.deps/golden" "$root/../shared/golden"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/machine.txt" 2>&1
+status=0
+step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one line
+  local name=$1; shift
+  local t0; t0=$(date +%s)
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || status=1
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'PASSED|FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 2 | tr '\n' ' ')"
+}
+for s in "${suites[@]}"; do step "test-$s" "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'; done
+step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
+  -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
+  "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
+  step perf-kernels "$bin/kmamba-perf" --space Cuda
+  step perf-decode "$bin/kmamba-perf-decode" --space Cuda
+  step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
+fi
+for s in ${GPU_CARRIED_RACECHECK:-${suites[*]}}; do
+  step "racecheck-$s" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+    "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
+done
+exit $status
