@@ -164,32 +164,43 @@ void run_space(const Options& o) {
     return static_cast<std::int64_t>(std::max_element(logits, logits + v) - logits);
   };
 
-  if (o.profile_steps > 0) {
-    const int batch = o.profile_batch;
-    const auto prompts = random_prompts(batch, s.prompt, vocab);
-    auto state = model.make_decode_state(batch);
-    state.set_step_graph(false);
+  // A decode state for `prompts`, prefilled, after three warm-up steps (which record the step graph
+  // when `graph`), with the logits and the next tokens its steps use.
+  struct Prefilled {
+    kmamba::DecodeState<Exec> state;
+    kmamba::Tensor2<float, Mem> logits;
+    kmamba::Tensor1<std::int64_t, Mem> next;
+  };
+  const auto prefilled = [&](const std::vector<std::vector<std::int64_t>>& prompts, bool graph) {
+    const int batch = static_cast<int>(prompts.size());
+    Prefilled p{model.make_decode_state(batch), {}, {}};
+    p.state.set_step_graph(graph);
     auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
     auto host_ids = Kokkos::create_mirror_view(ids);
     for (int b = 0; b < batch; ++b) {
       for (int t = 0; t < s.prompt; ++t) host_ids(b, t) = prompts[b][t];
     }
     Kokkos::deep_copy(ids, host_ids);
-    auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
-    model.prefill(exec, ids, state, logits);
-    auto next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
-    Kokkos::deep_copy(next, 11);
-    for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, next, state, logits);
+    p.logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
+    model.prefill(exec, ids, p.state, p.logits);
+    p.next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
+    Kokkos::deep_copy(p.next, 11);
+    for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, p.next, p.state, p.logits);
+    return p;
+  };
+
+  if (o.profile_steps > 0) {
+    Prefilled p = prefilled(random_prompts(o.profile_batch, s.prompt, vocab), false);
     exec.fence();
 #if KMAMBA_ENABLE_CUDA
     cudaProfilerStart();
 #endif
-    for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, next, state, logits);
+    for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, p.next, p.state, p.logits);
     exec.fence();
 #if KMAMBA_ENABLE_CUDA
     cudaProfilerStop();
 #endif
-    std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, batch);
+    std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, o.profile_batch);
     return;
   }
 
@@ -200,25 +211,13 @@ void run_space(const Options& o) {
     // default; CUDA only) and launched kernel by kernel.
     for (const bool graph : {true, false}) {
       if (!graph && !kmamba::StepGraph<Exec>::records) continue;
-      auto state = model.make_decode_state(batch);
-      state.set_step_graph(graph);
-      auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
-      auto host_ids = Kokkos::create_mirror_view(ids);
-      for (int b = 0; b < batch; ++b) {
-        for (int t = 0; t < s.prompt; ++t) host_ids(b, t) = prompts[b][t];
-      }
-      Kokkos::deep_copy(ids, host_ids);
-      auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
-      model.prefill(exec, ids, state, logits);
-      auto next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
-      Kokkos::deep_copy(next, 11);
-      for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, next, state, logits);  // warm-up (and recording)
-      const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, next, state, logits); });
+      Prefilled p = prefilled(prompts, graph);
+      const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, p.next, p.state, p.logits); });
       std::snprintf(shape, sizeof shape, "b%d after %d tokens (%s)", batch, s.prompt, Exec::name());
       const std::string name = std::string(batch == 1 ? "decode step b1" : "decode step batch") +
                                (kmamba::StepGraph<Exec>::records ? (graph ? " graph" : " kernels") : "");
       report(name.c_str(), shape, t, batch, cost.bytes(batch), batch * cost.flops_per_sequence);
-      if (graph && kmamba::StepGraph<Exec>::records) std::printf("  step graph: %s\n", state.step_graph_status().c_str());
+      if (graph && kmamba::StepGraph<Exec>::records) std::printf("  step graph: %s\n", p.state.step_graph_status().c_str());
     }
     // The generation loop: greedy, logits to the host every step.
     {
