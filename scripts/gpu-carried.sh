@@ -6,20 +6,21 @@
 #                                                      # (stripped, ~23 MB for the default list)
 # There:   scripts/gpu-carried.sh                      # carry .deps and .gl; logs go to $OUT
 #
-# GPU_CARRIED_SUITES names the test suites (default below), GPU_CARRIED_RACECHECK the suites run
-# under racecheck (default: the same), GPU_CARRIED_PERF=0 skips the benchmarks.
+# GPU_CARRIED_SUITES names the test suites (default below), GPU_CARRIED_MEMCHECK and
+# GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck / racecheck (default: all),
+# GPU_CARRIED_PERF=0 skips the benchmarks.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-suites=(${GPU_CARRIED_SUITES:-mamba3_scan decode rms_norm sequence_model ssd selective_scan conv1d})
+suites=(${GPU_CARRIED_SUITES:-mamba3_scan mamba3_mixer decode rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
 if [ "${1:-}" = "--pack" ]; then
   build="${2:-$root/build-cuda}"
-  targets=(kmamba-perf kmamba-perf-decode kmamba-lorenz96 kmamba-train)
+  targets=(kmamba-perf kmamba-perf-decode kmamba-perf-train kmamba-lorenz96 kmamba-train kmamba-eval)
   for s in "${suites[@]}"; do targets+=("kmamba_${s}_tests"); done
   cmake --build "$build" -j 2 $(printf -- '--target %s ' "${targets[@]}") || exit 1
   rm -rf "$root/.gl/bin" && mkdir -p "$root/.gl/bin"
-  cp "$build"/perf/kmamba-perf "$build"/perf/kmamba-perf-decode "$build"/apps/kmamba-lorenz96 \
-     "$build"/apps/kmamba-train "$root/.gl/bin/"
+  cp "$build"/perf/kmamba-perf "$build"/perf/kmamba-perf-decode "$build"/perf/kmamba-perf-train \
+     "$build"/apps/kmamba-lorenz96 "$build"/apps/kmamba-train "$build"/apps/kmamba-eval "$root/.gl/bin/"
   for s in "${suites[@]}"; do cp "$build/tests/kmamba_${s}_tests" "$root/.gl/bin/"; done
   strip "$root"/.gl/bin/*
   tar cJf "$root/.gl/bin.tar.xz" -C "$root/.gl" bin && rm -rf "$root/.gl/bin"
@@ -47,16 +48,32 @@ step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one lin
   echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'PASSED|FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 2 | tr '\n' ' ')"
 }
 for s in "${suites[@]}"; do step "test-$s" "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'; done
+# The golden files reproduced by the evaluation tool on the GPU (the ctest eval.* entries).
+golden="$root/.deps/golden"
+for pair in ssd:ssd_small selective_scan:selective_scan_small mamba3_siso:mamba3_siso_small \
+            mamba3_mimo:mamba3_mimo_small mamba3_mixer:mamba3_block_small; do
+  step "eval-${pair#*:}" "$bin/kmamba-eval" --op "${pair%%:*}" \
+    --input "$golden/${pair#*:}.safetensors" --output "$out/eval-${pair#*:}.safetensors" --check 1e-3
+done
+for model in tiny_mamba1 tiny_mamba2; do
+  step "eval-$model" "$bin/kmamba-eval" --model "$golden/$model" \
+    --input "$golden/${model}_io.safetensors" --output /tmp/eval-$model.safetensors --grads --check 1e-3
+done
 step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
   -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
   "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
 if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-kernels "$bin/kmamba-perf" --space Cuda
   step perf-decode "$bin/kmamba-perf-decode" --space Cuda
+  step perf-train "$bin/kmamba-perf-train" --space Cuda
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
 fi
+for s in ${GPU_CARRIED_MEMCHECK:-${suites[*]}}; do
+  step "memcheck-$s" timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+    "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
+done
 for s in ${GPU_CARRIED_RACECHECK:-${suites[*]}}; do
-  step "racecheck-$s" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+  step "racecheck-$s" timeout 300 compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
     "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
 done
 exit $status
