@@ -8,7 +8,8 @@
 #
 # GPU_CARRIED_SUITES names the test suites (default below), GPU_CARRIED_MEMCHECK and
 # GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck / racecheck (default: all),
-# GPU_CARRIED_PERF=0 skips the benchmarks.
+# GPU_CARRIED_SANITIZER_TIMEOUT bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips
+# the benchmarks.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -69,11 +70,11 @@ if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
 fi
 for s in ${GPU_CARRIED_MEMCHECK:-${suites[*]}}; do
-  step "memcheck-$s" timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+  step "memcheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
     "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
 done
 for s in ${GPU_CARRIED_RACECHECK:-${suites[*]}}; do
-  step "racecheck-$s" timeout 300 compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+  step "racecheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
     "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
 done
 exit $status
