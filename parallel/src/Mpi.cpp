@@ -60,6 +60,17 @@ void MpiComm::release() noexcept {
   comm_ = MPI_COMM_NULL;
 }
 
+int node_local_rank(MPI_Comm comm) {
+  KMAMBA_REQUIRE(comm != MPI_COMM_NULL, "kmamba::node_local_rank: the communicator is MPI_COMM_NULL");
+  MPI_Comm node = MPI_COMM_NULL;
+  KMAMBA_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int rank = 0;
+  const int status = MPI_Comm_rank(node, &rank);
+  MPI_Comm_free(&node);
+  KMAMBA_MPI_CHECK(status);
+  return rank;
+}
+
 namespace {
 [[noreturn]] void abort_all(MPI_Comm comm, const char* what) {
   int rank = -1, size = 0;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,30 @@ TEST(MpiHarness, DuplicatesTheCallersCommunicator) {
   EXPECT_EQ(comm.get(), MPI_COMM_NULL);
   EXPECT_NE(moved.get(), MPI_COMM_NULL);
   EXPECT_THROW(kmamba::MpiComm{MPI_COMM_NULL}, kmamba::UserError);
+}
+
+// The ranks of each node (same processor name) hold the local ranks 0, 1, ..., count − 1 once each.
+TEST(MpiHarness, NodeLocalRanksNumberEachNodesRanks) {
+  int world_size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  const int local = kmamba::node_local_rank(MPI_COMM_WORLD);
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  MPI_Get_processor_name(name, &length);
+  std::vector<char> names(static_cast<std::size_t>(world_size) * MPI_MAX_PROCESSOR_NAME);
+  std::vector<int> locals(static_cast<std::size_t>(world_size));
+  MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, MPI_COMM_WORLD);
+  MPI_Allgather(&local, 1, MPI_INT, locals.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  for (int r = 0; r < world_size; ++r) {
+    const std::string node(&names[static_cast<std::size_t>(r) * MPI_MAX_PROCESSOR_NAME]);
+    std::vector<int> seen;
+    for (int q = 0; q < world_size; ++q) {
+      if (std::string(&names[static_cast<std::size_t>(q) * MPI_MAX_PROCESSOR_NAME]) == node) seen.push_back(locals[q]);
+    }
+    std::sort(seen.begin(), seen.end());
+    for (std::size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], static_cast<int>(i)) << "node " << node;
+  }
+  EXPECT_THROW(kmamba::node_local_rank(MPI_COMM_NULL), kmamba::UserError);
 }
 
 TEST(MpiHarness, ShardedRandomFillEqualsOneRankFill) {

@@ -46,6 +46,11 @@ class MpiComm {
   int size_ = 1;
 };
 
+/// This process's rank among the ranks of `comm` that share its node (MPI_Comm_split_type with
+/// MPI_COMM_TYPE_SHARED), in [0, ranks on the node): the GPU a one-GPU-per-rank program takes on a
+/// node of several GPUs (distributed.md §6's bootstrap). Collective over `comm`.
+int node_local_rank(MPI_Comm comm);
+
 /// For the main() of an MPI program: runs `body` and returns its result; if it throws, prints
 /// "kmamba: rank R of N failed: <what>; aborting all N ranks" to stderr and calls
 /// MPI_Abort(`comm`, 1), so that the other ranks, which may be blocked in a collective waiting for

@@ -1,0 +1,310 @@
+// kmamba-perf-comm: times the collectives of kmamba::Communicator (all-reduce, reduce-scatter,
+// all-gather, broadcast, send/recv) over a message-size sweep, under mpirun, on the communicators
+// the apps use: a ProcessMesh over MPI_COMM_WORLD (all ranks on the dp axis) and its world
+// communicator — MPI on host memory (--device host), NCCL on device memory with one GPU per rank
+// (--device cuda; the GPU is the rank's node-local rank, kmamba::node_local_rank).
+//
+//   mpirun -np 4 kmamba-perf-comm [--device host|cuda] [--min-bytes B] [--max-bytes B] [--factor 2|4]
+//                                 [--reps R] [--warmup W] [--collectives LIST] [--json FILE]
+//
+// Every size is the logical buffer M of distributed.md §0 in bytes of float32, the "size" of the
+// NCCL tests: the buffer of all-reduce and broadcast, the whole (size() · n) buffer of
+// reduce-scatter and all-gather, the message each rank sends in the send/recv ring (rank r sends to
+// r + 1 and receives from r − 1). Each repetition starts after a barrier and ends when the data are
+// in place on the rank (a fence of the execution space instance); its time is the slowest rank's;
+// the table shows the median of R repetitions after W warm-up calls. Bandwidths as the NCCL tests
+// define them: algorithm bandwidth M / t, bus bandwidth = algorithm bandwidth × 2(n−1)/n (all-reduce),
+// × (n−1)/n (reduce-scatter, all-gather), × 1 (broadcast, send/recv). Out-of-place operations on
+// fresh uniform [0.5, 1.5) data (never zeros) per size.
+#include <kmamba/KMamba.hpp>
+#include <kmamba/parallel/Mpi.hpp>
+#include <kmamba/parallel/ProcessMesh.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+const std::vector<std::string>& all_collectives() {
+  static const std::vector<std::string> names = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                                 "send_recv"};
+  return names;
+}
+
+struct Options {
+  std::string device = "host";
+  std::size_t min_bytes = 1024;
+  std::size_t max_bytes = std::size_t(1) << 30;
+  int factor = 4;
+  int reps = 20;
+  int warmup = 5;
+  std::vector<std::string> collectives = all_collectives();
+  std::string json;
+};
+
+void print_help() {
+  std::printf(
+      "usage: mpirun -np N kmamba-perf-comm [options]\n"
+      "\n"
+      "Times kmamba::Communicator's collectives over a message-size sweep on N ranks and prints, on rank 0,\n"
+      "collective, bytes, median time (us), algorithm and bus bandwidth (GB/s, the NCCL tests' conventions).\n"
+      "\n"
+      "  --device host|cuda      host: MPI communicator, host memory (default); cuda: NCCL communicator,\n"
+      "                          device memory, one GPU per rank (the rank's node-local rank)\n"
+      "  --min-bytes B           smallest message (default 1024)\n"
+      "  --max-bytes B           largest message (default 1073741824 = 1 GiB)\n"
+      "  --factor F              size ratio between steps, 2 or 4 (default 4)\n"
+      "  --reps R                timed repetitions per size; the median is reported (default 20)\n"
+      "  --warmup W              untimed calls per size first (default 5)\n"
+      "  --collectives LIST      comma-separated subset of all_reduce,reduce_scatter,all_gather,broadcast,\n"
+      "                          send_recv (default: all)\n"
+      "  --json FILE             also write the results as JSON (rank 0)\n"
+      "  -h, --help              this text\n"
+      "Byte counts accept K, M, G suffixes (powers of 1024). Kokkos options (--kokkos-...) are passed on.\n");
+}
+
+std::size_t parse_bytes(const std::string& text) {
+  std::size_t used = 0;
+  unsigned long long value = 0;
+  try {
+    value = std::stoull(text, &used);
+  } catch (const std::exception&) {
+    KMAMBA_USER_ERROR("kmamba-perf-comm: '" << text << "' is not a byte count (e.g. 1024, 64K, 1G)");
+  }
+  const std::string suffix = text.substr(used);
+  if (suffix == "K" || suffix == "k") value <<= 10;
+  else if (suffix == "M" || suffix == "m") value <<= 20;
+  else if (suffix == "G" || suffix == "g") value <<= 30;
+  else KMAMBA_REQUIRE(suffix.empty(), "kmamba-perf-comm: '" << text << "' is not a byte count (e.g. 1024, 64K, 1G)");
+  KMAMBA_REQUIRE(value > 0, "kmamba-perf-comm: a byte count must be positive, got '" << text << "'");
+  return static_cast<std::size_t>(value);
+}
+
+int parse_positive(const std::string& option, const std::string& text) {
+  const int value = std::atoi(text.c_str());
+  KMAMBA_REQUIRE(value > 0, "kmamba-perf-comm: " << option << " needs a positive integer, got '" << text << "'");
+  return value;
+}
+
+Options parse(const std::vector<std::string>& args) {
+  Options o;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> std::string {
+      KMAMBA_REQUIRE(i + 1 < args.size(), "kmamba-perf-comm: " << a << " needs a value");
+      return args[++i];
+    };
+    if (a == "--device") o.device = value();
+    else if (a == "--min-bytes") o.min_bytes = parse_bytes(value());
+    else if (a == "--max-bytes") o.max_bytes = parse_bytes(value());
+    else if (a == "--factor") o.factor = parse_positive(a, value());
+    else if (a == "--reps") o.reps = parse_positive(a, value());
+    else if (a == "--warmup") o.warmup = std::max(0, std::atoi(value().c_str()));
+    else if (a == "--json") o.json = value();
+    else if (a == "--collectives") {
+      o.collectives.clear();
+      std::stringstream list(value());
+      for (std::string name; std::getline(list, name, ',');) {
+        KMAMBA_REQUIRE(std::find(all_collectives().begin(), all_collectives().end(), name) != all_collectives().end(),
+                       "kmamba-perf-comm: unknown collective '" << name
+                           << "' (all_reduce, reduce_scatter, all_gather, broadcast, send_recv)");
+        o.collectives.push_back(name);
+      }
+      KMAMBA_REQUIRE(!o.collectives.empty(), "kmamba-perf-comm: --collectives names none");
+    } else if (a.rfind("--kokkos-", 0) != 0) {
+      KMAMBA_USER_ERROR("kmamba-perf-comm: unknown argument '" << a << "' (see --help)");
+    }
+  }
+  KMAMBA_REQUIRE(o.device == "host" || o.device == "cuda",
+                 "kmamba-perf-comm: --device must be host or cuda, got '" << o.device << "'");
+  KMAMBA_REQUIRE(o.factor == 2 || o.factor == 4, "kmamba-perf-comm: --factor must be 2 or 4, got " << o.factor);
+  KMAMBA_REQUIRE(o.min_bytes <= o.max_bytes,
+                 "kmamba-perf-comm: --min-bytes " << o.min_bytes << " exceeds --max-bytes " << o.max_bytes);
+  return o;
+}
+
+/// Bus bandwidth / algorithm bandwidth (the NCCL tests' factors).
+double bus_factor(const std::string& collective, int n) {
+  if (collective == "all_reduce") return 2.0 * (n - 1) / n;
+  if (collective == "reduce_scatter" || collective == "all_gather") return static_cast<double>(n - 1) / n;
+  return 1.0;
+}
+
+struct Result {
+  std::string collective;
+  std::size_t bytes = 0;
+  double median_s = 0.0, min_s = 0.0, max_s = 0.0;
+};
+
+template <class Exec>
+class Bench {
+ public:
+  using Mem = typename Exec::memory_space;
+  using Buffer = Kokkos::View<float*, Mem>;
+
+  Bench(const kmamba::Communicator& comm, const Options& o) : comm_(comm), o_(o) {}
+
+  /// The median, minimum and maximum over the repetitions of the slowest rank's time.
+  Result run(const std::string& collective, std::size_t bytes) {
+    const int n = comm_.size(), r = comm_.rank();
+    // Elements per block: the buffer is cut into n blocks for reduce-scatter and all-gather.
+    const bool blocked = collective == "reduce_scatter" || collective == "all_gather";
+    const std::size_t count = std::max<std::size_t>(1, bytes / sizeof(float) / (blocked ? n : 1));
+    const std::size_t total = blocked ? count * static_cast<std::size_t>(n) : count;
+    Buffer send(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::perf_comm::send"),
+                collective == "all_gather" ? count : total);
+    Buffer recv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::perf_comm::recv"),
+                collective == "reduce_scatter" ? count : total);
+    const std::uint64_t seed = 0x5eed0000u + 7919u * static_cast<std::uint64_t>(r) + bytes;
+    kmamba::fill_uniform(exec_, send, seed, 0.5f, 1.5f);
+    kmamba::fill_uniform(exec_, recv, seed + 1, 0.5f, 1.5f);
+    exec_.fence();
+    const int next = (r + 1) % n, previous = (r + n - 1) % n;
+    auto call = [&]() {
+      if (collective == "all_reduce") comm_.all_reduce(exec_, send, recv, kmamba::ReduceOp::Sum);
+      else if (collective == "reduce_scatter") comm_.reduce_scatter(exec_, send, recv, kmamba::ReduceOp::Sum);
+      else if (collective == "all_gather") comm_.all_gather(exec_, send, recv);
+      else if (collective == "broadcast") comm_.broadcast(exec_, send, 0);
+      else comm_.send_recv(exec_, send, next, recv, previous);
+    };
+    for (int i = 0; i < o_.warmup; ++i) call();
+    exec_.fence();
+    std::vector<double> times;
+    for (int i = 0; i < o_.reps; ++i) {
+      comm_.barrier();
+      const auto start = std::chrono::steady_clock::now();
+      call();
+      exec_.fence();
+      const double local = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      times.push_back(comm_.all_reduce_value(local, kmamba::ReduceOp::Max));
+    }
+    std::sort(times.begin(), times.end());
+    Result result;
+    result.collective = collective;
+    result.bytes = total * sizeof(float);
+    result.median_s = times[times.size() / 2];
+    result.min_s = times.front();
+    result.max_s = times.back();
+    return result;
+  }
+
+ private:
+  const kmamba::Communicator& comm_;
+  const Options& o_;
+  Exec exec_;
+};
+
+template <class Exec>
+int sweep(const Options& o, kmamba::Transport transport) {
+  kmamba::MeshConfig config;  // every rank on the dp axis, as kmamba-train's default mesh
+  int world_size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  kmamba::ProcessMesh mesh(MPI_COMM_WORLD, config.resolve(world_size), transport);
+  const kmamba::Communicator& comm = mesh.world();
+  const bool root = comm.rank() == 0;
+  const int n = comm.size();
+  if (root) {
+    std::printf("kmamba-perf-comm: %d ranks, %s transport, %s memory (%s), float32; median of %d after %d warm-up\n",
+                n, comm.transport(), o.device == "cuda" ? "device" : "host", Exec::name(), o.reps, o.warmup);
+    std::printf("%-15s %14s %12s %12s %12s %10s %10s\n", "collective", "bytes", "time_us", "min_us", "max_us",
+                "algbw_GB/s", "busbw_GB/s");
+  }
+  Bench<Exec> bench(comm, o);
+  std::vector<Result> results;
+  for (const std::string& collective : o.collectives) {
+    for (std::size_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= static_cast<std::size_t>(o.factor)) {
+      const Result r = bench.run(collective, bytes);
+      results.push_back(r);
+      const double algbw = static_cast<double>(r.bytes) / r.median_s * 1e-9;
+      if (root) {
+        std::printf("%-15s %14zu %12.1f %12.1f %12.1f %10.3f %10.3f\n", r.collective.c_str(), r.bytes,
+                    r.median_s * 1e6, r.min_s * 1e6, r.max_s * 1e6, algbw, algbw * bus_factor(collective, n));
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (root && !o.json.empty()) {
+    nlohmann::json points = nlohmann::json::array();
+    for (const Result& r : results) {
+      const double algbw = static_cast<double>(r.bytes) / r.median_s * 1e-9;
+      points.push_back({{"collective", r.collective},
+                        {"bytes", r.bytes},
+                        {"time_us", r.median_s * 1e6},
+                        {"min_us", r.min_s * 1e6},
+                        {"max_us", r.max_s * 1e6},
+                        {"algbw_GBps", algbw},
+                        {"busbw_GBps", algbw * bus_factor(r.collective, n)}});
+    }
+    const nlohmann::json doc = {{"tool", "kmamba-perf-comm"},
+                                {"ranks", n},
+                                {"transport", comm.transport()},
+                                {"device", o.device},
+                                {"execution_space", Exec::name()},
+                                {"dtype", "float32"},
+                                {"reps", o.reps},
+                                {"warmup", o.warmup},
+                                {"results", points}};
+    std::ofstream file(o.json);
+    KMAMBA_REQUIRE(file.good(), "kmamba-perf-comm: cannot write '" << o.json << "'");
+    file << doc.dump(1) << "\n";
+    KMAMBA_REQUIRE(file.good(), "kmamba-perf-comm: writing '" << o.json << "' failed");
+    std::printf("kmamba-perf-comm: wrote %s\n", o.json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (const std::string& a : args) {
+    if (a == "-h" || a == "--help") {
+      print_help();
+      return 0;
+    }
+  }
+  MPI_Init(&argc, &argv);
+  const int status = kmamba::run_or_abort(MPI_COMM_WORLD, [&]() -> int {
+    const Options o = parse(args);
+    // Kokkos sees its own options; one GPU per rank: the node-local rank picks it unless
+    // --kokkos-device-id does.
+    std::vector<std::string> kokkos_args = {argv[0]};
+    for (const std::string& a : args) {
+      if (a.rfind("--kokkos-", 0) == 0) kokkos_args.push_back(a);
+    }
+#if KMAMBA_ENABLE_CUDA
+    const bool device_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+      return a.rfind("--kokkos-device-id", 0) == 0;
+    });
+    if (o.device == "cuda" && !device_given) {
+      const int devices = Kokkos::Cuda::detect_device_count();
+      KMAMBA_REQUIRE(devices > 0, "kmamba-perf-comm: --device cuda, but no CUDA device is visible");
+      kokkos_args.push_back("--kokkos-device-id=" + std::to_string(kmamba::node_local_rank(MPI_COMM_WORLD) % devices));
+    }
+#endif
+    std::vector<char*> kokkos_argv;
+    for (std::string& a : kokkos_args) kokkos_argv.push_back(&a[0]);
+    int kokkos_argc = static_cast<int>(kokkos_argv.size());
+    kokkos_argv.push_back(nullptr);
+    Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_argv.data());
+    if (o.device == "host") return sweep<Kokkos::DefaultHostExecutionSpace>(o, kmamba::Transport::Mpi);
+#if KMAMBA_ENABLE_NCCL
+    return sweep<Kokkos::Cuda>(o, kmamba::Transport::Nccl);
+#else
+    KMAMBA_USER_ERROR("kmamba-perf-comm: --device cuda needs a CUDA build with NCCL (KMAMBA_ENABLE_NCCL)");
+#endif
+  });
+  MPI_Finalize();
+  return status;
+}
