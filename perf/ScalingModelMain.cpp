@@ -1,0 +1,351 @@
+// kmamba-perf-model: fits the alpha-beta model of each collective to kmamba-perf-comm sweeps (one
+// JSON file per group size, e.g. n = 2, 4, 8 GPUs of one node) and predicts the per-step
+// communication, step time, tokens/s and MFU of a Mamba-2 model (default: mamba2-370m) trained data
+// parallel, tensor parallel and sequence parallel on 16 ... 1024 GPUs (distributed.md §8.2 S1, S3,
+// S6; the formulas are in ScalingModel.hpp). Writes a PNG of tokens/s and MFU against the GPU count.
+//
+//   kmamba-perf-model comm-n2.json comm-n4.json comm-n8.json --compute-ms 850 --tokens-per-gpu 16384
+//                     [--png scaling.png] [--json prediction.json] [options]
+#include "ScalingModel.hpp"
+
+#include <kmamba/core/Error.hpp>
+
+#include "Plot.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kmamba::perf::Prediction;
+
+struct Options {
+  std::vector<std::string> sweeps;
+  double compute_ms = 0.0, tokens_per_gpu = 16384.0;
+  int gpus_per_node = 8;
+  double inter_bw_gbps = 50.0, inter_alpha_us = 15.0;
+  std::vector<int> gpus = {16, 32, 64, 128, 256, 512, 1024};
+  std::vector<int> tp = {2, 4};
+  int sp = 8;
+  std::vector<double> seqlens = {8192, 16384, 32768, 65536};
+  double serial_fraction = 0.1, peak_tflops = 989.0, bytes_per_value = 4.0;
+  kmamba::perf::Shape shape;
+  std::string png, json;
+};
+
+void print_help() {
+  std::printf(
+      "usage: kmamba-perf-model SWEEP.json... --compute-ms T [options]\n"
+      "\n"
+      "Fits time = alpha + bytes * factor(n) * beta per collective and group size to kmamba-perf-comm sweeps\n"
+      "(factor: all-reduce 2(n-1)/n, reduce-scatter / all-gather (n-1)/n, broadcast / send-recv 1), prints the\n"
+      "fits and each point's error, and predicts data-, tensor- and sequence-parallel training on N GPUs.\n"
+      "\n"
+      "  --compute-ms T          measured step time of one GPU (no parallelism) on --tokens-per-gpu tokens\n"
+      "  --tokens-per-gpu N      tokens of that step (default 16384 = 8 x 2048)\n"
+      "  --gpus LIST             GPU counts to predict (default 16,32,64,128,256,512,1024)\n"
+      "  --gpus-per-node G       GPUs per node; the sweeps describe one node (default 8)\n"
+      "  --inter-bw GBPS         inter-node bandwidth per GPU, GB/s (assumed; default 50)\n"
+      "  --inter-alpha US        inter-node latency per message step, us (assumed; default 15)\n"
+      "  --tp LIST               tensor-parallel sizes (default 2,4)\n"
+      "  --sp C                  sequence-parallel size (default 8)\n"
+      "  --seqlens LIST          sequence lengths of the sp layouts (default 8192,16384,32768,65536)\n"
+      "  --serial-fraction X     share of the compute in the conv + SSD scan that the sp chain serialises\n"
+      "                          (default 0.1; calibrate from a one-GPU profile)\n"
+      "  --peak-tflops X         per-GPU peak for MFU (default 989, H200 dense bf16)\n"
+      "  --bytes-per-value B     gradient / activation element bytes (default 4, fp32)\n"
+      "  --d-model, --n-layer, --vocab-size, --pad-vocab-multiple, --d-state, --headdim, --expand, --ngroups,\n"
+      "  --chunk-size N          model shape (default mamba2-370m: 1024, 48, 50277, 8, 128, 64, 2, 1, 256)\n"
+      "  --png FILE              plot of predicted tokens/s and MFU against GPUs\n"
+      "  --json FILE             the fits and predictions as JSON\n"
+      "  -h, --help              this text\n");
+}
+
+template <class T>
+std::vector<T> parse_list(const std::string& option, const std::string& text) {
+  std::vector<T> values;
+  std::stringstream list(text);
+  for (std::string item; std::getline(list, item, ',');) {
+    const double v = std::atof(item.c_str());
+    KMAMBA_REQUIRE(v > 0, "kmamba-perf-model: " << option << " needs positive numbers, got '" << item << "'");
+    values.push_back(static_cast<T>(v));
+  }
+  KMAMBA_REQUIRE(!values.empty(), "kmamba-perf-model: " << option << " is empty");
+  return values;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      KMAMBA_REQUIRE(i + 1 < argc, "kmamba-perf-model: " << a << " needs a value");
+      return argv[++i];
+    };
+    auto number = [&]() {
+      const std::string text = value();
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      KMAMBA_REQUIRE(end != text.c_str() && *end == '\0' && v >= 0,
+                     "kmamba-perf-model: " << a << " needs a non-negative number, got '" << text << "'");
+      return v;
+    };
+    auto integer = [&]() {
+      const double v = number();
+      KMAMBA_REQUIRE(v >= 1 && v == std::floor(v), "kmamba-perf-model: " << a << " needs a positive integer");
+      return static_cast<int>(v);
+    };
+    if (a == "--compute-ms") o.compute_ms = number();
+    else if (a == "--tokens-per-gpu") o.tokens_per_gpu = number();
+    else if (a == "--gpus") o.gpus = parse_list<int>(a, value());
+    else if (a == "--gpus-per-node") o.gpus_per_node = integer();
+    else if (a == "--inter-bw") o.inter_bw_gbps = number();
+    else if (a == "--inter-alpha") o.inter_alpha_us = number();
+    else if (a == "--tp") o.tp = parse_list<int>(a, value());
+    else if (a == "--sp") o.sp = integer();
+    else if (a == "--seqlens") o.seqlens = parse_list<double>(a, value());
+    else if (a == "--serial-fraction") o.serial_fraction = number();
+    else if (a == "--peak-tflops") o.peak_tflops = number();
+    else if (a == "--bytes-per-value") o.bytes_per_value = number();
+    else if (a == "--d-model") o.shape.d_model = integer();
+    else if (a == "--n-layer") o.shape.n_layer = integer();
+    else if (a == "--vocab-size") o.shape.vocab_size = integer();
+    else if (a == "--pad-vocab-multiple") o.shape.pad_vocab_size_multiple = integer();
+    else if (a == "--d-state") o.shape.d_state = integer();
+    else if (a == "--headdim") o.shape.headdim = integer();
+    else if (a == "--expand") o.shape.expand = integer();
+    else if (a == "--ngroups") o.shape.ngroups = integer();
+    else if (a == "--chunk-size") o.shape.chunk_size = integer();
+    else if (a == "--png") o.png = value();
+    else if (a == "--json") o.json = value();
+    else if (a.rfind("--", 0) == 0) KMAMBA_USER_ERROR("kmamba-perf-model: unknown option '" << a << "' (see --help)");
+    else o.sweeps.push_back(a);
+  }
+  KMAMBA_REQUIRE(!o.sweeps.empty(), "kmamba-perf-model: name at least one kmamba-perf-comm JSON file (see --help)");
+  KMAMBA_REQUIRE(o.compute_ms > 0, "kmamba-perf-model: --compute-ms (the one-GPU step time) is required");
+  KMAMBA_REQUIRE(o.inter_bw_gbps > 0, "kmamba-perf-model: --inter-bw must be positive");
+  KMAMBA_REQUIRE(o.shape.d_inner() % o.shape.headdim == 0,
+                 "kmamba-perf-model: headdim " << o.shape.headdim << " must divide d_inner " << o.shape.d_inner());
+  return o;
+}
+
+std::vector<kmamba::perf::Sample> read_sweep(const std::string& path) {
+  std::ifstream file(path);
+  KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot read '" << path << "'");
+  nlohmann::json doc;
+  try {
+    file >> doc;
+  } catch (const std::exception& e) {
+    KMAMBA_USER_ERROR("kmamba-perf-model: '" << path << "' is not JSON: " << e.what());
+  }
+  KMAMBA_REQUIRE(doc.contains("ranks") && doc.contains("results") && doc["results"].is_array(),
+                 "kmamba-perf-model: '" << path << "' is not a kmamba-perf-comm result (needs \"ranks\" and \"results\")");
+  const int ranks = doc["ranks"].get<int>();
+  std::vector<kmamba::perf::Sample> samples;
+  for (const auto& r : doc["results"]) {
+    samples.push_back({r.at("collective").get<std::string>(), ranks, r.at("bytes").get<double>(),
+                       r.at("time_us").get<double>() * 1e-6});
+  }
+  return samples;
+}
+
+void print_prediction_header() {
+  std::printf("%-12s %5s %4s %3s %3s %10s %9s %9s %9s %9s %9s %7s %12s %6s %10s %6s\n", "layout", "gpus", "dp", "tp",
+              "sp", "tok/step", "comp_ms", "dp_ms", "tp_ms", "sp_ms", "step_ms", "comm%", "tok/s", "MFU%", "ovl_tok/s",
+              "oMFU%");
+}
+
+void print_prediction(const Prediction& p) {
+  std::printf("%-12s %5d %4d %3d %3d %10.0f %9.2f %9.2f %9.2f %9.2f %9.2f %7.1f %12.4g %6.2f %10.4g %6.2f\n",
+              p.layout.c_str(), p.gpus, p.dp, p.tp, p.sp, p.tokens_per_step, p.compute * 1e3, p.dp_comm * 1e3,
+              p.tp_comm * 1e3, p.sp_comm * 1e3, p.step * 1e3, 100.0 * p.comm_share(), p.tokens_per_s, 100.0 * p.mfu,
+              p.tokens_per_s_overlap, 100.0 * p.mfu_overlap);
+}
+
+nlohmann::json to_json(const Prediction& p) {
+  return {{"layout", p.layout},     {"gpus", p.gpus},
+          {"dp", p.dp},             {"tp", p.tp},
+          {"sp", p.sp},             {"seqlen", p.seqlen},
+          {"tokens_per_step", p.tokens_per_step},
+          {"compute_ms", p.compute * 1e3},
+          {"dp_comm_ms", p.dp_comm * 1e3},
+          {"tp_comm_ms", p.tp_comm * 1e3},
+          {"sp_chain_ms", p.sp_comm * 1e3},
+          {"step_ms", p.step * 1e3},
+          {"comm_share", p.comm_share()},
+          {"tokens_per_s", p.tokens_per_s},
+          {"mfu", p.mfu},
+          {"step_overlap_ms", p.step_overlap * 1e3},
+          {"tokens_per_s_overlap", p.tokens_per_s_overlap},
+          {"mfu_overlap", p.mfu_overlap}};
+}
+
+int run(const Options& o) {
+  std::vector<kmamba::perf::Sample> samples;
+  for (const std::string& path : o.sweeps) {
+    const auto s = read_sweep(path);
+    samples.insert(samples.end(), s.begin(), s.end());
+  }
+  const std::vector<kmamba::perf::AlphaBeta> fits = kmamba::perf::fit_all(samples);
+  KMAMBA_REQUIRE(!fits.empty(), "kmamba-perf-model: the sweeps hold no collective on two or more ranks to fit");
+
+  std::printf("alpha-beta fits (time = alpha + bytes * factor(n) * beta; bus bandwidth = 1/beta):\n");
+  std::printf("%-15s %5s %12s %14s %12s %12s\n", "collective", "ranks", "alpha_us", "busbw_GB/s", "max|err|%",
+              "rms_err%");
+  for (const auto& f : fits) {
+    double worst = 0, sq = 0;
+    for (double e : f.relative_error) worst = std::max(worst, std::abs(e)), sq += e * e;
+    std::printf("%-15s %5d %12.2f %14.3f %12.1f %12.1f%s\n", f.collective.c_str(), f.ranks, f.alpha * 1e6,
+                f.beta > 0 ? 1e-9 / f.beta : 0.0, 100 * worst, 100 * std::sqrt(sq / f.relative_error.size()),
+                f.alpha_clamped ? "  (alpha < 0 in the free fit; fitted with alpha = 0)" : "");
+  }
+  std::printf("\nfit error per point ((model - measured) / measured):\n");
+  for (const auto& f : fits) {
+    std::printf("%s n=%d:", f.collective.c_str(), f.ranks);
+    for (std::size_t i = 0; i < f.bytes.size(); ++i) {
+      std::printf(" %.0f:%+.1f%%", f.bytes[i], 100.0 * f.relative_error[i]);
+    }
+    std::printf("\n");
+  }
+
+  const kmamba::perf::CommModel comm(fits, o.inter_alpha_us * 1e-6, o.inter_bw_gbps * 1e9, o.gpus_per_node);
+  kmamba::perf::Workload work;
+  work.shape = o.shape;
+  work.compute_s = o.compute_ms * 1e-3;
+  work.tokens_per_gpu = o.tokens_per_gpu;
+  work.peak_flops = o.peak_tflops * 1e12;
+  work.bytes_per_value = o.bytes_per_value;
+  work.serial_fraction = o.serial_fraction;
+  const kmamba::perf::Shape& s = o.shape;
+  std::printf(
+      "\nmodel: Mamba-2, d_model %d, %d layers, d_state %d, headdim %d, expand %d, ngroups %d, vocab %d (padded %lld), "
+      "%.1f M parameters, %.3g FLOPs/token\n",
+      s.d_model, s.n_layer, s.d_state, s.headdim, s.expand, s.ngroups, s.vocab_size,
+      static_cast<long long>(s.padded_vocab()), kmamba::perf::parameter_count(s) * 1e-6,
+      kmamba::perf::flops_per_token(s));
+  std::printf(
+      "one GPU: %.2f ms per step of %.0f tokens; %d GPUs per node; inter-node %.0f GB/s per GPU, alpha %.1f us "
+      "(assumed); peak %.0f TFLOP/s; %g-byte gradients and activations\n",
+      o.compute_ms, o.tokens_per_gpu, o.gpus_per_node, o.inter_bw_gbps, o.inter_alpha_us, o.peak_tflops,
+      o.bytes_per_value);
+  std::printf(
+      "step_ms = compute + every communication exposed; ovl_* hide the dp all-reduce behind the backward (2/3 of the "
+      "compute); sp_ms is the sequence chain (hops + the serialised scans, serial fraction %.2f)\n\n",
+      o.serial_fraction);
+
+  std::vector<Prediction> all;
+  auto layouts = [&](int n) {
+    std::vector<Prediction> v = {kmamba::perf::predict_dp(comm, work, n)};
+    for (int t : o.tp) {
+      if (n % t == 0 && t <= o.gpus_per_node) v.push_back(kmamba::perf::predict_tp(comm, work, n, t));
+    }
+    if (n % o.sp == 0) {
+      for (double L : o.seqlens) v.push_back(kmamba::perf::predict_sp(comm, work, n, o.sp, L));
+    }
+    return v;
+  };
+  print_prediction_header();
+  for (int n : o.gpus) {
+    for (const Prediction& p : layouts(n)) {
+      print_prediction(p);
+      all.push_back(p);
+    }
+  }
+
+  // Sensitivity to the assumed inter-node link at the largest GPU count.
+  const int largest = *std::max_element(o.gpus.begin(), o.gpus.end());
+  std::printf("\nsensitivity at %d GPUs: step_ms (no overlap) for inter-node bandwidth x latency\n", largest);
+  std::printf("%-12s", "layout");
+  const std::vector<double> bws = {25, 50, 100}, alphas = {10, 15, 20};
+  for (double bw : bws)
+    for (double a : alphas) std::printf(" %6.0fG/%2.0fus", bw, a);
+  std::printf("\n");
+  for (const Prediction& base : layouts(largest)) {
+    std::printf("%-12s", base.layout.c_str());
+    for (double bw : bws) {
+      for (double a : alphas) {
+        const kmamba::perf::CommModel c(fits, a * 1e-6, bw * 1e9, o.gpus_per_node);
+        Prediction p;
+        if (base.layout == "dp") p = kmamba::perf::predict_dp(c, work, largest);
+        else if (base.tp > 1) p = kmamba::perf::predict_tp(c, work, largest, base.tp);
+        else p = kmamba::perf::predict_sp(c, work, largest, base.sp, base.seqlen);
+        std::printf(" %12.2f", p.step * 1e3);
+      }
+    }
+    std::printf("\n");
+  }
+
+  if (!o.png.empty()) {
+    using kmamba::app::Panel;
+    using kmamba::app::Rgb;
+    using kmamba::app::Series;
+    const std::vector<Rgb> palette = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40},
+                                      {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
+    Panel rate{"predicted tokens/s (no overlap)", true, {}};
+    Panel mfu{"predicted mfu % (no overlap)", false, {}};
+    std::vector<std::string> names;
+    for (const Prediction& p : all) {
+      if (std::find(names.begin(), names.end(), p.layout) == names.end()) names.push_back(p.layout);
+    }
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      Series r{names[i], palette[i % palette.size()], {}, {}, false};
+      Series m = r;
+      for (const Prediction& p : all) {
+        if (p.layout != names[i]) continue;
+        r.x.push_back(std::log2(p.gpus));
+        r.y.push_back(p.tokens_per_s);
+        m.x.push_back(std::log2(p.gpus));
+        m.y.push_back(100.0 * p.mfu);
+      }
+      rate.series.push_back(r);
+      mfu.series.push_back(m);
+    }
+    kmamba::app::write_png(o.png, kmamba::app::plot({rate, mfu}, "log2(gpus)", 900, 700));
+    std::printf("\nkmamba-perf-model: wrote %s\n", o.png.c_str());
+  }
+  if (!o.json.empty()) {
+    nlohmann::json fits_json = nlohmann::json::array(), predictions = nlohmann::json::array();
+    for (const auto& f : fits) {
+      fits_json.push_back({{"collective", f.collective},
+                           {"ranks", f.ranks},
+                           {"alpha_us", f.alpha * 1e6},
+                           {"busbw_GBps", f.beta > 0 ? 1e-9 / f.beta : 0.0},
+                           {"alpha_clamped", f.alpha_clamped},
+                           {"bytes", f.bytes},
+                           {"relative_error", f.relative_error}});
+    }
+    for (const Prediction& p : all) predictions.push_back(to_json(p));
+    std::ofstream file(o.json);
+    KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot write '" << o.json << "'");
+    file << nlohmann::json{{"fits", fits_json}, {"predictions", predictions}}.dump(1) << "\n";
+    std::printf("kmamba-perf-model: wrote %s\n", o.json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      print_help();
+      return 0;
+    }
+  }
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}
