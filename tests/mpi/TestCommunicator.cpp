@@ -3,6 +3,7 @@
 // counter-based normal stream's elements [r·n, (r+1)·n)), in and out of place; and its errors name
 // the collective, the axis and the rank.
 #include <kmamba/core/Core.hpp>
+#include <kmamba/parallel/CountingCommunicator.hpp>
 #include <kmamba/parallel/MpiCommunicator.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -224,6 +226,33 @@ TEST(MpiCommunicator, ErrorsNameTheCollectiveAxisAndRank) {
     expect_error<kmamba::UserError>([&] { world.recv(Exec(), longer, 0); },
                                     {"kmamba::Communicator::recv", "received 4 elements from rank 0, expected 8"});
   }
+}
+
+// The audit wrapper forwards every operation (the results are the transport's) and counts it; with
+// the log's timing on it also adds each operation's time, on the communicators split from it too.
+TEST(CountingCommunicator, CountsAndTimesTheOperationsItForwards) {
+  const auto log = std::make_shared<kmamba::CommunicationLog>();
+  const kmamba::CountingCommunicator world(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log);
+  check_all_reduce<float>(world, 1001, 1e-6);
+  const kmamba::CommunicationLog::Tally untimed = log->tally("world", "all_reduce");
+  EXPECT_GT(untimed.calls, 0);
+  EXPECT_EQ(untimed.elements, untimed.calls * 1001);
+  EXPECT_EQ(log->total_seconds(), 0.0);
+
+  log->clear();
+  log->set_timing(true);
+  const auto half = world.split(world.rank() % 2, world.rank(), "dp");
+  check_all_reduce<float>(*half, 1001, 1e-6);
+  Vec<float> block = rank_data(world.rank(), 64), gathered("kmamba::test::gathered", 64 * world.size());
+  world.all_gather(Exec(), block, gathered);
+  for (int r = 0; r < world.size(); ++r) EXPECT_EQ(gathered(64 * r + 5), rank_data(r, 64)(5));
+  const kmamba::CommunicationLog::Tally timed = log->tally("dp", "all_reduce");
+  EXPECT_EQ(timed.calls, untimed.calls);
+  EXPECT_GT(timed.seconds, 0.0);
+  EXPECT_GT(log->tally("world", "all_gather").seconds, 0.0);
+  EXPECT_EQ(log->tally("world", "all_gather").elements, 64 * world.size());
+  EXPECT_DOUBLE_EQ(log->total_seconds(), timed.seconds + log->tally("world", "all_gather").seconds);
+  EXPECT_EQ(log->tallies().size(), 2u);
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 // The communication audit: a Communicator that forwards every operation to another one and counts
 // it, per mesh axis and operation, in a log shared with the communicators split from it. Tests
-// use it to check the schedule of a parallel algorithm (which collectives, how many, how large).
+// use it to check the schedule of a parallel algorithm (which collectives, how many, how large);
+// benchmarks switch the log's timing on to also measure each operation: it then fences the
+// caller's execution space instance before the operation (so that earlier work is not counted)
+// and after it (so that the operation has finished), which serialises communication with compute.
 //
 //   auto log = std::make_shared<kmamba::CommunicationLog>();
 //   kmamba::ProcessMesh mesh(std::make_unique<kmamba::CountingCommunicator>(
@@ -12,6 +15,7 @@
 
 #include <kmamba/parallel/Communicator.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -26,6 +30,7 @@ class CommunicationLog {
   struct Tally {
     std::int64_t calls = 0;
     std::int64_t elements = 0;  ///< Σ of the logical buffer sizes (distributed.md §0's M, in elements)
+    double seconds = 0.0;       ///< Σ of the operations' times while timing() was on
   };
   /// Operations: "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "barrier".
   Tally tally(const std::string& axis, const std::string& operation) const {
@@ -38,15 +43,29 @@ class CommunicationLog {
     for (const auto& entry : tallies_) n += entry.second.calls;
     return n;
   }
-  void record(const std::string& axis, const std::string& operation, std::size_t elements) {
+  /// Σ of the timed seconds of every operation on every axis.
+  double total_seconds() const {
+    double s = 0.0;
+    for (const auto& entry : tallies_) s += entry.second.seconds;
+    return s;
+  }
+  /// Every (axis, operation) seen, with its tally.
+  const std::map<std::pair<std::string, std::string>, Tally>& tallies() const { return tallies_; }
+  void record(const std::string& axis, const std::string& operation, std::size_t elements, double seconds = 0.0) {
     Tally& t = tallies_[{axis, operation}];
     ++t.calls;
     t.elements += static_cast<std::int64_t>(elements);
+    t.seconds += seconds;
   }
   void clear() { tallies_.clear(); }
 
+  /// Whether the CountingCommunicators writing here time their operations (off by default).
+  bool timing() const { return timing_; }
+  void set_timing(bool on) { timing_ = on; }
+
  private:
   std::map<std::pair<std::string, std::string>, Tally> tallies_;
+  bool timing_ = false;
 };
 
 class CountingCommunicator final : public Communicator {
@@ -64,36 +83,50 @@ class CountingCommunicator final : public Communicator {
  protected:
   void do_all_reduce(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
                      const StreamContext& stream) const override {
-    log_->record(axis(), "all_reduce", count);
-    inner_->do_all_reduce(send, recv, count, type, op, stream);
+    counted("all_reduce", count, &stream, [&] { inner_->do_all_reduce(send, recv, count, type, op, stream); });
   }
   void do_reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type, ReduceOp op,
                          const StreamContext& stream) const override {
-    log_->record(axis(), "reduce_scatter", recv_count * static_cast<std::size_t>(size()));
-    inner_->do_reduce_scatter(send, recv, recv_count, type, op, stream);
+    counted("reduce_scatter", recv_count * static_cast<std::size_t>(size()), &stream,
+            [&] { inner_->do_reduce_scatter(send, recv, recv_count, type, op, stream); });
   }
   void do_all_gather(const void* send, void* recv, std::size_t send_count, DataType type,
                      const StreamContext& stream) const override {
-    log_->record(axis(), "all_gather", send_count * static_cast<std::size_t>(size()));
-    inner_->do_all_gather(send, recv, send_count, type, stream);
+    counted("all_gather", send_count * static_cast<std::size_t>(size()), &stream,
+            [&] { inner_->do_all_gather(send, recv, send_count, type, stream); });
   }
   void do_broadcast(void* data, std::size_t count, DataType type, int root,
                     const StreamContext& stream) const override {
-    log_->record(axis(), "broadcast", count);
-    inner_->do_broadcast(data, count, type, root, stream);
+    counted("broadcast", count, &stream, [&] { inner_->do_broadcast(data, count, type, root, stream); });
   }
   void do_send_recv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count, int source,
                     DataType type, const StreamContext& stream) const override {
-    log_->record(axis(), "send_recv", send_count + recv_count);
-    inner_->do_send_recv(send, send_count, dest, recv, recv_count, source, type, stream);
+    counted("send_recv", send_count + recv_count, &stream,
+            [&] { inner_->do_send_recv(send, send_count, dest, recv, recv_count, source, type, stream); });
   }
   void do_barrier() const override {
-    log_->record(axis(), "barrier", 0);
-    inner_->do_barrier();
+    counted("barrier", 0, nullptr, [&] { inner_->do_barrier(); });
   }
   bool native_average() const override { return inner_->native_average(); }
 
  private:
+  // Records the operation; with the log's timing on, also its time between a fence of the caller's
+  // instance before and one after (stream: null for the barrier, which has none).
+  template <class Operation>
+  void counted(const char* operation, std::size_t elements, const StreamContext* stream, const Operation& run) const {
+    if (!log_->timing()) {
+      log_->record(axis(), operation, elements);
+      run();
+      return;
+    }
+    if (stream != nullptr && stream->fence) stream->fence();
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    if (stream != nullptr && stream->fence) stream->fence();
+    log_->record(axis(), operation, elements,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+
   std::unique_ptr<Communicator> inner_;
   std::shared_ptr<CommunicationLog> log_;
 };
