@@ -100,6 +100,7 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
        {{"data-parallel-size", "N", "--dp: data-parallel ranks (default: N / (tp * sp))"},
         {"tensor-parallel-size", "N", "--tp: ranks splitting each Mamba-2/3 layer's heads (default 1)"},
         {"sequence-parallel-size", "N", "--sp: ranks splitting each sequence into segments (default 1)"},
+        {"zero-stage", "N", "0: every rank keeps all AdamW moments (default); 1: ZeRO-1, moments sharded over dp x sp"},
         {"activation-checkpointing", nullptr, "keep only each layer's input and recompute the rest in backward"}}},
   };
   return table;
@@ -256,6 +257,7 @@ struct Run {
   kmamba::TokenDatasetConfig tokens;
   kmamba::ModelConfig model;
   kmamba::MeshConfig mesh;
+  int zero_stage = 0;
   std::int64_t log_interval = 10;
 };
 
@@ -299,6 +301,7 @@ Run resolve(const Options& o) {
   r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0, 0));
   r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1, 1));
   r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1, 1));
+  r.zero_stage = static_cast<int>(o.integer("zero-stage", 0, 0, 1));
 
   const std::int64_t seqlen = o.integer("seqlen", recall ? 64 : 128, 1);
   if (recall) {
@@ -614,7 +617,7 @@ int train(Run& r) {
   model.set_activation_checkpointing(r.options.flag("activation-checkpointing"));
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, data, exec);
 #if KMAMBA_ENABLE_MPI
-  if (mesh) trainer.enable_data_parallel(*mesh);
+  if (mesh) trainer.enable_data_parallel(*mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
   errors_are_collective = mesh == nullptr;  // from here on an error may strike one rank only
 #endif
   if (root) std::filesystem::create_directories(r.out);
@@ -783,7 +786,7 @@ void start_mpi(int& argc, char**& argv, const Run& run) {
   const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
                         std::getenv("PMIX_RANK") != nullptr;
   const bool asked = run.options.has("data-parallel-size") || run.options.has("tensor-parallel-size") ||
-                     run.options.has("sequence-parallel-size");
+                     run.options.has("sequence-parallel-size") || run.options.has("zero-stage");
   if (!launched && !asked) return;
   MPI_Init(&argc, &argv);
   mpi_running = true;
