@@ -4,7 +4,7 @@
 // AdamW) of batch × seqlen tokens through kmamba::Trainer, fp32.
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
-//                     [--steps S] [--ngroups G] [--json FILE]
+//                     [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
 // Reports the median step time, tokens/s and the model FLOP rate: 6·N per token (N parameters, the
@@ -67,6 +67,7 @@ struct Options {
   bool mesh_given = false;
   int zero_stage = 0, comm_steps = 2;
   int ngroups = 1;
+  bool activation_checkpointing = false;
 };
 
 kmamba::ModelConfig model_config(const Options& o) {
@@ -175,6 +176,7 @@ void run_space(const Options& o) {
     }
   }
 #endif
+  model.set_activation_checkpointing(o.activation_checkpointing);
   kmamba::Trainer<Exec> trainer(std::move(model), train, nullptr, exec);
 #if KMAMBA_ENABLE_MPI
   if (mesh) trainer.enable_data_parallel(*mesh, kmamba::DataParallelConfig{o.zero_stage, 0});
@@ -252,6 +254,7 @@ void run_space(const Options& o) {
                            {"tp", 1},
                            {"sp", 1},
                            {"zero_stage", o.zero_stage},
+                           {"activation_checkpointing", o.activation_checkpointing},
                            {"step_ms", median * 1e3},
                            {"tokens_per_step", global_tokens},
                            {"tokens_per_s", global_tokens / median},
@@ -331,6 +334,7 @@ int main(int argc, char** argv) {
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
           "  --small: d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)\n"
           "  --ngroups G: B/C groups (default 1; tensor parallelism needs tp to divide it)\n"
+          "  --activation-checkpointing: keep each layer's input only and recompute the rest in backward\n"
           "  --dp, --tp, --sp: the process mesh under mpirun (dp default: N / (tp * sp)); batch x seqlen is\n"
           "    per data-parallel group (its tensor ranks share it, its sequence ranks split it)\n"
           "  --zero 1: ZeRO-1 (AdamW moments sharded over dp x sp); default 0\n"
@@ -365,6 +369,7 @@ int main(int argc, char** argv) {
       else if (a == "--tp") o.mesh.tensor_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--sp") o.mesh.sequence_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--ngroups") o.ngroups = positive();
+      else if (a == "--activation-checkpointing") o.activation_checkpointing = true;
       else if (a == "--zero") o.zero_stage = std::atoi(value().c_str());
       else if (a == "--comm-steps") o.comm_steps = positive();
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-train: unknown argument '" << a << "'");
