@@ -297,7 +297,10 @@ int run(const Options& o) {
       if (std::find(names.begin(), names.end(), p.layout) == names.end()) names.push_back(p.layout);
     }
     for (std::size_t i = 0; i < names.size(); ++i) {
-      Series r{names[i], palette[i % palette.size()], {}, {}, false};
+      std::string label = names[i];  // the chart font has no '@'
+      const std::size_t at = label.find('@');
+      if (at != std::string::npos) label = label.substr(0, at) + " len " + label.substr(at + 1);
+      Series r{label, palette[i % palette.size()], {}, {}, false};
       Series m = r;
       for (const Prediction& p : all) {
         if (p.layout != names[i]) continue;

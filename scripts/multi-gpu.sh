@@ -4,8 +4,10 @@
 #   (a) equivalence: kmamba-train under mpirun on NCCL meshes follows the one-GPU run step by step
 #       (tests/apps/CheckParallelTraining.cmake, as the train.mpi_* ctest entries do on CPU ranks);
 #   (b) kmamba-perf-comm: the collectives of kmamba::Communicator over 1 KiB ... 1 GiB at n = 2, 4, 8;
-#   (c) kmamba-perf-train on a mamba2-370m-shaped model (ngroups 4 so that tp 2 and 4 divide the B/C
-#       groups): one GPU, dp weak scaling, tp strong scaling, sp at 8K ... 64K tokens per sequence;
+#   (c) kmamba-perf-train on a mamba2-370m-shaped model: one GPU, dp weak scaling (with and without
+#       ZeRO-1) and, part sp, one sequence of 8K ... 64K tokens split over sp ranks (activation
+#       checkpointing on, also on the one-GPU reference); tp strong scaling needs tp to divide the
+#       B/C groups, so the tp runs and their one-GPU reference use ngroups 4 (mamba2-370m has 1);
 #   (d) kmamba-perf-model: alpha-beta fits of (b) and the 16 -> 1024 GPU prediction with (c)'s
 #       one-GPU step time, tables and scaling.png.
 #
@@ -136,28 +138,31 @@ fi
 
 # (c) Training throughput, memory and communication share.
 if has_part train; then
-  step train-1gpu "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" --ngroups 4 --steps "$steps" \
+  step train-1gpu "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" --steps "$steps" \
     --json "$out/train-1gpu.json"
   for np in "${nps[@]}"; do  # dp weak scaling: the same batch per GPU
-    step "train-dp$np" "${mpi[@]}" -n "$np" "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" --ngroups 4 \
+    step "train-dp$np" "${mpi[@]}" -n "$np" "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" \
       --steps "$steps" --dp "$np" --json "$out/train-dp$np.json"
     step "train-dp$np-zero1" "${mpi[@]}" -n "$np" "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" \
-      --ngroups 4 --steps "$steps" --dp "$np" --zero 1 --json "$out/train-dp$np-zero1.json"
+      --steps "$steps" --dp "$np" --zero 1 --json "$out/train-dp$np-zero1.json"
   done
-  for tp in 2 4; do  # tp strong scaling: the one-GPU batch split over tp ranks
+  # tp strong scaling: the one-GPU batch split over tp ranks; ngroups 4 so that tp 2 and 4 divide it.
+  step train-1gpu-g4 "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" --ngroups 4 --steps "$steps" \
+    --json "$out/train-1gpu-g4.json"
+  for tp in 2 4; do
     for np in "${nps[@]}"; do [ "$np" = "$tp" ] || continue
-      step "train-tp$tp" "${mpi[@]}" -n "$tp" "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" --ngroups 4 \
-        --steps "$steps" --tp "$tp" --json "$out/train-tp$tp.json"
+      step "train-tp$tp-g4" "${mpi[@]}" -n "$tp" "$bin/kmamba-perf-train" --space "$space" "${train_model[@]}" \
+        --ngroups 4 --steps "$steps" --tp "$tp" --json "$out/train-tp$tp-g4.json"
     done
   done
 fi
 if has_part sp; then
   for L in "${sp_seqlens[@]}"; do  # sp: one sequence of L tokens split over sp ranks (and on one GPU while it fits)
-    step "train-sp1-L$L" "$bin/kmamba-perf-train" --space "$space" "${sp_model[@]}" --seqlen "$L" --ngroups 4 \
+    step "train-sp1-L$L" "$bin/kmamba-perf-train" --space "$space" "${sp_model[@]}" --seqlen "$L" \
       --steps "$steps" --json "$out/train-sp1-L$L.json"
     for np in "${nps[@]}"; do
       step "train-sp$np-L$L" "${mpi[@]}" -n "$np" "$bin/kmamba-perf-train" --space "$space" "${sp_model[@]}" --seqlen "$L" \
-        --ngroups 4 --steps "$steps" --sp "$np" --json "$out/train-sp$np-L$L.json"
+        --steps "$steps" --sp "$np" --json "$out/train-sp$np-L$L.json"
     done
   done
 fi
@@ -187,9 +192,9 @@ if has_part model; then
     echo "model: needs comm-n*.json and train-1gpu.json in $out (parts comm and train)" | tee -a "$out/summary.txt"
     status=1
   else
-    shape=(--ngroups 4)
+    shape=()
     [ "$host" = 1 ] && shape+=(--d-model 256 --n-layer 4 --chunk-size 64 --pad-vocab-multiple 16)
-    step model "$bin/kmamba-perf-model" $sweeps --compute-ms "$compute_ms" --tokens-per-gpu "$tokens" "${shape[@]}" \
+    step model "$bin/kmamba-perf-model" $sweeps --compute-ms "$compute_ms" --tokens-per-gpu "$tokens" ${shape[@]+"${shape[@]}"} \
       --png "$out/scaling.png" --json "$out/prediction.json"
   fi
 fi
