@@ -328,7 +328,7 @@ int main(int argc, char** argv) {
     if (a == "-h" || a == "--help") {
       std::printf(
           "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B]\n"
-          "                         [--seqlen L] [--steps S] [--json FILE]\n"
+          "                         [--seqlen L] [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]\n"
           "       mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
