@@ -173,6 +173,8 @@ fi
 prefix="$deps_dir/kokkos-${KOKKOS_VERSION}-${flavour}"
 stamp="$prefix/.kmamba-bootstrap"
 want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
+# The CUDA flavour carries fixes the host flavour does not need; their count is part of its stamp.
+[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 6"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
   echo "Kokkos_ROOT=$prefix"
@@ -262,6 +264,19 @@ IF (CUDA_cudart_LIBRARY AND CUDA_cuda_driver_LIBRARY)
 ENDIF()
 CUDA_TPL
   apply_fix "CUDA TPL by path" "$kokkos_src/cmake/Modules/FindTPLCUDA.cmake" 'LINK_LIBRARIES \$\{CUDA_cuda_driver_LIBRARY\}'
+
+  # Fix 6: the block-wide step of Kokkos 3.4's CUDA reductions (cuda_inter_warp_reduction, used by
+  # every team parallel_reduce) reads its static __shared__ partials and returns with no barrier,
+  # so the next reduction of the same value type in the same kernel overwrites the partials while
+  # slower warps still read them: compute-sanitizer racecheck reports it, and under racecheck's
+  # scheduling RMSNorm backward (two reductions per row) and the SSD chunk backward computed wrong
+  # gradients. Fixed upstream in Kokkos 3.6 (PR 4855); here a barrier closes both overloads.
+  reduce_hpp="$kokkos_src/core/src/Cuda/Kokkos_Cuda_ReduceScan.hpp"
+  awk '
+    /^    join\(value, result\[i\]\);$/ { print; print "  __syncthreads();  // kmamba fix 6"; next }
+    /^  reducer.reference\(\) = value;$/ && !seen_ref { seen_ref = 1; print; print "  __syncthreads();  // kmamba fix 6"; next }
+    { print }' "$reduce_hpp" > "$reduce_hpp.new" && mv "$reduce_hpp.new" "$reduce_hpp"
+  [ "$(grep -c 'kmamba fix 6' "$reduce_hpp")" = 2 ] || die "Kokkos fix 'reduction barrier' did not apply to $reduce_hpp"
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
   kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON
