@@ -1,16 +1,20 @@
 // kmamba-perf-train: training throughput of a mamba2-130m-shaped language model (random weights:
 // d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, chunk 256, vocab 50277 padded to
 // 50288, tied head) on random tokens: optimizer steps (forward, backward, global-norm clipping,
-// AdamW) of batch × seqlen tokens through kmamba::Trainer, fp32.
+// AdamW) of batch × seqlen tokens through kmamba::Trainer, with the projection GEMMs in the
+// precision of --precision (LanguageModel::set_matmul_precision: fp32 by default; bf16 / tf32
+// multiply rounded operands on the tensor cores on CUDA, and tf32 runs the SSD chunk products in
+// TF32 too; host backends emulate the rounding, no faster).
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--small] [--batch B] [--seqlen L] [--steps S]
+//                     [--precision fp32|tf32|bf16]
 //
 // Reports the median step time, tokens/s and the model FLOP rate: 6·N per token (N parameters, the
 // tied head counted once) plus the SSD's chunked products (per token and layer, forward:
 // 2·Q·N·G for C·Bᵀ, 2·Q·P·H for the intra-chunk outputs, 4·N·P·H for the chunk states and their
 // contribution to the outputs; ×3 for forward + backward), as a fraction of the H200's dense bf16
 // tensor-core peak (989 TFLOP/s: the MFU convention of perf-anchors.md §2) and of its fp32 FMA
-// peak (67 TFLOP/s, the ceiling of this fp32 build). --small shrinks the model (4 layers,
+// peak (67 TFLOP/s, the ceiling of fp32 GEMMs). --small shrinks the model (4 layers,
 // d_model 256) and the batch for a 2-core CPU.
 #include <kmamba/KMamba.hpp>
 
@@ -33,6 +37,7 @@ struct Options {
   std::string space;
   bool small = false;
   int batch = 0, seqlen = 0, steps = 0;
+  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
 
 kmamba::ModelConfig model_config(bool small) {
@@ -86,6 +91,7 @@ void run_space(const Options& o) {
   const int steps = o.steps > 0 ? o.steps : (o.small ? 3 : 10);
   kmamba::LanguageModel<Exec> model(config);
   model.initialize(1);
+  model.set_matmul_precision(o.precision);
   const double parameters = static_cast<double>(model.parameters().size());
   kmamba::TrainConfig train;
   train.batch_size = batch;
@@ -95,9 +101,9 @@ void run_space(const Options& o) {
   const double tokens = static_cast<double>(batch) * seqlen;
   const double flops_per_token = 6.0 * parameters + ssd_flops_per_token(config);
   std::printf("model: Mamba2, d_model %d, %d layers, d_state %d, headdim %d, chunk %d, vocab %d, %.1f M parameters; "
-              "batch %d x seqlen %d, %s, fp32\n",
+              "batch %d x seqlen %d, %s, %s projections\n",
               config.d_model, config.n_layer, config.d_state, config.headdim, config.chunk_size, config.vocab_size,
-              parameters * 1e-6, batch, seqlen, Exec::name());
+              parameters * 1e-6, batch, seqlen, Exec::name(), kmamba::matmul_precision_name(o.precision));
   std::printf("model FLOPs per token: 6N = %.3g + SSD %.3g = %.3g\n", 6.0 * parameters, ssd_flops_per_token(config),
               flops_per_token);
   std::vector<double> times;
@@ -118,7 +124,10 @@ void run_space(const Options& o) {
   const double rate = flops_per_token * tokens / median;
   std::printf("%-14s %-30s %10.1f ms/step %12.0f tok/s %10.2f TFLOP/s   MFU %.2f%% (bf16 peak), %.1f%% of fp32 peak"
               "   last loss %.4f\n",
-              "train step", (std::to_string(batch) + "x" + std::to_string(seqlen) + " (" + Exec::name() + ")").c_str(),
+              "train step",
+              (std::to_string(batch) + "x" + std::to_string(seqlen) + " (" + Exec::name() + ", " +
+               kmamba::matmul_precision_name(o.precision) + ")")
+                  .c_str(),
               median * 1e3, tokens / median, rate * 1e-12, 100.0 * rate / bf16_peak_flop_per_s,
               100.0 * rate / fp32_peak_flop_per_s, loss);
 }
@@ -131,8 +140,11 @@ int main(int argc, char** argv) {
     if (a == "-h" || a == "--help") {
       std::printf(
           "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--small] [--batch B] [--seqlen L] [--steps S]\n"
+          "                         [--precision fp32|tf32|bf16]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
-          "  --small: d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)\n");
+          "  --small: d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)\n"
+          "  --precision: the projection GEMMs' arithmetic (default fp32; bf16/tf32 use the tensor cores on CUDA,\n"
+          "    tf32 also the SSD chunk products; emulated, no faster, on host backends)\n");
       return 0;
     }
   }
@@ -150,6 +162,7 @@ int main(int argc, char** argv) {
       else if (a == "--batch") o.batch = std::max(1, std::atoi(value().c_str()));
       else if (a == "--seqlen") o.seqlen = std::max(2, std::atoi(value().c_str()));
       else if (a == "--steps") o.steps = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--precision") o.precision = kmamba::parse_matmul_precision(value(), "kmamba-perf-train: --precision");
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-train: unknown argument '" << a << "'");
     }
     kmamba::print_configuration(std::cout);

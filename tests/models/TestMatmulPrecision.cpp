@@ -1,5 +1,5 @@
 // LanguageModel::set_matmul_precision: the switch reaches the projection GEMMs (mixers and LM
-// head) of the training forward and backward and of recurrent inference, and bf16 / tf32 training
+// head) of the training forward and backward and of recurrent inference, and bf16 training
 // follows the fp32 one. The GEMMs' own contract (fp32 sums of exact products of rounded operands)
 // is tested in tests/backends/TestGemm.cpp; here, for each mixer kind, on fresh random weights and
 // tokens:
