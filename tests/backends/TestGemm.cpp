@@ -130,6 +130,15 @@ std::vector<double> magnitudes(bool ta, bool tb, int m, int n, int k, double alp
   return reference(ta, tb, m, n, k, std::fabs(alpha), absA, absB, std::fabs(beta), absC);
 }
 
+// out(i) = round_operand(precision, in(i)) on the device.
+template <class Mem>
+struct RoundEach {
+  kmamba::Tensor1<float, Mem> out;
+  kmamba::Tensor1<float, Mem> in;
+  MatmulPrecision precision;
+  KOKKOS_INLINE_FUNCTION void operator()(const int i) const { out(i) = kmamba::round_operand(precision, in(i)); }
+};
+
 TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -167,7 +176,7 @@ TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
   for (const MatmulPrecision p : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     auto out = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::rounded", 1024);
     Kokkos::parallel_for("kmamba::test::round_operand", Kokkos::RangePolicy<Exec>(0, 1024),
-                         KOKKOS_LAMBDA(const int i) { out(i) = kmamba::round_operand(p, values(i)); });
+                         RoundEach<Mem>{out, values, p});
     auto ho = kmamba::test::to_host(out);
     for (int i = 0; i < 1024; ++i) {
       const float want = kmamba::round_operand(p, hv(i));

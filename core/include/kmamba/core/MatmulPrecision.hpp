@@ -13,9 +13,9 @@
 
 namespace kmamba {
 
-/// How a matrix product multiplies its fp32 operands. Products are exact in fp32 for every mode
-/// (a product of two rounded operands fits in fp32) and sums are fp32 either way, so the modes
-/// differ only in how the operands are rounded before they are multiplied.
+/// How a matrix product multiplies its fp32 operands; sums are fp32 in every mode. TensorFloat32 and
+/// BFloat16 round each operand first, and the product of two rounded operands (at most 22 significant
+/// bits) is exact in fp32: they differ from Float32 (products rounded to fp32) by that rounding only.
 enum class MatmulPrecision {
   /// Exact fp32 products (CUDA cores on Cuda).
   Float32,
