@@ -686,6 +686,7 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   // not repeat: split models run their steps normally.
   if (StepGraph<ExecutionSpace>::records && s.parallel.tensor_size() == 1) {
     if (d.graph_precision != s.precision) {  // the recorded kernels carry the old precision
+      exec.fence();                          // the last replay has finished before the graph goes
       d.graph.invalidate();
       d.graph_precision = s.precision;
     }
