@@ -69,7 +69,12 @@ const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table
         {"grad-clip", "X", "maximum global gradient norm, 0 = off (default 1)"},
         {"batch-size", "N", "sequences per micro-batch (default 16)"},
         {"grad-accum", "N", "micro-batches per optimizer step (default 1)"},
-        {"seed", "N", "seed of the model initialisation and of the data (default 1234)"}}},
+        {"seed", "N", "seed of the model initialisation and of the data (default 1234)"},
+        {"precision", "P",
+         "fp32, tf32 or bf16: the projection GEMMs and the LM head, forward and backward, multiply operands rounded "
+         "to bf16/TF32 with fp32 sums (tensor cores on CUDA); weights, optimizer state, scans and norms stay fp32; "
+         "tf32 also runs the scans' chunk products in TF32. CPU backends emulate the rounding: same numerics, no "
+         "faster (default fp32)"}}},
       {"data",
        {{"seqlen", "N", "tokens per sequence (default 64 for recall, 128 otherwise)"},
         {"kv-pairs", "N", "recall: key-value pairs per sequence (default 8)"},
@@ -258,6 +263,7 @@ struct Run {
   kmamba::ModelConfig model;
   kmamba::MeshConfig mesh;
   int zero_stage = 0;
+  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
   std::int64_t log_interval = 10;
 };
 
@@ -298,6 +304,7 @@ Run resolve(const Options& o) {
   t.max_skipped_steps = o.integer("max-skipped-steps", 10, 0);
   t.validate();
   r.log_interval = o.integer("log-interval", 10, 1);
+  r.precision = kmamba::parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
   r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0, 0));
   r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1, 1));
   r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1, 1));
@@ -615,6 +622,7 @@ int train(Run& r) {
   }
 #endif
   model.set_activation_checkpointing(r.options.flag("activation-checkpointing"));
+  model.set_matmul_precision(r.precision);
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, data, exec);
 #if KMAMBA_ENABLE_MPI
   if (mesh) trainer.enable_data_parallel(*mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
@@ -632,9 +640,9 @@ int train(Run& r) {
 
   const std::int64_t total = r.train.total_steps;
   std::printf("kmamba-train: %s\n", describe_data(r, *data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s%s\n",
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s\n",
               kmamba::mixer_name(model_config.mixer), model_config.d_model, model_config.n_layer,
-              trainer.model().parameters().size(), Exec::name(),
+              trainer.model().parameters().size(), Exec::name(), kmamba::matmul_precision_name(r.precision),
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
 #if KMAMBA_ENABLE_MPI
   if (mesh) {

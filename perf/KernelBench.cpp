@@ -409,8 +409,8 @@ void bench_gemm_few_rows(const Options& o) {
         Measurement c = g;
         c.name = "gemm A*B^T cublas";
         c.seconds = median_seconds(exec, o.repeats, [&] {
-          kmamba::impl::cublas_sgemm_row_major(exec.cuda_stream(), false, true, m, sh.n, sh.k, 1.0f, A.data(), sh.k,
-                                               B.data(), sh.k, 0.0f, C.data(), sh.n);
+          kmamba::impl::cublas_gemm_row_major(exec.cuda_stream(), false, true, m, sh.n, sh.k, 1.0f, A.data(), sh.k,
+                                              B.data(), sh.k, 0.0f, C.data(), sh.n);
         });
         report(c);
       }

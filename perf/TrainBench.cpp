@@ -1,10 +1,14 @@
 // kmamba-perf-train: training throughput of a mamba2-130m-shaped language model (random weights:
 // d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, chunk 256, vocab 50277 padded to
 // 50288, tied head) on random tokens: optimizer steps (forward, backward, global-norm clipping,
-// AdamW) of batch × seqlen tokens through kmamba::Trainer, fp32.
+// AdamW) of batch × seqlen tokens through kmamba::Trainer, with the projection GEMMs in the
+// precision of --precision (LanguageModel::set_matmul_precision: fp32 by default; bf16 / tf32
+// multiply rounded operands on the tensor cores on CUDA, and tf32 runs the SSD chunk products in
+// TF32 too; host backends emulate the rounding, no faster).
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
 //                     [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]
+//                     [--precision fp32|tf32|bf16]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
 // Reports the median step time, tokens/s and the model FLOP rate: 6·N per token (N parameters, the
@@ -12,7 +16,7 @@
 // 2·Q·N·G for C·Bᵀ, 2·Q·P·H for the intra-chunk outputs, 4·N·P·H for the chunk states and their
 // contribution to the outputs; ×3 for forward + backward), as a fraction of the H200's dense bf16
 // tensor-core peak (989 TFLOP/s: the MFU convention of perf-anchors.md §2) and of its fp32 FMA
-// peak (67 TFLOP/s, the ceiling of this fp32 build). --small shrinks the model (4 layers,
+// peak (67 TFLOP/s, the ceiling of fp32 GEMMs). --small shrinks the model (4 layers,
 // d_model 256) and the batch for a 2-core CPU; --preset 370m is mamba2-370m's shape (d_model 1024,
 // 48 layers, vocab padded to 50280). Peak memory: the high-water mark of the live Kokkos allocations
 // in the execution space's memory during the timed steps (parameters, gradients, AdamW moments,
@@ -68,6 +72,7 @@ struct Options {
   int zero_stage = 0, comm_steps = 2;
   int ngroups = 1;
   bool activation_checkpointing = false;
+  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
 
 kmamba::ModelConfig model_config(const Options& o) {
@@ -140,6 +145,7 @@ void run_space(const Options& o) {
   const int steps = o.steps > 0 ? o.steps : (o.small ? 3 : 10);
   kmamba::LanguageModel<Exec> model(config);
   model.initialize(1);
+  model.set_matmul_precision(o.precision);
   const double parameters = static_cast<double>(model.parameters().size());
   kmamba::TrainConfig train;
   train.batch_size = batch;
@@ -192,10 +198,11 @@ void run_space(const Options& o) {
   const double flops_per_token = 6.0 * parameters + ssd_flops_per_token(config);
   if (root) {
     std::printf("model: Mamba2, d_model %d, %d layers, d_state %d, headdim %d, ngroups %d, chunk %d, vocab %d (padded "
-                "%d), %.1f M parameters; batch %d x seqlen %d per data-parallel group, %s, fp32\n",
+                "%d), %.1f M parameters; batch %d x seqlen %d per data-parallel group, %s, %s projections\n",
                 config.d_model, config.n_layer, config.d_state, config.headdim, config.ngroups, config.chunk_size,
                 config.vocab_size,
-                config.padded_vocab_size(), parameters * 1e-6, batch, seqlen, Exec::name());
+                config.padded_vocab_size(), parameters * 1e-6, batch, seqlen, Exec::name(),
+                kmamba::matmul_precision_name(o.precision));
     std::printf("model FLOPs per token: 6N = %.3g + SSD %.3g = %.3g\n", 6.0 * parameters,
                 ssd_flops_per_token(config), flops_per_token);
 #if KMAMBA_ENABLE_MPI
@@ -237,12 +244,15 @@ void run_space(const Options& o) {
     std::printf("%-14s %-30s %10.1f ms/step %12.0f tok/s %10.2f TFLOP/s   MFU %.2f%% (bf16 peak), %.1f%% of fp32 peak"
                 "   peak memory %.3f GB   last loss %.4f\n",
                 "train step",
-                (std::to_string(batch) + "x" + std::to_string(seqlen) + " (" + Exec::name() + ")").c_str(),
+                (std::to_string(batch) + "x" + std::to_string(seqlen) + " (" + Exec::name() + ", " +
+                 kmamba::matmul_precision_name(o.precision) + ")")
+                    .c_str(),
                 median * 1e3, global_tokens / median, rate * 1e-12, 100.0 * mfu,
                 100.0 * rate / (world_size * fp32_peak_flop_per_s), peak_memory * 1e-9, loss);
   }
   nlohmann::json record = {{"tool", "kmamba-perf-train"},
                            {"execution_space", Exec::name()},
+                           {"precision", kmamba::matmul_precision_name(o.precision)},
                            {"d_model", config.d_model},
                            {"n_layer", config.n_layer},
                            {"ngroups", config.ngroups},
@@ -329,6 +339,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B]\n"
           "                         [--seqlen L] [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]\n"
+          "                         [--precision fp32|tf32|bf16]\n"
           "       mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
@@ -339,7 +350,9 @@ int main(int argc, char** argv) {
           "    per data-parallel group (its tensor ranks share it, its sequence ranks split it)\n"
           "  --zero 1: ZeRO-1 (AdamW moments sharded over dp x sp); default 0\n"
           "  --comm-steps K: steps after the timed ones with every collective fenced and timed (default 2)\n"
-          "  --json FILE: the results as JSON (rank 0)\n");
+          "  --json FILE: the results as JSON (rank 0)\n"
+          "  --precision: the projection GEMMs' arithmetic (default fp32; bf16/tf32 use the tensor cores on CUDA,\n"
+          "    tf32 also the SSD chunk products; emulated, no faster, on host backends)\n");
       return 0;
     }
   }
@@ -365,6 +378,7 @@ int main(int argc, char** argv) {
       else if (a == "--seqlen") o.seqlen = std::max(2, std::atoi(value().c_str()));
       else if (a == "--steps") o.steps = std::max(1, std::atoi(value().c_str()));
       else if (a == "--json") o.json = value();
+      else if (a == "--precision") o.precision = kmamba::parse_matmul_precision(value(), "kmamba-perf-train: --precision");
       else if (a == "--dp") o.mesh.data_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--tp") o.mesh.tensor_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--sp") o.mesh.sequence_parallel_size = positive(), o.mesh_given = true;

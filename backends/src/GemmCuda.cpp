@@ -29,18 +29,29 @@ cublasHandle_t cublas_handle() {
 
 constexpr int few_rows_warps_per_block = 8;
 
+// v with each element rounded to the operand precision P (round_operand).
+template <MatmulPrecision P>
+__device__ float rounded(float v) {
+  return round_operand(P, v);
+}
+template <MatmulPrecision P>
+__device__ float4 rounded(float4 v) {
+  return make_float4(round_operand(P, v.x), round_operand(P, v.y), round_operand(P, v.z), round_operand(P, v.w));
+}
+
 // Row i of A against row j of B for every i < m (M ≥ m, a compile-time bound so that the partial
 // sums live in registers), Vec = float4 or float: each lane walks k in Vec-wide strides 32 apart.
-template <int M, class Vec>
+// Every operand element is rounded to P as it is loaded.
+template <int M, MatmulPrecision P, class Vec>
 __device__ void few_rows_dots(int m, int k_vec, const Vec* __restrict__ a, const Vec* __restrict__ b, int lane,
                               float (&acc)[M]) {
 #pragma unroll 4
   for (int p = lane; p < k_vec; p += 32) {
-    const Vec bv = __ldg(&b[p]);
+    const Vec bv = rounded<P>(__ldg(&b[p]));
 #pragma unroll
     for (int i = 0; i < M; ++i) {
       if (i < m) {
-        const Vec av = __ldg(&a[static_cast<std::size_t>(i) * k_vec + p]);
+        const Vec av = rounded<P>(__ldg(&a[static_cast<std::size_t>(i) * k_vec + p]));
         if constexpr (sizeof(Vec) == sizeof(float4)) {
           acc[i] += av.x * bv.x + av.y * bv.y + av.z * bv.z + av.w * bv.w;
         } else {
@@ -51,7 +62,7 @@ __device__ void few_rows_dots(int m, int k_vec, const Vec* __restrict__ a, const
   }
 }
 
-template <int M>
+template <int M, MatmulPrecision P>
 __global__ void __launch_bounds__(32 * few_rows_warps_per_block)
     gemm_few_rows_kernel(int m, int n, int k, float alpha, const float* __restrict__ A, const float* __restrict__ B,
                          float beta, float* __restrict__ C, bool vectorised) {
@@ -63,9 +74,9 @@ __global__ void __launch_bounds__(32 * few_rows_warps_per_block)
   for (int i = 0; i < M; ++i) acc[i] = 0.0f;
   const float* b = B + static_cast<std::size_t>(j) * k;
   if (vectorised) {
-    few_rows_dots<M>(m, k / 4, reinterpret_cast<const float4*>(A), reinterpret_cast<const float4*>(b), lane, acc);
+    few_rows_dots<M, P>(m, k / 4, reinterpret_cast<const float4*>(A), reinterpret_cast<const float4*>(b), lane, acc);
   } else {
-    few_rows_dots<M>(m, k, A, b, lane, acc);
+    few_rows_dots<M, P>(m, k, A, b, lane, acc);
   }
 #pragma unroll
   for (int i = 0; i < M; ++i) {
@@ -83,43 +94,68 @@ __global__ void __launch_bounds__(32 * few_rows_warps_per_block)
   }
 }
 
-template <int M>
+template <int M, MatmulPrecision P>
 void launch_few_rows(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
                      float* C) {
   const bool vectorised = k % 4 == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 &&
                           reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
   const int blocks = (n + few_rows_warps_per_block - 1) / few_rows_warps_per_block;
-  gemm_few_rows_kernel<M><<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C,
-                                                                               vectorised);
+  gemm_few_rows_kernel<M, P><<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C,
+                                                                                  vectorised);
   KMAMBA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <MatmulPrecision P>
+void few_rows_in(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
+                 float* C) {
+  if (m == 1) {
+    launch_few_rows<1, P>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 2) {
+    launch_few_rows<2, P>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 4) {
+    launch_few_rows<4, P>(stream, m, n, k, alpha, A, B, beta, C);
+  } else if (m <= 8) {
+    launch_few_rows<8, P>(stream, m, n, k, alpha, A, B, beta, C);
+  } else {
+    launch_few_rows<16, P>(stream, m, n, k, alpha, A, B, beta, C);
+  }
 }
 
 }  // namespace
 
 void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
-                        float beta, float* C) {
+                        float beta, float* C, MatmulPrecision precision) {
   KMAMBA_ASSERT(m >= 1 && m <= static_cast<int>(gemm_few_rows) && n >= 1 && k >= 1,
                 "gemm_few_rows_cuda: m = " << m << ", n = " << n << ", k = " << k);
-  if (m == 1) {
-    launch_few_rows<1>(stream, m, n, k, alpha, A, B, beta, C);
-  } else if (m <= 2) {
-    launch_few_rows<2>(stream, m, n, k, alpha, A, B, beta, C);
-  } else if (m <= 4) {
-    launch_few_rows<4>(stream, m, n, k, alpha, A, B, beta, C);
-  } else if (m <= 8) {
-    launch_few_rows<8>(stream, m, n, k, alpha, A, B, beta, C);
-  } else {
-    launch_few_rows<16>(stream, m, n, k, alpha, A, B, beta, C);
+  switch (precision) {
+    case MatmulPrecision::Float32:
+      few_rows_in<MatmulPrecision::Float32>(stream, m, n, k, alpha, A, B, beta, C);
+      return;
+    case MatmulPrecision::TensorFloat32:
+      few_rows_in<MatmulPrecision::TensorFloat32>(stream, m, n, k, alpha, A, B, beta, C);
+      return;
+    case MatmulPrecision::BFloat16:
+      few_rows_in<MatmulPrecision::BFloat16>(stream, m, n, k, alpha, A, B, beta, C);
+      return;
   }
+  KMAMBA_ASSERT(false, "gemm_few_rows_cuda: unknown MatmulPrecision " << static_cast<int>(precision));
 }
 
-void cublas_sgemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
-                            const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc,
+                           MatmulPrecision precision) {
   const std::lock_guard<std::mutex> lock(handle_mutex);
   cublasHandle_t h = cublas_handle();
   KMAMBA_CUBLAS_CHECK(cublasSetStream(h, stream));
-  KMAMBA_CUBLAS_CHECK(cublasSgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
-                                  k, &alpha, B, ldb, A, lda, &beta, C, ldc));
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (precision == MatmulPrecision::Float32) {
+    KMAMBA_CUBLAS_CHECK(cublasSgemm(h, op_b, op_a, n, m, k, &alpha, B, ldb, A, lda, &beta, C, ldc));
+    return;
+  }
+  const cublasComputeType_t compute =
+      precision == MatmulPrecision::BFloat16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32;
+  KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, B, CUDA_R_32F, ldb, A, CUDA_R_32F, lda, &beta, C,
+                                   CUDA_R_32F, ldc, compute, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace impl

@@ -132,6 +132,8 @@ struct LanguageModel<ExecutionSpace>::State {
   // backward recomputes one block at a time into these (batch, seqlen, d_model) buffers.
   bool checkpointing = false;
   Tensor3<float, Mem> recompute_in, recompute_out;
+  // The projections' arithmetic (set_matmul_precision), the head's here and each mixer's own.
+  MatmulPrecision precision = MatmulPrecision::Float32;
   // Announces finished gradients (set_gradients_ready_hook): ready_sequence[k] after block
   // n_layer − 1 − k's backward, the last entry at the end of backward.
   GradientsReadyHook gradients_ready;
@@ -264,7 +266,7 @@ struct LanguageModel<ExecutionSpace>::State {
     rms_norm(exec, impl::rows_of(final_input), slab.template param<1>(impl::final_norm_name), eps,
              impl::rows_of(normed), final_rstd);
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::rows_of(normed)), head_weight(),
-         0.0f, padded_logits);
+         0.0f, padded_logits, precision);
   }
 
   /// logits = norm_f(input) · head[:vocab_size]ᵀ for one token per sequence; `normed` receives
@@ -277,7 +279,7 @@ struct LanguageModel<ExecutionSpace>::State {
     const ConstTensor2<float, Mem> head = head_weight();  // (padded_vocab, d_model)
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(normed),
          ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
-         logits);
+         logits, precision);
   }
 
   void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
@@ -323,11 +325,11 @@ struct LanguageModel<ExecutionSpace>::State {
                            ConstTensor1<float, Mem>(lse), scale, padded_logits);
     // logits = normed_f · Wᵀ: dnormed_f = dlogits · W, dW += dlogitsᵀ · normed_f.
     gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits),
-         ConstTensor2<float, Mem>(impl::rows_of(normed)), 1.0f, head_grad());
+         ConstTensor2<float, Mem>(impl::rows_of(normed)), 1.0f, head_grad(), precision);
     Tensor3<float, Mem> dres = mixed;  // the residual stream's gradient (mixed is free in backward)
     Tensor3<float, Mem> dnormed = normed;
     gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f,
-         impl::rows_of(dnormed));
+         impl::rows_of(dnormed), precision);
     rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(final_input),
                       slab.template param<1>(impl::final_norm_name), final_rstd, impl::rows_of(dres), norm_grad);
     add_norm_grad(exec, impl::final_norm_name);
@@ -372,6 +374,7 @@ struct DecodeState<ExecutionSpace>::Impl {
   // Where the backend records the decode step as one graph (StepGraph::records): the step reads
   // its ids from and writes its logits to these fixed buffers, copied from and to the caller's.
   StepGraph<ExecutionSpace> graph;
+  MatmulPrecision graph_precision = MatmulPrecision::Float32;  // the model's when the graph was recorded
   Tensor1<std::int64_t, Mem> step_ids;  // (batch)
   Tensor2<float, Mem> step_logits;      // (batch, vocab_size)
 };
@@ -441,6 +444,17 @@ std::vector<std::vector<std::pair<std::size_t, std::size_t>>> LanguageModel<Exec
 template <class ExecutionSpace>
 bool LanguageModel<ExecutionSpace>::activation_checkpointing() const {
   return state_->checkpointing;
+}
+
+template <class ExecutionSpace>
+void LanguageModel<ExecutionSpace>::set_matmul_precision(MatmulPrecision precision) {
+  state_->precision = precision;
+  for (auto& mixer : state_->mixers) mixer->set_matmul_precision(precision);
+}
+
+template <class ExecutionSpace>
+MatmulPrecision LanguageModel<ExecutionSpace>::matmul_precision() const {
+  return state_->precision;
 }
 
 template <class ExecutionSpace>
@@ -558,6 +572,7 @@ DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int
   std::unique_ptr<typename DecodeState<ExecutionSpace>::Impl> impl(new typename DecodeState<ExecutionSpace>::Impl());
   impl->owner = &s;
   impl->batch = batch;
+  impl->graph_precision = s.precision;
   for (const auto& mixer : s.mixers) impl->caches.push_back(mixer->make_cache(batch));
   const int dm = s.config.d_model;
   impl->residual = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::residual", batch, dm);
@@ -670,6 +685,11 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
   // not repeat: split models run their steps normally.
   if (StepGraph<ExecutionSpace>::records && s.parallel.tensor_size() == 1) {
+    if (d.graph_precision != s.precision) {  // the recorded kernels carry the old precision
+      exec.fence();                          // the last replay has finished before the graph goes
+      d.graph.invalidate();
+      d.graph_precision = s.precision;
+    }
     Kokkos::deep_copy(exec, d.step_ids, ids);
     d.graph.run(exec, [&](const ExecutionSpace& e) { step(e, d.step_ids, d.step_logits); });
     Kokkos::deep_copy(exec, logits, d.step_logits);

@@ -371,7 +371,8 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
     beta = 1.0f;
   }
   gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
-                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), beta, out);
+                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), beta, out,
+                            this->matmul_precision());
 }
 
 template <class ExecutionSpace>
@@ -419,6 +420,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
 
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
+  args.matmul_precision = this->scan_matmul_precision();
   Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
   args.initial_states = final_states;
   if (split_sequence) {  // the state entering this segment, from the previous rank
@@ -507,9 +509,9 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   // out = normed · out_projᵀ (+ bias).
   const Matrix dnormed = allocate_uninitialized<Matrix>("kmamba::mamba2::d_norm_out", rows, d_inner_);
   gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout2,
-                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed);
+                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed, this->matmul_precision());
   gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout2, a.normed, 1.0f,
-                            grad_matrix("out_proj.weight"));
+                            grad_matrix("out_proj.weight"), this->matmul_precision());
   if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dout2, grad("out_proj.bias"), 0);
 
   // Gated RMSNorm: gradients of the SSD output y and of the z segment.
@@ -543,6 +545,7 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   g.ddt_bias = ddt_bias;
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
+  args.matmul_precision = this->scan_matmul_precision();
   // Sequence parallel: the gradient of this segment's final state comes back from the next rank,
   // the gradient of its initial state goes to the previous one.
   Tensor4<float, Mem> dfinal_states;
@@ -603,10 +606,11 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   for (int s = 0; s < segment_count; ++s) {
     gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
-                              rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_));
+                              rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
+                              this->matmul_precision());
     gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
                               rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du2);
+                              s == 0 ? 0.0f : 1.0f, du2, this->matmul_precision());
     if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], grad("in_proj.bias"), segment_offsets_[s]);
   }
   sum_over_tensor_ranks(exec, du2);

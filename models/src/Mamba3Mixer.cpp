@@ -472,7 +472,8 @@ void Mamba3Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
   using Mem = memory_space;
   const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
   gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
-                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), 0.0f, out);
+                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), 0.0f, out,
+                            this->matmul_precision());
 }
 
 template <class ExecutionSpace>
@@ -529,6 +530,7 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     o.mimo_z = slab.template param<3>(p + "mimo_z");
     o.mimo_o = slab.template param<3>(p + "mimo_o");
     Mamba3MimoArgs<Mem> args = mimo_args(o, chunk_);
+    args.matmul_precision = this->scan_matmul_precision();
     Mamba3MimoStates<Mem> final_states;
     if (cache != nullptr) {
       final_states = cache->mimo(0);
@@ -546,6 +548,7 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     mamba3_mimo_forward(exec, args, y, final_states);
   } else {
     Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
+    args.matmul_precision = this->scan_matmul_precision();
     Mamba3SisoStates<Mem> final_states;
     if (cache != nullptr) {
       final_states = cache->siso(0);
@@ -647,10 +650,10 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   // out = (normed or y) · out_projᵀ.
   const Matrix dy_out = allocate_uninitialized<Matrix>("kmamba::mamba3::d_out_proj_in", rows, d_inner_);
   gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout2,
-                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dy_out);
+                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dy_out, this->matmul_precision());
   gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout2,
                             config_.is_outproj_norm ? a.normed : a.y, 1.0f,
-                            slab.template grad<2>(p + "out_proj.weight"));
+                            slab.template grad<2>(p + "out_proj.weight"), this->matmul_precision());
 
   std::array<Matrix, segment_count> dpre;
   for (int s = 0; s < segment_count; ++s) {
@@ -726,6 +729,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     g.dD = dD;
     g.dz = dz4;
     Mamba3MimoArgs<Mem> args = mimo_args(o, chunk_);
+    args.matmul_precision = this->scan_matmul_precision();
     if (split_sequence) {
       args.initial = sp_initial.mimo();
       g.dinitial = sp_dinitial.mimo();
@@ -748,6 +752,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     g.dD = dD;
     g.dz = dz4;
     Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
+    args.matmul_precision = this->scan_matmul_precision();
     if (split_sequence) {
       args.initial = sp_initial.siso();
       g.dinitial = sp_dinitial.siso();
@@ -789,14 +794,16 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   for (int s = 0; s < segment_count; ++s) {
     if (split_tensor && s == angle_segment) {  // replicated rows: summed over the tensor ranks below
       gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 0.0f,
-                                Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)));
+                                Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)),
+                                this->matmul_precision());
     } else {
       gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
-                                rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_));
+                                rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
+                                this->matmul_precision());
     }
     gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
                               rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du2);
+                              s == 0 ? 0.0f : 1.0f, du2, this->matmul_precision());
   }
   if (split_tensor) {
     parallel_.tensor->all_reduce(exec, replicated_grads);

@@ -603,6 +603,7 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const ModelParallel parallel = model_.parallel();
   const bool checkpointing = model_.activation_checkpointing();
+  const MatmulPrecision precision = model_.matmul_precision();  // runtime options, not in the checkpoint
   if (parallel.tensor_size() > 1 || parallel.sequence_size() > 1) {
     // A split model takes its part of the unsplit checkpoint.
     LanguageModel<ExecutionSpace> local(loaded.config(), parallel);
@@ -622,6 +623,7 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
     Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
   }
   model_.set_activation_checkpointing(checkpointing);
+  model_.set_matmul_precision(precision);
   optimizer_.set_steps_taken(steps);
   data_position_ = sequences / config_.batch_size;
   skipped_steps_ = skipped;

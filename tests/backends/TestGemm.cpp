@@ -1,3 +1,19 @@
+// kmamba::gemm against double references: every transposition and shape class (the few-row
+// paths included) in fp32, and the operand-rounding precisions (MatmulPrecision::TensorFloat32,
+// BFloat16), whose contract is "fp32 sums of exact products of the operands rounded to TF32 /
+// bf16". With mag(i, j) = |alpha|·Σ_p |a(i, p)·b(p, j)| + |beta·C0(i, j)|:
+// - against the reference on the rounded operands: |C − ref_rounded| ≤ 1e-5·mag + 1e-30 (fp32
+//   accumulation of k ≤ 300 products, whose typical error is ~1e-6·mag); this checks the rounding
+//   exactly, since a product of unrounded operands is off by ~2^-9 (bf16) / 2^-12 (tf32) of its
+//   size and k of them sum to far more than 1e-5·mag somewhere in C — checked too: some element
+//   must be farther than that from the unrounded reference.
+//   Host backends and the CUDA few-row kernel round to nearest (kmamba::round_operand). cuBLAS
+//   does not document how its FAST_16BF / FAST_TF32 compute types convert, so on its path the
+//   reference rounding toward zero (truncation) is accepted as well, as long as one rounding
+//   matches every element; the test reports which one did.
+// - against the unrounded reference: |C − ref| ≤ (2u + u²)·mag + 1e-5·mag, with u the unit
+//   roundoff of the conversion (bf16: 2^-8 to nearest, 2^-7 toward zero; tf32: 2^-11 / 2^-10),
+//   the bound on the relative error of one product of rounded operands.
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Core.hpp>
 
@@ -5,9 +21,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -77,6 +99,190 @@ TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
           // fp32 accumulation of k products of unit normals: error ~ k·eps·sqrt(k) at worst.
           ASSERT_NEAR(Ch(i, j), r, 1e-5 * (1.0 + std::fabs(r)) * (1 + c.k)) << "(" << i << ", " << j << ")";
         }
+    }
+  }
+}
+
+using kmamba::MatmulPrecision;
+
+// v with its low mantissa bits cut off (rounding toward zero) to the format of `p`.
+float truncated(MatmulPrecision p, float v) {
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u &= p == MatmulPrecision::BFloat16 ? 0xffff0000u : 0xffffe000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+std::vector<float> rounded(const std::vector<float>& v, MatmulPrecision p, bool toward_zero) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = toward_zero ? truncated(p, v[i]) : kmamba::round_operand(p, v[i]);
+  return out;
+}
+
+// |alpha|·Σ_p |a·b| + |beta·C0| per element: the scale of C's rounding errors.
+std::vector<double> magnitudes(bool ta, bool tb, int m, int n, int k, double alpha, const std::vector<float>& A,
+                               const std::vector<float>& B, double beta, const std::vector<float>& C0) {
+  std::vector<float> absA(A.size()), absB(B.size()), absC(C0.size());
+  for (std::size_t i = 0; i < A.size(); ++i) absA[i] = std::fabs(A[i]);
+  for (std::size_t i = 0; i < B.size(); ++i) absB[i] = std::fabs(B[i]);
+  for (std::size_t i = 0; i < C0.size(); ++i) absC[i] = std::fabs(C0[i]);
+  return reference(ta, tb, m, n, k, std::fabs(alpha), absA, absB, std::fabs(beta), absC);
+}
+
+// out(i) = round_operand(precision, in(i)) on the device.
+template <class Mem>
+struct RoundEach {
+  kmamba::Tensor1<float, Mem> out;
+  kmamba::Tensor1<float, Mem> in;
+  MatmulPrecision precision;
+  KOKKOS_INLINE_FUNCTION void operator()(const int i) const { out(i) = kmamba::round_operand(precision, in(i)); }
+};
+
+TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const float one = 1.0f;
+  // Ties: bf16 to even (1 + 2^-8 lies between 1 and 1 + 2^-7), tf32 away from zero.
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::BFloat16, one + std::ldexp(1.0f, -8)), one);
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::BFloat16, one + 3 * std::ldexp(1.0f, -8)), one + std::ldexp(1.0f, -6));
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::TensorFloat32, one + std::ldexp(1.0f, -11)), one + std::ldexp(1.0f, -10));
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::TensorFloat32, -(one + std::ldexp(1.0f, -11))),
+            -(one + std::ldexp(1.0f, -10)));
+  EXPECT_TRUE(std::isinf(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::infinity())));
+  EXPECT_TRUE(std::isnan(kmamba::round_operand(MatmulPrecision::BFloat16, std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(std::isnan(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::quiet_NaN())));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int t = 0; t < 1000; ++t) {
+    const float v = normal(rng);
+    EXPECT_EQ(kmamba::round_operand(MatmulPrecision::Float32, v), v);
+    const float b = kmamba::round_operand(MatmulPrecision::BFloat16, v);
+    const float f = kmamba::round_operand(MatmulPrecision::TensorFloat32, v);
+    EXPECT_EQ(truncated(MatmulPrecision::BFloat16, b), b) << v;  // a bf16 value
+    EXPECT_EQ(truncated(MatmulPrecision::TensorFloat32, f), f) << v;
+    EXPECT_LE(std::fabs(b - v), std::ldexp(std::fabs(v), -8)) << v;
+    EXPECT_LE(std::fabs(f - v), std::ldexp(std::fabs(v), -11)) << v;
+  }
+  // The same on the device: random values, ties and the special values.
+  auto values = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::values", 1024);
+  kmamba::fill_normal(Exec(), values, 11, 0.0f, 3.0f);
+  auto hv = kmamba::test::to_host(values);
+  hv(0) = one + std::ldexp(1.0f, -8);
+  hv(1) = one + std::ldexp(1.0f, -11);
+  hv(2) = -std::numeric_limits<float>::infinity();
+  hv(3) = std::numeric_limits<float>::quiet_NaN();
+  Kokkos::deep_copy(values, hv);
+  for (const MatmulPrecision p : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+    auto out = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::rounded", 1024);
+    Kokkos::parallel_for("kmamba::test::round_operand", Kokkos::RangePolicy<Exec>(0, 1024),
+                         RoundEach<Mem>{out, values, p});
+    auto ho = kmamba::test::to_host(out);
+    for (int i = 0; i < 1024; ++i) {
+      const float want = kmamba::round_operand(p, hv(i));
+      std::uint32_t got_bits, want_bits;
+      std::memcpy(&got_bits, &ho(i), sizeof got_bits);
+      std::memcpy(&want_bits, &want, sizeof want_bits);
+      ASSERT_EQ(got_bits, want_bits) << kmamba::matmul_precision_name(p) << " device vs host at " << i << ": " << hv(i);
+    }
+  }
+  EXPECT_EQ(kmamba::parse_matmul_precision("bf16"), MatmulPrecision::BFloat16);
+  EXPECT_EQ(kmamba::parse_matmul_precision("tf32"), MatmulPrecision::TensorFloat32);
+  EXPECT_EQ(kmamba::parse_matmul_precision("fp32"), MatmulPrecision::Float32);
+  for (const MatmulPrecision p : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+    EXPECT_EQ(kmamba::parse_matmul_precision(kmamba::matmul_precision_name(p)), p);
+  }
+  try {
+    kmamba::parse_matmul_precision("fp16", "--precision");
+    FAIL() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "--precision must be fp32, tf32 or bf16, got 'fp16'");
+  }
+}
+
+TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  struct Case { int m, n, k; float alpha, beta; };
+  // The few-row paths (m = 1..4, and up to 16 on host backends) and the BLAS / cuBLAS path.
+  const Case cases[] = {{1, 70, 256, 1.0f, 0.0f}, {2, 9, 64, 0.5f, 1.0f}, {3, 33, 300, 1.0f, 0.0f},
+                        {4, 40, 128, -1.0f, 0.5f}, {13, 50, 200, 1.0f, 0.0f}, {64, 33, 96, 0.5f, 2.0f},
+                        {37, 130, 257, -1.0f, 1.0f}, {100, 64, 300, 1.0f, 0.0f}, {5, 7, 3, 1.0f, 0.0f}};
+  std::uint64_t seed = 500;
+  for (const MatmulPrecision precision : {MatmulPrecision::BFloat16, MatmulPrecision::TensorFloat32}) {
+    for (const Case& c : cases) {
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = t & 1, tb = t & 2;
+        const std::string ctx = std::string(kmamba::matmul_precision_name(precision)) + " m=" + std::to_string(c.m) +
+                                " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                                " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
+        SCOPED_TRACE(ctx);
+        auto A = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::A", ta ? c.k : c.m, ta ? c.m : c.k);
+        auto B = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::B", tb ? c.n : c.k, tb ? c.k : c.n);
+        auto C = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::C", c.m, c.n);
+        kmamba::fill_normal(Exec(), A, seed++, 0.0f, 1.0f);
+        kmamba::fill_normal(Exec(), B, seed++, 0.0f, 1.0f);
+        if (c.beta == 0.0f) {
+          Kokkos::deep_copy(C, std::numeric_limits<float>::quiet_NaN());  // must be ignored
+        } else {
+          kmamba::fill_normal(Exec(), C, seed++, 0.0f, 1.0f);
+        }
+        auto Ah = kmamba::test::to_host(A);
+        auto Bh = kmamba::test::to_host(B);
+        auto C0h = kmamba::test::to_host(C);
+        const std::vector<float> a(Ah.data(), Ah.data() + Ah.size()), b(Bh.data(), Bh.data() + Bh.size()),
+            c0(C0h.data(), C0h.data() + C0h.size());
+        kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
+                     tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha, kmamba::ConstTensor2<float, Mem>(A),
+                     kmamba::ConstTensor2<float, Mem>(B), c.beta, C, precision);
+        Exec().fence();
+        auto Ch = kmamba::test::to_host(C);
+        // The inputs are left as they were.
+        auto Ah2 = kmamba::test::to_host(A);
+        for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(Ah2.data()[i], a[i]) << "A changed at " << i;
+
+        bool vendor = false;  // cuBLAS's own conversion
+#if KMAMBA_ENABLE_CUDA
+        vendor = std::is_same<Exec, Kokkos::Cuda>::value &&
+                 !(!ta && tb && c.m <= kmamba::impl::gemm_few_rows_cuda_max);
+#endif
+        const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+        const std::vector<double> exact = reference(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+        const auto worst_against = [&](const std::vector<double>& ref) {  // max |C − ref| / (1e-5·mag + 1e-30)
+          double worst = 0.0;
+          for (int i = 0; i < c.m; ++i)
+            for (int j = 0; j < c.n; ++j) {
+              const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+              worst = std::max(worst, std::fabs(Ch(i, j) - ref[ij]) / (1e-5 * mag[ij] + 1e-30));
+            }
+          return worst;
+        };
+        bool toward_zero = false;
+        double worst = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision, false),
+                                               rounded(b, precision, false), c.beta, c0));
+        if (worst > 1.0 && vendor) {
+          const double worst_zero = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision, true),
+                                                            rounded(b, precision, true), c.beta, c0));
+          if (worst_zero <= 1.0) {
+            toward_zero = true;
+            worst = worst_zero;
+          }
+        }
+        EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag (rounding "
+                              << (vendor ? "to nearest or toward zero" : "to nearest") << ")";
+        if (vendor) std::printf("[ info ] cuBLAS %s: operands rounded %s\n", ctx.c_str(), toward_zero ? "toward zero" : "to nearest");
+        // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
+        if (c.k >= 64) {
+          EXPECT_GT(worst_against(exact), 1.0) << "C matches unrounded fp32 products: no rounding";
+        }
+        const double u = std::ldexp(1.0, (precision == MatmulPrecision::BFloat16 ? -8 : -11) + (toward_zero ? 1 : 0));
+        for (int i = 0; i < c.m; ++i)
+          for (int j = 0; j < c.n; ++j) {
+            const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+            ASSERT_LE(std::fabs(Ch(i, j) - exact[ij]), (2 * u + u * u + 1e-5) * mag[ij] + 1e-30)
+                << "(" << i << ", " << j << ") against the unrounded reference";
+          }
+      }
     }
   }
 }

@@ -124,7 +124,8 @@ struct Mamba3SisoArgs {
   /// cannot provide is a UserError.
   int chunk_size = 64;
   /// The per-chunk products (kmamba/core/MatmulPrecision.hpp, as SsdArgs::matmul_precision):
-  /// Float32 (default) exact; TensorFloat32 on the tensor cores with TF32 operands on Cuda.
+  /// Float32 (default) exact; TensorFloat32 on the tensor cores with TF32 operands on Cuda;
+  /// BFloat16 is a UserError.
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 

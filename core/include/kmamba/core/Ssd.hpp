@@ -68,7 +68,7 @@ struct SsdArgs {
   /// Float32 (default): exact fp32 products, the accuracy the rest of the library is tested at.
   /// TensorFloat32: on Cuda the products run on the tensor cores with operands rounded to TF32
   /// (fp32 sums; out and the gradients then carry relative errors of order 1e-3 of their
-  /// magnitude instead of 1e-6); on host backends the same as Float32.
+  /// magnitude instead of 1e-6); on host backends the same as Float32. BFloat16 is a UserError.
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
@@ -118,6 +118,7 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
   KMAMBA_REQUIRE(args.x.is_allocated() && args.dt.is_allocated() && args.A.is_allocated() &&
                      args.B.is_allocated() && args.C.is_allocated(),
                  function << ": x, dt, A, B and C are required");
+  check_scan_matmul_precision(function, args.matmul_precision);
   SsdDims dims;
   dims.batch = static_cast<std::int64_t>(args.x.extent(0));
   dims.seqlen = static_cast<std::int64_t>(args.x.extent(1));

@@ -23,6 +23,7 @@
 #ifndef KMAMBA_MODELS_LANGUAGEMODEL_HPP
 #define KMAMBA_MODELS_LANGUAGEMODEL_HPP
 
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mixer.hpp>
@@ -149,6 +150,17 @@ class LanguageModel {
   /// sequence parallelism the recompute repeats the block's state passing. Off by default.
   void set_activation_checkpointing(bool on);
   bool activation_checkpointing() const;
+  /// The arithmetic of every projection GEMM: each mixer's (Mixer::set_matmul_precision: in_proj,
+  /// x_proj, dt_proj, out_proj, ...) and the LM head's, in training forward and backward (dX and
+  /// dW), loss, prefill and decode steps. Float32 (default) multiplies exactly; BFloat16 /
+  /// TensorFloat32 round both operands of every product to bf16 / TF32 with fp32 sums
+  /// (kmamba::gemm: the tensor cores on CUDA, an exact emulation, no faster, on host backends);
+  /// TensorFloat32 also runs the Mamba-2/3 scans' chunk products in TF32. The parameters stay fp32
+  /// master weights (the optimizer state too) and the embedding, norms, convolutions, scans,
+  /// recurrent states and the loss stay fp32. A runtime option, not part of the config: save()
+  /// does not write it and load() starts in Float32.
+  void set_matmul_precision(MatmulPrecision precision);
+  MatmulPrecision matmul_precision() const;
   /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
   /// parameters().grads() whose gradients that backward has finished (their work enqueued on
   /// `exec`, not necessarily done): each block's parameters (its mixer's and its norm's) right after

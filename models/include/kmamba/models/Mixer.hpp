@@ -21,6 +21,7 @@
 #ifndef KMAMBA_MODELS_MIXER_HPP
 #define KMAMBA_MODELS_MIXER_HPP
 
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/ModelParallel.hpp>
@@ -121,6 +122,24 @@ class Mixer {
   /// The parameters this rank holds a tensor-parallel shard of (ModelParallel.hpp); every other
   /// parameter is replicated, with its unsplit shape. Empty for a mixer that is not split.
   virtual std::vector<ShardedParameter> sharded_parameters() const { return {}; }
+
+  /// The arithmetic of this mixer's projection GEMMs (in_proj, x_proj, dt_proj, out_proj, ...) in
+  /// forward, backward (dX and dW), prefill and decode steps: kmamba::gemm's MatmulPrecision,
+  /// Float32 by default. The weights stay fp32 (rounded copies are made per product, never
+  /// stored); the scans, convolutions, norms and recurrent states stay fp32. TensorFloat32 also
+  /// runs the chunk products of the Mamba-2/3 scans in TF32 (SsdArgs::matmul_precision);
+  /// BFloat16 leaves them in Float32.
+  void set_matmul_precision(MatmulPrecision precision) { matmul_precision_ = precision; }
+  MatmulPrecision matmul_precision() const { return matmul_precision_; }
+  /// The precision of the scans' chunk products that goes with matmul_precision(): TensorFloat32
+  /// for TensorFloat32, Float32 otherwise (the scans have no bf16 form).
+  MatmulPrecision scan_matmul_precision() const {
+    return matmul_precision_ == MatmulPrecision::TensorFloat32 ? MatmulPrecision::TensorFloat32
+                                                               : MatmulPrecision::Float32;
+  }
+
+ private:
+  MatmulPrecision matmul_precision_ = MatmulPrecision::Float32;
 };
 
 /// The mixer of config.mixer (Mamba-1, Mamba-2 or Mamba-3) with parameter names prefixed by `prefix`.

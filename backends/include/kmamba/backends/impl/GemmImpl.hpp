@@ -3,11 +3,15 @@
 #define KMAMBA_BACKENDS_IMPL_GEMMIMPL_HPP
 
 #include <kmamba/Config.hpp>
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Tensor.hpp>
 
 #include <KokkosBlas1_scal.hpp>
 #include <KokkosBlas3_gemm.hpp>
 #include <Kokkos_Core.hpp>
+
+#include <cstddef>
+#include <mutex>
 
 namespace kmamba {
 namespace impl {
@@ -45,17 +49,76 @@ struct GemmFewRowsFunctor {
 /// weight matrix for a decode step's few tokens, and cuBLAS spreads it over few blocks.
 constexpr std::size_t gemm_few_rows = 16;
 
+/// out(i) = round_operand(precision, in(i)) over flat views.
+template <class MemorySpace>
+struct RoundOperands {
+  Kokkos::View<float*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> out;
+  Kokkos::View<const float*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> in;
+  MatmulPrecision precision;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = round_operand(precision, in(i)); }
+};
+
+/// The workspace of the host GEMM's rounded operand copies, one per memory space: grown to the
+/// largest A and B asked for and kept between calls (a training step rounds the same shapes again
+/// and again), released when Kokkos finalizes. The mutex is held for the whole GEMM that uses it.
+template <class MemorySpace>
+struct GemmRoundingWorkspace {
+  std::mutex mutex;
+  Kokkos::View<float*, MemorySpace> values;
+
+  static GemmRoundingWorkspace& instance() {
+    static GemmRoundingWorkspace workspace;
+    return workspace;
+  }
+
+  /// At least `size` floats (the mutex held by the caller).
+  float* reserve(std::size_t size) {
+    if (values.extent(0) < size) {
+      if (!values.is_allocated()) Kokkos::push_finalize_hook([] { instance().values = {}; });
+      values = {};
+      values = Kokkos::View<float*, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing,
+                                                                    "kmamba::gemm::rounded_operands"),
+                                                 size);
+    }
+    return values.data();
+  }
+};
+
 // Host backends (and any space without a vendor path): Kokkos Kernels on the execution space
 // type of `exec`, except C = A·Bᵀ with at most gemm_few_rows rows in A (decode steps), which runs
 // GemmFewRowsFunctor. Kokkos Kernels 3.4 has no execution-space-instance argument, so the call is
-// ordered after the work already submitted to `exec` by fencing it first.
+// ordered after the work already submitted to `exec` by fencing it first. TensorFloat32 and
+// BFloat16 run the same fp32 paths on rounded copies of A and B (GemmRoundingWorkspace).
 template <class ExecSpace, class MemorySpace>
 struct GemmImpl {
+  using Device = Kokkos::Device<ExecSpace, MemorySpace>;
+  using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+
   static void run(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
                   const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B, float beta,
-                  const Tensor2<float, MemorySpace>& C) {
-    using Device = Kokkos::Device<ExecSpace, MemorySpace>;
-    using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+                  const Tensor2<float, MemorySpace>& C, MatmulPrecision precision) {
+    if (precision == MatmulPrecision::Float32 || A.span() == 0) {
+      run_fp32(exec, trans_a, trans_b, alpha, A, B, beta, C);
+      return;
+    }
+    GemmRoundingWorkspace<MemorySpace>& workspace = GemmRoundingWorkspace<MemorySpace>::instance();
+    const std::lock_guard<std::mutex> lock(workspace.mutex);
+    const std::size_t a_size = A.span(), b_size = B.span();
+    float* const rounded = workspace.reserve(a_size + b_size);
+    using Out = Kokkos::View<float*, MemorySpace, Unmanaged>;
+    using In = Kokkos::View<const float*, MemorySpace, Unmanaged>;
+    using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
+    Kokkos::parallel_for("kmamba::gemm::round_operands", Policy(exec, 0, a_size),
+                         RoundOperands<MemorySpace>{Out(rounded, a_size), In(A.data(), a_size), precision});
+    Kokkos::parallel_for("kmamba::gemm::round_operands", Policy(exec, 0, b_size),
+                         RoundOperands<MemorySpace>{Out(rounded + a_size, b_size), In(B.data(), b_size), precision});
+    run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(rounded, A.extent(0), A.extent(1)),
+             ConstTensor2<float, MemorySpace>(rounded + a_size, B.extent(0), B.extent(1)), beta, C);
+  }
+
+  static void run_fp32(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
+                       const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B,
+                       float beta, const Tensor2<float, MemorySpace>& C) {
     const Kokkos::View<const float**, Kokkos::LayoutRight, Device, Unmanaged> a(A.data(), A.extent(0), A.extent(1));
     const Kokkos::View<const float**, Kokkos::LayoutRight, Device, Unmanaged> b(B.data(), B.extent(0), B.extent(1));
     const Kokkos::View<float**, Kokkos::LayoutRight, Device, Unmanaged> c(C.data(), C.extent(0), C.extent(1));
@@ -83,9 +146,11 @@ struct GemmImpl {
 /// row-major and contiguous: A (m, k), B (n, k), C (m, n). A warp per column j streams row j of B
 /// once (16-byte loads when rows are 16-byte aligned, several loads in flight per lane) against
 /// all m rows of A (read through the cache), and reduces m dot products with shuffles. It is the
-/// decode step's projection at small batch, which cuBLAS SGEMM spreads over few blocks.
+/// decode step's projection at small batch, which cuBLAS SGEMM spreads over few blocks. Every
+/// operand element is rounded as it is loaded (round_operand(precision, ·)); the products and sums
+/// stay on the CUDA cores in fp32 (the kernel is memory bound).
 void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
-                        float beta, float* C);
+                        float beta, float* C, MatmulPrecision precision = MatmulPrecision::Float32);
 
 /// The most rows for which the CUDA GEMM takes gemm_few_rows_cuda rather than cuBLAS. Measured on
 /// the H200 (perf/RESULTS.md, 2026-12-03): at m = 1 it beats cuBLAS SGEMM on every decode shape
@@ -94,24 +159,27 @@ void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, c
 constexpr int gemm_few_rows_cuda_max = 4;
 
 // C = alpha op(A) op(B) + beta C in row-major is Cᵀ = alpha op(B)ᵀ op(A)ᵀ + beta Cᵀ in cuBLAS's
-// column-major view of the same memory.
-void cublas_sgemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
-                            const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
+// column-major view of the same memory. Float32: cublasSgemm; TensorFloat32 / BFloat16:
+// cublasGemmEx on the fp32 matrices with compute type CUBLAS_COMPUTE_32F_FAST_TF32 /
+// CUBLAS_COMPUTE_32F_FAST_16BF (the tensor cores, fp32 accumulation).
+void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc,
+                           MatmulPrecision precision = MatmulPrecision::Float32);
 
 template <class MemorySpace>
 struct GemmImpl<Kokkos::Cuda, MemorySpace> {
   static void run(const Kokkos::Cuda& exec, bool trans_a, bool trans_b, float alpha,
                   const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B, float beta,
-                  const Tensor2<float, MemorySpace>& C) {
+                  const Tensor2<float, MemorySpace>& C, MatmulPrecision precision) {
     const int m = static_cast<int>(C.extent(0)), n = static_cast<int>(C.extent(1));
     const int k = static_cast<int>(trans_a ? A.extent(0) : A.extent(1));
     if (!trans_a && trans_b && k > 0 && m <= gemm_few_rows_cuda_max) {
-      gemm_few_rows_cuda(exec.cuda_stream(), m, n, k, alpha, A.data(), B.data(), beta, C.data());
+      gemm_few_rows_cuda(exec.cuda_stream(), m, n, k, alpha, A.data(), B.data(), beta, C.data(), precision);
       return;
     }
     const auto ld = [](std::size_t columns) { return columns > 0 ? static_cast<int>(columns) : 1; };
-    cublas_sgemm_row_major(exec.cuda_stream(), trans_a, trans_b, m, n, k, alpha, A.data(), ld(A.extent(1)), B.data(),
-                           ld(B.extent(1)), beta, C.data(), ld(C.extent(1)));
+    cublas_gemm_row_major(exec.cuda_stream(), trans_a, trans_b, m, n, k, alpha, A.data(), ld(A.extent(1)), B.data(),
+                          ld(B.extent(1)), beta, C.data(), ld(C.extent(1)), precision);
   }
 };
 #endif

@@ -1580,6 +1580,7 @@ void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamb
                          MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
                          const Tensor4<float, MemorySpace>& out,
                          const Mamba3StateViews<float, MemorySpace>& final_states) {
+  check_scan_matmul_precision(function, precision);
   const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
   if (plan.seqlen == 0) {
     mamba3_pass_states(exec, in.initial, final_states);
@@ -1681,6 +1682,7 @@ void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mam
                           const ConstTensor4<float, MemorySpace>& dout,
                           const Mamba3StateViews<const float, MemorySpace>& dfinal,
                           const Mamba3GradViews<MemorySpace>& grads) {
+  check_scan_matmul_precision(function, precision);
   const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
   if (plan.seqlen == 0) {
     mamba3_backward_empty(exec, in, dfinal, grads);

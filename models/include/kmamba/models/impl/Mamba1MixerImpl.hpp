@@ -540,7 +540,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const Activations& a = act_;
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
-    kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C);
+    kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
   };
   const ConstTensor2<float, Mem> u_rows = impl::mamba1_token_rows(u);  // (batch·seqlen, d_model)
 
@@ -653,7 +653,8 @@ void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const auto gemm = [&](const ConstTensor2<float, Mem>& A, const ConstTensor2<float, Mem>& W,
                         const Tensor2<float, Mem>& C) {
-    kmamba::gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, W, 0.0f, C);
+    kmamba::gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, W, 0.0f, C,
+                                      this->matmul_precision());
   };
   const std::size_t n = static_cast<std::size_t>(d_state_), e = static_cast<std::size_t>(d_inner_),
                     b = static_cast<std::size_t>(batch);
@@ -708,7 +709,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const impl::Mamba1Tensors<Mem> g = impl::mamba1_tensors(function, slab, prefix_, dims, true);
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
-    kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C);
+    kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
   };
   const auto rows = [&](const char* label, int columns) {
     return allocate_uninitialized<Tensor2<float, Mem>>(label, tokens, columns);

@@ -1,0 +1,221 @@
+// LanguageModel::set_matmul_precision: the switch reaches the projection GEMMs (mixers and LM
+// head) of the training forward and backward and of recurrent inference, and bf16 training
+// follows the fp32 one. The GEMMs' own contract (fp32 sums of exact products of rounded operands)
+// is tested in tests/backends/TestGemm.cpp; here, for each mixer kind, on fresh random weights and
+// tokens:
+// - one forward: the bf16 logits differ from the fp32 ones (relative L2 distance > 1e-5: the
+//   rounding happened) by a bounded amount (< 3e-2; bf16 operands carry relative errors ≤ 2^-8,
+//   and a couple of layers of projections add up to a few 1e-3); tf32 lies closer than bf16 (its
+//   operands are 8 times finer) but not on fp32 either; back in fp32 the logits are bit-identical
+//   to the first fp32 forward (the option leaves no state behind);
+// - the gradients of one loss_and_backward differ the same way (relative L2 in (1e-5, 5e-2));
+// - prefill + decode_step: the bf16 logits differ from the fp32 ones, boundedly (< 3e-2);
+// - training: 40 AdamW steps of the associative-recall task from the same initialisation, in fp32
+//   and in bf16: the mean loss of the last 5 steps lies within 2% of fp32's, while the
+//   fp32 loss itself fell by more than 10% over the run (the comparison is of curves that move).
+#include <kmamba/core/Random.hpp>
+#include <kmamba/core/Ssd.hpp>
+#include <kmamba/models/Data.hpp>
+#include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/Trainer.hpp>
+
+#include "Backends.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using kmamba::MatmulPrecision;
+
+template <class ExecSpace>
+class MatmulPrecisionTest : public ::testing::Test {};
+TYPED_TEST_SUITE(MatmulPrecisionTest, kmamba::test::Backends, kmamba::test::BackendNames);
+
+kmamba::ModelConfig small_config(kmamba::MixerKind mixer) {
+  kmamba::ModelConfig c;
+  c.mixer = mixer;
+  c.d_model = 32;
+  c.n_layer = 2;
+  c.vocab_size = 48;
+  c.d_state = 8;
+  c.headdim = 8;
+  c.expand = 2;
+  c.chunk_size = 8;
+  c.validate();
+  return c;
+}
+
+const kmamba::MixerKind all_mixers[] = {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2,
+                                        kmamba::MixerKind::Mamba3};
+
+template <class View>
+std::vector<float> to_vector(const View& view) {
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  return std::vector<float>(host.data(), host.data() + host.span());
+}
+
+double relative_distance(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - ref[i]) * (static_cast<double>(a[i]) - ref[i]);
+    norm += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+template <class Mem>
+kmamba::Tensor2<std::int64_t, Mem> random_ids(std::int64_t batch, std::int64_t seqlen, int vocab, std::uint64_t seed) {
+  kmamba::Tensor2<std::int64_t, Mem> ids("kmamba::test::ids", batch, seqlen);
+  kmamba::Tensor2<float, Mem> u("kmamba::test::uniform", batch, seqlen);
+  kmamba::fill_uniform(u, seed, 0.0f, static_cast<float>(vocab));
+  const auto hu = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), u);
+  auto hi = Kokkos::create_mirror_view(ids);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t t = 0; t < seqlen; ++t) hi(b, t) = std::min<std::int64_t>(vocab - 1, static_cast<std::int64_t>(hu(b, t)));
+  Kokkos::deep_copy(ids, hi);
+  return ids;
+}
+
+TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  std::uint64_t seed = 300;
+  for (const kmamba::MixerKind mixer : all_mixers) {
+    SCOPED_TRACE(kmamba::mixer_name(mixer));
+    const kmamba::ModelConfig config = small_config(mixer);
+    kmamba::LanguageModel<Exec> model(config);
+    model.initialize(seed++);
+    EXPECT_EQ(model.matmul_precision(), MatmulPrecision::Float32);
+    const std::int64_t batch = 3, seqlen = 21;
+    const auto ids = random_ids<Mem>(batch, seqlen, config.vocab_size, seed++);
+    const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
+    kmamba::Tensor3<float, Mem> logits("kmamba::test::logits", batch, seqlen, config.vocab_size);
+
+    const auto forward = [&](MatmulPrecision p) {
+      model.set_matmul_precision(p);
+      EXPECT_EQ(model.matmul_precision(), p);
+      model.forward(exec, ids, logits);
+      exec.fence();
+      return to_vector(logits);
+    };
+    const std::vector<float> fp32 = forward(MatmulPrecision::Float32);
+    const std::vector<float> bf16 = forward(MatmulPrecision::BFloat16);
+    const std::vector<float> tf32 = forward(MatmulPrecision::TensorFloat32);
+    const std::vector<float> fp32_again = forward(MatmulPrecision::Float32);
+    const double d_bf16 = relative_distance(bf16, fp32), d_tf32 = relative_distance(tf32, fp32);
+    std::printf("[ info ] %s logits: bf16 vs fp32 %.3e, tf32 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_bf16, d_tf32);
+    EXPECT_GT(d_bf16, 1e-5) << "bf16 logits equal fp32's: the switch did not reach the GEMMs";
+    EXPECT_LT(d_bf16, 3e-2);
+    EXPECT_GT(d_tf32, 1e-6) << "tf32 logits equal fp32's";
+    EXPECT_LT(d_tf32, d_bf16);
+    EXPECT_EQ(fp32_again, fp32) << "fp32 after bf16 is not the first fp32 forward";
+
+    const auto gradients = [&](MatmulPrecision p) {
+      model.set_matmul_precision(p);
+      model.zero_grads(exec);
+      model.loss_and_backward(exec, ids, targets);
+      exec.fence();
+      return to_vector(model.parameters().grads());
+    };
+    const std::vector<float> g32 = gradients(MatmulPrecision::Float32);
+    const std::vector<float> g16 = gradients(MatmulPrecision::BFloat16);
+    const double d_grad = relative_distance(g16, g32);
+    std::printf("[ info ] %s gradients: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_grad);
+    EXPECT_GT(d_grad, 1e-5);
+    EXPECT_LT(d_grad, 5e-2);
+
+    // Recurrent inference: prefill all but the last token, then one decode step.
+    const auto decode = [&](MatmulPrecision p) {
+      model.set_matmul_precision(p);
+      auto state = model.make_decode_state(static_cast<int>(batch));
+      const auto prompt = Kokkos::subview(ids, Kokkos::ALL, std::make_pair<std::int64_t, std::int64_t>(0, seqlen - 1));
+      kmamba::Tensor2<std::int64_t, Mem> prompt_ids("kmamba::test::prompt", batch, seqlen - 1);
+      Kokkos::deep_copy(prompt_ids, prompt);
+      kmamba::Tensor1<std::int64_t, Mem> last("kmamba::test::last", batch);
+      Kokkos::deep_copy(last, Kokkos::subview(ids, Kokkos::ALL, seqlen - 1));
+      kmamba::Tensor2<float, Mem> step_logits("kmamba::test::step_logits", batch, config.vocab_size);
+      model.prefill(exec, prompt_ids, state, kmamba::Tensor2<float, Mem>());
+      model.decode_step(exec, last, state, step_logits);
+      exec.fence();
+      return to_vector(step_logits);
+    };
+    const std::vector<float> s32 = decode(MatmulPrecision::Float32);
+    const std::vector<float> s16 = decode(MatmulPrecision::BFloat16);
+    const double d_step = relative_distance(s16, s32);
+    std::printf("[ info ] %s decode logits: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_step);
+    EXPECT_GT(d_step, 1e-5);
+    EXPECT_LT(d_step, 3e-2);
+  }
+}
+
+TYPED_TEST(MatmulPrecisionTest, Bf16TrainingFollowsTheFp32LossCurve) {
+  using Exec = TypeParam;
+  for (const kmamba::MixerKind mixer : all_mixers) {
+    SCOPED_TRACE(kmamba::mixer_name(mixer));
+    kmamba::TrainConfig t;
+    t.lr = 1e-2;
+    t.min_lr = 1e-3;
+    t.warmup_steps = 4;
+    t.total_steps = 40;
+    t.batch_size = 8;
+    t.eval_interval = 0;
+    t.grad_clip = 1.0;
+    const auto curve = [&](MatmulPrecision p) {
+      kmamba::LanguageModel<Exec> model(small_config(mixer));
+      model.initialize(77);
+      model.set_matmul_precision(p);
+      kmamba::Trainer<Exec> trainer(std::move(model), t,
+                                    std::make_shared<kmamba::AssociativeRecallTask>(
+                                        kmamba::AssociativeRecallConfig{48, 32, 6, 9}));
+      EXPECT_EQ(trainer.model().matmul_precision(), p);
+      std::vector<double> losses;
+      while (trainer.steps_taken() < t.total_steps) losses.push_back(trainer.step().loss);
+      return losses;
+    };
+    const std::vector<double> l32 = curve(MatmulPrecision::Float32);
+    const std::vector<double> l16 = curve(MatmulPrecision::BFloat16);
+    const auto tail = [](const std::vector<double>& l) {
+      double s = 0.0;
+      for (std::size_t i = l.size() - 5; i < l.size(); ++i) s += l[i];
+      return s / 5.0;
+    };
+    std::printf("[ info ] %s loss at steps 1/10/20/40: fp32 %.4f %.4f %.4f %.4f | bf16 %.4f %.4f %.4f %.4f\n",
+                kmamba::mixer_name(mixer), l32[0], l32[9], l32[19], l32[39], l16[0], l16[9], l16[19], l16[39]);
+    EXPECT_NE(l16[0], l32[0]) << "the first bf16 loss equals fp32's";
+    EXPECT_LT(tail(l32), 0.9 * l32[0]) << "fp32 training did not move the loss";
+    EXPECT_NEAR(tail(l16), tail(l32), 0.02 * tail(l32));
+  }
+}
+
+TYPED_TEST(MatmulPrecisionTest, TheScansRejectBf16ChunkProducts) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  kmamba::SsdArgs<Mem> args;
+  args.x = kmamba::Tensor4<float, Mem>("kmamba::test::x", 1, 8, 2, 4);
+  args.dt = kmamba::Tensor3<float, Mem>("kmamba::test::dt", 1, 8, 2);
+  args.A = kmamba::Tensor1<float, Mem>("kmamba::test::A", 2);
+  args.B = kmamba::Tensor4<float, Mem>("kmamba::test::B", 1, 8, 1, 4);
+  args.C = kmamba::Tensor4<float, Mem>("kmamba::test::C", 1, 8, 1, 4);
+  args.matmul_precision = MatmulPrecision::BFloat16;
+  kmamba::Tensor4<float, Mem> out("kmamba::test::out", 1, 8, 2, 4);
+  try {
+    kmamba::ssd_forward(Exec(), args, out, kmamba::Tensor4<float, Mem>());
+    FAIL() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "kmamba::ssd_forward: matmul_precision bf16 is not available for the chunk products of the scans "
+              "(fp32 or tf32)");
+  }
+}
+
+}  // namespace
