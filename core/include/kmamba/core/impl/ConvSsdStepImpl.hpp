@@ -1,0 +1,155 @@
+// Internals of kmamba/core/ConvSsdStep.hpp: the one kernel of a Mamba-2 decode step between the
+// in_proj and the gated norm.
+//
+// Work decomposition: one team per (batch, head, block of headdim rows), as ssd_step's, so that
+// a batch-1 step still gives nheads · headdim / rows_per_team teams (192 for 24 heads of 64 rows
+// on CUDA). A team of group g
+//   1. computes B and C of group g after conv + SiLU (2·dstate channels over all its threads and
+//      lanes, into team scratch) from the conv states as they were before the step; every team of
+//      the group computes the same values, cheaper than a second launch;
+//   2. takes a ticket: after a team barrier (its reads of the B/C conv states are done) one thread
+//      fences and atomically increments group_arrivals(b, g); the team that draws the last ticket
+//      of (b, g) resets the counter to zero and shifts the conv states of group g's B and C
+//      channels — exactly once, and only after every team of the group has read them. No team
+//      waits for another, so the kernel cannot deadlock whatever order the teams run in;
+//   3. per headdim row of its block (a thread, lanes over dstate): the x channel's conv + SiLU and
+//      conv-state shift (the row's own channel: no other team touches it), then the SSM update
+//      state = exp(δ·A)·state + δ·x·B and y = state·C + D·x.
+#ifndef KMAMBA_CORE_IMPL_CONVSSDSTEPIMPL_HPP
+#define KMAMBA_CORE_IMPL_CONVSSDSTEPIMPL_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/SsdImpl.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstddef>
+
+namespace kmamba {
+namespace impl {
+
+template <class ExecSpace, class MemorySpace>
+struct ConvSsdStepFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using ScratchVec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+
+  ConstTensor2<float, MemorySpace> xbcdt;    // (batch, columns)
+  ConstTensor2<float, MemorySpace> weight;   // (conv_dim, width), channels x, B, C
+  ConstTensor1<float, MemorySpace> bias;     // (conv_dim) when has_bias
+  ConstTensor1<float, MemorySpace> A_log;    // (nheads)
+  ConstTensor1<float, MemorySpace> D;        // (nheads) when has_D
+  ConstTensor1<float, MemorySpace> dt_bias;  // (nheads) when has_dt_bias
+  Tensor3<float, MemorySpace> conv_x;        // (batch, nheads·headdim, width − 1)
+  Tensor3<float, MemorySpace> conv_B;        // (batch, ngroups·dstate, width − 1)
+  Tensor3<float, MemorySpace> conv_C;        // (batch, ngroups·dstate, width − 1)
+  Tensor4<float, MemorySpace> ssm;           // (batch, nheads, headdim, dstate)
+  Tensor2<int, MemorySpace> arrivals;        // (batch, ngroups)
+  Tensor3<float, MemorySpace> y;             // (batch, nheads, headdim)
+  bool has_bias, has_D, has_dt_bias, dt_softplus;
+  int nheads, headdim, dstate, width, heads_per_group;
+  int x_column, dt_column;  // xbcdt columns of x(0) and dt(0); B and C follow x
+  int B_channel, C_channel;  // conv channels (weight rows) of B(0) and C(0)
+  int rows_per_team;         // headdim rows per team
+
+  KOKKOS_INLINE_FUNCTION int row_blocks() const { return (headdim + rows_per_team - 1) / rows_per_team; }
+  int league(int batch) const { return batch * nheads * row_blocks(); }
+  int teams_per_group() const { return heads_per_group * row_blocks(); }
+  static std::size_t scratch_bytes(int dstate) { return 2 * ScratchVec::shmem_size(static_cast<std::size_t>(dstate)); }
+
+  // silu(bias + Σ_{k < width−1} w(k)·state(k) + w(width−1)·newest) of one channel: `s` indexes the
+  // state, `c` the weight and bias.
+  KOKKOS_INLINE_FUNCTION float convolve(const Tensor3<float, MemorySpace>& state, int b, int s, int c,
+                                        float newest) const {
+    float acc = has_bias ? bias(c) : 0.0f;
+    for (int k = 0; k < width - 1; ++k) acc += weight(c, k) * state(b, s, k);
+    acc += weight(c, width - 1) * newest;
+    return silu(acc);
+  }
+
+  // Shifts one channel's window left and appends `newest`.
+  KOKKOS_INLINE_FUNCTION void shift(const Tensor3<float, MemorySpace>& state, int b, int s, float newest) const {
+    for (int k = 0; k + 1 < width - 1; ++k) state(b, s, k) = state(b, s, k + 1);
+    if (width > 1) state(b, s, width - 2) = newest;
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int block = team.league_rank() % row_blocks();
+    const int h = (team.league_rank() / row_blocks()) % nheads;
+    const int b = team.league_rank() / row_blocks() / nheads;
+    const int g = h / heads_per_group;
+    const int first = g * dstate;  // the group's first B (and C) channel
+    const ScratchVec Bs(team.team_scratch(0), dstate), Cs(team.team_scratch(0), dstate);
+
+    // 1. B and C of group g (identical in every team of the group).
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, 2 * dstate), [&](const int i) {
+      const int n = i < dstate ? i : i - dstate;
+      const int j = first + n;
+      if (i < dstate) {
+        Bs(n) = convolve(conv_B, b, j, B_channel + j, xbcdt(b, x_column + B_channel + j));
+      } else {
+        Cs(n) = convolve(conv_C, b, j, C_channel + j, xbcdt(b, x_column + C_channel + j));
+      }
+    });
+    team.team_barrier();
+
+    // 2. The last team of (b, g) to get here shifts the group's B/C conv states.
+    int last = 0;
+    Kokkos::single(
+        Kokkos::PerTeam(team),
+        [&](int& is_last) {
+          Kokkos::memory_fence();
+          is_last = Kokkos::atomic_fetch_add(&arrivals(b, g), 1) == teams_per_group() - 1 ? 1 : 0;
+          if (is_last != 0) {
+            arrivals(b, g) = 0;
+            Kokkos::memory_fence();
+          }
+        },
+        last);
+    if (last != 0) {
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, 2 * dstate), [&](const int i) {
+        const int j = first + (i < dstate ? i : i - dstate);
+        if (i < dstate) {
+          shift(conv_B, b, j, xbcdt(b, x_column + B_channel + j));
+        } else {
+          shift(conv_C, b, j, xbcdt(b, x_column + C_channel + j));
+        }
+      });
+    }
+
+    // 3. The rows of this block: x conv, then the SSM update.
+    const float pre = xbcdt(b, dt_column + h) + (has_dt_bias ? dt_bias(h) : 0.0f);
+    const float d = dt_softplus ? softplus(pre) : pre;
+    const float A = -Kokkos::Experimental::exp(A_log(h));
+    const float decay = Kokkos::Experimental::exp(d * A);
+    const int p_begin = block * rows_per_team;
+    const int p_end = p_begin + rows_per_team < headdim ? p_begin + rows_per_team : headdim;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p_begin, p_end), [&](const int p) {
+      const int c = h * headdim + p;
+      float xv = 0.0f;
+      Kokkos::single(
+          Kokkos::PerThread(team),
+          [&](float& v) {
+            const float newest = xbcdt(b, x_column + c);
+            v = convolve(conv_x, b, c, c, newest);
+            shift(conv_x, b, c, newest);
+          },
+          xv);
+      float acc = 0.0f;
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(team, dstate),
+          [&](const int n, float& sum) {
+            const float s = decay * ssm(b, h, p, n) + d * xv * Bs(n);
+            ssm(b, h, p, n) = s;
+            sum += s * Cs(n);
+          },
+          acc);
+      Kokkos::single(Kokkos::PerThread(team), [&]() { y(b, h, p) = acc + (has_D ? D(h) * xv : 0.0f); });
+    });
+  }
+};
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
