@@ -54,7 +54,7 @@ struct ConvSsdStepFunctor {
 
   KOKKOS_INLINE_FUNCTION int row_blocks() const { return (headdim + rows_per_team - 1) / rows_per_team; }
   int league(int batch) const { return batch * nheads * row_blocks(); }
-  int teams_per_group() const { return heads_per_group * row_blocks(); }
+  KOKKOS_INLINE_FUNCTION int teams_per_group() const { return heads_per_group * row_blocks(); }
   static std::size_t scratch_bytes(int dstate) { return 2 * ScratchVec::shmem_size(static_cast<std::size_t>(dstate)); }
 
   // silu(bias + Σ_{k < width−1} w(k)·state(k) + w(width−1)·newest) of one channel: `s` indexes the
