@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <utility>
 
 namespace kmamba {
 namespace {
@@ -684,7 +683,7 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   const std::string& p = prefix_;
 
   // in_proj as one product (its segments are consecutive rows of the weight), then the conv of
-  // x, B, C and the SSM update in one kernel reading the product's row.
+  // x, B, C, the SSM update and the gated norm (z read in place) in one kernel reading its row.
   project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", 0, in_proj_rows_, u, c.projected);
   ConvSsdStepArgs<Mem> args;
   args.xbcdt = c.projected;
@@ -696,14 +695,14 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   args.D = slab.template param<1>(p + "D");
   args.dt_bias = slab.template param<1>(p + "dt_bias");
   args.dt_softplus = true;
+  args.norm_weight = slab.template param<1>(p + "norm.weight");
+  args.norm_eps = static_cast<float>(config_.norm_epsilon);
+  args.norm_before_gate = config_.norm_before_gate;
   const std::size_t b = static_cast<std::size_t>(batch);
   conv_ssd_step(exec, args,
                 ConvSsdStepState<Mem>{c.conv[x_segment], c.conv[B_segment], c.conv[C_segment], c.ssm, c.group_arrivals},
-                Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)));
-  // The gate z: the first d_inner columns of the in_proj row, read in place.
-  const auto z = Kokkos::subview(ConstMatrix(c.projected), Kokkos::ALL, std::make_pair(0, d_inner_));
-  gated_rms_norm(exec, c.y, z, slab.template param<1>(p + "norm.weight"),
-                 static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, c.normed);
+                Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)),
+                c.normed);
   project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
           d_model_, c.normed, out);
   sum_over_tensor_ranks(exec, out);

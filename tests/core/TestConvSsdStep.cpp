@@ -1,12 +1,13 @@
-// conv_ssd_step (the fused Mamba-2 decode kernel: conv update + SiLU of x, B, C, then the SSD
-// step) against a sequential double-precision reference written from its definition
-// (algorithms.md §2.10): several consecutive tokens from random nonzero conv and ssm states, so
-// that a B/C conv state shifted twice or not at all in one call (the per-group ticket) shows in
-// the next token's output.
+// conv_ssd_step (the fused Mamba-2 decode kernel: conv update + SiLU of x, B, C, the SSD step,
+// then the gated RMSNorm) against a sequential double-precision reference written from its
+// definition (algorithms.md §2.3, §2.10): several consecutive tokens from random nonzero conv and
+// ssm states, so that a B/C conv state shifted twice or not at all in one call (the per-group
+// ticket) shows in the next token's output.
 //
 // Tolerance: fp32 kernel against the double reference, per tensor, max|kernel − ref| ≤
 // 1e-5·max|ref| (the conv is 4 products, the state update one FMA per token, the output a
-// dstate-long dot product; the largest error observed on Serial/OpenMP is 4.5e-7).
+// dstate-long dot product, the norm a sum over a group; the largest error observed on Serial and
+// OpenMP is 4.5e-7).
 #include <kmamba/core/ConvSsdStep.hpp>
 #include <kmamba/core/Core.hpp>
 
@@ -26,8 +27,10 @@
 namespace {
 
 struct Config {
-  int batch = 2, nheads = 4, headdim = 3, ngroups = 2, dstate = 5, width = 4, xbc_offset = 6, tokens = 3;
+  int batch = 2, nheads = 4, headdim = 3, ngroups = 2, dstate = 5, width = 4, xbc_offset = 12, tokens = 3;
   bool conv_bias = true, D = true, dt_bias = true, softplus = true;
+  bool norm = true, norm_before_gate = false;  // the gated norm (z: the inner columns before xbc_offset)
+  float eps = 1e-5f;
   std::uint64_t seed = 1;
 
   int inner() const { return nheads * headdim; }
@@ -39,7 +42,8 @@ struct Config {
     std::ostringstream s;
     s << "batch=" << batch << " nheads=" << nheads << " headdim=" << headdim << " ngroups=" << ngroups
       << " dstate=" << dstate << " width=" << width << " xbc_offset=" << xbc_offset << " conv_bias=" << conv_bias
-      << " D=" << D << " dt_bias=" << dt_bias << " softplus=" << softplus;
+      << " D=" << D << " dt_bias=" << dt_bias << " softplus=" << softplus << " norm=" << norm
+      << " norm_before_gate=" << norm_before_gate << " eps=" << eps;
     return s.str();
   }
 };
@@ -61,6 +65,30 @@ struct RefState {
   std::vector<double> conv;  // (batch, conv_dim, width − 1), channels x, B, C
   std::vector<double> ssm;   // (batch, nheads, headdim, dstate)
 };
+
+// The gated RMSNorm of y (batch, inner) with z the inner columns of each row before xbc_offset,
+// one norm group per B/C group.
+std::vector<double> reference_norm(const Config& c, const std::vector<double>& y, const std::vector<double>& row,
+                                   const std::vector<double>& w) {
+  const int E = c.inner(), size = E / c.ngroups;
+  std::vector<double> out(y.size());
+  for (int b = 0; b < c.batch; ++b) {
+    for (int g = 0; g < c.ngroups; ++g) {
+      const auto at = [&](int ch) { return static_cast<std::size_t>(b * E + g * size + ch); };
+      const auto gate = [&](int ch) {
+        return silu(row[static_cast<std::size_t>(b * c.columns() + c.xbc_offset - E + g * size + ch)]);
+      };
+      const auto input = [&](int ch) { return c.norm_before_gate ? y[at(ch)] : y[at(ch)] * gate(ch); };
+      double sumsq = 0.0;
+      for (int ch = 0; ch < size; ++ch) sumsq += input(ch) * input(ch);
+      const double r = 1.0 / std::sqrt(sumsq / size + static_cast<double>(c.eps));
+      for (int ch = 0; ch < size; ++ch) {
+        out[at(ch)] = input(ch) * r * w[static_cast<std::size_t>(g * size + ch)] * (c.norm_before_gate ? gate(ch) : 1.0);
+      }
+    }
+  }
+  return out;
+}
 
 // One token of the reference: advances `s` and returns y (batch, nheads, headdim).
 std::vector<double> reference_step(const Config& c, const std::vector<double>& row, const std::vector<double>& weight,
@@ -140,7 +168,7 @@ std::vector<double> channels(const std::vector<double>& conv, int batch, int con
   return out;
 }
 
-// Returns the largest relative error of y and the ssm state over the tokens.
+// Returns the largest relative error of y, the ssm state and normed over the tokens.
 template <class Exec>
 double check_against_reference(const Config& c) {
   using Mem = typename Exec::memory_space;
@@ -160,6 +188,7 @@ double check_against_reference(const Config& c) {
   const std::vector<float> A_log = uniform(H, std::log(1.0), std::log(16.0), rng);
   const std::vector<float> D = uniform(H, 0.5, 1.5, rng);
   const std::vector<float> dt_bias = uniform(H, -3.0, -1.0, rng);
+  const std::vector<float> norm_weight = uniform(E, 0.5, 1.5, rng);
   const std::vector<float> conv0 = uniform(B * CD * K, -1.0, 1.0, rng);
   const std::vector<float> ssm0 = uniform(B * H * P * N, -1.0, 1.0, rng);
 
@@ -189,6 +218,13 @@ double check_against_reference(const Config& c) {
   if (c.dt_bias) args.dt_bias = device<T1>("kmamba::test::dt_bias", dt_bias, H);
   args.dt_softplus = c.softplus;
   const T3 y("kmamba::test::y", B, H, P);
+  T2 normed;
+  if (c.norm) {
+    args.norm_weight = device<T1>("kmamba::test::norm_weight", norm_weight, E);
+    args.norm_eps = c.eps;
+    args.norm_before_gate = c.norm_before_gate;
+    normed = T2("kmamba::test::normed", B, E);
+  }
 
   RefState ref{doubles(conv0), doubles(ssm0)};
   const Exec exec;
@@ -204,13 +240,18 @@ double check_against_reference(const Config& c) {
     std::copy(values.begin(), values.end(), hrow.data());
     Kokkos::deep_copy(row, hrow);
     Kokkos::deep_copy(y, std::nanf(""));
-    kmamba::conv_ssd_step(exec, args, state, y);
+    if (c.norm) Kokkos::deep_copy(normed, std::nanf(""));
+    kmamba::conv_ssd_step(exec, args, state, y, normed);
     exec.fence();
     const std::vector<double> want =
         reference_step(c, doubles(values), doubles(weight), doubles(bias), doubles(A_log), doubles(D), doubles(dt_bias), ref);
     const std::string at = ctx + " token=" + std::to_string(t);
     worst = std::max(worst, expect_near_rel("y", host_doubles(y), want, 1e-5, at));
     worst = std::max(worst, expect_near_rel("ssm", host_doubles(state.ssm), ref.ssm, 1e-5, at));
+    if (c.norm) {
+      worst = std::max(worst, expect_near_rel("normed", host_doubles(normed),
+                                              reference_norm(c, want, doubles(values), doubles(norm_weight)), 1e-5, at));
+    }
     const int cd = static_cast<int>(CD), k = static_cast<int>(K);
     if (K > 0) {
       expect_near_rel("conv_x", host_doubles(state.conv_x), channels(ref.conv, c.batch, cd, k, 0, static_cast<int>(E)), 0.0, at);
@@ -235,6 +276,7 @@ std::vector<Config> sweep() {
         c.batch = batch;
         c.ngroups = ngroups;
         c.conv_bias = conv_bias;
+        c.norm_before_gate = !conv_bias;
         c.seed = seed++;
         configs.push_back(c);
       }
@@ -261,9 +303,9 @@ std::vector<Config> sweep() {
   large.tokens = 2;
   large.seed = seed++;
   configs.push_back(large);
-  // Options off and a raw dt (no softplus), conv widths 2 and 1.
+  // Options off and a raw dt (no softplus), conv widths 2 and 1, a large norm eps.
   Config bare;
-  bare.D = bare.dt_bias = false;
+  bare.D = bare.dt_bias = bare.norm = false;
   bare.softplus = false;
   bare.width = 2;
   bare.xbc_offset = 0;
@@ -271,6 +313,8 @@ std::vector<Config> sweep() {
   configs.push_back(bare);
   Config pointwise;
   pointwise.width = 1;
+  pointwise.norm_before_gate = true;
+  pointwise.eps = 0.5f;
   pointwise.seed = seed++;
   configs.push_back(pointwise);
   return configs;
@@ -294,7 +338,7 @@ TYPED_TEST_SUITE(ConvSsdStep, kmamba::test::Backends, kmamba::test::BackendNames
 TYPED_TEST(ConvSsdStep, MatchesSequentialReference) {
   double worst = 0.0;
   for (const Config& c : sweep()) worst = std::max(worst, check_against_reference<TypeParam>(c));
-  std::printf("[ conv_ssd ] %s: largest relative error of y and ssm %.2e\n", TypeParam::name(), worst);
+  std::printf("[ conv_ssd ] %s: largest relative error of y, ssm and normed %.2e\n", TypeParam::name(), worst);
 }
 
 TYPED_TEST(ConvSsdStep, RejectsBadShapes) {
@@ -344,6 +388,15 @@ TYPED_TEST(ConvSsdStep, RejectsBadShapes) {
   expect_user_error([&] { kmamba::conv_ssd_step(exec, args, wrong, y); }, {"group_arrivals", "(2, 1)", "(2, 2)"});
   expect_user_error([&] { kmamba::conv_ssd_step(exec, args, state, allocate<T3>("kmamba::test::y", 2, 4, 2)); },
                     {"y", "(2, 4, 2)", "(2, 4, 3)"});
+  const T2 normed = allocate<T2>("kmamba::test::normed", 2, 12);
+  expect_user_error([&] { kmamba::conv_ssd_step(exec, args, state, y, normed); }, {"normed", "norm_weight"});
+  bad = args;
+  bad.norm_weight = allocate<T1>("kmamba::test::norm_w", 12);
+  expect_user_error([&] { kmamba::conv_ssd_step(exec, bad, state, y, normed); }, {"xbc_offset", "12", "6"});
+  bad.xbc_offset = 12;
+  bad.xbcdt = allocate<T2>("kmamba::test::xbcdt", 2, 48);
+  expect_user_error([&] { kmamba::conv_ssd_step(exec, bad, state, y, allocate<T2>("kmamba::test::n", 2, 11)); },
+                    {"normed", "(2, 11)", "(2, 12)"});
 }
 
 }  // namespace

@@ -583,10 +583,10 @@ std::string joined(const std::vector<std::string>& labels) {
 }
 
 // One Mamba-2 block of the decode step, beyond its two projections: the fused residual add +
-// norm, conv_ssd_step and the gated norm (at tensor_parallel_size 1 the out_proj sum launches
-// nothing). Measured as the kernels of a step of a 2-layer model minus those of a 1-layer one,
-// and on the mixer's step alone.
-TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesThreeKernelsPerBlockBesidesTheProjections) {
+// norm and conv_ssd_step (with the gated norm; at tensor_parallel_size 1 the out_proj sum
+// launches nothing). Measured as the kernels of a step of a 2-layer model minus those of a
+// 1-layer one, and on the mixer's step alone.
+TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesTwoKernelsPerBlockBesidesTheProjections) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   const Exec exec;
@@ -616,7 +616,7 @@ TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesThreeKernelsPerBlockBesidesThePro
   }
   ASSERT_GE(steps[1].size(), steps[0].size()) << joined(steps[1]);
   const std::size_t per_block = steps[1].size() - steps[0].size();
-  EXPECT_LE(per_block, 3u) << "kernels of a 2-layer step:" << joined(steps[1]);
+  EXPECT_LE(per_block, 2u) << "kernels of a 2-layer step:" << joined(steps[1]);
   std::printf("[ decode   ] Mamba2 step, %s: %zu kernels per block besides the projections; 2-layer step:%s\n",
               Exec::name(), per_block, joined(steps[1]).c_str());
 
@@ -638,7 +638,7 @@ TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesThreeKernelsPerBlockBesidesThePro
     exec.fence();
     labels = counter.without_gemms();
   }
-  EXPECT_EQ(labels, (std::vector<std::string>{"kmamba::ssd::conv_step", "kmamba::rms_norm::forward"})) << joined(labels);
+  EXPECT_EQ(labels, std::vector<std::string>{"kmamba::ssd::conv_step"}) << joined(labels);
 }
 
 TYPED_TEST(DecodeTest, RejectsForeignStatesAndBadInputs) {

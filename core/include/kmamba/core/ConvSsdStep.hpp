@@ -1,7 +1,7 @@
-// The Mamba-2 decode step between the in_proj and the gated norm, one kernel (algorithms.md
-// §2.10; the reference's `Mamba2.step`: causal_conv1d_update on xBC, then selective_state_update
-// without z): per sequence b, head h (group g = h / (nheads / ngroups)), headdim row p, state
-// entry n,
+// The Mamba-2 decode step between the in_proj and the out_proj, one kernel (algorithms.md §2.10;
+// the reference's `Mamba2.step`: causal_conv1d_update on xBC, selective_state_update without z,
+// then the gated RMSNorm): per sequence b, head h (group g = h / (nheads / ngroups)), headdim row
+// p, state entry n,
 //
 //   x, B, C  = silu(causal_conv1d_update(xBC of the token, conv states))   conv states shifted in place
 //   δ        = softplus₂₀(dt[b,h] + dt_bias[h])      (softplus when dt_softplus; no dt limit, as the
@@ -9,27 +9,29 @@
 //   A        = −exp(A_log[h])
 //   H[p,n]   = exp(δ·A)·H[p,n] + δ·x[h,p]·B[g,n]     ssm state advanced in place
 //   y[h,p]   = Σ_n H[p,n]·C[g,n] + D[h]·x[h,p]
+//   normed   = gated RMSNorm(y, z) per group of nheads·headdim / ngroups channels (optional)
 //
-// It computes what causal_conv1d_update (Conv1dActivation::silu) on x, B and C followed by
-// ssd_step computes, reading the token's inputs straight from the in_proj output row and A from
-// A_log, so a decode step launches one kernel here instead of six (−exp(A_log), the split of the
-// in_proj row, three conv updates, the SSD step) — the decode step is a few hundred
-// latency-bound kernels of a few µs each (perf/RESULTS.md, 2026-12-03). It lives in core beside
-// the two ops it fuses because it has their contract (the conv state layout of causal_conv1d,
-// the ssm state of ssd_step, so prefill by causal_conv1d / ssd_forward hands over to it); the
-// input row is the reference's `zxbcdt` layout, given by a column offset. The gate z is not
-// read: the Mamba-2 mixer applies it in its gated RMSNorm.
+// It computes what causal_conv1d_update (Conv1dActivation::silu) on x, B and C, then ssd_step,
+// then gated_rms_norm compute, reading the token's inputs straight from the in_proj output row
+// and A from A_log, so a decode step launches one kernel here instead of seven (−exp(A_log), the
+// split of the in_proj row, three conv updates, the SSD step, the gated norm) — the decode step is
+// a few hundred latency-bound kernels of a few µs each (perf/RESULTS.md, 2026-12-03). It lives in
+// core beside the ops it fuses because it has their contracts (the conv state layout of
+// causal_conv1d, the ssm state of ssd_step, so prefill by causal_conv1d / ssd_forward hands over
+// to it); the input row is the reference's `zxbcdt` layout, given by a column offset.
 //
-// The B/C conv state of a group is shifted by exactly one team, the last of the group's teams to
-// finish reading it (an atomic ticket per (batch, group) in ConvSsdStepState::group_arrivals; see
-// impl/ConvSsdStepImpl.hpp). Non-blocking on `exec`, no allocation, no host-side wait: the
-// kernel can be recorded into a graph (kmamba/backends/StepGraph.hpp).
+// The B/C conv states of a group are shifted, and its gated norm computed, by exactly one team:
+// the last of the group's teams to finish (an atomic ticket per (batch, group) in
+// ConvSsdStepState::group_arrivals; see impl/ConvSsdStepImpl.hpp). Non-blocking on `exec`, no
+// allocation, no host-side wait: the kernel can be recorded into a graph
+// (kmamba/backends/StepGraph.hpp).
 //
 //   kmamba::ConvSsdStepArgs<Mem> args;
 //   args.xbcdt = projected; args.xbc_offset = d_inner; args.ngroups = ngroups;
 //   args.conv_weight = w; args.A_log = A_log; args.D = D; args.dt_bias = dt_bias; args.dt_softplus = true;
+//   args.norm_weight = norm_w; args.norm_eps = 1e-5f;
 //   kmamba::ConvSsdStepState<Mem> state{conv_x, conv_B, conv_C, ssm, arrivals};
-//   kmamba::conv_ssd_step(exec, args, state, y);
+//   kmamba::conv_ssd_step(exec, args, state, y, normed);
 #ifndef KMAMBA_CORE_CONVSSDSTEP_HPP
 #define KMAMBA_CORE_CONVSSDSTEP_HPP
 
@@ -63,6 +65,12 @@ struct ConvSsdStepArgs {
   ConstTensor1<float, MemorySpace> dt_bias;      // (nheads), optional, added to dt
   /// Apply softplus (threshold 20) to dt + dt_bias.
   bool dt_softplus = false;
+  /// (nheads·headdim), optional: when given, `normed` receives gated_rms_norm(y, z, norm_weight,
+  /// norm_eps, group_size = nheads·headdim / ngroups, norm_before_gate), with z the nheads·headdim
+  /// columns of xbcdt just before xbc_offset (the Mamba-2 in_proj's z segment).
+  ConstTensor1<float, MemorySpace> norm_weight;
+  float norm_eps = 1e-5f;
+  bool norm_before_gate = false;
 };
 
 /// The recurrent state conv_ssd_step advances in place. The conv states have causal_conv1d's
@@ -78,14 +86,18 @@ struct ConvSsdStepState {
   Tensor2<int, MemorySpace> group_arrivals;
 };
 
-/// One decode token: advances the conv and ssm states of `state` in place and writes `y`
-/// (see the file comment). Equals causal_conv1d_update (silu) on x, B, C then ssd_step with
-/// A = −exp(A_log). Non-blocking on `exec`. Throws kmamba::UserError for a wrong shape (the
-/// message names both shapes), a negative xbc_offset, or ngroups that does not divide nheads.
+/// One decode token: advances the conv and ssm states of `state` in place and writes `y` and,
+/// with args.norm_weight, `normed` (see the file comment). Equals causal_conv1d_update (silu) on
+/// x, B, C, then ssd_step with A = −exp(A_log), then gated_rms_norm. Non-blocking on `exec`.
+/// Throws kmamba::UserError for a wrong shape (the message names both shapes), a negative
+/// xbc_offset (or one smaller than nheads·headdim with the norm), ngroups that does not divide
+/// nheads, or `normed` given without norm_weight or the reverse.
 template <class ExecutionSpace, class MemorySpace>
 void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace>& args,
                    const ConvSsdStepState<MemorySpace>& state,
-                   const Tensor3<float, MemorySpace>& y) {  // (batch, nheads, headdim)
+                   const Tensor3<float, MemorySpace>& y,        // (batch, nheads, headdim)
+                   const Tensor2<float, MemorySpace>& normed =  // (batch, nheads·headdim), with norm_weight
+                   Tensor2<float, MemorySpace>()) {
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::conv_ssd_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::conv_ssd_step";
@@ -126,6 +138,18 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
   check_allocated(function, "conv_C", state.conv_C);
   check_allocated(function, "group_arrivals", state.group_arrivals);
   check_allocated(function, "y", y);
+  const bool has_norm = args.norm_weight.is_allocated();
+  KMAMBA_REQUIRE(has_norm == normed.is_allocated(),
+                 function << ": normed must be given exactly when norm_weight is (norm_weight "
+                          << (has_norm ? "given" : "absent") << ", normed " << (normed.is_allocated() ? "given" : "absent")
+                          << ")");
+  if (has_norm) {
+    check_shape(function, "norm_weight", args.norm_weight, {inner}, "(nheads·headdim)");
+    check_shape(function, "normed", normed, {batch, inner}, "(batch, nheads·headdim)");
+    KMAMBA_REQUIRE(args.xbc_offset >= inner, function << ": with the gated norm, z is the " << inner
+                                                      << " columns before xbc_offset, which is " << args.xbc_offset);
+    KMAMBA_REQUIRE(args.norm_eps >= 0.0f, function << ": norm_eps must be >= 0, got " << args.norm_eps);
+  }
   KMAMBA_REQUIRE(batch * nheads * headdim * dstate < std::numeric_limits<int>::max() &&
                      batch * (args.xbc_offset + conv_dim + nheads) < std::numeric_limits<int>::max(),
                  function << ": ssm has shape " << shape_of(state.ssm).to_string()
@@ -147,21 +171,27 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       args.A_log,
       args.D,
       args.dt_bias,
+      args.norm_weight,
       state.conv_x,
       state.conv_B,
       state.conv_C,
       state.ssm,
       state.group_arrivals,
       y,
+      normed,
       args.conv_bias.is_allocated(),
       args.D.is_allocated(),
       args.dt_bias.is_allocated(),
       args.dt_softplus,
+      has_norm,
+      args.norm_before_gate,
+      args.norm_eps,
       static_cast<int>(nheads),
       static_cast<int>(headdim),
       static_cast<int>(dstate),
       static_cast<int>(width),
       static_cast<int>(nheads / ngroups),
+      has_norm ? static_cast<int>(args.xbc_offset - inner) : 0,
       args.xbc_offset,
       static_cast<int>(args.xbc_offset + conv_dim),
       static_cast<int>(inner),
@@ -173,8 +203,10 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
 
 template <class MemorySpace>
 void conv_ssd_step(const ConvSsdStepArgs<MemorySpace>& args, const ConvSsdStepState<MemorySpace>& state,
-                   const Tensor3<float, MemorySpace>& y) {  // (batch, nheads, headdim)
-  conv_ssd_step(typename Tensor3<float, MemorySpace>::execution_space(), args, state, y);
+                   const Tensor3<float, MemorySpace>& y,        // (batch, nheads, headdim)
+                   const Tensor2<float, MemorySpace>& normed =  // (batch, nheads·headdim), with norm_weight
+                   Tensor2<float, MemorySpace>()) {
+  conv_ssd_step(typename Tensor3<float, MemorySpace>::execution_space(), args, state, y, normed);
 }
 
 }  // namespace kmamba

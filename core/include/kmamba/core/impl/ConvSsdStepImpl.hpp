@@ -1,5 +1,5 @@
 // Internals of kmamba/core/ConvSsdStep.hpp: the one kernel of a Mamba-2 decode step between the
-// in_proj and the gated norm.
+// in_proj and the out_proj.
 //
 // Work decomposition: one team per (batch, head, block of headdim rows), as ssd_step's, so that
 // a batch-1 step still gives nheads · headdim / rows_per_team teams (192 for 24 heads of 64 rows
@@ -7,14 +7,17 @@
 //   1. computes B and C of group g after conv + SiLU (2·dstate channels over all its threads and
 //      lanes, into team scratch) from the conv states as they were before the step; every team of
 //      the group computes the same values, cheaper than a second launch;
-//   2. takes a ticket: after a team barrier (its reads of the B/C conv states are done) one thread
-//      fences and atomically increments group_arrivals(b, g); the team that draws the last ticket
-//      of (b, g) resets the counter to zero and shifts the conv states of group g's B and C
-//      channels — exactly once, and only after every team of the group has read them. No team
-//      waits for another, so the kernel cannot deadlock whatever order the teams run in;
-//   3. per headdim row of its block (a thread, lanes over dstate): the x channel's conv + SiLU and
+//   2. per headdim row of its block (a thread, lanes over dstate): the x channel's conv + SiLU and
 //      conv-state shift (the row's own channel: no other team touches it), then the SSM update
-//      state = exp(δ·A)·state + δ·x·B and y = state·C + D·x.
+//      state = exp(δ·A)·state + δ·x·B and y = state·C + D·x;
+//   3. takes a ticket: every thread fences its writes, a team barrier, then one thread atomically
+//      increments group_arrivals(b, g). The team that draws the last ticket of (b, g) — every
+//      other team of the group has then read the group's B/C conv states and written its y —
+//      resets the counter to zero, shifts the conv states of group g's B and C channels (exactly
+//      once) and, with the gated norm, normalises the group's y (one norm group per B/C group),
+//      reading the other teams' y through volatile loads (after their fences and tickets, never
+//      from a stale cache line). No team waits for another, so the kernel cannot deadlock whatever
+//      order the teams run in, and the norm sums in the same order whichever team is last.
 #ifndef KMAMBA_CORE_IMPL_CONVSSDSTEPIMPL_HPP
 #define KMAMBA_CORE_IMPL_CONVSSDSTEPIMPL_HPP
 
@@ -40,15 +43,18 @@ struct ConvSsdStepFunctor {
   ConstTensor1<float, MemorySpace> A_log;    // (nheads)
   ConstTensor1<float, MemorySpace> D;        // (nheads) when has_D
   ConstTensor1<float, MemorySpace> dt_bias;  // (nheads) when has_dt_bias
+  ConstTensor1<float, MemorySpace> norm_weight;  // (nheads·headdim) when has_norm
   Tensor3<float, MemorySpace> conv_x;        // (batch, nheads·headdim, width − 1)
   Tensor3<float, MemorySpace> conv_B;        // (batch, ngroups·dstate, width − 1)
   Tensor3<float, MemorySpace> conv_C;        // (batch, ngroups·dstate, width − 1)
   Tensor4<float, MemorySpace> ssm;           // (batch, nheads, headdim, dstate)
   Tensor2<int, MemorySpace> arrivals;        // (batch, ngroups)
   Tensor3<float, MemorySpace> y;             // (batch, nheads, headdim)
-  bool has_bias, has_D, has_dt_bias, dt_softplus;
+  Tensor2<float, MemorySpace> normed;        // (batch, nheads·headdim) when has_norm
+  bool has_bias, has_D, has_dt_bias, dt_softplus, has_norm, norm_before_gate;
+  float norm_eps;
   int nheads, headdim, dstate, width, heads_per_group;
-  int x_column, dt_column;  // xbcdt columns of x(0) and dt(0); B and C follow x
+  int z_column, x_column, dt_column;  // xbcdt columns of z(0) (with the norm), x(0) and dt(0); B and C follow x
   int B_channel, C_channel;  // conv channels (weight rows) of B(0) and C(0)
   int rows_per_team;         // headdim rows per team
 
@@ -93,31 +99,7 @@ struct ConvSsdStepFunctor {
     });
     team.team_barrier();
 
-    // 2. The last team of (b, g) to get here shifts the group's B/C conv states.
-    int last = 0;
-    Kokkos::single(
-        Kokkos::PerTeam(team),
-        [&](int& is_last) {
-          Kokkos::memory_fence();
-          is_last = Kokkos::atomic_fetch_add(&arrivals(b, g), 1) == teams_per_group() - 1 ? 1 : 0;
-          if (is_last != 0) {
-            arrivals(b, g) = 0;
-            Kokkos::memory_fence();
-          }
-        },
-        last);
-    if (last != 0) {
-      Kokkos::parallel_for(Kokkos::TeamVectorRange(team, 2 * dstate), [&](const int i) {
-        const int j = first + (i < dstate ? i : i - dstate);
-        if (i < dstate) {
-          shift(conv_B, b, j, xbcdt(b, x_column + B_channel + j));
-        } else {
-          shift(conv_C, b, j, xbcdt(b, x_column + C_channel + j));
-        }
-      });
-    }
-
-    // 3. The rows of this block: x conv, then the SSM update.
+    // 2. The rows of this block: x conv, then the SSM update.
     const float pre = xbcdt(b, dt_column + h) + (has_dt_bias ? dt_bias(h) : 0.0f);
     const float d = dt_softplus ? softplus(pre) : pre;
     const float A = -Kokkos::Experimental::exp(A_log(h));
@@ -145,6 +127,60 @@ struct ConvSsdStepFunctor {
           },
           acc);
       Kokkos::single(Kokkos::PerThread(team), [&]() { y(b, h, p) = acc + (has_D ? D(h) * xv : 0.0f); });
+    });
+
+    // 3. The last team of (b, g) to get here shifts the group's B/C conv states and normalises y.
+    Kokkos::memory_fence();
+    team.team_barrier();
+    int last = 0;
+    Kokkos::single(
+        Kokkos::PerTeam(team),
+        [&](int& is_last) {
+          Kokkos::memory_fence();
+          is_last = Kokkos::atomic_fetch_add(&arrivals(b, g), 1) == teams_per_group() - 1 ? 1 : 0;
+          if (is_last != 0) {
+            arrivals(b, g) = 0;
+            Kokkos::memory_fence();
+          }
+        },
+        last);
+    if (last == 0) return;
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, 2 * dstate), [&](const int i) {
+      const int j = first + (i < dstate ? i : i - dstate);
+      if (i < dstate) {
+        shift(conv_B, b, j, xbcdt(b, x_column + B_channel + j));
+      } else {
+        shift(conv_C, b, j, xbcdt(b, x_column + C_channel + j));
+      }
+    });
+    if (has_norm) normalize(team, b, g);
+  }
+
+  // The y of channel c (= h·headdim + p) of sequence b, as another team wrote it.
+  KOKKOS_INLINE_FUNCTION float written_y(int b, int c) const {
+    return *static_cast<const volatile float*>(&y(b, c / headdim, c % headdim));
+  }
+
+  // The gated RMSNorm of group g's channels of sequence b (as gated_rms_norm's forward).
+  KOKKOS_INLINE_FUNCTION void normalize(const member_type& team, int b, int g) const {
+    const int size = heads_per_group * headdim, begin = g * size;
+    const auto input = [&](int c) {
+      const float v = written_y(b, c);
+      return norm_before_gate ? v : v * silu(xbcdt(b, z_column + c));
+    };
+    float sumsq = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamVectorRange(team, begin, begin + size),
+        [&](const int c, float& acc) {
+          const float v = input(c);
+          acc += v * v;
+        },
+        sumsq);
+    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(size) + norm_eps);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, begin, begin + size), [&](const int c) {
+      float out = input(c) * r * norm_weight(c);
+      if (norm_before_gate) out *= silu(xbcdt(b, z_column + c));
+      normed(b, c) = out;
     });
   }
 };
