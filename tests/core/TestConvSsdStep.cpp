@@ -282,7 +282,8 @@ std::vector<Config> sweep() {
       }
     }
   }
-  // Several teams per head (headdim longer than a team's rows) and per group, the mamba2-130m
+  // Several teams per head and per group on CUDA (on host backends, blocks of channels across
+  // heads and, at batch 1 with one group on two threads, two teams per group); the mamba2-130m
   // dstate and head layout at a smaller width.
   Config wide;
   wide.batch = 2;

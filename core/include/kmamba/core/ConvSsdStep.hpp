@@ -190,13 +190,14 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       static_cast<int>(headdim),
       static_cast<int>(dstate),
       static_cast<int>(width),
+      static_cast<int>(ngroups),
       static_cast<int>(nheads / ngroups),
       has_norm ? static_cast<int>(args.xbc_offset - inner) : 0,
       args.xbc_offset,
       static_cast<int>(args.xbc_offset + conv_dim),
       static_cast<int>(inner),
       static_cast<int>(inner + group_width),
-      plan.team_size};
+      impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size)};
   impl::ssd_launch(exec, "kmamba::ssd::conv_step", plan, functor.league(static_cast<int>(batch)), functor,
                    functor.scratch_bytes(static_cast<int>(dstate)));
 }

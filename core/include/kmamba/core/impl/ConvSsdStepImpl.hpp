@@ -1,14 +1,16 @@
 // Internals of kmamba/core/ConvSsdStep.hpp: the one kernel of a Mamba-2 decode step between the
 // in_proj and the out_proj.
 //
-// Work decomposition: one team per (batch, head, block of headdim rows), as ssd_step's, so that
-// a batch-1 step still gives nheads · headdim / rows_per_team teams (192 for 24 heads of 64 rows
-// on CUDA). A team of group g
+// Work decomposition: one team per (batch, group, block of the group's x channels); a channel is
+// a (head, headdim row) pair, c = h·headdim + p. Blocks are as many as occupy the execution space
+// and no more (each team recomputes its group's B and C): on CUDA a team's thread count of
+// channels (8, so a batch-1 step of 24 heads of 64 rows still gives 192 teams, as ssd_step), on
+// a host with T threads about T blocks in all. A team of group g
 //   1. computes B and C of group g after conv + SiLU (2·dstate channels over all its threads and
 //      lanes, into team scratch) from the conv states as they were before the step; every team of
 //      the group computes the same values, cheaper than a second launch;
-//   2. per headdim row of its block (a thread, lanes over dstate): the x channel's conv + SiLU and
-//      conv-state shift (the row's own channel: no other team touches it), then the SSM update
+//   2. per channel of its block (a thread, lanes over dstate): the x channel's conv + SiLU and
+//      conv-state shift (the channel's own: no other team touches it), then the SSM update
 //      state = exp(δ·A)·state + δ·x·B and y = state·C + D·x;
 //   3. takes a ticket: every thread fences its writes, a team barrier, then one thread atomically
 //      increments group_arrivals(b, g). The team that draws the last ticket of (b, g) — every
@@ -27,10 +29,21 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 namespace kmamba {
 namespace impl {
+
+/// The x channels per team: `team_size` (one per thread), or more where that would give more
+/// teams than `exec` runs at once (a host's threads), since every team recomputes its group's B
+/// and C: about concurrency / groups blocks per group of `group_channels` channels.
+template <class ExecSpace>
+int conv_ssd_step_block(const ExecSpace& exec, std::int64_t groups, std::int64_t group_channels, int team_size) {
+  const std::int64_t blocks = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / groups);
+  return static_cast<int>(std::max<std::int64_t>(team_size, (group_channels + blocks - 1) / blocks));
+}
 
 template <class ExecSpace, class MemorySpace>
 struct ConvSsdStepFunctor {
@@ -53,14 +66,16 @@ struct ConvSsdStepFunctor {
   Tensor2<float, MemorySpace> normed;        // (batch, nheads·headdim) when has_norm
   bool has_bias, has_D, has_dt_bias, dt_softplus, has_norm, norm_before_gate;
   float norm_eps;
-  int nheads, headdim, dstate, width, heads_per_group;
+  int nheads, headdim, dstate, width, ngroups, heads_per_group;
   int z_column, x_column, dt_column;  // xbcdt columns of z(0) (with the norm), x(0) and dt(0); B and C follow x
   int B_channel, C_channel;  // conv channels (weight rows) of B(0) and C(0)
-  int rows_per_team;         // headdim rows per team
+  int channels_per_team;     // x channels (head, row) per block
 
-  KOKKOS_INLINE_FUNCTION int row_blocks() const { return (headdim + rows_per_team - 1) / rows_per_team; }
-  int league(int batch) const { return batch * nheads * row_blocks(); }
-  KOKKOS_INLINE_FUNCTION int teams_per_group() const { return heads_per_group * row_blocks(); }
+  KOKKOS_INLINE_FUNCTION int group_channels() const { return heads_per_group * headdim; }
+  KOKKOS_INLINE_FUNCTION int teams_per_group() const {
+    return (group_channels() + channels_per_team - 1) / channels_per_team;
+  }
+  int league(int batch) const { return batch * ngroups * teams_per_group(); }
   static std::size_t scratch_bytes(int dstate) { return 2 * ScratchVec::shmem_size(static_cast<std::size_t>(dstate)); }
 
   // silu(bias + Σ_{k < width−1} w(k)·state(k) + w(width−1)·newest) of one channel: `s` indexes the
@@ -80,10 +95,9 @@ struct ConvSsdStepFunctor {
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int block = team.league_rank() % row_blocks();
-    const int h = (team.league_rank() / row_blocks()) % nheads;
-    const int b = team.league_rank() / row_blocks() / nheads;
-    const int g = h / heads_per_group;
+    const int block = team.league_rank() % teams_per_group();
+    const int g = (team.league_rank() / teams_per_group()) % ngroups;
+    const int b = team.league_rank() / teams_per_group() / ngroups;
     const int first = g * dstate;  // the group's first B (and C) channel
     const ScratchVec Bs(team.team_scratch(0), dstate), Cs(team.team_scratch(0), dstate);
 
@@ -99,15 +113,16 @@ struct ConvSsdStepFunctor {
     });
     team.team_barrier();
 
-    // 2. The rows of this block: x conv, then the SSM update.
-    const float pre = xbcdt(b, dt_column + h) + (has_dt_bias ? dt_bias(h) : 0.0f);
-    const float d = dt_softplus ? softplus(pre) : pre;
-    const float A = -Kokkos::Experimental::exp(A_log(h));
-    const float decay = Kokkos::Experimental::exp(d * A);
-    const int p_begin = block * rows_per_team;
-    const int p_end = p_begin + rows_per_team < headdim ? p_begin + rows_per_team : headdim;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p_begin, p_end), [&](const int p) {
-      const int c = h * headdim + p;
+    // 2. The x channels of this block: conv, then the SSM update.
+    const int c_begin = g * group_channels() + block * channels_per_team;
+    const int c_end = c_begin + channels_per_team < (g + 1) * group_channels() ? c_begin + channels_per_team
+                                                                               : (g + 1) * group_channels();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, c_begin, c_end), [&](const int c) {
+      const int h = c / headdim, p = c % headdim;
+      const float pre = xbcdt(b, dt_column + h) + (has_dt_bias ? dt_bias(h) : 0.0f);
+      const float d = dt_softplus ? softplus(pre) : pre;
+      const float A = -Kokkos::Experimental::exp(A_log(h));
+      const float decay = Kokkos::Experimental::exp(d * A);
       float xv = 0.0f;
       Kokkos::single(
           Kokkos::PerThread(team),
