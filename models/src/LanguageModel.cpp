@@ -276,6 +276,12 @@ struct LanguageModel<ExecutionSpace>::State {
                    const Tensor2<float, Mem>& logits) const {                     // (batch, vocab_size)
     rms_norm(exec, input, slab.template param<1>(impl::final_norm_name), static_cast<float>(config.norm_epsilon),
              normed);
+    decode_logits(exec, normed, logits);
+  }
+
+  // logits = normed · headᵀ over the vocabulary's rows of the head.
+  void decode_logits(const ExecutionSpace& exec, const Tensor2<float, Mem>& normed,  // (batch, d_model)
+                     const Tensor2<float, Mem>& logits) const {                      // (batch, vocab_size)
     const ConstTensor2<float, Mem> head = head_weight();  // (padded_vocab, d_model)
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(normed),
          ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
@@ -624,16 +630,15 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
   const Tensor3<float, Mem> residual = sequence("kmamba::decode::prefill_residual");
   const Tensor3<float, Mem> normed = sequence("kmamba::decode::prefill_normed");
   const Tensor3<float, Mem> mixed = sequence("kmamba::decode::prefill_mixed");
-  const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, residual.span());
   embedding_forward(exec, ConstTensor1<std::int64_t, Mem>(ids.data(), ids.span()),
                     ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)), impl::rows_of(residual));
   for (int i = 0; i < s.config.n_layer; ++i) {
-    if (i > 0) {
-      Kokkos::parallel_for("kmamba::decode::prefill_residual_add", all,
-                           impl::AccumulateInto<Mem>{impl::flat1(residual), impl::flat1(mixed)});
+    const auto norm_weight = s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight");
+    if (i == 0) {
+      rms_norm(exec, impl::rows_of(residual), norm_weight, eps, impl::rows_of(normed));
+    } else {
+      add_rms_norm(exec, impl::rows_of(residual), impl::rows_of(mixed), norm_weight, eps, impl::rows_of(normed));
     }
-    rms_norm(exec, impl::rows_of(residual), s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
-             impl::rows_of(normed));
     const std::size_t layer = static_cast<std::size_t>(i);
     s.mixers[layer]->prefill(exec, s.slab, normed, mixed, *d.caches[layer]);
   }
@@ -666,21 +671,20 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   // backend records graphs).
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
                         const Tensor2<float, Mem>& step_logits) {
-    const auto all =
-        impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(e, 0, d.residual.span()));
     embedding_forward(e, step_ids, embedding, d.residual, false);
+    // Each block's residual add and norm are one kernel (the first block's input is the embedding).
     for (int i = 0; i < s.config.n_layer; ++i) {
-      if (i > 0) {
-        Kokkos::parallel_for("kmamba::decode::residual_add", all,
-                             impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
+      const auto norm_weight = s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight");
+      if (i == 0) {
+        rms_norm(e, d.residual, norm_weight, eps, d.normed);
+      } else {
+        add_rms_norm(e, d.residual, d.mixed, norm_weight, eps, d.normed);
       }
-      rms_norm(e, d.residual, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps, d.normed);
       const std::size_t layer = static_cast<std::size_t>(i);
       s.mixers[layer]->step(e, s.slab, d.normed, d.mixed, *d.caches[layer]);
     }
-    Kokkos::parallel_for("kmamba::decode::residual_add", all,
-                         impl::AccumulateInto<Mem>{impl::flat1(d.residual), impl::flat1(d.mixed)});
-    s.decode_head(e, d.residual, d.normed, step_logits);
+    add_rms_norm(e, d.residual, d.mixed, s.slab.template param<1>(impl::final_norm_name), eps, d.normed);
+    s.decode_logits(e, d.normed, step_logits);
   };
   // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
   // not repeat: split models run their steps normally.

@@ -4,6 +4,7 @@
 #include <kmamba/Config.hpp>
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Conv1d.hpp>
+#include <kmamba/core/ConvSsdStep.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
@@ -326,19 +327,14 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
 
   Cache(const Mamba2Mixer& mixer, int batch) : MixerCache<ExecutionSpace>(batch), shape(mixer.shape_key()) {
     const int W = mixer.d_conv_;
-    for (int s = 0; s < segment_count; ++s) {
-      const std::string name = segment_names[s];
-      pre[s] = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::in_proj_" + name, batch, mixer.segment_widths_[s]);
-      if (s >= x_segment && s <= C_segment) {
-        conv[s] = allocate<Tensor3<float, Mem>>("kmamba::decode::mamba2::conv_state_" + name, batch,
-                                                mixer.segment_widths_[s], W - 1);
-        act[s] = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::conv_" + name, batch, mixer.segment_widths_[s]);
-      }
+    for (int s = x_segment; s <= C_segment; ++s) {
+      conv[s] = allocate<Tensor3<float, Mem>>(std::string("kmamba::decode::mamba2::conv_state_") + segment_names[s],
+                                              batch, mixer.segment_widths_[s], W - 1);
     }
     projected = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::in_proj", batch, mixer.in_proj_rows_);
     ssm = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba2::ssm_state", batch, mixer.nheads_, mixer.headdim_,
                                         mixer.d_state_);
-    A = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::decode::mamba2::A", mixer.nheads_);
+    group_arrivals = allocate<Tensor2<int, Mem>>("kmamba::decode::mamba2::group_arrivals", batch, mixer.ngroups_);
     y = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::ssd_out", batch, mixer.d_inner_);
     normed = allocate_uninitialized<Matrix>("kmamba::decode::mamba2::norm_out", batch, mixer.d_inner_);
   }
@@ -351,10 +347,8 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
   std::array<int, 7> shape;                      // the dimensions of the mixer that made it
   std::array<Tensor3<float, Mem>, segment_count> conv;  // x, B, C: (batch, width, d_conv − 1)
   Tensor4<float, Mem> ssm;                       // (batch, nheads, headdim, d_state)
+  Tensor2<int, Mem> group_arrivals;              // (batch, ngroups): conv_ssd_step's tickets, zero between steps
   Matrix projected;                              // (batch, in_proj_rows): the whole in_proj output
-  std::array<Matrix, segment_count> pre;         // (batch, width) per in_proj segment
-  std::array<Matrix, segment_count> act;         // x, B, C: (batch, width) after conv + SiLU
-  Tensor1<float, Mem> A;                         // (nheads)
   Matrix y;                                      // (batch, d_inner)
   Matrix normed;                                 // (batch, d_inner)
 };
@@ -692,47 +686,27 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
                           << " sequence-parallel ranks does not run recurrent inference");
   const std::string& p = prefix_;
 
-  Kokkos::parallel_for("kmamba::decode::mamba2::A", impl::light_weight(Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_)),
-                       impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), c.A});
-  // in_proj as one product (its segments are consecutive rows of the weight), then split.
+  // in_proj as one product (its segments are consecutive rows of the weight), then the conv of
+  // x, B, C, the SSM update and the gated norm (z read in place) in one kernel reading its row.
   project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", 0, in_proj_rows_, u, c.projected);
-  impl::Mamba2SplitSegmentsFunctor<Mem, segment_count> split{c.projected, {}, {}};
-  for (int s = 0; s < segment_count; ++s) {
-    split.segment[s] = c.pre[s];
-    split.offset[s] = segment_offsets_[s];
-  }
-  Kokkos::parallel_for("kmamba::decode::mamba2::split_in_proj",
-                       impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, batch * static_cast<std::int64_t>(in_proj_rows_))),
-                       split);
-  float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
-  float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
-  for (int s = x_segment; s <= C_segment; ++s) {
-    const int channel = segment_offsets_[s] - d_inner_;
-    const int width = segment_widths_[s];
-    const ConstTensor1<float, Mem> bias =
-        conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, static_cast<std::size_t>(width))
-                          : ConstTensor1<float, Mem>();
-    causal_conv1d_update(exec, c.pre[s], rows_of<Mem>(conv_w, channel, width, d_conv_), bias, c.conv[s], c.act[s],
-                         Conv1dActivation::silu);
-  }
-  const std::size_t b = static_cast<std::size_t>(batch);
-  SsdStepArgs<Mem> args;
-  args.x = ConstTensor3<float, Mem>(c.act[x_segment].data(), b, static_cast<std::size_t>(nheads_),
-                                    static_cast<std::size_t>(headdim_));
-  args.dt = c.pre[dt_segment];
-  args.A = c.A;
-  args.B = ConstTensor3<float, Mem>(c.act[B_segment].data(), b, static_cast<std::size_t>(ngroups_),
-                                    static_cast<std::size_t>(d_state_));
-  args.C = ConstTensor3<float, Mem>(c.act[C_segment].data(), b, static_cast<std::size_t>(ngroups_),
-                                    static_cast<std::size_t>(d_state_));
+  ConvSsdStepArgs<Mem> args;
+  args.xbcdt = c.projected;
+  args.xbc_offset = segment_offsets_[x_segment];
+  args.ngroups = ngroups_;
+  args.conv_weight = rows_of<Mem>(slab.template param<3>(p + "conv1d.weight").data(), 0, conv_dim_, d_conv_);
+  if (config_.conv_bias) args.conv_bias = slab.template param<1>(p + "conv1d.bias");
+  args.A_log = slab.template param<1>(p + "A_log");
   args.D = slab.template param<1>(p + "D");
   args.dt_bias = slab.template param<1>(p + "dt_bias");
   args.dt_softplus = true;
-  ssd_step(exec, args, c.ssm,
-           Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)));
-  gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"),
-                 static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, c.normed);
+  args.norm_weight = slab.template param<1>(p + "norm.weight");
+  args.norm_eps = static_cast<float>(config_.norm_epsilon);
+  args.norm_before_gate = config_.norm_before_gate;
+  const std::size_t b = static_cast<std::size_t>(batch);
+  conv_ssd_step(exec, args,
+                ConvSsdStepState<Mem>{c.conv[x_segment], c.conv[B_segment], c.conv[C_segment], c.ssm, c.group_arrivals},
+                Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)),
+                c.normed);
   project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
           d_model_, c.normed, out);
   sum_over_tensor_ranks(exec, out);

@@ -541,24 +541,23 @@ void SequenceModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
       allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_state::prefill_normed", b, l, dm);
   const Tensor3<float, Mem> mixed =
       allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_state::prefill_mixed", b, l, dm);
-  const typename State::Range all(exec, 0, residual.span());
   s.linear(exec, impl::seq::rows(inputs), impl::seq::input_weight, impl::seq::input_bias, impl::seq::rows(residual));
+  // Each block's residual add and norm are one kernel (the first block's input is the projection).
   for (int i = 0; i < s.config.backbone.n_layer; ++i) {
-    if (i > 0) {
-      Kokkos::parallel_for("kmamba::sequence_state::prefill_residual_add", all,
-                           impl::seq::Accumulate<Mem>{impl::seq::flat(residual), impl::seq::flat(mixed)});
+    const auto norm_weight = s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight");
+    if (i == 0) {
+      rms_norm(exec, impl::seq::rows(residual), norm_weight, s.eps(), impl::seq::rows(normed));
+    } else {
+      add_rms_norm(exec, impl::seq::rows(residual), impl::seq::rows(mixed), norm_weight, s.eps(),
+                   impl::seq::rows(normed));
     }
-    rms_norm(exec, impl::seq::rows(residual), s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight"),
-             s.eps(), impl::seq::rows(normed));
     const std::size_t layer = static_cast<std::size_t>(i);
     s.mixers[layer]->prefill(exec, s.slab, normed, mixed, *d.caches[layer]);
   }
   d.position += l;
   if (!outputs.is_allocated()) return;
-  Kokkos::parallel_for("kmamba::sequence_state::prefill_residual_add", all,
-                       impl::seq::Accumulate<Mem>{impl::seq::flat(residual), impl::seq::flat(mixed)});
-  rms_norm(exec, impl::seq::rows(residual), s.slab.template param<1>(impl::seq::final_norm), s.eps(),
-           impl::seq::rows(normed));
+  add_rms_norm(exec, impl::seq::rows(residual), impl::seq::rows(mixed), s.slab.template param<1>(impl::seq::final_norm),
+               s.eps(), impl::seq::rows(normed));
   s.linear(exec, impl::seq::rows(ConstTensor3<float, Mem>(normed)), impl::seq::head_weight, impl::seq::head_bias,
            impl::seq::rows(outputs));
 }
@@ -577,20 +576,18 @@ void SequenceModel<ExecutionSpace>::step(const ExecutionSpace& exec,
   check_shape(function, "outputs", outputs, {batch, s.config.output_size}, "(batch of the SequenceState, output_size)");
   check_allocated(function, "inputs", inputs);
   check_allocated(function, "outputs", outputs);
-  const typename State::Range all(exec, 0, d.residual.span());
   s.linear(exec, inputs, impl::seq::input_weight, impl::seq::input_bias, d.residual);
   for (int i = 0; i < s.config.backbone.n_layer; ++i) {
-    if (i > 0) {
-      Kokkos::parallel_for("kmamba::sequence_state::residual_add", all,
-                           impl::seq::Accumulate<Mem>{impl::seq::flat(d.residual), impl::seq::flat(d.mixed)});
+    const auto norm_weight = s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight");
+    if (i == 0) {
+      rms_norm(exec, d.residual, norm_weight, s.eps(), d.normed);
+    } else {
+      add_rms_norm(exec, d.residual, d.mixed, norm_weight, s.eps(), d.normed);
     }
-    rms_norm(exec, d.residual, s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight"), s.eps(), d.normed);
     const std::size_t layer = static_cast<std::size_t>(i);
     s.mixers[layer]->step(exec, s.slab, d.normed, d.mixed, *d.caches[layer]);
   }
-  Kokkos::parallel_for("kmamba::sequence_state::residual_add", all,
-                       impl::seq::Accumulate<Mem>{impl::seq::flat(d.residual), impl::seq::flat(d.mixed)});
-  rms_norm(exec, d.residual, s.slab.template param<1>(impl::seq::final_norm), s.eps(), d.normed);
+  add_rms_norm(exec, d.residual, d.mixed, s.slab.template param<1>(impl::seq::final_norm), s.eps(), d.normed);
   s.linear(exec, ConstTensor2<float, Mem>(d.normed), impl::seq::head_weight, impl::seq::head_bias, outputs);
   d.position += 1;
 }

@@ -616,4 +616,49 @@ TYPED_TEST(RmsNorm, RejectsBadGroupSizeAndEps) {
                     {"kmamba::rms_norm", "(5, 0)", "dim >= 1"});
 }
 
+// add_rms_norm: the residual becomes the fp32 sum residual + delta exactly (one rounding, as a
+// separate add), y the reference plain norm of that sum (tolerance as above).
+TYPED_TEST(RmsNorm, AddThenNormMatchesReference) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  const Exec exec;
+  std::uint64_t seed = 9001;
+  for (const int dim : {1, 7, 64, 768, 9000}) {
+    for (const int rows : {1, 67}) {
+      const Problem p{rows, dim, dim, Mode::plain, dim == 7 ? 0.25f : 1e-5f};
+      SCOPED_TRACE(describe(p));
+      auto residual = kmamba::allocate_uninitialized<T2>("kmamba::test::residual", rows, dim);
+      auto delta = kmamba::allocate_uninitialized<T2>("kmamba::test::delta", rows, dim);
+      auto w = kmamba::allocate_uninitialized<T1>("kmamba::test::w", dim);
+      auto y = kmamba::allocate_uninitialized<T2>("kmamba::test::y", rows, dim);
+      kmamba::fill_normal(exec, residual, seed, 0.5f, 1.0f);
+      kmamba::fill_normal(exec, delta, seed + 1, -0.5f, 2.0f);
+      kmamba::fill_normal(exec, w, seed + 2, 1.0f, 0.5f);
+      seed += 10;
+      poison(y);
+      const auto r0 = kmamba::test::to_host(residual);
+      const auto d0 = kmamba::test::to_host(delta);
+      std::vector<double> sum(r0.size());
+      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = static_cast<float>(r0.data()[i] + d0.data()[i]);
+      const Forward fwd = reference_forward(p, Inputs{sum, {}, to_doubles(kmamba::test::to_host(w)), {}});
+      if (rows == 1) {
+        kmamba::add_rms_norm(exec, residual, delta, w, p.eps, y);
+      } else {
+        kmamba::add_rms_norm(residual, delta, w, p.eps, y);  // the overload without an instance
+      }
+      exec.fence();
+      expect_close("residual", residual, sum, abs_of(sum), 0.0);
+      expect_close("y", y, fwd.y, abs_of(fwd.y), rtol);
+    }
+  }
+  auto r = kmamba::allocate<T2>("kmamba::test::r", 5, 8);
+  auto w = kmamba::allocate<T1>("kmamba::test::w", 8);
+  expect_user_error([&] { kmamba::add_rms_norm(exec, r, kmamba::allocate<T2>("kmamba::test::d", 5, 7), w, 1e-5f, r); },
+                    {"kmamba::add_rms_norm", "delta", "(5, 7)", "(5, 8)"});
+  expect_user_error([&] { kmamba::add_rms_norm(exec, r, r, kmamba::allocate<T1>("kmamba::test::w9", 9), 1e-5f, r); },
+                    {"kmamba::add_rms_norm", "weight", "(9,)", "(8,)"});
+}
+
 }  // namespace

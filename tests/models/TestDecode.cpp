@@ -8,7 +8,8 @@
 // - generation: prompts of different lengths in one batch ≡ each prompt alone; greedy generation
 //   is deterministic, matches the arg-max of a full forward, stops at stop tokens and
 //   max_new_tokens, streams every token through the callback and counts its work;
-// - errors: another mixer's cache, another model's state, a wrong batch, bad tokens.
+// - errors: another mixer's cache, another model's state, a wrong batch, bad tokens;
+// - kernel counts of the Mamba-2 decode step (Kokkos Tools callbacks): per block and per mixer step.
 //
 // Tolerances, max|Δ| / max|ref| over the compared outputs: 5e-5 between the recurrent and the
 // chunked paths of kmamba (they differ only in summation order; ~1e-6 observed on Serial and
@@ -534,6 +535,110 @@ TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
     EXPECT_GT(first.stats.decode_tokens_per_second(), 0.0);
     EXPECT_EQ(first.stats.decode_tokens, 2 * 8 + 4);  // 8 steps after the prefill for both, + 4 prompt tokens of the longer
   }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Kernel counts. The decode step is latency bound (a few µs per kernel on the H200,
+// perf/RESULTS.md 2026-12-03), so each block must stay a handful of kernels.
+
+// Records the labels of the Kokkos kernels (parallel_for, _reduce, _scan) launched while it lives,
+// through the Kokkos Tools callbacks.
+class KernelLabels {
+ public:
+  KernelLabels() : saved_(Kokkos::Tools::Experimental::get_callbacks()) {
+    active_ = this;
+    Kokkos::Tools::Experimental::set_begin_parallel_for_callback(&begin);
+    Kokkos::Tools::Experimental::set_begin_parallel_reduce_callback(&begin);
+    Kokkos::Tools::Experimental::set_begin_parallel_scan_callback(&begin);
+  }
+  ~KernelLabels() {
+    Kokkos::Tools::Experimental::set_callbacks(saved_);
+    active_ = nullptr;
+  }
+  KernelLabels(const KernelLabels&) = delete;
+  KernelLabels& operator=(const KernelLabels&) = delete;
+
+  // The labels but the GEMMs' (a Kokkos kernel on host backends, a vendor kernel on CUDA).
+  std::vector<std::string> without_gemms() const {
+    std::vector<std::string> out;
+    for (const std::string& l : labels_)
+      if (l.rfind("kmamba::gemm::", 0) != 0) out.push_back(l);
+    return out;
+  }
+
+ private:
+  static void begin(const char* name, std::uint32_t, std::uint64_t* id) {
+    active_->labels_.emplace_back(name);
+    *id = 0;
+  }
+  static inline KernelLabels* active_ = nullptr;
+  Kokkos::Tools::Experimental::EventSet saved_;
+  std::vector<std::string> labels_;
+};
+
+std::string joined(const std::vector<std::string>& labels) {
+  std::string s;
+  for (const std::string& l : labels) s += "\n  " + l;
+  return s;
+}
+
+// One Mamba-2 block of the decode step, beyond its two projections: the fused residual add +
+// norm and conv_ssd_step (with the gated norm; at tensor_parallel_size 1 the out_proj sum
+// launches nothing). Measured as the kernels of a step of a 2-layer model minus those of a
+// 1-layer one, and on the mixer's step alone.
+TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesTwoKernelsPerBlockBesidesTheProjections) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  const std::size_t batch = 2, prefix = 3;
+  std::vector<std::vector<std::string>> steps;
+  for (const int layers : {1, 2}) {
+    kmamba::ModelConfig config = random_model_config(kmamba::MixerKind::Mamba2);
+    config.n_layer = layers;
+    config.validate();
+    kmamba::LanguageModel<Exec> model(config);
+    model.initialize(23);
+    auto state = model.make_decode_state(static_cast<int>(batch));
+    state.set_step_graph(false);  // a recording would not launch the kernels one by one
+    kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, static_cast<std::size_t>(config.vocab_size));
+    model.prefill(exec, to_device<kmamba::Tensor2<std::int64_t, Mem>>(random_ids(batch * prefix, 50, 5), batch, prefix),
+                  state, logits);
+    const auto ids = to_device<kmamba::Tensor1<std::int64_t, Mem>>(random_ids(batch, 50, 6), batch);
+    exec.fence();
+    std::vector<std::string> labels;
+    {
+      const KernelLabels counter;
+      model.decode_step(exec, ids, state, logits);
+      exec.fence();
+      labels = counter.without_gemms();
+    }
+    steps.push_back(labels);
+  }
+  ASSERT_GE(steps[1].size(), steps[0].size()) << joined(steps[1]);
+  const std::size_t per_block = steps[1].size() - steps[0].size();
+  EXPECT_LE(per_block, 2u) << "kernels of a 2-layer step:" << joined(steps[1]);
+  std::printf("[ decode   ] Mamba2 step, %s: %zu kernels per block besides the projections; 2-layer step:%s\n",
+              Exec::name(), per_block, joined(steps[1]).c_str());
+
+  const kmamba::ModelConfig config = small_mamba2_config(false, false);
+  auto mixer = kmamba::make_mixer<Exec>(config, "backbone.layers.0.mixer.");
+  kmamba::ParameterSlab<Mem> slab;
+  mixer->declare_parameters(slab);
+  slab.finalize("kmamba::test::decode_slab");
+  mixer->initialize(exec, slab, 5);
+  auto cache = mixer->make_cache(static_cast<int>(batch));
+  const std::size_t dm = static_cast<std::size_t>(config.d_model);
+  const auto u = to_device<kmamba::Tensor2<float, Mem>>(uniform_values(batch * dm, 19), batch, dm);
+  kmamba::Tensor2<float, Mem> out("kmamba::test::step_out", batch, dm);
+  exec.fence();
+  std::vector<std::string> labels;
+  {
+    const KernelLabels counter;
+    mixer->step(exec, slab, u, out, *cache);
+    exec.fence();
+    labels = counter.without_gemms();
+  }
+  EXPECT_EQ(labels, std::vector<std::string>{"kmamba::ssd::conv_step"}) << joined(labels);
 }
 
 TYPED_TEST(DecodeTest, RejectsForeignStatesAndBadInputs) {

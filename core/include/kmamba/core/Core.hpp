@@ -6,6 +6,7 @@
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Conv1d.hpp>
+#include <kmamba/core/ConvSsdStep.hpp>
 #include <kmamba/core/CrossEntropy.hpp>
 #include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>

@@ -1,6 +1,6 @@
 // RMSNorm over the last axis: the plain norm of the language model's blocks (algorithms.md §0,
-// §4.2) and the gated, group-wise norm of the Mamba-2/3 mixers (`RMSNormGated`, §2.3, §3.1),
-// forward and backward.
+// §4.2; add_rms_norm fuses the residual add before it, for inference) and the gated, group-wise
+// norm of the Mamba-2/3 mixers (`RMSNormGated`, §2.3, §3.1), forward and backward.
 //
 //   plain                          rstd = 1/sqrt(mean(x²) + eps)        y = x·rstd ⊙ w
 //   gated, norm_before_gate=false  v = x ⊙ silu(z); rstd = 1/sqrt(mean(v²) + eps); y = v·rstd ⊙ w
@@ -83,6 +83,47 @@ void rms_norm(const ExecutionSpace& exec,
   check_allocated(fn, "y", y);
   impl::rms_norm_forward(exec, x, XView(), weight, eps, static_cast<int>(dim), impl::RmsNormGate::none, y,
                          Tensor1<float, typename ExecutionSpace::memory_space>(), false);
+}
+
+/// Residual add and plain RMSNorm in one kernel (inference; the reference's fused add + norm of a
+/// block, `rms_norm_fn(x, w, residual=residual, prenorm=True)`):
+///   residual(r, c) += delta(r, c),   y(r, c) = residual(r, c) · rstd(r) · weight(c),
+///   rstd(r) = 1/sqrt(mean_c residual(r, c)² + eps) of the updated residual.
+/// Equals adding delta into residual and then rms_norm(residual, weight, eps, y). residual is
+/// updated in place; y must not alias residual or delta.
+template <class ExecutionSpace, class ResidualView, class DeltaView, class WView, class YView>
+void add_rms_norm(const ExecutionSpace& exec,
+                  const ResidualView& residual,  // (rows, dim), updated in place
+                  const DeltaView& delta,        // (rows, dim)
+                  const WView& weight,           // (dim,)
+                  float eps,
+                  const YView& y)                // (rows, dim)
+{
+  static_assert(ResidualView::rank == 2 && DeltaView::rank == 2 && WView::rank == 1 && YView::rank == 2,
+                "kmamba::add_rms_norm: residual, delta and y are (rows, dim), weight is (dim,)");
+  static_assert(impl::rms_norm_accessible<ExecutionSpace, ResidualView, DeltaView, WView, YView>,
+                "kmamba::add_rms_norm: the execution space cannot access every view");
+  constexpr const char* fn = "kmamba::add_rms_norm";
+  const std::int64_t rows = static_cast<std::int64_t>(residual.extent(0));
+  const std::int64_t dim = static_cast<std::int64_t>(residual.extent(1));
+  impl::rms_norm_groups(fn, rows, dim, dim, eps);
+  check_shape(fn, "delta", delta, Shape({rows, dim}), "(rows, dim) of residual");
+  check_shape(fn, "weight", weight, Shape({dim}), "(dim)");
+  check_shape(fn, "y", y, Shape({rows, dim}), "(rows, dim) of residual");
+  check_allocated(fn, "residual", residual);
+  check_allocated(fn, "delta", delta);
+  check_allocated(fn, "weight", weight);
+  check_allocated(fn, "y", y);
+  if (rows == 0) return;
+  using Functor = impl::RmsNormAddForwardFunctor<ExecutionSpace, ResidualView, DeltaView, WView, YView>;
+  impl::rms_norm_launch_forward(exec, "kmamba::rms_norm::add_forward", static_cast<int>(rows), static_cast<int>(dim),
+                                Functor{residual, delta, weight, y, eps, static_cast<int>(dim)});
+}
+
+template <class ResidualView, class DeltaView, class WView, class YView>
+void add_rms_norm(const ResidualView& residual, const DeltaView& delta, const WView& weight, float eps,
+                  const YView& y) {
+  add_rms_norm(typename ResidualView::execution_space(), residual, delta, weight, eps, y);
 }
 
 template <class XView, class WView, class YView, class RstdView>

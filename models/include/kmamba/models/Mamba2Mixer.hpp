@@ -20,11 +20,14 @@
 // Recurrent inference (algorithms.md §2.10): the cache holds the conv windows of x, B and C
 // (batch, width, d_conv − 1) each, the SSM state (batch, nheads, headdim, d_state) in fp32 and
 // the step's buffers. prefill is the forward above with the cache's states as the conv's and the
-// SSD's initial states, advanced in place to their final states. step runs, per token:
-//   [z | x | B | C | dt] = u · in_projᵀ, one GEMM per segment     (batch, width)
-//   [x | B | C]          = causal_conv1d_update(...) then SiLU     conv windows shifted in place
-//   y                    = ssd_step(x, dt, A, B, C, D, dt_bias)    SSM state advanced in place
-//   out                  = gated RMSNorm(y, z) · out_projᵀ
+// SSD's initial states, advanced in place to their final states. step runs, per token, three
+// kernels at tensor_parallel_size 1 (four with bias):
+//   [z | x | B | C | dt] = u · in_projᵀ, one GEMM                  (batch, in_proj_rows)
+//   normed               = conv_ssd_step(...): causal_conv1d_update + SiLU of x, B, C, the SSD
+//                          step with A = −exp(A_log), D, dt_bias, then gated RMSNorm(y, z)
+//                          (z read in place from the row)          one kernel; conv windows and
+//                                                                    SSM state advanced in place
+//   out                  = normed · out_projᵀ
 // As the reference's step (algorithms.md §2.10, §9 flag 1), the decode step applies no dt limit
 // (the chunked forward clamps δ to [dt_limit_min, dt_limit_max]), so prefill and step agree
 // exactly only while δ lies within those limits — always with the default (0, ∞).

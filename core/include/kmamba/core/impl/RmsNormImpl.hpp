@@ -3,7 +3,8 @@
 //
 // Work decomposition:
 //   forward    one team per (row, group): a team reduction of the sum of squares, then the team
-//              writes the group's outputs (and its rstd).
+//              writes the group's outputs (and its rstd). add_rms_norm: one team per row, which
+//              writes residual + delta back while reducing its squares, then normalises it.
 //   backward   dweight is zeroed, then one team per (row block, group): for each row of the block
 //              two team reductions (sum of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)),
 //              then the team writes dx (dz) and accumulates go ⊙ x̂ over its rows in team scratch
@@ -133,6 +134,41 @@ struct RmsNormForwardFunctor {
   }
 };
 
+/// add_rms_norm: one team per row; the team first adds delta into the residual row (summing the
+/// squares of the sums), then, after a barrier, normalises the updated row.
+template <class ExecutionSpace, class ResidualView, class DeltaView, class WView, class YView>
+struct RmsNormAddForwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
+  using residual_type = typename ResidualView::non_const_value_type;
+  using y_type = typename YView::non_const_value_type;
+
+  ResidualView residual;
+  DeltaView delta;
+  WView weight;
+  YView y;
+  float eps;
+  int dim;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int row = team.league_rank();
+    float sumsq = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, dim),
+        [&](const int c, float& acc) {
+          const residual_type v = from_float<residual_type>(to_float(residual(row, c)) + to_float(delta(row, c)));
+          residual(row, c) = v;
+          const float f = to_float(v);
+          acc += f * f;
+        },
+        sumsq);
+    team.team_barrier();
+    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(dim) + eps);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, dim), [&](const int c) {
+      y(row, c) = from_float<y_type>(to_float(residual(row, c)) * r * to_float(weight(c)));
+    });
+  }
+};
+
 template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class RstdView, class DxView,
           class DzView, class DweightView>
 struct RmsNormBackwardFunctor {
@@ -234,6 +270,22 @@ struct RmsNormZeroFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const int c) const { dweight(c) = 0.0f; }
 };
 
+/// Launches a forward functor with one team per (row, group) of group_size channels.
+template <class ExecutionSpace, class Functor>
+void rms_norm_launch_forward(const ExecutionSpace& exec, const char* label, int league, int group_size,
+                             const Functor& functor) {
+  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
+  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename ExecutionSpace::memory_space>::accessible) {
+    Kokkos::parallel_for(label, light_weight(Policy(exec, league, Kokkos::AUTO)), functor);
+  } else {
+    // A device team of about one thread per two channels: the automatic team (64 threads) walks a
+    // 1536-channel row in 24 dependent loads per thread, 22 µs for a decode step's single row.
+    const int max_team = Policy(exec, league, 1).team_size_max(functor, Kokkos::ParallelForTag());
+    const int wanted = std::max(32, (group_size / 2 + 31) / 32 * 32);
+    Kokkos::parallel_for(label, light_weight(Policy(exec, league, std::max(1, std::min(max_team, wanted)))), functor);
+  }
+}
+
 template <class ExecutionSpace, class XView, class ZView, class WView, class YView, class RstdView>
 void rms_norm_forward(const ExecutionSpace& exec, const XView& x, const ZView& z, const WView& weight, float eps,
                       int group_size, RmsNormGate gate, const YView& y, const RstdView& rstd, bool write_rstd) {
@@ -241,18 +293,8 @@ void rms_norm_forward(const ExecutionSpace& exec, const XView& x, const ZView& z
   const int ngroups = static_cast<int>(x.extent(1)) / group_size;
   if (rows == 0) return;
   using Functor = RmsNormForwardFunctor<ExecutionSpace, XView, ZView, WView, YView, RstdView>;
-  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
-  const Functor functor{{x, z, gate}, weight, y, rstd, eps, group_size, ngroups, write_rstd};
-  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename ExecutionSpace::memory_space>::accessible) {
-    Kokkos::parallel_for("kmamba::rms_norm::forward", light_weight(Policy(exec, rows * ngroups, Kokkos::AUTO)), functor);
-  } else {
-    // A device team of about one thread per two channels: the automatic team (64 threads) walks a
-    // 1536-channel row in 24 dependent loads per thread, 22 µs for a decode step's single row.
-    const int max_team = Policy(exec, rows * ngroups, 1).team_size_max(functor, Kokkos::ParallelForTag());
-    const int wanted = std::max(32, (group_size / 2 + 31) / 32 * 32);
-    Kokkos::parallel_for("kmamba::rms_norm::forward",
-                         light_weight(Policy(exec, rows * ngroups, std::max(1, std::min(max_team, wanted)))), functor);
-  }
+  rms_norm_launch_forward(exec, "kmamba::rms_norm::forward", rows * ngroups, group_size,
+                          Functor{{x, z, gate}, weight, y, rstd, eps, group_size, ngroups, write_rstd});
 }
 
 template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class RstdView, class DxView,

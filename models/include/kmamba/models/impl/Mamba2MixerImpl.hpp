@@ -21,22 +21,6 @@ struct Mamba2NegExpFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const int h) const { A(h) = -Kokkos::Experimental::exp(A_log(h)); }
 };
 
-// Splits one in_proj output row block into its segments: segment s gets the columns
-// [offset[s], offset[s] + width of segment s) of `projected`, the segments' columns in order.
-template <class MemorySpace, int Segments>
-struct Mamba2SplitSegmentsFunctor {
-  ConstTensor2<float, MemorySpace> projected;                   // (rows, in_proj_rows)
-  Kokkos::Array<Tensor2<float, MemorySpace>, Segments> segment;  // each (rows, width of the segment)
-  Kokkos::Array<int, Segments> offset;                          // first column of each segment, ascending
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const std::int64_t columns = static_cast<std::int64_t>(projected.extent(1));
-    const int r = static_cast<int>(i / columns), c = static_cast<int>(i % columns);
-    int s = Segments - 1;
-    while (s > 0 && c < offset[s]) --s;
-    segment[s](r, c - offset[s]) = projected(r, c);
-  }
-};
-
 // out(r, c) = bias(offset + c): the starting value of a GEMM with beta = 1 that adds a bias.
 template <class MemorySpace>
 struct Mamba2BroadcastBiasFunctor {
