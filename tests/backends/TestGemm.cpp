@@ -114,9 +114,9 @@ float truncated(MatmulPrecision p, float v) {
   return v;
 }
 
-std::vector<float> rounded(const std::vector<float>& v, MatmulPrecision p, bool toward_zero) {
+std::vector<float> rounded(const std::vector<float>& v, MatmulPrecision p) {
   std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = toward_zero ? truncated(p, v[i]) : kmamba::round_operand(p, v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = kmamba::round_operand(p, v[i]);
   return out;
 }
 
@@ -257,25 +257,25 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
             }
           return worst;
         };
-        bool toward_zero = false;
-        double worst = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision, false),
-                                               rounded(b, precision, false), c.beta, c0));
-        if (worst > 1.0 && vendor) {
-          const double worst_zero = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision, true),
-                                                            rounded(b, precision, true), c.beta, c0));
-          if (worst_zero <= 1.0) {
-            toward_zero = true;
-            worst = worst_zero;
+        const double worst = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision),
+                                                     rounded(b, precision), c.beta, c0));
+        if (vendor) {
+          // cuBLAS's fast compute types permit the conversion, they do not prescribe it: on the H200
+          // some shapes ran in full fp32 (m = 1), others on the tensor cores with a conversion that
+          // is neither rounding to nearest nor toward zero of each operand. Its contract is the
+          // bound against the exact products below; which arithmetic it chose is reported.
+          std::printf("[ info ] cuBLAS %s: %s\n", ctx.c_str(),
+                      worst <= 1.0                    ? "operands rounded to nearest"
+                      : worst_against(exact) <= 1.0 ? "fp32 products"
+                                                      : "another conversion");
+        } else {
+          EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag";
+          // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
+          if (c.k >= 64) {
+            EXPECT_GT(worst_against(exact), 1.0) << "C matches unrounded fp32 products: no rounding";
           }
         }
-        EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag (rounding "
-                              << (vendor ? "to nearest or toward zero" : "to nearest") << ")";
-        if (vendor) std::printf("[ info ] cuBLAS %s: operands rounded %s\n", ctx.c_str(), toward_zero ? "toward zero" : "to nearest");
-        // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
-        if (c.k >= 64) {
-          EXPECT_GT(worst_against(exact), 1.0) << "C matches unrounded fp32 products: no rounding";
-        }
-        const double u = std::ldexp(1.0, (precision == MatmulPrecision::BFloat16 ? -8 : -11) + (toward_zero ? 1 : 0));
+        const double u = std::ldexp(1.0, precision == MatmulPrecision::BFloat16 ? -8 : -11);
         for (int i = 0; i < c.m; ++i)
           for (int j = 0; j < c.n; ++j) {
             const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -117,7 +118,18 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
     EXPECT_GT(d_bf16, 1e-5) << "bf16 logits equal fp32's: the switch did not reach the GEMMs";
     EXPECT_LT(d_bf16, 3e-2);
     EXPECT_GT(d_tf32, 1e-6) << "tf32 logits equal fp32's";
-    EXPECT_LT(d_tf32, d_bf16);
+    // Host backends round exactly, so tf32 is strictly closer; cuBLAS's fast compute types only
+    // permit a conversion and may pick the same arithmetic for both (on the H200 the Mamba-1 GEMMs
+    // gave identical results in bf16 and tf32 mode).
+    bool vendor = false;
+#if KMAMBA_ENABLE_CUDA
+    vendor = std::is_same<Exec, Kokkos::Cuda>::value;
+#endif
+    if (vendor) {
+      EXPECT_LE(d_tf32, d_bf16);
+    } else {
+      EXPECT_LT(d_tf32, d_bf16);
+    }
     EXPECT_EQ(fp32_again, fp32) << "fp32 after bf16 is not the first fp32 forward";
 
     const auto gradients = [&](MatmulPrecision p) {

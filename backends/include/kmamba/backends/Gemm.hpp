@@ -7,10 +7,13 @@
 // The optional MatmulPrecision (kmamba/core/MatmulPrecision.hpp) selects the arithmetic. The
 // matrices stay fp32 in memory and the products and sums are fp32 in every mode; TensorFloat32
 // and BFloat16 round each operand element to TF32 / bf16 before it is multiplied, so C is the
-// fp32 sum of exact products of rounded operands:
+// fp32 sum of exact products of rounded operands, except where cuBLAS chooses (below):
 // - Cuda: cublasGemmEx on the fp32 matrices with compute type CUBLAS_COMPUTE_32F_FAST_TF32 /
-//   CUBLAS_COMPUTE_32F_FAST_16BF (cuBLAS converts the operands and multiplies on the tensor
-//   cores); Float32 stays cublasSgemm. The few-row kernel rounds each operand as it loads it
+//   CUBLAS_COMPUTE_32F_FAST_16BF; Float32 stays cublasSgemm. These compute types permit cuBLAS
+//   to convert the operands and multiply on the tensor cores, they do not prescribe it: on the
+//   H200 some shapes (a single row) ran in full fp32 and others converted the operands otherwise
+//   than by rounding each to nearest, so on this path the mode guarantees only its error bound,
+//   |C − exact| ≤ (2u + u²)·Σ|α·a·b| + fp32 summation error (u = 2⁻⁸ bf16, 2⁻¹¹ tf32). The few-row kernel rounds each operand as it loads it
 //   (round_operand) and still multiplies on the CUDA cores: it is memory bound (it streams an
 //   fp32 weight matrix for a few rows), so the rounding only keeps its numerics those of the mode.
 // - Host backends emulate the mode exactly: a kernel ("kmamba::gemm::round_operands") writes
