@@ -56,6 +56,37 @@ std::vector<double> reference(bool ta, bool tb, int m, int n, int k, double alph
   return C;
 }
 
+// A random problem for gemm with op(A) of shape (m, k) and op(B) of shape (k, n), stored transposed
+// where asked; C starts as NaN when beta = 0 (gemm must ignore it) and random otherwise. The host
+// copies a, b, c0 are the inputs as gemm saw them.
+template <class Exec>
+struct GemmProblem {
+  using Mem = typename Exec::memory_space;
+  kmamba::Tensor2<float, Mem> A, B, C;
+  std::vector<float> a, b, c0;
+
+  GemmProblem(int m, int n, int k, bool ta, bool tb, float beta, std::uint64_t& seed)
+      : A(kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::A", ta ? k : m, ta ? m : k)),
+        B(kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::B", tb ? n : k, tb ? k : n)),
+        C(kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::C", m, n)) {
+    kmamba::fill_normal(Exec(), A, seed++, 0.0f, 1.0f);
+    kmamba::fill_normal(Exec(), B, seed++, 0.0f, 1.0f);
+    if (beta == 0.0f) {
+      Kokkos::deep_copy(C, std::numeric_limits<float>::quiet_NaN());
+    } else {
+      kmamba::fill_normal(Exec(), C, seed++, 0.0f, 1.0f);
+    }
+    a = host_vector(A);
+    b = host_vector(B);
+    c0 = host_vector(C);
+  }
+
+  static std::vector<float> host_vector(const kmamba::Tensor2<float, Mem>& v) {
+    const auto h = kmamba::test::to_host(v);
+    return std::vector<float>(h.data(), h.data() + h.size());
+  }
+};
+
 TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -72,21 +103,8 @@ TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
       const bool ta = t & 1, tb = t & 2;
       SCOPED_TRACE("m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
                    " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
-      auto A = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::A", ta ? c.k : c.m, ta ? c.m : c.k);
-      auto B = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::B", tb ? c.n : c.k, tb ? c.k : c.n);
-      auto C = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::C", c.m, c.n);
-      kmamba::fill_normal(Exec(), A, seed++, 0.0f, 1.0f);
-      kmamba::fill_normal(Exec(), B, seed++, 0.0f, 1.0f);
-      if (c.beta == 0.0f) {
-        Kokkos::deep_copy(C, std::numeric_limits<float>::quiet_NaN());  // must be ignored
-      } else {
-        kmamba::fill_normal(Exec(), C, seed++, 0.0f, 1.0f);
-      }
-      auto Ah = kmamba::test::to_host(A);
-      auto Bh = kmamba::test::to_host(B);
-      auto C0h = kmamba::test::to_host(C);
-      const std::vector<float> a(Ah.data(), Ah.data() + Ah.size()), b(Bh.data(), Bh.data() + Bh.size()),
-          c0(C0h.data(), C0h.data() + C0h.size());
+      const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
+      const auto& [A, B, C, a, b, c0] = problem;
       kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
                    tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha, kmamba::ConstTensor2<float, Mem>(A),
                    kmamba::ConstTensor2<float, Mem>(B), c.beta, C);
@@ -217,21 +235,8 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
                                 " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
                                 " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
         SCOPED_TRACE(ctx);
-        auto A = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::A", ta ? c.k : c.m, ta ? c.m : c.k);
-        auto B = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::B", tb ? c.n : c.k, tb ? c.k : c.n);
-        auto C = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::C", c.m, c.n);
-        kmamba::fill_normal(Exec(), A, seed++, 0.0f, 1.0f);
-        kmamba::fill_normal(Exec(), B, seed++, 0.0f, 1.0f);
-        if (c.beta == 0.0f) {
-          Kokkos::deep_copy(C, std::numeric_limits<float>::quiet_NaN());  // must be ignored
-        } else {
-          kmamba::fill_normal(Exec(), C, seed++, 0.0f, 1.0f);
-        }
-        auto Ah = kmamba::test::to_host(A);
-        auto Bh = kmamba::test::to_host(B);
-        auto C0h = kmamba::test::to_host(C);
-        const std::vector<float> a(Ah.data(), Ah.data() + Ah.size()), b(Bh.data(), Bh.data() + Bh.size()),
-            c0(C0h.data(), C0h.data() + C0h.size());
+        const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
+        const auto& [A, B, C, a, b, c0] = problem;
         kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
                      tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha, kmamba::ConstTensor2<float, Mem>(A),
                      kmamba::ConstTensor2<float, Mem>(B), c.beta, C, precision);
