@@ -3,7 +3,7 @@
 // head), fp32 weights and states.
 //
 //   kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]
-//                      [--profile-steps N [--profile-batch B]]
+//                      [--profile-steps N [--profile-batch B] [--kernel-times]]
 //
 // Cases:
 //   decode step b1 / b64   one LanguageModel::decode_step for the whole batch, fenced, median over R
@@ -20,7 +20,9 @@
 // --small keeps the model and shrinks the batch, prompt and step counts to what a 2-core CPU runs in
 // about a minute. --profile-steps N runs only N plain (not recorded) decode steps at batch B (default
 // 1) after the prefill and warm-ups, between cudaProfilerStart and cudaProfilerStop on CUDA: under
-// `ncu --profile-from-start off` that profiles exactly the kernels of a decode step.
+// `ncu --profile-from-start off` that profiles exactly the kernels of a decode step. With
+// --kernel-times those steps also print a per-kernel table (perf/KernelTimes.hpp: every Kokkos
+// kernel fenced and timed, the rest of the step as one row).
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/StepGraph.hpp>
 
@@ -28,12 +30,15 @@
 #include <cuda_profiler_api.h>
 #endif
 
+#include "KernelTimes.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +53,7 @@ struct Options {
   bool small = false;
   int repeats = 20;
   int profile_steps = 0, profile_batch = 1;
+  bool kernel_times = false;
 };
 
 struct Shapes {
@@ -195,8 +201,15 @@ void run_space(const Options& o) {
 #if KMAMBA_ENABLE_CUDA
     cudaProfilerStart();
 #endif
-    for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, p.next, p.state, p.logits);
-    exec.fence();
+    {
+      std::unique_ptr<kmamba_perf::KernelTimes> kernel_times;
+      if (o.kernel_times) kernel_times = std::make_unique<kmamba_perf::KernelTimes>();
+      const auto start = std::chrono::steady_clock::now();
+      for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, p.next, p.state, p.logits);
+      exec.fence();
+      const double span = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (kernel_times) kernel_times->report(stdout, span, o.profile_steps);
+    }
 #if KMAMBA_ENABLE_CUDA
     cudaProfilerStop();
 #endif
@@ -267,11 +280,12 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf("usage: kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]\n"
-                  "                          [--profile-steps N [--profile-batch B]]\n"
+                  "                          [--profile-steps N [--profile-batch B] [--kernel-times]]\n"
                   "  --small          batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU);\n"
                   "                   default: batch 1 and 64, prompt 128, 64 new tokens, prefill 8x512\n"
                   "  --profile-steps  only N plain decode steps at batch B (default 1), inside cudaProfilerStart/Stop\n"
-                  "                   on CUDA (for ncu --profile-from-start off)\n");
+                  "                   on CUDA (for ncu --profile-from-start off)\n"
+                  "  --kernel-times   with --profile-steps: every Kokkos kernel of those steps fenced and timed, a table\n");
       return 0;
     }
   }
@@ -289,6 +303,7 @@ int main(int argc, char** argv) {
       else if (a == "--mixer") o.mixer = value();
       else if (a == "--profile-steps") o.profile_steps = std::max(1, std::atoi(value().c_str()));
       else if (a == "--profile-batch") o.profile_batch = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--kernel-times") o.kernel_times = true;
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-decode: unknown argument '" << a << "'");
     }
     kmamba::print_configuration(std::cout);

@@ -8,7 +8,7 @@
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
 //                     [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]
-//                     [--precision fp32|tf32|bf16]
+//                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
 // Reports the median step time, tokens/s and the model FLOP rate: 6·N per token (N parameters, the
@@ -46,6 +46,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "KernelTimes.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -69,7 +71,7 @@ struct Options {
   int batch = 0, seqlen = 0, steps = 0;
   kmamba::MeshConfig mesh;
   bool mesh_given = false;
-  int zero_stage = 0, comm_steps = 2;
+  int zero_stage = 0, comm_steps = 2, kernel_time_steps = 0;
   int ngroups = 1;
   bool activation_checkpointing = false;
   kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
@@ -149,7 +151,7 @@ void run_space(const Options& o) {
   const double parameters = static_cast<double>(model.parameters().size());
   kmamba::TrainConfig train;
   train.batch_size = batch;
-  train.total_steps = steps + o.comm_steps + 1;
+  train.total_steps = steps + o.comm_steps + o.kernel_time_steps + 1;
   train.warmup_steps = 0;
   int world_size = 1, data_rank = 0, data_size = 1;
   bool root = true;
@@ -271,6 +273,7 @@ void run_space(const Options& o) {
                            {"flops_per_token", flops_per_token},
                            {"mfu_bf16", mfu},
                            {"peak_memory_bytes", peak_memory}};
+  int next_step = steps + 1;  // the index (data seed) of the next untimed step
 #if KMAMBA_ENABLE_MPI
   if (mesh) {
     record["tp"] = mesh->config().tensor_parallel_size;
@@ -282,7 +285,7 @@ void run_space(const Options& o) {
     log->clear();
     log->set_timing(true);
     std::vector<double> fenced;
-    for (int s = 0; s < o.comm_steps; ++s) fenced.push_back(run_step(steps + 1 + s));
+    for (int s = 0; s < o.comm_steps; ++s) fenced.push_back(run_step(next_step++));
     log->set_timing(false);
     double fenced_step = 0.0;
     for (double t : fenced) fenced_step += t;
@@ -320,6 +323,15 @@ void run_space(const Options& o) {
     record["comm_share"] = comm_per_step / fenced_step;
   }
 #endif
+  if (o.kernel_time_steps > 0) {
+    // After everything else: the per-kernel breakdown of further steps, each kernel fenced.
+    double span = 0.0;
+    {
+      const kmamba_perf::KernelTimes kernel_times;
+      for (int s = 0; s < o.kernel_time_steps; ++s) span += run_step(next_step++);
+      if (root) kernel_times.report(stdout, span, o.kernel_time_steps);
+    }
+  }
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
   if (root && !o.json.empty()) {
@@ -339,7 +351,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B]\n"
           "                         [--seqlen L] [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]\n"
-          "                         [--precision fp32|tf32|bf16]\n"
+          "                         [--precision fp32|tf32|bf16] [--kernel-times K]\n"
           "       mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
@@ -351,6 +363,7 @@ int main(int argc, char** argv) {
           "  --zero 1: ZeRO-1 (AdamW moments sharded over dp x sp); default 0\n"
           "  --comm-steps K: steps after the timed ones with every collective fenced and timed (default 2)\n"
           "  --json FILE: the results as JSON (rank 0)\n"
+          "  --kernel-times K: K more steps with every Kokkos kernel fenced and timed: a per-kernel table\n"
           "  --precision: the projection GEMMs' arithmetic (default fp32; bf16/tf32 use the tensor cores on CUDA,\n"
           "    tf32 also the SSD chunk products; emulated, no faster, on host backends)\n");
       return 0;
@@ -386,6 +399,7 @@ int main(int argc, char** argv) {
       else if (a == "--activation-checkpointing") o.activation_checkpointing = true;
       else if (a == "--zero") o.zero_stage = std::atoi(value().c_str());
       else if (a == "--comm-steps") o.comm_steps = positive();
+      else if (a == "--kernel-times") o.kernel_time_steps = positive();
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-train: unknown argument '" << a << "'");
     }
     KMAMBA_REQUIRE(o.preset == "130m" || o.preset == "370m",
