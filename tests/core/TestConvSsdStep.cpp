@@ -304,6 +304,18 @@ std::vector<Config> sweep() {
   large.tokens = 2;
   large.seed = seed++;
   configs.push_back(large);
+  // Many sequences: on CUDA several channels per thread (an H200 holds ~1056 teams at once, so
+  // 200 sequences of 84 channels get 5 blocks of 17, the last one short); on hosts as the others.
+  Config many;
+  many.batch = 200;
+  many.nheads = 4;
+  many.headdim = 21;
+  many.ngroups = 1;
+  many.dstate = 16;
+  many.xbc_offset = 84;
+  many.tokens = 2;
+  many.seed = seed++;
+  configs.push_back(many);
   // Options off and a raw dt (no softplus), conv widths 2 and 1, a large norm eps.
   Config bare;
   bare.D = bare.dt_bias = bare.norm = false;

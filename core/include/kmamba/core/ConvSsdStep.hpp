@@ -197,7 +197,9 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       static_cast<int>(args.xbc_offset + conv_dim),
       static_cast<int>(inner),
       static_cast<int>(inner + group_width),
-      impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size)};
+      impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size,
+                                  impl::TeamGemm<ExecutionSpace>::team_threads > 0 ? plan.team_size * plan.vector_length
+                                                                                   : 1)};
   impl::ssd_launch(exec, "kmamba::ssd::conv_step", plan, functor.league(static_cast<int>(batch)), functor,
                    functor.scratch_bytes(static_cast<int>(dstate)));
 }

@@ -3,9 +3,10 @@
 //
 // Work decomposition: one team per (batch, group, block of the group's x channels); a channel is
 // a (head, headdim row) pair, c = h·headdim + p. Blocks are as many as occupy the execution space
-// and no more (each team recomputes its group's B and C): on CUDA a team's thread count of
-// channels (8, so a batch-1 step of 24 heads of 64 rows still gives 192 teams, as ssd_step), on
-// a host with T threads about T blocks in all. A team of group g
+// and no more (each team recomputes its group's B and C, see conv_ssd_step_block): on CUDA at
+// batch 1 a team's thread count of channels (8, so 24 heads of 64 rows give 192 teams, as
+// ssd_step), at batch 64 about 96 channels per team (16 teams per sequence); on a host with T
+// threads about T blocks in all. A team of group g
 //   1. computes B and C of group g after conv + SiLU (2·dstate channels over all its threads and
 //      lanes, into team scratch) from the conv states as they were before the step; every team of
 //      the group computes the same values, cheaper than a second launch;
@@ -36,12 +37,19 @@
 namespace kmamba {
 namespace impl {
 
-/// The x channels per team: `team_size` (one per thread), or more where that would give more
-/// teams than `exec` runs at once (a host's threads), since every team recomputes its group's B
-/// and C: about concurrency / groups blocks per group of `group_channels` channels.
+/// The x channels per team: one per thread (`team_size`), or more where that would give more
+/// teams than `exec` runs at once, since every team recomputes its group's B and C and the last
+/// team of a group normalises it: about concurrency / (groups · threads_per_team) blocks per
+/// group of `group_channels` channels, `groups` counting every (sequence, group). On CUDA a team
+/// is team_size · vector_length threads, so a batch-1 step still gets one channel per thread and
+/// a batch-64 step about as many teams as the device holds at once; a host's teams are counted as
+/// one thread each (threads_per_team 1: its vector lanes are a loop), about T blocks in all with
+/// T threads.
 template <class ExecSpace>
-int conv_ssd_step_block(const ExecSpace& exec, std::int64_t groups, std::int64_t group_channels, int team_size) {
-  const std::int64_t blocks = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / groups);
+int conv_ssd_step_block(const ExecSpace& exec, std::int64_t groups, std::int64_t group_channels, int team_size,
+                        int threads_per_team) {
+  const std::int64_t resident = static_cast<std::int64_t>(exec.concurrency()) / std::max(1, threads_per_team);
+  const std::int64_t blocks = std::max<std::int64_t>(1, resident / groups);
   return static_cast<int>(std::max<std::int64_t>(team_size, (group_channels + blocks - 1) / blocks));
 }
 
