@@ -174,7 +174,7 @@ prefix="$deps_dir/kokkos-${KOKKOS_VERSION}-${flavour}"
 stamp="$prefix/.kmamba-bootstrap"
 want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
 # The CUDA flavour carries fixes the host flavour does not need; their count is part of its stamp.
-[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 6"
+[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 7"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
   echo "Kokkos_ROOT=$prefix"
@@ -277,6 +277,36 @@ CUDA_TPL
     /^  reducer.reference\(\) = value;$/ && !seen_ref { seen_ref = 1; print; print "  __syncthreads();  // kmamba fix 6"; next }
     { print }' "$reduce_hpp" > "$reduce_hpp.new" && mv "$reduce_hpp.new" "$reduce_hpp"
   [ "$(grep -c 'kmamba fix 6' "$reduce_hpp")" = 2 ] || die "Kokkos fix 'reduction barrier' did not apply to $reduce_hpp"
+
+  # Fix 7: the shared-memory warp tree of Kokkos 3.4's range reductions over values of 9–16 bytes
+  # (CudaReductionsFunctor<..., false, false>, e.g. a combined Sum + Min of two longs) joins
+  # value[lane + delta] into value[lane] in one step, so a lane reads the slot its neighbour is
+  # writing, and each lane then copies lane 0's slot while lane 0 rewrites it: racecheck reports
+  # thousands of hazards (warnings: correct only while the warp runs in lockstep). Upstream fixed
+  # this in Kokkos 3.6 (PR 4855). Here each step reads its partner, syncs the warp, then joins, and
+  # the final broadcast reads, syncs, then writes.
+  awk '
+    function syncwarp(indent) {
+      print "#ifdef KOKKOS_IMPL_CUDA_SYNCWARP_NEEDS_MASK"; print indent "KOKKOS_IMPL_CUDA_SYNCWARP_MASK(mask);"
+      print "#else"; print indent "KOKKOS_IMPL_CUDA_SYNCWARP;"; print "#endif"
+    }
+    /^      if \(lane_id \+ delta < 32\) \{$/ {
+      getline join_line; getline close_line
+      if (join_line != "        ValueJoin::join(functor, value, value + delta);" || close_line != "      }") { print "UNEXPECTED"; exit 1 }
+      print "      Scalar partner;  // kmamba fix 7"
+      print "      if (lane_id + delta < 32) partner = value[delta];"
+      syncwarp("      ")
+      print "      if (lane_id + delta < 32) ValueJoin::join(functor, value, &partner);"
+      next
+    }
+    /^    \*value = \*\(value - lane_id\);$/ {
+      print "    const Scalar total = *(value - lane_id);  // kmamba fix 7"
+      syncwarp("    ")
+      print "    *value = total;"
+      next
+    }
+    { print }' "$reduce_hpp" > "$reduce_hpp.new" && mv "$reduce_hpp.new" "$reduce_hpp"
+  [ "$(grep -c 'kmamba fix 7' "$reduce_hpp")" = 2 ] || die "Kokkos fix 'warp tree' did not apply to $reduce_hpp"
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
   kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON

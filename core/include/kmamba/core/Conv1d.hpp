@@ -196,16 +196,42 @@ void causal_conv1d_backward(
     const int vector_length = std::min(WeightFunctor::channel_tile, TeamPolicy::vector_length_max());
     const std::size_t scratch_bytes = WeightFunctor::scratch_bytes(WeightFunctor::preferred_team_size, in.width);
     const int scratch_level = scratch_bytes <= static_cast<std::size_t>(TeamPolicy::scratch_size_max(0)) ? 0 : 1;
-    const WeightFunctor functor{
-        grad, dweight, dbias, has_dbias, static_cast<int>(batch), static_cast<int>(channels), scratch_level};
+    WeightFunctor functor{grad,
+                          dweight,
+                          dbias,
+                          Tensor3<float, Mem>(),
+                          has_dbias,
+                          static_cast<int>(batch),
+                          static_cast<int>(channels),
+                          scratch_level,
+                          1};
     const int team_size = std::min(WeightFunctor::preferred_team_size,
                                    TeamPolicy(exec, tiles, 1, vector_length)
                                        .set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes))
                                        .team_size_recommended(functor, Kokkos::ParallelForTag()));
+    // Row blocks: enough teams for twice what `exec` runs at once (a team is team_size threads of
+    // vector_length lanes on a GPU; a host's vector lanes are a loop), at least 64 rows each.
+    const bool lanes_are_threads = !Kokkos::SpaceAccessibility<Kokkos::HostSpace, Mem>::accessible;
+    const std::int64_t team_threads = static_cast<std::int64_t>(team_size) * (lanes_are_threads ? vector_length : 1);
+    const std::int64_t wanted_teams = std::max<std::int64_t>(1, 2 * static_cast<std::int64_t>(exec.concurrency()) / team_threads);
+    const std::int64_t rows = batch * seqlen;
+    functor.row_blocks = static_cast<int>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>((wanted_teams + tiles - 1) / tiles, (rows + 63) / 64)));
+    if (functor.row_blocks > 1) {
+      functor.partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial",
+                                                                    functor.row_blocks, width + 1, channels);
+    }
     Kokkos::parallel_for("kmamba::conv1d::backward_dweight",
-                         TeamPolicy(exec, tiles, team_size, vector_length)
+                         TeamPolicy(exec, tiles * functor.row_blocks, team_size, vector_length)
                              .set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes)),
                          functor);
+    if (functor.row_blocks > 1) {
+      Kokkos::parallel_for("kmamba::conv1d::backward_dweight_sum",
+                           Policy(exec, 0, (width + 1) * channels),
+                           impl::Conv1dWeightPartialSumFunctor<Mem>{functor.partial, dweight, dbias, has_dbias,
+                                                                    static_cast<int>(channels),
+                                                                    static_cast<int>(width)});
+    }
   }
 }
 

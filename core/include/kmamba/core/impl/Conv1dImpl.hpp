@@ -150,10 +150,13 @@ struct Conv1dBackwardStateFunctor {
 };
 
 // dweight(c, k) = sum over (b, t) of dpre(b, t, c) * input(b, t-(width-1)+k, c) and
-// dbias(c) = sum over (b, t) of dpre(b, t, c), as a two-level reduction without atomics.
-// One team per tile of `channel_tile` channels, the channels on vector lanes (coalesced loads):
-// team thread q sums rows q, q + team_size, ... into its own slice of team scratch, then the
-// slices are added in a fixed order, so the result is deterministic for a given team size.
+// dbias(c) = sum over (b, t) of dpre(b, t, c), as a deterministic multi-level reduction without
+// atomics. One team per (tile of `channel_tile` channels, block of rows): the channels on vector
+// lanes (coalesced loads), team thread q sums rows q, q + team_size, ... of its block into its own
+// slice of team scratch, then the slices are added in a fixed order. With one row block the team
+// writes dweight / dbias; with several (so that a long sequence of few channels, such as the B and
+// C segments of a Mamba-2 conv, still fills a GPU) it writes its block's partial sums and
+// Conv1dWeightPartialSumFunctor adds them in block order.
 template <class ExecutionSpace>
 struct Conv1dBackwardWeightFunctor {
   using MemorySpace = Conv1dMemory<ExecutionSpace>;
@@ -170,10 +173,12 @@ struct Conv1dBackwardWeightFunctor {
   Conv1dGradInput<MemorySpace> grad;
   Tensor2<float, MemorySpace> dweight;  // (channels, width)
   Tensor1<float, MemorySpace> dbias;    // (channels) if has_dbias
+  Tensor3<float, MemorySpace> partial;  // (row_blocks, width + 1, channels) if row_blocks > 1
   bool has_dbias;
   int batch;
   int channels;
   int scratch_level;
+  int row_blocks;
 
   static std::size_t scratch_bytes(int team_size, int width) {
     return ScratchSums::shmem_size(static_cast<std::size_t>(team_size), static_cast<std::size_t>(width) + 1,
@@ -181,18 +186,24 @@ struct Conv1dBackwardWeightFunctor {
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int c0 = team.league_rank() * channel_tile;
+    const int tiles = (channels + channel_tile - 1) / channel_tile;
+    const int tile_index = team.league_rank() % tiles;
+    const int block = team.league_rank() / tiles;
+    const int c0 = tile_index * channel_tile;
     const int tile = channels - c0 < channel_tile ? channels - c0 : channel_tile;
     const int width = grad.in.width;
     const int seqlen = grad.in.seqlen;
     const int rows = batch * seqlen;
+    const int rows_per_block = (rows + row_blocks - 1) / row_blocks;
+    const int row_begin = block * rows_per_block;
+    const int row_end = row_begin + rows_per_block < rows ? row_begin + rows_per_block : rows;
     const int q = team.team_rank();
     const int team_size = team.team_size();
     const ScratchSums sums(team.team_scratch(scratch_level), team_size, width + 1, channel_tile);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, tile), [&](const int lane) {
       const int c = c0 + lane;
       for (int k = 0; k <= width; ++k) sums(q, k, lane) = 0.0f;
-      for (int r = q; r < rows; r += team_size) {
+      for (int r = row_begin + q; r < row_end; r += team_size) {
         const int b = r / seqlen;
         const int t = r % seqlen;
         const float g = grad.dpre(b, t, c);
@@ -205,13 +216,39 @@ struct Conv1dBackwardWeightFunctor {
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, tile), [&](const int lane) {
         float total = 0.0f;
         for (int p = 0; p < team_size; ++p) total += sums(p, k, lane);
-        if (k < width) {
+        if (row_blocks > 1) {
+          partial(block, k, c0 + lane) = total;
+        } else if (k < width) {
           dweight(c0 + lane, k) = total;
         } else if (has_dbias) {
           dbias(c0 + lane) = total;
         }
       });
     });
+  }
+};
+
+// dweight(c, k) (k < width) or dbias(c) (k = width) as the sum of the row blocks' partial sums in
+// block order; flat index i = k * channels + c.
+template <class MemorySpace>
+struct Conv1dWeightPartialSumFunctor {
+  ConstTensor3<float, MemorySpace> partial;  // (row_blocks, width + 1, channels)
+  Tensor2<float, MemorySpace> dweight;       // (channels, width)
+  Tensor1<float, MemorySpace> dbias;         // (channels) if has_dbias
+  bool has_dbias;
+  int channels;
+  int width;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const int c = static_cast<int>(i % channels);
+    const int k = static_cast<int>(i / channels);
+    float total = 0.0f;
+    for (std::size_t block = 0; block < partial.extent(0); ++block) total += partial(block, k, c);
+    if (k < width) {
+      dweight(c, k) = total;
+    } else if (has_dbias) {
+      dbias(c) = total;
+    }
   }
 };
 
