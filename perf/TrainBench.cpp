@@ -96,11 +96,13 @@ kmamba::ModelConfig model_config(const Options& o) {
 
 // The high-water mark of the live Kokkos allocations in one memory space, from the tools callbacks.
 std::string tracked_space;
-std::int64_t live_bytes = 0, peak_bytes = 0;
+std::int64_t live_bytes = 0, peak_bytes = 0, allocations = 0, allocated_bytes = 0;
 
 extern "C" void on_allocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, std::uint64_t size) {
   if (tracked_space != space.name) return;
   live_bytes += static_cast<std::int64_t>(size);
+  ++allocations;
+  allocated_bytes += static_cast<std::int64_t>(size);
   peak_bytes = std::max(peak_bytes, live_bytes);
 }
 extern "C" void on_deallocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, std::uint64_t size) {
@@ -229,7 +231,10 @@ void run_space(const Options& o) {
     return slowest(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   };
   for (int s = 0; s <= steps; ++s) {
-    if (s == 1) peak_bytes = live_bytes;  // the high-water mark of the timed steps
+    if (s == 1) {
+      peak_bytes = live_bytes;  // the high-water mark of the timed steps
+      allocations = allocated_bytes = 0;
+    }
 #if KMAMBA_ENABLE_MPI
     if (log && s == 1) log->clear();
 #endif
@@ -252,6 +257,12 @@ void run_space(const Options& o) {
                 median * 1e3, global_tokens / median, rate * 1e-12, 100.0 * mfu,
                 100.0 * rate / (world_size * fp32_peak_flop_per_s), peak_memory * 1e-9, loss);
   }
+  if (root) {
+    // Device allocations are synchronous (a release waits for the device), so their count per step
+    // bounds how often the step drains the launch queue.
+    std::printf("allocations per step: %.1f (%.3f GB) in %s\n", static_cast<double>(allocations) / steps,
+                static_cast<double>(allocated_bytes) / steps * 1e-9, tracked_space.c_str());
+  }
   nlohmann::json record = {{"tool", "kmamba-perf-train"},
                            {"execution_space", Exec::name()},
                            {"precision", kmamba::matmul_precision_name(o.precision)},
@@ -272,7 +283,8 @@ void run_space(const Options& o) {
                            {"tokens_per_s", global_tokens / median},
                            {"flops_per_token", flops_per_token},
                            {"mfu_bf16", mfu},
-                           {"peak_memory_bytes", peak_memory}};
+                           {"peak_memory_bytes", peak_memory},
+                           {"allocations_per_step", static_cast<double>(allocations) / steps}};
   int next_step = steps + 1;  // the index (data seed) of the next untimed step
 #if KMAMBA_ENABLE_MPI
   if (mesh) {
