@@ -6,14 +6,17 @@
 #                                                      # (stripped, ~23 MB for the default list)
 # There:   scripts/gpu-carried.sh                      # carry .deps and .gl; logs go to $OUT
 #
-# GPU_CARRIED_SUITES names the test suites (default below), GPU_CARRIED_MEMCHECK and
-# GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck / racecheck (default: all),
-# GPU_CARRIED_SANITIZER_TIMEOUT bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips
-# the benchmarks.
+# GPU_CARRIED_SUITES names the test suites (default below; set but empty: none),
+# GPU_CARRIED_MEMCHECK and GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck /
+# racecheck (default: all the test suites; set but empty: none), GPU_CARRIED_SANITIZER_TIMEOUT
+# bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips the benchmarks (which
+# include per-kernel profiles of a training step and of a batch-64 decode step), GPU_CARRIED_EVAL=0
+# the golden evaluations and the NCCL single-rank run. The sanitizers run last, alone on the GPU,
+# so that they never share it with a timed benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-suites=(${GPU_CARRIED_SUITES:-mamba3_scan mamba3_mixer decode rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
+suites=(${GPU_CARRIED_SUITES-mamba3_scan mamba3_mixer decode rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
 if [ "${1:-}" = "--pack" ]; then
   build="${2:-$root/build-cuda}"
   targets=(kmamba-perf kmamba-perf-decode kmamba-perf-train kmamba-lorenz96 kmamba-train kmamba-eval)
@@ -50,30 +53,34 @@ step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one lin
 }
 for s in "${suites[@]}"; do step "test-$s" "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'; done
 # The golden files reproduced by the evaluation tool on the GPU (the ctest eval.* entries).
-golden="$root/.deps/golden"
-for pair in ssd:ssd_small selective_scan:selective_scan_small mamba3_siso:mamba3_siso_small \
-            mamba3_mimo:mamba3_mimo_small mamba3_mixer:mamba3_block_small; do
-  step "eval-${pair#*:}" "$bin/kmamba-eval" --op "${pair%%:*}" \
-    --input "$golden/${pair#*:}.safetensors" --output "$out/eval-${pair#*:}.safetensors" --check 1e-3
-done
-for model in tiny_mamba1 tiny_mamba2; do
-  step "eval-$model" "$bin/kmamba-eval" --model "$golden/$model" \
-    --input "$golden/${model}_io.safetensors" --output /tmp/eval-$model.safetensors --grads --check 1e-3
-done
-step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
-  -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
-  "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+if [ "${GPU_CARRIED_EVAL:-1}" != 0 ]; then
+  golden="$root/.deps/golden"
+  for pair in ssd:ssd_small selective_scan:selective_scan_small mamba3_siso:mamba3_siso_small \
+              mamba3_mimo:mamba3_mimo_small mamba3_mixer:mamba3_block_small; do
+    step "eval-${pair#*:}" "$bin/kmamba-eval" --op "${pair%%:*}" \
+      --input "$golden/${pair#*:}.safetensors" --output "$out/eval-${pair#*:}.safetensors" --check 1e-3
+  done
+  for model in tiny_mamba1 tiny_mamba2; do
+    step "eval-$model" "$bin/kmamba-eval" --model "$golden/$model" \
+      --input "$golden/${model}_io.safetensors" --output /tmp/eval-$model.safetensors --grads --check 1e-3
+  done
+  step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
+    -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
+    "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+fi
 if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-kernels "$bin/kmamba-perf" --space Cuda
   step perf-decode "$bin/kmamba-perf-decode" --space Cuda
-  step perf-train "$bin/kmamba-perf-train" --space Cuda
+  step perf-train "$bin/kmamba-perf-train" --space Cuda --kernel-times 2
+  step perf-train-bf16 "$bin/kmamba-perf-train" --space Cuda --precision bf16
+  step perf-decode-b64-kernels "$bin/kmamba-perf-decode" --space Cuda --profile-steps 20 --profile-batch 64 --kernel-times
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
 fi
-for s in ${GPU_CARRIED_MEMCHECK:-${suites[*]}}; do
+for s in ${GPU_CARRIED_MEMCHECK-${suites[*]}}; do
   step "memcheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
     "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
 done
-for s in ${GPU_CARRIED_RACECHECK:-${suites[*]}}; do
+for s in ${GPU_CARRIED_RACECHECK-${suites[*]}}; do
   step "racecheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
     "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
 done
