@@ -279,12 +279,16 @@ CUDA_TPL
   [ "$(grep -c 'kmamba fix 6' "$reduce_hpp")" = 2 ] || die "Kokkos fix 'reduction barrier' did not apply to $reduce_hpp"
 
   # Fix 7: the shared-memory warp tree of Kokkos 3.4's range reductions over values of 9–16 bytes
-  # (CudaReductionsFunctor<..., false, false>, e.g. a combined Sum + Min of two longs) joins
-  # value[lane + delta] into value[lane] in one step, so a lane reads the slot its neighbour is
-  # writing, and each lane then copies lane 0's slot while lane 0 rewrites it: racecheck reports
-  # thousands of hazards (warnings: correct only while the warp runs in lockstep). Upstream fixed
-  # this in Kokkos 3.6 (PR 4855). Here each step reads its partner, syncs the warp, then joins, and
-  # the final broadcast reads, syncs, then writes.
+  # (CudaReductionsFunctor<..., false, false>, e.g. a combined Sum + Min of two longs) reads slots
+  # that other lanes write with no barrier between: the first step reads the slots the lanes have
+  # just stored, each step joins value[lane + delta] into value[lane] (a lane reads the slot its
+  # neighbour is writing), a tree narrower than the warp (the block's second level, one slot per
+  # warp) synchronises only its own lanes yet reads past them, and each lane then copies lane 0's
+  # slot while lane 0 rewrites it: racecheck reports thousands of hazards (warnings: correct only
+  # while the warp runs in lockstep). Upstream reworked this in Kokkos 3.6 (PR 4855). Here every
+  # step syncs, reads its partner within its own tree, syncs, then joins, and the final broadcast
+  # reads its tree's first slot, syncs, then writes. The lanes that read anything else before hold
+  # values nobody uses, so the results are unchanged.
   awk '
     function syncwarp(indent) {
       print "#ifdef KOKKOS_IMPL_CUDA_SYNCWARP_NEEDS_MASK"; print indent "KOKKOS_IMPL_CUDA_SYNCWARP_MASK(mask);"
@@ -293,14 +297,16 @@ CUDA_TPL
     /^      if \(lane_id \+ delta < 32\) \{$/ {
       getline join_line; getline close_line
       if (join_line != "        ValueJoin::join(functor, value, value + delta);" || close_line != "      }") { print "UNEXPECTED"; exit 1 }
-      print "      Scalar partner;  // kmamba fix 7"
-      print "      if (lane_id + delta < 32) partner = value[delta];"
       syncwarp("      ")
-      print "      if (lane_id + delta < 32) ValueJoin::join(functor, value, &partner);"
+      print "      Scalar partner;  // kmamba fix 7"
+      print "      const bool in_tree = lane_id % width + delta < width;"
+      print "      if (in_tree) partner = value[delta];"
+      syncwarp("      ")
+      print "      if (in_tree) ValueJoin::join(functor, value, &partner);"
       next
     }
     /^    \*value = \*\(value - lane_id\);$/ {
-      print "    const Scalar total = *(value - lane_id);  // kmamba fix 7"
+      print "    const Scalar total = *(value - lane_id % width);  // kmamba fix 7"
       syncwarp("    ")
       print "    *value = total;"
       next

@@ -39,10 +39,13 @@
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/ConvSsdStepImpl.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/SsdImpl.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -200,8 +203,19 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size,
                                   impl::TeamGemm<ExecutionSpace>::team_threads > 0 ? plan.team_size * plan.vector_length
                                                                                    : 1)};
-  impl::ssd_launch(exec, "kmamba::ssd::conv_step", plan, functor.league(static_cast<int>(batch)), functor,
-                   functor.scratch_bytes(static_cast<int>(dstate)));
+  // Not ssd_launch: its policy carries the chunk products' launch bounds (two 256-thread teams per
+  // multiprocessor, for their register blocks), which would cap this latency-bound kernel — a chain
+  // of dependent loads per channel — at a quarter of the threads a multiprocessor holds.
+  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
+  const std::size_t scratch = functor.scratch_bytes(static_cast<int>(dstate));
+  const int league = functor.league(static_cast<int>(batch));
+  const int team_size = std::max(1, std::min(plan.team_size, Policy(exec, league, 1, plan.vector_length)
+                                                                 .set_scratch_size(0, Kokkos::PerTeam(scratch))
+                                                                 .team_size_max(functor, Kokkos::ParallelForTag())));
+  Kokkos::parallel_for("kmamba::ssd::conv_step",
+                       impl::light_weight(Policy(exec, league, team_size, plan.vector_length)
+                                              .set_scratch_size(0, Kokkos::PerTeam(scratch))),
+                       functor);
 }
 
 template <class MemorySpace>
