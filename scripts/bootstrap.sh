@@ -174,7 +174,7 @@ prefix="$deps_dir/kokkos-${KOKKOS_VERSION}-${flavour}"
 stamp="$prefix/.kmamba-bootstrap"
 want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
 # The CUDA flavour carries fixes the host flavour does not need; their count is part of its stamp.
-[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 7"
+[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 8"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
   echo "Kokkos_ROOT=$prefix"
@@ -313,6 +313,26 @@ CUDA_TPL
     }
     { print }' "$reduce_hpp" > "$reduce_hpp.new" && mv "$reduce_hpp.new" "$reduce_hpp"
   [ "$(grep -c 'kmamba fix 7' "$reduce_hpp")" = 2 ] || die "Kokkos fix 'warp tree' did not apply to $reduce_hpp"
+
+  # Fix 8: after a CUDA parallel_reduce's last block has its result, thread 0 writes it (and the
+  # functor's final) into the block's last shared slot and threads 0 … words − 1 copy that slot's
+  # words to the result with no barrier in between unless the value is wider than a warp, so the
+  # other threads may read words thread 0 has not written yet (racecheck: "Write … and Read …"
+  # warnings in every range reduction of a value wider than 4 bytes). Upstream added a warp
+  # barrier there in Kokkos 4.2 (PR 6630); here the barrier is a block barrier, since on the team
+  # and MDRange paths the copying threads need not share thread 0's warp (it runs once, in the
+  # last block, whose threads all reach it).
+  parallel_hpp="$kokkos_src/core/src/Cuda/Kokkos_Cuda_Parallel.hpp"
+  awk '
+    /^ *if \(CudaTraits::WarpSize < word_count.value\) \{$/ {
+      opening = $0; getline barrier; getline closing
+      if (barrier ~ /^ *__syncthreads\(\);$/ && closing ~ /^ *\}$/) {
+        sub(/if.*/, "__syncthreads();  // kmamba fix 8", opening); print opening; next
+      }
+      print opening; print barrier; print closing; next
+    }
+    { print }' "$parallel_hpp" > "$parallel_hpp.new" && mv "$parallel_hpp.new" "$parallel_hpp"
+  [ "$(grep -c 'kmamba fix 8' "$parallel_hpp")" = 5 ] || die "Kokkos fix 'result barrier' did not apply to $parallel_hpp"
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
   kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON
