@@ -211,8 +211,8 @@ void causal_conv1d_backward(
                                        .team_size_recommended(functor, Kokkos::ParallelForTag()));
     // Row blocks: enough teams for twice what `exec` runs at once (a team is team_size threads of
     // vector_length lanes on a GPU; a host's vector lanes are a loop), at least 64 rows each.
-    const bool lanes_are_threads = !Kokkos::SpaceAccessibility<Kokkos::HostSpace, Mem>::accessible;
-    const std::int64_t team_threads = static_cast<std::int64_t>(team_size) * (lanes_are_threads ? vector_length : 1);
+    const std::int64_t team_threads =
+        static_cast<std::int64_t>(team_size) * (impl::vector_lanes_are_threads<ExecutionSpace> ? vector_length : 1);
     const std::int64_t wanted_teams = std::max<std::int64_t>(1, 2 * static_cast<std::int64_t>(exec.concurrency()) / team_threads);
     const std::int64_t rows = batch * seqlen;
     functor.row_blocks = static_cast<int>(std::max<std::int64_t>(

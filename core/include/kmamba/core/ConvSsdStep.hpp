@@ -201,8 +201,8 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       static_cast<int>(inner),
       static_cast<int>(inner + group_width),
       impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size,
-                                  impl::TeamGemm<ExecutionSpace>::team_threads > 0 ? plan.team_size * plan.vector_length
-                                                                                   : 1)};
+                                  impl::vector_lanes_are_threads<ExecutionSpace> ? plan.team_size * plan.vector_length
+                                                                                : 1)};
   // Not ssd_launch: its policy carries the chunk products' launch bounds (two 256-thread teams per
   // multiprocessor, for their register blocks), which would cap this latency-bound kernel — a chain
   // of dependent loads per channel — at a quarter of the threads a multiprocessor holds.
