@@ -267,7 +267,7 @@ struct RmsNormBackwardFunctor {
       });
     }
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end), [&](const int c) {
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, begin, end), [&](const int c) {
       float total = 0.0f;
       for (int p = 0; p < team_size; ++p) total += dweight_rows(p, c - begin);
       Kokkos::atomic_add(&dweight(c), total);
