@@ -70,6 +70,9 @@ KOKKOS_INLINE_FUNCTION typename RstdView::reference_type rms_norm_rstd_at(const 
   }
 }
 
+/// Rows a backward team works on at once (one per team thread).
+constexpr int rms_norm_backward_threads = 4;
+
 /// Rows each backward team handles: at least `min_rows`, and at most `max_blocks` blocks in all
 /// (which bounds the atomic additions into dweight to max_blocks per element).
 inline int rms_norm_rows_per_block(int rows) {
@@ -173,7 +176,8 @@ template <class ExecutionSpace, class DyView, class XView, class ZView, class WV
           class DzView, class DweightView>
 struct RmsNormBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
-  using scratch_view = Kokkos::View<float*, typename ExecutionSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using scratch_view =
+      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecutionSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   using dx_type = typename DxView::non_const_value_type;
   using dz_type = typename DzView::non_const_value_type;
 
@@ -206,17 +210,22 @@ struct RmsNormBackwardFunctor {
     const int row_begin = block * rows_per_block;
     const int row_end = row_begin + rows_per_block < rows ? row_begin + rows_per_block : rows;
     const float inv_n = 1.0f / static_cast<float>(group_size);
-    // This block's share of dweight for the group's channels (each channel owned by one thread).
-    const scratch_view dweight_block(team.team_scratch(scratch_level), group_size);
+    const int q = team.team_rank();
+    const int team_size = team.team_size();
+    // (team_size, group_size): each team thread's share of dweight for the group's channels.
+    const scratch_view dweight_rows(team.team_scratch(scratch_level), team_size, group_size);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, group_size), [&](const int i) { dweight_rows(q, i) = 0.0f; });
 
-    for (int row = row_begin; row < row_end; ++row) {
+    // A row per thread (on GPUs a warp, its lanes over the channels): the row's reductions are
+    // lane reductions, with no team barrier between rows.
+    for (int row = row_begin + q; row < row_end; row += team_size) {
       float r;
       if (have_rstd) {
         r = rms_norm_rstd_at(rstd, row, group);
       } else {
         float sumsq = 0.0f;
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, begin, end),
+            Kokkos::ThreadVectorRange(team, begin, end),
             [&](const int c, float& acc) {
               const float v = input(row, c);
               acc += v * v;
@@ -228,11 +237,11 @@ struct RmsNormBackwardFunctor {
       // mean over the group of x̂ ⊙ w ⊙ go, with x̂ = v·r.
       float projection = 0.0f;
       Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, begin, end),
+          Kokkos::ThreadVectorRange(team, begin, end),
           [&](const int c, float& acc) { acc += input(row, c) * to_float(weight(c)) * grad_out(row, c); }, projection);
       const float mean_term = projection * r * inv_n;
 
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end), [&](const int c) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, begin, end), [&](const int c) {
         const float xhat = input(row, c) * r;
         const float w = to_float(weight(c));
         const float go = grad_out(row, c);
@@ -254,13 +263,15 @@ struct RmsNormBackwardFunctor {
             break;
           }
         }
-        const float previous = row == row_begin ? 0.0f : dweight_block(c - begin);
-        dweight_block(c - begin) = previous + go * xhat;
+        dweight_rows(q, c - begin) += go * xhat;
       });
-      team.team_barrier();
     }
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end),
-                         [&](const int c) { Kokkos::atomic_add(&dweight(c), dweight_block(c - begin)); });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, begin, end), [&](const int c) {
+      float total = 0.0f;
+      for (int p = 0; p < team_size; ++p) total += dweight_rows(p, c - begin);
+      Kokkos::atomic_add(&dweight(c), total);
+    });
   }
 };
 
@@ -311,22 +322,31 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   const int ngroups = dim / group_size;
   const int rows_per_block = rms_norm_rows_per_block(rows);
   const int blocks = (rows + rows_per_block - 1) / rows_per_block;
+  // Teams of rms_norm_backward_threads rows at once (fewer where the backend allows fewer), each a
+  // vector of up to 32 lanes over the channels.
+  const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
+  Functor functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, rows_per_block,
+                  0, have_rstd};
+  const int team_size = std::max(
+      1, std::min(rms_norm_backward_threads,
+                  Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
   // shmem_size includes the alignment padding of a View placed in scratch.
-  const std::size_t scratch_bytes = Functor::scratch_view::shmem_size(static_cast<std::size_t>(group_size));
+  const std::size_t scratch_bytes =
+      Functor::scratch_view::shmem_size(static_cast<std::size_t>(team_size), static_cast<std::size_t>(group_size));
   KMAMBA_REQUIRE(scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(1)),
                  function << ": group_size " << group_size << " needs " << scratch_bytes
                           << " bytes of team scratch, more than the " << Policy::scratch_size_max(1)
                           << " the backend offers");
-  const int scratch_level = scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
+  functor.scratch_level = scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
 
   Kokkos::parallel_for("kmamba::rms_norm::zero_dweight", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, dim),
                        RmsNormZeroFunctor<DweightView>{dweight});
   if (blocks == 0) return;
   Kokkos::parallel_for(
       "kmamba::rms_norm::backward",
-      Policy(exec, blocks * ngroups, Kokkos::AUTO).set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes)),
-      Functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, rows_per_block,
-              scratch_level, have_rstd});
+      Policy(exec, blocks * ngroups, team_size, vector_length)
+          .set_scratch_size(functor.scratch_level, Kokkos::PerTeam(scratch_bytes)),
+      functor);
 }
 
 }  // namespace impl
