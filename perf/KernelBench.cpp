@@ -147,17 +147,17 @@ void bench_selective_scan(const Options& o) {
   report(bwd);
 }
 
-// Mamba-2 SSD (mamba_chunk_scan_combined) at the shape of the CUDA performance issue: batch 8,
-// seqlen 4096, 32 heads, headdim 64, d_state 128, ngroups 1, chunk 256, with D, z, dt_bias and
-// softplus; fp32 inputs. FLOPs and exp() counts from algorithms.md §6.1–§6.2 (E = nheads·headdim).
+// Mamba-2 SSD (mamba_chunk_scan_combined) at one (batch, seqlen) of the CUDA performance issue:
+// 32 heads, headdim 64, d_state 128, ngroups 1, chunk 256, with D, z, dt_bias and softplus; fp32
+// inputs. FLOPs and exp() counts from algorithms.md §6.1–§6.2 (E = nheads·headdim).
 template <class Exec>
-void bench_ssd(const Options& o) {
+void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   using Mem = typename Exec::memory_space;
   using T1 = kmamba::Tensor1<float, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
   const Exec exec;
-  const int batch = o.small ? 1 : 8, seqlen = o.small ? 1024 : 4096, nheads = o.small ? 8 : 32, headdim = 64;
+  const int nheads = o.small ? 8 : 32, headdim = 64;
   const int dstate = o.small ? 64 : 128, ngroups = 1, chunk = 256;
   const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
   auto x = kmamba::allocate_uninitialized<T4>("kmamba::perf::x", batch, seqlen, nheads, headdim);
@@ -259,6 +259,19 @@ void bench_ssd(const Options& o) {
                   relative_difference(out_tf32, out_fp32), relative_difference(dx_tf32, dx_fp32));
     }
   }
+}
+
+// The SSD at the issue's two shapes, batch 8 × seqlen 4096 and batch 1 × seqlen 32768 (the same
+// tokens in one long sequence: 128 chunks whose states pass through one sequential chain); --small
+// runs batch 1 × seqlen 1024 only.
+template <class Exec>
+void bench_ssd(const Options& o) {
+  if (o.small) {
+    bench_ssd_shape<Exec>(o, 1, 1024);
+    return;
+  }
+  bench_ssd_shape<Exec>(o, 8, 4096);
+  bench_ssd_shape<Exec>(o, 1, 32768);
 }
 
 // Mamba-3 SISO (mamba3_siso_combined) at the shape of the CUDA performance issue: batch 8, seqlen

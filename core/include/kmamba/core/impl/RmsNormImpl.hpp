@@ -5,12 +5,13 @@
 //   forward    one team per (row, group): a team reduction of the sum of squares, then the team
 //              writes the group's outputs (and its rstd). add_rms_norm: one team per row, which
 //              writes residual + delta back while reducing its squares, then normalises it.
-//   backward   dweight is zeroed, then one team per (row block, group): for each row of the block
-//              two team reductions (sum of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)),
-//              then the team writes dx (dz) and accumulates go ⊙ x̂ over its rows in team scratch
-//              (each channel owned by one thread, a barrier between rows); at the end of the block
-//              the team adds its partial sums atomically into dweight, one atomic per channel and
-//              block. No temporary allocation, so nothing blocks the instance.
+//   backward   dweight is zeroed, then one team per (row block, group) whose threads take the
+//              block's rows in turn (on GPUs a thread is a warp whose lanes cover the channels):
+//              a row's reductions (sum of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)) are
+//              lane reductions with no team barrier, the thread writes dx (dz) and accumulates
+//              go ⊙ x̂ into its own scratch row; at the end of the block the team adds its threads'
+//              rows and then dweight atomically, one atomic per channel and block. No temporary
+//              allocation, so nothing blocks the instance.
 #ifndef KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
 #define KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
 
