@@ -56,6 +56,7 @@
 #include <exception>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,12 +98,17 @@ kmamba::ModelConfig model_config(const Options& o) {
 // The high-water mark of the live Kokkos allocations in one memory space, from the tools callbacks.
 std::string tracked_space;
 std::int64_t live_bytes = 0, peak_bytes = 0, allocations = 0, allocated_bytes = 0;
+// Per View label: (allocations, bytes) over the timed steps.
+std::map<std::string, std::pair<std::int64_t, std::int64_t>> allocations_by_label;
 
-extern "C" void on_allocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, std::uint64_t size) {
+extern "C" void on_allocate(Kokkos_Profiling_SpaceHandle space, const char* label, const void*, std::uint64_t size) {
   if (tracked_space != space.name) return;
   live_bytes += static_cast<std::int64_t>(size);
   ++allocations;
   allocated_bytes += static_cast<std::int64_t>(size);
+  auto& tally = allocations_by_label[label];
+  ++tally.first;
+  tally.second += static_cast<std::int64_t>(size);
   peak_bytes = std::max(peak_bytes, live_bytes);
 }
 extern "C" void on_deallocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, std::uint64_t size) {
@@ -234,6 +240,7 @@ void run_space(const Options& o) {
     if (s == 1) {
       peak_bytes = live_bytes;  // the high-water mark of the timed steps
       allocations = allocated_bytes = 0;
+      allocations_by_label.clear();
     }
 #if KMAMBA_ENABLE_MPI
     if (log && s == 1) log->clear();
@@ -262,6 +269,15 @@ void run_space(const Options& o) {
     // bounds how often the step drains the launch queue.
     std::printf("allocations per step: %.1f (%.3f GB) in %s\n", static_cast<double>(allocations) / steps,
                 static_cast<double>(allocated_bytes) / steps * 1e-9, tracked_space.c_str());
+    std::vector<std::pair<std::string, std::pair<std::int64_t, std::int64_t>>> labels(allocations_by_label.begin(),
+                                                                                     allocations_by_label.end());
+    std::sort(labels.begin(), labels.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    std::printf("  %10s %10s  label (the %zu most frequent of %zu)\n", "per step", "GB/step",
+                std::min<std::size_t>(labels.size(), 20), labels.size());
+    for (std::size_t i = 0; i < labels.size() && i < 20; ++i) {
+      std::printf("  %10.1f %10.3f  %s\n", static_cast<double>(labels[i].second.first) / steps,
+                  static_cast<double>(labels[i].second.second) / steps * 1e-9, labels[i].first.c_str());
+    }
   }
   nlohmann::json record = {{"tool", "kmamba-perf-train"},
                            {"execution_space", Exec::name()},
