@@ -174,7 +174,7 @@ prefix="$deps_dir/kokkos-${KOKKOS_VERSION}-${flavour}"
 stamp="$prefix/.kmamba-bootstrap"
 want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
 # The CUDA flavour carries fixes the host flavour does not need; their count is part of its stamp.
-[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 8"
+[ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 9"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
   echo "Kokkos_ROOT=$prefix"
@@ -333,6 +333,82 @@ CUDA_TPL
     }
     { print }' "$parallel_hpp" > "$parallel_hpp.new" && mv "$parallel_hpp.new" "$parallel_hpp"
   [ "$(grep -c 'kmamba fix 8' "$parallel_hpp")" = 5 ] || die "Kokkos fix 'result barrier' did not apply to $parallel_hpp"
+
+  # Fix 9: device allocations from CUDA's stream-ordered memory pool (a backport of Kokkos 4.0's
+  # KOKKOS_ENABLE_IMPL_CUDA_MALLOC_ASYNC). Every CudaSpace View allocation of Kokkos 3.4 is a
+  # cudaMalloc and every release a cudaFree, which maps and unmaps pages each time: a training step
+  # of mamba2-130m at batch 8 × 2048 makes 1106 of them (41.5 GB). The pool keeps released memory
+  # for the next allocation instead (release threshold: everything is kept; on a failed allocation
+  # the pool is trimmed and the allocation tried once more). The synchronisation is upstream's, so
+  # nothing changes for streams: a device synchronisation after each allocation and on both sides
+  # of each release, as cudaFree implies. KMAMBA_CUDA_MALLOC_ASYNC=0 in the environment (read
+  # once, at the first allocation) or a device without memory pools keeps cudaMalloc / cudaFree.
+  pool_code='
+// kmamba fix 9: device allocations from the stream-ordered memory pool (see scripts/bootstrap.sh).
+namespace {
+bool kmamba_use_memory_pool() {
+  static const bool use = [] {
+    const char *opt = std::getenv("KMAMBA_CUDA_MALLOC_ASYNC");
+    if (opt != nullptr && opt[0] == '"'"'0'"'"' && opt[1] == '"'"'\\0'"'"') return false;
+    int device = 0, pools = 0;
+    cudaMemPool_t pool;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0 ||
+        cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    unsigned long long keep_everything = ~0ull;
+    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }();
+  return use;
+}
+
+cudaError_t kmamba_device_allocate(void **ptr, size_t size) {
+  if (size == 0 || !kmamba_use_memory_pool()) return cudaMalloc(ptr, size);
+  cudaError_t error = cudaMallocAsync(ptr, size, 0);
+  if (error == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    int device = 0;
+    cudaMemPool_t pool;
+    if (cudaDeviceSynchronize() == cudaSuccess && cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess && cudaMemPoolTrimTo(pool, 0) == cudaSuccess) {
+      error = cudaMallocAsync(ptr, size, 0);
+    }
+  }
+  if (error == cudaSuccess) error = cudaDeviceSynchronize();
+  return error;
+}
+
+void kmamba_device_free(void *ptr) {
+  if (ptr == nullptr) return;
+  if (!kmamba_use_memory_pool()) {
+    CUDA_SAFE_CALL(cudaFree(ptr));
+    return;
+  }
+  CUDA_SAFE_CALL(cudaDeviceSynchronize());
+  CUDA_SAFE_CALL(cudaFreeAsync(ptr, 0));
+  CUDA_SAFE_CALL(cudaDeviceSynchronize());
+}
+}  // namespace
+'
+  awk -v code="$pool_code" '
+    /^void \*CudaSpace::allocate\(const size_t arg_alloc_size\) const \{$/ && !inserted { print code; inserted = 1 }
+    /^  auto error_code = cudaMalloc\(&ptr, arg_alloc_size\);$/ {
+      sub(/cudaMalloc\(/, "kmamba_device_allocate("); print; next
+    }
+    /^void CudaSpace::impl_deallocate\($/ { in_free = 1 }
+    in_free && /^    CUDA_SAFE_CALL\(cudaFree\(arg_alloc_ptr\)\);$/ {
+      print "    kmamba_device_free(arg_alloc_ptr);"; in_free = 0; next
+    }
+    { print }' "$space_cpp" > "$space_cpp.new" && mv "$space_cpp.new" "$space_cpp"
+  [ "$(grep -c 'kmamba_device_allocate(&ptr, arg_alloc_size)' "$space_cpp")" = 1 ] &&
+    [ "$(grep -c 'kmamba_device_free(arg_alloc_ptr)' "$space_cpp")" = 1 ] &&
+    grep -q 'kmamba fix 9' "$space_cpp" || die "Kokkos fix 'memory pool' did not apply to $space_cpp"
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
   kokkos_opts+=(-DKokkos_ENABLE_CUDA=ON -DKokkos_ENABLE_CUDA_LAMBDA=ON -DKokkos_ENABLE_CUDA_CONSTEXPR=ON

@@ -10,9 +10,9 @@
 # GPU_CARRIED_MEMCHECK and GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck /
 # racecheck (default: all the test suites; set but empty: none), GPU_CARRIED_SANITIZER_TIMEOUT
 # bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips the benchmarks (which
-# include per-kernel profiles of a training step and of a batch-64 decode step), GPU_CARRIED_EVAL=0
-# the golden evaluations and the NCCL single-rank run. The sanitizers run last, alone on the GPU,
-# so that they never share it with a timed benchmark.
+# include per-kernel profiles of a training step and of batch-1 and batch-64 decode steps), GPU_CARRIED_EVAL=0
+# the golden evaluations and the NCCL single-rank run. The sanitizers run last, side by side and
+# alone on the GPU, so that they never share it with a timed benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -73,15 +73,18 @@ if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-decode "$bin/kmamba-perf-decode" --space Cuda
   step perf-train "$bin/kmamba-perf-train" --space Cuda --kernel-times 2
   step perf-train-bf16 "$bin/kmamba-perf-train" --space Cuda --precision bf16
+  step perf-decode-b1-kernels "$bin/kmamba-perf-decode" --space Cuda --profile-steps 20 --profile-batch 1 --kernel-times
   step perf-decode-b64-kernels "$bin/kmamba-perf-decode" --space Cuda --profile-steps 20 --profile-batch 64 --kernel-times
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
 fi
-for s in ${GPU_CARRIED_MEMCHECK-${suites[*]}}; do
-  step "memcheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
-done
-for s in ${GPU_CARRIED_RACECHECK-${suites[*]}}; do
-  step "racecheck-$s" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
-    "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'
-done
+# The sanitizer runs go side by side (each is slow and mostly host-bound); each leaves its own log.
+sanitize() {  # sanitize TOOL SUITE: exits non-zero when the run fails
+  step "$1-$2" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$1" --error-exitcode 99 \
+    --print-limit 20 "$bin/kmamba_${2}_tests" --gtest_filter='*/Cuda.*'
+  [ "$status" -eq 0 ]
+}
+pids=()
+for s in ${GPU_CARRIED_MEMCHECK-${suites[*]}}; do sanitize memcheck "$s" & pids+=($!); done
+for s in ${GPU_CARRIED_RACECHECK-${suites[*]}}; do sanitize racecheck "$s" & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p" || status=1; done
 exit $status
