@@ -472,6 +472,29 @@ TYPED_TEST(SelectiveScan, LongSequenceWithChosenChunkMatchesReference) {
   }
 }
 
+// dstate above what the forward keeps in registers: the forward takes the vector-lane form, with
+// and without a chunk of the caller's choosing; a state count just below the register bound too.
+TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
+  using Exec = TypeParam;
+  std::uint64_t seed = 4000;
+  for (int dstate : {kmamba::impl::selective_scan_register_states - 1, kmamba::impl::selective_scan_register_states + 1, 40}) {
+    for (int chunk : {0, 5}) {
+      Config c;
+      c.batch = 2;
+      c.dim = 70;  // more channels than one register-form team takes
+      c.seqlen = 23;
+      c.dstate = dstate;
+      c.ngroups = 2;
+      c.chunk = chunk;
+      c.D = c.z = c.bias = c.softplus = c.initial_state = c.dlast = true;
+      c.delta_lo = -3.0f;
+      c.delta_hi = 0.0f;
+      c.seed = ++seed;
+      check_against_reference<Exec>(c, 2e-5);
+    }
+  }
+}
+
 // Copies the token t of src (batch, x, seqlen) / (batch, g, n, seqlen) into a contiguous tensor.
 template <class Dst, class Src>
 void copy_token(const Dst& dst, const Src& src, int t) {

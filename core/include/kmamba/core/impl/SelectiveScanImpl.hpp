@@ -104,12 +104,13 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
 
 /// Chooses channels per team and the chunk length so that the team scratch (bytes given by
 /// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`. A positive
-/// `requested_chunk` is kept as is.
+/// `requested_chunk` is kept as is. With `lanes_over_states` the vector lanes of a thread own the
+/// states of its channel; without, a thread keeps them all (vector length 1).
 template <class ExecSpace>
 SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanDims& dims, int requested_chunk,
-                                      std::size_t (*scratch_bytes)(int, int, int)) {
+                                      std::size_t (*scratch_bytes)(int, int, int),
+                                      const int preferred_channels_per_team = 8, const bool lanes_over_states = true) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  constexpr int preferred_channels_per_team = 8;
   constexpr int preferred_chunk = 64;
   constexpr int max_vector_length = 32;
   SelectiveScanPlan plan;
@@ -134,7 +135,7 @@ SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanD
   plan.blocks_per_group = (plan.channels_per_group + plan.channels_per_team - 1) / plan.channels_per_team;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   int vector_length = 1;
-  while (vector_length < plan.dstate && vector_length < max_vector_length) vector_length *= 2;
+  while (lanes_over_states && vector_length < plan.dstate && vector_length < max_vector_length) vector_length *= 2;
   plan.vector_length = std::min(vector_length, static_cast<int>(Policy::vector_length_max()));
   return plan;
 }
@@ -286,6 +287,114 @@ struct SelectiveScanForwardFunctor {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, nstate),
                              [&](const int n) { last_state(tb.b, tb.d0 + c, n) = sh(c, n); });
+      });
+    }
+  }
+};
+
+/// Largest dstate the register form of the forward scan handles (Mamba-1 uses 16).
+constexpr int selective_scan_register_states = 16;
+
+/// Forward scan with the states of a channel in one thread's registers while it walks a chunk
+/// (dstate <= selective_scan_register_states; no vector lanes): the per-token sum over the states
+/// is a plain loop, and the recurrence h_n ← exp(δ·A_n)·h_n + δ·u·B_n runs as independent chains
+/// with no shuffle or barrier per token. The team stages each chunk's u, δ, B and C in scratch
+/// (channel rows padded by one float, so that the staging stores along t and the scan's loads
+/// across channels both avoid bank conflicts), the states wait in scratch between chunks, and the
+/// outputs leave along t. Same outputs as SelectiveScanForwardFunctor.
+template <class ExecSpace, class MemorySpace>
+struct SelectiveScanForwardRegisterFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using Rows = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                            Kokkos::MemoryUnmanaged>;
+  static constexpr int max_states = selective_scan_register_states;
+
+  SelectiveScanOperands<MemorySpace> in;
+  SelectiveScanPlan plan;
+  Tensor3<float, MemorySpace> out;          // (batch, dim, seqlen)
+  Tensor3<float, MemorySpace> last_state;   // (batch, dim, dstate)
+  Tensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
+  bool write_out, write_last_state, write_checkpoints;
+
+  static std::size_t scratch_bytes(int channels, int chunk, int) {
+    return 3 * Rows::shmem_size(channels, chunk + 1) + 2 * Rows::shmem_size(chunk, max_states) +
+           Rows::shmem_size(channels, max_states + 1);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SelectiveScanTeamBlock tb = selective_scan_team_block(plan, team.league_rank());
+    const int nstate = plan.dstate;
+    const int cpt = plan.channels_per_team;
+    Rows su(team.team_scratch(0), cpt, plan.chunk + 1);
+    Rows sdelta(team.team_scratch(0), cpt, plan.chunk + 1);
+    Rows sy(team.team_scratch(0), cpt, plan.chunk + 1);
+    Rows sB(team.team_scratch(0), plan.chunk, max_states);
+    Rows sC(team.team_scratch(0), plan.chunk, max_states);
+    Rows sh(team.team_scratch(0), cpt, max_states + 1);
+
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * nstate), [&](const int i) {
+      const int c = i / nstate, n = i % nstate;
+      sh(c, n) = in.has_initial_state ? in.initial_state(tb.b, tb.d0 + c, n) : 0.0f;
+    });
+    for (int k = 0; k < plan.nchunks; ++k) {
+      const int t0 = k * plan.chunk;
+      const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
+      team.team_barrier();
+      if (write_checkpoints) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * nstate), [&](const int i) {
+          const int c = i / nstate, n = i % nstate;
+          checkpoints(tb.b, tb.d0 + c, k, n) = sh(c, n);
+        });
+      }
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
+        const int c = i / len, t = i % len;
+        su(c, t) = in.u(tb.b, tb.d0 + c, t0 + t);
+        sdelta(c, t) = in.delta_value(in.delta_pre(tb.b, tb.d0 + c, t0 + t));
+      });
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
+        const int n = i / len, t = i % len;
+        sB(t, n) = in.B(tb.b, tb.g, n, t0 + t);
+        sC(t, n) = in.C(tb.b, tb.g, n, t0 + t);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
+        float a[max_states], h[max_states];
+        for (int n = 0; n < max_states; ++n) {
+          a[n] = n < nstate ? in.A(tb.d0 + c, n) : 0.0f;
+          h[n] = n < nstate ? sh(c, n) : 0.0f;
+        }
+        for (int t = 0; t < len; ++t) {
+          const float dt = sdelta(c, t);
+          const float dtu = dt * su(c, t);
+          float y = 0.0f;
+          for (int n = 0; n < max_states; ++n) {
+            if (n < nstate) {
+              h[n] = Kokkos::Experimental::exp(dt * a[n]) * h[n] + dtu * sB(t, n);
+              y += sC(t, n) * h[n];
+            }
+          }
+          sy(c, t) = y;
+        }
+        for (int n = 0; n < max_states; ++n) {
+          if (n < nstate) sh(c, n) = h[n];
+        }
+      });
+      team.team_barrier();
+      if (write_out) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
+          const int c = i / len, t = i % len;
+          const int d = tb.d0 + c;
+          float v = sy(c, t) + in.skip(d) * su(c, t);
+          if (in.has_z) v *= kmamba::silu(in.z(tb.b, d, t0 + t));
+          out(tb.b, d, t0 + t) = v;
+        });
+      }
+    }
+    if (write_last_state) {
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * nstate), [&](const int i) {
+        const int c = i / nstate, n = i % nstate;
+        last_state(tb.b, tb.d0 + c, n) = sh(c, n);
       });
     }
   }
@@ -555,16 +664,45 @@ struct SelectiveScanStepFunctor {
   }
 };
 
+/// Runs the forward scan in chunks of `requested_chunk` tokens (0: chosen here), writing what is
+/// allocated of out, last_state and checkpoints: the register form when dstate fits it, the
+/// lane form otherwise. Returns the chunk length used.
+template <class ExecSpace, class MemorySpace>
+int selective_scan_forward_launch(const ExecSpace& exec, const char* function, const char* label,
+                                  const SelectiveScanDims& dims, int requested_chunk,
+                                  const SelectiveScanOperands<MemorySpace>& operands,
+                                  const Tensor3<float, MemorySpace>& out, const Tensor3<float, MemorySpace>& last_state,
+                                  const Tensor4<float, MemorySpace>& checkpoints) {
+  if (dims.dstate <= selective_scan_register_states) {
+    // A thread per channel on a GPU: teams of 64 channels share the staging of B and C.
+    using Functor = SelectiveScanForwardRegisterFunctor<ExecSpace, MemorySpace>;
+    const SelectiveScanPlan plan =
+        selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes, 64, false);
+    const Functor functor{operands,
+                          plan,
+                          out,
+                          last_state,
+                          checkpoints,
+                          out.is_allocated(),
+                          last_state.is_allocated(),
+                          checkpoints.is_allocated()};
+    selective_scan_launch(exec, label, plan, functor, Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+    return plan.chunk;
+  }
+  using Functor = SelectiveScanForwardFunctor<ExecSpace, MemorySpace>;
+  const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes);
+  const Functor functor{operands,           plan, out, last_state, checkpoints, out.is_allocated(),
+                        last_state.is_allocated(), checkpoints.is_allocated()};
+  selective_scan_launch(exec, label, plan, functor, Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+  return plan.chunk;
+}
+
 template <class ExecSpace, class MemorySpace>
 void selective_scan_forward_impl(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
                                  const SelectiveScanArgs<MemorySpace>& args, const Tensor3<float, MemorySpace>& out,
                                  const Tensor3<float, MemorySpace>& last_state) {
-  using Functor = SelectiveScanForwardFunctor<ExecSpace, MemorySpace>;
-  const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Functor::scratch_bytes);
-  const Functor functor{SelectiveScanOperands<MemorySpace>(args), plan, out, last_state, Tensor4<float, MemorySpace>(),
-                        true, last_state.is_allocated(), false};
-  selective_scan_launch(exec, "kmamba::selective_scan::forward", plan, functor,
-                        Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+  selective_scan_forward_launch(exec, function, "kmamba::selective_scan::forward", dims, args.chunk_size,
+                                SelectiveScanOperands<MemorySpace>(args), out, last_state, Tensor4<float, MemorySpace>());
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -573,11 +711,8 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
                                   const ConstTensor3<float, MemorySpace>& dout,
                                   const ConstTensor3<float, MemorySpace>& dlast_state,
                                   const SelectiveScanGrads<MemorySpace>& grads) {
-  using Forward = SelectiveScanForwardFunctor<ExecSpace, MemorySpace>;
   using Backward = SelectiveScanBackwardFunctor<ExecSpace, MemorySpace>;
   const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
-  // The checkpoint pass must cut the sequence where the backward does.
-  const SelectiveScanPlan forward_plan = selective_scan_plan<ExecSpace>(function, dims, plan.chunk, &Forward::scratch_bytes);
 
   const auto checkpoints = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, plan.nchunks, dims.dstate);
@@ -587,10 +722,12 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
       "kmamba::selective_scan::partial_dD_ddelta_bias", dims.batch, dims.dim, 2);
 
   const SelectiveScanOperands<MemorySpace> operands(args);
-  const Forward forward{operands, forward_plan, Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(),
-                        checkpoints, false, false, true};
-  selective_scan_launch(exec, "kmamba::selective_scan::checkpoints", forward_plan, forward,
-                        Forward::scratch_bytes(forward_plan.channels_per_team, forward_plan.chunk, forward_plan.dstate));
+  // The checkpoint pass must cut the sequence where the backward does.
+  const int forward_chunk =
+      selective_scan_forward_launch(exec, function, "kmamba::selective_scan::checkpoints", dims, plan.chunk, operands,
+                                    Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints);
+  KMAMBA_ASSERT(forward_chunk == plan.chunk, "checkpoint pass chunk " << forward_chunk << " differs from the backward's "
+                                                                      << plan.chunk);
 
   Kokkos::parallel_for("kmamba::selective_scan::zero_dB_dC",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.batch * dims.ngroups * dims.dstate),
