@@ -76,9 +76,8 @@ constexpr int rms_norm_backward_threads = 4;
 
 /// Rows each backward team handles: at least `min_rows`, and at most `max_blocks` blocks in all
 /// (which bounds the atomic additions into dweight to max_blocks per element).
-inline int rms_norm_rows_per_block(int rows) {
+inline int rms_norm_rows_per_block(int rows, std::int64_t max_blocks) {
   constexpr std::int64_t min_rows = 4;
-  constexpr std::int64_t max_blocks = 512;
   return static_cast<int>(std::max(min_rows, (static_cast<std::int64_t>(rows) + max_blocks - 1) / max_blocks));
 }
 
@@ -321,16 +320,20 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   const int rows = static_cast<int>(x.extent(0));
   const int dim = static_cast<int>(x.extent(1));
   const int ngroups = dim / group_size;
-  const int rows_per_block = rms_norm_rows_per_block(rows);
-  const int blocks = (rows + rows_per_block - 1) / rows_per_block;
   // Teams of rms_norm_backward_threads rows at once (fewer where the backend allows fewer), each a
   // vector of up to 32 lanes over the channels.
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
-  Functor functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, rows_per_block,
-                  0, have_rstd};
+  Functor functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, 0, 0, have_rstd};
   const int team_size = std::max(
       1, std::min(rms_norm_backward_threads,
                   Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
+  // As many row blocks as teams the device holds at once (at least 64): enough rows in flight to
+  // cover the loads' latency, few enough that the atomic additions into dweight stay cheap.
+  const std::int64_t threads_per_team = static_cast<std::int64_t>(team_size) * vector_length;
+  const int rows_per_block = rms_norm_rows_per_block(
+      rows, std::max<std::int64_t>(64, static_cast<std::int64_t>(exec.concurrency()) / threads_per_team));
+  functor.rows_per_block = rows_per_block;
+  const int blocks = (rows + rows_per_block - 1) / rows_per_block;
   // shmem_size includes the alignment padding of a View placed in scratch.
   const std::size_t scratch_bytes =
       Functor::scratch_view::shmem_size(static_cast<std::size_t>(team_size), static_cast<std::size_t>(group_size));
