@@ -43,13 +43,14 @@ bin="$root/.gl/bin"
 [ -d "$root/../shared/golden" ] || { mkdir -p "$root/../shared" && ln -sfn "$root/.deps/golden" "$root/../shared/golden"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/machine.txt" 2>&1
 status=0
-step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one line
+step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one line, returns its status
   local name=$1; shift
   local t0; t0=$(date +%s)
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 0 ] || status=1
   echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'PASSED|FAILED|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 2 | tr '\n' ' ')"
+  return $rc
 }
 for s in "${suites[@]}"; do step "test-$s" "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'; done
 # The golden files reproduced by the evaluation tool on the GPU (the ctest eval.* entries).
@@ -78,10 +79,9 @@ if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
 fi
 # The sanitizer runs go side by side (each is slow and mostly host-bound); each leaves its own log.
-sanitize() {  # sanitize TOOL SUITE: exits non-zero when the run fails
+sanitize() {  # sanitize TOOL SUITE
   step "$1-$2" timeout "${GPU_CARRIED_SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$1" --error-exitcode 99 \
     --print-limit 20 "$bin/kmamba_${2}_tests" --gtest_filter='*/Cuda.*'
-  [ "$status" -eq 0 ]
 }
 pids=()
 for s in ${GPU_CARRIED_MEMCHECK-${suites[*]}}; do sanitize memcheck "$s" & pids+=($!); done

@@ -329,7 +329,8 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
                   Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
   // As many row blocks as teams the device holds at once (at least 64): enough rows in flight to
   // cover the loads' latency, few enough that the atomic additions into dweight stay cheap.
-  const std::int64_t threads_per_team = static_cast<std::int64_t>(team_size) * vector_length;
+  const std::int64_t threads_per_team =
+      static_cast<std::int64_t>(team_size) * (vector_lanes_are_threads<ExecutionSpace> ? vector_length : 1);
   const int rows_per_block = rms_norm_rows_per_block(
       rows, std::max<std::int64_t>(64, static_cast<std::int64_t>(exec.concurrency()) / threads_per_team));
   functor.rows_per_block = rows_per_block;

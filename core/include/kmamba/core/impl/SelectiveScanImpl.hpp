@@ -35,7 +35,8 @@ struct SelectiveScanStepArgs;
 
 namespace impl {
 
-/// Two sums reduced together over the states of a channel (backward: Σ λ·B and Σ λ·∂h/∂δ).
+/// Two floats carried together: sums reduced over the states of a channel (backward: Σ λ·B and
+/// Σ λ·∂h/∂δ), and pairs of values staged at once (forward: u and δ, B and C).
 struct SelectiveScanPair {
   float first;
   float second;
@@ -294,11 +295,6 @@ struct SelectiveScanForwardFunctor {
   }
 };
 
-/// Two floats staged together.
-struct SelectiveScanFloat2 {
-  float first = 0.0f, second = 0.0f;
-};
-
 /// For every i < count: store(i, load(i)), spread over the team's threads with `Batch` loads per
 /// thread issued before their stores. A store waits for its load, and a GPU thread issues in
 /// order, so one load per store would leave one memory latency per item in flight per thread;
@@ -384,12 +380,12 @@ struct SelectiveScanForwardRegisterFunctor {
           team, tb.channels * len,
           [&](const int i) {
             const int c = i / len, t = i % len;
-            SelectiveScanFloat2 v;
+            SelectiveScanPair v;
             v.first = in.u(tb.b, tb.d0 + c, t0 + t);
             v.second = in.delta_pre(tb.b, tb.d0 + c, t0 + t);
             return v;
           },
-          [&](const int i, const SelectiveScanFloat2& v) {
+          [&](const int i, const SelectiveScanPair& v) {
             const int c = i / len, t = i % len;
             su(c, t) = v.first;
             sdelta(c, t) = in.delta_value(v.second);
@@ -398,12 +394,12 @@ struct SelectiveScanForwardRegisterFunctor {
           team, nstate * len,
           [&](const int i) {
             const int n = i / len, t = i % len;
-            SelectiveScanFloat2 v;
+            SelectiveScanPair v;
             v.first = in.B(tb.b, tb.g, n, t0 + t);
             v.second = in.C(tb.b, tb.g, n, t0 + t);
             return v;
           },
-          [&](const int i, const SelectiveScanFloat2& v) {
+          [&](const int i, const SelectiveScanPair& v) {
             const int n = i / len, t = i % len;
             sB(t, n) = v.first;
             sC(t, n) = v.second;
