@@ -1,6 +1,7 @@
 // kmamba-perf: kernel benchmarks with roofline ratios.
 //
 //   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--precision fp32|tf32|both]
+//               [--chunk Q]
 //
 // Each case states the bytes it must move and the operations it must do; the floor is the largest of
 // bytes / bandwidth, FLOPs / FMA rate and transcendental count / SFU rate (H200 ceilings measured or
@@ -39,6 +40,7 @@ struct Options {
   std::string only_case, space, precision = "both";
   bool small = false;
   int repeats = 10;
+  int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO; 0: the reference shapes' (256 and 64)
 };
 
 struct Measurement {
@@ -158,7 +160,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   using T4 = kmamba::Tensor4<float, Mem>;
   const Exec exec;
   const int nheads = o.small ? 8 : 32, headdim = 64;
-  const int dstate = o.small ? 64 : 128, ngroups = 1, chunk = 256;
+  const int dstate = o.small ? 64 : 128, ngroups = 1, chunk = o.chunk > 0 ? o.chunk : 256;
   const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
   auto x = kmamba::allocate_uninitialized<T4>("kmamba::perf::x", batch, seqlen, nheads, headdim);
   auto z = kmamba::allocate_uninitialized<T4>("kmamba::perf::z", batch, seqlen, nheads, headdim);
@@ -287,7 +289,7 @@ void bench_mamba3_siso(const Options& o) {
   using T4 = kmamba::Tensor4<float, Mem>;
   const Exec exec;
   const int batch = o.small ? 1 : 8, seqlen = o.small ? 1024 : 4096, nheads = o.small ? 8 : 32, headdim = 64;
-  const int dstate = o.small ? 64 : 128, nangles = dstate / 8, ngroups = 1, chunk = 64;
+  const int dstate = o.small ? 64 : 128, nangles = dstate / 8, ngroups = 1, chunk = o.chunk > 0 ? o.chunk : 64;
   const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
   auto q = kmamba::allocate_uninitialized<T4>("kmamba::perf::q", batch, seqlen, ngroups, dstate);
   auto k = kmamba::allocate_uninitialized<T4>("kmamba::perf::k", batch, seqlen, ngroups, dstate);
@@ -454,9 +456,11 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan|gemm_few_rows] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
-                  "                   [--precision fp32|tf32|both]\n"
+                  "                   [--precision fp32|tf32|both] [--chunk Q]\n"
                   "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n"
-                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n");
+                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n"
+                  "  --chunk      chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64);\n"
+                  "               the result is the same function of the inputs, the work is not\n");
       return 0;
     }
   }
@@ -472,6 +476,11 @@ int main(int argc, char** argv) {
       else if (a == "--space") o.space = value();
       else if (a == "--small") o.small = true;
       else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
+      else if (a == "--chunk") {
+        const std::string v = value();
+        o.chunk = std::atoi(v.c_str());
+        KMAMBA_REQUIRE(o.chunk > 0, "kmamba-perf: --chunk must be a positive integer, got '" << v << "'");
+      }
       else if (a == "--precision") {
         o.precision = value();
         KMAMBA_REQUIRE(o.precision == "fp32" || o.precision == "tf32" || o.precision == "both",

@@ -481,7 +481,7 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
     for (int chunk : {0, 5}) {
       Config c;
       c.batch = 2;
-      c.dim = 70;  // more channels than one register-form team takes
+      c.dim = 140;  // per group, more channels than one register-form team takes
       c.seqlen = 23;
       c.dstate = dstate;
       c.ngroups = 2;

@@ -318,26 +318,35 @@ KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, cons
 /// Largest dstate the register form of the forward scan handles (Mamba-1 uses 16).
 constexpr int selective_scan_register_states = 16;
 
-/// Forward scan with the states of a channel in one thread's registers while it walks a chunk
-/// (dstate <= selective_scan_register_states; no vector lanes): the per-token sum over the states
-/// is a plain loop, and the recurrence h_n ← exp(δ·A_n)·h_n + δ·u·B_n runs as independent chains
-/// with no shuffle or barrier per token. The team stages each chunk's u, δ, B and C in scratch
-/// (channel rows padded by one float, so that the staging stores along t and the scan's loads
-/// across channels both avoid bank conflicts), the states wait in scratch between chunks, and the
-/// outputs leave along t. On a GPU a team has four threads per channel for the staging and the
-/// write-back, each with copy_batch loads in flight (one load at a time left these latency-bound:
-/// 8.2 ms for the forward at batch 8 × 4096 × 1536 channels, 192 teams of 64 threads, 4.5%
-/// achieved occupancy); one thread per channel scans. Same outputs as SelectiveScanForwardFunctor.
+/// Forward scan with the states of a channel in registers while the team walks a chunk
+/// (dstate <= selective_scan_register_states; no vector lanes). The states are padded to
+/// selective_scan_register_states: the padded ones have A = 0 and B = C = 0 (staged once as zeros),
+/// so they stay 0 and add nothing, and the loop over a thread's states has no branch, which lets
+/// the compiler interleave its independent chains h_n ← 2^(δ·A_n·log2 e)·h_n + δ·u·B_n. On a GPU
+/// a channel's states are spread over `state_threads` threads (each writes its share of y to its
+/// own row of scratch, summed at write-back): one thread per channel left 12 288 scanning threads
+/// at batch 8 × 1536 channels, too few to hide the latency of 16 chains (ncu: 0.21 instructions
+/// issued per scheduler cycle), and with it six of eight warps of a block waiting at a barrier.
+/// Host backends use the same split (a team is one thread there, which takes the (channel, share)
+/// pairs in turn), so the host tests check the GPU's arithmetic. The team stages each chunk's u, δ,
+/// B and C in scratch (channel rows padded by one float, so that the staging stores along t and
+/// the scan's loads across channels both avoid bank conflicts), with copy_batch loads in flight per
+/// thread; the states wait in scratch between chunks, and the outputs leave along t.
+/// Same outputs as SelectiveScanForwardFunctor.
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanForwardRegisterFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using Rows = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
                             Kokkos::MemoryUnmanaged>;
   static constexpr int max_states = selective_scan_register_states;
+  /// Threads over the states of one channel, and the states each of them keeps.
+  static constexpr int state_threads = 4;
+  static constexpr int thread_states = max_states / state_threads;
+  /// Channels of a team (the channels_per_team the plan starts from; a GPU team has
+  /// state_threads threads per channel).
+  static constexpr int team_channels = 32;
   /// Loads in flight per thread while a chunk is staged or its outputs leave.
   static constexpr int copy_batch = 8;
-  /// Threads of a GPU team: 4 per channel, which stage and write back; one per channel scans.
-  static constexpr int team_threads = 256;
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
@@ -347,7 +356,7 @@ struct SelectiveScanForwardRegisterFunctor {
   bool write_out, write_last_state, write_checkpoints;
 
   static std::size_t scratch_bytes(int channels, int chunk, int) {
-    return 3 * Rows::shmem_size(channels, chunk + 1) + 2 * Rows::shmem_size(chunk, max_states) +
+    return (2 + state_threads) * Rows::shmem_size(channels, chunk + 1) + 2 * Rows::shmem_size(chunk, max_states) +
            Rows::shmem_size(channels, max_states + 1);
   }
 
@@ -357,14 +366,19 @@ struct SelectiveScanForwardRegisterFunctor {
     const int cpt = plan.channels_per_team;
     Rows su(team.team_scratch(0), cpt, plan.chunk + 1);
     Rows sdelta(team.team_scratch(0), cpt, plan.chunk + 1);
-    Rows sy(team.team_scratch(0), cpt, plan.chunk + 1);
+    Rows sy(team.team_scratch(0), state_threads * cpt, plan.chunk + 1);  // row q·cpt + c: threads q's share
     Rows sB(team.team_scratch(0), plan.chunk, max_states);
     Rows sC(team.team_scratch(0), plan.chunk, max_states);
     Rows sh(team.team_scratch(0), cpt, max_states + 1);
 
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * nstate), [&](const int i) {
-      const int c = i / nstate, n = i % nstate;
-      sh(c, n) = in.has_initial_state ? in.initial_state(tb.b, tb.d0 + c, n) : 0.0f;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * max_states), [&](const int i) {
+      const int c = i / max_states, n = i % max_states;
+      sh(c, n) = n < nstate && in.has_initial_state ? in.initial_state(tb.b, tb.d0 + c, n) : 0.0f;
+    });
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.chunk * (max_states - nstate)), [&](const int i) {
+      const int t = i / (max_states - nstate), n = nstate + i % (max_states - nstate);
+      sB(t, n) = 0.0f;
+      sC(t, n) = 0.0f;
     });
     for (int k = 0; k < plan.nchunks; ++k) {
       const int t0 = k * plan.chunk;
@@ -405,27 +419,28 @@ struct SelectiveScanForwardRegisterFunctor {
             sC(t, n) = v.second;
           });
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
-        float a[max_states], h[max_states];
-        for (int n = 0; n < max_states; ++n) {
-          a[n] = n < nstate ? in.A(tb.d0 + c, n) : 0.0f;
-          h[n] = n < nstate ? sh(c, n) : 0.0f;
+      // Thread i scans states q·thread_states ... of channel c; the threads of a warp share q, so
+      // their reads of B and C are broadcasts.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
+        const int c = i % tb.channels, q = i / tb.channels;
+        const int n0 = q * thread_states;
+        constexpr float log2e = 1.4426950408889634f;
+        float a[thread_states], h[thread_states];
+        for (int j = 0; j < thread_states; ++j) {
+          a[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) * log2e : 0.0f;
+          h[j] = sh(c, n0 + j);
         }
         for (int t = 0; t < len; ++t) {
           const float dt = sdelta(c, t);
           const float dtu = dt * su(c, t);
           float y = 0.0f;
-          for (int n = 0; n < max_states; ++n) {
-            if (n < nstate) {
-              h[n] = Kokkos::Experimental::exp(dt * a[n]) * h[n] + dtu * sB(t, n);
-              y += sC(t, n) * h[n];
-            }
+          for (int j = 0; j < thread_states; ++j) {
+            h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
+            y += sC(t, n0 + j) * h[j];
           }
-          sy(c, t) = y;
+          sy(q * cpt + c, t) = y;
         }
-        for (int n = 0; n < max_states; ++n) {
-          if (n < nstate) sh(c, n) = h[n];
-        }
+        for (int j = 0; j < thread_states; ++j) sh(c, n0 + j) = h[j];
       });
       team.team_barrier();
       if (write_out) {
@@ -435,7 +450,8 @@ struct SelectiveScanForwardRegisterFunctor {
             [&](const int i, const float zv) {
               const int c = i / len, t = i % len;
               const int d = tb.d0 + c;
-              float v = sy(c, t) + in.skip(d) * su(c, t);
+              float v = in.skip(d) * su(c, t);
+              for (int q = 0; q < state_threads; ++q) v += sy(q * cpt + c, t);
               if (in.has_z) v *= kmamba::silu(zv);
               out(tb.b, d, t0 + t) = v;
             });
@@ -725,10 +741,10 @@ int selective_scan_forward_launch(const ExecSpace& exec, const char* function, c
                                   const Tensor3<float, MemorySpace>& out, const Tensor3<float, MemorySpace>& last_state,
                                   const Tensor4<float, MemorySpace>& checkpoints) {
   if (dims.dstate <= selective_scan_register_states) {
-    // Teams of 64 channels share the staging of B and C.
+    // Teams of Functor::team_channels channels share the staging of B and C.
     using Functor = SelectiveScanForwardRegisterFunctor<ExecSpace, MemorySpace>;
-    const SelectiveScanPlan plan =
-        selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes, 64, false);
+    const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes,
+                                                                  Functor::team_channels, false);
     const Functor functor{operands,
                           plan,
                           out,
@@ -738,7 +754,7 @@ int selective_scan_forward_launch(const ExecSpace& exec, const char* function, c
                           last_state.is_allocated(),
                           checkpoints.is_allocated()};
     selective_scan_launch(exec, label, plan, functor, Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate),
-                          Functor::team_threads);
+                          plan.channels_per_team * Functor::state_threads);
     return plan.chunk;
   }
   using Functor = SelectiveScanForwardFunctor<ExecSpace, MemorySpace>;
