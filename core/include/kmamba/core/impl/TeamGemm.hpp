@@ -15,8 +15,10 @@
 // elsewhere.
 //
 // Per backend:
-// - host backends: each team thread takes whole rows and accumulates a block of columns at once,
-//   so that the innermost loop runs over j (contiguous in the stages' operands, vectorisable);
+// - host backends: each team thread stages b, 64 columns at a time, and 4 rows of a at a time in
+//   buffers on its stack (every operand element evaluated once per strip, not once per product
+//   term), and keeps a 4 × 8 block of sums in registers while l runs up (team_gemm_host); products
+//   deeper than team_gemm_host_depth take whole rows and accumulate 64 columns at once;
 // - Cuda: the team (team_threads threads) stages (64 × depth) tiles of a and (depth × 64) tiles of
 //   b in level-0 team scratch, evaluating each operand element once per (64 × 64) output block;
 //   the next tiles are fetched into registers while the current ones are multiplied. Float32:
@@ -53,7 +55,56 @@
 namespace kmamba {
 namespace impl {
 
-/// Host form: each team thread owns rows and accumulates `block` columns at once.
+/// Deepest product (k) the staged host form takes; deeper ones use team_gemm_rows.
+constexpr int team_gemm_host_depth = 512;
+
+/// Host form for products of depth k <= team_gemm_host_depth. Each team thread takes blocks of
+/// `rows` rows (block r goes to thread r mod team size); for every 64 columns it stages b's
+/// (k × 64) strip once in a buffer of its own, and for each of its row blocks the block's rows of
+/// a, so that each operand element is evaluated once per strip and thread rather than once per
+/// product term (the operands may form masks and decays). The sums of a rows × `vec` block of
+/// outputs stay in registers while l runs up, and the innermost loop (over those `vec` columns)
+/// vectorises. Host only: the buffers live on the thread's stack.
+template <class Member, class AOperand, class BOperand, class Store>
+inline void team_gemm_host(const Member& team, const int m, const int n, const int k, const AOperand& a,
+                           const BOperand& b, const Store& store) {
+  constexpr int depth = team_gemm_host_depth, cols = 64, rows = 4, vec = 8;
+  const int row_blocks = (m + rows - 1) / rows;
+  if (team.team_rank() >= row_blocks) return;
+  alignas(64) float bs[depth * cols];  // bs[l·cols + j] = b(l, j0 + j), zero past n
+  alignas(64) float as[rows * depth];  // as[r·depth + l] = a(i0 + r, l), zero past m
+  for (int j0 = 0; j0 < n; j0 += cols) {
+    const int width = n - j0 < cols ? n - j0 : cols;
+    const int padded = (width + vec - 1) / vec * vec;
+    for (int l = 0; l < k; ++l) {
+      for (int j = 0; j < width; ++j) bs[l * cols + j] = b(l, j0 + j);
+      for (int j = width; j < padded; ++j) bs[l * cols + j] = 0.0f;
+    }
+    for (int block = team.team_rank(); block < row_blocks; block += team.team_size()) {
+      const int i0 = block * rows;
+      const int height = m - i0 < rows ? m - i0 : rows;
+      for (int r = 0; r < rows; ++r) {
+        for (int l = 0; l < k; ++l) as[r * depth + l] = r < height ? a(i0 + r, l) : 0.0f;
+      }
+      for (int jb = 0; jb < padded; jb += vec) {
+        float acc[rows][vec] = {};
+        for (int l = 0; l < k; ++l) {
+          const float* const bl = bs + l * cols + jb;
+          for (int r = 0; r < rows; ++r) {
+            const float ar = as[r * depth + l];
+            for (int c = 0; c < vec; ++c) acc[r][c] += ar * bl[c];
+          }
+        }
+        for (int r = 0; r < height; ++r) {
+          for (int c = 0; c < vec && jb + c < width; ++c) store(i0 + r, j0 + jb + c, acc[r][c]);
+        }
+      }
+    }
+  }
+}
+
+/// Host form for deeper products: each team thread owns rows and accumulates `block` columns at
+/// once.
 template <class Member, class AOperand, class BOperand, class Store>
 KOKKOS_INLINE_FUNCTION void team_gemm_rows(const Member& team, const int m, const int n, const int k,
                                            const AOperand& a, const BOperand& b, const Store& store) {
@@ -97,7 +148,16 @@ struct TeamGemm {
   KOKKOS_INLINE_FUNCTION static void apply(const Member& team, const int m, const int n, const int k,
                                            const AOperand& a, const BOperand& b, const Store& store) {
     if constexpr (std::is_same<typename ExecSpace::memory_space, Kokkos::HostSpace>::value) {
-      team_gemm_rows(team, m, n, k, a, b, store);
+#ifdef __CUDA_ARCH__
+      // A host space's functors never run on a GPU; the device pass of a CUDA build compiles this.
+      team_gemm_lanes(team, m, n, k, a, b, store);
+#else
+      if (k <= team_gemm_host_depth) {
+        team_gemm_host(team, m, n, k, a, b, store);
+      } else {
+        team_gemm_rows(team, m, n, k, a, b, store);
+      }
+#endif
     } else {
       team_gemm_lanes(team, m, n, k, a, b, store);
     }
