@@ -275,6 +275,7 @@ void run_space(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

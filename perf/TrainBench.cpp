@@ -373,6 +373,7 @@ void run_space(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {

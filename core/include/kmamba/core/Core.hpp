@@ -10,6 +10,7 @@
 #include <kmamba/core/CrossEntropy.hpp>
 #include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/HostMemory.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Random.hpp>
