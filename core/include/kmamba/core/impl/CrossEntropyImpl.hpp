@@ -21,21 +21,48 @@ struct CrossEntropyForward {
   ConstTensor1<std::int64_t, MemorySpace> targets;
   std::int64_t ignore_index;
   Tensor1<float, MemorySpace> lse;
+  /// Entries of a row per host block.
+  static constexpr int host_block = 1024;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team, double& loss_sum, std::int64_t& count) const {
     const int r = team.league_rank();
     const int vocab = static_cast<int>(logits.extent(1));
     float row_max = -FLT_MAX;
-    Kokkos::parallel_reduce(
-        Kokkos::TeamThreadRange(team, vocab),
-        [&](const int v, float& m) {
-          if (logits(r, v) > m) m = logits(r, v);
-        },
-        Kokkos::Max<float>(row_max));
     float sum = 0.0f;
-    Kokkos::parallel_reduce(
-        Kokkos::TeamThreadRange(team, vocab),
-        [&](const int v, float& s) { s += Kokkos::Experimental::exp(logits(r, v) - row_max); }, sum);
+    if constexpr (Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible) {
+      // Host: blocks of the row over the team's threads, each block's max and sum in four
+      // independent registers (a per-element reducer stays in memory, and its chain of dependent
+      // max / add costs a store-to-load latency per element).
+      const int blocks = (vocab + host_block - 1) / host_block;
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, blocks),
+          [&](const int b, float& m) {
+            float part[4] = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX};
+            const int v0 = b * host_block, v1 = vocab - v0 < host_block ? vocab : v0 + host_block;
+            for (int v = v0; v < v1; ++v) part[v % 4] = logits(r, v) > part[v % 4] ? logits(r, v) : part[v % 4];
+            for (int q = 0; q < 4; ++q) m = part[q] > m ? part[q] : m;
+          },
+          Kokkos::Max<float>(row_max));
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, blocks),
+          [&](const int b, float& total) {
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const int v0 = b * host_block, v1 = vocab - v0 < host_block ? vocab : v0 + host_block;
+            for (int v = v0; v < v1; ++v) part[v % 4] += Kokkos::Experimental::exp(logits(r, v) - row_max);
+            total += (part[0] + part[1]) + (part[2] + part[3]);
+          },
+          sum);
+    } else {
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, vocab),
+          [&](const int v, float& m) {
+            if (logits(r, v) > m) m = logits(r, v);
+          },
+          Kokkos::Max<float>(row_max));
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, vocab),
+          [&](const int v, float& total) { total += Kokkos::Experimental::exp(logits(r, v) - row_max); }, sum);
+    }
     const float row_lse = row_max + Kokkos::Experimental::log(sum);
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       lse(r) = row_lse;
