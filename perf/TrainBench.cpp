@@ -7,7 +7,7 @@
 // TF32 too; host backends emulate the rounding, no faster).
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
-//                     [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]
+//                     [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing] [--json FILE]
 //                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
@@ -74,6 +74,7 @@ struct Options {
   bool mesh_given = false;
   int zero_stage = 0, comm_steps = 2, kernel_time_steps = 0;
   int ngroups = 1;
+  int chunk = 0;  // the SSD's chunk length; 0: the preset's (256, --small 64)
   bool activation_checkpointing = false;
   kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
@@ -89,7 +90,7 @@ kmamba::ModelConfig model_config(const Options& o) {
   c.d_state = 128;
   c.headdim = 64;
   c.ngroups = o.ngroups;
-  c.chunk_size = o.small ? 64 : 256;
+  c.chunk_size = o.chunk > 0 ? o.chunk : o.small ? 64 : 256;
   c.tie_embeddings = true;
   c.validate();
   return c;
@@ -379,13 +380,14 @@ int main(int argc, char** argv) {
     if (a == "-h" || a == "--help") {
       std::printf(
           "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B]\n"
-          "                         [--seqlen L] [--steps S] [--ngroups G] [--activation-checkpointing] [--json FILE]\n"
-          "                         [--precision fp32|tf32|bf16] [--kernel-times K]\n"
+          "                         [--seqlen L] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing]\n"
+          "                         [--json FILE] [--precision fp32|tf32|bf16] [--kernel-times K]\n"
           "       mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
           "  --small: d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)\n"
           "  --ngroups G: B/C groups (default 1; tensor parallelism needs tp to divide it)\n"
+          "  --chunk Q: the SSD's chunk length (default 256, --small 64); the model computes the same function\n"
           "  --activation-checkpointing: keep each layer's input only and recompute the rest in backward\n"
           "  --dp, --tp, --sp: the process mesh under mpirun (dp default: N / (tp * sp)); batch x seqlen is\n"
           "    per data-parallel group (its tensor ranks share it, its sequence ranks split it)\n"
@@ -425,6 +427,7 @@ int main(int argc, char** argv) {
       else if (a == "--tp") o.mesh.tensor_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--sp") o.mesh.sequence_parallel_size = positive(), o.mesh_given = true;
       else if (a == "--ngroups") o.ngroups = positive();
+      else if (a == "--chunk") o.chunk = positive();
       else if (a == "--activation-checkpointing") o.activation_checkpointing = true;
       else if (a == "--zero") o.zero_stage = std::atoi(value().c_str());
       else if (a == "--comm-steps") o.comm_steps = positive();

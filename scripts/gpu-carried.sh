@@ -79,6 +79,7 @@ if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-decode "$bin/kmamba-perf-decode" --space Cuda
   step perf-train "$bin/kmamba-perf-train" --space Cuda --kernel-times 2
   step perf-train-bf16 "$bin/kmamba-perf-train" --space Cuda --precision bf16
+  step perf-train-bf16-chunk64 "$bin/kmamba-perf-train" --space Cuda --precision bf16 --chunk 64
   step perf-decode-b1-kernels "$bin/kmamba-perf-decode" --space Cuda --profile-steps 20 --profile-batch 1 --kernel-times
   step perf-decode-b64-kernels "$bin/kmamba-perf-decode" --space Cuda --profile-steps 20 --profile-batch 64 --kernel-times
   step lorenz96 "$bin/kmamba-lorenz96" --out "$out/lorenz96"
