@@ -639,6 +639,222 @@ struct SelectiveScanBackwardFunctor {
   }
 };
 
+/// Backward scan with the states of a channel in registers (dstate <= selective_scan_register_states;
+/// no vector lanes), the counterpart of SelectiveScanForwardRegisterFunctor: states padded to
+/// selective_scan_register_states with A = B = C = 0 (they stay 0 and add nothing), `state_threads`
+/// threads per channel with `thread_states` states each, on every backend. Per chunk, last to first:
+/// stage the chunk; restart the forward from the chunk's checkpoint, keeping every state of the
+/// chunk in scratch (and each thread's share of y); add the chunk's dC, summed over the team's
+/// channels in channel order; walk the chunk backwards carrying the adjoint μ and the dA sums in
+/// registers, leaving λ·δ·u in place of each state read and each thread's shares of Σ λ·B and
+/// Σ λ·∂h/∂δ in rows of scratch; then write du, dδ, dz and add dB. μ, the dA sums and the
+/// per-channel sums of dD and ddelta_bias wait in scratch between chunks. Same outputs as
+/// SelectiveScanBackwardFunctor.
+template <class ExecSpace, class MemorySpace>
+struct SelectiveScanBackwardRegisterFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  using Rows = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                            Kokkos::MemoryUnmanaged>;
+  using States = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
+                              Kokkos::MemoryUnmanaged>;
+  static constexpr int max_states = selective_scan_register_states;
+  static constexpr int state_threads = SelectiveScanForwardRegisterFunctor<ExecSpace, MemorySpace>::state_threads;
+  static constexpr int thread_states = max_states / state_threads;
+  /// Channels of a team (the channels_per_team the plan starts from).
+  static constexpr int team_channels = 8;
+
+  SelectiveScanOperands<MemorySpace> in;
+  SelectiveScanPlan plan;
+  ConstTensor3<float, MemorySpace> dout;         // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dlast_state;  // (batch, dim, dstate)
+  ConstTensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
+  Tensor3<float, MemorySpace> du, ddelta, dz;    // (batch, dim, seqlen)
+  Tensor4<float, MemorySpace> dB, dC;            // (batch, ngroups, dstate, seqlen)
+  Tensor3<float, MemorySpace> dinitial_state;    // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_dA;        // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_vectors;   // (batch, dim, 2): dD, ddelta_bias
+  bool has_dlast_state, write_dinitial_state;
+
+  static std::size_t scratch_bytes(int channels, int chunk, int) {
+    return (4 + 3 * state_threads) * Rows::shmem_size(channels, chunk + 1) + 2 * Rows::shmem_size(chunk, max_states) +
+           2 * Rows::shmem_size(channels, max_states + 1) + Rows::shmem_size(channels, 2) +
+           States::shmem_size(channels, max_states + 1, chunk + 1);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const SelectiveScanTeamBlock tb = selective_scan_team_block(plan, team.league_rank());
+    const int nstate = plan.dstate;
+    const int cpt = plan.channels_per_team;
+    const int width = plan.chunk + 1;
+    Rows su(team.team_scratch(0), cpt, width);
+    Rows sdelta(team.team_scratch(0), cpt, width);
+    Rows sdelta_grad(team.team_scratch(0), cpt, width);  // dδ/d(delta)
+    Rows sg(team.team_scratch(0), cpt, width);           // dL/dy
+    // Row q·cpt + c: thread q's share of channel c's Σ_n C·h, Σ_n λ·B and Σ_n λ·∂h/∂δ; the
+    // write-back leaves dδ/d(delta)·Σ λ·∂h/∂δ in row c of the last.
+    Rows sy(team.team_scratch(0), state_threads * cpt, width);
+    Rows sfirst(team.team_scratch(0), state_threads * cpt, width);
+    Rows ssecond(team.team_scratch(0), state_threads * cpt, width);
+    Rows sB(team.team_scratch(0), plan.chunk, max_states);
+    Rows sC(team.team_scratch(0), plan.chunk, max_states);
+    Rows smu(team.team_scratch(0), cpt, max_states + 1);
+    Rows sdA(team.team_scratch(0), cpt, max_states + 1);
+    Rows sacc(team.team_scratch(0), cpt, 2);
+    // h before the chunk, then after each token; the backward walk replaces h_{t-1} (index t),
+    // once read, by λ_t·δ_t·u_t. One state row more than used, so that channels lie an odd
+    // number of floats apart.
+    States hs(team.team_scratch(0), cpt, max_states + 1, width);
+
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * max_states), [&](const int i) {
+      const int c = i / max_states, n = i % max_states;
+      smu(c, n) = n < nstate && has_dlast_state ? dlast_state(tb.b, tb.d0 + c, n) : 0.0f;
+      sdA(c, n) = 0.0f;
+      if (n < 2) sacc(c, n) = 0.0f;
+    });
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.chunk * (max_states - nstate)), [&](const int i) {
+      const int t = i / (max_states - nstate), n = nstate + i % (max_states - nstate);
+      sB(t, n) = 0.0f;
+      sC(t, n) = 0.0f;
+    });
+    for (int k = plan.nchunks - 1; k >= 0; --k) {
+      const int t0 = k * plan.chunk;
+      const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
+        const int c = i / len, t = i % len;
+        const int d = tb.d0 + c;
+        const float pre = in.delta_pre(tb.b, d, t0 + t);
+        su(c, t) = in.u(tb.b, d, t0 + t);
+        sdelta(c, t) = in.delta_value(pre);
+        sdelta_grad(c, t) = in.delta_softplus ? kmamba::softplus_derivative(pre) : 1.0f;
+        const float g = dout(tb.b, d, t0 + t);
+        sg(c, t) = in.has_z ? g * kmamba::silu(in.z(tb.b, d, t0 + t)) : g;
+      });
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
+        const int n = i / len, t = i % len;
+        sB(t, n) = in.B(tb.b, tb.g, n, t0 + t);
+        sC(t, n) = in.C(tb.b, tb.g, n, t0 + t);
+      });
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * max_states), [&](const int i) {
+        const int c = i / max_states, n = i % max_states;
+        hs(c, n, 0) = n < nstate ? checkpoints(tb.b, tb.d0 + c, k, n) : 0.0f;
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
+        const int c = i % tb.channels, q = i / tb.channels;
+        const int n0 = q * thread_states;
+        constexpr float log2e = 1.4426950408889634f;
+        float a[thread_states], h[thread_states];
+        for (int j = 0; j < thread_states; ++j) {
+          a[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) * log2e : 0.0f;
+          h[j] = hs(c, n0 + j, 0);
+        }
+        for (int t = 0; t < len; ++t) {
+          const float dt = sdelta(c, t);
+          const float dtu = dt * su(c, t);
+          float y = 0.0f;
+          for (int j = 0; j < thread_states; ++j) {
+            h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
+            hs(c, n0 + j, t + 1) = h[j];
+            y += sC(t, n0 + j) * h[j];
+          }
+          sy(q * cpt + c, t) = y;
+        }
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
+        const int n = i / len, t = i % len;
+        float sum = 0.0f;
+        for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
+        Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
+        const int c = i % tb.channels, q = i / tb.channels;
+        const int n0 = q * thread_states;
+        constexpr float log2e = 1.4426950408889634f;
+        float A[thread_states], a[thread_states], mu[thread_states], dA[thread_states];
+        for (int j = 0; j < thread_states; ++j) {
+          A[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) : 0.0f;
+          a[j] = A[j] * log2e;
+          mu[j] = smu(c, n0 + j);
+          dA[j] = sdA(c, n0 + j);
+        }
+        for (int t = len - 1; t >= 0; --t) {
+          const float dt = sdelta(c, t);
+          const float uu = su(c, t);
+          const float g = sg(c, t);
+          float first = 0.0f, second = 0.0f;
+          for (int j = 0; j < thread_states; ++j) {
+            const int n = n0 + j;
+            const float decay = Kokkos::Experimental::exp2(dt * a[j]);
+            const float decay_hprev = decay * hs(c, n, t);
+            const float lambda = g * sC(t, n) + mu[j];
+            hs(c, n, t) = lambda * dt * uu;
+            first += lambda * sB(t, n);
+            second += lambda * (sB(t, n) * uu + A[j] * decay_hprev);
+            dA[j] += lambda * dt * decay_hprev;
+            mu[j] = decay * lambda;
+          }
+          sfirst(q * cpt + c, t) = first;
+          ssecond(q * cpt + c, t) = second;
+        }
+        for (int j = 0; j < thread_states; ++j) {
+          smu(c, n0 + j) = mu[j];
+          sdA(c, n0 + j) = dA[j];
+        }
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
+        const int c = i / len, t = i % len;
+        const int d = tb.d0 + c;
+        const float skip = in.skip(d);
+        float y = 0.0f, first = 0.0f, second = 0.0f;
+        for (int q = 0; q < state_threads; ++q) {
+          y += sy(q * cpt + c, t);
+          first += sfirst(q * cpt + c, t);
+          second += ssecond(q * cpt + c, t);
+        }
+        const float dpre = second * sdelta_grad(c, t);
+        ssecond(c, t) = dpre;
+        du(tb.b, d, t0 + t) = skip * sg(c, t) + sdelta(c, t) * first;
+        ddelta(tb.b, d, t0 + t) = dpre;
+        if (in.has_z) {
+          const float zz = in.z(tb.b, d, t0 + t);
+          dz(tb.b, d, t0 + t) = dout(tb.b, d, t0 + t) * (y + skip * su(c, t)) * kmamba::silu_derivative(zz);
+        }
+      });
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
+        const int n = i / len, t = i % len;
+        float sum = 0.0f;
+        for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
+        Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
+        float dD = sacc(c, 0), dbias = sacc(c, 1);
+        for (int t = len - 1; t >= 0; --t) {
+          dD += sg(c, t) * su(c, t);
+          dbias += ssecond(c, t);
+        }
+        sacc(c, 0) = dD;
+        sacc(c, 1) = dbias;
+      });
+    }
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * nstate), [&](const int i) {
+      const int c = i / nstate, n = i % nstate;
+      const int d = tb.d0 + c;
+      partial_dA(tb.b, d, n) = sdA(c, n);
+      if (write_dinitial_state) dinitial_state(tb.b, d, n) = smu(c, n);
+      if (n == 0) {
+        partial_vectors(tb.b, d, 0) = sacc(c, 0);
+        partial_vectors(tb.b, d, 1) = sacc(c, 1);
+      }
+    });
+  }
+};
+
 /// Second pass of the backward: dA, dD and ddelta_bias summed over the batch, one thread per
 /// (channel, state), in a fixed order.
 template <class MemorySpace>
@@ -780,7 +996,13 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
                                   const ConstTensor3<float, MemorySpace>& dlast_state,
                                   const SelectiveScanGrads<MemorySpace>& grads) {
   using Backward = SelectiveScanBackwardFunctor<ExecSpace, MemorySpace>;
-  const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
+  using RegisterBackward = SelectiveScanBackwardRegisterFunctor<ExecSpace, MemorySpace>;
+  // The register form where dstate fits it, as for the forward; the lane form otherwise.
+  const bool registers = dims.dstate <= selective_scan_register_states;
+  const SelectiveScanPlan plan =
+      registers ? selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &RegisterBackward::scratch_bytes,
+                                                 RegisterBackward::team_channels, false)
+                : selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
 
   const auto checkpoints = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, plan.nchunks, dims.dstate);
@@ -800,13 +1022,22 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   Kokkos::parallel_for("kmamba::selective_scan::zero_dB_dC",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.batch * dims.ngroups * dims.dstate),
                        SelectiveScanZeroFunctor<MemorySpace>{grads.dB, grads.dC});
-  const Backward backward{operands,        plan,      dout,           dlast_state,
-                          checkpoints,     grads.du,  grads.ddelta,   grads.dz,
-                          grads.dB,        grads.dC,  grads.dinitial_state,
-                          partial_dA,      partial_vectors,
-                          dlast_state.is_allocated(), grads.dinitial_state.is_allocated()};
-  selective_scan_launch(exec, "kmamba::selective_scan::backward", plan, backward,
-                        Backward::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+  // Both forms take the same members; `form` carries the functor type.
+  auto launch = [&](auto form, const int team_threads) {
+    using Functor = typename decltype(form)::type;
+    const Functor backward{operands,        plan,      dout,           dlast_state,
+                           checkpoints,     grads.du,  grads.ddelta,   grads.dz,
+                           grads.dB,        grads.dC,  grads.dinitial_state,
+                           partial_dA,      partial_vectors,
+                           dlast_state.is_allocated(), grads.dinitial_state.is_allocated()};
+    selective_scan_launch(exec, "kmamba::selective_scan::backward", plan, backward,
+                          Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate), team_threads);
+  };
+  if (registers) {
+    launch(SelectiveScanIdentity<RegisterBackward>(), plan.channels_per_team * RegisterBackward::state_threads);
+  } else {
+    launch(SelectiveScanIdentity<Backward>(), 0);
+  }
 
   const SelectiveScanBatchSumFunctor<MemorySpace> batch_sum{partial_dA,
                                                            partial_vectors,
