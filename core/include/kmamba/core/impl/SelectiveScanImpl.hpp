@@ -1,11 +1,15 @@
 // Internals of kmamba/core/SelectiveScan.hpp: the launch plan and the functors.
 //
 // Work decomposition (same for every backend): one team per (batch, group, block of channels
-// of that group). The channels are spread over the team's threads (one per channel on a GPU,
-// a single thread on a host backend, where team barriers and shared cache lines cost more than
-// they save), and the vector lanes of a thread own the states n of its channel (lane
-// n % vector_length), so the per-token sum over n is a vector reduction and the running state of
-// (channel, n) never leaves the lane that owns it. The sequence is walked in chunks: the team
+// of that group). Two forms share it. Up to selective_scan_register_states states (Mamba-1's 16),
+// the register forms: a channel's states are padded to that count and split over a few threads,
+// each keeping its share in registers (SelectiveScanForwardRegisterFunctor,
+// SelectiveScanBackwardRegisterFunctor). Wider states, the lane forms: the channels are spread
+// over the team's threads (one per channel on a GPU, a single thread on a host backend, where
+// team barriers and shared cache lines cost more than they save), and the vector lanes of a
+// thread own the states n of its channel (lane n % vector_length), so the per-token sum over n
+// is a vector reduction and the running state of (channel, n) never leaves the lane that owns
+// it. In both, the sequence is walked in chunks: the team
 // stages the chunk's u, δ, B and C in level-0 scratch, then each thread scans its channels over
 // the chunk, then the team writes the chunk's outputs with coalesced stores. Sums over the
 // channels of a team (dB, dC) are read from scratch in channel order, never accumulated there
