@@ -322,6 +322,48 @@ KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, cons
 /// Largest dstate the register form of the forward scan handles (Mamba-1 uses 16).
 constexpr int selective_scan_register_states = 16;
 
+/// Zeroes columns [dstate, selective_scan_register_states) of the staged B and C, which the
+/// register forms' padded states read and the staging never writes. `sB` and `sC`: (chunk, max_states).
+template <class Member, class Rows>
+KOKKOS_INLINE_FUNCTION void selective_scan_zero_padded_states(const Member& team, const int chunk, const int dstate,
+                                                              const Rows& sB, const Rows& sC) {
+  const int padded = selective_scan_register_states - dstate;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, chunk * padded), [&](const int i) {
+    const int t = i / padded, n = dstate + i % padded;
+    sB(t, n) = 0.0f;
+    sC(t, n) = 0.0f;
+  });
+}
+
+/// A_n·log2 e of states n0 ... n0 + States - 1 of channel d (0 past dstate), so that the register
+/// forms' decay exp(δ·A_n) is 2^(δ·a_n).
+template <int States, class MemorySpace>
+KOKKOS_INLINE_FUNCTION void selective_scan_register_rates(const SelectiveScanOperands<MemorySpace>& in, const int d,
+                                                          const int n0, const int dstate, float (&a)[States]) {
+  constexpr float log2e = 1.4426950408889634f;
+  for (int j = 0; j < States; ++j) a[j] = n0 + j < dstate ? in.A(d, n0 + j) * log2e : 0.0f;
+}
+
+/// Advances the States states h (of rates a, from selective_scan_register_rates) of channel row c
+/// over tokens [0, len) of the staged chunk, states n0 ... of B and C; after each token t calls
+/// after_token(t, h, y) with y = Σ_j C·h, this thread's share of the output.
+template <int States, class Rows, class AfterToken>
+KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int n0, const int len, const Rows& su,
+                                                          const Rows& sdelta, const Rows& sB, const Rows& sC,
+                                                          const float (&a)[States], float (&h)[States],
+                                                          const AfterToken& after_token) {
+  for (int t = 0; t < len; ++t) {
+    const float dt = sdelta(c, t);
+    const float dtu = dt * su(c, t);
+    float y = 0.0f;
+    for (int j = 0; j < States; ++j) {
+      h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
+      y += sC(t, n0 + j) * h[j];
+    }
+    after_token(t, h, y);
+  }
+}
+
 /// Forward scan with the states of a channel in registers while the team walks a chunk
 /// (dstate <= selective_scan_register_states; no vector lanes). The states are padded to
 /// selective_scan_register_states: the padded ones have A = 0 and B = C = 0 (staged once as zeros),
@@ -379,11 +421,7 @@ struct SelectiveScanForwardRegisterFunctor {
       const int c = i / max_states, n = i % max_states;
       sh(c, n) = n < nstate && in.has_initial_state ? in.initial_state(tb.b, tb.d0 + c, n) : 0.0f;
     });
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.chunk * (max_states - nstate)), [&](const int i) {
-      const int t = i / (max_states - nstate), n = nstate + i % (max_states - nstate);
-      sB(t, n) = 0.0f;
-      sC(t, n) = 0.0f;
-    });
+    selective_scan_zero_padded_states(team, plan.chunk, nstate, sB, sC);
     for (int k = 0; k < plan.nchunks; ++k) {
       const int t0 = k * plan.chunk;
       const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
@@ -428,22 +466,13 @@ struct SelectiveScanForwardRegisterFunctor {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
         const int c = i % tb.channels, q = i / tb.channels;
         const int n0 = q * thread_states;
-        constexpr float log2e = 1.4426950408889634f;
         float a[thread_states], h[thread_states];
-        for (int j = 0; j < thread_states; ++j) {
-          a[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) * log2e : 0.0f;
-          h[j] = sh(c, n0 + j);
-        }
-        for (int t = 0; t < len; ++t) {
-          const float dt = sdelta(c, t);
-          const float dtu = dt * su(c, t);
-          float y = 0.0f;
-          for (int j = 0; j < thread_states; ++j) {
-            h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
-            y += sC(t, n0 + j) * h[j];
-          }
-          sy(q * cpt + c, t) = y;
-        }
+        selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
+        for (int j = 0; j < thread_states; ++j) h[j] = sh(c, n0 + j);
+        selective_scan_register_chunk(c, n0, len, su, sdelta, sB, sC, a, h,
+                                      [&](const int t, const float(&)[thread_states], const float y) {
+                                        sy(q * cpt + c, t) = y;
+                                      });
         for (int j = 0; j < thread_states; ++j) sh(c, n0 + j) = h[j];
       });
       team.team_barrier();
@@ -715,11 +744,7 @@ struct SelectiveScanBackwardRegisterFunctor {
       sdA(c, n) = 0.0f;
       if (n < 2) sacc(c, n) = 0.0f;
     });
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.chunk * (max_states - nstate)), [&](const int i) {
-      const int t = i / (max_states - nstate), n = nstate + i % (max_states - nstate);
-      sB(t, n) = 0.0f;
-      sC(t, n) = 0.0f;
-    });
+    selective_scan_zero_padded_states(team, plan.chunk, nstate, sB, sC);
     for (int k = plan.nchunks - 1; k >= 0; --k) {
       const int t0 = k * plan.chunk;
       const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
@@ -747,23 +772,14 @@ struct SelectiveScanBackwardRegisterFunctor {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
         const int c = i % tb.channels, q = i / tb.channels;
         const int n0 = q * thread_states;
-        constexpr float log2e = 1.4426950408889634f;
         float a[thread_states], h[thread_states];
-        for (int j = 0; j < thread_states; ++j) {
-          a[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) * log2e : 0.0f;
-          h[j] = hs(c, n0 + j, 0);
-        }
-        for (int t = 0; t < len; ++t) {
-          const float dt = sdelta(c, t);
-          const float dtu = dt * su(c, t);
-          float y = 0.0f;
-          for (int j = 0; j < thread_states; ++j) {
-            h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
-            hs(c, n0 + j, t + 1) = h[j];
-            y += sC(t, n0 + j) * h[j];
-          }
-          sy(q * cpt + c, t) = y;
-        }
+        selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
+        for (int j = 0; j < thread_states; ++j) h[j] = hs(c, n0 + j, 0);
+        selective_scan_register_chunk(c, n0, len, su, sdelta, sB, sC, a, h,
+                                      [&](const int t, const float(&state)[thread_states], const float y) {
+                                        for (int j = 0; j < thread_states; ++j) hs(c, n0 + j, t + 1) = state[j];
+                                        sy(q * cpt + c, t) = y;
+                                      });
       });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
@@ -776,11 +792,10 @@ struct SelectiveScanBackwardRegisterFunctor {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
         const int c = i % tb.channels, q = i / tb.channels;
         const int n0 = q * thread_states;
-        constexpr float log2e = 1.4426950408889634f;
         float A[thread_states], a[thread_states], mu[thread_states], dA[thread_states];
+        selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
         for (int j = 0; j < thread_states; ++j) {
           A[j] = n0 + j < nstate ? in.A(tb.d0 + c, n0 + j) : 0.0f;
-          a[j] = A[j] * log2e;
           mu[j] = smu(c, n0 + j);
           dA[j] = sdA(c, n0 + j);
         }
