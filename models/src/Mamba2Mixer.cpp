@@ -314,7 +314,7 @@ SsdArgs<Mem> make_ssd_args(const ModelConfig& config, const ParameterSlab<Mem>& 
   args.dt_softplus = true;
   args.dt_min = static_cast<float>(config.dt_limit_min);
   args.dt_max = static_cast<float>(config.dt_limit_max);
-  args.chunk_size = config.chunk_size;
+  args.chunk_size = std::min(config.chunk_size, ssd_preferred_chunk_size);
   return args;
 }
 

@@ -375,6 +375,13 @@ std::vector<Case> forward_cases() {
   e.chunk = 4;
   e.seed = 15;
   cases.push_back(e);
+  Case f;  // the configuration's chunk (Mamba-2's 256) above ssd_preferred_chunk_size: computed in
+           // chunks of 64, three of them, the last partial
+  f.batch = 1;
+  f.seqlen = 150;
+  f.chunk = 256;
+  f.seed = 16;
+  cases.push_back(f);
   return cases;
 }
 
@@ -396,6 +403,12 @@ std::vector<Case> gradient_cases() {
   b.dt_limit_max = 0.5;
   b.seed = 22;
   cases.push_back(b);
+  Case c;  // a configured chunk of 256 computed in chunks of 64 (ssd_preferred_chunk_size)
+  c.batch = 1;
+  c.seqlen = 70;
+  c.chunk = 256;
+  c.seed = 23;
+  cases.push_back(c);
   return cases;
 }
 

@@ -4,7 +4,9 @@
 //   [z | x | B | C | dt] = u · in_projᵀ (+ in_proj.bias)                 (b·L, 2E + 2GN + H)
 //   [x | B | C]          = silu(causal_conv1d([x | B | C]))              depthwise, conv_dim channels
 //   y                    = SSD(x, dt, A = −exp(A_log), B, C, D, dt_bias,
-//                              softplus, dt_limit, chunk_size)           no gate inside the scan
+//                              softplus, dt_limit, chunk)                no gate inside the scan,
+//                                                                        chunk = min(chunk_size,
+//                                                                        ssd_preferred_chunk_size)
 //   y                    = gated RMSNorm(y, z), group-wise (group_size E/G), norm_before_gate from
 //                          the config, eps = config.norm_epsilon
 //   out                  = y · out_projᵀ (+ out_proj.bias)
