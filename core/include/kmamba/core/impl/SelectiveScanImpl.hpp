@@ -108,15 +108,15 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
 }
 
 /// Chooses channels per team and the chunk length so that the team scratch (bytes given by
-/// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`. A positive
-/// `requested_chunk` is kept as is. With `lanes_over_states` the vector lanes of a thread own the
+/// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`, starting
+/// from `preferred_chunk` tokens. A positive `requested_chunk` is kept as is. With `lanes_over_states` the vector lanes of a thread own the
 /// states of its channel; without, a thread keeps them all (vector length 1).
 template <class ExecSpace>
 SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanDims& dims, int requested_chunk,
                                       std::size_t (*scratch_bytes)(int, int, int),
-                                      const int preferred_channels_per_team = 8, const bool lanes_over_states = true) {
+                                      const int preferred_channels_per_team = 8, const bool lanes_over_states = true,
+                                      const int preferred_chunk = 64) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  constexpr int preferred_chunk = 64;
   constexpr int max_vector_length = 32;
   SelectiveScanPlan plan;
   plan.batch = static_cast<int>(dims.batch);
@@ -299,22 +299,28 @@ struct SelectiveScanForwardFunctor {
   }
 };
 
-/// For every i < count: store(i, load(i)), spread over the team's threads with `Batch` loads per
-/// thread issued before their stores. A store waits for its load, and a GPU thread issues in
-/// order, so one load per store would leave one memory latency per item in flight per thread;
-/// thread g handles items g, g + groups, ... so that neighbouring threads read neighbouring items.
+/// For every r < rows and t < cols: store(r, t, load(r, t)), spread over the team's threads with
+/// `Batch` loads per thread issued before their stores. A store waits for its load, and a GPU
+/// thread issues in order, so one load per store would leave one memory latency per item in
+/// flight per thread; thread g handles items i = g, g + groups, ... (r = i / cols, t = i mod cols,
+/// one division per item) so that neighbouring threads read neighbouring t.
 template <int Batch, class Member, class Load, class Store>
-KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, const int count, const Load& load,
-                                                        const Store& store) {
-  using Value = decltype(load(0));
+KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, const int rows, const int cols,
+                                                        const Load& load, const Store& store) {
+  using Value = decltype(load(0, 0));
+  const int count = rows * cols;
   const int groups = (count + Batch - 1) / Batch;
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, groups), [&](const int g) {
     Value v[Batch];
+    int r[Batch], t[Batch];
     for (int k = 0; k < Batch; ++k) {
-      if (g + k * groups < count) v[k] = load(g + k * groups);
+      const int i = g + k * groups;
+      r[k] = i / cols;
+      t[k] = i - r[k] * cols;
+      if (i < count) v[k] = load(r[k], t[k]);
     }
     for (int k = 0; k < Batch; ++k) {
-      if (g + k * groups < count) store(g + k * groups, v[k]);
+      if (g + k * groups < count) store(r[k], t[k], v[k]);
     }
   });
 }
@@ -352,6 +358,11 @@ KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int
                                                           const Rows& sdelta, const Rows& sB, const Rows& sC,
                                                           const float (&a)[States], float (&h)[States],
                                                           const AfterToken& after_token) {
+  // Unrolled on a GPU so that the loads and exponentials of the next tokens, which do not depend
+  // on h, issue while the current token's chains complete.
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
   for (int t = 0; t < len; ++t) {
     const float dt = sdelta(c, t);
     const float dtu = dt * su(c, t);
@@ -389,8 +400,11 @@ struct SelectiveScanForwardRegisterFunctor {
   static constexpr int state_threads = 4;
   static constexpr int thread_states = max_states / state_threads;
   /// Channels of a team (the channels_per_team the plan starts from; a GPU team has
-  /// state_threads threads per channel).
-  static constexpr int team_channels = 32;
+  /// state_threads threads per channel). 16: at Mamba-1's 1536 channels and batch 8, 768 teams
+  /// of 64 threads, about 6 per multiprocessor of an H200, so that the other teams scan while
+  /// one stages its chunk or waits at a barrier (32 gave 2.9 teams per multiprocessor and 18%
+  /// achieved occupancy).
+  static constexpr int team_channels = 16;
   /// Loads in flight per thread while a chunk is staged or its outputs leave.
   static constexpr int copy_batch = 8;
 
@@ -433,30 +447,26 @@ struct SelectiveScanForwardRegisterFunctor {
         });
       }
       selective_scan_batched_copy<copy_batch>(
-          team, tb.channels * len,
-          [&](const int i) {
-            const int c = i / len, t = i % len;
+          team, tb.channels, len,
+          [&](const int c, const int t) {
             SelectiveScanPair v;
             v.first = in.u(tb.b, tb.d0 + c, t0 + t);
             v.second = in.delta_pre(tb.b, tb.d0 + c, t0 + t);
             return v;
           },
-          [&](const int i, const SelectiveScanPair& v) {
-            const int c = i / len, t = i % len;
+          [&](const int c, const int t, const SelectiveScanPair& v) {
             su(c, t) = v.first;
             sdelta(c, t) = in.delta_value(v.second);
           });
       selective_scan_batched_copy<copy_batch>(
-          team, nstate * len,
-          [&](const int i) {
-            const int n = i / len, t = i % len;
+          team, nstate, len,
+          [&](const int n, const int t) {
             SelectiveScanPair v;
             v.first = in.B(tb.b, tb.g, n, t0 + t);
             v.second = in.C(tb.b, tb.g, n, t0 + t);
             return v;
           },
-          [&](const int i, const SelectiveScanPair& v) {
-            const int n = i / len, t = i % len;
+          [&](const int n, const int t, const SelectiveScanPair& v) {
             sB(t, n) = v.first;
             sC(t, n) = v.second;
           });
@@ -478,10 +488,9 @@ struct SelectiveScanForwardRegisterFunctor {
       team.team_barrier();
       if (write_out) {
         selective_scan_batched_copy<copy_batch>(
-            team, tb.channels * len,
-            [&](const int i) { return in.has_z ? in.z(tb.b, tb.d0 + i / len, t0 + i % len) : 0.0f; },
-            [&](const int i, const float zv) {
-              const int c = i / len, t = i % len;
+            team, tb.channels, len,
+            [&](const int c, const int t) { return in.has_z ? in.z(tb.b, tb.d0 + c, t0 + t) : 0.0f; },
+            [&](const int c, const int t, const float zv) {
               const int d = tb.d0 + c;
               float v = in.skip(d) * su(c, t);
               for (int q = 0; q < state_threads; ++q) v += sy(q * cpt + c, t);
@@ -695,6 +704,10 @@ struct SelectiveScanBackwardRegisterFunctor {
   static constexpr int thread_states = max_states / state_threads;
   /// Channels of a team (the channels_per_team the plan starts from).
   static constexpr int team_channels = 8;
+  /// Tokens per chunk the plan starts from: the states of every token of a chunk wait in scratch,
+  /// and at 32 tokens a one-warp team took ~40 KB, which left 5 teams per multiprocessor of an
+  /// H200 (7.8% theoretical occupancy, 0.69 instructions per cycle); 16 takes ~21 KB.
+  static constexpr int preferred_chunk = 16;
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
@@ -1020,7 +1033,7 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   const bool registers = dims.dstate <= selective_scan_register_states;
   const SelectiveScanPlan plan =
       registers ? selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &RegisterBackward::scratch_bytes,
-                                                 RegisterBackward::team_channels, false)
+                                                 RegisterBackward::team_channels, false, RegisterBackward::preferred_chunk)
                 : selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
 
   const auto checkpoints = allocate_uninitialized<Tensor4<float, MemorySpace>>(
