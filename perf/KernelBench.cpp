@@ -13,6 +13,8 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -36,17 +39,18 @@ constexpr double exp_per_s = 3.9e12;
 // datasheet's TF32 : bf16 ratio.
 constexpr double tf32_flop_per_s = 395e12;
 
-struct Options {
-  std::string only_case, space, precision = "both";
-  bool small = false;
-  int repeats = 10;
-  int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO; 0: the reference shapes' (256 and 64)
-};
-
 struct Measurement {
   std::string name, shape;
   double seconds = 0, bytes = 0, flops = 0, exps = 0;
   double flop_per_s = fp32_flop_per_s;  // the FLOP ceiling of the floor
+};
+
+struct Options {
+  std::string only_case, space, precision = "both", json;
+  bool small = false;
+  int repeats = 10;
+  int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO; 0: the reference shapes' (256 and 64)
+  std::vector<Measurement>* rows = nullptr;  // every reported measurement, for --json
 };
 
 template <class Exec, class F>
@@ -64,8 +68,13 @@ double median_seconds(const Exec& exec, int repeats, const F& run) {
   return t[t.size() / 2];
 }
 
-void report(const Measurement& m) {
-  const double floor_s = std::max({m.bytes / hbm_bytes_per_s, m.flops / m.flop_per_s, m.exps / exp_per_s});
+double floor_seconds(const Measurement& m) {
+  return std::max({m.bytes / hbm_bytes_per_s, m.flops / m.flop_per_s, m.exps / exp_per_s});
+}
+
+void report(const Options& o, const Measurement& m) {
+  if (o.rows != nullptr) o.rows->push_back(m);
+  const double floor_s = floor_seconds(m);
   std::printf("%-28s %-34s %10.3f ms %9.1f GB/s %9.1f GFLOP/s   floor %8.3f ms  x%.1f\n", m.name.c_str(),
               m.shape.c_str(), m.seconds * 1e3, m.bytes / m.seconds * 1e-9, m.flops / m.seconds * 1e-9, floor_s * 1e3,
               m.seconds / floor_s);
@@ -126,7 +135,7 @@ void bench_selective_scan(const Options& o) {
   fwd.bytes = 4.0 * (4 * elems + 2.0 * batch * dstate * seqlen);  // u, delta, z, out + B, C
   fwd.flops = 8.0 * elems * dstate;                                  // per state update: exp arg, decay, B·u, C·h
   fwd.exps = elems * dstate;
-  report(fwd);
+  report(o, fwd);
 
   kmamba::Tensor3<float, Mem> dout = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::perf::dout", batch, dim, seqlen);
   kmamba::fill_normal(exec, dout, 9, 0.0f, 1.0f);
@@ -146,7 +155,7 @@ void bench_selective_scan(const Options& o) {
   bwd.bytes = 4.0 * (9 * elems + 4.0 * batch * dstate * seqlen);  // read u, delta, z, dout (+ recompute); write du, ddelta, dz
   bwd.flops = 20.0 * elems * dstate;
   bwd.exps = 2.0 * elems * dstate;                                   // recompute + backward
-  report(bwd);
+  report(o, bwd);
 }
 
 // Mamba-2 SSD (mamba_chunk_scan_combined) at one (batch, seqlen) of the CUDA performance issue:
@@ -228,7 +237,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
     fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
     fwd.exps = tokens * nheads * Q / 2;
-    report(fwd);
+    report(o, fwd);
 
     Measurement bwd{"ssd bwd" + suffix, shape};
     bwd.flop_per_s = flop_per_s;
@@ -238,7 +247,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
     bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
     bwd.exps = 3.0 * tokens * nheads * Q / 2;
-    report(bwd);
+    report(o, bwd);
 
     Measurement both{"ssd fwd+bwd" + suffix, shape};
     both.flop_per_s = flop_per_s;
@@ -246,7 +255,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     both.bytes = fwd.bytes + bwd.bytes;
     both.flops = fwd.flops + bwd.flops;
     both.exps = fwd.exps + bwd.exps;
-    report(both);
+    report(o, both);
 
     if (!tf32) {
       Kokkos::deep_copy(out_fp32, out);
@@ -369,7 +378,7 @@ void bench_mamba3_siso(const Options& o) {
     fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
     fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
     fwd.exps = tokens * nheads * Q / 2;
-    report(fwd);
+    report(o, fwd);
 
     Measurement bwd{"mamba3 siso bwd" + suffix, shape};
     bwd.flop_per_s = flop_per_s;
@@ -379,7 +388,7 @@ void bench_mamba3_siso(const Options& o) {
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
     bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
     bwd.exps = 3.0 * tokens * nheads * Q / 2;
-    report(bwd);
+    report(o, bwd);
 
     Measurement both{"mamba3 siso fwd+bwd" + suffix, shape};
     both.flop_per_s = flop_per_s;
@@ -387,7 +396,7 @@ void bench_mamba3_siso(const Options& o) {
     both.bytes = fwd.bytes + bwd.bytes;
     both.flops = fwd.flops + bwd.flops;
     both.exps = fwd.exps + bwd.exps;
-    report(both);
+    report(o, both);
   }
 }
 
@@ -418,7 +427,7 @@ void bench_gemm_few_rows(const Options& o) {
       });
       g.bytes = 4.0 * (double(sh.n) * sh.k + double(m) * sh.k + double(m) * sh.n);
       g.flops = 2.0 * m * double(sh.n) * sh.k;
-      report(g);
+      report(o, g);
 #if KMAMBA_ENABLE_CUDA
       if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) {
         Measurement c = g;
@@ -427,7 +436,7 @@ void bench_gemm_few_rows(const Options& o) {
           kmamba::impl::cublas_gemm_row_major(exec.cuda_stream(), false, true, m, sh.n, sh.k, 1.0f, A.data(), sh.k,
                                               B.data(), sh.k, 0.0f, C.data(), sh.n);
         });
-        report(c);
+        report(o, c);
       }
 #endif
     }
@@ -448,6 +457,41 @@ void run_space(const Options& o) {
   KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan, gemm_few_rows)");
 }
 
+// The rows as JSON: what was run (space, options, the ceilings of the floor) and per row the
+// measured median with its derived rates, the floor and the ratio to it.
+void write_json(const Options& o, const std::string& space, const std::vector<Measurement>& rows) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const Measurement& m : rows) {
+    const double floor_s = floor_seconds(m);
+    list.push_back({{"case", m.name},
+                    {"shape", m.shape},
+                    {"seconds", m.seconds},
+                    {"bytes", m.bytes},
+                    {"flops", m.flops},
+                    {"exps", m.exps},
+                    {"gb_per_s", m.bytes / m.seconds * 1e-9},
+                    {"tflop_per_s", m.flops / m.seconds * 1e-12},
+                    {"floor_seconds", floor_s},
+                    {"ratio_to_floor", m.seconds / floor_s}});
+  }
+  const nlohmann::json doc = {{"tool", "kmamba-perf"},
+                              {"version", KMAMBA_VERSION_STRING},
+                              {"space", space},
+                              {"small", o.small},
+                              {"repeats", o.repeats},
+                              {"chunk", o.chunk},
+                              {"precision", o.precision},
+                              {"ceilings", {{"bytes_per_s", hbm_bytes_per_s},
+                                            {"fp32_flop_per_s", fp32_flop_per_s},
+                                            {"tf32_flop_per_s", tf32_flop_per_s},
+                                            {"exp_per_s", exp_per_s}}},
+                              {"rows", list}};
+  std::ofstream file(o.json);
+  KMAMBA_REQUIRE(file.good(), "kmamba-perf: cannot write '" << o.json << "'");
+  file << doc.dump(2) << "\n";
+  KMAMBA_REQUIRE(file.good(), "kmamba-perf: writing '" << o.json << "' failed");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -457,11 +501,13 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan|gemm_few_rows] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
-                  "                   [--precision fp32|tf32|both] [--chunk Q]\n"
+                  "                   [--precision fp32|tf32|both] [--chunk Q] [--json FILE]\n"
+                  "Prints one row per case: shape, median time, achieved GB/s and GFLOP/s, the H200 floor and the ratio to it.\n"
                   "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n"
                   "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n"
                   "  --chunk      chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64);\n"
-                  "               the result is the same function of the inputs, the work is not\n");
+                  "               the result is the same function of the inputs, the work is not\n"
+                  "  --json       also write the rows to FILE as JSON (an object with the configuration and a \"rows\" array)\n");
       return 0;
     }
   }
@@ -476,6 +522,7 @@ int main(int argc, char** argv) {
       if (a == "--case") o.only_case = value();
       else if (a == "--space") o.space = value();
       else if (a == "--small") o.small = true;
+      else if (a == "--json") o.json = value();
       else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
       else if (a == "--chunk") {
         const std::string v = value();
@@ -493,6 +540,8 @@ int main(int argc, char** argv) {
     std::printf("%-28s %-34s %13s %14s %17s   %s\n", "case", "shape", "median", "bandwidth", "arithmetic",
                 "H200 floor and ratio");
     const std::string space = o.space.empty() ? Kokkos::DefaultExecutionSpace::name() : o.space;
+    std::vector<Measurement> rows;
+    o.rows = &rows;
     bool ran = false;
 #if KMAMBA_ENABLE_CUDA
     if (space == "Cuda") run_space<Kokkos::Cuda>(o), ran = true;
@@ -504,6 +553,7 @@ int main(int argc, char** argv) {
     if (space == "Serial") run_space<Kokkos::Serial>(o), ran = true;
 #endif
     KMAMBA_REQUIRE(ran, "kmamba-perf: --space " << space << " is not an execution space of this build");
+    if (!o.json.empty()) write_json(o, space, rows);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -340,6 +340,22 @@ void check_against_reference(const Config& c, double tol) {
 // ----------------------------------------------------------------------------------------------
 // The reference itself: backward against finite differences of its forward.
 
+// The register forms split team items into (row, column) with a float multiply instead of an
+// integer division: it must agree with the division over its whole stated range.
+TEST(SelectiveScanItems, SplitMatchesIntegerDivision) {
+  for (const int cols : {1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 1000, 1023, 4097}) {
+    const float inv = 1.0f / static_cast<float>(cols);
+    int wrong = 0, first_wrong = -1;
+    for (int i = 0; i < kmamba::impl::selective_scan_max_items; ++i) {
+      const kmamba::impl::SelectiveScanItem it = kmamba::impl::selective_scan_item(i, cols, inv);
+      if (it.row != i / cols || it.col != i % cols) {
+        if (wrong++ == 0) first_wrong = i;
+      }
+    }
+    EXPECT_EQ(wrong, 0) << "cols " << cols << ": first wrong item " << first_wrong;
+  }
+}
+
 TEST(SelectiveScanReference, BackwardMatchesFiniteDifferences) {
   using Host = Kokkos::DefaultHostExecutionSpace;
   Config all;

@@ -107,6 +107,9 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
   return tb;
 }
 
+/// Largest item count of a (rows × cols) team range that selective_scan_item splits exactly.
+constexpr int selective_scan_max_items = 1 << 22;
+
 /// Chooses channels per team and the chunk length so that the team scratch (bytes given by
 /// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`, starting
 /// from `preferred_chunk` tokens. A positive `requested_chunk` is kept as is. With `lanes_over_states` the vector lanes of a thread own the
@@ -137,6 +140,9 @@ SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanD
                                   << scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate)
                                   << " bytes of team scratch memory but " << limit
                                   << " are available; pass a smaller chunk_size (or 0)");
+  KMAMBA_ASSERT(static_cast<std::int64_t>(plan.chunk) * std::max(plan.channels_per_team, std::max(plan.dstate, 16)) <=
+                    selective_scan_max_items,
+                "chunk " << plan.chunk << " × " << plan.channels_per_team << " channels exceeds the team item range");
   plan.blocks_per_group = (plan.channels_per_group + plan.channels_per_team - 1) / plan.channels_per_team;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   int vector_length = 1;
@@ -299,30 +305,69 @@ struct SelectiveScanForwardFunctor {
   }
 };
 
+/// Row and column of item i of a row-major (rows × cols) range.
+struct SelectiveScanItem {
+  int row, col;
+};
+
+/// (i / cols, i mod cols) for 0 <= i < 2^22 and cols >= 1, given inv_cols = 1.0f / cols: a float
+/// multiply in place of an integer division (about 20 dependent instructions on a GPU). Exact:
+/// (i + 0.5) / cols lies at least 0.5 / cols from every integer, and the two roundings (of
+/// 1 / cols and of the product) move it by at most (i + 0.5) / cols · 2^-23 < 0.5 / cols.
+KOKKOS_INLINE_FUNCTION SelectiveScanItem selective_scan_item(const int i, const int cols, const float inv_cols) {
+  const int row = static_cast<int>((static_cast<float>(i) + 0.5f) * inv_cols);
+  return SelectiveScanItem{row, i - row * cols};
+}
+
+/// For every r < rows and t < cols: f(r, t), over the team's threads (item r·cols + t).
+/// rows·cols <= selective_scan_max_items.
+template <class Member, class F>
+KOKKOS_INLINE_FUNCTION void selective_scan_team_items(const Member& team, const int rows, const int cols, const F& f) {
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows * cols), [&](const int i) {
+    const SelectiveScanItem it = selective_scan_item(i, cols, inv_cols);
+    f(it.row, it.col);
+  });
+}
+
 /// For every r < rows and t < cols: store(r, t, load(r, t)), spread over the team's threads with
 /// `Batch` loads per thread issued before their stores. A store waits for its load, and a GPU
 /// thread issues in order, so one load per store would leave one memory latency per item in
-/// flight per thread; thread g handles items i = g, g + groups, ... (r = i / cols, t = i mod cols,
-/// one division per item) so that neighbouring threads read neighbouring t.
+/// flight per thread; thread g handles items i = g, g + groups, ... (selective_scan_item) so that
+/// neighbouring threads read neighbouring t. rows·cols <= selective_scan_max_items.
 template <int Batch, class Member, class Load, class Store>
 KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, const int rows, const int cols,
                                                         const Load& load, const Store& store) {
   using Value = decltype(load(0, 0));
   const int count = rows * cols;
   const int groups = (count + Batch - 1) / Batch;
+  const float inv_cols = 1.0f / static_cast<float>(cols);
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, groups), [&](const int g) {
     Value v[Batch];
-    int r[Batch], t[Batch];
+    SelectiveScanItem it[Batch];
     for (int k = 0; k < Batch; ++k) {
       const int i = g + k * groups;
-      r[k] = i / cols;
-      t[k] = i - r[k] * cols;
-      if (i < count) v[k] = load(r[k], t[k]);
+      it[k] = selective_scan_item(i, cols, inv_cols);
+      if (i < count) v[k] = load(it[k].row, it[k].col);
     }
     for (int k = 0; k < Batch; ++k) {
-      if (g + k * groups < count) store(r[k], t[k], v[k]);
+      if (g + k * groups < count) store(it[k].row, it[k].col, v[k]);
     }
   });
+}
+
+/// 2^x. On a GPU the hardware's approximate exp2 (ex2.approx.ftz: relative error about 2^-22,
+/// results below 2^-126 flushed to zero, which as a decay of a state is zero either way) instead
+/// of exp2f's exact-range sequence, whose denormal handling tripled the instructions of a state
+/// update; elsewhere exp2.
+KOKKOS_INLINE_FUNCTION float selective_scan_exp2(const float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return Kokkos::Experimental::exp2(x);
+#endif
 }
 
 /// Largest dstate the register form of the forward scan handles (Mamba-1 uses 16).
@@ -368,7 +413,7 @@ KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int
     const float dtu = dt * su(c, t);
     float y = 0.0f;
     for (int j = 0; j < States; ++j) {
-      h[j] = Kokkos::Experimental::exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
+      h[j] = selective_scan_exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
       y += sC(t, n0 + j) * h[j];
     }
     after_token(t, h, y);
@@ -762,8 +807,7 @@ struct SelectiveScanBackwardRegisterFunctor {
       const int t0 = k * plan.chunk;
       const int len = plan.seqlen - t0 < plan.chunk ? plan.seqlen - t0 : plan.chunk;
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
-        const int c = i / len, t = i % len;
+      selective_scan_team_items(team, tb.channels, len, [&](const int c, const int t) {
         const int d = tb.d0 + c;
         const float pre = in.delta_pre(tb.b, d, t0 + t);
         su(c, t) = in.u(tb.b, d, t0 + t);
@@ -772,8 +816,7 @@ struct SelectiveScanBackwardRegisterFunctor {
         const float g = dout(tb.b, d, t0 + t);
         sg(c, t) = in.has_z ? g * kmamba::silu(in.z(tb.b, d, t0 + t)) : g;
       });
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
-        const int n = i / len, t = i % len;
+      selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
         sB(t, n) = in.B(tb.b, tb.g, n, t0 + t);
         sC(t, n) = in.C(tb.b, tb.g, n, t0 + t);
       });
@@ -795,8 +838,7 @@ struct SelectiveScanBackwardRegisterFunctor {
                                       });
       });
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
-        const int n = i / len, t = i % len;
+      selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
         float sum = 0.0f;
         for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
         Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
@@ -819,7 +861,7 @@ struct SelectiveScanBackwardRegisterFunctor {
           float first = 0.0f, second = 0.0f;
           for (int j = 0; j < thread_states; ++j) {
             const int n = n0 + j;
-            const float decay = Kokkos::Experimental::exp2(dt * a[j]);
+            const float decay = selective_scan_exp2(dt * a[j]);
             const float decay_hprev = decay * hs(c, n, t);
             const float lambda = g * sC(t, n) + mu[j];
             hs(c, n, t) = lambda * dt * uu;
@@ -837,8 +879,7 @@ struct SelectiveScanBackwardRegisterFunctor {
         }
       });
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels * len), [&](const int i) {
-        const int c = i / len, t = i % len;
+      selective_scan_team_items(team, tb.channels, len, [&](const int c, const int t) {
         const int d = tb.d0 + c;
         const float skip = in.skip(d);
         float y = 0.0f, first = 0.0f, second = 0.0f;
@@ -856,8 +897,7 @@ struct SelectiveScanBackwardRegisterFunctor {
           dz(tb.b, d, t0 + t) = dout(tb.b, d, t0 + t) * (y + skip * su(c, t)) * kmamba::silu_derivative(zz);
         }
       });
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nstate * len), [&](const int i) {
-        const int n = i / len, t = i % len;
+      selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
         float sum = 0.0f;
         for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
         Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
