@@ -749,10 +749,14 @@ struct SelectiveScanBackwardRegisterFunctor {
   static constexpr int thread_states = max_states / state_threads;
   /// Channels of a team (the channels_per_team the plan starts from).
   static constexpr int team_channels = 8;
-  /// Tokens per chunk the plan starts from: the states of every token of a chunk wait in scratch,
-  /// and at 32 tokens a one-warp team took ~40 KB, which left 5 teams per multiprocessor of an
-  /// H200 (7.8% theoretical occupancy, 0.69 instructions per cycle); 16 takes ~21 KB.
-  static constexpr int preferred_chunk = 16;
+  /// Tokens per chunk the plan starts from. The states of every token of a chunk wait in scratch,
+  /// so the chunk sets how many one-warp teams a multiprocessor holds: on an H200 (233 KB of
+  /// shared memory per SM) 32 tokens took ~40 KB a team, 5 teams per SM, 2.3 waves for the 1536
+  /// teams of batch 8 × 1536 channels; 16 tokens ~21 KB, 10 per SM, 1.16 waves (a 16% second wave
+  /// as long as the first); 12 tokens ~16 KB, 13 per SM, one wave. A host team is one thread
+  /// with nothing to share the core with, and takes 16 (12 was 15% slower there: more chunks).
+  static constexpr int preferred_chunk =
+      Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 12;
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
