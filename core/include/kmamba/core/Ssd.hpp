@@ -44,8 +44,9 @@ namespace kmamba {
 /// more (the result is the same function of the inputs). The intra-chunk products grow with the
 /// chunk, the state products do not: at b8 × 4096 tokens, 32 heads, headdim 64, d_state 128 the
 /// forward and backward took 29.7 ms at 256, 26.4 ms at 128 and 26.4 ms at 64 on an H200, and a
-/// mamba2-130m-shaped bf16 training step 434.5 ms at 256 against 395.5 ms at 64 (perf/RESULTS.md,
-/// session 9); on a 2-core CPU, 85.6 ms against 48.3 ms for a smaller shape.
+/// mamba2-130m-shaped bf16 training step 3–9% less at 64 than at 256 (two runs: 395.5 against
+/// 434.5 ms, 417.1 against 422.1 ms; perf/RESULTS.md, session 9); on a 2-core CPU, 48.3 ms
+/// against 85.6 ms for a smaller shape.
 constexpr int ssd_preferred_chunk_size = 64;
 
 /// Inputs of ssd_forward / ssd_backward. A View left unallocated (default constructed) means
