@@ -111,9 +111,10 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
 constexpr int selective_scan_max_items = 1 << 22;
 
 /// Chooses channels per team and the chunk length so that the team scratch (bytes given by
-/// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`, starting
-/// from `preferred_chunk` tokens. A positive `requested_chunk` is kept as is. With `lanes_over_states` the vector lanes of a thread own the
-/// states of its channel; without, a thread keeps them all (vector length 1).
+/// `scratch_bytes(channels_per_team, chunk, dstate)`) fits level 0 of `ExecSpace`, starting from
+/// `preferred_chunk` tokens. A positive `requested_chunk` is kept as is. With `lanes_over_states`
+/// the vector lanes of a thread own the states of its channel; without, a thread keeps them all
+/// (vector length 1).
 template <class ExecSpace>
 SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanDims& dims, int requested_chunk,
                                       std::size_t (*scratch_bytes)(int, int, int),
