@@ -359,8 +359,8 @@ KOKKOS_INLINE_FUNCTION void selective_scan_batched_copy(const Member& team, cons
 
 /// 2^x. On a GPU the hardware's approximate exp2 (ex2.approx.ftz: relative error about 2^-22,
 /// results below 2^-126 flushed to zero, which as a decay of a state is zero either way) instead
-/// of exp2f's exact-range sequence, whose denormal handling tripled the instructions of a state
-/// update; elsewhere exp2.
+/// of exp2f's sequence, whose denormal handling adds a compare and two predicated multiplies to
+/// every state update; elsewhere exp2.
 KOKKOS_INLINE_FUNCTION float selective_scan_exp2(const float x) {
 #ifdef __CUDA_ARCH__
   float y;
