@@ -1,7 +1,7 @@
 // kmamba-perf: kernel benchmarks with roofline ratios.
 //
 //   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--precision fp32|tf32|both]
-//               [--chunk Q]
+//               [--chunk Q] [--json FILE]
 //
 // Each case states the bytes it must move and the operations it must do; the floor is the largest of
 // bytes / bandwidth, FLOPs / FMA rate and transcendental count / SFU rate (H200 ceilings measured or
@@ -535,6 +535,11 @@ int main(int argc, char** argv) {
                        "kmamba-perf: --precision must be fp32, tf32 or both, got '" << o.precision << "'");
       }
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf: unknown argument '" << a << "'");
+    }
+    if (!o.json.empty()) {
+      // Before the benchmarks run, so that an unwritable path costs nothing.
+      std::ofstream probe(o.json);
+      KMAMBA_REQUIRE(probe.good(), "kmamba-perf: cannot write '" << o.json << "'");
     }
     kmamba::print_configuration(std::cout);
     std::printf("%-28s %-34s %13s %14s %17s   %s\n", "case", "shape", "median", "bandwidth", "arithmetic",

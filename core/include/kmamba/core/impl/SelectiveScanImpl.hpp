@@ -141,9 +141,10 @@ SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanD
                                   << scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate)
                                   << " bytes of team scratch memory but " << limit
                                   << " are available; pass a smaller chunk_size (or 0)");
-  KMAMBA_ASSERT(static_cast<std::int64_t>(plan.chunk) * std::max(plan.channels_per_team, std::max(plan.dstate, 16)) <=
+  KMAMBA_ASSERT(static_cast<std::int64_t>(plan.chunk) * std::max(plan.channels_per_team, plan.dstate) <=
                     selective_scan_max_items,
-                "chunk " << plan.chunk << " × " << plan.channels_per_team << " channels exceeds the team item range");
+                "chunk " << plan.chunk << " × max(" << plan.channels_per_team << " channels, " << plan.dstate
+                         << " states) exceeds the team item range");
   plan.blocks_per_group = (plan.channels_per_group + plan.channels_per_team - 1) / plan.channels_per_team;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   int vector_length = 1;
