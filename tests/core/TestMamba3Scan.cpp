@@ -26,8 +26,9 @@
 //   backward; both fp32, different summation orders): max|Δ| ≤ 2e-5·max|ref| for outputs and states,
 //   1e-4 for gradients (observed 1.7e-6 and 4.9e-7).
 // - golden data (fp32 references run in PyTorch): ‖Δ‖₂/‖ref‖₂ ≤ 1e-3 per tensor for the kernels, as
-//   /work/shared/golden/README.md suggests (observed 1.1e-6), and 1e-5 for the double reference
+//   tests/data/golden/README.md suggests (observed 1.1e-6), and 1e-5 for the double reference
 //   (observed 5.2e-7).
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
 
@@ -1561,7 +1562,7 @@ const char* golden_name(bool mimo) { return mimo ? "mamba3_mimo_small" : "mamba3
 
 TEST(Mamba3Reference, MatchesGoldenFiles) {
   for (const bool mimo : {false, true}) {
-    const kmamba::test::SafeTensorsFile file(std::string(KMAMBA_GOLDEN_DIR) + "/" + golden_name(mimo) + ".safetensors");
+    const kmamba::test::SafeTensorsFile file(kmamba::test::golden_dir() + "/" + golden_name(mimo) + ".safetensors");
     const RefProblem P = golden_problem(file, mimo);
     expect_golden(file, ref_forward(P), ref_backward(P), mimo, reference_golden_tol,
                   std::string("double reference vs ") + golden_name(mimo));
@@ -1570,7 +1571,7 @@ TEST(Mamba3Reference, MatchesGoldenFiles) {
 
 template <class Exec>
 void check_golden(bool mimo) {
-  const kmamba::test::SafeTensorsFile file(std::string(KMAMBA_GOLDEN_DIR) + "/" + golden_name(mimo) + ".safetensors");
+  const kmamba::test::SafeTensorsFile file(kmamba::test::golden_dir() + "/" + golden_name(mimo) + ".safetensors");
   const RefProblem P = golden_problem(file, mimo);
   const auto result = run_kernels<Exec>(DeviceProblem<typename Exec::memory_space>(P), true);
   expect_golden(file, result.first, result.second, mimo, kernel_golden_tol,

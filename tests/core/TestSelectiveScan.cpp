@@ -9,7 +9,8 @@
 // step 1e-6): |fd − analytic| ≤ 1e-6 · (1 + |analytic|).
 // Scan vs decode steps and segment chaining (fp32 vs fp32, same operations): 1e-6.
 // Golden data (selective_scan_small, float64 autograd stored as float32): ‖Δ‖₂/‖ref‖₂ ≤ 1e-3
-// per tensor, as /work/shared/golden/README.md suggests.
+// per tensor, as tests/data/golden/README.md suggests.
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
 
@@ -819,7 +820,7 @@ TYPED_TEST(SelectiveScan, MatchesGoldenSelectiveScanSmall) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   using kmamba::allocate_uninitialized;
-  const kmamba::test::SafeTensorsFile file(std::string(KMAMBA_GOLDEN_DIR) + "/selective_scan_small.safetensors");
+  const kmamba::test::SafeTensorsFile file(kmamba::test::golden_dir() + "/selective_scan_small.safetensors");
   ASSERT_NE(file.metadata("config").find("\"delta_softplus\": true"), std::string::npos) << file.metadata("config");
   kmamba::SelectiveScanArgs<Mem> args;
   args.u = file.to_device<kmamba::Tensor3<float, Mem>>("u");

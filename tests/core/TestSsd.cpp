@@ -19,7 +19,8 @@
 // - chunked forward against decode steps, and segment chaining (both fp32, different summation
 //   orders): max|Δ| ≤ 1e-5·max|ref|.
 // - golden data (ssd_small, ssd_small_noinit; float64 autograd stored as float32):
-//   ‖Δ‖₂/‖ref‖₂ ≤ 1e-3 per tensor, as /work/shared/golden/README.md suggests.
+//   ‖Δ‖₂/‖ref‖₂ ≤ 1e-3 per tensor, as tests/data/golden/README.md suggests.
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/Ssd.hpp>
 
@@ -933,7 +934,7 @@ void check_golden(const std::string& name) {
   using T3 = kmamba::Tensor3<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
   using kmamba::allocate_uninitialized;
-  const std::string path = std::string(KMAMBA_GOLDEN_DIR) + "/" + name + ".safetensors";
+  const std::string path = kmamba::test::golden_dir() + "/" + name + ".safetensors";
   const kmamba::test::SafeTensorsFile file(path);
   const nlohmann::json config = nlohmann::json::parse(file.metadata("config"));
   ASSERT_EQ(config.at("op").get<std::string>(), "ssd");

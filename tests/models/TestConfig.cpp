@@ -1,3 +1,4 @@
+#include "TestData.hpp"
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Config.hpp>
 
@@ -19,7 +20,7 @@ void expect_config_error(const std::string& text, const std::string& fragment) {
 }
 
 TEST(Config, ReadsTheGoldenMamba2Checkpoint) {
-  const auto c = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba2/config.json");
+  const auto c = kmamba::ModelConfig::load(kmamba::test::golden_dir() + "/tiny_mamba2/config.json");
   EXPECT_EQ(c.mixer, kmamba::MixerKind::Mamba2);
   EXPECT_EQ(c.d_model, 64);
   EXPECT_EQ(c.n_layer, 2);
@@ -40,7 +41,7 @@ TEST(Config, ReadsTheGoldenMamba2Checkpoint) {
 }
 
 TEST(Config, ReadsTheGoldenMamba1Checkpoint) {
-  const auto c = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba1/config.json");
+  const auto c = kmamba::ModelConfig::load(kmamba::test::golden_dir() + "/tiny_mamba1/config.json");
   EXPECT_EQ(c.mixer, kmamba::MixerKind::Mamba1);
   EXPECT_EQ(c.d_inner(), 128);
   EXPECT_EQ(c.resolved_dt_rank(), 4);
@@ -51,7 +52,7 @@ TEST(Config, ReadsTheGoldenMamba1Checkpoint) {
 
 TEST(Config, HuggingFaceLayoutRoundTrips) {
   for (const char* name : {"tiny_mamba1", "tiny_mamba2"}) {
-    const auto a = kmamba::ModelConfig::load(std::string(KMAMBA_GOLDEN_DIR) + "/" + name + "/config.json");
+    const auto a = kmamba::ModelConfig::load(kmamba::test::golden_dir() + "/" + name + "/config.json");
     const auto b = kmamba::ModelConfig::from_json(a.to_hf_json(), "round trip");
     EXPECT_EQ(b.to_hf_json(), a.to_hf_json()) << name;
     EXPECT_EQ(b.mixer, a.mixer);

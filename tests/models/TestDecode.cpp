@@ -14,6 +14,7 @@
 // Tolerances, max|Δ| / max|ref| over the compared outputs: 5e-5 between the recurrent and the
 // chunked paths of kmamba (they differ only in summation order; ~1e-6 observed on Serial and
 // OpenMP), and ‖Δ‖/‖ref‖ ≤ 2e-4 against the golden logits (the golden README's tolerance).
+#include "TestData.hpp"
 #include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Mixer.hpp>
@@ -38,7 +39,7 @@
 
 namespace {
 
-const std::string golden_dir = KMAMBA_GOLDEN_DIR;
+const std::string golden_dir = kmamba::test::golden_dir();
 constexpr double recurrent_tolerance = 5e-5;
 
 template <class View>

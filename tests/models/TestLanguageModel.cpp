@@ -1,6 +1,7 @@
 // The language model: golden logits, loss and gradients of the tiny Hugging Face checkpoints
 // (tolerances of the golden README: logits and loss 2e-4, gradients 1e-3, relative per tensor),
 // checkpoint round trips, and the errors for bad files and bad tokens.
+#include "TestData.hpp"
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
@@ -19,7 +20,7 @@
 
 namespace {
 
-const std::string golden_dir = KMAMBA_GOLDEN_DIR;
+const std::string golden_dir = kmamba::test::golden_dir();
 
 double relative_error(const std::vector<float>& a, const std::vector<float>& ref) {
   double diff = 0.0, norm = 0.0;

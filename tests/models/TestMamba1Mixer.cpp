@@ -13,6 +13,7 @@
 // - reference LM logits against the golden logits (HF, fp32): ‖Δ‖₂/‖ref‖₂ ≤ 1e-5.
 // - calling backward twice: max|g₂ − 2·g₁| ≤ 1e-5·max|2·g₁| per tensor (the scan's dB and dC sum
 //   channels with atomics, so the two calls may round differently on parallel backends).
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba1Mixer.hpp>
@@ -377,7 +378,7 @@ TEST(Mamba1Reference, BackwardMatchesFiniteDifferences) {
 // Hugging Face's MambaForCausalLM computed for the golden checkpoint: the reference reads the
 // spec the way the golden model does.
 TEST(Mamba1Reference, LanguageModelReproducesGoldenLogits) {
-  const std::string dir = std::string(KMAMBA_GOLDEN_DIR) + "/";
+  const std::string dir = kmamba::test::golden_dir() + "/";
   const kmamba::ModelConfig config = kmamba::ModelConfig::load(dir + "tiny_mamba1/config.json");
   const kmamba::SafeTensorsReader model(dir + "tiny_mamba1/model.safetensors");
   const kmamba::SafeTensorsReader io(dir + "tiny_mamba1_io.safetensors");
@@ -820,7 +821,7 @@ TYPED_TEST(Mamba1Mixer, InitializesAsTheReference) {
 // declares for its config.json.
 TEST(Mamba1MixerGolden, DeclaresTheCheckpointTensors) {
   using Exec = Kokkos::DefaultHostExecutionSpace;
-  const std::string dir = std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba1/";
+  const std::string dir = kmamba::test::golden_dir() + "/tiny_mamba1/";
   const kmamba::ModelConfig config = kmamba::ModelConfig::load(dir + "config.json");
   ASSERT_EQ(config.mixer, kmamba::MixerKind::Mamba1);
   const std::string prefix = "backbone.layers.0.mixer.";

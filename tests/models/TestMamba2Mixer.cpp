@@ -10,6 +10,7 @@
 //   observed on Serial/OpenMP);
 // - the finite differences themselves: steps 1e-5 and 2.5e-6 agree to 1e-7·(1 + |g|);
 // - a second backward adds the same gradients again: 1e-5.
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
@@ -647,7 +648,7 @@ TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
 TEST(Mamba2MixerGolden, DeclaresTheCheckpointsParameters) {
   using Exec = Kokkos::DefaultHostExecutionSpace;
   using Mem = Exec::memory_space;
-  const std::string dir = std::string(KMAMBA_GOLDEN_DIR) + "/tiny_mamba2";
+  const std::string dir = kmamba::test::golden_dir() + "/tiny_mamba2";
   const kmamba::ModelConfig cfg = kmamba::ModelConfig::load(dir + "/config.json");
   ASSERT_EQ(cfg.mixer, kmamba::MixerKind::Mamba2);
   const kmamba::SafeTensorsReader file(dir + "/model.safetensors");

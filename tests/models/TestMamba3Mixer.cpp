@@ -11,6 +11,7 @@
 // - forward against the double reference: max|Δ| ≤ 1e-4·max|ref| [2.9e-7];
 // - gradients against central differences of the double reference (step 1e-5): 2e-4·max|ref| [2.9e-6];
 // - prefill/step against the forward: 1e-4·max|ref|; a second backward doubles the gradients: 1e-5.
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba3Mixer.hpp>
@@ -446,7 +447,7 @@ struct Golden {
 };
 
 Golden load_golden() {
-  const kmamba::SafeTensorsReader file(std::string(KMAMBA_GOLDEN_DIR) + "/mamba3_block_small.safetensors");
+  const kmamba::SafeTensorsReader file(kmamba::test::golden_dir() + "/mamba3_block_small.safetensors");
   Golden g;
   kmamba::ModelConfig& c = g.cfg;
   c.mixer = kmamba::MixerKind::Mamba3;

@@ -1,3 +1,4 @@
+#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
@@ -72,7 +73,7 @@ TEST(SafeTensors, RoundTripsEveryWrittenTensor) {
 }
 
 TEST(SafeTensors, ReadsTheGoldenFiles) {
-  kmamba::SafeTensorsReader reader(std::string(KMAMBA_GOLDEN_DIR) + "/ssd_small.safetensors");
+  kmamba::SafeTensorsReader reader(kmamba::test::golden_dir() + "/ssd_small.safetensors");
   EXPECT_EQ(reader.info("x").shape, (std::vector<std::int64_t>{2, 45, 4, 8}));
   EXPECT_EQ(reader.info("seq_idx").dtype, kmamba::DType::I64);
   EXPECT_EQ(reader.read_f32("x").size(), 2u * 45 * 4 * 8);

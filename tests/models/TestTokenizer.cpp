@@ -3,6 +3,7 @@
 // The BPE fixture (tests/data/tiny_bpe_tokenizer.json) and its expected encodings
 // (tests/data/tiny_bpe_expected.json) come from scripts/make_bpe_fixture.py, whose encoder is
 // independent of kmamba's (Python `regex` for \p{L}/\p{N}, GPT-2's original bpe()).
+#include "TestData.hpp"
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Tokenizer.hpp>
 
@@ -24,7 +25,7 @@ namespace {
 using json = nlohmann::json;
 using Ids = std::vector<std::int64_t>;
 
-const std::string data_dir = KMAMBA_TEST_DATA_DIR;
+const std::string data_dir = kmamba::test::test_data_dir();
 const std::string fixture_path = data_dir + "/tiny_bpe_tokenizer.json";
 
 std::string read_file(const std::string& path) {
