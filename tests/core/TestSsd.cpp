@@ -647,6 +647,193 @@ TYPED_TEST(Ssd, BackwardIsDeterministicAndOptionalGradientsMayBeOmitted) {
 }
 
 // Copies token t of a (batch, seqlen, X, Y) host tensor into a (batch, X, Y) view.
+// ----------------------------------------------------------------------------------------------
+// The fused forward (matmul_precision = BFloat16) against the double reference.
+//
+// Its four products take bf16 operands (relative rounding ≤ 2^-9 each, round to nearest even) and
+// sum in fp32. Every term of an output is a product of at most three rounded factors before the
+// fp32 sum: the state's share exp(cum_t)·Σ_n H·C rounds H (itself a sum of terms δ·x·B·decay with
+// δ·x, B and the decayed B rounded: 1.5·2^-8) and C, ≤ 2.5·2^-8; the chunk's own share rounds C
+// and B (into C·Bᵀ), the decayed C·Bᵀ and δ·x, ≤ 2·2^-8. So per element
+//   |out − ref| ≤ 3·2^-8·|out|_abs + 1e-6·max|ref|,
+// where |out|_abs is the reference evaluated on absolute values (every term counted with its
+// magnitude, so cancellation cannot hide an error) and the second term covers the fp32 sums; and
+//   |final_states − ref| ≤ 2·2^-8·|H|_abs + 1e-6·max|ref|.
+// Shapes the fused form does not take compute in fp32 and keep the fp32 tolerance.
+
+struct RefMagnitude {
+  std::vector<double> out, final_states;
+};
+
+RefMagnitude ref_forward_magnitude(const RefProblem& P) {
+  const Config& c = P.cfg;
+  RefMagnitude r;
+  r.out.assign(static_cast<std::size_t>(c.batch) * c.seqlen * c.nheads * c.headdim, 0.0);
+  r.final_states.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
+  std::vector<double> h(static_cast<std::size_t>(c.headdim) * c.dstate);
+  for (int b = 0; b < c.batch; ++b)
+    for (int hd = 0; hd < c.nheads; ++hd) {
+      const int g = hd / (c.nheads / c.ngroups);
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : std::fabs(P.h0[P.si(b, hd, p, n)]);
+      for (int t = 0; t < c.seqlen; ++t) {
+        const double d = P.delta(P.pre(b, t, hd));
+        const double decay = std::exp(d * P.A[hd]);
+        for (int p = 0; p < c.headdim; ++p) {
+          const double xv = std::fabs(P.x[P.xi(b, t, hd, p)]);
+          double y = 0.0;
+          for (int n = 0; n < c.dstate; ++n) {
+            double& s = h[p * c.dstate + n];
+            s = decay * s + d * xv * std::fabs(P.B[P.bi(b, t, g, n)]);
+            y += s * std::fabs(P.C[P.bi(b, t, g, n)]);
+          }
+          y += (P.D.empty() ? 0.0 : std::fabs(P.D[hd])) * xv;
+          if (!P.z.empty()) y *= std::fabs(silu(P.z[P.xi(b, t, hd, p)]));
+          r.out[P.xi(b, t, hd, p)] = y;
+        }
+      }
+      for (int p = 0; p < c.headdim; ++p)
+        for (int n = 0; n < c.dstate; ++n) r.final_states[P.si(b, hd, p, n)] = h[p * c.dstate + n];
+    }
+  return r;
+}
+
+// |kernel − ref| ≤ rel·magnitude + abs_tol·max|ref| per element (every kernel value finite).
+void expect_within_magnitude(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
+                             const std::vector<double>& magnitude, double rel, const std::string& context) {
+  ASSERT_EQ(kernel.size(), ref.size()) << what << " " << context;
+  double scale = 0.0;
+  for (double v : ref) scale = std::max(scale, std::fabs(v));
+  std::size_t failures = 0;
+  double worst_ratio = 0.0;
+  std::size_t worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(kernel[i])) << what << "[" << i << "] = " << kernel[i] << " " << context;
+    const double bound = rel * magnitude[i] + 1e-6 * scale;
+    const double ratio = std::fabs(kernel[i] - ref[i]) / bound;
+    if (ratio > 1.0) ++failures;
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  EXPECT_EQ(failures, 0u) << what << ": " << failures << " elements outside the bound; worst at " << worst << " (kernel "
+                          << kernel[worst] << ", ref " << ref[worst] << ", |.|_abs " << magnitude[worst]
+                          << ", error/bound " << worst_ratio << ") " << context;
+}
+
+template <class Exec>
+void check_bf16_forward(const Config& cfg) {
+  using Mem = typename Exec::memory_space;
+  const std::string ctx = cfg.describe() + " matmul_precision=bf16";
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  kmamba::SsdArgs<Mem> args = p.args();
+  args.matmul_precision = kmamba::MatmulPrecision::BFloat16;
+  const Exec exec;
+  auto out = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::out", cfg.batch, cfg.seqlen,
+                                                                         cfg.nheads, cfg.headdim);
+  auto fin = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::final", cfg.batch, cfg.nheads,
+                                                                         cfg.headdim, cfg.dstate);
+  poison(out);
+  poison(fin);
+  kmamba::ssd_forward(exec, args, out, fin);
+  exec.fence();
+  const RefForward rf = ref_forward(ref);
+  const bool fused = cfg.headdim == 64 && cfg.chunk == 64 && !cfg.seq_idx &&
+                     (cfg.dstate == 16 || cfg.dstate == 32 || cfg.dstate == 64 || cfg.dstate == 128);
+  if (!fused) {
+    expect_near_rel("out", host_doubles(out), rf.out, forward_tol, ctx);
+    expect_near_rel("final_states", host_doubles(fin), rf.final_states, forward_tol, ctx);
+    return;
+  }
+  const RefMagnitude mag = ref_forward_magnitude(ref);
+  constexpr double u = 1.0 / 256.0;  // 2^-8
+  expect_within_magnitude("out", host_doubles(out), rf.out, mag.out, 3 * u, ctx);
+  expect_within_magnitude("final_states", host_doubles(fin), rf.final_states, mag.final_states, 2 * u, ctx);
+  // Not vacuous: bf16 operands must show (an fp32 forward would agree to ~1e-6 everywhere).
+  const std::vector<double> k = host_doubles(out);
+  double err = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    err = std::max(err, std::fabs(k[i] - rf.out[i]));
+    scale = std::max(scale, std::fabs(rf.out[i]));
+  }
+  EXPECT_GT(err, 1e-5 * scale) << "the bf16 forward agrees with the double reference as closely as fp32: " << ctx;
+}
+
+std::vector<Config> bf16_sweep() {
+  std::vector<Config> list;
+  Config c;
+  c.headdim = 64;
+  c.chunk = 64;
+  c.nheads = 4;
+  c.ngroups = 2;
+  c.seqlen = 150;  // two chunks + 22
+  c.dstate = 32;
+  c.D = c.z = c.bias = c.initial_states = true;
+  c.seed = 21;
+  list.push_back(c);
+  c.batch = 1;
+  c.seqlen = 64;  // exactly one chunk, no options
+  c.ngroups = 1;
+  c.dstate = 16;
+  c.D = c.z = c.bias = c.initial_states = false;
+  c.seed = 22;
+  list.push_back(c);
+  c.seqlen = 130;
+  c.nheads = 2;
+  c.dstate = 128;
+  c.D = c.z = true;
+  c.initial_states = true;
+  c.seed = 23;
+  list.push_back(c);
+  c.seqlen = 70;  // no softplus, δ clamped
+  c.dstate = 64;
+  c.softplus = false;
+  c.dt_min = 0.2f;
+  c.dt_max = 0.6f;
+  c.seed = 24;
+  list.push_back(c);
+  c = Config();  // shapes the fused form does not take: fp32 stages
+  c.seqlen = 29;
+  c.D = c.z = c.bias = c.initial_states = true;
+  c.seed = 25;
+  list.push_back(c);
+  c.headdim = 64;
+  c.chunk = 64;
+  c.seqlen = 90;
+  c.dstate = 16;
+  c.seq_idx = true;
+  c.boundaries = {40};
+  c.seed = 26;
+  list.push_back(c);
+  return list;
+}
+
+TYPED_TEST(Ssd, Bf16FusedForwardMatchesReference) {
+  for (const Config& cfg : bf16_sweep()) check_bf16_forward<TypeParam>(cfg);
+}
+
+TYPED_TEST(Ssd, Bf16PrecisionBackwardComputesInFp32) {
+  Config cfg = bf16_sweep().front();
+  cfg.dfinal = true;
+  RefProblem ref;
+  using Mem = typename TypeParam::memory_space;
+  const DeviceProblem<Mem> p = make_problem<TypeParam>(cfg, ref);
+  kmamba::SsdArgs<Mem> args = p.args();
+  args.matmul_precision = kmamba::MatmulPrecision::BFloat16;
+  const kmamba::SsdGrads<Mem> g = allocate_grads<Mem>(cfg, cfg.z, true);
+  kmamba::ssd_backward(TypeParam(), args, p.dout, p.dfinal, g);
+  TypeParam().fence();
+  const RefGrads rg = ref_backward(ref);
+  const std::string ctx = cfg.describe();
+  expect_near_rel("dx", host_doubles(g.dx), rg.dx, gradient_tol, ctx);
+  expect_near_rel("ddt", host_doubles(g.ddt), rg.ddt, gradient_tol, ctx);
+  expect_near_rel("dB", host_doubles(g.dB), rg.dB, gradient_tol, ctx);
+  expect_near_rel("dC", host_doubles(g.dC), rg.dC, gradient_tol, ctx);
+  expect_near_rel("dinitial_states", host_doubles(g.dinitial_states), rg.dh0, gradient_tol, ctx);
+}
+
 template <class HostView, class View>
 void copy_token(const HostView& full, int t, const View& step) {
   auto h = Kokkos::create_mirror_view(step);

@@ -14,6 +14,7 @@
 //   and in bf16: the mean loss of the last 5 steps lies within 2% of fp32's, while the
 //   fp32 loss itself fell by more than 10% over the run (the comparison is of curves that move).
 #include <kmamba/core/Random.hpp>
+#include <kmamba/core/Mamba3Scan.hpp>
 #include <kmamba/core/Ssd.hpp>
 #include <kmamba/models/Data.hpp>
 #include <kmamba/models/LanguageModel.hpp>
@@ -209,24 +210,28 @@ TYPED_TEST(MatmulPrecisionTest, Bf16TrainingFollowsTheFp32LossCurve) {
   }
 }
 
-TYPED_TEST(MatmulPrecisionTest, TheScansRejectBf16ChunkProducts) {
+TYPED_TEST(MatmulPrecisionTest, TheMamba3ScansRejectBf16ChunkProducts) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  kmamba::SsdArgs<Mem> args;
-  args.x = kmamba::Tensor4<float, Mem>("kmamba::test::x", 1, 8, 2, 4);
-  args.dt = kmamba::Tensor3<float, Mem>("kmamba::test::dt", 1, 8, 2);
-  args.A = kmamba::Tensor1<float, Mem>("kmamba::test::A", 2);
-  args.B = kmamba::Tensor4<float, Mem>("kmamba::test::B", 1, 8, 1, 4);
-  args.C = kmamba::Tensor4<float, Mem>("kmamba::test::C", 1, 8, 1, 4);
+  kmamba::Mamba3SisoArgs<Mem> args;
+  args.q = kmamba::Tensor4<float, Mem>("kmamba::test::q", 1, 8, 1, 4);
+  args.k = kmamba::Tensor4<float, Mem>("kmamba::test::k", 1, 8, 1, 4);
+  args.v = kmamba::Tensor4<float, Mem>("kmamba::test::v", 1, 8, 2, 4);
+  args.adt = kmamba::Tensor3<float, Mem>("kmamba::test::adt", 1, 2, 8);
+  args.dt = kmamba::Tensor3<float, Mem>("kmamba::test::dt", 1, 2, 8);
+  args.trap = kmamba::Tensor3<float, Mem>("kmamba::test::trap", 1, 2, 8);
+  args.q_bias = kmamba::Tensor2<float, Mem>("kmamba::test::q_bias", 2, 4);
+  args.k_bias = kmamba::Tensor2<float, Mem>("kmamba::test::k_bias", 2, 4);
+  args.angles = kmamba::Tensor4<float, Mem>("kmamba::test::angles", 1, 8, 2, 1);
   args.matmul_precision = MatmulPrecision::BFloat16;
   kmamba::Tensor4<float, Mem> out("kmamba::test::out", 1, 8, 2, 4);
   try {
-    kmamba::ssd_forward(Exec(), args, out, kmamba::Tensor4<float, Mem>());
+    kmamba::mamba3_siso_forward(Exec(), args, out, kmamba::Mamba3SisoStates<Mem>());
     FAIL() << "no exception";
   } catch (const kmamba::UserError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "kmamba::ssd_forward: matmul_precision bf16 is not available for the chunk products of the scans "
-              "(fp32 or tf32)");
+              "kmamba::mamba3_siso_forward: matmul_precision bf16 is not available for the chunk products of the "
+              "scans (fp32 or tf32)");
   }
 }
 

@@ -25,8 +25,8 @@ enum class MatmulPrecision {
   TensorFloat32,
   /// Operands rounded to bf16 (7 stored mantissa bits, round to nearest even) and, on Cuda,
   /// multiplied on the tensor cores: each product carries a relative error of at most ≈ 2^-7.
-  /// For kmamba::gemm only (host backends emulate the rounding); the chunk products of the scans
-  /// reject it (check_scan_matmul_precision).
+  /// For kmamba::gemm (host backends emulate the rounding) and the SSD's fused forward
+  /// (SsdArgs::matmul_precision); the Mamba-3 scans reject it (check_scan_matmul_precision).
   BFloat16
 };
 
@@ -63,7 +63,7 @@ inline MatmulPrecision parse_matmul_precision(const std::string& name, const std
   KMAMBA_USER_ERROR(what << " must be fp32, tf32 or bf16, got '" << name << "'");
 }
 
-/// The chunk products of the scans (SsdArgs / Mamba3SisoArgs / Mamba3MimoArgs::matmul_precision)
+/// The chunk products of the Mamba-3 scans (Mamba3SisoArgs / Mamba3MimoArgs::matmul_precision)
 /// run in Float32 or TensorFloat32; BFloat16 there is a kmamba::UserError naming `function`.
 inline void check_scan_matmul_precision(const char* function, MatmulPrecision p) {
   KMAMBA_REQUIRE(p == MatmulPrecision::Float32 || p == MatmulPrecision::TensorFloat32,

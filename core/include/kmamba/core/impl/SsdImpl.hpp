@@ -24,6 +24,8 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
+#include <kmamba/core/impl/SsdFusedForward.hpp>
+#include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/TeamGemm.hpp>
@@ -37,33 +39,11 @@
 namespace kmamba {
 
 template <class MemorySpace>
-struct SsdArgs;
-template <class MemorySpace>
 struct SsdGrads;
 template <class MemorySpace>
 struct SsdStepArgs;
 
 namespace impl {
-
-// Keeps a parameter out of template argument deduction (so that a Tensor4<float> converts to the
-// ConstTensor4<float> a public op takes).
-template <class T>
-struct SsdIdentity {
-  using type = T;
-};
-template <class T>
-using SsdNonDeduced = typename SsdIdentity<T>::type;
-
-struct SsdDims {
-  std::int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 1, dstate = 0;
-};
-
-/// How the chunk stages cut the work: `chunk` tokens per chunk, `tile` rows of the intra-chunk
-/// matrices per product, teams of `team_size` threads × `vector_length` lanes.
-struct SsdPlan {
-  int batch, seqlen, nheads, headdim, ngroups, dstate, heads_per_group;
-  int chunk, nchunks, tile, ntiles, team_size, vector_length;
-};
 
 template <class ExecSpace>
 struct SsdScratch {
@@ -142,42 +122,6 @@ void ssd_launch(const ExecSpace& exec, const char* label, const SsdPlan& plan, i
   if (block_scratch > 0) policy.set_scratch_size(1, Kokkos::PerTeam(block_scratch));
   Kokkos::parallel_for(label, light_weight(policy), functor);
 }
-/// The inputs of the scan as the kernels read them.
-template <class MemorySpace>
-struct SsdOperands {
-  ConstTensor4<float, MemorySpace> x;               // (batch, seqlen, nheads, headdim)
-  ConstTensor3<float, MemorySpace> dt;              // (batch, seqlen, nheads)
-  ConstTensor1<float, MemorySpace> A;               // (nheads)
-  ConstTensor4<float, MemorySpace> B, C;            // (batch, seqlen, ngroups, dstate)
-  ConstTensor1<float, MemorySpace> D;               // (nheads)
-  ConstTensor4<float, MemorySpace> z;               // (batch, seqlen, nheads, headdim)
-  ConstTensor1<float, MemorySpace> dt_bias;         // (nheads)
-  ConstTensor4<float, MemorySpace> initial_states;  // (batch, nheads, headdim, dstate)
-  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
-  bool has_D, has_z, has_dt_bias, has_initial_states, has_seq_idx, dt_softplus;
-  float dt_min, dt_max;
-
-  explicit SsdOperands(const SsdArgs<MemorySpace>& args)
-      : x(args.x), dt(args.dt), A(args.A), B(args.B), C(args.C), D(args.D), z(args.z), dt_bias(args.dt_bias),
-        initial_states(args.initial_states), seq_idx(args.seq_idx), has_D(args.D.is_allocated()),
-        has_z(args.z.is_allocated()), has_dt_bias(args.dt_bias.is_allocated()),
-        has_initial_states(args.initial_states.is_allocated()), has_seq_idx(args.seq_idx.is_allocated()),
-        dt_softplus(args.dt_softplus), dt_min(args.dt_min), dt_max(args.dt_max) {}
-
-  /// dt + dt_bias, before the softplus.
-  KOKKOS_INLINE_FUNCTION float dt_pre(int b, int t, int h) const {
-    return dt(b, t, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
-  }
-  /// softplus (when asked for), before the clamp.
-  KOKKOS_INLINE_FUNCTION float dt_unclamped(float pre) const { return dt_softplus ? softplus(pre) : pre; }
-  /// δ = clamp(softplus(dt + dt_bias), dt_min, dt_max).
-  KOKKOS_INLINE_FUNCTION float dt_value(float pre) const {
-    const float v = dt_unclamped(pre);
-    return v < dt_min ? dt_min : (v > dt_max ? dt_max : v);
-  }
-  KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
-};
-
 /// Buffers the forward stages hand to each other (recomputed by the backward).
 template <class MemorySpace>
 struct SsdWorkspace {
@@ -863,6 +807,10 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
         Kokkos::deep_copy(exec, final_states, 0.0f);
       }
     }
+    return;
+  }
+  if (args.matmul_precision == MatmulPrecision::BFloat16 && ssd_fused_forward_supported(plan, in)) {
+    ssd_fused_forward(exec, plan, in, out, final_states);
     return;
   }
   with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {

@@ -1,0 +1,259 @@
+// The fused SSD forward (SsdArgs::matmul_precision = BFloat16): one team per (batch, head) walks
+// the sequence's chunks in order with the running state on chip, on the warp tiles of
+// impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere).
+//
+// Per chunk of Q tokens (t, s index tokens of the chunk; p the head's channels; n the states):
+//   phase 0  δ_t, the inclusive cumsum cum_t of δ·a; C and B rows to scratch as bf16; then
+//            Xd[s][p] = bf16(δ_s·x[s][p]);
+//   phase 1  each warp w (channels p ∈ [16w, 16w+16)):  Yᵀ[p][t] = exp(cum_t)·Σ_n H[p][n]·C[t][n]
+//            (H, the state entering the chunk, stays in the warp's registers as the A operand);
+//            and, for its 16 tokens t ∈ [16w, 16w+16), S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n]
+//            for s ≤ t, 0 above;
+//   phase 2  S to scratch (over C) as bf16; B[s][n] *= exp(cum_{Q−1} − cum_s) in place;
+//   phase 3  Yᵀ[p][t] += Σ_{s≤t} Xd[s][p]·S[t][s]; out = (Y + D·x)·silu(z) to global memory;
+//            H[p][n] = exp(cum_{Q−1})·H[p][n] + Σ_s Xd[s][p]·B[s][n].
+// Tokens past the sequence end read as zero (δ = 0, so the cumsum and the state stand still).
+// Compiled for headdim 64, chunk 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported);
+// other shapes, and seq_idx, take the staged forward of SsdImpl.hpp.
+//
+// Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
+// decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32. Against exact
+// arithmetic the output carries a relative error of order 2^-8 of the magnitudes summed (each
+// product term has operands within 2^-9 relative of their exact values).
+#ifndef KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
+#define KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
+#include <kmamba/core/impl/SsdOperands.hpp>
+#include <kmamba/core/impl/WarpTile.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kmamba {
+namespace impl {
+
+/// The chunk length and headdim the fused forward is compiled for.
+constexpr int ssd_fused_chunk = 64;
+constexpr int ssd_fused_headdim = 64;
+
+/// Scratch layout of the fused forward for N states: C (later S, [Q][Q + 8]) and B as [Q][N + 8]
+/// bf16 in regions of the larger of the two sizes, Xd as [Q][P + 8] bf16, then δ and cum as Q
+/// floats each.
+template <int N>
+struct SsdFusedLayout {
+  static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
+  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8;
+  static constexpr std::size_t tile_n = static_cast<std::size_t>(Q) * (ldq > ldn ? ldq : ldn);
+  static constexpr std::size_t c_offset = 0, b_offset = tile_n, x_offset = 2 * tile_n;
+  static constexpr std::size_t vectors_offset_bytes = (x_offset + static_cast<std::size_t>(Q) * ldp) * 2;
+  static constexpr std::size_t bytes = vectors_offset_bytes + 2 * Q * sizeof(float);
+};
+
+/// Four consecutive floats from global memory (16-byte aligned on Cuda).
+KOKKOS_INLINE_FUNCTION void ssd_load4(const float* p, float (&v)[4]) {
+#if defined(__CUDA_ARCH__)
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+#else
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+#endif
+}
+
+/// Four floats, each times `scale`, stored as bf16 at dst (8-byte aligned).
+KOKKOS_INLINE_FUNCTION void ssd_store4_bf16(std::uint16_t* dst, const float (&v)[4], float scale) {
+  for (int i = 0; i < 4; ++i) dst[i] = float_to_bf16_bits(v[i] * scale);
+}
+
+template <class ExecSpace, class MemorySpace, int N>
+struct SsdFusedForwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
+  using Layout = SsdFusedLayout<N>;
+  static constexpr int Q = Layout::Q, P = Layout::P, warps = P / warp_tile_rows;
+  using Team = WarpTeam<tensor_cores, warps>;
+  static constexpr int slots = Team::warps_per_thread;
+
+  SsdOperands<MemorySpace> in;
+  SsdPlan plan;
+  Tensor4<float, MemorySpace> out;           // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate), optional
+
+  struct Tiles {
+    ScratchTile c, s, b, x;
+    float* delta;
+    float* cum;
+  };
+
+  KOKKOS_INLINE_FUNCTION Tiles tiles(const member_type& team) const {
+    auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(Layout::bytes));
+    auto* u16 = reinterpret_cast<std::uint16_t*>(base);
+    auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
+    return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldq},
+                 ScratchTile{u16 + Layout::b_offset, Layout::ldn}, ScratchTile{u16 + Layout::x_offset, Layout::ldp},
+                 vec, vec + Q};
+  }
+
+  /// Phase 0, first half: δ and cum (one warp on tensor cores, thread 0 otherwise), C and B as bf16.
+  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int nthreads, int b, int h, int g, int t0,
+                                          int len, float a) const {
+    if constexpr (tensor_cores) {
+      if (thread < warp_tile_lanes) {
+        float d[2], sum = 0.0f;
+        for (int i = 0; i < 2; ++i) {
+          const int t = 2 * thread + i;
+          d[i] = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
+          sum += d[i] * a;
+        }
+        const float before = warp_inclusive_sum(sum, thread) - sum;
+        sm.delta[2 * thread] = d[0];
+        sm.delta[2 * thread + 1] = d[1];
+        sm.cum[2 * thread] = before + d[0] * a;
+        sm.cum[2 * thread + 1] = before + d[0] * a + d[1] * a;
+      }
+    } else {
+      float cum = 0.0f;
+      for (int t = 0; t < Q; ++t) {
+        const float d = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
+        cum += d * a;
+        sm.delta[t] = d;
+        sm.cum[t] = cum;
+      }
+    }
+    for (int i = thread; i < Q * (N / 4); i += nthreads) {
+      const int t = i / (N / 4), n = 4 * (i % (N / 4));
+      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (t < len) {
+        ssd_load4(&in.C(b, t0 + t, g, n), cv);
+        ssd_load4(&in.B(b, t0 + t, g, n), bv);
+      }
+      ssd_store4_bf16(&sm.c.at(t, n), cv, 1.0f);
+      ssd_store4_bf16(&sm.b.at(t, n), bv, 1.0f);
+    }
+  }
+
+  /// Phase 0, second half: Xd = δ·x as bf16.
+  KOKKOS_INLINE_FUNCTION void stage_x(const Tiles& sm, int thread, int nthreads, int b, int h, int t0, int len) const {
+    for (int i = thread; i < Q * (P / 4); i += nthreads) {
+      const int t = i / (P / 4), p = 4 * (i % (P / 4));
+      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (t < len) ssd_load4(&in.x(b, t0 + t, h, p), xv);
+      ssd_store4_bf16(&sm.x.at(t, p), xv, sm.delta[t]);
+    }
+  }
+
+  /// Phase 1 of warp w: the entering state's output and the decayed C·Bᵀ of the warp's tokens.
+  KOKKOS_INLINE_FUNCTION void inter_and_scores(const Tiles& sm, int w, int lane, const WarpAccum<N, tensor_cores>& H,
+                                               WarpAccum<Q, tensor_cores>& Y, WarpAccum<Q, tensor_cores>& S) const {
+    warp_fill(Y, lane, 0.0f);
+    warp_mma_registers<BLayout::NK, N>(Y, lane, H, sm.c, Q);
+    Y.for_each(lane, [&](int, int t, float& v) { v *= Kokkos::Experimental::exp(sm.cum[t]); });
+    warp_fill(S, lane, 0.0f);
+    warp_mma<ALayout::MK, BLayout::NK, N, false>(S, lane, sm.c.offset(warp_tile_rows * w, 0), sm.b,
+                                                  warp_tile_rows * (w + 1));
+    S.for_each(lane, [&](int r, int s, float& v) {
+      const int t = warp_tile_rows * w + r;
+      v = s <= t ? v * Kokkos::Experimental::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
+    });
+  }
+
+  /// Phase 3 of warp w: the intra-chunk output, the gated output to global memory, the state update.
+  KOKKOS_INLINE_FUNCTION void output_and_state(const Tiles& sm, int w, int lane, WarpAccum<N, tensor_cores>& H,
+                                               WarpAccum<Q, tensor_cores>& Y, int b, int h, int t0, int len) const {
+    const ScratchTile xd = sm.x.offset(0, warp_tile_rows * w);
+    warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, xd, sm.s, Q);
+    const float skip = in.skip(h);
+    Y.for_each(lane, [&](int r, int t, float& v) {
+      if (t >= len) return;
+      const int p = warp_tile_rows * w + r;
+      float y = v + skip * in.x(b, t0 + t, h, p);
+      if (in.has_z) y *= silu(in.z(b, t0 + t, h, p));
+      out(b, t0 + t, h, p) = y;
+    });
+    const float chunk_decay = Kokkos::Experimental::exp(sm.cum[Q - 1]);
+    H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
+    warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, xd, sm.b, N);
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int b = team.league_rank() / plan.nheads, h = team.league_rank() % plan.nheads;
+    const int g = h / plan.heads_per_group;
+    const int thread = team.team_rank(), nthreads = team.team_size();
+    const Tiles sm = tiles(team);
+    const float a = in.A(h);
+    WarpAccum<N, tensor_cores> H[slots];
+    WarpAccum<Q, tensor_cores> Y[slots], S[slots];
+    Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+      H[slot].for_each(lane, [&](int r, int n, float& v) {
+        v = in.has_initial_states ? in.initial_states(b, h, warp_tile_rows * w + r, n) : 0.0f;
+      });
+    });
+    for (int c = 0; c < plan.nchunks; ++c) {
+      const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+      stage_chunk(sm, thread, nthreads, b, h, g, t0, len, a);
+      team.team_barrier();
+      stage_x(sm, thread, nthreads, b, h, t0, len);
+      team.team_barrier();
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
+      team.team_barrier();
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+        S[slot].for_each(lane, [&](int r, int s, float& v) { sm.s.at(warp_tile_rows * w + r, s) = float_to_bf16_bits(v); });
+      });
+      for (int i = thread; i < Q * N; i += nthreads) {
+        const int s = i / N, n = i % N;
+        sm.b.at(s, n) = float_to_bf16_bits(sm.b.value(s, n) * Kokkos::Experimental::exp(sm.cum[Q - 1] - sm.cum[s]));
+      }
+      team.team_barrier();
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) { output_and_state(sm, w, lane, H[slot], Y[slot], b, h, t0, len); });
+      team.team_barrier();
+    }
+    if (final_states.is_allocated()) {
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+        H[slot].for_each(lane, [&](int r, int n, float& v) { final_states(b, h, warp_tile_rows * w + r, n) = v; });
+      });
+    }
+  }
+};
+
+/// Whether the fused forward takes these inputs: headdim 64, chunk 64, dstate 16/32/64/128, no
+/// seq_idx, and 16-byte aligned x, B and C (their rows are read four floats at a time).
+template <class MemorySpace>
+bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  const bool dstate = plan.dstate == 16 || plan.dstate == 32 || plan.dstate == 64 || plan.dstate == 128;
+  return plan.headdim == ssd_fused_headdim && plan.chunk == ssd_fused_chunk && dstate && !in.has_seq_idx &&
+         aligned(in.x.data()) && aligned(in.B.data()) && aligned(in.C.data());
+}
+
+template <int N, class ExecSpace, class MemorySpace>
+void ssd_fused_forward_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                              const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states) {
+  using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N>;
+  using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::LaunchBounds<Functor::Team::threads, 1>>;
+  Policy policy(exec, plan.batch * plan.nheads, Functor::Team::threads, 1);
+  policy.set_scratch_size(0, Kokkos::PerTeam(Functor::Layout::bytes));
+  Kokkos::parallel_for("kmamba::ssd::fused_forward", light_weight(policy), Functor{in, plan, out, final_states});
+}
+
+/// The fused forward for the plan's dstate (ssd_fused_forward_supported must hold).
+template <class ExecSpace, class MemorySpace>
+void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states) {
+  switch (plan.dstate) {
+    case 16: ssd_fused_forward_launch<16>(exec, plan, in, out, final_states); break;
+    case 32: ssd_fused_forward_launch<32>(exec, plan, in, out, final_states); break;
+    case 64: ssd_fused_forward_launch<64>(exec, plan, in, out, final_states); break;
+    default: ssd_fused_forward_launch<128>(exec, plan, in, out, final_states); break;
+  }
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
