@@ -1,15 +1,16 @@
 // kmamba-perf: kernel benchmarks with roofline ratios.
 //
-//   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--precision fp32|tf32|both]
+//   kmamba-perf [--case NAME] [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--precision fp32|tf32|bf16|all]
 //               [--chunk Q] [--json FILE]
 //
 // Each case states the bytes it must move and the operations it must do; the floor is the largest of
 // bytes / bandwidth, FLOPs / FMA rate and transcendental count / SFU rate (H200 ceilings measured or
-// from perf-anchors.md §6; on a host the ratio is printed against the same H200 floor only as a
+// from docs/performance.md §2; on a host the ratio is printed against the same H200 floor only as a
 // reference point). Inputs are fresh random data (never zeros); timings are medians of fenced runs.
-// The SSD and Mamba-3 SISO run in each MatmulPrecision asked for (--precision, default both) that
+// The SSD and Mamba-3 SISO run in each MatmulPrecision asked for (--precision, default all) that
 // the backend distinguishes: their "tf32" rows (tensor-core chunk products) take the TF32 tensor-core rate as
-// their FLOP ceiling.
+// their FLOP ceiling, the SSD's "bf16" rows (the fused forward; its backward computes as fp32) the bf16
+// rate; bf16 runs at chunk 64 (the fused forward's) unless --chunk says otherwise. Mamba-3 has no bf16 form.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
 
@@ -31,13 +32,14 @@
 
 namespace {
 
-// H200 ceilings: measured device copy bandwidth; fp32 FMA and SFU exp rates from perf-anchors.md §6.
+// H200 ceilings: measured device copy bandwidth; fp32 FMA and SFU exp rates from docs/performance.md §2.
 constexpr double hbm_bytes_per_s = 4.3e12;
 constexpr double fp32_flop_per_s = 60e12;
 constexpr double exp_per_s = 3.9e12;
-// Dense TF32 tensor-core rate: half the measured bf16 one (perf-anchors.md §6: 790 TFLOP/s), the
+// Dense TF32 tensor-core rate: half the measured bf16 one (docs/performance.md §2: 790 TFLOP/s), the
 // datasheet's TF32 : bf16 ratio.
 constexpr double tf32_flop_per_s = 395e12;
+constexpr double bf16_flop_per_s = 790e12;
 
 struct Measurement {
   std::string name, shape;
@@ -46,7 +48,7 @@ struct Measurement {
 };
 
 struct Options {
-  std::string only_case, space, precision = "both", json;
+  std::string only_case, space, precision = "all", json;
   bool small = false;
   int repeats = 10;
   int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO; 0: the reference shapes' (256 and 64)
@@ -91,7 +93,8 @@ double relative_difference(const HostView& a, const HostView& b) {
   return diff / std::max(scale, 1e-30);
 }
 
-// Mamba-1 selective scan at perf-anchors §6.2's shape (batch 8, seqlen 4096, d_inner 1536, d_state 16),
+// Mamba-1 selective scan at docs/performance.md §3.2's shape (batch 8, seqlen 4096, d_inner 1536,
+// d_state 16),
 // fp32 inputs, with D, z, delta_bias and softplus.
 template <class Exec>
 void bench_selective_scan(const Options& o) {
@@ -160,7 +163,7 @@ void bench_selective_scan(const Options& o) {
 
 // Mamba-2 SSD (mamba_chunk_scan_combined) at one (batch, seqlen) of the CUDA performance issue:
 // 32 heads, headdim 64, d_state 128, ngroups 1, chunk 256, with D, z, dt_bias and softplus; fp32
-// inputs. FLOPs and exp() counts from algorithms.md §6.1–§6.2 (E = nheads·headdim).
+// inputs. FLOPs and exp() counts from docs/algorithms.md §6.1–§6.2 (E = nheads·headdim).
 template <class Exec>
 void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   using Mem = typename Exec::memory_space;
@@ -170,7 +173,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   const Exec exec;
   const int nheads = o.small ? 8 : 32, headdim = 64;
   const int dstate = o.small ? 64 : 128, ngroups = 1, chunk = o.chunk > 0 ? o.chunk : 256;
-  const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, Q = chunk, G = ngroups;
+  const double tokens = double(batch) * seqlen, E = double(nheads) * headdim, N = dstate, G = ngroups;
   auto x = kmamba::allocate_uninitialized<T4>("kmamba::perf::x", batch, seqlen, nheads, headdim);
   auto z = kmamba::allocate_uninitialized<T4>("kmamba::perf::z", batch, seqlen, nheads, headdim);
   auto dt = kmamba::allocate_uninitialized<T3>("kmamba::perf::dt", batch, seqlen, nheads);
@@ -211,42 +214,46 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   g.dC = kmamba::allocate_uninitialized<T4>("kmamba::perf::dC", batch, seqlen, ngroups, dstate);
   g.dD = kmamba::allocate_uninitialized<T1>("kmamba::perf::dD", nheads);
   g.ddt_bias = kmamba::allocate_uninitialized<T1>("kmamba::perf::ddt_bias", nheads);
-  char shape[96];
-  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, chunk,
-                Exec::name());
   const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + nheads);  // x, z, out, B, C, dt (fp32)
 
-  // out and dx of the last fp32 run, against which a tf32 run's are compared.
+  // out and dx of the last fp32 run, against which the other precisions' are compared.
   auto out_fp32 = Kokkos::create_mirror(Kokkos::HostSpace(), out);
   auto dx_fp32 = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
   bool have_fp32 = false;
-  for (const kmamba::MatmulPrecision precision : {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
-    const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
-    if (o.precision != "both" && o.precision != kmamba::matmul_precision_name(precision)) continue;
-    if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
+  using kmamba::MatmulPrecision;
+  for (const MatmulPrecision precision : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+    const bool tf32 = precision == MatmulPrecision::TensorFloat32, bf16 = precision == MatmulPrecision::BFloat16;
+    if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
+    const int q = bf16 && o.chunk == 0 ? 64 : chunk;
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, q,
+                  Exec::name());
+    if (tf32 && !kmamba::impl::TeamGemm<Exec, MatmulPrecision::TensorFloat32>::tensor_cores) {
       std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "ssd tf32", shape);
       continue;
     }
     args.matmul_precision = precision;
-    const std::string suffix = tf32 ? " tf32" : "";
-    const double flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
+    args.chunk_size = q;
+    const std::string suffix = precision == MatmulPrecision::Float32 ? "" : std::string(" ") + kmamba::matmul_precision_name(precision);
+    const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
     Measurement fwd{"ssd fwd" + suffix, shape};
     fwd.flop_per_s = flop_per_s;
     fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
-    fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
-    fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
-    fwd.exps = tokens * nheads * Q / 2;
+    // The staged forward writes and reads the chunk states; the fused one keeps them on chip.
+    fwd.bytes = io_bytes + (bf16 ? 0.0 : 4.0 * tokens * E * N / q * 2);
+    fwd.flops = tokens * (4 * E * N + q * E + 2 * q * G * N);
+    fwd.exps = tokens * nheads * q / 2;
     report(o, fwd);
 
     Measurement bwd{"ssd bwd" + suffix, shape};
-    bwd.flop_per_s = flop_per_s;
+    bwd.flop_per_s = bf16 ? fp32_flop_per_s : flop_per_s;
     bwd.seconds = median_seconds(exec, o.repeats, [&] {
       kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
     });
-    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
-    bwd.flops = tokens * (10 * E * N + 3 * Q * E + 6 * Q * G * N);
-    bwd.exps = 3.0 * tokens * nheads * Q / 2;
+    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / q * 4;  // inputs + dout, every gradient, states recomputed
+    bwd.flops = tokens * (10 * E * N + 3 * q * E + 6 * q * G * N);
+    bwd.exps = 3.0 * tokens * nheads * q / 2;
     report(o, bwd);
 
     Measurement both{"ssd fwd+bwd" + suffix, shape};
@@ -257,17 +264,18 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     both.exps = fwd.exps + bwd.exps;
     report(o, both);
 
-    if (!tf32) {
+    if (precision == MatmulPrecision::Float32) {
       Kokkos::deep_copy(out_fp32, out);
       Kokkos::deep_copy(dx_fp32, g.dx);
       have_fp32 = true;
     } else if (have_fp32) {
-      auto out_tf32 = Kokkos::create_mirror(Kokkos::HostSpace(), out);
-      auto dx_tf32 = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
-      Kokkos::deep_copy(out_tf32, out);
-      Kokkos::deep_copy(dx_tf32, g.dx);
-      std::printf("%-28s %-34s   max|tf32 - fp32| / max|fp32|: out %.2e, dx %.2e\n", "ssd tf32 accuracy", shape,
-                  relative_difference(out_tf32, out_fp32), relative_difference(dx_tf32, dx_fp32));
+      auto out_other = Kokkos::create_mirror(Kokkos::HostSpace(), out);
+      auto dx_other = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
+      Kokkos::deep_copy(out_other, out);
+      Kokkos::deep_copy(dx_other, g.dx);
+      std::printf("%-28s %-34s   max|%s - fp32| / max|fp32|: out %.2e, dx %.2e\n", ("ssd" + suffix + " accuracy").c_str(),
+                  shape, kmamba::matmul_precision_name(precision), relative_difference(out_other, out_fp32),
+                  relative_difference(dx_other, dx_fp32));
     }
   }
 }
@@ -287,7 +295,7 @@ void bench_ssd(const Options& o) {
 
 // Mamba-3 SISO (mamba3_siso_combined) at the shape of the CUDA performance issue: batch 8, seqlen
 // 4096, 32 heads, headdim 64, d_state 128 (a quarter of it rotated: 16 angles), ngroups 1, chunk 64,
-// with D and z; fp32 inputs. No FLOP model of its own in algorithms.md: the SSD's (§6.1–§6.2) at
+// with D and z; fp32 inputs. FLOPs as docs/algorithms.md §6.4 counts them: the SSD's (§6.1–§6.2) at
 // Q = 64, which counts the products that dominate (the rotations and per-token scalars are O(N)).
 template <class Exec>
 void bench_mamba3_siso(const Options& o) {
@@ -363,7 +371,7 @@ void bench_mamba3_siso(const Options& o) {
 
   for (const kmamba::MatmulPrecision precision : {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
     const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
-    if (o.precision != "both" && o.precision != kmamba::matmul_precision_name(precision)) continue;
+    if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
     if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
       std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "mamba3 siso tf32", shape);
       continue;
@@ -501,10 +509,10 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan|gemm_few_rows] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
-                  "                   [--precision fp32|tf32|both] [--chunk Q] [--json FILE]\n"
+                  "                   [--precision fp32|tf32|bf16|all] [--chunk Q] [--json FILE]\n"
                   "Prints one row per case: shape, median time, achieved GB/s and GFLOP/s, the H200 floor and the ratio to it.\n"
-                  "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of perf-anchors.md §6)\n"
-                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, or both (default)\n"
+                  "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of docs/performance.md §3)\n"
+                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, bf16 (the SSD's fused forward), or all (default)\n"
                   "  --chunk      chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64);\n"
                   "               the result is the same function of the inputs, the work is not\n"
                   "  --json       also write the rows to FILE as JSON (an object with the configuration and a \"rows\" array)\n");
@@ -531,8 +539,8 @@ int main(int argc, char** argv) {
       }
       else if (a == "--precision") {
         o.precision = value();
-        KMAMBA_REQUIRE(o.precision == "fp32" || o.precision == "tf32" || o.precision == "both",
-                       "kmamba-perf: --precision must be fp32, tf32 or both, got '" << o.precision << "'");
+        KMAMBA_REQUIRE(o.precision == "fp32" || o.precision == "tf32" || o.precision == "bf16" || o.precision == "all",
+                       "kmamba-perf: --precision must be fp32, tf32, bf16 or all, got '" << o.precision << "'");
       }
       else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf: unknown argument '" << a << "'");
     }

@@ -1,5 +1,5 @@
 // Mamba-2 SSD (chunked scan): forward, backward and decode step against a sequential
-// double-precision reference written from algorithms.md §2.4, §2.9, §2.10 (token by token, every
+// double-precision reference written from docs/algorithms.md §2.4, §2.9, §2.10 (token by token, every
 // state kept; its backward is the adjoint of that recurrence).
 //
 // Tolerances:
@@ -722,10 +722,12 @@ void expect_within_magnitude(const std::string& what, const std::vector<double>&
                           << ", error/bound " << worst_ratio << ") " << context;
 }
 
+// segments = 0: through kmamba::ssd_forward; otherwise the fused forward itself with that many
+// segments per sequence (the count the public op chooses depends on the device's size).
 template <class Exec>
-void check_bf16_forward(const Config& cfg) {
+void check_bf16_forward(const Config& cfg, int segments = 0) {
   using Mem = typename Exec::memory_space;
-  const std::string ctx = cfg.describe() + " matmul_precision=bf16";
+  const std::string ctx = cfg.describe() + " matmul_precision=bf16 segments=" + std::to_string(segments);
   RefProblem ref;
   const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
   kmamba::SsdArgs<Mem> args = p.args();
@@ -737,7 +739,15 @@ void check_bf16_forward(const Config& cfg) {
                                                                          cfg.headdim, cfg.dstate);
   poison(out);
   poison(fin);
-  kmamba::ssd_forward(exec, args, out, fin);
+  if (segments == 0) {
+    kmamba::ssd_forward(exec, args, out, fin);
+  } else {
+    const kmamba::impl::SsdDims dims = kmamba::impl::ssd_check_args("test", args);
+    const kmamba::impl::SsdPlan plan = kmamba::impl::ssd_plan<Exec>("test", dims, args.chunk_size);
+    const kmamba::impl::SsdOperands<Mem> in(args);
+    ASSERT_TRUE(kmamba::impl::ssd_fused_forward_supported(plan, in)) << ctx;
+    kmamba::impl::ssd_fused_forward(exec, plan, in, out, fin, segments);
+  }
   exec.fence();
   const RefForward rf = ref_forward(ref);
   const bool fused = cfg.headdim == 64 && cfg.chunk == 64 && !cfg.seq_idx &&
@@ -812,6 +822,23 @@ std::vector<Config> bf16_sweep() {
 
 TYPED_TEST(Ssd, Bf16FusedForwardMatchesReference) {
   for (const Config& cfg : bf16_sweep()) check_bf16_forward<TypeParam>(cfg);
+}
+
+TYPED_TEST(Ssd, Bf16FusedForwardInSegmentsMatchesReference) {
+  Config c;
+  c.batch = 1;
+  c.headdim = 64;
+  c.chunk = 64;
+  c.nheads = 2;
+  c.ngroups = 1;
+  c.dstate = 32;
+  c.seqlen = 7 * 64 + 10;  // 8 chunks, the last partial
+  c.D = c.z = c.bias = c.initial_states = true;
+  c.seed = 27;
+  for (int segments : {1, 2, 3, 8}) check_bf16_forward<TypeParam>(c, segments);
+  c.initial_states = false;
+  c.seed = 28;
+  check_bf16_forward<TypeParam>(c, 5);
 }
 
 TYPED_TEST(Ssd, Bf16PrecisionBackwardComputesInFp32) {

@@ -30,6 +30,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -41,8 +42,8 @@ constexpr int ssd_fused_chunk = 64;
 constexpr int ssd_fused_headdim = 64;
 
 /// Scratch layout of the fused forward for N states: C (later S, [Q][Q + 8]) and B as [Q][N + 8]
-/// bf16 in regions of the larger of the two sizes, Xd as [Q][P + 8] bf16, then δ and cum as Q
-/// floats each.
+/// bf16 in regions of the larger of the two sizes, Xd as [Q][P + 8] bf16, then δ, cum and
+/// exp(cum_{Q−1} − cum) as Q floats each.
 template <int N>
 struct SsdFusedLayout {
   static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
@@ -50,7 +51,7 @@ struct SsdFusedLayout {
   static constexpr std::size_t tile_n = static_cast<std::size_t>(Q) * (ldq > ldn ? ldq : ldn);
   static constexpr std::size_t c_offset = 0, b_offset = tile_n, x_offset = 2 * tile_n;
   static constexpr std::size_t vectors_offset_bytes = (x_offset + static_cast<std::size_t>(Q) * ldp) * 2;
-  static constexpr std::size_t bytes = vectors_offset_bytes + 2 * Q * sizeof(float);
+  static constexpr std::size_t bytes = vectors_offset_bytes + 3 * Q * sizeof(float);
 };
 
 /// Four consecutive floats from global memory (16-byte aligned on Cuda).
@@ -71,7 +72,18 @@ KOKKOS_INLINE_FUNCTION void ssd_store4_bf16(std::uint16_t* dst, const float (&v)
   for (int i = 0; i < 4; ++i) dst[i] = float_to_bf16_bits(v[i] * scale);
 }
 
-template <class ExecSpace, class MemorySpace, int N>
+/// How the fused forward cuts each sequence: `count` segments of `chunks` chunks (the last may be
+/// shorter), walked by teams of their own when count > 1 (see ssd_fused_segments).
+template <class MemorySpace>
+struct SsdSegments {
+  int count = 1, chunks = 0;
+  Tensor5<float, MemorySpace> states;  // (batch, nheads, count, headdim, dstate), when count > 1
+  Tensor3<float, MemorySpace> decay;   // (batch, nheads, count): exp(Σ δ·a) over each segment
+};
+
+/// StatesOnly: the first pass of a segmented sequence, which walks each segment from a zero state
+/// and writes only its end state and decay; otherwise the forward proper.
+template <class ExecSpace, class MemorySpace, int N, bool StatesOnly>
 struct SsdFusedForwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
@@ -84,11 +96,13 @@ struct SsdFusedForwardFunctor {
   SsdPlan plan;
   Tensor4<float, MemorySpace> out;           // (batch, seqlen, nheads, headdim)
   Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate), optional
+  SsdSegments<MemorySpace> segments;
 
   struct Tiles {
     ScratchTile c, s, b, x;
     float* delta;
     float* cum;
+    float* decay_to_end;
   };
 
   KOKKOS_INLINE_FUNCTION Tiles tiles(const member_type& team) const {
@@ -97,10 +111,11 @@ struct SsdFusedForwardFunctor {
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
     return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldq},
                  ScratchTile{u16 + Layout::b_offset, Layout::ldn}, ScratchTile{u16 + Layout::x_offset, Layout::ldp},
-                 vec, vec + Q};
+                 vec, vec + Q, vec + 2 * Q};
   }
 
-  /// Phase 0, first half: δ and cum (one warp on tensor cores, thread 0 otherwise), C and B as bf16.
+  /// Phase 0, first half: δ, cum and exp(cum_{Q−1} − cum) (one warp on tensor cores, thread 0
+  /// otherwise); C and B as bf16.
   KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int nthreads, int b, int h, int g, int t0,
                                           int len, float a) const {
     if constexpr (tensor_cores) {
@@ -111,11 +126,14 @@ struct SsdFusedForwardFunctor {
           d[i] = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
           sum += d[i] * a;
         }
-        const float before = warp_inclusive_sum(sum, thread) - sum;
-        sm.delta[2 * thread] = d[0];
-        sm.delta[2 * thread + 1] = d[1];
-        sm.cum[2 * thread] = before + d[0] * a;
-        sm.cum[2 * thread + 1] = before + d[0] * a + d[1] * a;
+        const float inclusive = warp_inclusive_sum(sum, thread);
+        const float last = warp_broadcast(inclusive, warp_tile_lanes - 1);
+        const float cum[2] = {inclusive - sum + d[0] * a, inclusive};
+        for (int i = 0; i < 2; ++i) {
+          sm.delta[2 * thread + i] = d[i];
+          sm.cum[2 * thread + i] = cum[i];
+          sm.decay_to_end[2 * thread + i] = Kokkos::Experimental::exp(last - cum[i]);
+        }
       }
     } else {
       float cum = 0.0f;
@@ -125,6 +143,7 @@ struct SsdFusedForwardFunctor {
         sm.delta[t] = d;
         sm.cum[t] = cum;
       }
+      for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = Kokkos::Experimental::exp(cum - sm.cum[t]);
     }
     for (int i = thread; i < Q * (N / 4); i += nthreads) {
       const int t = i / (N / 4), n = 4 * (i % (N / 4));
@@ -163,11 +182,10 @@ struct SsdFusedForwardFunctor {
     });
   }
 
-  /// Phase 3 of warp w: the intra-chunk output, the gated output to global memory, the state update.
-  KOKKOS_INLINE_FUNCTION void output_and_state(const Tiles& sm, int w, int lane, WarpAccum<N, tensor_cores>& H,
-                                               WarpAccum<Q, tensor_cores>& Y, int b, int h, int t0, int len) const {
-    const ScratchTile xd = sm.x.offset(0, warp_tile_rows * w);
-    warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, xd, sm.s, Q);
+  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory.
+  KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, WarpAccum<Q, tensor_cores>& Y, int b, int h,
+                                     int t0, int len) const {
+    warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, sm.x.offset(0, warp_tile_rows * w), sm.s, Q);
     const float skip = in.skip(h);
     Y.for_each(lane, [&](int r, int t, float& v) {
       if (t >= len) return;
@@ -176,48 +194,110 @@ struct SsdFusedForwardFunctor {
       if (in.has_z) y *= silu(in.z(b, t0 + t, h, p));
       out(b, t0 + t, h, p) = y;
     });
+  }
+
+  /// Phase 3 of warp w: H = exp(cum_{Q−1})·H + Xdᵀ·(decayed B).
+  KOKKOS_INLINE_FUNCTION void update_state(const Tiles& sm, int w, int lane, WarpAccum<N, tensor_cores>& H) const {
     const float chunk_decay = Kokkos::Experimental::exp(sm.cum[Q - 1]);
     H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
-    warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, xd, sm.b, N);
+    warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.x.offset(0, warp_tile_rows * w), sm.b, N);
+  }
+
+  /// The state entering the team's first chunk.
+  KOKKOS_INLINE_FUNCTION void load_state(int thread, int b, int h, int seg, WarpAccum<N, tensor_cores> (&H)[slots]) const {
+    Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+      H[slot].for_each(lane, [&](int r, int n, float& v) {
+        const int p = warp_tile_rows * w + r;
+        if (StatesOnly) {
+          v = 0.0f;
+        } else if (segments.count > 1) {
+          v = segments.states(b, h, seg, p, n);
+        } else {
+          v = in.has_initial_states ? in.initial_states(b, h, p, n) : 0.0f;
+        }
+      });
+    });
+  }
+
+  /// The state after the team's last chunk: the segment's own end state (StatesOnly) or, for an
+  /// unsegmented sequence, final_states.
+  KOKKOS_INLINE_FUNCTION void store_state(int thread, int b, int h, int seg, WarpAccum<N, tensor_cores> (&H)[slots]) const {
+    if (!StatesOnly && (segments.count > 1 || !final_states.is_allocated())) return;
+    Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+      H[slot].for_each(lane, [&](int r, int n, float& v) {
+        const int p = warp_tile_rows * w + r;
+        if (StatesOnly) {
+          segments.states(b, h, seg, p, n) = v;
+        } else {
+          final_states(b, h, p, n) = v;
+        }
+      });
+    });
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int b = team.league_rank() / plan.nheads, h = team.league_rank() % plan.nheads;
+    const int seg = team.league_rank() % segments.count, bh = team.league_rank() / segments.count;
+    const int b = bh / plan.nheads, h = bh % plan.nheads;
     const int g = h / plan.heads_per_group;
     const int thread = team.team_rank(), nthreads = team.team_size();
     const Tiles sm = tiles(team);
     const float a = in.A(h);
     WarpAccum<N, tensor_cores> H[slots];
     WarpAccum<Q, tensor_cores> Y[slots], S[slots];
-    Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-      H[slot].for_each(lane, [&](int r, int n, float& v) {
-        v = in.has_initial_states ? in.initial_states(b, h, warp_tile_rows * w + r, n) : 0.0f;
-      });
-    });
-    for (int c = 0; c < plan.nchunks; ++c) {
+    load_state(thread, b, h, seg, H);
+    const int c_end = (seg + 1) * segments.chunks < plan.nchunks ? (seg + 1) * segments.chunks : plan.nchunks;
+    float log_decay = 0.0f;
+    for (int c = seg * segments.chunks; c < c_end; ++c) {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
       stage_chunk(sm, thread, nthreads, b, h, g, t0, len, a);
       team.team_barrier();
       stage_x(sm, thread, nthreads, b, h, t0, len);
+      log_decay += sm.cum[Q - 1];
       team.team_barrier();
-      Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
-      team.team_barrier();
-      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-        S[slot].for_each(lane, [&](int r, int s, float& v) { sm.s.at(warp_tile_rows * w + r, s) = float_to_bf16_bits(v); });
-      });
+      if (!StatesOnly) {
+        Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
+        team.team_barrier();
+        Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+          S[slot].for_each(lane, [&](int r, int s, float& v) { sm.s.at(warp_tile_rows * w + r, s) = float_to_bf16_bits(v); });
+        });
+      }
       for (int i = thread; i < Q * N; i += nthreads) {
         const int s = i / N, n = i % N;
-        sm.b.at(s, n) = float_to_bf16_bits(sm.b.value(s, n) * Kokkos::Experimental::exp(sm.cum[Q - 1] - sm.cum[s]));
+        sm.b.at(s, n) = float_to_bf16_bits(sm.b.value(s, n) * sm.decay_to_end[s]);
       }
       team.team_barrier();
-      Team::for_each_warp(thread, [&](int slot, int w, int lane) { output_and_state(sm, w, lane, H[slot], Y[slot], b, h, t0, len); });
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+        if (!StatesOnly) output(sm, w, lane, Y[slot], b, h, t0, len);
+        update_state(sm, w, lane, H[slot]);
+      });
       team.team_barrier();
     }
-    if (final_states.is_allocated()) {
-      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-        H[slot].for_each(lane, [&](int r, int n, float& v) { final_states(b, h, warp_tile_rows * w + r, n) = v; });
-      });
+    store_state(thread, b, h, seg, H);
+    if (StatesOnly && thread == 0) segments.decay(b, h, seg) = Kokkos::Experimental::exp(log_decay);
+  }
+};
+
+/// Passes the segments' states along each sequence: segments.states holds each segment's own end
+/// state (from zero) on entry and the state entering it on return; final_states (optional) gets
+/// the state after the last segment. One work item per (batch, head, channel, state).
+template <class MemorySpace>
+struct SsdSegmentPassingFunctor {
+  SsdOperands<MemorySpace> in;
+  SsdPlan plan;
+  SsdSegments<MemorySpace> segments;
+  Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate), optional
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int n = static_cast<int>(item % plan.dstate), p = static_cast<int>((item / plan.dstate) % plan.headdim);
+    const int bh = static_cast<int>(item / (static_cast<std::int64_t>(plan.dstate) * plan.headdim));
+    const int b = bh / plan.nheads, h = bh % plan.nheads;
+    float run = in.has_initial_states ? in.initial_states(b, h, p, n) : 0.0f;
+    for (int k = 0; k < segments.count; ++k) {
+      const float local = segments.states(b, h, k, p, n);
+      segments.states(b, h, k, p, n) = run;
+      run = segments.decay(b, h, k) * run + local;
     }
+    if (final_states.is_allocated()) final_states(b, h, p, n) = run;
   }
 };
 
@@ -231,25 +311,67 @@ bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySp
          aligned(in.x.data()) && aligned(in.B.data()) && aligned(in.C.data());
 }
 
-template <int N, class ExecSpace, class MemorySpace>
-void ssd_fused_forward_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                              const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states) {
-  using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N>;
+template <int N, bool StatesOnly, class ExecSpace, class MemorySpace>
+void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                      const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
+                      const SsdSegments<MemorySpace>& segments) {
+  using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly>;
   using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::LaunchBounds<Functor::Team::threads, 1>>;
-  Policy policy(exec, plan.batch * plan.nheads, Functor::Team::threads, 1);
+  Policy policy(exec, plan.batch * plan.nheads * segments.count, Functor::Team::threads, 1);
   policy.set_scratch_size(0, Kokkos::PerTeam(Functor::Layout::bytes));
-  Kokkos::parallel_for("kmamba::ssd::fused_forward", light_weight(policy), Functor{in, plan, out, final_states});
+  Kokkos::parallel_for(StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
+                       light_weight(policy), Functor{in, plan, out, final_states, segments});
 }
 
-/// The fused forward for the plan's dstate (ssd_fused_forward_supported must hold).
+/// Segments per sequence: enough teams of (batch, head, segment) to fill the device twice over
+/// (a team of 128 threads per 1024 of the backend's concurrency), each segment at least
+/// ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already do.
+constexpr int ssd_fused_min_segment_chunks = 4;
+
+template <class ExecSpace>
+int ssd_fused_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
+  const std::int64_t wanted = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / 1024);
+  const std::int64_t teams = static_cast<std::int64_t>(plan.batch) * plan.nheads;
+  const std::int64_t by_length = std::max<std::int64_t>(1, plan.nchunks / ssd_fused_min_segment_chunks);
+  return static_cast<int>(std::min<std::int64_t>((wanted + teams - 1) / teams, by_length));
+}
+
+/// The fused forward for N states: one pass when batch × heads fills the device; otherwise the
+/// segments' end states (from zero), their passing along the sequence, then the forward of every
+/// segment from the state entering it.
+template <int N, class ExecSpace, class MemorySpace>
+void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                              const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
+                              int segment_count) {
+  SsdSegments<MemorySpace> segments;
+  segments.count = std::max(1, std::min(segment_count, plan.nchunks));
+  segments.chunks = (plan.nchunks + segments.count - 1) / segments.count;
+  segments.count = (plan.nchunks + segments.chunks - 1) / segments.chunks;
+  if (segments.count > 1) {
+    segments.states = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+        "kmamba::ssd::segment_states", plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
+    segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::segment_decay", plan.batch,
+                                                                          plan.nheads, segments.count);
+    ssd_fused_launch<N, true>(exec, plan, in, out, final_states, segments);
+    Kokkos::parallel_for("kmamba::ssd::fused_segment_passing",
+                         Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                             exec, 0, static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate),
+                         SsdSegmentPassingFunctor<MemorySpace>{in, plan, segments, final_states});
+  }
+  ssd_fused_launch<N, false>(exec, plan, in, out, final_states, segments);
+}
+
+/// The fused forward for the plan's dstate (ssd_fused_forward_supported must hold), each sequence
+/// cut into `segment_count` segments (at most one per chunk; ssd_fused_segment_count chooses it).
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states) {
+                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
+                       int segment_count) {
   switch (plan.dstate) {
-    case 16: ssd_fused_forward_launch<16>(exec, plan, in, out, final_states); break;
-    case 32: ssd_fused_forward_launch<32>(exec, plan, in, out, final_states); break;
-    case 64: ssd_fused_forward_launch<64>(exec, plan, in, out, final_states); break;
-    default: ssd_fused_forward_launch<128>(exec, plan, in, out, final_states); break;
+    case 16: ssd_fused_forward_states<16>(exec, plan, in, out, final_states, segment_count); break;
+    case 32: ssd_fused_forward_states<32>(exec, plan, in, out, final_states, segment_count); break;
+    case 64: ssd_fused_forward_states<64>(exec, plan, in, out, final_states, segment_count); break;
+    default: ssd_fused_forward_states<128>(exec, plan, in, out, final_states, segment_count); break;
   }
 }
 

@@ -1,5 +1,5 @@
 // Internals of kmamba/core/Ssd.hpp: the launch plan, the workspaces and one functor per stage of
-// the chunked SSD (algorithms.md §2.5, §2.6, §2.10).
+// the chunked SSD (docs/algorithms.md §2.5, §2.6, §2.10).
 //
 // Work decomposition (same for every backend): the chunk stages are TeamPolicy launches with one
 // team per (batch, chunk, head) — (batch, chunk, group, tile of rows) for C·Bᵀ; the passing of
@@ -436,7 +436,8 @@ struct SsdStatePassingBackwardFunctor {
 
 /// Backward B4–B9 for one (batch, chunk, head): dx, ddt, this head's share of dB and dC, and the
 /// chunk's partial sums of dA, dD and ddt_bias. Gradients w.r.t. the per-token dA = δ·a are
-/// accumulated in the stable form of §2.6 B8 (every pair s < j ≤ l, no differences). dx and dC
+/// accumulated in the stable form of docs/algorithms.md §2.6 B8 (every pair s < j ≤ l, no
+/// differences). dx and dC
 /// (per head) hold their partial sums between the products of a tile; the (tile × chunk) block
 /// of intra-chunk weights lives in level-1 scratch. Products skip the columns that the causal
 /// mask makes zero.
@@ -715,7 +716,8 @@ struct SsdParameterSumFunctor {
   }
 };
 
-/// One decode step (§2.10): a team per (batch, head), threads over headdim, lanes over dstate.
+/// One decode step (docs/algorithms.md §2.10): a team per (batch, head), threads over headdim,
+/// lanes over dstate.
 template <class ExecSpace, class MemorySpace>
 struct SsdStepFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -810,7 +812,7 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
     return;
   }
   if (args.matmul_precision == MatmulPrecision::BFloat16 && ssd_fused_forward_supported(plan, in)) {
-    ssd_fused_forward(exec, plan, in, out, final_states);
+    ssd_fused_forward(exec, plan, in, out, final_states, ssd_fused_segment_count(exec, plan));
     return;
   }
   with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {

@@ -304,6 +304,16 @@ KMAMBA_TILE_UNROLL
 #endif
 }
 
+/// `value` of lane `source` in every lane of the warp (tensor-core form only).
+KOKKOS_INLINE_FUNCTION float warp_broadcast(float value, int source) {
+#if defined(__CUDA_ARCH__)
+  return __shfl_sync(0xffffffffu, value, source);
+#else
+  (void)source;
+  return value;
+#endif
+}
+
 /// The warps of a team in the form's order: calls f(slot, warp, lane) for each warp the calling
 /// thread takes part in (slot indexes the thread's own accumulators: 0 … warps_per_thread − 1).
 template <bool TensorCores, int Warps>
