@@ -7,7 +7,7 @@
 //   mpirun -np 4 kmamba-perf-comm [--device host|cuda] [--min-bytes B] [--max-bytes B] [--factor 2|4]
 //                                 [--reps R] [--warmup W] [--collectives LIST] [--json FILE]
 //
-// Every size is the logical buffer M of distributed.md §0 in bytes of float32, the "size" of the
+// Every size is the logical buffer M of docs/distributed.md §0 in bytes of float32, the "size" of the
 // NCCL tests: the buffer of all-reduce and broadcast, the whole (size() · n) buffer of
 // reduce-scatter and all-gather, the message each rank sends in the send/recv ring (rank r sends to
 // r + 1 and receives from r − 1). Each repetition starts after a barrier and ends when the data are

@@ -12,8 +12,8 @@
 //                          steps with the logits copied to the host and sampled there): the prefill and
 //                          decode tokens/s of its GenerationStats
 //   prefill                LanguageModel::prefill over (batch, seqlen) tokens: tokens/s
-// The floor of a decode step is its bytes over the H200's measured bandwidth (algorithms.md §6.5,
-// perf-anchors.md §6.3): every weight read once per step (the LM head's real rows included) plus,
+// The floor of a decode step is its bytes over the H200's measured bandwidth (docs/algorithms.md §6.5,
+// docs/performance.md §3.4): every weight read once per step (the LM head's real rows included) plus,
 // per sequence, the SSM and conv states read and written, all fp32 here (the anchors' table uses
 // bf16 weights). The prefill floor is its FLOPs (projections, SSD, head of the last position) over
 // the fp32 FMA rate. On a host the ratio is printed against the same H200 floor, as a reference only.
@@ -44,7 +44,7 @@
 
 namespace {
 
-// H200 ceilings: measured device copy bandwidth; fp32 FMA rate from perf-anchors.md §6.
+// H200 ceilings: measured device copy bandwidth; fp32 FMA rate from docs/performance.md §2.
 constexpr double hbm_bytes_per_s = 4.3e12;
 constexpr double fp32_flop_per_s = 60e12;
 
@@ -84,7 +84,7 @@ kmamba::ModelConfig model_config(const std::string& mixer) {
   return c;
 }
 
-// Bytes a decode step must move and FLOPs it must do (algorithms.md §6.5), fp32 everywhere.
+// Bytes a decode step must move and FLOPs it must do (docs/algorithms.md §6.5), fp32 everywhere.
 struct StepCost {
   double weight_bytes = 0, state_bytes_per_sequence = 0, flops_per_sequence = 0;
   double bytes(int batch) const { return weight_bytes + batch * state_bytes_per_sequence; }
@@ -106,7 +106,7 @@ StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters) {
   return cost;
 }
 
-// FLOPs of a prefill over `tokens` tokens (algorithms.md §6.1, chunk Q): projections and SSD per
+// FLOPs of a prefill over `tokens` tokens (docs/algorithms.md §6.1, chunk Q): projections and SSD per
 // token, the head for the last position of each of `batch` sequences.
 double prefill_flops(const kmamba::ModelConfig& c, std::size_t parameters, double tokens, int batch) {
   const double dm = c.d_model, E = c.d_inner(), N = c.d_state, Q = c.chunk_size, G = c.ngroups;

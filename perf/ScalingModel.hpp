@@ -1,4 +1,4 @@
-// The alpha-beta communication model of kmamba-perf-model (distributed.md §8.2 S1, S3, S6): fits
+// The alpha-beta communication model of kmamba-perf-model (docs/distributed.md §8.2 S1, S3, S6): fits
 // time = α + bytes · factor(n) · β per collective and group size to kmamba-perf-comm's sweep (the
 // ring factors: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n, broadcast and send/recv
 // 1, so 1/β is the bus bandwidth), and predicts the communication and step time of data-, tensor-
@@ -100,7 +100,7 @@ struct Workload {
   Shape shape;
   double compute_s = 0.0;       ///< measured step time of one GPU (no parallelism) on tokens_per_gpu tokens
   double tokens_per_gpu = 0.0;  ///< tokens of that measured step
-  double peak_flops = 989e12;   ///< per GPU, for MFU (H200 dense bf16, perf-anchors.md §2)
+  double peak_flops = 989e12;   ///< per GPU, for MFU (H200 dense bf16, docs/performance.md §2)
   double bytes_per_value = 4;   ///< gradient and activation element bytes (fp32 in this build)
   double serial_fraction = 0.1; ///< share of the compute in the conv + SSD scan that a sequence-parallel chain serialises
   double backward_fraction = 2.0 / 3.0;  ///< share of the compute that DP bucket reductions can hide behind

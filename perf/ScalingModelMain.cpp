@@ -1,7 +1,7 @@
 // kmamba-perf-model: fits the alpha-beta model of each collective to kmamba-perf-comm sweeps (one
 // JSON file per group size, e.g. n = 2, 4, 8 GPUs of one node) and predicts the per-step
 // communication, step time, tokens/s and MFU of a Mamba-2 model (default: mamba2-370m) trained data
-// parallel, tensor parallel and sequence parallel on 16 ... 1024 GPUs (distributed.md §8.2 S1, S3,
+// parallel, tensor parallel and sequence parallel on 16 ... 1024 GPUs (docs/distributed.md §8.2 S1, S3,
 // S6; the formulas are in ScalingModel.hpp). Writes a PNG of tokens/s and MFU against the GPU count.
 //
 //   kmamba-perf-model comm-n2.json comm-n4.json comm-n8.json --compute-ms 850 --tokens-per-gpu 16384

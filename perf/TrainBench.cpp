@@ -15,7 +15,7 @@
 // tied head counted once) plus the SSD's chunked products (per token and layer, forward:
 // 2·Q·N·G for C·Bᵀ, 2·Q·P·H for the intra-chunk outputs, 4·N·P·H for the chunk states and their
 // contribution to the outputs; ×3 for forward + backward), as a fraction of the H200's dense bf16
-// tensor-core peak (989 TFLOP/s: the MFU convention of perf-anchors.md §2) and of its fp32 FMA
+// tensor-core peak (989 TFLOP/s: the MFU convention of docs/performance.md §2) and of its fp32 FMA
 // peak (67 TFLOP/s, the ceiling of fp32 GEMMs). --small shrinks the model (4 layers,
 // d_model 256) and the batch for a 2-core CPU; --preset 370m is mamba2-370m's shape (d_model 1024,
 // 48 layers, vocab padded to 50280). Peak memory: the high-water mark of the live Kokkos allocations

@@ -1,4 +1,4 @@
-// Scalar activations (spec §0) against double-precision formulas, and the elementwise SiLU ops.
+// Scalar activations (docs/algorithms.md §0) against double-precision formulas, and the elementwise SiLU ops.
 // Tolerance: fp32 vs double relative 1e-6 (a few ulp) for the scalar functions, 1e-5 for the
 // elementwise ops; derivatives also checked against central differences of the double formulas.
 #include <kmamba/core/Activations.hpp>

@@ -1,5 +1,5 @@
 // Causal depthwise conv1d (forward, backward, decode update) against a naive sequential
-// double-precision reference written from the spec (algorithms.md §1.2, §1.5, §1.6, §2.10).
+// double-precision reference written from the spec (docs/algorithms.md §1.2, §1.5, §1.6, §2.10).
 //
 // Tolerances: kernel (fp32) vs reference (double) |got - ref| <= 1e-5 * (1 + |ref|); the
 // reference's own gradients vs central finite differences (double, h = 1e-5) within
@@ -123,7 +123,8 @@ RefOutputs ref_forward(const RefInputs& in) {
   return out;
 }
 
-// Scatter form of §1.5: every output t adds its dpre to the taps it read. dfinal may be empty.
+// Scatter form of docs/algorithms.md §1.5: every output t adds its dpre to the taps it read.
+// dfinal may be empty.
 RefGrads ref_backward(const RefInputs& in, const std::vector<double>& dy, const std::vector<double>& dfinal) {
   const Problem& p = in.p;
   const int pad = p.state_len();

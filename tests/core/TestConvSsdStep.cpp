@@ -1,6 +1,6 @@
 // conv_ssd_step (the fused Mamba-2 decode kernel: conv update + SiLU of x, B, C, the SSD step,
 // then the gated RMSNorm) against a sequential double-precision reference written from its
-// definition (algorithms.md §2.3, §2.10): several consecutive tokens from random nonzero conv and
+// definition (docs/algorithms.md §2.3, §2.10): several consecutive tokens from random nonzero conv and
 // ssm states, so that a B/C conv state shifted twice or not at all in one call (the per-group
 // ticket) shows in the next token's output.
 //

@@ -1,5 +1,5 @@
 // Mamba-3 SISO and MIMO scans: forward, backward and decode steps against a sequential
-// double-precision reference written from algorithms.md §3.2, §3.3, §3.6 and §3.7 (the token-by-token
+// double-precision reference written from docs/algorithms.md §3.2, §3.3, §3.6 and §3.7 (the token-by-token
 // recurrence, every state kept; its backward is the adjoint of that recurrence, derived here
 // independently of the chunked form the kernels use), and against the golden files.
 //

@@ -1,5 +1,5 @@
 // RMSNorm (plain and gated, group-wise) forward and backward against a double-precision reference
-// written from algorithms.md §0, §2.3 and §4.2.
+// written from docs/algorithms.md §0, §2.3 and §4.2.
 //
 // Tolerances. fp32 kernels versus the double reference: |kernel − ref| ≤ 1e-5 · magnitude, where
 // magnitude is the reference formula evaluated on absolute values (Σ|terms| instead of Σ terms).
@@ -106,7 +106,8 @@ Forward reference_forward(const Problem& p, const Inputs& in) {
   return out;
 }
 
-// algorithms.md §2.3: dv = (w⊙go − x̂·mean(x̂⊙w⊙go))·r, dw += go⊙x̂; go = dy (⊙ silu(z) if the
+// docs/algorithms.md §2.3: dv = (w⊙go − x̂·mean(x̂⊙w⊙go))·r, dw += go⊙x̂;
+// go = dy (⊙ silu(z) if the
 // gate comes after the norm); gate first: dz = dv⊙x⊙silu′(z), dx = dv⊙silu(z); norm first:
 // dz = dy⊙(x̂⊙w)⊙silu′(z), dx = dv.
 Backward reference_backward(const Problem& p, const Inputs& in) {

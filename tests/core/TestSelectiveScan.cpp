@@ -1,5 +1,5 @@
 // Mamba-1 selective scan: forward, backward and decode step against a sequential double-precision
-// reference written from algorithms.md §1.3, §1.4, §1.6 (token by token, every state kept).
+// reference written from docs/algorithms.md §1.3, §1.4, §1.6 (token by token, every state kept).
 //
 // Tolerances: kernel (fp32) against the double reference, per tensor,
 //   max|kernel − ref| ≤ tol · max|ref|,  tol = 1e-5 for sequences of ≤ 14 tokens, 2e-5 for the

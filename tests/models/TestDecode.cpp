@@ -1,4 +1,4 @@
-// Recurrent inference (algorithms.md §1.6, §2.10, §5) against the chunked forward:
+// Recurrent inference (docs/algorithms.md §1.6, §2.10, §5) against the chunked forward:
 // - mixer level, Mamba-1, Mamba-2 and Mamba-3 (SISO, SISO with the output norm, MIMO; random
 //   reference init, seqlen not a multiple of the chunk):
 //   prefill + steps, prefill in two segments, and steps alone from a reset cache ≡ forward;

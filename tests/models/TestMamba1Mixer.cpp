@@ -1,5 +1,5 @@
 // Mamba-1 mixer: forward and backward against a sequential double-precision reference written
-// from algorithms.md §1.2–§1.5 (token by token, every state kept; its backward is the adjoint of
+// from docs/algorithms.md §1.2–§1.5 (token by token, every state kept; its backward is the adjoint of
 // that recurrence), the reference backward against finite differences, the reference forward
 // inside a double-precision LM against the golden Hugging Face logits, gradient accumulation,
 // shape errors, the reference initialisation, and the parameter names and shapes of the golden
@@ -77,7 +77,7 @@ double softplus20_derivative(double v) { return v > 20.0 ? 1.0 : sigmoid(v); }
 
 using Tensors = std::map<std::string, std::vector<double>>;  // name relative to the mixer -> row-major values
 
-// The parameter names and shapes the mixer must declare (algorithms.md §1.1).
+// The parameter names and shapes the mixer must declare (docs/algorithms.md §1.1).
 std::map<std::string, std::vector<std::int64_t>> expected_parameters(const Problem& p) {
   const std::int64_t e = p.d_inner(), dm = p.d_model, n = p.d_state, r = p.dt_rank, w = p.d_conv;
   std::map<std::string, std::vector<std::int64_t>> s{{"in_proj.weight", {2 * e, dm}}, {"conv1d.weight", {e, 1, w}},
@@ -374,7 +374,7 @@ TEST(Mamba1Reference, BackwardMatchesFiniteDifferences) {
 }
 
 // The reference mixer inside a double-precision language model (embedding, pre-norm residual
-// blocks with RMSNorm, final norm, tied head; algorithms.md §4.2) reproduces the logits that
+// blocks with RMSNorm, final norm, tied head; docs/algorithms.md §4.2) reproduces the logits that
 // Hugging Face's MambaForCausalLM computed for the golden checkpoint: the reference reads the
 // spec the way the golden model does.
 TEST(Mamba1Reference, LanguageModelReproducesGoldenLogits) {

@@ -1,5 +1,5 @@
 // The Mamba-3 mixer against the golden file `mamba3_block_small` (output, grad of u and of every
-// parameter), against a naive double-precision reference written from algorithms.md §3.1–§3.6
+// parameter), against a naive double-precision reference written from docs/algorithms.md §3.1–§3.6
 // (in_proj, B/C RMSNorm, heavy-tail A, softplus Δ, data-dependent rotary angles, the
 // exponential-trapezoidal recurrence token by token, D skip, z gate or output norm, MIMO
 // projections, out_proj), its gradients against central finite differences of that reference,

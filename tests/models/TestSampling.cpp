@@ -1,5 +1,5 @@
 // Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded reproducibility,
-// and stop criteria (algorithms.md §5).
+// and stop criteria (docs/algorithms.md §5).
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Sampling.hpp>
 

@@ -36,7 +36,7 @@ Vec<T> rank_data(int rank, std::size_t n) {
   return out;
 }
 
-/// max|got − ref| ≤ tolerance · max|ref| (distributed.md §8.1), elements [0, n).
+/// max|got − ref| ≤ tolerance · max|ref| (docs/distributed.md §8.1), elements [0, n).
 template <class A, class B>
 void expect_close(const A& got, const B& ref, std::size_t n, double tolerance, const std::string& what) {
   double diff = 0.0, scale = 0.0;

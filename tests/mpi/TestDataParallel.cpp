@@ -1,5 +1,5 @@
 // Data parallelism of a small Mamba-2 language model (run at 1, 2 and 4 ranks; fp32; "equal" is
-// max|Δ| ≤ 1e-5·max|ref| per parameter, distributed.md §8.1). Every rank also computes the 1-rank
+// max|Δ| ≤ 1e-5·max|ref| per parameter, docs/distributed.md §8.1). Every rank also computes the 1-rank
 // reference on the whole batch, so no reference data is communicated. Covered, on every
 // dp × tp factorisation of the world with an unsplit model (the tp ranks are replicas here; split
 // models and sequence parallelism are TestModelParallel's):

@@ -5,7 +5,7 @@
 // the Mamba-2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes
 // its four scan states instead):
 // M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
-//    1-rank run's, max|Δ| ≤ 1e-5·max|ref| per parameter (distributed.md §8.1);
+//    1-rank run's, max|Δ| ≤ 1e-5·max|ref| per parameter (docs/distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's, and the
 //    mesh-wide gradient norm equals the 1-rank norm;
 // M3 initialize() gives each tensor rank the slices of the unsplit initialisation; scatter then

@@ -93,7 +93,7 @@ TEST(ProcessMesh, LayoutOrdersTensorFastestThenSequenceThenData) {
       const int t = config.tensor_parallel_size, c = config.sequence_parallel_size;
       for (int rank = 0; rank < world; ++rank) {
         const kmamba::MeshCoordinates at = layout.coordinates_of(rank);
-        EXPECT_EQ(rank, at.tp + t * (at.sp + c * at.dp));  // distributed.md §6
+        EXPECT_EQ(rank, at.tp + t * (at.sp + c * at.dp));  // docs/distributed.md §6
         EXPECT_EQ(layout.rank_of(at), rank);
         // Group members differ from `rank` only along their axis.
         for (const int member : layout.group(kmamba::MeshAxis::Tensor, rank)) {

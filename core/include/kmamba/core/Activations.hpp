@@ -1,4 +1,4 @@
-// Scalar activation functions shared by every kernel, evaluated in fp32 (spec §0), and an
+// Scalar activation functions shared by every kernel, evaluated in fp32 (docs/algorithms.md §0), and an
 // elementwise SiLU forward/backward over row-major tensors of rank 1 to 4.
 //
 //   sigmoid(v)             = 1 / (1 + e^-v)

@@ -1,4 +1,4 @@
-// Causal depthwise conv1d (spec §1.2 step 2, §1.5 "conv bwd", §1.6 and §2.10 conv update):
+// Causal depthwise conv1d (docs/algorithms.md §1.2 step 2, §1.5 "conv bwd", §1.6 and §2.10 conv update):
 //
 //   pre(b, t, c) = bias(c) + sum_{k=0}^{width-1} weight(c, k) * x(b, t - (width-1) + k, c)
 //   y(b, t, c)   = silu(pre) with Conv1dActivation::silu, pre with Conv1dActivation::none

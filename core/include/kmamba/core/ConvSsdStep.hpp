@@ -1,11 +1,11 @@
-// The Mamba-2 decode step between the in_proj and the out_proj, one kernel (algorithms.md §2.10;
+// The Mamba-2 decode step between the in_proj and the out_proj, one kernel (docs/algorithms.md §2.10;
 // the reference's `Mamba2.step`: causal_conv1d_update on xBC, selective_state_update without z,
 // then the gated RMSNorm): per sequence b, head h (group g = h / (nheads / ngroups)), headdim row
 // p, state entry n,
 //
 //   x, B, C  = silu(causal_conv1d_update(xBC of the token, conv states))   conv states shifted in place
 //   δ        = softplus₂₀(dt[b,h] + dt_bias[h])      (softplus when dt_softplus; no dt limit, as the
-//                                                    reference's step, algorithms.md §9 flag 1)
+//                                                    reference's step, docs/algorithms.md §9 flag 1)
 //   A        = −exp(A_log[h])
 //   H[p,n]   = exp(δ·A)·H[p,n] + δ·x[h,p]·B[g,n]     ssm state advanced in place
 //   y[h,p]   = Σ_n H[p,n]·C[g,n] + D[h]·x[h,p]

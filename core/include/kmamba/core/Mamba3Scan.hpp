@@ -1,5 +1,5 @@
 // Mamba-3 scans (reference: state-spaces/mamba `mamba3_siso_combined` and the TileLang MIMO op, their
-// sequential references `mamba3_siso_step_ref` / `mamba3_MIMO_step_ref`; algorithms.md §3.2–§3.7):
+// sequential references `mamba3_siso_step_ref` / `mamba3_MIMO_step_ref`; docs/algorithms.md §3.2–§3.7):
 // the SISO scan and the MIMO scan of rank R, forward (chunked), backward and the one-token decode step.
 //
 // Per batch b, head h (group g = h / (nheads / ngroups)), token t and rank r (SISO: R = 1 and every
@@ -29,7 +29,7 @@
 // `chunk_size` tokens (the last may be partial; rows of a chunk are its tokens × ranks) and computed
 // in the stages of the SSD (kmamba/core/Ssd.hpp): per-token angles, decays and scales; rotated q
 // and k; each chunk's own end state; the passing of states across chunks; the chunk scan. The
-// backward runs the same decomposition in reverse (algorithms.md §3.5, rank sums inside the inner
+// backward runs the same decomposition in reverse (docs/algorithms.md §3.5, rank sums inside the inner
 // products for MIMO); the reduction of angles mod 2π is treated as the identity, as the reference
 // does. All arithmetic and states are fp32 (the per-chunk products optionally with TF32 operands on
 // the tensor cores: matmul_precision). Every op is non-blocking on the execution space

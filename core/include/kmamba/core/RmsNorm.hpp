@@ -1,6 +1,7 @@
-// RMSNorm over the last axis: the plain norm of the language model's blocks (algorithms.md §0,
-// §4.2; add_rms_norm fuses the residual add before it, for inference) and the gated, group-wise
-// norm of the Mamba-2/3 mixers (`RMSNormGated`, §2.3, §3.1), forward and backward.
+// RMSNorm over the last axis: the plain norm of the language model's blocks
+// (docs/algorithms.md §0, §4.2; add_rms_norm fuses the residual add before it, for inference) and
+// the gated, group-wise norm of the Mamba-2/3 mixers (`RMSNormGated`,
+// docs/algorithms.md §2.3, §3.1), forward and backward.
 //
 //   plain                          rstd = 1/sqrt(mean(x²) + eps)        y = x·rstd ⊙ w
 //   gated, norm_before_gate=false  v = x ⊙ silu(z); rstd = 1/sqrt(mean(v²) + eps); y = v·rstd ⊙ w
@@ -305,7 +306,7 @@ void gated_rms_norm(const XView& x, const ZView& z, const WView& weight, float e
   gated_rms_norm(typename XView::execution_space(), x, z, weight, eps, group_size, norm_before_gate, y);
 }
 
-/// Backward of the gated RMSNorm with the rstd saved by gated_rms_norm (algorithms.md §2.3).
+/// Backward of the gated RMSNorm with the rstd saved by gated_rms_norm (docs/algorithms.md §2.3).
 /// Per row and group, with x̂ = v·rstd (v = x ⊙ silu(z) for norm_before_gate = false, v = x for
 /// true) and go = dy (false) or dy ⊙ silu(z) (true):
 ///   dv = (w ⊙ go − x̂ · mean(x̂ ⊙ w ⊙ go)) · rstd,   dweight = Σ_rows go ⊙ x̂

@@ -1,5 +1,5 @@
 // Mamba-1 selective scan (reference: state-spaces/mamba `selective_scan_fn`,
-// algorithms.md §1.3, §1.4, §1.6): forward, backward and the one-token decode step.
+// docs/algorithms.md §1.3, §1.4, §1.6): forward, backward and the one-token decode step.
 //
 // Per batch b, channel d (group g = d / (dim / ngroups)) and state n:
 //

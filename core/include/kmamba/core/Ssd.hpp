@@ -1,5 +1,5 @@
 // Mamba-2 SSD, the chunked state-space scan (reference: state-spaces/mamba
-// `mamba_chunk_scan_combined`, algorithms.md §2.4–§2.6, §2.9, §2.10): forward, backward and the
+// `mamba_chunk_scan_combined`, docs/algorithms.md §2.4–§2.6, §2.9, §2.10): forward, backward and the
 // one-token decode step.
 //
 // Per batch b, head h (group g = h / (nheads / ngroups)), token t:
@@ -106,7 +106,7 @@ struct SsdGrads {
 };
 
 /// Inputs of ssd_step (one token per sequence; same meaning as SsdArgs). As the reference's
-/// `selective_state_update` (algorithms.md §2.10, §9 flag 1), the step applies no dt limit.
+/// `selective_state_update` (docs/algorithms.md §2.10, §9 flag 1), the step applies no dt limit.
 template <class MemorySpace>
 struct SsdStepArgs {
   ConstTensor3<float, MemorySpace> x;        // (batch, nheads, headdim)
@@ -209,7 +209,7 @@ void ssd_forward(const SsdArgs<MemorySpace>& args,
 /// SSD backward: the gradients of sum(out·dout) + sum(final_states·dfinal_states) with respect
 /// to every input (see SsdGrads for which are written). `dfinal_states` is optional (absent =
 /// zero). Stages 1–4 of the forward are recomputed, then the backward runs stage by stage as
-/// algorithms.md §2.6 (the gradient w.r.t. δ·A in its stable form). Every sum over batch,
+/// docs/algorithms.md §2.6 (the gradient w.r.t. δ·A in its stable form). Every sum over batch,
 /// seqlen or the heads of a group (dA, dD, ddt_bias, dB, dC) is taken from per-chunk or per-head
 /// partials in a fixed order: no atomics, identical results from run to run. Non-blocking on
 /// `exec` (see the file comment).

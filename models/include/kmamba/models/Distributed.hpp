@@ -1,7 +1,7 @@
 // Distributed training of a LanguageModel: checking a process mesh against the model, and data
 // parallelism — bucketed gradient reduction, global-norm clipping over the whole mesh, and AdamW
 // with its moments either replicated (DDP) or sharded across the data-parallel ranks (ZeRO-1) —
-// as one object a training loop calls once per optimizer step (distributed.md §3).
+// as one object a training loop calls once per optimizer step (docs/distributed.md §3).
 //
 //   kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
 //   kmamba::DataParallel<Exec> dp(mesh, model.config(), model.parameters(), adamw, {/*zero_stage=*/1});
@@ -14,7 +14,7 @@
 //   const double norm = dp.grad_norm(exec, model.parameters());     // the same value on every rank
 //   dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
 //
-// Overlap with backward (distributed.md §3): attached to the model, the gradients of the last
+// Overlap with backward (docs/distributed.md §3): attached to the model, the gradients of the last
 // micro-batch are reduced bucket by bucket while its backward runs (on CUDA on a communication
 // stream; on host transports synchronously, through the same path):
 //

@@ -1,4 +1,4 @@
-// Host-side generation loop over LanguageModel's recurrent inference (algorithms.md §5): prompts
+// Host-side generation loop over LanguageModel's recurrent inference (docs/algorithms.md §5): prompts
 // of token ids in, generated tokens out, streamed through a callback as they are chosen, with
 // prefill and decode throughput.
 //

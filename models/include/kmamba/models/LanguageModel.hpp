@@ -1,4 +1,4 @@
-// The Mamba language model (algorithms.md §4): token embedding, n_layer pre-norm residual blocks
+// The Mamba language model (docs/algorithms.md §4): token embedding, n_layer pre-norm residual blocks
 // (Add → RMSNorm → Mixer, the residual stream kept in fp32), the final RMSNorm and the LM head
 // (tied to the embedding unless the config unties it), over a vocabulary padded to
 // pad_vocab_size_multiple. Parameters and gradients live in one ParameterSlab under the Hugging
@@ -10,7 +10,7 @@
 //   float loss = model.loss_and_backward(exec, ids, targets);   // grads added to model.parameters()
 //   model.save("out/");                                         // config.json + model.safetensors
 //
-// Recurrent inference (algorithms.md §5): a DecodeState holds every layer's MixerCache and the
+// Recurrent inference (docs/algorithms.md §5): a DecodeState holds every layer's MixerCache and the
 // buffers of a decode step for a batch of sequences, allocated once. prefill runs the chunked
 // forward over a segment of tokens per sequence (continuing from the state, so a prompt may be
 // fed in several segments) and returns the logits of the segment's last position; decode_step
@@ -138,7 +138,7 @@ class LanguageModel {
   /// is not written), each atomically; creates `dir` if needed.
   void save(const std::string& dir) const;
 
-  /// The reference initialisation (algorithms.md §4.4), deterministic in `seed`. Blocking.
+  /// The reference initialisation (docs/algorithms.md §4.4), deterministic in `seed`. Blocking.
   void initialize(std::uint64_t seed);
 
   const ModelConfig& config() const;

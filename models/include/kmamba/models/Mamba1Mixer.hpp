@@ -1,4 +1,4 @@
-// The Mamba-1 mixer (algorithms.md §1.1, §1.2, §1.5), with the parameters of Hugging Face's
+// The Mamba-1 mixer (docs/algorithms.md §1.1, §1.2, §1.5), with the parameters of Hugging Face's
 // MambaMixer / mamba_ssm's Mamba under prefix():
 //
 //   in_proj.weight  (2·d_inner, d_model)            in_proj.bias  (2·d_inner)   when config.bias
@@ -19,7 +19,7 @@
 // in fp32 on every backend. Backward runs the chain in reverse and adds every parameter
 // gradient into the slab's gradients.
 //
-// Recurrent inference (algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
+// Recurrent inference (docs/algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
 // d_conv − 1), the SSM state (batch, d_inner, d_state) in fp32 and the step's buffers. prefill is
 // the forward above with the cache's states as the conv's and the scan's initial states, advanced
 // in place to their final states. step runs, per token:
@@ -68,7 +68,7 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
 
   void declare_parameters(Slab& slab) const override;
 
-  /// Per algorithms.md §1.1 and §4.4: in_proj, x_proj and out_proj kaiming-uniform
+  /// Per docs/algorithms.md §1.1 and §4.4: in_proj, x_proj and out_proj kaiming-uniform
   /// (U(±1/√fan_in)), out_proj then divided by √n_layer when config.rescale_prenorm_residual;
   /// conv1d weight and bias U(±1/√d_conv); dt_proj.weight U(±dt_rank^−½·dt_scale) (or that
   /// constant when !config.dt_init_random); dt_proj.bias the inverse softplus of a log-uniform

@@ -1,4 +1,4 @@
-// The Mamba-2 mixer (algorithms.md §2.1–§2.3, §2.7; reference `modules/mamba2.py` with
+// The Mamba-2 mixer (docs/algorithms.md §2.1–§2.3, §2.7; reference `modules/mamba2.py` with
 // d_ssm = d_inner, no MLP part, rmsnorm on), forward and backward in fp32:
 //
 //   [z | x | B | C | dt] = u · in_projᵀ (+ in_proj.bias)                 (b·L, 2E + 2GN + H)
@@ -19,7 +19,7 @@
 // are released on return, which waits for the device where freeing memory does (cudaFree), as
 // the core SSD does; backward's gradient buffers are likewise released on return.
 //
-// Recurrent inference (algorithms.md §2.10): the cache holds the conv windows of x, B and C
+// Recurrent inference (docs/algorithms.md §2.10): the cache holds the conv windows of x, B and C
 // (batch, width, d_conv − 1) each, the SSM state (batch, nheads, headdim, d_state) in fp32 and
 // the step's buffers. prefill is the forward above with the cache's states as the conv's and the
 // SSD's initial states, advanced in place to their final states. step runs, per token, three
@@ -30,11 +30,11 @@
 //                          (z read in place from the row)          one kernel; conv windows and
 //                                                                    SSM state advanced in place
 //   out                  = normed · out_projᵀ
-// As the reference's step (algorithms.md §2.10, §9 flag 1), the decode step applies no dt limit
+// As the reference's step (docs/algorithms.md §2.10, §9 flag 1), the decode step applies no dt limit
 // (the chunked forward clamps δ to [dt_limit_min, dt_limit_max]), so prefill and step agree
 // exactly only while δ lies within those limits — always with the default (0, ∞).
 //
-// Tensor parallelism (distributed.md §1.1; ModelParallel.tensor of t ranks): rank r holds heads
+// Tensor parallelism (docs/distributed.md §1.1; ModelParallel.tensor of t ranks): rank r holds heads
 // [r·H/t, (r+1)·H/t) and groups [r·G/t, (r+1)·G/t) (H and G divisible by t). Its in_proj.weight is
 // the rows [z_r | x_r | B_r | C_r | dt_r] of the unsplit one (column parallel), its conv channels,
 // dt_bias, A_log, D and norm.weight the matching slices (the gated norm's groups of E/G channels stay
@@ -42,7 +42,7 @@
 // all-reduces the partial outputs over the tensor ranks (out_proj.bias added once), backward
 // all-reduces du. Grads of the shards are complete on their rank; out_proj.bias is replicated.
 //
-// Sequence parallelism (distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
+// Sequence parallelism (docs/distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
 // rank k holds one contiguous segment of every sequence (any lengths >= 1). Forward receives from
 // rank k−1 the last d_conv − 1 pre-conv inputs of x, B, C (the halo, as the conv's initial state)
 // and the SSM state entering its segment (the SSD's initial state), and sends rank k+1 its own
@@ -140,7 +140,7 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
 
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba2Mixer.cpp
-  // The segments of in_proj's output, in the order of its rows (algorithms.md §2.2).
+  // The segments of in_proj's output, in the order of its rows (docs/algorithms.md §2.2).
   enum Segment { z_segment = 0, x_segment, B_segment, C_segment, dt_segment, segment_count };
 
   using Matrix = Tensor2<float, memory_space>;

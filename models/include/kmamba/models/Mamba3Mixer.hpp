@@ -1,4 +1,4 @@
-// The Mamba-3 mixer (algorithms.md §3.1–§3.7; reference `modules/mamba3.py`), SISO and MIMO,
+// The Mamba-3 mixer (docs/algorithms.md §3.1–§3.7; reference `modules/mamba3.py`), SISO and MIMO,
 // forward and backward in fp32. No convolution and no A_log: A is data dependent.
 //
 //   [z | x | B | C | dd_dt | dd_A | trap | angle] = u · in_projᵀ     (b·L, 2E + 2·R·G·N + 3H + S)
@@ -21,13 +21,13 @@
 // backward. Buffers of an inference forward and backward's gradient buffers are released on return
 // (which waits for the device where freeing memory does).
 //
-// Recurrent inference (§3.7): the cache holds the scan's four states, angle (b, H, S), ssm
+// Recurrent inference (docs/algorithms.md §3.7): the cache holds the scan's four states, angle (b, H, S), ssm
 // (b, H, P, N), k (b, H[, R], N) rotated and biased, v (b, H[, R], P) (SISO: the last x; MIMO: the
 // last x ⊙ mimo_x, the scan's convention), all fp32, and the step's buffers. prefill is the forward
 // above continuing from the cache's states; step runs the same pre-processing on one token and the
 // core decode step.
 //
-// Tensor parallelism (distributed.md §1.1; ModelParallel.tensor of t ranks, H and G divisible by t):
+// Tensor parallelism (docs/distributed.md §1.1; ModelParallel.tensor of t ranks, H and G divisible by t):
 // rank r holds heads [r·H/t, (r+1)·H/t) and groups [r·G/t, (r+1)·G/t). Its in_proj.weight is the
 // rows [z_r | x_r | B_r | C_r | dd_dt_r | dd_A_r | trap_r | angle] of the unsplit one (column
 // parallel; B and C are (R, G, N) per token, so each of the R rank blocks contributes its G/t
@@ -37,7 +37,7 @@
 // are shared by every head: replicated, their gradients (partial sums over this rank's heads) are
 // all-reduced over the tensor ranks in backward, so they are complete and equal on every tensor rank.
 //
-// Sequence parallelism (distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
+// Sequence parallelism (docs/distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
 // Mamba-3 has no convolution, so no halo: rank k receives from rank k−1 the scan's four states
 // entering its segment (angle, ssm, k, v) as the scan's initial states and sends rank k+1 its final
 // ones; backward passes their gradients the other way (the scan's dfinal_states / dinitial).
@@ -94,7 +94,8 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   /// projection weights only.
   void declare_parameters(Slab& slab) const override;
 
-  /// The reference initialisation (§3.1, §4.4): in_proj and out_proj uniform in ±1/sqrt(fan_in),
+  /// The reference initialisation (docs/algorithms.md §3.1, §4.4): in_proj and out_proj uniform
+  /// in ±1/sqrt(fan_in),
   /// out_proj then divided by sqrt(n_layer) when rescale_prenorm_residual; dt_bias =
   /// invsp(max(dt_init_floor, dt)) with dt log-uniform in [dt_min, dt_max]; B_bias = C_bias =
   /// config.bc_bias_init (the reference's 1); norm weights 1; D = 1; mimo_x = mimo_o = 1/R,
@@ -139,7 +140,7 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
 
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba3Mixer.cpp
-  // The segments of in_proj's output, in the order of its rows (§3.1).
+  // The segments of in_proj's output, in the order of its rows (docs/algorithms.md §3.1).
   enum Segment {
     z_segment = 0,
     x_segment,

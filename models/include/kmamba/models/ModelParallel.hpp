@@ -1,4 +1,4 @@
-// How one rank holds a model that is split across ranks inside a layer (distributed.md §1, §2.1):
+// How one rank holds a model that is split across ranks inside a layer (docs/distributed.md §1, §2.1):
 // tensor parallelism splits each Mamba-2 or Mamba-3 mixer's heads, with their B/C groups and
 // per-head parameters, over the ranks of `tensor` (Mamba2Mixer.hpp, Mamba3Mixer.hpp); sequence
 // parallelism gives each rank of `sequence` one contiguous segment of every sequence (segments may

@@ -1,4 +1,4 @@
-// Choosing the next token from a row of logits (algorithms.md §5), and when to stop generating.
+// Choosing the next token from a row of logits (docs/algorithms.md §5), and when to stop generating.
 //
 // The sampler works on the host: the logits of one sequence are a contiguous row of floats in host
 // memory (a host mirror of the model's last-position logits, sliced to the real vocabulary when the
@@ -14,7 +14,7 @@
 //      tokens with probability >= min_p times the largest probability;
 //   6. one draw from the softmax of the kept tokens.
 // This is the reference's order (repetition penalty, top-k, temperature, top-p). Deviation, as
-// algorithms.md §5 asks: the reference's min-p compares logits against token 0's logit and only
+// docs/algorithms.md §5 asks: the reference's min-p compares logits against token 0's logit and only
 // runs without top-k and top-p; kmamba implements min-p as defined above, combinable with both.
 //
 // Random numbers are counter-based (Philox4x32-10): the draw for (seed, sequence, step) is the same

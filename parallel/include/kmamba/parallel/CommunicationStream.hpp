@@ -1,4 +1,4 @@
-// Where data-parallel collectives run so that they overlap with the backward (distributed.md §3,
+// Where data-parallel collectives run so that they overlap with the backward (docs/distributed.md §3,
 // "Streams and ordering"): on CUDA, a second stream with event dependencies on the compute stream —
 // wait_for() before a collective (it sees everything the compute stream has enqueued so far), join()
 // before the compute stream reads the results — never a device-wide fence. On host backends the

@@ -29,7 +29,7 @@ class CommunicationLog {
  public:
   struct Tally {
     std::int64_t calls = 0;
-    std::int64_t elements = 0;  ///< Σ of the logical buffer sizes (distributed.md §0's M, in elements)
+    std::int64_t elements = 0;  ///< Σ of the logical buffer sizes (docs/distributed.md §0's M, in elements)
     double seconds = 0.0;       ///< Σ of the operations' times while timing() was on
   };
   /// Operations: "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "barrier".

@@ -1,6 +1,6 @@
 // Data-parallel reduction of one flat buffer (a ParameterSlab's gradients or parameters) in
 // buckets: contiguous ranges, each a multiple of the group size so that a bucket splits into equal
-// per-rank shards (distributed.md §3).
+// per-rank shards (docs/distributed.md §3).
 //
 //   BucketLayout layout(n, ranks, bucket_elements):
 //     [ bucket 0 | bucket 1 | ... | bucket k-1 | tail ]     tail: n mod ranks elements
@@ -10,7 +10,7 @@
 // gradient of its shards), updates its shards, then all-gathers the parameters; the tail (fewer
 // elements than ranks) is all-reduced and updated by every rank alike.
 //
-// Overlap with backward (distributed.md §3): begin() arms a reduction for the current backward,
+// Overlap with backward (docs/distributed.md §3): begin() arms a reduction for the current backward,
 // ready() announces the elements whose gradients are final (e.g. one layer's, right after its
 // backward), and each bucket is reduced as soon as all its elements are announced — on CUDA on a
 // communication stream that waits for the compute stream (CommunicationStream.hpp), so that the

@@ -48,7 +48,7 @@ class MpiComm {
 
 /// This process's rank among the ranks of `comm` that share its node (MPI_Comm_split_type with
 /// MPI_COMM_TYPE_SHARED), in [0, ranks on the node): the GPU a one-GPU-per-rank program takes on a
-/// node of several GPUs (distributed.md §6's bootstrap). Collective over `comm`.
+/// node of several GPUs (docs/distributed.md §6's bootstrap). Collective over `comm`.
 int node_local_rank(MPI_Comm comm);
 
 /// For the main() of an MPI program: runs `body` and returns its result; if it throws, prints

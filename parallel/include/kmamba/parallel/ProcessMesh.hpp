@@ -1,4 +1,4 @@
-// The process mesh dp × tp × sp (distributed.md §6): every rank has coordinates (dp, tp, sp), ranks
+// The process mesh dp × tp × sp (docs/distributed.md §6): every rank has coordinates (dp, tp, sp), ranks
 // are ordered tp fastest, then sp, then dp — rank = tp + t·(sp + c·dp) — so that a tensor-parallel
 // group holds neighbouring ranks (one node), and each axis has its own communicator.
 //

@@ -1,6 +1,6 @@
 // Internals of kmamba/core/Mamba3Scan.hpp: the operands of both variants behind one interface, the
-// launch plan, the workspaces and one functor per stage of the chunked scan (algorithms.md §3.4,
-// §3.5), its backward and the decode step (§3.7).
+// launch plan, the workspaces and one functor per stage of the chunked scan
+// (docs/algorithms.md §3.4, §3.5), its backward and the decode step (docs/algorithms.md §3.7).
 //
 // SISO is MIMO with rank 1 and unit rank projections; every stage is written once for rank R.
 // Per (batch, head) the tokens × ranks form "rows" (row = t·R + r); the rotate stage writes the
@@ -1430,7 +1430,8 @@ struct Mamba3SkipSumFunctor {
   }
 };
 
-/// One decode step (§3.7): a team per (batch, head); threads over headdim, lanes over dstate.
+/// One decode step (docs/algorithms.md §3.7): a team per (batch, head); threads over headdim,
+/// lanes over dstate.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3StepFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;

@@ -1,5 +1,5 @@
 // Internals of kmamba/models/Mamba3Mixer.hpp: the elementwise kernels between in_proj and the
-// Mamba-3 scan (algorithms.md §3.2) and their backward.
+// Mamba-3 scan (docs/algorithms.md §3.2) and their backward.
 #ifndef KMAMBA_MODELS_IMPL_MAMBA3MIXERIMPL_HPP
 #define KMAMBA_MODELS_IMPL_MAMBA3MIXERIMPL_HPP
 
