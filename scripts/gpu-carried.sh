@@ -71,7 +71,7 @@ if [ "${GPU_CARRIED_EVAL:-1}" != 0 ]; then
 fi
 if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-kernels "$bin/kmamba-perf" --space Cuda
-  # The SSD's chunk products grow with the chunk length Q (algorithms.md §6.1): the same SSD at
+  # The SSD's chunk products grow with the chunk length Q (docs/algorithms.md §6.1): the same SSD at
   # shorter chunks, fp32 products.
   for q in 64 128; do
     step "perf-ssd-chunk$q" "$bin/kmamba-perf" --space Cuda --case ssd --precision fp32 --chunk "$q"

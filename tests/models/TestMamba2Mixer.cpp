@@ -1,5 +1,6 @@
-// The Mamba-2 mixer against a naive double-precision reference written from algorithms.md
-// §2.1–§2.4 and §2.7 (in_proj, causal conv + SiLU, the SSD as a token-by-token recurrence, the
+// The Mamba-2 mixer against a naive double-precision reference written from
+// docs/algorithms.md §2.1–§2.4 and §2.7 (in_proj, causal conv + SiLU, the SSD as a token-by-token
+// recurrence, the
 // group-wise gated RMSNorm, out_proj), its gradients against central finite differences of that
 // reference over every input and parameter, gradient accumulation, errors, initialisation, and
 // the parameter names and shapes of the golden Hugging Face checkpoint.

@@ -3,7 +3,7 @@
 // checkpoint names, initialises them as the reference does, and runs forward and backward on
 // (batch, seqlen, d_model) activations, keeping what backward needs between the two.
 //
-// For recurrent inference (algorithms.md §1.6, §2.10, §5) a mixer makes a MixerCache per batch:
+// For recurrent inference (docs/algorithms.md §1.6, §2.10, §5) a mixer makes a MixerCache per batch:
 // its conv window and SSM state plus every buffer a decode step needs. prefill runs the chunked
 // forward over a segment of tokens starting from the cache's states and leaves the final states
 // in it; step advances every sequence of the batch by one token. prefill over a sequence and
@@ -70,11 +70,12 @@ class Mixer {
 
   /// Adds this mixer's parameters to `slab` (before finalize), named prefix() + the Hugging Face
   /// name ("in_proj.weight", "A_log", ...) with the Hugging Face shapes; weight decay only on the
-  /// projection and conv weights (algorithms.md §4; none on biases, norms, A_log, D, dt_bias).
+  /// projection and conv weights (docs/algorithms.md §4; none on biases, norms, A_log, D, dt_bias).
   virtual void declare_parameters(Slab& slab) const = 0;
 
-  /// The reference initialisation of this mixer's parameters (algorithms.md §1.1 / §2.1 / §3.1 and
-  /// §4.4, including the prenorm-residual rescale of out_proj.weight when the config asks for it).
+  /// The reference initialisation of this mixer's parameters
+  /// (docs/algorithms.md §1.1 / §2.1 / §3.1 and §4.4, including the prenorm-residual rescale of
+  /// out_proj.weight when the config asks for it).
   /// Deterministic in `seed`. Non-blocking on `exec`.
   virtual void initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const = 0;
 
