@@ -1,12 +1,13 @@
 // kmamba-perf-train: training throughput of a mamba2-130m-shaped language model (random weights:
 // d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, chunk 256, vocab 50277 padded to
-// 50288, tied head) on random tokens: optimizer steps (forward, backward, global-norm clipping,
+// 50288, tied head; --mixer mamba3: the Mamba-3 SISO layers of that shape with chunk 64, --mixer
+// mamba1: mamba-130m's Mamba-1 layers, d_state 16) on random tokens: optimizer steps (forward, backward, global-norm clipping,
 // AdamW) of batch × seqlen tokens through kmamba::Trainer, with the projection GEMMs in the
 // precision of --precision (LanguageModel::set_matmul_precision: fp32 by default; bf16 / tf32
 // multiply rounded operands on the tensor cores on CUDA, and tf32 runs the SSD chunk products in
 // TF32 too; host backends emulate the rounding, no faster).
 //
-//   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
+//   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
 //                     [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing] [--json FILE]
 //                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
@@ -68,6 +69,7 @@ constexpr double fp32_peak_flop_per_s = 67e12;
 
 struct Options {
   std::string space, preset = "130m", json;
+  kmamba::MixerKind mixer = kmamba::MixerKind::Mamba2;
   bool small = false;
   int batch = 0, seqlen = 0, steps = 0;
   kmamba::MeshConfig mesh;
@@ -81,16 +83,17 @@ struct Options {
 
 kmamba::ModelConfig model_config(const Options& o) {
   kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba2;
+  c.mixer = o.mixer;
   const bool large = o.preset == "370m";
   c.d_model = o.small ? 256 : large ? 1024 : 768;
   c.n_layer = o.small ? 4 : large ? 48 : 24;
   c.vocab_size = 50277;
   c.pad_vocab_size_multiple = large ? 8 : 16;
-  c.d_state = 128;
+  c.d_state = o.mixer == kmamba::MixerKind::Mamba1 ? 16 : 128;
   c.headdim = 64;
   c.ngroups = o.ngroups;
-  c.chunk_size = o.chunk > 0 ? o.chunk : o.small ? 64 : 256;
+  const int preset_chunk = o.small || o.mixer == kmamba::MixerKind::Mamba3 ? 64 : 256;
+  c.chunk_size = o.chunk > 0 ? o.chunk : preset_chunk;
   c.tie_embeddings = true;
   c.validate();
   return c;
@@ -118,7 +121,11 @@ extern "C" void on_deallocate(Kokkos_Profiling_SpaceHandle space, const char*, c
 
 bool mpi_running = false;
 
+// The scans' FLOPs per token, forward + backward (×3 of the forward): the chunked products for
+// Mamba-2 and Mamba-3 (C·Bᵀ, the intra-chunk outputs, the chunk states and their outputs), and for
+// Mamba-1's recurrence a state update and an output term per state and channel (≈ 9·N·E).
 double ssd_flops_per_token(const kmamba::ModelConfig& c) {
+  if (c.mixer == kmamba::MixerKind::Mamba1) return 3.0 * c.n_layer * 9.0 * c.d_state * c.d_inner();
   const double Q = c.chunk_size, N = c.d_state, G = c.ngroups, P = c.headdim, H = c.num_heads();
   return 3.0 * c.n_layer * (2 * Q * N * G + 2 * Q * P * H + 4 * N * P * H);
 }
@@ -208,9 +215,9 @@ void run_space(const Options& o) {
   const double global_tokens = static_cast<double>(data_size) * batch * seqlen;
   const double flops_per_token = 6.0 * parameters + ssd_flops_per_token(config);
   if (root) {
-    std::printf("model: Mamba2, d_model %d, %d layers, d_state %d, headdim %d, ngroups %d, chunk %d, vocab %d (padded "
+    std::printf("model: %s, d_model %d, %d layers, d_state %d, headdim %d, ngroups %d, chunk %d, vocab %d (padded "
                 "%d), %.1f M parameters; batch %d x seqlen %d per data-parallel group, %s, %s projections\n",
-                config.d_model, config.n_layer, config.d_state, config.headdim, config.ngroups, config.chunk_size,
+                kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, config.d_state, config.headdim, config.ngroups, config.chunk_size,
                 config.vocab_size,
                 config.padded_vocab_size(), parameters * 1e-6, batch, seqlen, Exec::name(),
                 kmamba::matmul_precision_name(o.precision));
@@ -283,6 +290,7 @@ void run_space(const Options& o) {
   nlohmann::json record = {{"tool", "kmamba-perf-train"},
                            {"execution_space", Exec::name()},
                            {"precision", kmamba::matmul_precision_name(o.precision)},
+                           {"mixer", kmamba::mixer_name(config.mixer)},
                            {"d_model", config.d_model},
                            {"n_layer", config.n_layer},
                            {"ngroups", config.ngroups},
@@ -379,11 +387,13 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::printf(
-          "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--preset 130m|370m] [--small] [--batch B]\n"
+          "usage: kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m]\n"
+          "                         [--small] [--batch B]\n"
           "                         [--seqlen L] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing]\n"
           "                         [--json FILE] [--precision fp32|tf32|bf16] [--kernel-times K]\n"
           "       mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]\n"
           "  default: mamba2-130m shape, batch 8 x seqlen 2048, 10 timed steps after one warm-up step\n"
+          "  --mixer: the layers (default mamba2; mamba3: SISO, chunk 64; mamba1: d_state 16)\n"
           "  --preset 370m: mamba2-370m shape (d_model 1024, 48 layers)\n"
           "  --small: d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)\n"
           "  --ngroups G: B/C groups (default 1; tensor parallelism needs tp to divide it)\n"
@@ -417,6 +427,12 @@ int main(int argc, char** argv) {
       };
       if (a == "--space") o.space = value();
       else if (a == "--preset") o.preset = value();
+      else if (a == "--mixer") {
+        const std::string m = value();
+        KMAMBA_REQUIRE(m == "mamba1" || m == "mamba2" || m == "mamba3",
+                       "kmamba-perf-train: --mixer must be mamba1, mamba2 or mamba3, got '" << m << "'");
+        o.mixer = m == "mamba1" ? kmamba::MixerKind::Mamba1 : m == "mamba2" ? kmamba::MixerKind::Mamba2 : kmamba::MixerKind::Mamba3;
+      }
       else if (a == "--small") o.small = true;
       else if (a == "--batch") o.batch = std::max(1, std::atoi(value().c_str()));
       else if (a == "--seqlen") o.seqlen = std::max(2, std::atoi(value().c_str()));

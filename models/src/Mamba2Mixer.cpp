@@ -414,7 +414,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
 
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
-  args.matmul_precision = this->scan_matmul_precision();
+  args.matmul_precision = this->ssd_matmul_precision();
   Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
   args.initial_states = final_states;
   if (split_sequence) {  // the state entering this segment, from the previous rank
@@ -539,7 +539,7 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   g.ddt_bias = ddt_bias;
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
-  args.matmul_precision = this->scan_matmul_precision();
+  args.matmul_precision = this->ssd_matmul_precision();
   // Sequence parallel: the gradient of this segment's final state comes back from the next rank,
   // the gradient of its initial state goes to the previous one.
   Tensor4<float, Mem> dfinal_states;

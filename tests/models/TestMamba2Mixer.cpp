@@ -472,6 +472,40 @@ TYPED_TEST(Mamba2Mixer, BackwardMatchesReferenceGradients) {
   std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
 }
 
+// With bf16 matmul precision the mixer's SSD forward is the fused tensor-core one when its shape
+// allows (headdim 64, chunk 64): the in_proj/out_proj GEMMs and the SSD's products then take bf16
+// operands. Each output is a sum of products whose factors carry relative rounding ≤ 2^-9 each,
+// through two projections and the SSD's chains (≤ 3 rounded factors per term, tests/core/TestSsd),
+// so against the double reference max|Δ| ≤ 2^-4·max|ref| holds with room (the fp32 bound is 1e-4);
+// the result must also differ from the fp32 mixer's, or the bf16 path did not run.
+TYPED_TEST(Mamba2Mixer, Bf16ForwardFollowsTheReference) {
+  using Exec = TypeParam;
+  Case c;
+  c.batch = 1;
+  c.seqlen = 70;  // one full chunk of 64 and a partial one
+  c.d_model = 64;
+  c.headdim = 64;  // 2 heads
+  c.ngroups = 1;
+  c.d_state = 16;
+  c.chunk = 64;
+  c.seed = 31;
+  const Problem P = make_problem(c);
+  const std::vector<double> ref = ref_forward(P, P.params, P.u);
+  Harness<Exec> h32(P);
+  const std::vector<double> out32 = h32.forward(false);
+  expect_close("out (fp32)", out32, ref, 1e-4);
+  Harness<Exec> h16(P);
+  h16.mixer.set_matmul_precision(kmamba::MatmulPrecision::BFloat16);
+  const std::vector<double> out16 = h16.forward(false);
+  expect_close("out (bf16)", out16, ref, 1.0 / 16);
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(out16[i] - out32[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  EXPECT_GT(diff, 1e-4 * scale) << "the bf16 mixer computed as fp32";
+}
+
 TYPED_TEST(Mamba2Mixer, OneMixerRunsSeveralShapes) {
   using Exec = TypeParam;
   using T3 = kmamba::Tensor3<float, typename Exec::memory_space>;

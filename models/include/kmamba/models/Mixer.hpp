@@ -132,12 +132,15 @@ class Mixer {
   /// BFloat16 leaves them in Float32.
   void set_matmul_precision(MatmulPrecision precision) { matmul_precision_ = precision; }
   MatmulPrecision matmul_precision() const { return matmul_precision_; }
-  /// The precision of the scans' chunk products that goes with matmul_precision(): TensorFloat32
-  /// for TensorFloat32, Float32 otherwise (the scans have no bf16 form).
+  /// The precision of the Mamba-3 scans' chunk products that goes with matmul_precision():
+  /// TensorFloat32 for TensorFloat32, Float32 otherwise (they have no bf16 form).
   MatmulPrecision scan_matmul_precision() const {
     return matmul_precision_ == MatmulPrecision::TensorFloat32 ? MatmulPrecision::TensorFloat32
                                                                : MatmulPrecision::Float32;
   }
+  /// The precision of the SSD's chunk products that goes with matmul_precision(): the same (the
+  /// SSD's BFloat16 is its fused tensor-core forward; SsdArgs::matmul_precision).
+  MatmulPrecision ssd_matmul_precision() const { return matmul_precision_; }
 
  private:
   MatmulPrecision matmul_precision_ = MatmulPrecision::Float32;

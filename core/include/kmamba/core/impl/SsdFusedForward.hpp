@@ -106,7 +106,7 @@ struct SsdFusedForwardFunctor {
   };
 
   KOKKOS_INLINE_FUNCTION Tiles tiles(const member_type& team) const {
-    auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(Layout::bytes));
+    auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(static_cast<std::size_t>(Layout::bytes)));
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
     return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldq},
