@@ -1,16 +1,19 @@
+// The Mamba-2 mixer: forward, backward, recurrent inference and its tensor- and sequence-parallel
+// split (Mamba2Mixer.hpp), on the mixer toolkit (MixerToolkit.hpp).
 #include <kmamba/models/Mamba2Mixer.hpp>
-#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
-#include <kmamba/Config.hpp>
+#include "MixerToolkit.hpp"
+
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/ConvSsdStep.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
-#include <kmamba/models/impl/Mamba2MixerImpl.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -21,38 +24,49 @@
 #include <string>
 
 namespace kmamba {
+namespace impl {
+
+// out(r, c) = bias(offset + c): the starting value of a GEMM with beta = 1 that adds a bias.
+template <class MemorySpace>
+struct Mamba2BroadcastBiasFunctor {
+  ConstTensor1<float, MemorySpace> bias;  // (features), the whole bias vector
+  Tensor2<float, MemorySpace> out;        // (rows, width)
+  int offset;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const std::int64_t width = static_cast<std::int64_t>(out.extent(1));
+    const std::int64_t c = i % width;
+    out(i / width, c) = bias(offset + c);
+  }
+};
+
+// grad_A_log(h) += dA(h) · A(h), since dA/dA_log = −exp(A_log) = A.
+template <class MemorySpace>
+struct Mamba2ALogGradFunctor {
+  ConstTensor1<float, MemorySpace> dA;  // (nheads)
+  ConstTensor1<float, MemorySpace> A;   // (nheads)
+  Tensor1<float, MemorySpace> grad;     // (nheads)
+  KOKKOS_INLINE_FUNCTION void operator()(const int h) const { grad(h) += dA(h) * A(h); }
+};
+
+// A_log(h) = log(U[lo, hi)).
+template <class MemorySpace>
+struct Mamba2ALogInitFunctor {
+  Tensor1<float, MemorySpace> A_log;  // (nheads)
+  std::uint64_t seed;
+  float lo, hi;
+  KOKKOS_INLINE_FUNCTION void operator()(const int h) const {
+    A_log(h) = Kokkos::Experimental::log(lo + (hi - lo) * uniform_at(seed, static_cast<std::uint64_t>(h)));
+  }
+};
+
+}  // namespace impl
+
 namespace {
 
 constexpr const char* segment_names[] = {"z", "x", "B", "C", "dt"};
 
-// The Philox key of one parameter: the splitmix64 finaliser of the seed mixed with the FNV-1a
-// hash of the parameter's full name.
-std::uint64_t parameter_seed(std::uint64_t seed, const std::string& name) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const unsigned char c : name) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  std::uint64_t z = seed ^ h;
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// The whole of one slab entry as a flat vector (params or grads).
-template <class Mem>
-Tensor1<float, Mem> flat(const Tensor1<float, Mem>& storage, const ParameterSlab<Mem>& slab, const std::string& name) {
-  const auto& e = slab.entry(name);
-  return Tensor1<float, Mem>(storage.data() + e.offset, e.size);
-}
-
-// Rows [first, first + count) of a row-major (rows, cols) matrix starting at `data`.
-template <class Mem>
-Tensor2<float, Mem> rows_of(float* data, int first, int count, int cols) {
-  return Tensor2<float, Mem>(data + static_cast<std::size_t>(first) * static_cast<std::size_t>(cols),
-                             static_cast<std::size_t>(count), static_cast<std::size_t>(cols));
-}
+using impl::flat;
+using impl::rows_of;
 
 // A (batch·seqlen, width) matrix seen as (batch, seqlen, width) or (batch, seqlen, heads, width / heads).
 template <class Mem>
@@ -67,10 +81,7 @@ Tensor4<float, Mem> as_heads(const Tensor2<float, Mem>& m, std::int64_t batch, s
 
 template <class Exec, class Mem>
 void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor1<float, Mem>& grad) {
-  Kokkos::parallel_for("kmamba::mamba2::accumulate_grad",
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(value.extent(0))),
-                       impl::Mamba2AccumulateFunctor<Mem>{value, grad});
+  impl::accumulate(exec, "kmamba::mamba2::accumulate_grad", value, grad);
 }
 
 // out = bias(offset : offset + width) in every row.
@@ -85,9 +96,7 @@ void broadcast_bias(const Exec& exec, const Tensor1<float, Mem>& bias, int offse
 // grad(offset : offset + width) += column sums of g.
 template <class Exec, class Mem>
 void add_bias_grad(const Exec& exec, const ConstTensor2<float, Mem>& g, const Tensor1<float, Mem>& grad, int offset) {
-  Kokkos::parallel_for("kmamba::mamba2::bias_grad",
-                       Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(g.extent(1))),
-                       impl::Mamba2BiasGradFunctor<Mem>{g, grad, offset});
+  impl::add_column_sums(exec, "kmamba::mamba2::bias_grad", g, grad, offset);
 }
 
 }  // namespace
@@ -126,8 +135,8 @@ Mamba2Mixer<ExecutionSpace>::Mamba2Mixer(const ModelConfig& config, const std::s
 }
 
 template <class ExecutionSpace>
-std::vector<typename Mamba2Mixer<ExecutionSpace>::ParameterSpec> Mamba2Mixer<ExecutionSpace>::parameter_specs() const {
-  std::vector<ParameterSpec> specs;
+std::vector<MixerParameter> Mamba2Mixer<ExecutionSpace>::parameter_specs() const {
+  std::vector<MixerParameter> specs;
   specs.push_back({"in_proj.weight", {in_proj_rows_, d_model_}, WeightDecay::Yes});
   if (config_.bias) specs.push_back({"in_proj.bias", {in_proj_rows_}, WeightDecay::No});
   specs.push_back({"conv1d.weight", {conv_dim_, 1, d_conv_}, WeightDecay::Yes});
@@ -143,26 +152,12 @@ std::vector<typename Mamba2Mixer<ExecutionSpace>::ParameterSpec> Mamba2Mixer<Exe
 
 template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::declare_parameters(Slab& slab) const {
-  for (const ParameterSpec& spec : parameter_specs()) slab.add(prefix_ + spec.name, spec.shape, spec.decay);
+  impl::declare_mixer_parameters(slab, prefix_, parameter_specs());
 }
 
 template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::check_parameters(const char* function, const Slab& slab) const {
-  for (const ParameterSpec& spec : parameter_specs()) {
-    const std::string name = prefix_ + spec.name;
-    KMAMBA_REQUIRE(slab.contains(name), function << ": the parameter slab has no '" << name
-                                                 << "' (call declare_parameters before finalize)");
-    const auto& shape = slab.entry(name).shape;
-    if (shape != spec.shape) {
-      Shape actual, expected;
-      actual.rank = static_cast<int>(shape.size());
-      expected.rank = static_cast<int>(spec.shape.size());
-      for (std::size_t i = 0; i < shape.size() && i < Shape::max_rank; ++i) actual.dims[i] = shape[i];
-      for (std::size_t i = 0; i < spec.shape.size(); ++i) expected.dims[i] = spec.shape[i];
-      KMAMBA_USER_ERROR(function << ": parameter '" << name << "' has shape " << actual.to_string() << " but "
-                                 << expected.to_string() << " was expected");
-    }
-  }
+  impl::check_mixer_parameters(function, slab, prefix_, parameter_specs());
 }
 
 template <class ExecutionSpace>
@@ -203,35 +198,12 @@ template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const {
   check_parameters("kmamba::Mamba2Mixer::initialize", slab);
   if (parallel_.tensor_size() > 1) {
-    // This rank's slices of the unsplit mixer's initialisation.
-    const Mamba2Mixer full(config_, prefix_);
-    Slab unsplit;
-    full.declare_parameters(unsplit);
-    unsplit.finalize("kmamba::mamba2::unsplit_init");
-    full.initialize(exec, unsplit, seed);
-    const std::vector<ShardedParameter> shards = sharded_parameters();
-    for (const ParameterSpec& spec : parameter_specs()) {
-      const std::string name = prefix_ + spec.name;
-      const auto local = flat(slab.params(), slab, name);
-      const auto source = flat(unsplit.params(), unsplit, name);
-      const auto shard =
-          std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
-      if (shard == shards.end()) {
-        Kokkos::deep_copy(exec, local, source);
-        continue;
-      }
-      for (const ShardedParameter::Run& run : shard->runs) {
-        const auto count = static_cast<std::size_t>(run.count);
-        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, count),
-                          Tensor1<float, memory_space>(source.data() + run.full_offset, count));
-      }
-    }
-    exec.fence();
+    impl::initialize_shard(exec, Mamba2Mixer(config_, prefix_), *this, slab, seed, "kmamba::mamba2::unsplit_init");
     return;
   }
   const auto param = [&](const char* name) { return flat(slab.params(), slab, prefix_ + name); };
   const auto uniform = [&](const char* name, double bound) {
-    fill_uniform(exec, param(name), parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
+    fill_uniform(exec, param(name), impl::parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
                  static_cast<float>(bound));
   };
   // torch's nn.Linear / nn.Conv1d default: kaiming_uniform(a = √5) gives the bound 1/sqrt(fan_in).
@@ -247,16 +219,12 @@ void Mamba2Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const S
   }
   Kokkos::deep_copy(exec, param("D"), 1.0f);
   Kokkos::deep_copy(exec, param("norm.weight"), 1.0f);
-  using Policy = Kokkos::RangePolicy<ExecutionSpace>;
-  Kokkos::parallel_for("kmamba::mamba2::init_dt_bias", Policy(exec, 0, nheads_),
-                       impl::Mamba2DtBiasInitFunctor<memory_space>{
-                           param("dt_bias"), parameter_seed(seed, prefix_ + "dt_bias"),
-                           static_cast<float>(std::log(config_.dt_min)), static_cast<float>(std::log(config_.dt_max)),
-                           static_cast<float>(config_.dt_init_floor)});
+  impl::initialize_dt_bias<float>(exec, "kmamba::mamba2::init_dt_bias", config_, param("dt_bias"),
+                                  impl::parameter_seed(seed, prefix_ + "dt_bias"));
   // A_init_range = (1, 16).
-  Kokkos::parallel_for("kmamba::mamba2::init_A_log", Policy(exec, 0, nheads_),
-                       impl::Mamba2ALogInitFunctor<memory_space>{param("A_log"), parameter_seed(seed, prefix_ + "A_log"),
-                                                                 1.0f, 16.0f});
+  Kokkos::parallel_for("kmamba::mamba2::init_A_log", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
+                       impl::Mamba2ALogInitFunctor<memory_space>{
+                           param("A_log"), impl::parameter_seed(seed, prefix_ + "A_log"), 1.0f, 16.0f});
 }
 
 template <class ExecutionSpace>
@@ -380,8 +348,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const int k = parallel_.sequence_rank();
   const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
 
-  Kokkos::parallel_for("kmamba::mamba2::A", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
-                       impl::Mamba2NegExpFunctor<Mem>{slab.template param<1>(p + "A_log"), a.A});
+  impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
   // in_proj, one GEMM per segment of its rows.
   for (int s = 0; s < segment_count; ++s) {
@@ -712,14 +679,8 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   sum_over_tensor_ranks(exec, out);
 }
 
-#if KMAMBA_HAS_SERIAL
-template class Mamba2Mixer<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class Mamba2Mixer<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class Mamba2Mixer<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) template class Mamba2Mixer<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 
 }  // namespace kmamba

@@ -1,15 +1,18 @@
+// The Mamba-3 mixer: forward, backward, recurrent inference and its tensor- and sequence-parallel
+// split (Mamba3Mixer.hpp), on the mixer toolkit (MixerToolkit.hpp).
 #include <kmamba/models/Mamba3Mixer.hpp>
-#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
-#include <kmamba/Config.hpp>
+#include "Mamba3Kernels.hpp"
+#include "MixerToolkit.hpp"
+
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
-#include <kmamba/models/impl/Mamba2MixerImpl.hpp>
-#include <kmamba/models/impl/Mamba3MixerImpl.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -24,34 +27,9 @@ namespace {
 
 constexpr const char* segment_names[] = {"z", "x", "B", "C", "dd_dt", "dd_A", "trap", "angle"};
 
-// The Philox key of one parameter: the splitmix64 finaliser of the seed mixed with the FNV-1a
-// hash of the parameter's full name (as the Mamba-2 mixer).
-std::uint64_t parameter_seed(std::uint64_t seed, const std::string& name) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const unsigned char c : name) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  std::uint64_t z = seed ^ h;
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// The whole of one slab entry as a flat vector (params or grads).
-template <class Mem>
-Tensor1<float, Mem> flat(const Tensor1<float, Mem>& storage, const ParameterSlab<Mem>& slab, const std::string& name) {
-  const auto& e = slab.entry(name);
-  return Tensor1<float, Mem>(storage.data() + e.offset, e.size);
-}
-
-// Rows [first, first + count) of a row-major (rows, cols) matrix starting at `data`.
-template <class Mem>
-Tensor2<float, Mem> rows_of(float* data, int first, int count, int cols) {
-  return Tensor2<float, Mem>(data + static_cast<std::size_t>(first) * static_cast<std::size_t>(cols),
-                             static_cast<std::size_t>(count), static_cast<std::size_t>(cols));
-}
+using impl::as_flat;
+using impl::flat;
+using impl::rows_of;
 
 // A (rows, width) matrix as (rows·width / n, n).
 template <class Mem>
@@ -63,15 +41,7 @@ std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
 
 template <class Exec, class Mem>
 void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor1<float, Mem>& grad) {
-  Kokkos::parallel_for("kmamba::mamba3::accumulate_grad",
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(value.extent(0))),
-                       impl::Mamba2AccumulateFunctor<Mem>{value, grad});
-}
-
-template <class Exec, class Mem, class View>
-void accumulate_view(const Exec& exec, const View& value, const Tensor1<float, Mem>& grad) {
-  accumulate(exec, Tensor1<float, Mem>(value.data(), value.size()), grad);
+  impl::accumulate(exec, "kmamba::mamba3::accumulate_grad", value, grad);
 }
 
 // The scan operands of one forward or backward (SISO: rank 1, the q/k views have a rank axis of 1).
@@ -218,8 +188,8 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
 }
 
 template <class ExecutionSpace>
-std::vector<typename Mamba3Mixer<ExecutionSpace>::ParameterSpec> Mamba3Mixer<ExecutionSpace>::parameter_specs() const {
-  std::vector<ParameterSpec> specs;
+std::vector<MixerParameter> Mamba3Mixer<ExecutionSpace>::parameter_specs() const {
+  std::vector<MixerParameter> specs;
   specs.push_back({"in_proj.weight", {in_proj_rows_, d_model_}, WeightDecay::Yes});
   specs.push_back({"dt_bias", {nheads_}, WeightDecay::No});
   specs.push_back({"B_bias", {nheads_, rank_, d_state_}, WeightDecay::No});
@@ -239,26 +209,12 @@ std::vector<typename Mamba3Mixer<ExecutionSpace>::ParameterSpec> Mamba3Mixer<Exe
 
 template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::declare_parameters(Slab& slab) const {
-  for (const ParameterSpec& spec : parameter_specs()) slab.add(prefix_ + spec.name, spec.shape, spec.decay);
+  impl::declare_mixer_parameters(slab, prefix_, parameter_specs());
 }
 
 template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::check_parameters(const char* function, const Slab& slab) const {
-  for (const ParameterSpec& spec : parameter_specs()) {
-    const std::string name = prefix_ + spec.name;
-    KMAMBA_REQUIRE(slab.contains(name), function << ": the parameter slab has no '" << name
-                                                 << "' (call declare_parameters before finalize)");
-    const auto& shape = slab.entry(name).shape;
-    if (shape != spec.shape) {
-      Shape actual, expected;
-      actual.rank = static_cast<int>(shape.size());
-      expected.rank = static_cast<int>(spec.shape.size());
-      for (std::size_t i = 0; i < shape.size() && i < Shape::max_rank; ++i) actual.dims[i] = shape[i];
-      for (std::size_t i = 0; i < spec.shape.size(); ++i) expected.dims[i] = spec.shape[i];
-      KMAMBA_USER_ERROR(function << ": parameter '" << name << "' has shape " << actual.to_string() << " but "
-                                 << expected.to_string() << " was expected");
-    }
-  }
+  impl::check_mixer_parameters(function, slab, prefix_, parameter_specs());
 }
 
 template <class ExecutionSpace>
@@ -307,35 +263,12 @@ template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const Slab& slab, std::uint64_t seed) const {
   check_parameters("kmamba::Mamba3Mixer::initialize", slab);
   if (parallel_.tensor_size() > 1) {
-    // This rank's slices of the unsplit mixer's initialisation.
-    const Mamba3Mixer full(config_, prefix_);
-    Slab unsplit;
-    full.declare_parameters(unsplit);
-    unsplit.finalize("kmamba::mamba3::unsplit_init");
-    full.initialize(exec, unsplit, seed);
-    const std::vector<ShardedParameter> shards = sharded_parameters();
-    for (const ParameterSpec& spec : parameter_specs()) {
-      const std::string name = prefix_ + spec.name;
-      const auto local = flat(slab.params(), slab, name);
-      const auto source = flat(unsplit.params(), unsplit, name);
-      const auto shard =
-          std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == name; });
-      if (shard == shards.end()) {
-        Kokkos::deep_copy(exec, local, source);
-        continue;
-      }
-      for (const ShardedParameter::Run& run : shard->runs) {
-        const auto count = static_cast<std::size_t>(run.count);
-        Kokkos::deep_copy(exec, Tensor1<float, memory_space>(local.data() + run.local_offset, count),
-                          Tensor1<float, memory_space>(source.data() + run.full_offset, count));
-      }
-    }
-    exec.fence();
+    impl::initialize_shard(exec, Mamba3Mixer(config_, prefix_), *this, slab, seed, "kmamba::mamba3::unsplit_init");
     return;
   }
   const auto param = [&](const char* name) { return flat(slab.params(), slab, prefix_ + name); };
   const auto uniform = [&](const char* name, double bound) {
-    fill_uniform(exec, param(name), parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
+    fill_uniform(exec, param(name), impl::parameter_seed(seed, prefix_ + name), static_cast<float>(-bound),
                  static_cast<float>(bound));
   };
   uniform("in_proj.weight", 1.0 / std::sqrt(static_cast<double>(d_model_)));
@@ -352,11 +285,8 @@ void Mamba3Mixer<ExecutionSpace>::initialize(const ExecutionSpace& exec, const S
     Kokkos::deep_copy(exec, param("mimo_o"), 1.0f / static_cast<float>(rank_));
   }
   if (config_.is_outproj_norm) Kokkos::deep_copy(exec, param("norm.weight"), 1.0f);
-  Kokkos::parallel_for("kmamba::mamba3::init_dt_bias", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
-                       impl::Mamba2DtBiasInitFunctor<memory_space>{
-                           param("dt_bias"), parameter_seed(seed, prefix_ + "dt_bias"),
-                           static_cast<float>(std::log(config_.dt_min)), static_cast<float>(std::log(config_.dt_max)),
-                           static_cast<float>(config_.dt_init_floor)});
+  impl::initialize_dt_bias<float>(exec, "kmamba::mamba3::init_dt_bias", config_, param("dt_bias"),
+                                  impl::parameter_seed(seed, prefix_ + "dt_bias"));
 }
 
 template <class ExecutionSpace>
@@ -735,9 +665,9 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
       g.dinitial = sp_dinitial.mimo();
     }
     mamba3_mimo_backward(exec, args, dy4, split_sequence ? sp_dfinal.mimo() : Mamba3MimoStates<Mem>(), g);
-    accumulate_view(exec, g.dmimo_v, grad("mimo_x"));
-    if (g.dmimo_z.is_allocated()) accumulate_view(exec, g.dmimo_z, grad("mimo_z"));
-    accumulate_view(exec, g.dmimo_o, grad("mimo_o"));
+    accumulate(exec, as_flat(g.dmimo_v), grad("mimo_x"));
+    if (g.dmimo_z.is_allocated()) accumulate(exec, as_flat(g.dmimo_z), grad("mimo_z"));
+    accumulate(exec, as_flat(g.dmimo_o), grad("mimo_o"));
   } else {
     Mamba3SisoGrads<Mem> g;
     g.dq = T4(dCn.data(), b, L, G, N);
@@ -761,8 +691,8 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   }
   if (split_sequence && previous != no_peer) sp_dinitial.send(exec, *sequence, previous);
   accumulate(exec, dD, grad("D"));
-  accumulate_view(exec, dC_bias, grad("C_bias"));
-  accumulate_view(exec, dB_bias, grad("B_bias"));
+  accumulate(exec, as_flat(dC_bias), grad("C_bias"));
+  accumulate(exec, as_flat(dB_bias), grad("B_bias"));
 
   // B and C RMSNorms.
   const Vector dnorm_weight =
@@ -785,8 +715,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   Kokkos::parallel_for("kmamba::mamba3::angle_grad",
                        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nangles_),
                        impl::Mamba3AngleGradFunctor<Mem>{dangles, dpre[angle_segment]});
-  Kokkos::parallel_for("kmamba::mamba3::dt_bias_grad", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
-                       impl::Mamba2BiasGradFunctor<Mem>{dpre[dt_segment], grad("dt_bias"), 0});
+  impl::add_column_sums(exec, "kmamba::mamba3::dt_bias_grad", dpre[dt_segment], grad("dt_bias"), 0);
 
   // in_proj: weight gradients per segment, and du = Σ_segments dpre · in_proj rows.
   float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
@@ -952,14 +881,8 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   sum_over_tensor_ranks(exec, out);
 }
 
-#if KMAMBA_HAS_SERIAL
-template class Mamba3Mixer<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class Mamba3Mixer<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class Mamba3Mixer<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) template class Mamba3Mixer<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 
 }  // namespace kmamba

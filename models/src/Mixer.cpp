@@ -1,8 +1,8 @@
 // make_mixer: the mixer of a config's kind.
 #include <kmamba/models/Mixer.hpp>
 
-#include <kmamba/Config.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/models/Mamba1Mixer.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
 #include <kmamba/models/Mamba3Mixer.hpp>
@@ -47,15 +47,7 @@ std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, con
   template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&);             \
   template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&, \
                                                          const ModelParallel&);
-#if KMAMBA_HAS_SERIAL
-KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::Serial)
-#endif
-#if KMAMBA_HAS_OPENMP
-KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::OpenMP)
-#endif
-#if KMAMBA_ENABLE_CUDA
-KMAMBA_INSTANTIATE_MAKE_MIXER(Kokkos::Cuda)
-#endif
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_MAKE_MIXER)
 #undef KMAMBA_INSTANTIATE_MAKE_MIXER
 
 }  // namespace kmamba

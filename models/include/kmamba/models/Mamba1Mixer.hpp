@@ -41,7 +41,6 @@
 #ifndef KMAMBA_MODELS_MAMBA1MIXER_HPP
 #define KMAMBA_MODELS_MAMBA1MIXER_HPP
 
-#include <kmamba/Config.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mixer.hpp>
@@ -106,7 +105,7 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
             MixerCache<ExecutionSpace>& cache) const override;
 
  private:
-  class Cache;  // the MixerCache of this mixer, defined in impl/Mamba1MixerImpl.hpp
+  class Cache;  // the MixerCache of this mixer, defined in Mamba1Mixer.cpp
   // What forward computes, token-major (rows = batch·seqlen) for the projections and
   // channel-major for the selective scan. Kept between forward and backward; z, delta, bc and
   // y_channels are needed by forward only and are kept as reusable workspace.
@@ -148,17 +147,6 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
   Activations act_;
   bool kept_ = false;
 };
-
-// Instantiated in the library (models/src/Mamba1Mixer.cpp) for every enabled execution space.
-#if KMAMBA_HAS_SERIAL
-extern template class Mamba1Mixer<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-extern template class Mamba1Mixer<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-extern template class Mamba1Mixer<Kokkos::Cuda>;
-#endif
 
 }  // namespace kmamba
 

@@ -161,13 +161,8 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
     Tensor4<float, memory_space> ssm_initial;  // (batch, nheads, headdim, d_state)
   };
 
-  struct ParameterSpec {
-    std::string name;  // without the prefix
-    std::vector<std::int64_t> shape;
-    WeightDecay decay;
-  };
   // Every parameter this mixer declares, in declaration order.
-  std::vector<ParameterSpec> parameter_specs() const;
+  std::vector<MixerParameter> parameter_specs() const;
   // Throws kmamba::UserError unless `slab` holds every parameter with its shape.
   void check_parameters(const char* function, const Slab& slab) const;
 

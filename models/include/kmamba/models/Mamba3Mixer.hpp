@@ -175,12 +175,7 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Tensor4<float, memory_space> v_initial;      // (batch, nheads, rank, headdim)
   };
 
-  struct ParameterSpec {
-    std::string name;  // without the prefix
-    std::vector<std::int64_t> shape;
-    WeightDecay decay;
-  };
-  std::vector<ParameterSpec> parameter_specs() const;
+  std::vector<MixerParameter> parameter_specs() const;
   void check_parameters(const char* function, const Slab& slab) const;
 
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;

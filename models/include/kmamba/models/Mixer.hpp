@@ -56,6 +56,14 @@ class MixerCache {
   int batch_;
 };
 
+/// One parameter a mixer declares: its name after the mixer's prefix (the Hugging Face name), its
+/// shape and whether the optimizer decays it.
+struct MixerParameter {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  WeightDecay decay;
+};
+
 template <class ExecutionSpace>
 class Mixer {
  public:

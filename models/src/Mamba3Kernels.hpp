@@ -1,7 +1,7 @@
-// Internals of kmamba/models/Mamba3Mixer.hpp: the elementwise kernels between in_proj and the
-// Mamba-3 scan (docs/algorithms.md §3.2) and their backward.
-#ifndef KMAMBA_MODELS_IMPL_MAMBA3MIXERIMPL_HPP
-#define KMAMBA_MODELS_IMPL_MAMBA3MIXERIMPL_HPP
+// The Mamba-3 mixer's elementwise kernels between in_proj and the Mamba-3 scan
+// (docs/algorithms.md §3.2) and their backward.
+#ifndef KMAMBA_MODELS_SRC_MAMBA3KERNELS_HPP
+#define KMAMBA_MODELS_SRC_MAMBA3KERNELS_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Tensor.hpp>

@@ -1,0 +1,94 @@
+// The views and elementwise kernels that the models, the backbone and the mixers share: a tensor
+// as its flat values or as (batch·seqlen, features) rows over the same memory, out = a + b,
+// grad += value, and column sums added into a gradient. Every kernel is non-blocking on `exec`.
+#ifndef KMAMBA_MODELS_SRC_ELEMENTWISE_HPP
+#define KMAMBA_MODELS_SRC_ELEMENTWISE_HPP
+
+#include <kmamba/core/Tensor.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+
+namespace kmamba {
+namespace impl {
+
+/// Every value of a contiguous view as one flat vector over the same memory.
+template <class View>
+Tensor1<typename View::value_type, typename View::memory_space> as_flat(const View& v) {
+  return Tensor1<typename View::value_type, typename View::memory_space>(v.data(), v.span());
+}
+
+/// A (batch, seqlen, features) tensor as the (batch·seqlen, features) matrix over the same memory.
+template <class T, class Mem>
+Tensor2<T, Mem> token_rows(const Tensor3<T, Mem>& t) {  // (batch, seqlen, features)
+  return Tensor2<T, Mem>(t.data(), t.extent(0) * t.extent(1), t.extent(2));
+}
+
+/// out(i) = a(i) + b(i).
+template <class Mem>
+struct AddFunctor {
+  Tensor1<float, Mem> out;         // (n)
+  ConstTensor1<float, Mem> a, b;   // (n)
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { out(i) = a(i) + b(i); }
+};
+
+/// grad(i) += value(i).
+template <class Mem>
+struct AccumulateFunctor {
+  ConstTensor1<float, Mem> value;  // (n)
+  Tensor1<float, Mem> grad;        // (n)
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { grad(i) += value(i); }
+};
+
+/// grad(offset + c) += Σ_r g(r, c), the rows summed in order (deterministic).
+template <class Mem>
+struct AddColumnSumsFunctor {
+  ConstTensor2<float, Mem> g;  // (rows, width)
+  Tensor1<float, Mem> grad;    // (≥ offset + width)
+  int offset;
+  KOKKOS_INLINE_FUNCTION void operator()(const int c) const {
+    float sum = 0.0f;
+    const std::int64_t rows = static_cast<std::int64_t>(g.extent(0));
+    for (std::int64_t r = 0; r < rows; ++r) sum += g(r, c);
+    grad(offset + c) += sum;
+  }
+};
+
+/// out = a + b; `out` may be `a` or `b`.
+template <class Exec>
+void add(const Exec& exec, const char* label,
+         const ConstTensor1<float, typename Exec::memory_space>& a,  // (n)
+         const ConstTensor1<float, typename Exec::memory_space>& b,  // (n)
+         const Tensor1<float, typename Exec::memory_space>& out) {   // (n)
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(out.extent(0))),
+                       AddFunctor<typename Exec::memory_space>{out, a, b});
+}
+
+/// grad += value.
+template <class Exec>
+void accumulate(const Exec& exec, const char* label,
+                const ConstTensor1<float, typename Exec::memory_space>& value,  // (n)
+                const Tensor1<float, typename Exec::memory_space>& grad) {      // (n)
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(value.extent(0))),
+                       AccumulateFunctor<typename Exec::memory_space>{value, grad});
+}
+
+/// grad(offset : offset + width) += the column sums of g (a bias's gradient).
+template <class Exec>
+void add_column_sums(const Exec& exec, const char* label,
+                     const ConstTensor2<float, typename Exec::memory_space>& g,  // (rows, width)
+                     const Tensor1<float, typename Exec::memory_space>& grad,    // (≥ offset + width)
+                     int offset) {
+  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(g.extent(1))),
+                       AddColumnSumsFunctor<typename Exec::memory_space>{g, grad, offset});
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif

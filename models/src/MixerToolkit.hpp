@@ -1,0 +1,186 @@
+// What the Mamba-1, Mamba-2 and Mamba-3 mixers share: their parameter lists (declared in a slab,
+// checked against it, read as flat views or row blocks of it), the Philox key of each parameter,
+// the dt-bias initialisation and A = −exp(A_log), and the initialisation of a tensor-parallel
+// shard as its slices of the unsplit mixer's initialisation.
+#ifndef KMAMBA_MODELS_SRC_MIXERTOOLKIT_HPP
+#define KMAMBA_MODELS_SRC_MIXERTOOLKIT_HPP
+
+#include "Elementwise.hpp"
+
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Random.hpp>
+#include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/models/Config.hpp>
+#include <kmamba/models/Mixer.hpp>
+#include <kmamba/models/ModelParallel.hpp>
+#include <kmamba/models/ParameterSlab.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+namespace impl {
+
+// ---------------------------------------------------------------------------------------------
+// Parameter lists.
+
+/// Adds prefix + name of every parameter to `slab` (before finalize), in list order.
+template <class Mem>
+void declare_mixer_parameters(ParameterSlab<Mem>& slab, const std::string& prefix,
+                              const std::vector<MixerParameter>& parameters) {
+  for (const MixerParameter& p : parameters) slab.add(prefix + p.name, p.shape, p.decay);
+}
+
+/// Throws kmamba::UserError, naming `function`, unless `slab` holds every parameter with its shape.
+template <class Mem>
+void check_mixer_parameters(const char* function, const ParameterSlab<Mem>& slab, const std::string& prefix,
+                            const std::vector<MixerParameter>& parameters) {
+  for (const MixerParameter& p : parameters) {
+    const std::string name = prefix + p.name;
+    KMAMBA_REQUIRE(slab.contains(name), function << ": the parameter slab has no '" << name
+                                                 << "' (call declare_parameters before finalize)");
+    const auto& shape = slab.entry(name).shape;
+    if (shape == p.shape) continue;
+    Shape actual, expected;
+    actual.rank = static_cast<int>(shape.size());
+    expected.rank = static_cast<int>(p.shape.size());
+    for (std::size_t i = 0; i < shape.size() && i < Shape::max_rank; ++i) actual.dims[i] = shape[i];
+    for (std::size_t i = 0; i < p.shape.size(); ++i) expected.dims[i] = p.shape[i];
+    KMAMBA_USER_ERROR(function << ": parameter '" << name << "' has shape " << actual.to_string() << " but "
+                               << expected.to_string() << " was expected");
+  }
+}
+
+/// The whole of one slab entry as a flat vector of `storage` (the slab's params or grads).
+template <class Mem>
+Tensor1<float, Mem> flat(const Tensor1<float, Mem>& storage, const ParameterSlab<Mem>& slab, const std::string& name) {
+  const auto& e = slab.entry(name);
+  return Tensor1<float, Mem>(storage.data() + e.offset, e.size);
+}
+
+/// Rows [first, first + count) of a row-major (rows, cols) matrix starting at `data`.
+template <class Mem>
+Tensor2<float, Mem> rows_of(float* data, int first, int count, int cols) {
+  return Tensor2<float, Mem>(data + static_cast<std::size_t>(first) * static_cast<std::size_t>(cols),
+                             static_cast<std::size_t>(count), static_cast<std::size_t>(cols));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Initialisation.
+
+/// splitmix64's finaliser of (seed xor the FNV-1a hash of `name` from `fnv_basis`) + `increment`.
+inline std::uint64_t seed_keyed_by_name(std::uint64_t seed, const std::string& name, std::uint64_t fnv_basis,
+                                        std::uint64_t increment) {
+  std::uint64_t h = fnv_basis;
+  for (const unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  std::uint64_t z = (seed ^ h) + increment;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// The Philox key of a Mamba-2 or Mamba-3 parameter from the model seed and the parameter's full
+/// name. The keys fix each mixer kind's initialisation under a seed, so each kind keeps its own.
+inline std::uint64_t parameter_seed(std::uint64_t seed, const std::string& name) {
+  return seed_keyed_by_name(seed, name, 1469598103934665603ull, 0x9e3779b97f4a7c15ull);
+}
+
+/// The Philox key of a Mamba-1 parameter (the 64-bit FNV-1a offset basis, no increment).
+inline std::uint64_t mamba1_parameter_seed(std::uint64_t seed, const std::string& name) {
+  return seed_keyed_by_name(seed, name, 14695981039346656037ull, 0);
+}
+
+/// dt_bias(i) = invsp(max(dt_floor, exp(U·(log dt_max − log dt_min) + log dt_min))), U uniform in
+/// [0, 1), with invsp(y) = y + log(−expm1(−y)) the inverse of softplus, evaluated in `Real`.
+template <class Mem, class Real>
+struct DtBiasInitFunctor {
+  Tensor1<float, Mem> dt_bias;  // (channels or heads)
+  std::uint64_t seed;
+  Real log_dt_min, log_dt_max, dt_floor;
+  KOKKOS_INLINE_FUNCTION void operator()(const int i) const {
+    const Real u = static_cast<Real>(uniform_at(seed, static_cast<std::uint64_t>(i)));
+    Real dt = Kokkos::Experimental::exp(u * (log_dt_max - log_dt_min) + log_dt_min);
+    dt = dt < dt_floor ? dt_floor : dt;
+    dt_bias(i) = static_cast<float>(dt + Kokkos::Experimental::log(-Kokkos::Experimental::expm1(-dt)));
+  }
+};
+
+/// The reference dt-bias initialisation from config.dt_min, dt_max and dt_init_floor, drawn from
+/// the Philox stream `key` and evaluated in `Real` (Mamba-1: double; Mamba-2, Mamba-3: float).
+template <class Real, class Exec>
+void initialize_dt_bias(const Exec& exec, const char* label, const ModelConfig& config,
+                        const Tensor1<float, typename Exec::memory_space>& dt_bias,  // (channels or heads)
+                        std::uint64_t key) {
+  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(dt_bias.extent(0))),
+                       DtBiasInitFunctor<typename Exec::memory_space, Real>{
+                           dt_bias, key, static_cast<Real>(std::log(config.dt_min)),
+                           static_cast<Real>(std::log(config.dt_max)), static_cast<Real>(config.dt_init_floor)});
+}
+
+/// Initialises the tensor-parallel shard `shard` in `slab`: `full`, the unsplit mixer under the
+/// same prefix, initialises a slab of its own (`label`) with `seed`, and every parameter of the
+/// shard receives its runs of that initialisation (ShardedParameter; a parameter the shard does
+/// not split is copied whole). Blocking.
+template <class Exec>
+void initialize_shard(const Exec& exec, const Mixer<Exec>& full, const Mixer<Exec>& shard,
+                      const ParameterSlab<typename Exec::memory_space>& slab, std::uint64_t seed,
+                      const std::string& label) {
+  using Mem = typename Exec::memory_space;
+  ParameterSlab<Mem> unsplit;
+  full.declare_parameters(unsplit);
+  unsplit.finalize(label);
+  full.initialize(exec, unsplit, seed);
+  const std::vector<ShardedParameter> shards = shard.sharded_parameters();
+  for (const auto& entry : unsplit.entries()) {
+    const Tensor1<float, Mem> local = flat(slab.params(), slab, entry.name);
+    const Tensor1<float, Mem> source = flat(unsplit.params(), unsplit, entry.name);
+    const auto split = std::find_if(shards.begin(), shards.end(),
+                                    [&](const ShardedParameter& p) { return p.name == entry.name; });
+    if (split == shards.end()) {
+      Kokkos::deep_copy(exec, local, source);
+      continue;
+    }
+    for (const ShardedParameter::Run& run : split->runs) {
+      const auto count = static_cast<std::size_t>(run.count);
+      Kokkos::deep_copy(exec, Tensor1<float, Mem>(local.data() + run.local_offset, count),
+                        Tensor1<float, Mem>(source.data() + run.full_offset, count));
+    }
+  }
+  exec.fence();  // the unsplit slab is freed on return
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels.
+
+/// A(i) = −exp(A_log(i)).
+template <class Mem>
+struct NegativeExpFunctor {
+  ConstTensor1<float, Mem> A_log;  // (n)
+  Tensor1<float, Mem> A;           // (n)
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { A(i) = -Kokkos::Experimental::exp(A_log(i)); }
+};
+
+/// A = −exp(A_log) over flat views.
+template <class Exec>
+void negative_exp(const Exec& exec, const char* label,
+                  const ConstTensor1<float, typename Exec::memory_space>& A_log,  // (n)
+                  const Tensor1<float, typename Exec::memory_space>& A) {         // (n)
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(A.extent(0))),
+                       NegativeExpFunctor<typename Exec::memory_space>{A_log, A});
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
