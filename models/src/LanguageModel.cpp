@@ -2,12 +2,15 @@
 // backward through all of them; checkpoints in the Hugging Face layout.
 #include <kmamba/models/LanguageModel.hpp>
 
-#include <kmamba/Config.hpp>
+#include "Backbone.hpp"
+#include "Elementwise.hpp"
+
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/backends/StepGraph.hpp>
 #include <kmamba/core/CrossEntropy.hpp>
 #include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
@@ -17,7 +20,6 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -27,22 +29,6 @@
 namespace kmamba {
 
 namespace impl {
-
-/// acc(i) += x(i) over flat views.
-template <class MemorySpace>
-struct AccumulateInto {
-  Tensor1<float, MemorySpace> acc;
-  ConstTensor1<float, MemorySpace> x;
-  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { acc(i) += x(i); }
-};
-
-/// out(i) = a(i) + b(i) over flat views.
-template <class MemorySpace>
-struct AddViews {
-  Tensor1<float, MemorySpace> out;
-  ConstTensor1<float, MemorySpace> a, b;
-  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = a(i) + b(i); }
-};
 
 /// logits(r, v) = padded(r, v) for the real vocabulary columns.
 template <class MemorySpace>
@@ -86,102 +72,36 @@ struct LastPositionSum {
   }
 };
 
-template <class MemorySpace>
-Tensor1<float, MemorySpace> flat1(const Tensor2<float, MemorySpace>& v) {
-  return Tensor1<float, MemorySpace>(v.data(), v.span());
-}
-template <class MemorySpace>
-Tensor1<float, MemorySpace> flat1(const Tensor3<float, MemorySpace>& v) {
-  return Tensor1<float, MemorySpace>(v.data(), v.span());
-}
-template <class MemorySpace>
-Tensor2<float, MemorySpace> rows_of(const Tensor3<float, MemorySpace>& v) {  // (batch·seqlen, dim)
-  return Tensor2<float, MemorySpace>(v.data(), v.extent(0) * v.extent(1), v.extent(2));
-}
-
 /// HF names of the LM-level parameters; the mamba_ssm spelling of the embedding is accepted on load.
 constexpr const char* embedding_name = "backbone.embeddings.weight";
 constexpr const char* mamba_ssm_embedding_name = "backbone.embedding.weight";
-constexpr const char* final_norm_name = "backbone.norm_f.weight";
 constexpr const char* lm_head_name = "lm_head.weight";
-
-inline std::string layer_prefix(int layer) { return "backbone.layers." + std::to_string(layer) + "."; }
 
 }  // namespace impl
 
 template <class ExecutionSpace>
 struct LanguageModel<ExecutionSpace>::State {
   using Mem = memory_space;
+  using Backbone = impl::Backbone<ExecutionSpace>;
   ModelConfig config;
   ModelParallel parallel;
   Slab slab;
-  std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers;
+  Backbone backbone;
 
-  // Activations of the last training forward (batch, seqlen fixed by it).
+  // The head's buffers of the last forward (batch, seqlen fixed by it).
   std::int64_t batch = 0, seqlen = 0;
-  std::vector<Tensor3<float, Mem>> residuals;  // n_layer × (batch, seqlen, d_model): input of block i's norm
-  std::vector<Tensor1<float, Mem>> rstds;      // n_layer × (batch·seqlen)
-  Tensor3<float, Mem> final_input;             // (batch, seqlen, d_model): h + residual before norm_f
-  Tensor1<float, Mem> final_rstd;              // (batch·seqlen)
-  Tensor3<float, Mem> normed;                  // (batch, seqlen, d_model): a norm's output
-  Tensor3<float, Mem> mixed;                   // (batch, seqlen, d_model): a mixer's output
-  Tensor2<float, Mem> padded_logits;           // (batch·seqlen, padded_vocab)
-  Tensor1<float, Mem> lse;                     // (batch·seqlen)
-  Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
-  // Activation checkpointing: the training forward keeps only the blocks' inputs (residuals) and
-  // backward recomputes one block at a time into these (batch, seqlen, d_model) buffers.
-  bool checkpointing = false;
-  Tensor3<float, Mem> recompute_in, recompute_out;
+  Tensor2<float, Mem> padded_logits;  // (batch·seqlen, padded_vocab)
+  Tensor1<float, Mem> lse;            // (batch·seqlen)
   // The projections' arithmetic (set_matmul_precision), the head's here and each mixer's own.
   MatmulPrecision precision = MatmulPrecision::Float32;
-  // Announces finished gradients (set_gradients_ready_hook): ready_sequence[k] after block
-  // n_layer − 1 − k's backward, the last entry at the end of backward.
-  GradientsReadyHook gradients_ready;
-  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> ready_sequence;
 
-  State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p) {
+  State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p), backbone(c, p, "kmamba::lm") {
     config.validate();
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
     slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
-    for (int i = 0; i < config.n_layer; ++i) {
-      mixers.push_back(make_mixer<ExecutionSpace>(config, impl::layer_prefix(i) + "mixer.", parallel));
-      mixers.back()->declare_parameters(slab);
-      slab.add(impl::layer_prefix(i) + "norm.weight", {dm}, WeightDecay::No);
-    }
-    slab.add(impl::final_norm_name, {dm}, WeightDecay::No);
+    backbone.declare_parameters(slab);
     if (!config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
     slab.finalize("kmamba::lm");
-    const auto ranges_of = [&](const auto& belongs) {
-      std::vector<std::pair<std::size_t, std::size_t>> ranges;
-      for (const auto& e : slab.entries()) {
-        if (belongs(e.name)) ranges.emplace_back(e.offset, e.offset + e.size);
-      }
-      std::sort(ranges.begin(), ranges.end());
-      std::vector<std::pair<std::size_t, std::size_t>> merged;
-      for (const auto& r : ranges) {
-        if (!merged.empty() && merged.back().second == r.first) {
-          merged.back().second = r.second;
-        } else {
-          merged.push_back(r);
-        }
-      }
-      return merged;
-    };
-    const auto starts_with = [](const std::string& name, const std::string& prefix) {
-      return name.compare(0, prefix.size(), prefix) == 0;
-    };
-    for (int i = config.n_layer - 1; i >= 0; --i) {
-      const std::string prefix = impl::layer_prefix(i);
-      ready_sequence.push_back(ranges_of([&](const std::string& name) { return starts_with(name, prefix); }));
-    }
-    ready_sequence.push_back(
-        ranges_of([&](const std::string& name) { return !starts_with(name, "backbone.layers."); }));
-  }
-
-  // Calls the gradients-ready hook with announcement k of ready_sequence.
-  void announce(const ExecutionSpace& exec, std::size_t k) const {
-    if (!gradients_ready) return;
-    for (const auto& r : ready_sequence[k]) gradients_ready(exec, r.first, r.second);
   }
 
   ConstTensor2<float, Mem> head_weight() const {
@@ -191,34 +111,12 @@ struct LanguageModel<ExecutionSpace>::State {
     return slab.template grad<2>(config.tie_embeddings ? impl::embedding_name : impl::lm_head_name);
   }
 
-  void ensure_buffers(std::int64_t b, std::int64_t l, bool training) {
-    const std::int64_t dm = config.d_model, vp = config.padded_vocab_size(), rows = b * l;
-    if (batch != b || seqlen != l || !normed.is_allocated()) {
-      batch = b;
-      seqlen = l;
-      residuals.clear();
-      rstds.clear();
-      final_input = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::final_input"), b, l, dm);
-      final_rstd = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::final_rstd"), rows);
-      normed = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::normed"), b, l, dm);
-      mixed = Tensor3<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::mixed"), b, l, dm);
-      padded_logits = Tensor2<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::logits"), rows, vp);
-      lse = Tensor1<float, Mem>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::lse"), rows);
-      norm_grad = Tensor1<float, Mem>("kmamba::lm::norm_grad", dm);
-      recompute_in = Tensor3<float, Mem>();
-      recompute_out = Tensor3<float, Mem>();
-    }
-    if (training && checkpointing && !recompute_in.is_allocated()) {
-      recompute_in = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_in", b, l, dm);
-      recompute_out = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::lm::recompute_out", b, l, dm);
-    }
-    // Inference keeps one residual buffer; training one per layer.
-    const std::size_t wanted = training ? static_cast<std::size_t>(config.n_layer) : 1u;
-    while (residuals.size() < wanted) {
-      const std::string index = std::to_string(residuals.size());
-      residuals.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::residual_" + index), b, l, dm);
-      rstds.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::rstd_" + index), rows);
-    }
+  void ensure_head_buffers(std::int64_t b, std::int64_t l) {
+    if (batch == b && seqlen == l && padded_logits.is_allocated()) return;
+    batch = b;
+    seqlen = l;
+    padded_logits = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::lm::logits", b * l, config.padded_vocab_size());
+    lse = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::lm::lse", b * l);
   }
 
   void check_ids(const char* function, const ConstTensor2<std::int64_t, Mem>& ids, const char* name,
@@ -239,33 +137,13 @@ struct LanguageModel<ExecutionSpace>::State {
   /// Fills padded_logits from ids; keeps per-layer activations when `training`.
   void run_forward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids, bool training) {
     const std::int64_t b = ids.extent(0), l = ids.extent(1);
-    ensure_buffers(b, l, training);
-    const float eps = static_cast<float>(config.norm_epsilon);
-    const std::size_t n = static_cast<std::size_t>(b * l * config.d_model);
-    const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, n);
+    ensure_head_buffers(b, l);
     const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
-    embedding_forward(exec, flat_ids, ConstTensor2<float, Mem>(slab.template param<2>(impl::embedding_name)),
-                      impl::rows_of(residuals[0]));
-    for (int i = 0; i < config.n_layer; ++i) {
-      const std::size_t slot = training ? static_cast<std::size_t>(i) : 0u;
-      const Tensor3<float, Mem>& residual = residuals[slot];
-      if (i > 0) {
-        const Tensor3<float, Mem>& previous = residuals[training ? slot - 1 : 0u];
-        Kokkos::parallel_for("kmamba::lm::residual_add", all,
-                             impl::AddViews<Mem>{impl::flat1(residual), impl::flat1(mixed), impl::flat1(previous)});
-      }
-      rms_norm(exec, impl::rows_of(residual), slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), eps,
-               impl::rows_of(normed), rstds[slot]);
-      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training && !checkpointing);
-      // A mixer may keep its buffers as workspace after a forward that keeps nothing (Mamba-1).
-      if (training && checkpointing) mixers[static_cast<std::size_t>(i)]->release_activations();
-    }
-    Kokkos::parallel_for("kmamba::lm::residual_add", all,
-                         impl::AddViews<Mem>{impl::flat1(final_input), impl::flat1(mixed),
-                                             impl::flat1(residuals[training ? residuals.size() - 1 : 0u])});
-    rms_norm(exec, impl::rows_of(final_input), slab.template param<1>(impl::final_norm_name), eps,
-             impl::rows_of(normed), final_rstd);
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::rows_of(normed)), head_weight(),
+    const ConstTensor2<float, Mem> embedding(slab.template param<2>(impl::embedding_name));
+    const Tensor3<float, Mem>& normed =
+        backbone.forward(exec, slab, b, l, training,
+                         [&](const Tensor2<float, Mem>& h0) { embedding_forward(exec, flat_ids, embedding, h0); });
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::token_rows(normed)), head_weight(),
          0.0f, padded_logits, precision);
   }
 
@@ -274,7 +152,7 @@ struct LanguageModel<ExecutionSpace>::State {
   void decode_head(const ExecutionSpace& exec, const Tensor2<float, Mem>& input,  // (batch, d_model)
                    const Tensor2<float, Mem>& normed,                             // (batch, d_model)
                    const Tensor2<float, Mem>& logits) const {                     // (batch, vocab_size)
-    rms_norm(exec, input, slab.template param<1>(impl::final_norm_name), static_cast<float>(config.norm_epsilon),
+    rms_norm(exec, input, slab.template param<1>(Backbone::final_norm_name), static_cast<float>(config.norm_epsilon),
              normed);
     decode_logits(exec, normed, logits);
   }
@@ -296,10 +174,6 @@ struct LanguageModel<ExecutionSpace>::State {
                          impl::DropPaddedColumns<Mem>{out, padded_logits});
   }
 
-  void check_logits(const char* function, const Tensor3<float, Mem>& logits) const {
-    check_shape(function, "logits", logits, {batch, seqlen, config.vocab_size}, "(batch, seqlen, vocab_size)");
-  }
-
   LossResult loss_of(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& targets) {
     const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
     const CrossEntropySum sum = cross_entropy_forward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets,
@@ -313,57 +187,24 @@ struct LanguageModel<ExecutionSpace>::State {
     return result;
   }
 
-  void add_norm_grad(const ExecutionSpace& exec, const std::string& name) const {
-    const Tensor1<float, Mem> grad = slab.template grad<1>(name);
-    Kokkos::parallel_for("kmamba::lm::accumulate_norm_grad",
-                         Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, grad.extent(0)),
-                         impl::AccumulateInto<Mem>{grad, norm_grad});
-  }
-
   /// Backward from the loss of the last training forward; padded_logits becomes dlogits.
   void run_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids,
                     const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
-    const std::size_t n = static_cast<std::size_t>(batch * seqlen * config.d_model);
-    const Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>> all(exec, 0, n);
     const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
     // The backward writes dlogits over the logits it reads, row by row (softmax − one-hot).
     cross_entropy_backward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets, ignore_index,
                            ConstTensor1<float, Mem>(lse), scale, padded_logits);
-    // logits = normed_f · Wᵀ: dnormed_f = dlogits · W, dW += dlogitsᵀ · normed_f.
+    // logits = normed_f · Wᵀ: dW += dlogitsᵀ · normed_f, then dnormed_f = dlogits · W over normed_f.
+    const Tensor2<float, Mem> normed = impl::token_rows(backbone.output());
     gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits),
-         ConstTensor2<float, Mem>(impl::rows_of(normed)), 1.0f, head_grad(), precision);
-    Tensor3<float, Mem> dres = mixed;  // the residual stream's gradient (mixed is free in backward)
-    Tensor3<float, Mem> dnormed = normed;
+         ConstTensor2<float, Mem>(normed), 1.0f, head_grad(), precision);
     gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f,
-         impl::rows_of(dnormed), precision);
-    rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(final_input),
-                      slab.template param<1>(impl::final_norm_name), final_rstd, impl::rows_of(dres), norm_grad);
-    add_norm_grad(exec, impl::final_norm_name);
-    // dres now holds d(final_input) = dh_{n−1} = d(residual_{n−1}) (norm paths still to add).
-    for (int i = config.n_layer - 1; i >= 0; --i) {
-      const std::string norm = impl::layer_prefix(i) + "norm.weight";
-      Mixer<ExecutionSpace>& mixer = *mixers[static_cast<std::size_t>(i)];
-      if (checkpointing) {  // recompute the block's forward from its kept input
-        const std::size_t layer = static_cast<std::size_t>(i);
-        rms_norm(exec, impl::rows_of(residuals[layer]), slab.template param<1>(norm),
-                 static_cast<float>(config.norm_epsilon), impl::rows_of(recompute_in), rstds[layer]);
-        mixer.forward(exec, slab, recompute_in, recompute_out, true);
-      }
-      mixer.backward(exec, slab, dres, dnormed);
-      if (checkpointing) mixer.release_activations();
-      rms_norm_backward(exec, impl::rows_of(dnormed), impl::rows_of(residuals[static_cast<std::size_t>(i)]),
-                        slab.template param<1>(norm), rstds[static_cast<std::size_t>(i)],
-                        impl::rows_of(final_input), norm_grad);
-      add_norm_grad(exec, norm);
-      announce(exec, static_cast<std::size_t>(config.n_layer - 1 - i));
-      Kokkos::parallel_for("kmamba::lm::accumulate_residual_grad", all,
-                           impl::AccumulateInto<Mem>{impl::flat1(dres), impl::flat1(final_input)});
-    }
+         normed, precision);
+    const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
     const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
-    embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::rows_of(dres)),
+    embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),
                        Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
-    announce(exec, static_cast<std::size_t>(config.n_layer));
-    for (auto& mixer : mixers) mixer->release_activations();
+    backbone.finish_backward(exec);
   }
 };
 
@@ -373,10 +214,7 @@ struct DecodeState<ExecutionSpace>::Impl {
   const void* owner = nullptr;  // the LanguageModel::State that made it
   int batch = 0;
   std::int64_t position = 0;
-  std::vector<std::unique_ptr<MixerCache<ExecutionSpace>>> caches;  // one per layer
-  Tensor2<float, Mem> residual;  // (batch, d_model): the residual stream of the current token
-  Tensor2<float, Mem> normed;    // (batch, d_model): a norm's output
-  Tensor2<float, Mem> mixed;     // (batch, d_model): a mixer's output
+  typename impl::Backbone<ExecutionSpace>::RecurrentState stream;  // the mixers' caches, a step's buffers
   // Where the backend records the decode step as one graph (StepGraph::records): the step reads
   // its ids from and writes its logits to these fixed buffers, copied from and to the caller's.
   StepGraph<ExecutionSpace> graph;
@@ -416,7 +254,7 @@ std::string DecodeState<ExecutionSpace>::step_graph_status() const {
 
 template <class ExecutionSpace>
 void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
-  for (auto& cache : impl_->caches) cache->reset(exec);
+  impl_->stream.reset(exec);
   impl_->position = 0;
 }
 
@@ -429,33 +267,29 @@ LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const Mo
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
-  state_->checkpointing = on;
-  if (!on) {
-    state_->recompute_in = Tensor3<float, memory_space>();
-    state_->recompute_out = Tensor3<float, memory_space>();
-  }
+  state_->backbone.set_activation_checkpointing(on);
 }
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_gradients_ready_hook(GradientsReadyHook hook) {
-  state_->gradients_ready = std::move(hook);
+  state_->backbone.set_gradients_ready_hook(std::move(hook), state_->slab);
 }
 
 template <class ExecutionSpace>
 std::vector<std::vector<std::pair<std::size_t, std::size_t>>> LanguageModel<ExecutionSpace>::gradients_ready_sequence()
     const {
-  return state_->ready_sequence;
+  return state_->backbone.gradients_ready_sequence(state_->slab);
 }
 
 template <class ExecutionSpace>
 bool LanguageModel<ExecutionSpace>::activation_checkpointing() const {
-  return state_->checkpointing;
+  return state_->backbone.activation_checkpointing();
 }
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_matmul_precision(MatmulPrecision precision) {
   state_->precision = precision;
-  for (auto& mixer : state_->mixers) mixer->set_matmul_precision(precision);
+  state_->backbone.set_matmul_precision(precision);
 }
 
 template <class ExecutionSpace>
@@ -470,11 +304,7 @@ const ModelParallel& LanguageModel<ExecutionSpace>::parallel() const {
 
 template <class ExecutionSpace>
 std::vector<ShardedParameter> LanguageModel<ExecutionSpace>::sharded_parameters() const {
-  std::vector<ShardedParameter> all;
-  for (const auto& mixer : state_->mixers) {
-    for (ShardedParameter& p : mixer->sharded_parameters()) all.push_back(std::move(p));
-  }
-  return all;
+  return state_->backbone.sharded_parameters();
 }
 
 template <class ExecutionSpace>
@@ -507,11 +337,7 @@ void LanguageModel<ExecutionSpace>::initialize(std::uint64_t seed) {
   const float std_dev = static_cast<float>(s.config.initializer_range);
   fill_normal(exec, s.slab.template param<2>(impl::embedding_name), seed, 0.0f, std_dev, 0);
   if (!s.config.tie_embeddings) fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
-  for (int i = 0; i < s.config.n_layer; ++i) {
-    Kokkos::deep_copy(exec, s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight"), 1.0f);
-    s.mixers[static_cast<std::size_t>(i)]->initialize(exec, s.slab, seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(i + 1));
-  }
-  Kokkos::deep_copy(exec, s.slab.template param<1>(impl::final_norm_name), 1.0f);
+  s.backbone.initialize(exec, s.slab, seed);
   exec.fence();
 }
 
@@ -579,11 +405,7 @@ DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int
   impl->owner = &s;
   impl->batch = batch;
   impl->graph_precision = s.precision;
-  for (const auto& mixer : s.mixers) impl->caches.push_back(mixer->make_cache(batch));
-  const int dm = s.config.d_model;
-  impl->residual = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::residual", batch, dm);
-  impl->normed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::normed", batch, dm);
-  impl->mixed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::decode::mixed", batch, dm);
+  impl->stream = s.backbone.make_state(batch, "kmamba::decode");
   if (StepGraph<ExecutionSpace>::records) {
     impl->step_ids = allocate_uninitialized<Tensor1<std::int64_t, Mem>>("kmamba::decode::step_ids", batch);
     impl->step_logits =
@@ -622,32 +444,18 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
     check_shape(function, "last_logits", last_logits, {b, static_cast<std::int64_t>(s.config.vocab_size)},
                 "(batch, vocab_size)");
   }
-  const std::int64_t dm = s.config.d_model;
-  const float eps = static_cast<float>(s.config.norm_epsilon);
-  const auto sequence = [&](const char* label) {
-    return allocate_uninitialized<Tensor3<float, Mem>>(label, b, l, dm);
-  };
-  const Tensor3<float, Mem> residual = sequence("kmamba::decode::prefill_residual");
-  const Tensor3<float, Mem> normed = sequence("kmamba::decode::prefill_normed");
-  const Tensor3<float, Mem> mixed = sequence("kmamba::decode::prefill_mixed");
-  embedding_forward(exec, ConstTensor1<std::int64_t, Mem>(ids.data(), ids.span()),
-                    ConstTensor2<float, Mem>(s.slab.template param<2>(impl::embedding_name)), impl::rows_of(residual));
-  for (int i = 0; i < s.config.n_layer; ++i) {
-    const auto norm_weight = s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight");
-    if (i == 0) {
-      rms_norm(exec, impl::rows_of(residual), norm_weight, eps, impl::rows_of(normed));
-    } else {
-      add_rms_norm(exec, impl::rows_of(residual), impl::rows_of(mixed), norm_weight, eps, impl::rows_of(normed));
-    }
-    const std::size_t layer = static_cast<std::size_t>(i);
-    s.mixers[layer]->prefill(exec, s.slab, normed, mixed, *d.caches[layer]);
-  }
+  const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
+  const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
+  const auto segment = s.backbone.prefill(
+      exec, s.slab, b, l, [&](const Tensor2<float, Mem>& h0) { embedding_forward(exec, flat_ids, embedding, h0); },
+      d.stream, "kmamba::decode");
   d.position += l;
   if (!last_logits.is_allocated()) return;
   Kokkos::parallel_for("kmamba::decode::prefill_last_position",
-                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, dm}),
-                       impl::LastPositionSum<Mem>{d.residual, residual, mixed, static_cast<int>(l - 1)});
-  s.decode_head(exec, d.residual, d.normed, last_logits);
+                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, s.config.d_model}),
+                       impl::LastPositionSum<Mem>{d.stream.residual, segment.residual, segment.mixed,
+                                                  static_cast<int>(l - 1)});
+  s.decode_head(exec, d.stream.residual, d.stream.normed, last_logits);
 }
 
 template <class ExecutionSpace>
@@ -663,7 +471,6 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   check_shape(function, "ids", ids, {batch}, "(batch) of the DecodeState");
   check_shape(function, "logits", logits, {batch, vocab}, "(batch, vocab_size)");
   check_allocated(function, "logits", logits);
-  const float eps = static_cast<float>(s.config.norm_epsilon);
   // The ids are checked here, blocking, so that the step itself never waits on the device.
   const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
   check_embedding_ids(exec, ids, static_cast<std::int64_t>(embedding.extent(0)), "kmamba::embedding_forward");
@@ -671,20 +478,9 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   // backend records graphs).
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
                         const Tensor2<float, Mem>& step_logits) {
-    embedding_forward(e, step_ids, embedding, d.residual, false);
-    // Each block's residual add and norm are one kernel (the first block's input is the embedding).
-    for (int i = 0; i < s.config.n_layer; ++i) {
-      const auto norm_weight = s.slab.template param<1>(impl::layer_prefix(i) + "norm.weight");
-      if (i == 0) {
-        rms_norm(e, d.residual, norm_weight, eps, d.normed);
-      } else {
-        add_rms_norm(e, d.residual, d.mixed, norm_weight, eps, d.normed);
-      }
-      const std::size_t layer = static_cast<std::size_t>(i);
-      s.mixers[layer]->step(e, s.slab, d.normed, d.mixed, *d.caches[layer]);
-    }
-    add_rms_norm(e, d.residual, d.mixed, s.slab.template param<1>(impl::final_norm_name), eps, d.normed);
-    s.decode_logits(e, d.normed, step_logits);
+    embedding_forward(e, step_ids, embedding, d.stream.residual, false);
+    s.backbone.step(e, s.slab, d.stream);
+    s.decode_logits(e, d.stream.normed, step_logits);
   };
   // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
   // not repeat: split models run their steps normally.
@@ -776,17 +572,10 @@ void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
   s.config.save(dir + "/config.json");
 }
 
-#if KMAMBA_HAS_SERIAL
-template class DecodeState<Kokkos::Serial>;
-template class LanguageModel<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class DecodeState<Kokkos::OpenMP>;
-template class LanguageModel<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class DecodeState<Kokkos::Cuda>;
-template class LanguageModel<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) \
+  template class DecodeState<Exec>; \
+  template class LanguageModel<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 
 }  // namespace kmamba

@@ -1,11 +1,14 @@
-// The continuous-valued sequence model: input projection, the language model's residual blocks,
-// final norm, linear head, mean squared error and the backward through all of them; recurrent
-// inference (prefill and step) over the mixers' caches; checkpoints.
+// The continuous-valued sequence model: input projection, the residual backbone (Backbone.hpp),
+// linear head, mean squared error and the backward through all of them; recurrent inference
+// (prefill and step) over the backbone's recurrent state; checkpoints.
 #include <kmamba/models/SequenceModel.hpp>
 
-#include <kmamba/Config.hpp>
+#include "Backbone.hpp"
+#include "Elementwise.hpp"
+
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
@@ -34,26 +37,7 @@ constexpr const char* input_weight = "input_proj.weight";
 constexpr const char* input_bias = "input_proj.bias";
 constexpr const char* head_weight = "output_head.weight";
 constexpr const char* head_bias = "output_head.bias";
-constexpr const char* final_norm = "backbone.norm_f.weight";
 constexpr const char* format = "kmamba-sequence-model";
-
-inline std::string layer_prefix(int layer) { return "backbone.layers." + std::to_string(layer) + "."; }
-
-/// acc(i) += x(i) over flat views.
-template <class MemorySpace>
-struct Accumulate {
-  Tensor1<float, MemorySpace> acc;
-  ConstTensor1<float, MemorySpace> x;
-  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { acc(i) += x(i); }
-};
-
-/// out(i) = a(i) + b(i) over flat views.
-template <class MemorySpace>
-struct Add {
-  Tensor1<float, MemorySpace> out;
-  ConstTensor1<float, MemorySpace> a, b;
-  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = a(i) + b(i); }
-};
 
 /// y(r, c) += bias(c).
 template <class MemorySpace>
@@ -81,19 +65,6 @@ struct SquaredErrorGrad {
   float scale;
   KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { y(i) = scale * 2.0f * (y(i) - t(i)); }
 };
-
-template <class MemorySpace>
-Tensor1<float, MemorySpace> flat(const Tensor3<float, MemorySpace>& v) {
-  return Tensor1<float, MemorySpace>(v.data(), v.span());
-}
-template <class MemorySpace>
-Tensor1<float, MemorySpace> flat(const Tensor2<float, MemorySpace>& v) {
-  return Tensor1<float, MemorySpace>(v.data(), v.span());
-}
-template <class T, class MemorySpace>
-Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace> rows(const Kokkos::View<T***, Kokkos::LayoutRight, MemorySpace>& v) {
-  return Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace>(v.data(), v.extent(0) * v.extent(1), v.extent(2));
-}
 
 bool is_directory(const std::string& path) {
   struct stat st;
@@ -177,66 +148,41 @@ struct SequenceModel<ExecutionSpace>::State {
   using Range = Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>;
   SequenceModelConfig config;
   Slab slab;
-  std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers;
+  impl::Backbone<ExecutionSpace> backbone;
 
-  // Activations of the last forward (batch, seqlen fixed by it).
+  // The ends' buffers of the last forward (batch, seqlen fixed by it).
   std::int64_t batch = 0, seqlen = 0;
-  std::vector<Tensor3<float, Mem>> residuals;  // n_layer × (batch, seqlen, d_model): input of block i's norm
-  std::vector<Tensor1<float, Mem>> rstds;      // n_layer × (batch·seqlen)
-  Tensor3<float, Mem> final_input;             // (batch, seqlen, d_model): h + residual before norm_f
-  Tensor1<float, Mem> final_rstd;              // (batch·seqlen)
-  Tensor3<float, Mem> normed;                  // (batch, seqlen, d_model): a norm's output
-  Tensor3<float, Mem> mixed;                   // (batch, seqlen, d_model): a mixer's output
-  Tensor3<float, Mem> prediction;              // (batch, seqlen, output_size): the head's output (training)
-  Tensor2<float, Mem> ones;                    // (batch·seqlen, 1): sums rows in the bias gradients
-  Tensor1<float, Mem> norm_grad;               // (d_model): one norm's weight gradient before accumulation
+  Tensor3<float, Mem> prediction;  // (batch, seqlen, output_size): the head's output (loss, training)
+  Tensor2<float, Mem> ones;        // (batch·seqlen, 1): sums rows in the bias gradients
 
-  explicit State(const SequenceModelConfig& c) : config(c) {
-    config.validate();
-    const ModelConfig& m = config.backbone;
-    const std::int64_t dm = m.d_model;
+  static const SequenceModelConfig& validated(const SequenceModelConfig& c) {
+    c.validate();
+    return c;
+  }
+
+  explicit State(const SequenceModelConfig& c)
+      : config(validated(c)), backbone(config.backbone, ModelParallel(), "kmamba::sequence_model") {
+    const std::int64_t dm = config.backbone.d_model;
     slab.add(impl::seq::input_weight, {dm, config.input_size}, WeightDecay::Yes);
     slab.add(impl::seq::input_bias, {dm}, WeightDecay::No);
-    for (int i = 0; i < m.n_layer; ++i) {
-      mixers.push_back(make_mixer<ExecutionSpace>(m, impl::seq::layer_prefix(i) + "mixer."));
-      mixers.back()->declare_parameters(slab);
-      slab.add(impl::seq::layer_prefix(i) + "norm.weight", {dm}, WeightDecay::No);
-    }
-    slab.add(impl::seq::final_norm, {dm}, WeightDecay::No);
+    backbone.declare_parameters(slab);
     slab.add(impl::seq::head_weight, {config.output_size, dm}, WeightDecay::Yes);
     slab.add(impl::seq::head_bias, {config.output_size}, WeightDecay::No);
     slab.finalize("kmamba::sequence_model");
   }
 
-  float eps() const { return static_cast<float>(config.backbone.norm_epsilon); }
-
-  void ensure_buffers(const ExecutionSpace& exec, std::int64_t b, std::int64_t l, bool training) {
-    const std::int64_t dm = config.backbone.d_model, n = b * l;
-    if (batch != b || seqlen != l || !normed.is_allocated()) {
-      batch = b;
-      seqlen = l;
-      residuals.clear();
-      rstds.clear();
-      prediction = Tensor3<float, Mem>();
-      final_input = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::final_input", b, l, dm);
-      final_rstd = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::sequence_model::final_rstd", n);
-      normed = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::normed", b, l, dm);
-      mixed = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::mixed", b, l, dm);
-      norm_grad = allocate<Tensor1<float, Mem>>("kmamba::sequence_model::norm_grad", dm);
-      ones = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_model::ones", n, 1);
-      Kokkos::deep_copy(exec, ones, 1.0f);
-    }
-    // Inference keeps one residual buffer; training one per layer.
-    const std::size_t wanted = training ? static_cast<std::size_t>(config.backbone.n_layer) : 1u;
-    while (residuals.size() < wanted) {
-      const std::string index = std::to_string(residuals.size());
-      residuals.push_back(allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::residual_" + index, b, l, dm));
-      rstds.push_back(allocate_uninitialized<Tensor1<float, Mem>>("kmamba::sequence_model::rstd_" + index, n));
-    }
+  void ensure_buffers(const ExecutionSpace& exec, std::int64_t b, std::int64_t l) {
+    if (batch == b && seqlen == l && ones.is_allocated()) return;
+    batch = b;
+    seqlen = l;
+    prediction = Tensor3<float, Mem>();
+    ones = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_model::ones", b * l, 1);
+    Kokkos::deep_copy(exec, ones, 1.0f);
   }
 
   /// The (batch, seqlen, output_size) buffer loss and loss_and_backward predict into.
-  void ensure_prediction(std::int64_t b, std::int64_t l) {
+  void ensure_prediction(const ExecutionSpace& exec, std::int64_t b, std::int64_t l) {
+    ensure_buffers(exec, b, l);
     if (!prediction.is_allocated()) {
       prediction = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::prediction", b, l,
                                                                config.output_size);
@@ -244,8 +190,9 @@ struct SequenceModel<ExecutionSpace>::State {
   }
 
   /// y = x · Wᵀ + bias over rows.
-  void linear(const ExecutionSpace& exec, const ConstTensor2<float, Mem>& x, const char* weight, const char* bias,
-              const Tensor2<float, Mem>& y) const {
+  void linear(const ExecutionSpace& exec, const ConstTensor2<float, Mem>& x,  // (rows, in)
+              const char* weight, const char* bias,
+              const Tensor2<float, Mem>& y) const {                           // (rows, out)
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, x, ConstTensor2<float, Mem>(slab.template param<2>(weight)), 0.0f, y);
     Kokkos::parallel_for("kmamba::sequence_model::add_bias",
                          Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
@@ -272,30 +219,13 @@ struct SequenceModel<ExecutionSpace>::State {
   void run_forward(const ExecutionSpace& exec, const ConstTensor3<float, Mem>& inputs,
                    const Tensor3<float, Mem>& outputs, bool training) {
     const std::int64_t b = inputs.extent(0), l = inputs.extent(1);
-    ensure_buffers(exec, b, l, training);
-    const Range all(exec, 0, static_cast<std::size_t>(b * l * config.backbone.d_model));
-    linear(exec, impl::seq::rows(inputs), impl::seq::input_weight, impl::seq::input_bias,
-           impl::seq::rows(residuals[0]));
-    for (int i = 0; i < config.backbone.n_layer; ++i) {
-      const std::size_t slot = training ? static_cast<std::size_t>(i) : 0u;
-      const Tensor3<float, Mem>& residual = residuals[slot];
-      if (i > 0) {
-        const Tensor3<float, Mem>& previous = residuals[training ? slot - 1 : 0u];
-        Kokkos::parallel_for("kmamba::sequence_model::residual_add", all,
-                             impl::seq::Add<Mem>{impl::seq::flat(residual), impl::seq::flat(mixed),
-                                                 impl::seq::flat(previous)});
-      }
-      rms_norm(exec, impl::seq::rows(residual), slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight"),
-               eps(), impl::seq::rows(normed), rstds[slot]);
-      mixers[static_cast<std::size_t>(i)]->forward(exec, slab, normed, mixed, training);
-    }
-    Kokkos::parallel_for("kmamba::sequence_model::residual_add", all,
-                         impl::seq::Add<Mem>{impl::seq::flat(final_input), impl::seq::flat(mixed),
-                                             impl::seq::flat(residuals[training ? residuals.size() - 1 : 0u])});
-    rms_norm(exec, impl::seq::rows(final_input), slab.template param<1>(impl::seq::final_norm), eps(),
-             impl::seq::rows(normed), final_rstd);
-    linear(exec, impl::seq::rows(ConstTensor3<float, Mem>(normed)), impl::seq::head_weight, impl::seq::head_bias,
-           impl::seq::rows(outputs));
+    ensure_buffers(exec, b, l);
+    const auto input_end = [&](const Tensor2<float, Mem>& h0) {
+      linear(exec, impl::token_rows(inputs), impl::seq::input_weight, impl::seq::input_bias, h0);
+    };
+    const Tensor3<float, Mem>& normed = backbone.forward(exec, slab, b, l, training, input_end);
+    linear(exec, impl::token_rows(ConstTensor3<float, Mem>(normed)), impl::seq::head_weight, impl::seq::head_bias,
+           impl::token_rows(outputs));
   }
 
   RegressionLoss squared_error(const ExecutionSpace& exec, const ConstTensor3<float, Mem>& y,
@@ -311,12 +241,6 @@ struct SequenceModel<ExecutionSpace>::State {
     return r;
   }
 
-  void add_norm_grad(const ExecutionSpace& exec, const std::string& name) const {
-    const Tensor1<float, Mem> grad = slab.template grad<1>(name);
-    Kokkos::parallel_for("kmamba::sequence_model::accumulate_norm_grad", Range(exec, 0, grad.extent(0)),
-                         impl::seq::Accumulate<Mem>{grad, norm_grad});
-  }
-
   /// dW += dyᵀ · x and dbias += Σ_rows dy for y = x · Wᵀ + bias.
   void linear_backward(const ExecutionSpace& exec, const ConstTensor2<float, Mem>& dy,  // (rows, out)
                        const ConstTensor2<float, Mem>& x,                               // (rows, in)
@@ -329,32 +253,17 @@ struct SequenceModel<ExecutionSpace>::State {
 
   /// Backward of the last training forward from d(loss)/d(prediction), held in `prediction`.
   void run_backward(const ExecutionSpace& exec, const ConstTensor3<float, Mem>& inputs) {
-    const Range all(exec, 0, static_cast<std::size_t>(batch * seqlen * config.backbone.d_model));
-    const ConstTensor2<float, Mem> dy = impl::seq::rows(ConstTensor3<float, Mem>(prediction));
-    // y = normed_f · Wᵀ + b: dW += dyᵀ · normed_f, db += Σ dy, dnormed_f = dy · W.
-    linear_backward(exec, dy, impl::seq::rows(ConstTensor3<float, Mem>(normed)), impl::seq::head_weight,
-                    impl::seq::head_bias);
-    Tensor3<float, Mem> dres = mixed;  // the residual stream's gradient (mixed is free in backward)
-    Tensor3<float, Mem> dnormed = normed;
+    const ConstTensor2<float, Mem> dy = impl::token_rows(ConstTensor3<float, Mem>(prediction));
+    // y = normed_f · Wᵀ + b: dW += dyᵀ · normed_f, db += Σ dy, then dnormed_f = dy · W over normed_f.
+    const Tensor2<float, Mem> normed = impl::token_rows(backbone.output());
+    linear_backward(exec, dy, ConstTensor2<float, Mem>(normed), impl::seq::head_weight, impl::seq::head_bias);
     gemm(exec, Transpose::No, Transpose::No, 1.0f, dy,
-         ConstTensor2<float, Mem>(slab.template param<2>(impl::seq::head_weight)), 0.0f, impl::seq::rows(dnormed));
-    rms_norm_backward(exec, impl::seq::rows(dnormed), impl::seq::rows(final_input),
-                      slab.template param<1>(impl::seq::final_norm), final_rstd, impl::seq::rows(dres), norm_grad);
-    add_norm_grad(exec, impl::seq::final_norm);
-    for (int i = config.backbone.n_layer - 1; i >= 0; --i) {
-      const std::string norm = impl::seq::layer_prefix(i) + "norm.weight";
-      const std::size_t layer = static_cast<std::size_t>(i);
-      mixers[layer]->backward(exec, slab, dres, dnormed);
-      rms_norm_backward(exec, impl::seq::rows(dnormed), impl::seq::rows(residuals[layer]),
-                        slab.template param<1>(norm), rstds[layer], impl::seq::rows(final_input), norm_grad);
-      add_norm_grad(exec, norm);
-      Kokkos::parallel_for("kmamba::sequence_model::accumulate_residual_grad", all,
-                           impl::seq::Accumulate<Mem>{impl::seq::flat(dres), impl::seq::flat(final_input)});
-    }
-    // residual_0 = x · W_inᵀ + b_in.
-    linear_backward(exec, impl::seq::rows(ConstTensor3<float, Mem>(dres)), impl::seq::rows(inputs),
+         ConstTensor2<float, Mem>(slab.template param<2>(impl::seq::head_weight)), 0.0f, normed);
+    const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
+    // h_0 = x · W_inᵀ + b_in.
+    linear_backward(exec, impl::token_rows(ConstTensor3<float, Mem>(dh0)), impl::token_rows(inputs),
                     impl::seq::input_weight, impl::seq::input_bias);
-    for (auto& mixer : mixers) mixer->release_activations();
+    backbone.finish_backward(exec);
   }
 };
 
@@ -364,10 +273,7 @@ struct SequenceState<ExecutionSpace>::Impl {
   const void* owner = nullptr;  // the SequenceModel::State that made it
   int batch = 0;
   std::int64_t position = 0;
-  std::vector<std::unique_ptr<MixerCache<ExecutionSpace>>> caches;  // one per layer
-  Tensor2<float, Mem> residual;  // (batch, d_model): the residual stream of the current step
-  Tensor2<float, Mem> normed;    // (batch, d_model): a norm's output
-  Tensor2<float, Mem> mixed;     // (batch, d_model): a mixer's output
+  typename impl::Backbone<ExecutionSpace>::RecurrentState stream;  // the mixers' caches, a step's buffers
 };
 
 template <class ExecutionSpace>
@@ -389,7 +295,7 @@ std::int64_t SequenceState<ExecutionSpace>::position() const {
 }
 template <class ExecutionSpace>
 void SequenceState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
-  for (auto& cache : impl_->caches) cache->reset(exec);
+  impl_->stream.reset(exec);
   impl_->position = 0;
 }
 
@@ -419,6 +325,24 @@ const typename SequenceModel<ExecutionSpace>::Slab& SequenceModel<ExecutionSpace
 }
 
 template <class ExecutionSpace>
+void SequenceModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
+  state_->backbone.set_activation_checkpointing(on);
+}
+template <class ExecutionSpace>
+bool SequenceModel<ExecutionSpace>::activation_checkpointing() const {
+  return state_->backbone.activation_checkpointing();
+}
+template <class ExecutionSpace>
+void SequenceModel<ExecutionSpace>::set_gradients_ready_hook(GradientsReadyHook hook) {
+  state_->backbone.set_gradients_ready_hook(std::move(hook), state_->slab);
+}
+template <class ExecutionSpace>
+std::vector<std::vector<std::pair<std::size_t, std::size_t>>> SequenceModel<ExecutionSpace>::gradients_ready_sequence()
+    const {
+  return state_->backbone.gradients_ready_sequence(state_->slab);
+}
+
+template <class ExecutionSpace>
 void SequenceModel<ExecutionSpace>::initialize(std::uint64_t seed) {
   const ExecutionSpace exec;
   State& s = *state_;
@@ -428,12 +352,7 @@ void SequenceModel<ExecutionSpace>::initialize(std::uint64_t seed) {
               static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.config.input_size))), 0);
   fill_normal(exec, s.slab.template param<2>(impl::seq::head_weight), seed, 0.0f,
               static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.config.backbone.d_model))), stride);
-  for (int i = 0; i < s.config.backbone.n_layer; ++i) {
-    Kokkos::deep_copy(exec, s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight"), 1.0f);
-    s.mixers[static_cast<std::size_t>(i)]->initialize(exec, s.slab,
-                                                      seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(i + 1));
-  }
-  Kokkos::deep_copy(exec, s.slab.template param<1>(impl::seq::final_norm), 1.0f);
+  s.backbone.initialize(exec, s.slab, seed);
   exec.fence();
 }
 
@@ -457,8 +376,7 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
                                                    const ConstTensor3<float, memory_space>& targets) {  // (batch, seqlen, output_size)
   State& s = *state_;
   s.check_io("kmamba::SequenceModel::loss", inputs, "targets", targets);
-  s.ensure_buffers(exec, inputs.extent(0), inputs.extent(1), false);
-  s.ensure_prediction(inputs.extent(0), inputs.extent(1));
+  s.ensure_prediction(exec, inputs.extent(0), inputs.extent(1));
   s.run_forward(exec, inputs, s.prediction, false);
   return s.squared_error(exec, s.prediction, targets);
 }
@@ -474,15 +392,14 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss_and_backward(
   State& s = *state_;
   s.check_io(function, inputs, "targets", targets);
   if (outputs.is_allocated()) s.check_io(function, inputs, "outputs", outputs);
-  s.ensure_buffers(exec, inputs.extent(0), inputs.extent(1), true);
-  s.ensure_prediction(inputs.extent(0), inputs.extent(1));
+  s.ensure_prediction(exec, inputs.extent(0), inputs.extent(1));
   s.run_forward(exec, inputs, s.prediction, true);
   if (outputs.is_allocated()) Kokkos::deep_copy(exec, outputs, s.prediction);
   const RegressionLoss result = s.squared_error(exec, s.prediction, targets);
   const float scale = static_cast<float>(weight / static_cast<double>(result.values));
   Kokkos::parallel_for("kmamba::sequence_model::squared_error_grad",
                        typename State::Range(exec, 0, s.prediction.span()),
-                       impl::seq::SquaredErrorGrad<Mem>{impl::seq::flat(s.prediction),
+                       impl::seq::SquaredErrorGrad<Mem>{impl::as_flat(s.prediction),
                                                         ConstTensor1<float, Mem>(targets.data(), targets.span()), scale});
   s.run_backward(exec, inputs);
   exec.fence();
@@ -491,17 +408,12 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss_and_backward(
 
 template <class ExecutionSpace>
 SequenceState<ExecutionSpace> SequenceModel<ExecutionSpace>::make_state(int batch) const {
-  using Mem = memory_space;
   KMAMBA_REQUIRE(batch >= 1, "kmamba::SequenceModel::make_state: batch must be at least 1, got " << batch);
   const State& s = *state_;
   std::unique_ptr<typename SequenceState<ExecutionSpace>::Impl> impl(new typename SequenceState<ExecutionSpace>::Impl());
   impl->owner = &s;
   impl->batch = batch;
-  for (const auto& mixer : s.mixers) impl->caches.push_back(mixer->make_cache(batch));
-  const int dm = s.config.backbone.d_model;
-  impl->residual = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_state::residual", batch, dm);
-  impl->normed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_state::normed", batch, dm);
-  impl->mixed = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::sequence_state::mixed", batch, dm);
+  impl->stream = s.backbone.make_state(batch, "kmamba::sequence_state");
   return SequenceState<ExecutionSpace>(std::move(impl));
 }
 
@@ -534,32 +446,20 @@ void SequenceModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
                 "(batch, seqlen, output_size) with batch, seqlen from inputs");
   }
   if (l == 0) return;
-  const std::int64_t dm = s.config.backbone.d_model;
-  const Tensor3<float, Mem> residual =
-      allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_state::prefill_residual", b, l, dm);
-  const Tensor3<float, Mem> normed =
-      allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_state::prefill_normed", b, l, dm);
-  const Tensor3<float, Mem> mixed =
-      allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_state::prefill_mixed", b, l, dm);
-  s.linear(exec, impl::seq::rows(inputs), impl::seq::input_weight, impl::seq::input_bias, impl::seq::rows(residual));
-  // Each block's residual add and norm are one kernel (the first block's input is the projection).
-  for (int i = 0; i < s.config.backbone.n_layer; ++i) {
-    const auto norm_weight = s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight");
-    if (i == 0) {
-      rms_norm(exec, impl::seq::rows(residual), norm_weight, s.eps(), impl::seq::rows(normed));
-    } else {
-      add_rms_norm(exec, impl::seq::rows(residual), impl::seq::rows(mixed), norm_weight, s.eps(),
-                   impl::seq::rows(normed));
-    }
-    const std::size_t layer = static_cast<std::size_t>(i);
-    s.mixers[layer]->prefill(exec, s.slab, normed, mixed, *d.caches[layer]);
-  }
+  const auto segment = s.backbone.prefill(
+      exec, s.slab, b, l,
+      [&](const Tensor2<float, Mem>& h0) {
+        s.linear(exec, impl::token_rows(inputs), impl::seq::input_weight, impl::seq::input_bias, h0);
+      },
+      d.stream, "kmamba::sequence_state");
   d.position += l;
   if (!outputs.is_allocated()) return;
-  add_rms_norm(exec, impl::seq::rows(residual), impl::seq::rows(mixed), s.slab.template param<1>(impl::seq::final_norm),
-               s.eps(), impl::seq::rows(normed));
-  s.linear(exec, impl::seq::rows(ConstTensor3<float, Mem>(normed)), impl::seq::head_weight, impl::seq::head_bias,
-           impl::seq::rows(outputs));
+  const float eps = static_cast<float>(s.config.backbone.norm_epsilon);
+  add_rms_norm(exec, impl::token_rows(segment.residual), impl::token_rows(segment.mixed),
+               s.slab.template param<1>(impl::Backbone<ExecutionSpace>::final_norm_name), eps,
+               impl::token_rows(segment.normed));
+  s.linear(exec, impl::token_rows(ConstTensor3<float, Mem>(segment.normed)), impl::seq::head_weight,
+           impl::seq::head_bias, impl::token_rows(outputs));
 }
 
 template <class ExecutionSpace>
@@ -576,19 +476,9 @@ void SequenceModel<ExecutionSpace>::step(const ExecutionSpace& exec,
   check_shape(function, "outputs", outputs, {batch, s.config.output_size}, "(batch of the SequenceState, output_size)");
   check_allocated(function, "inputs", inputs);
   check_allocated(function, "outputs", outputs);
-  s.linear(exec, inputs, impl::seq::input_weight, impl::seq::input_bias, d.residual);
-  for (int i = 0; i < s.config.backbone.n_layer; ++i) {
-    const auto norm_weight = s.slab.template param<1>(impl::seq::layer_prefix(i) + "norm.weight");
-    if (i == 0) {
-      rms_norm(exec, d.residual, norm_weight, s.eps(), d.normed);
-    } else {
-      add_rms_norm(exec, d.residual, d.mixed, norm_weight, s.eps(), d.normed);
-    }
-    const std::size_t layer = static_cast<std::size_t>(i);
-    s.mixers[layer]->step(exec, s.slab, d.normed, d.mixed, *d.caches[layer]);
-  }
-  add_rms_norm(exec, d.residual, d.mixed, s.slab.template param<1>(impl::seq::final_norm), s.eps(), d.normed);
-  s.linear(exec, ConstTensor2<float, Mem>(d.normed), impl::seq::head_weight, impl::seq::head_bias, outputs);
+  s.linear(exec, inputs, impl::seq::input_weight, impl::seq::input_bias, d.stream.residual);
+  s.backbone.step(exec, s.slab, d.stream);
+  s.linear(exec, ConstTensor2<float, Mem>(d.stream.normed), impl::seq::head_weight, impl::seq::head_bias, outputs);
   d.position += 1;
 }
 
@@ -637,17 +527,10 @@ void SequenceModel<ExecutionSpace>::save(const std::string& dir) const {
   impl::seq::write_text_atomically(dir + "/config.json", s.config.to_json());
 }
 
-#if KMAMBA_HAS_SERIAL
-template class SequenceState<Kokkos::Serial>;
-template class SequenceModel<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class SequenceState<Kokkos::OpenMP>;
-template class SequenceModel<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class SequenceState<Kokkos::Cuda>;
-template class SequenceModel<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) \
+  template class SequenceState<Exec>; \
+  template class SequenceModel<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 
 }  // namespace kmamba

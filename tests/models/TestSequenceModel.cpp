@@ -7,7 +7,8 @@
 //   inputs; two sessions stepped in turn ≡ each alone;
 // - unmanaged views over application memory give the managed views' results;
 // - a view of the wrong rank, extent, layout or memory space is a UserError naming it;
-// - save/load round trip; train_step lowers the loss.
+// - save/load round trip; train_step lowers the loss;
+// - the gradients-ready hook announces every gradient once, block by block from the last.
 //
 // Tolerance between the recurrent and chunked paths: max|Δ| / max|ref| ≤ 5e-5 (they differ only in
 // summation order), as in TestDecode.
@@ -20,10 +21,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -397,4 +400,33 @@ TYPED_TEST(SequenceModelTest, TrainStepLowersTheLoss) {
   EXPECT_EQ(model.steps_taken(), 60);
   const double after = model.evaluate(exec, x, t);
   EXPECT_LT(after, 0.3 * before) << "before " << before << ", after " << after;
+}
+
+TYPED_TEST(SequenceModelTest, GradientsReadyHookAnnouncesEveryGradientOnceInBackwardOrder) {
+  using Exec = TypeParam;
+  kmamba::SequenceModelConfig config = tiny_config(kmamba::MixerKind::Mamba2);
+  config.backbone.n_layer = 3;
+  kmamba::SequenceModel<Exec> model(config);
+  model.initialize(5);
+  const auto expected = model.gradients_ready_sequence();
+  ASSERT_EQ(expected.size(), 4u) << "one announcement per block, then the rest";
+  std::vector<std::pair<std::size_t, std::size_t>> announced;
+  model.set_gradients_ready_hook(
+      [&](const Exec&, std::size_t begin, std::size_t end) { announced.emplace_back(begin, end); });
+  const auto x = random3<Exec>("kmamba::test::x", 2, 7, 3, 91);
+  const auto t = random3<Exec>("kmamba::test::t", 2, 7, 2, 92);
+  model.loss_and_backward(Exec(), x, t);
+  std::vector<std::pair<std::size_t, std::size_t>> flat;
+  for (const auto& ranges : expected) flat.insert(flat.end(), ranges.begin(), ranges.end());
+  EXPECT_EQ(announced, flat);
+  // Every element of the slab once; the first announcement is the last block's.
+  std::vector<int> covered(model.parameters().size(), 0);
+  for (const auto& r : announced) {
+    for (std::size_t i = r.first; i < r.second; ++i) ++covered[i];
+  }
+  EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), static_cast<std::ptrdiff_t>(covered.size()));
+  const auto& last_block = model.parameters().entry("backbone.layers.2.norm.weight");
+  EXPECT_TRUE(std::any_of(expected[0].begin(), expected[0].end(), [&](const std::pair<std::size_t, std::size_t>& r) {
+    return r.first <= last_block.offset && last_block.offset < r.second;
+  }));
 }

@@ -23,9 +23,13 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kmamba {
 
@@ -104,6 +108,21 @@ class SequenceModel {
   const SequenceModelConfig& config() const;
   Slab& parameters();
   const Slab& parameters() const;
+
+  /// Per-layer activation checkpointing, as LanguageModel::set_activation_checkpointing: a
+  /// training forward keeps only each block's input and its norm's rstd, and backward recomputes
+  /// one block at a time; the gradients are the same. Off by default.
+  void set_activation_checkpointing(bool on);
+  bool activation_checkpointing() const;
+  /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
+  /// parameters().grads() that backward has finished (work enqueued on `exec`): each block's
+  /// parameters right after the block's backward, layers n_layer − 1 … 0, then every other
+  /// parameter (input projection, final norm, head) at the end — the announcements of
+  /// gradients_ready_sequence(). An empty hook (the default) is not called.
+  using GradientsReadyHook = std::function<void(const ExecutionSpace& exec, std::size_t begin, std::size_t end)>;
+  void set_gradients_ready_hook(GradientsReadyHook hook);
+  /// The ranges the hook receives during one backward, announcement by announcement.
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> gradients_ready_sequence() const;
 
   /// outputs = model(inputs). Non-blocking on `exec` (a call with a new (batch, seqlen) first
   /// reallocates the activation buffers, which may wait for the device). The buffers are shared
