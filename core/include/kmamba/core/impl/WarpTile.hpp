@@ -83,10 +83,16 @@ struct WarpAccum<Cols, false> {
   static_assert(Cols % 16 == 0, "WarpAccum: Cols must be a multiple of 16");
   float v[warp_tile_rows][Cols];
 
+  /// f(r, c, i, k) for each element the lane holds: (r, c) in the tile, v[i][k] its storage (the
+  /// same slots in every accumulator of this shape, so that several can be combined elementwise).
   template <class F>
-  KOKKOS_INLINE_FUNCTION void for_each(int /*lane*/, const F& f) {
+  KOKKOS_INLINE_FUNCTION static void for_each_slot(int /*lane*/, const F& f) {
     for (int r = 0; r < warp_tile_rows; ++r)
-      for (int c = 0; c < Cols; ++c) f(r, c, v[r][c]);
+      for (int c = 0; c < Cols; ++c) f(r, c, r, c);
+  }
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
+    for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
   }
 };
 
@@ -97,13 +103,19 @@ struct WarpAccum<Cols, true> {
   static_assert(Cols % 16 == 0, "WarpAccum: Cols must be a multiple of 16");
   float v[Cols / 8][4];
 
+  /// As the portable form's: f(r, c, i, k) with v[i][k] the element (r, c).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void for_each_slot(int lane, const F& f) {
+    const int g = lane >> 2, q = lane & 3;
+    KMAMBA_TILE_UNROLL
+    for (int j = 0; j < Cols / 8; ++j) {
+      KMAMBA_TILE_UNROLL
+      for (int e = 0; e < 4; ++e) f(g + (e >> 1) * 8, 8 * j + 2 * q + (e & 1), j, e);
+    }
+  }
   template <class F>
   KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
-    const int g = lane >> 2, q = lane & 3;
-KMAMBA_TILE_UNROLL
-    for (int j = 0; j < Cols / 8; ++j)
-KMAMBA_TILE_UNROLL
-      for (int e = 0; e < 4; ++e) f(g + (e >> 1) * 8, 8 * j + 2 * q + (e & 1), v[j][e]);
+    for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
   }
 };
 
