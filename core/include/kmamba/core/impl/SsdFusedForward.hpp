@@ -69,12 +69,18 @@ KOKKOS_INLINE_FUNCTION void ssd_load4(const float* p, float (&v)[4]) {
 
 /// Four floats, each times `scale`, stored as bf16 at dst (8-byte aligned) in one 8-byte store.
 KOKKOS_INLINE_FUNCTION void ssd_store4_bf16(std::uint16_t* dst, const float (&v)[4], float scale) {
-  const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bf16_bits(v[0] * scale)) |
-                           (static_cast<std::uint32_t>(float_to_bf16_bits(v[1] * scale)) << 16);
-  const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bf16_bits(v[2] * scale)) |
-                           (static_cast<std::uint32_t>(float_to_bf16_bits(v[3] * scale)) << 16);
-  const std::uint64_t both = static_cast<std::uint64_t>(lo) | (static_cast<std::uint64_t>(hi) << 32);
-  *reinterpret_cast<std::uint64_t*>(dst) = both;
+  const std::uint64_t lo = pack_bf16x2(v[0] * scale, v[1] * scale), hi = pack_bf16x2(v[2] * scale, v[3] * scale);
+  *reinterpret_cast<std::uint64_t*>(dst) = lo | (hi << 32);
+}
+
+/// Asks for the 128-byte line holding p to be brought into L2 (Cuda; nothing elsewhere): the next
+/// chunk's rows are fetched while this one computes, so that its loads hit L2.
+KOKKOS_INLINE_FUNCTION void ssd_prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
 /// A thread's share of a (Q × Cols) fp32 tile of rows from global memory: float4 k of the thread
@@ -212,22 +218,40 @@ struct SsdFusedForwardFunctor {
     });
   }
 
-  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory. The skip
-  /// term D·x and the gate silu(z) are read before the product, so that their loads overlap it.
+  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory (x and z are
+  /// in L2 by then: x from phase 0, z prefetched with the chunk).
   KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, WarpAccum<Q, tensor_cores>& Y, int b, int h,
                                      int t0, int len) const {
-    WarpAccum<Q, tensor_cores> skip, gate;
-    const float d = in.skip(h);
-    skip.for_each(lane, [&](int r, int t, float& v) {
-      v = t < len ? d * in.x(b, t0 + t, h, warp_tile_rows * w + r) : 0.0f;
-    });
-    gate.for_each(lane, [&](int r, int t, float& v) {
-      v = in.has_z && t < len ? silu(in.z(b, t0 + t, h, warp_tile_rows * w + r)) : 1.0f;
-    });
     warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, sm.x.offset(0, warp_tile_rows * w), sm.s, Q);
-    Y.for_each_slot(lane, [&](int r, int t, int i, int k) {
-      if (t < len) out(b, t0 + t, h, warp_tile_rows * w + r) = (Y.v[i][k] + skip.v[i][k]) * gate.v[i][k];
+    const float d = in.skip(h);
+    Y.for_each(lane, [&](int r, int t, float& v) {
+      if (t >= len) return;
+      const int p = warp_tile_rows * w + r;
+      const float y = v + d * in.x(b, t0 + t, h, p);
+      out(b, t0 + t, h, p) = in.has_z ? y * silu(in.z(b, t0 + t, h, p)) : y;
     });
+  }
+
+  /// The rows of chunk c that the forward reads (C, B, x, z, dt), towards L2.
+  KOKKOS_INLINE_FUNCTION void prefetch_chunk(int thread, int b, int h, int g, int c) const {
+    const int t0 = c * Q;
+    if (t0 >= plan.seqlen) return;
+    const int len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+    constexpr int lines_bc = N * 4 / 128 > 0 ? N * 4 / 128 : 1, lines_x = P * 4 / 128;
+    for (int i = thread; i < len * (2 * lines_bc + 2 * lines_x + 1); i += Team::threads) {
+      const int t = i % len, k = i / len;
+      if (k < lines_bc) {
+        ssd_prefetch_l2(&in.C(b, t0 + t, g, 0) + 32 * k);
+      } else if (k < 2 * lines_bc) {
+        ssd_prefetch_l2(&in.B(b, t0 + t, g, 0) + 32 * (k - lines_bc));
+      } else if (k < 2 * lines_bc + lines_x) {
+        ssd_prefetch_l2(&in.x(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc));
+      } else if (k < 2 * lines_bc + 2 * lines_x) {
+        if (in.has_z && !StatesOnly) ssd_prefetch_l2(&in.z(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc - lines_x));
+      } else {
+        ssd_prefetch_l2(&in.dt(b, t0 + t, h));
+      }
+    }
   }
 
   /// Phase 2: B[s][n] *= exp(cum_{Q−1} − cum_s), four elements (8 bytes) at a time.
@@ -294,6 +318,7 @@ struct SsdFusedForwardFunctor {
     float log_decay = 0.0f;
     for (int c = seg * segments.chunks; c < c_end; ++c) {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+      if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
       SsdRowShare<Q, P, Team::threads> xs;
       stage_chunk(sm, thread, b, h, g, t0, len, a, xs);
       team.team_barrier();
@@ -304,7 +329,7 @@ struct SsdFusedForwardFunctor {
         Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
         team.team_barrier();
         Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-          S[slot].for_each(lane, [&](int r, int s, float& v) { sm.s.at(warp_tile_rows * w + r, s) = float_to_bf16_bits(v); });
+          warp_store_bf16(S[slot], lane, sm.s.offset(warp_tile_rows * w, 0));
         });
       }
       decay_b(sm, thread);
@@ -366,9 +391,11 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
                        light_weight(policy), Functor{in, plan, out, final_states, segments});
 }
 
-/// Segments per sequence: enough teams of (batch, head, segment) to fill the device twice over
-/// (a team of 128 threads per 1024 of the backend's concurrency), each segment at least
-/// ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already do.
+/// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of
+/// the device (a team of 128 threads per 1024 of the backend's concurrency: two per SM), each
+/// segment at least ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already
+/// fill that wave. Segmenting doubles each team's chunk steps (the segment pass, then the forward),
+/// so it pays only where it at least doubles the teams that run at once.
 constexpr int ssd_fused_min_segment_chunks = 4;
 
 template <class ExecSpace>
@@ -376,7 +403,8 @@ int ssd_fused_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
   const std::int64_t wanted = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / 1024);
   const std::int64_t teams = static_cast<std::int64_t>(plan.batch) * plan.nheads;
   const std::int64_t by_length = std::max<std::int64_t>(1, plan.nchunks / ssd_fused_min_segment_chunks);
-  return static_cast<int>(std::min<std::int64_t>((wanted + teams - 1) / teams, by_length));
+  const std::int64_t per_wave = wanted / teams;
+  return static_cast<int>(per_wave >= 2 ? std::min<std::int64_t>(per_wave, by_length) : 1);
 }
 
 /// The fused forward for N states: one pass when batch × heads fills the device; otherwise the
