@@ -4,7 +4,7 @@
 #
 # Here:    scripts/gpu-carried.sh --pack [build-dir]   # default build-cuda; writes .gl/bin.tar.xz
 #                                                      # (stripped, ~23 MB for the default list)
-# There:   scripts/gpu-carried.sh                      # carry .deps and .gl; logs go to $OUT
+# There:   scripts/gpu-carried.sh                      # carry .gl; logs go to $OUT
 #
 # GPU_CARRIED_SUITES names the test suites (default below; set but empty: none),
 # GPU_CARRIED_MEMCHECK and GPU_CARRIED_RACECHECK the suites run under compute-sanitizer memcheck /
@@ -39,8 +39,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ -f "$root/.gl/bin.tar.xz" ] || { echo "gpu-carried.sh: .gl/bin.tar.xz missing: run --pack here and carry .gl" >&2; exit 1; }
 tar xJf "$root/.gl/bin.tar.xz" -C "$root/.gl"
 bin="$root/.gl/bin"
-# The test binaries look for the golden data where the build machine had it (../shared/golden).
-[ -d "$root/../shared/golden" ] || { mkdir -p "$root/../shared" && ln -sfn "$root/.deps/golden" "$root/../shared/golden"; }
+# The test binaries were built with this machine's path of tests/data compiled in; the carried
+# working tree has its own copy, which KMAMBA_TEST_DATA_DIR names (tests/support/TestData.hpp).
+export KMAMBA_TEST_DATA_DIR="$root/tests/data"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv > "$out/machine.txt" 2>&1
 status=0
 step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one line, returns its status
@@ -55,7 +56,7 @@ step() {  # step NAME COMMAND...: runs it, logs to $OUT/NAME.log, prints one lin
 for s in "${suites[@]}"; do step "test-$s" "$bin/kmamba_${s}_tests" --gtest_filter='*/Cuda.*'; done
 # The golden files reproduced by the evaluation tool on the GPU (the ctest eval.* entries).
 if [ "${GPU_CARRIED_EVAL:-1}" != 0 ]; then
-  golden="$root/.deps/golden"
+  golden="$root/tests/data/golden"
   for pair in ssd:ssd_small selective_scan:selective_scan_small mamba3_siso:mamba3_siso_small \
               mamba3_mimo:mamba3_mimo_small mamba3_mixer:mamba3_block_small; do
     step "eval-${pair#*:}" "$bin/kmamba-eval" --op "${pair%%:*}" \

@@ -24,7 +24,7 @@ tools=(${SANITIZE_TOOLS:-memcheck racecheck})
 build_dir="$root/build-gpu"
 if [ ! -f "$build_dir/CMakeCache.txt" ]; then
   [ -f "$deps/kokkos-src.tar.xz" ] || { echo "gpu-sanitize.sh: $deps/kokkos-src.tar.xz missing: run 'scripts/gpu-test.sh --pack' and carry .deps" >&2; exit 1; }
-  extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json" -DKMAMBA_GOLDEN_DIR="$deps/golden")
+  extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json")
   command -v mpicxx >/dev/null 2>&1 || extra+=(-DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_ENABLE_NCCL=OFF)
   "$here/build.sh" --flavour cuda --no-apt --source "$deps/kokkos-src.tar.xz" --deps-dir /tmp/kmamba-deps \
                    --build-dir "$build_dir" -- "${extra[@]}" 2> >(tee "$out/sanitize-build.log" >&2) >/dev/null

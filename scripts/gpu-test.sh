@@ -3,8 +3,9 @@
 # kmamba-bench and the benchmarks (kmamba-perf, kmamba-perf-decode). Made for the device tool's
 # machines, where nothing can be downloaded.
 #
-# Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources,
-#                                                 # golden data; ~8 MB)
+# Here (once):   scripts/gpu-test.sh --pack      # writes .deps/ (Kokkos, GoogleTest and JSON sources;
+#                                                 # ~6 MB). The golden data travels with the working
+#                                                 # tree (tests/data/golden).
 # There:         scripts/gpu-test.sh             # with .deps carried; logs go to $OUT (or ./gpu-out)
 #
 # A shorter run: GPU_TEST_TARGETS="kmamba_decode_tests kmamba-perf-decode" builds only those targets,
@@ -24,8 +25,7 @@ if [ "${1:-}" = "--pack" ]; then
   rm -rf "$deps/googletest"
   cp -a /usr/src/googletest "$deps/googletest"
   rm -rf "$deps/json" && mkdir -p "$deps/json" && cp -a /usr/include/nlohmann "$deps/json/"
-  [ -f "$root/../shared/golden/README.md" ] || { echo "gpu-test.sh: ../shared/golden missing" >&2; exit 1; }
-  rm -rf "$deps/golden" && cp -r --no-preserve=mode "$root/../shared/golden" "$deps/golden"
+  rm -rf "$deps/golden"  # left by older versions of this script; the goldens are in tests/data now
   du -sh "$deps"
   exit 0
 fi
@@ -44,8 +44,6 @@ export OMP_PROC_BIND=spread OMP_PLACES=threads
 } 2>&1 | tee "$out/machine.txt"
 
 extra=(-DKMAMBA_GTEST_SOURCE_DIR="$deps/googletest" -DKMAMBA_JSON_INCLUDE_DIR="$deps/json")
-[ -f "$deps/golden/README.md" ] || { echo "gpu-test.sh: $deps/golden missing: run 'scripts/gpu-test.sh --pack'" >&2; exit 1; }
-extra+=(-DKMAMBA_GOLDEN_DIR="$deps/golden")
 if ! command -v mpicxx >/dev/null 2>&1; then
   extra+=(-DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_ENABLE_NCCL=OFF)
 fi

@@ -1,6 +1,9 @@
 // GoogleTest main for MPI suites: owns MPI and Kokkos start-up; only rank 0 prints results, and a
 // failure on any rank fails the run on every rank. An exception escaping a test on one rank aborts
-// every rank (kmamba::run_or_abort) instead of leaving the others blocked in a collective.
+// every rank (kmamba::run_or_abort) instead of leaving the others blocked in a collective. A run
+// whose filter selects no test fails (NoTestSelected.hpp).
+#include "NoTestSelected.hpp"
+
 #include <kmamba/parallel/Mpi.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -21,7 +24,8 @@ int main(int argc, char** argv) {
   }
   const int failed = kmamba::run_or_abort(MPI_COMM_WORLD, [&] {
     Kokkos::ScopeGuard kokkos(argc, argv);
-    return RUN_ALL_TESTS() != 0 ? 1 : 0;
+    const int result = RUN_ALL_TESTS();
+    return result != 0 || kmamba::test::no_test_selected() ? 1 : 0;
   });
   int any_failed = 0;
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);

@@ -67,10 +67,56 @@ KOKKOS_INLINE_FUNCTION void ssd_load4(const float* p, float (&v)[4]) {
 #endif
 }
 
-/// Four floats, each times `scale`, stored as bf16 at dst (8-byte aligned).
+/// Four floats, each times `scale`, stored as bf16 at dst (8-byte aligned) in one 8-byte store.
 KOKKOS_INLINE_FUNCTION void ssd_store4_bf16(std::uint16_t* dst, const float (&v)[4], float scale) {
-  for (int i = 0; i < 4; ++i) dst[i] = float_to_bf16_bits(v[i] * scale);
+  const std::uint64_t lo = pack_bf16x2(v[0] * scale, v[1] * scale), hi = pack_bf16x2(v[2] * scale, v[3] * scale);
+  *reinterpret_cast<std::uint64_t*>(dst) = lo | (hi << 32);
 }
+
+/// Asks for the 128-byte line holding p to be brought into L2 (Cuda; nothing elsewhere): the next
+/// chunk's rows are fetched while this one computes, so that its loads hit L2.
+KOKKOS_INLINE_FUNCTION void ssd_prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
+/// A thread's share of a (Q × Cols) fp32 tile of rows from global memory: float4 k of the thread
+/// is element (t, n) = (i / (Cols/4), 4·(i % (Cols/4))) with i = thread + k·Threads. Loading all of
+/// a share before storing any lets the loads overlap (compile-time trip counts, unrolled on the
+/// device).
+template <int Rows, int Cols, int Threads>
+struct SsdRowShare {
+  static constexpr int per_row = Cols / 4;
+  static constexpr int count = Rows * per_row / Threads;
+  static_assert(Rows * per_row % Threads == 0, "SsdRowShare: the tile must split evenly over the threads");
+  float v[count][4];
+
+  /// row(t) points at the tile's row t (16-byte aligned); rows t ≥ len read as zero.
+  template <class Row>
+  KOKKOS_INLINE_FUNCTION void load(int thread, int len, const Row& row) {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
+      if (t < len) {
+        ssd_load4(row(t) + n, v[k]);
+      } else {
+        v[k][0] = v[k][1] = v[k][2] = v[k][3] = 0.0f;
+      }
+    }
+  }
+  /// Row t times scale(t), as bf16 into the tile.
+  template <class Scale>
+  KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
+      ssd_store4_bf16(&tile.at(t, n), v[k], scale(t));
+    }
+  }
+};
 
 /// How the fused forward cuts each sequence: `count` segments of `chunks` chunks (the last may be
 /// shorter), walked by teams of their own when count > 1 (see ssd_fused_segments).
@@ -115,9 +161,10 @@ struct SsdFusedForwardFunctor {
   }
 
   /// Phase 0, first half: δ, cum and exp(cum_{Q−1} − cum) (one warp on tensor cores, thread 0
-  /// otherwise); C and B as bf16.
-  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int nthreads, int b, int h, int g, int t0,
-                                          int len, float a) const {
+  /// otherwise); C and B as bf16; x into the thread's registers (stored, times δ, after the barrier).
+  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float a,
+                                          SsdRowShare<Q, P, Team::threads>& xs) const {
+    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
     if constexpr (tensor_cores) {
       if (thread < warp_tile_lanes) {
         float d[2], sum = 0.0f;
@@ -145,25 +192,14 @@ struct SsdFusedForwardFunctor {
       }
       for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = Kokkos::Experimental::exp(cum - sm.cum[t]);
     }
-    for (int i = thread; i < Q * (N / 4); i += nthreads) {
-      const int t = i / (N / 4), n = 4 * (i % (N / 4));
-      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (t < len) {
-        ssd_load4(&in.C(b, t0 + t, g, n), cv);
-        ssd_load4(&in.B(b, t0 + t, g, n), bv);
-      }
-      ssd_store4_bf16(&sm.c.at(t, n), cv, 1.0f);
-      ssd_store4_bf16(&sm.b.at(t, n), bv, 1.0f);
-    }
-  }
-
-  /// Phase 0, second half: Xd = δ·x as bf16.
-  KOKKOS_INLINE_FUNCTION void stage_x(const Tiles& sm, int thread, int nthreads, int b, int h, int t0, int len) const {
-    for (int i = thread; i < Q * (P / 4); i += nthreads) {
-      const int t = i / (P / 4), p = 4 * (i % (P / 4));
-      float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (t < len) ssd_load4(&in.x(b, t0 + t, h, p), xv);
-      ssd_store4_bf16(&sm.x.at(t, p), xv, sm.delta[t]);
+    const auto one = [](int) { return 1.0f; };
+    constexpr int half = Q / 2;  // C and B in two halves of rows: fewer registers in flight
+    for (int r0 = 0; r0 < Q; r0 += half) {
+      SsdRowShare<half, N, Team::threads> cs, bs;
+      cs.load(thread, len - r0, [&](int t) { return &in.C(b, t0 + r0 + t, g, 0); });
+      bs.load(thread, len - r0, [&](int t) { return &in.B(b, t0 + r0 + t, g, 0); });
+      cs.store(thread, sm.c.offset(r0, 0), one);
+      bs.store(thread, sm.b.offset(r0, 0), one);
     }
   }
 
@@ -182,18 +218,51 @@ struct SsdFusedForwardFunctor {
     });
   }
 
-  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory.
+  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory (x and z are
+  /// in L2 by then: x from phase 0, z prefetched with the chunk).
   KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, WarpAccum<Q, tensor_cores>& Y, int b, int h,
                                      int t0, int len) const {
     warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, sm.x.offset(0, warp_tile_rows * w), sm.s, Q);
-    const float skip = in.skip(h);
+    const float d = in.skip(h);
     Y.for_each(lane, [&](int r, int t, float& v) {
       if (t >= len) return;
       const int p = warp_tile_rows * w + r;
-      float y = v + skip * in.x(b, t0 + t, h, p);
-      if (in.has_z) y *= silu(in.z(b, t0 + t, h, p));
-      out(b, t0 + t, h, p) = y;
+      const float y = v + d * in.x(b, t0 + t, h, p);
+      out(b, t0 + t, h, p) = in.has_z ? y * silu(in.z(b, t0 + t, h, p)) : y;
     });
+  }
+
+  /// The rows of chunk c that the forward reads (C, B, x, z, dt), towards L2.
+  KOKKOS_INLINE_FUNCTION void prefetch_chunk(int thread, int b, int h, int g, int c) const {
+    const int t0 = c * Q;
+    if (t0 >= plan.seqlen) return;
+    const int len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+    constexpr int lines_bc = N * 4 / 128 > 0 ? N * 4 / 128 : 1, lines_x = P * 4 / 128;
+    for (int i = thread; i < len * (2 * lines_bc + 2 * lines_x + 1); i += Team::threads) {
+      const int t = i % len, k = i / len;
+      if (k < lines_bc) {
+        ssd_prefetch_l2(&in.C(b, t0 + t, g, 0) + 32 * k);
+      } else if (k < 2 * lines_bc) {
+        ssd_prefetch_l2(&in.B(b, t0 + t, g, 0) + 32 * (k - lines_bc));
+      } else if (k < 2 * lines_bc + lines_x) {
+        ssd_prefetch_l2(&in.x(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc));
+      } else if (k < 2 * lines_bc + 2 * lines_x) {
+        if (in.has_z && !StatesOnly) ssd_prefetch_l2(&in.z(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc - lines_x));
+      } else {
+        ssd_prefetch_l2(&in.dt(b, t0 + t, h));
+      }
+    }
+  }
+
+  /// Phase 2: B[s][n] *= exp(cum_{Q−1} − cum_s), four elements (8 bytes) at a time.
+  KOKKOS_INLINE_FUNCTION void decay_b(const Tiles& sm, int thread) const {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < Q * N / 4 / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, s = i / (N / 4), n = 4 * (i % (N / 4));
+      float v[4];
+      for (int e = 0; e < 4; ++e) v[e] = sm.b.value(s, n + e);
+      ssd_store4_bf16(&sm.b.at(s, n), v, sm.decay_to_end[s]);
+    }
   }
 
   /// Phase 3 of warp w: H = exp(cum_{Q−1})·H + Xdᵀ·(decayed B).
@@ -239,7 +308,7 @@ struct SsdFusedForwardFunctor {
     const int seg = team.league_rank() % segments.count, bh = team.league_rank() / segments.count;
     const int b = bh / plan.nheads, h = bh % plan.nheads;
     const int g = h / plan.heads_per_group;
-    const int thread = team.team_rank(), nthreads = team.team_size();
+    const int thread = team.team_rank();  // of Team::threads (ssd_fused_launch)
     const Tiles sm = tiles(team);
     const float a = in.A(h);
     WarpAccum<N, tensor_cores> H[slots];
@@ -249,22 +318,21 @@ struct SsdFusedForwardFunctor {
     float log_decay = 0.0f;
     for (int c = seg * segments.chunks; c < c_end; ++c) {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
-      stage_chunk(sm, thread, nthreads, b, h, g, t0, len, a);
+      if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
+      SsdRowShare<Q, P, Team::threads> xs;
+      stage_chunk(sm, thread, b, h, g, t0, len, a, xs);
       team.team_barrier();
-      stage_x(sm, thread, nthreads, b, h, t0, len);
+      xs.store(thread, sm.x, [&](int t) { return sm.delta[t]; });
       log_decay += sm.cum[Q - 1];
       team.team_barrier();
       if (!StatesOnly) {
         Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
         team.team_barrier();
         Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-          S[slot].for_each(lane, [&](int r, int s, float& v) { sm.s.at(warp_tile_rows * w + r, s) = float_to_bf16_bits(v); });
+          warp_store_bf16(S[slot], lane, sm.s.offset(warp_tile_rows * w, 0));
         });
       }
-      for (int i = thread; i < Q * N; i += nthreads) {
-        const int s = i / N, n = i % N;
-        sm.b.at(s, n) = float_to_bf16_bits(sm.b.value(s, n) * sm.decay_to_end[s]);
-      }
+      decay_b(sm, thread);
       team.team_barrier();
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {
         if (!StatesOnly) output(sm, w, lane, Y[slot], b, h, t0, len);
@@ -323,9 +391,11 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
                        light_weight(policy), Functor{in, plan, out, final_states, segments});
 }
 
-/// Segments per sequence: enough teams of (batch, head, segment) to fill the device twice over
-/// (a team of 128 threads per 1024 of the backend's concurrency), each segment at least
-/// ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already do.
+/// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of
+/// the device (a team of 128 threads per 1024 of the backend's concurrency: two per SM), each
+/// segment at least ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already
+/// fill that wave. Segmenting doubles each team's chunk steps (the segment pass, then the forward),
+/// so it pays only where it at least doubles the teams that run at once.
 constexpr int ssd_fused_min_segment_chunks = 4;
 
 template <class ExecSpace>
@@ -333,7 +403,8 @@ int ssd_fused_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
   const std::int64_t wanted = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / 1024);
   const std::int64_t teams = static_cast<std::int64_t>(plan.batch) * plan.nheads;
   const std::int64_t by_length = std::max<std::int64_t>(1, plan.nchunks / ssd_fused_min_segment_chunks);
-  return static_cast<int>(std::min<std::int64_t>((wanted + teams - 1) / teams, by_length));
+  const std::int64_t per_wave = wanted / teams;
+  return static_cast<int>(per_wave >= 2 ? std::min<std::int64_t>(per_wave, by_length) : 1);
 }
 
 /// The fused forward for N states: one pass when batch × heads fills the device; otherwise the

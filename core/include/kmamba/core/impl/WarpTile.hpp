@@ -83,10 +83,16 @@ struct WarpAccum<Cols, false> {
   static_assert(Cols % 16 == 0, "WarpAccum: Cols must be a multiple of 16");
   float v[warp_tile_rows][Cols];
 
+  /// f(r, c, i, k) for each element the lane holds: (r, c) in the tile, v[i][k] its storage (the
+  /// same slots in every accumulator of this shape, so that several can be combined elementwise).
   template <class F>
-  KOKKOS_INLINE_FUNCTION void for_each(int /*lane*/, const F& f) {
+  KOKKOS_INLINE_FUNCTION static void for_each_slot(int /*lane*/, const F& f) {
     for (int r = 0; r < warp_tile_rows; ++r)
-      for (int c = 0; c < Cols; ++c) f(r, c, v[r][c]);
+      for (int c = 0; c < Cols; ++c) f(r, c, r, c);
+  }
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
+    for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
   }
 };
 
@@ -97,15 +103,50 @@ struct WarpAccum<Cols, true> {
   static_assert(Cols % 16 == 0, "WarpAccum: Cols must be a multiple of 16");
   float v[Cols / 8][4];
 
+  /// As the portable form's: f(r, c, i, k) with v[i][k] the element (r, c).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void for_each_slot(int lane, const F& f) {
+    const int g = lane >> 2, q = lane & 3;
+    KMAMBA_TILE_UNROLL
+    for (int j = 0; j < Cols / 8; ++j) {
+      KMAMBA_TILE_UNROLL
+      for (int e = 0; e < 4; ++e) f(g + (e >> 1) * 8, 8 * j + 2 * q + (e & 1), j, e);
+    }
+  }
   template <class F>
   KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
-    const int g = lane >> 2, q = lane & 3;
-KMAMBA_TILE_UNROLL
-    for (int j = 0; j < Cols / 8; ++j)
-KMAMBA_TILE_UNROLL
-      for (int e = 0; e < 4; ++e) f(g + (e >> 1) * 8, 8 * j + 2 * q + (e & 1), v[j][e]);
+    for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
   }
 };
+
+/// Two floats as bf16x2 (round to nearest even), `lo` in the low half.
+KOKKOS_INLINE_FUNCTION std::uint32_t pack_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  std::uint32_t packed;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
+#else
+  return static_cast<std::uint32_t>(float_to_bf16_bits(lo)) |
+         (static_cast<std::uint32_t>(float_to_bf16_bits(hi)) << 16);
+#endif
+}
+
+/// Rows 0 … 15 of `tile` = the accumulator rounded to bf16; pairs of adjacent columns in one
+/// 4-byte store on the tensor-core form.
+template <int Cols>
+KOKKOS_INLINE_FUNCTION void warp_store_bf16(const WarpAccum<Cols, false>& acc, int /*lane*/, const ScratchTile& tile) {
+  for (int r = 0; r < warp_tile_rows; ++r)
+    for (int c = 0; c < Cols; ++c) tile.at(r, c) = float_to_bf16_bits(acc.v[r][c]);
+}
+template <int Cols>
+KOKKOS_INLINE_FUNCTION void warp_store_bf16(const WarpAccum<Cols, true>& acc, int lane, const ScratchTile& tile) {
+  const int g = lane >> 2, q = lane & 3;
+  KMAMBA_TILE_UNROLL
+  for (int j = 0; j < Cols / 8; ++j) {
+    *reinterpret_cast<std::uint32_t*>(&tile.at(g, 8 * j + 2 * q)) = pack_bf16x2(acc.v[j][0], acc.v[j][1]);
+    *reinterpret_cast<std::uint32_t*>(&tile.at(g + 8, 8 * j + 2 * q)) = pack_bf16x2(acc.v[j][2], acc.v[j][3]);
+  }
+}
 
 template <int Cols, bool TensorCores>
 KOKKOS_INLINE_FUNCTION void warp_fill(WarpAccum<Cols, TensorCores>& acc, int lane, float value) {
@@ -209,18 +250,6 @@ KOKKOS_INLINE_FUNCTION void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4],
 #endif
 }
 
-/// Two floats as bf16x2 (round to nearest even), `lo` in the low half.
-KOKKOS_INLINE_FUNCTION std::uint32_t pack_bf16x2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  std::uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
-#else
-  return static_cast<std::uint32_t>(float_to_bf16_bits(lo)) |
-         (static_cast<std::uint32_t>(float_to_bf16_bits(hi)) << 16);
-#endif
-}
-
 /// The A fragment (16 × 16, k-block kk) from scratch.
 template <ALayout AL>
 KOKKOS_INLINE_FUNCTION void load_a(std::uint32_t (&a)[4], const ScratchTile& t, int kk, int lane) {
@@ -268,7 +297,6 @@ KMAMBA_TILE_UNROLL
 template <BLayout BL, int Depth, int Cols>
 KOKKOS_INLINE_FUNCTION void warp_mma_registers(WarpAccum<Cols, true>& acc, int lane, const WarpAccum<Depth, true>& a_acc,
                                                const ScratchTile& b, int ncols) {
-  using warp_tile_cuda::pack_bf16x2;
 KMAMBA_TILE_UNROLL
   for (int kk = 0; kk < Depth / 16; ++kk) {
     const float(&lo)[4] = a_acc.v[2 * kk];
