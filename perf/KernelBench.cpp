@@ -10,7 +10,7 @@
 // The SSD and Mamba-3 SISO run in each MatmulPrecision asked for (--precision, default all) that
 // the backend distinguishes: their "tf32" rows (tensor-core chunk products) take the TF32 tensor-core rate as
 // their FLOP ceiling, the SSD's "bf16" rows (the fused forward; its backward computes as fp32) the bf16
-// rate; bf16 runs at chunk 64 (the fused forward's) unless --chunk says otherwise. Mamba-3 has no bf16 form.
+// rate, at the fused forward's own chunk length. Mamba-3 has no bf16 form.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
 
@@ -224,7 +224,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   for (const MatmulPrecision precision : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     const bool tf32 = precision == MatmulPrecision::TensorFloat32, bf16 = precision == MatmulPrecision::BFloat16;
     if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
-    const int q = bf16 && o.chunk == 0 ? 64 : chunk;
+    const int q = bf16 ? kmamba::impl::ssd_fused_chunk : chunk;  // the fused forward chunks on its own
     char shape[96];
     std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, q,
                   Exec::name());

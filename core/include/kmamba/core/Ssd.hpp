@@ -83,7 +83,7 @@ struct SsdArgs {
   /// BFloat16: the forward runs fused (one kernel walking each (batch, head)'s chunks with the
   /// state on chip, impl/SsdFusedForward.hpp) with the operands of its products rounded to bf16,
   /// on the tensor cores on Cuda and emulated exactly on host backends (out then carries
-  /// relative errors of order 2^-8 of the magnitudes summed), for headdim 64, chunk_size 64,
+  /// relative errors of order 2^-8 of the magnitudes summed), for headdim 64 (in chunks of its own),
   /// dstate 16/32/64/128, no seq_idx and 16-byte aligned x, B and C; other forwards and the
   /// backward compute as Float32.
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;

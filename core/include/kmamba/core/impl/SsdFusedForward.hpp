@@ -2,19 +2,21 @@
 // the sequence's chunks in order with the running state on chip, on the warp tiles of
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere).
 //
-// Per chunk of Q tokens (t, s index tokens of the chunk; p the head's channels; n the states):
-//   phase 0  δ_t, the inclusive cumsum cum_t of δ·a; C and B rows to scratch as bf16; then
-//            Xd[s][p] = bf16(δ_s·x[s][p]);
-//   phase 1  each warp w (channels p ∈ [16w, 16w+16)):  Yᵀ[p][t] = exp(cum_t)·Σ_n H[p][n]·C[t][n]
-//            (H, the state entering the chunk, stays in the warp's registers as the A operand);
-//            and, for its 16 tokens t ∈ [16w, 16w+16), S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n]
-//            for s ≤ t, 0 above;
-//   phase 2  S to scratch (over C) as bf16; B[s][n] *= exp(cum_{Q−1} − cum_s) in place;
-//   phase 3  Yᵀ[p][t] += Σ_{s≤t} Xd[s][p]·S[t][s]; out = (Y + D·x)·silu(z) to global memory;
-//            H[p][n] = exp(cum_{Q−1})·H[p][n] + Σ_s Xd[s][p]·B[s][n].
+// A team has 8 warps. Warp w keeps rows n ∈ [16w, 16w+16) of the transposed state Hᵀ (N × P,
+// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 32 tokens (t, s
+// index tokens of the chunk, p the head's channels, n the states):
+//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); C, B and x rows into the threads'
+//            registers, C and B to scratch as bf16; Hᵀ to scratch as bf16;
+//   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0, 1 (rows t ∈ [16w, 16w+16)):
+//            S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n] for s ≤ t, 0 above, to scratch;
+//   phase 2  warp w: the output block (t ∈ 16·(w/4) + [0, 16), p ∈ 16·(w%4) + [0, 16)):
+//            Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p], and
+//            out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
+//   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
 // Tokens past the sequence end read as zero (δ = 0, so the cumsum and the state stand still).
-// Compiled for headdim 64, chunk 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported);
-// other shapes, and seq_idx, take the staged forward of SsdImpl.hpp.
+// Compiled for headdim 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported), whatever
+// chunk_size asks for (the result is the same function of the inputs); other shapes, and seq_idx,
+// take the staged forward of SsdImpl.hpp.
 //
 // Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
 // decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32. Against exact
@@ -37,20 +39,23 @@
 namespace kmamba {
 namespace impl {
 
-/// The chunk length and headdim the fused forward is compiled for.
-constexpr int ssd_fused_chunk = 64;
+/// The chunk length and headdim the fused forward is compiled for, and its warps per team.
+constexpr int ssd_fused_chunk = 32;
 constexpr int ssd_fused_headdim = 64;
+constexpr int ssd_fused_warps = 8;
 
-/// Scratch layout of the fused forward for N states: C (later S, [Q][Q + 8]) and B as [Q][N + 8]
-/// bf16 in regions of the larger of the two sizes, Xd as [Q][P + 8] bf16, then δ, cum and
+/// Scratch layout of the fused forward for N states, all bf16 with rows padded by 8: C and B as
+/// [Q][N + 8], Xd as [Q][P + 8], Hᵀ as [N][P + 8], S as [Q][Q + 8]; then δ, cum and
 /// exp(cum_{Q−1} − cum) as Q floats each.
 template <int N>
 struct SsdFusedLayout {
   static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
   static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8;
-  static constexpr std::size_t tile_n = static_cast<std::size_t>(Q) * (ldq > ldn ? ldq : ldn);
-  static constexpr std::size_t c_offset = 0, b_offset = tile_n, x_offset = 2 * tile_n;
-  static constexpr std::size_t vectors_offset_bytes = (x_offset + static_cast<std::size_t>(Q) * ldp) * 2;
+  static constexpr std::size_t c_offset = 0, b_offset = c_offset + static_cast<std::size_t>(Q) * ldn;
+  static constexpr std::size_t x_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
+  static constexpr std::size_t h_offset = x_offset + static_cast<std::size_t>(Q) * ldp;
+  static constexpr std::size_t s_offset = h_offset + static_cast<std::size_t>(N) * ldp;
+  static constexpr std::size_t vectors_offset_bytes = (s_offset + static_cast<std::size_t>(Q) * ldq) * 2;
   static constexpr std::size_t bytes = vectors_offset_bytes + 3 * Q * sizeof(float);
 };
 
@@ -83,15 +88,15 @@ KOKKOS_INLINE_FUNCTION void ssd_prefetch_l2(const void* p) {
 #endif
 }
 
-/// A thread's share of a (Q × Cols) fp32 tile of rows from global memory: float4 k of the thread
-/// is element (t, n) = (i / (Cols/4), 4·(i % (Cols/4))) with i = thread + k·Threads. Loading all of
+/// A thread's share of a (Rows × Cols) fp32 tile of rows from global memory: float4 k of the thread
+/// is element (t, n) = (i / (Cols/4), 4·(i % (Cols/4))) with i = thread + k·Threads (when i is within
+/// the tile). Loading all of
 /// a share before storing any lets the loads overlap (compile-time trip counts, unrolled on the
 /// device).
 template <int Rows, int Cols, int Threads>
 struct SsdRowShare {
-  static constexpr int per_row = Cols / 4;
-  static constexpr int count = Rows * per_row / Threads;
-  static_assert(Rows * per_row % Threads == 0, "SsdRowShare: the tile must split evenly over the threads");
+  static constexpr int per_row = Cols / 4, items = Rows * per_row;
+  static constexpr int count = (items + Threads - 1) / Threads;
   float v[count][4];
 
   /// row(t) points at the tile's row t (16-byte aligned); rows t ≥ len read as zero.
@@ -100,7 +105,7 @@ struct SsdRowShare {
     KMAMBA_TILE_UNROLL
     for (int k = 0; k < count; ++k) {
       const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
-      if (t < len) {
+      if (i < items && t < len) {
         ssd_load4(row(t) + n, v[k]);
       } else {
         v[k][0] = v[k][1] = v[k][2] = v[k][3] = 0.0f;
@@ -113,7 +118,7 @@ struct SsdRowShare {
     KMAMBA_TILE_UNROLL
     for (int k = 0; k < count; ++k) {
       const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
-      ssd_store4_bf16(&tile.at(t, n), v[k], scale(t));
+      if (i < items) ssd_store4_bf16(&tile.at(t, n), v[k], scale(t));
     }
   }
 };
@@ -134,9 +139,14 @@ struct SsdFusedForwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
   using Layout = SsdFusedLayout<N>;
-  static constexpr int Q = Layout::Q, P = Layout::P, warps = P / warp_tile_rows;
-  using Team = WarpTeam<tensor_cores, warps>;
+  static constexpr int Q = Layout::Q, P = Layout::P, state_blocks = N / warp_tile_rows;
+  using Team = WarpTeam<tensor_cores, ssd_fused_warps>;
   static constexpr int slots = Team::warps_per_thread;
+  static_assert(state_blocks <= ssd_fused_warps && Q == 2 * warp_tile_rows && P == 4 * warp_tile_rows,
+                "SsdFusedForwardFunctor: one state block per warp, 2 × 4 output blocks");
+  using StateAccum = WarpAccum<P, tensor_cores>;   // 16 rows of Hᵀ
+  using ScoreAccum = WarpAccum<Q, tensor_cores>;   // 16 rows of S
+  using OutAccum = WarpAccum<warp_tile_rows, tensor_cores>;  // a 16 × 16 block of Y
 
   SsdOperands<MemorySpace> in;
   SsdPlan plan;
@@ -145,7 +155,7 @@ struct SsdFusedForwardFunctor {
   SsdSegments<MemorySpace> segments;
 
   struct Tiles {
-    ScratchTile c, s, b, x;
+    ScratchTile c, b, x, h, s;
     float* delta;
     float* cum;
     float* decay_to_end;
@@ -155,33 +165,21 @@ struct SsdFusedForwardFunctor {
     auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(static_cast<std::size_t>(Layout::bytes)));
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
-    return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldq},
-                 ScratchTile{u16 + Layout::b_offset, Layout::ldn}, ScratchTile{u16 + Layout::x_offset, Layout::ldp},
-                 vec, vec + Q, vec + 2 * Q};
+    return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::b_offset, Layout::ldn},
+                 ScratchTile{u16 + Layout::x_offset, Layout::ldp}, ScratchTile{u16 + Layout::h_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::s_offset, Layout::ldq}, vec, vec + Q, vec + 2 * Q};
   }
 
-  /// Phase 0, first half: δ, cum and exp(cum_{Q−1} − cum) (one warp on tensor cores, thread 0
-  /// otherwise); C and B as bf16; x into the thread's registers (stored, times δ, after the barrier).
-  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float a,
-                                          SsdRowShare<Q, P, Team::threads>& xs) const {
-    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
+  /// δ, cum and exp(cum_{Q−1} − cum): one token per lane of warp 0 on tensor cores, thread 0 otherwise.
+  KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int b, int h, int t0, int len, float a) const {
     if constexpr (tensor_cores) {
-      if (thread < warp_tile_lanes) {
-        float d[2], sum = 0.0f;
-        for (int i = 0; i < 2; ++i) {
-          const int t = 2 * thread + i;
-          d[i] = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
-          sum += d[i] * a;
-        }
-        const float inclusive = warp_inclusive_sum(sum, thread);
-        const float last = warp_broadcast(inclusive, warp_tile_lanes - 1);
-        const float cum[2] = {inclusive - sum + d[0] * a, inclusive};
-        for (int i = 0; i < 2; ++i) {
-          sm.delta[2 * thread + i] = d[i];
-          sm.cum[2 * thread + i] = cum[i];
-          sm.decay_to_end[2 * thread + i] = Kokkos::Experimental::exp(last - cum[i]);
-        }
-      }
+      if (thread >= warp_tile_lanes) return;
+      const float d = thread < len ? in.dt_value(in.dt_pre(b, t0 + thread, h)) : 0.0f;
+      const float cum = warp_inclusive_sum(d * a, thread);
+      const float last = warp_broadcast(cum, warp_tile_lanes - 1);
+      sm.delta[thread] = d;
+      sm.cum[thread] = cum;
+      sm.decay_to_end[thread] = Kokkos::Experimental::exp(last - cum);
     } else {
       float cum = 0.0f;
       for (int t = 0; t < Q; ++t) {
@@ -192,23 +190,30 @@ struct SsdFusedForwardFunctor {
       }
       for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = Kokkos::Experimental::exp(cum - sm.cum[t]);
     }
+  }
+
+  /// Phase 0: the decays, C and B to scratch as bf16, x into the thread's registers, Hᵀ to scratch.
+  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float a,
+                                          SsdRowShare<Q, P, Team::threads>& xs, const StateAccum (&H)[slots]) const {
+    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
+    SsdRowShare<Q, N, Team::threads> cs, bs;
+    cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
+    bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
+    stage_decays(sm, thread, b, h, t0, len, a);
     const auto one = [](int) { return 1.0f; };
-    constexpr int half = Q / 2;  // C and B in two halves of rows: fewer registers in flight
-    for (int r0 = 0; r0 < Q; r0 += half) {
-      SsdRowShare<half, N, Team::threads> cs, bs;
-      cs.load(thread, len - r0, [&](int t) { return &in.C(b, t0 + r0 + t, g, 0); });
-      bs.load(thread, len - r0, [&](int t) { return &in.B(b, t0 + r0 + t, g, 0); });
-      cs.store(thread, sm.c.offset(r0, 0), one);
-      bs.store(thread, sm.b.offset(r0, 0), one);
+    cs.store(thread, sm.c, one);
+    bs.store(thread, sm.b, one);
+    if (!StatesOnly) {
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
+        if (w < state_blocks) warp_store_bf16(H[slot], lane, sm.h.offset(warp_tile_rows * w, 0));
+      });
     }
   }
 
-  /// Phase 1 of warp w: the entering state's output and the decayed C·Bᵀ of the warp's tokens.
-  KOKKOS_INLINE_FUNCTION void inter_and_scores(const Tiles& sm, int w, int lane, const WarpAccum<N, tensor_cores>& H,
-                                               WarpAccum<Q, tensor_cores>& Y, WarpAccum<Q, tensor_cores>& S) const {
-    warp_fill(Y, lane, 0.0f);
-    warp_mma_registers<BLayout::NK, N>(Y, lane, H, sm.c, Q);
-    Y.for_each(lane, [&](int, int t, float& v) { v *= Kokkos::Experimental::exp(sm.cum[t]); });
+  /// Phase 1 of warps 0 and 1: the decayed C·Bᵀ of their 16 tokens, to scratch.
+  KOKKOS_INLINE_FUNCTION void scores(const Tiles& sm, int w, int lane) const {
+    if (w >= Q / warp_tile_rows) return;
+    ScoreAccum S;
     warp_fill(S, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::NK, N, false>(S, lane, sm.c.offset(warp_tile_rows * w, 0), sm.b,
                                                   warp_tile_rows * (w + 1));
@@ -216,26 +221,52 @@ struct SsdFusedForwardFunctor {
       const int t = warp_tile_rows * w + r;
       v = s <= t ? v * Kokkos::Experimental::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
     });
+    warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * w, 0));
   }
 
-  /// Phase 3 of warp w: the intra-chunk output, and the gated output to global memory (x and z are
-  /// in L2 by then: x from phase 0, z prefetched with the chunk).
-  KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, WarpAccum<Q, tensor_cores>& Y, int b, int h,
-                                     int t0, int len) const {
-    warp_mma<ALayout::KM, BLayout::NK, Q, true>(Y, lane, sm.x.offset(0, warp_tile_rows * w), sm.s, Q);
+  /// Phase 2 of warp w: one 16 × 16 block of the output, to global memory.
+  KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, int b, int h, int t0, int len) const {
+    const int tb = w / 4, pb = w % 4;
+    OutAccum Y;
+    warp_fill(Y, lane, 0.0f);
+    warp_mma<ALayout::MK, BLayout::KN, N, false>(Y, lane, sm.c.offset(warp_tile_rows * tb, 0),
+                                                  sm.h.offset(0, warp_tile_rows * pb), warp_tile_rows);
+    Y.for_each(lane, [&](int r, int, float& v) { v *= Kokkos::Experimental::exp(sm.cum[warp_tile_rows * tb + r]); });
+    warp_mma<ALayout::MK, BLayout::KN, Q, false>(Y, lane, sm.s.offset(warp_tile_rows * tb, 0),
+                                                  sm.x.offset(0, warp_tile_rows * pb), warp_tile_rows);
     const float d = in.skip(h);
-    Y.for_each(lane, [&](int r, int t, float& v) {
+    Y.for_each(lane, [&](int r, int c, float& v) {
+      const int t = warp_tile_rows * tb + r, p = warp_tile_rows * pb + c;
       if (t >= len) return;
-      const int p = warp_tile_rows * w + r;
       const float y = v + d * in.x(b, t0 + t, h, p);
       out(b, t0 + t, h, p) = in.has_z ? y * silu(in.z(b, t0 + t, h, p)) : y;
     });
   }
 
-  /// The rows of chunk c that the forward reads (C, B, x, z, dt), towards L2.
+  /// Phase 2, all threads: B[s][n] *= exp(cum_{Q−1} − cum_s), four elements (8 bytes) at a time.
+  KOKKOS_INLINE_FUNCTION void decay_b(const Tiles& sm, int thread) const {
+    constexpr int items = Q * N / 4;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, s = i / (N / 4), n = 4 * (i % (N / 4));
+      if (i >= items) continue;
+      float v[4];
+      for (int e = 0; e < 4; ++e) v[e] = sm.b.value(s, n + e);
+      ssd_store4_bf16(&sm.b.at(s, n), v, sm.decay_to_end[s]);
+    }
+  }
+
+  /// Phase 3 of a warp with a state block: Hᵀ = exp(cum_{Q−1})·Hᵀ + (decayed B)ᵀ·Xd.
+  KOKKOS_INLINE_FUNCTION void update_state(const Tiles& sm, int w, int lane, StateAccum& H) const {
+    if (w >= state_blocks) return;
+    const float chunk_decay = Kokkos::Experimental::exp(sm.cum[Q - 1]);
+    H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
+    warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.b.offset(0, warp_tile_rows * w), sm.x, P);
+  }
+
+  /// The prefetch of chunk c's rows (C, B, x, z, dt) towards L2.
   KOKKOS_INLINE_FUNCTION void prefetch_chunk(int thread, int b, int h, int g, int c) const {
     const int t0 = c * Q;
-    if (t0 >= plan.seqlen) return;
     const int len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
     constexpr int lines_bc = N * 4 / 128 > 0 ? N * 4 / 128 : 1, lines_x = P * 4 / 128;
     for (int i = thread; i < len * (2 * lines_bc + 2 * lines_x + 1); i += Team::threads) {
@@ -254,30 +285,12 @@ struct SsdFusedForwardFunctor {
     }
   }
 
-  /// Phase 2: B[s][n] *= exp(cum_{Q−1} − cum_s), four elements (8 bytes) at a time.
-  KOKKOS_INLINE_FUNCTION void decay_b(const Tiles& sm, int thread) const {
-    KMAMBA_TILE_UNROLL
-    for (int k = 0; k < Q * N / 4 / Team::threads; ++k) {
-      const int i = thread + k * Team::threads, s = i / (N / 4), n = 4 * (i % (N / 4));
-      float v[4];
-      for (int e = 0; e < 4; ++e) v[e] = sm.b.value(s, n + e);
-      ssd_store4_bf16(&sm.b.at(s, n), v, sm.decay_to_end[s]);
-    }
-  }
-
-  /// Phase 3 of warp w: H = exp(cum_{Q−1})·H + Xdᵀ·(decayed B).
-  KOKKOS_INLINE_FUNCTION void update_state(const Tiles& sm, int w, int lane, WarpAccum<N, tensor_cores>& H) const {
-    const float chunk_decay = Kokkos::Experimental::exp(sm.cum[Q - 1]);
-    H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
-    warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.x.offset(0, warp_tile_rows * w), sm.b, N);
-  }
-
-  /// The state entering the team's first chunk.
-  KOKKOS_INLINE_FUNCTION void load_state(int thread, int b, int h, int seg, WarpAccum<N, tensor_cores> (&H)[slots]) const {
+  /// The state entering the team's first chunk (Hᵀ rows n of the warp's block).
+  KOKKOS_INLINE_FUNCTION void load_state(int thread, int b, int h, int seg, StateAccum (&H)[slots]) const {
     Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-      H[slot].for_each(lane, [&](int r, int n, float& v) {
-        const int p = warp_tile_rows * w + r;
-        if (StatesOnly) {
+      H[slot].for_each(lane, [&](int r, int p, float& v) {
+        const int n = warp_tile_rows * w + r;
+        if (StatesOnly || w >= state_blocks) {
           v = 0.0f;
         } else if (segments.count > 1) {
           v = segments.states(b, h, seg, p, n);
@@ -290,11 +303,12 @@ struct SsdFusedForwardFunctor {
 
   /// The state after the team's last chunk: the segment's own end state (StatesOnly) or, for an
   /// unsegmented sequence, final_states.
-  KOKKOS_INLINE_FUNCTION void store_state(int thread, int b, int h, int seg, WarpAccum<N, tensor_cores> (&H)[slots]) const {
+  KOKKOS_INLINE_FUNCTION void store_state(int thread, int b, int h, int seg, StateAccum (&H)[slots]) const {
     if (!StatesOnly && (segments.count > 1 || !final_states.is_allocated())) return;
     Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-      H[slot].for_each(lane, [&](int r, int n, float& v) {
-        const int p = warp_tile_rows * w + r;
+      if (w >= state_blocks) return;
+      H[slot].for_each(lane, [&](int r, int p, float& v) {
+        const int n = warp_tile_rows * w + r;
         if (StatesOnly) {
           segments.states(b, h, seg, p, n) = v;
         } else {
@@ -311,8 +325,7 @@ struct SsdFusedForwardFunctor {
     const int thread = team.team_rank();  // of Team::threads (ssd_fused_launch)
     const Tiles sm = tiles(team);
     const float a = in.A(h);
-    WarpAccum<N, tensor_cores> H[slots];
-    WarpAccum<Q, tensor_cores> Y[slots], S[slots];
+    StateAccum H[slots];
     load_state(thread, b, h, seg, H);
     const int c_end = (seg + 1) * segments.chunks < plan.nchunks ? (seg + 1) * segments.chunks : plan.nchunks;
     float log_decay = 0.0f;
@@ -320,24 +333,16 @@ struct SsdFusedForwardFunctor {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
       if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
       SsdRowShare<Q, P, Team::threads> xs;
-      stage_chunk(sm, thread, b, h, g, t0, len, a, xs);
+      stage_chunk(sm, thread, b, h, g, t0, len, a, xs, H);
       team.team_barrier();
       xs.store(thread, sm.x, [&](int t) { return sm.delta[t]; });
       log_decay += sm.cum[Q - 1];
+      if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { scores(sm, w, lane); });
       team.team_barrier();
-      if (!StatesOnly) {
-        Team::for_each_warp(thread, [&](int slot, int w, int lane) { inter_and_scores(sm, w, lane, H[slot], Y[slot], S[slot]); });
-        team.team_barrier();
-        Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-          warp_store_bf16(S[slot], lane, sm.s.offset(warp_tile_rows * w, 0));
-        });
-      }
+      if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { output(sm, w, lane, b, h, t0, len); });
       decay_b(sm, thread);
       team.team_barrier();
-      Team::for_each_warp(thread, [&](int slot, int w, int lane) {
-        if (!StatesOnly) output(sm, w, lane, Y[slot], b, h, t0, len);
-        update_state(sm, w, lane, H[slot]);
-      });
+      Team::for_each_warp(thread, [&](int slot, int w, int lane) { update_state(sm, w, lane, H[slot]); });
       team.team_barrier();
     }
     store_state(thread, b, h, seg, H);
@@ -369,8 +374,9 @@ struct SsdSegmentPassingFunctor {
   }
 };
 
-/// Whether the fused forward takes these inputs: headdim 64, chunk 64, dstate 16/32/64/128, no
-/// seq_idx, and 16-byte aligned x, B and C (their rows are read four floats at a time).
+/// Whether the fused forward takes these inputs: headdim 64, dstate 16/32/64/128, no seq_idx, and
+/// 16-byte aligned x, B and C (their rows are read four floats at a time). `plan` is the fused
+/// forward's own (chunk ssd_fused_chunk).
 template <class MemorySpace>
 bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
@@ -384,7 +390,7 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                       const SsdSegments<MemorySpace>& segments) {
   using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly>;
-  using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::LaunchBounds<Functor::Team::threads, 1>>;
+  using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::LaunchBounds<Functor::Team::threads, 2>>;
   Policy policy(exec, plan.batch * plan.nheads * segments.count, Functor::Team::threads, 1);
   policy.set_scratch_size(0, Kokkos::PerTeam(Functor::Layout::bytes));
   Kokkos::parallel_for(StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
@@ -392,7 +398,7 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
 }
 
 /// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of
-/// the device (a team of 128 threads per 1024 of the backend's concurrency: two per SM), each
+/// the device (a team of 256 threads per 1024 of the backend's concurrency: two per SM), each
 /// segment at least ssd_fused_min_segment_chunks chunks long; 1 where batch × heads teams already
 /// fill that wave. Segmenting doubles each team's chunk steps (the segment pass, then the forward),
 /// so it pays only where it at least doubles the teams that run at once.

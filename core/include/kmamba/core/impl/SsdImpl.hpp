@@ -811,9 +811,12 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
     }
     return;
   }
-  if (args.matmul_precision == MatmulPrecision::BFloat16 && ssd_fused_forward_supported(plan, in)) {
-    ssd_fused_forward(exec, plan, in, out, final_states, ssd_fused_segment_count(exec, plan));
-    return;
+  if (args.matmul_precision == MatmulPrecision::BFloat16) {
+    const SsdPlan fused = ssd_plan<ExecSpace>(function, dims, ssd_fused_chunk);
+    if (ssd_fused_forward_supported(fused, in)) {
+      ssd_fused_forward(exec, fused, in, out, final_states, ssd_fused_segment_count(exec, fused));
+      return;
+    }
   }
   with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {
     ssd_forward_stages<decltype(precision)::value>(exec, plan, in, out, final_states);
