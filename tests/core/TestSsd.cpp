@@ -107,8 +107,11 @@ struct RefForward {
   std::vector<double> out, final_states;
 };
 
-RefForward ref_forward(const RefProblem& P) {
+// magnitude: the same recurrence on the absolute values of every input and of silu(z) (each term
+// counted with its size, for the bf16 error bounds below).
+RefForward ref_forward(const RefProblem& P, bool magnitude = false) {
   const Config& c = P.cfg;
+  const auto val = [&](double v) { return magnitude ? std::fabs(v) : v; };
   RefForward r;
   r.out.assign(static_cast<std::size_t>(c.batch) * c.seqlen * c.nheads * c.headdim, 0.0);
   r.final_states.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
@@ -117,21 +120,21 @@ RefForward ref_forward(const RefProblem& P) {
     for (int hd = 0; hd < c.nheads; ++hd) {
       const int g = hd / (c.nheads / c.ngroups);
       for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : P.h0[P.si(b, hd, p, n)];
+        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : val(P.h0[P.si(b, hd, p, n)]);
       for (int t = 0; t < c.seqlen; ++t) {
         if (P.restart(b, t)) std::fill(h.begin(), h.end(), 0.0);
         const double d = P.delta(P.pre(b, t, hd));
         const double decay = std::exp(d * P.A[hd]);
         for (int p = 0; p < c.headdim; ++p) {
-          const double xv = P.x[P.xi(b, t, hd, p)];
+          const double xv = val(P.x[P.xi(b, t, hd, p)]);
           double y = 0.0;
           for (int n = 0; n < c.dstate; ++n) {
             double& s = h[p * c.dstate + n];
-            s = decay * s + d * xv * P.B[P.bi(b, t, g, n)];
-            y += s * P.C[P.bi(b, t, g, n)];
+            s = decay * s + d * xv * val(P.B[P.bi(b, t, g, n)]);
+            y += s * val(P.C[P.bi(b, t, g, n)]);
           }
-          y += (P.D.empty() ? 0.0 : P.D[hd]) * xv;
-          if (!P.z.empty()) y *= silu(P.z[P.xi(b, t, hd, p)]);
+          y += (P.D.empty() ? 0.0 : val(P.D[hd])) * xv;
+          if (!P.z.empty()) y *= val(silu(P.z[P.xi(b, t, hd, p)]));
           r.out[P.xi(b, t, hd, p)] = y;
         }
       }
@@ -656,47 +659,11 @@ TYPED_TEST(Ssd, BackwardIsDeterministicAndOptionalGradientsMayBeOmitted) {
 // δ·x, B and the decayed B rounded: 1.5·2^-8) and C, ≤ 2.5·2^-8; the chunk's own share rounds C
 // and B (into C·Bᵀ), the decayed C·Bᵀ and δ·x, ≤ 2·2^-8. So per element
 //   |out − ref| ≤ 3·2^-8·|out|_abs + 1e-6·max|ref|,
-// where |out|_abs is the reference evaluated on absolute values (every term counted with its
-// magnitude, so cancellation cannot hide an error) and the second term covers the fp32 sums; and
+// where |out|_abs is the reference on absolute values (ref_forward(·, true): every term counted
+// with its magnitude, so cancellation cannot hide an error) and the second term covers the fp32
+// sums; and
 //   |final_states − ref| ≤ 2·2^-8·|H|_abs + 1e-6·max|ref|.
 // Shapes the fused form does not take compute in fp32 and keep the fp32 tolerance.
-
-struct RefMagnitude {
-  std::vector<double> out, final_states;
-};
-
-RefMagnitude ref_forward_magnitude(const RefProblem& P) {
-  const Config& c = P.cfg;
-  RefMagnitude r;
-  r.out.assign(static_cast<std::size_t>(c.batch) * c.seqlen * c.nheads * c.headdim, 0.0);
-  r.final_states.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
-  std::vector<double> h(static_cast<std::size_t>(c.headdim) * c.dstate);
-  for (int b = 0; b < c.batch; ++b)
-    for (int hd = 0; hd < c.nheads; ++hd) {
-      const int g = hd / (c.nheads / c.ngroups);
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : std::fabs(P.h0[P.si(b, hd, p, n)]);
-      for (int t = 0; t < c.seqlen; ++t) {
-        const double d = P.delta(P.pre(b, t, hd));
-        const double decay = std::exp(d * P.A[hd]);
-        for (int p = 0; p < c.headdim; ++p) {
-          const double xv = std::fabs(P.x[P.xi(b, t, hd, p)]);
-          double y = 0.0;
-          for (int n = 0; n < c.dstate; ++n) {
-            double& s = h[p * c.dstate + n];
-            s = decay * s + d * xv * std::fabs(P.B[P.bi(b, t, g, n)]);
-            y += s * std::fabs(P.C[P.bi(b, t, g, n)]);
-          }
-          y += (P.D.empty() ? 0.0 : std::fabs(P.D[hd])) * xv;
-          if (!P.z.empty()) y *= std::fabs(silu(P.z[P.xi(b, t, hd, p)]));
-          r.out[P.xi(b, t, hd, p)] = y;
-        }
-      }
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) r.final_states[P.si(b, hd, p, n)] = h[p * c.dstate + n];
-    }
-  return r;
-}
 
 // |kernel − ref| ≤ rel·magnitude + abs_tol·max|ref| per element (every kernel value finite).
 void expect_within_magnitude(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
@@ -757,7 +724,7 @@ void check_bf16_forward(const Config& cfg, int segments = 0) {
     expect_near_rel("final_states", host_doubles(fin), rf.final_states, forward_tol, ctx);
     return;
   }
-  const RefMagnitude mag = ref_forward_magnitude(ref);
+  const RefForward mag = ref_forward(ref, true);
   constexpr double u = 1.0 / 256.0;  // 2^-8
   expect_within_magnitude("out", host_doubles(out), rf.out, mag.out, 3 * u, ctx);
   expect_within_magnitude("final_states", host_doubles(fin), rf.final_states, mag.final_states, 2 * u, ctx);
