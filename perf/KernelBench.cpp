@@ -224,16 +224,21 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   for (const MatmulPrecision precision : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     const bool tf32 = precision == MatmulPrecision::TensorFloat32, bf16 = precision == MatmulPrecision::BFloat16;
     if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
-    const int q = bf16 ? kmamba::impl::ssd_fused_chunk : chunk;  // the fused forward chunks on its own
+    // The fused bf16 forward chunks on its own (the backward keeps the configured chunk).
+    const int q = bf16 ? kmamba::impl::ssd_fused_chunk : chunk;
     char shape[96];
-    std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, q,
-                  Exec::name());
+    if (bf16) {  // forward chunk / backward chunk
+      std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d/%d (%s)", batch, seqlen, nheads, headdim, dstate, q,
+                    chunk, Exec::name());
+    } else {
+      std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, q,
+                    Exec::name());
+    }
     if (tf32 && !kmamba::impl::TeamGemm<Exec, MatmulPrecision::TensorFloat32>::tensor_cores) {
       std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "ssd tf32", shape);
       continue;
     }
     args.matmul_precision = precision;
-    args.chunk_size = q;
     const std::string suffix = precision == MatmulPrecision::Float32 ? "" : std::string(" ") + kmamba::matmul_precision_name(precision);
     const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
@@ -251,9 +256,9 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     bwd.seconds = median_seconds(exec, o.repeats, [&] {
       kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
     });
-    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / q * 4;  // inputs + dout, every gradient, states recomputed
-    bwd.flops = tokens * (10 * E * N + 3 * q * E + 6 * q * G * N);
-    bwd.exps = 3.0 * tokens * nheads * q / 2;
+    bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / chunk * 4;  // inputs + dout, every gradient, states recomputed
+    bwd.flops = tokens * (10 * E * N + 3 * chunk * E + 6 * chunk * G * N);
+    bwd.exps = 3.0 * tokens * nheads * chunk / 2;
     report(o, bwd);
 
     Measurement both{"ssd fwd+bwd" + suffix, shape};

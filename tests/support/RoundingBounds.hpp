@@ -6,7 +6,7 @@
 //
 // 1. A sum of n terms evaluated in any order has |computed − exact| ≤ γ(n−1)·Σ|terms|, with
 //    γ(k) = k·u / (1 − k·u) and u the unit roundoff (2⁻²⁴ for fp32, 2⁻⁵³ for double) [Higham,
-//    Accuracy and Stability of Numerical Algorithms, 2nd ed., §4.2]. Two orders therefore differ by
+//    Accuracy and Stability of Numerical Algorithms, 2nd ed., section 4.2]. Two orders therefore differ by
 //    at most 2·γ(n−1)·Σ|terms|: `sum_order_bound`.
 //
 // 2. A gradient element of a model is the end of a chain of such sums (norms, projections, the scan,
