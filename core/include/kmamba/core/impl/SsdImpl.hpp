@@ -24,6 +24,7 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
+#include <kmamba/core/impl/SsdFusedBackward.hpp>
 #include <kmamba/core/impl/SsdFusedForward.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/Error.hpp>
@@ -122,47 +123,6 @@ void ssd_launch(const ExecSpace& exec, const char* label, const SsdPlan& plan, i
   if (block_scratch > 0) policy.set_scratch_size(1, Kokkos::PerTeam(block_scratch));
   Kokkos::parallel_for(label, light_weight(policy), functor);
 }
-/// Buffers the forward stages hand to each other (recomputed by the backward).
-template <class MemorySpace>
-struct SsdWorkspace {
-  Tensor4<float, MemorySpace> dt_out;  // (batch, nheads, nchunks, chunk): δ, 0 past the sequence end
-  Tensor4<float, MemorySpace> dA_cs;   // (batch, nheads, nchunks, chunk): inclusive cumsum of δ·a
-  Tensor3<int, MemorySpace> run;       // (batch, nchunks, chunk): run starts since the chunk start
-  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering
-  Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s for s ≤ l
-
-  explicit SsdWorkspace(const SsdPlan& plan)
-      : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
-                                                                    plan.nchunks, plan.chunk)),
-        dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch,
-                                                                   plan.nheads, plan.nchunks, plan.chunk)),
-        run(allocate_uninitialized<Tensor3<int, MemorySpace>>("kmamba::ssd::run", plan.batch, plan.nchunks,
-                                                               plan.chunk)),
-        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::states", plan.batch, plan.nchunks,
-                                                                    plan.nheads, plan.headdim, plan.dstate)),
-        CB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
-                                                                plan.ngroups, plan.chunk, plan.chunk)) {}
-};
-
-/// Where a (batch, chunk, head) team works.
-struct SsdChunkBlock {
-  int b, c, h, g, t0, len;
-};
-
-KOKKOS_INLINE_FUNCTION SsdChunkBlock ssd_chunk_block(const SsdPlan& plan, int league_rank) {
-  SsdChunkBlock blk;
-  blk.h = league_rank % plan.nheads;
-  blk.c = (league_rank / plan.nheads) % plan.nchunks;
-  blk.b = league_rank / (plan.nheads * plan.nchunks);
-  blk.g = blk.h / plan.heads_per_group;
-  blk.t0 = blk.c * plan.chunk;
-  blk.len = plan.seqlen - blk.t0 < plan.chunk ? plan.seqlen - blk.t0 : plan.chunk;
-  return blk;
-}
-
-/// exp(min(v, 0)): the decay between two tokens of a chunk (the clamp only guards masked pairs).
-KOKKOS_INLINE_FUNCTION float ssd_decay(float v) { return Kokkos::Experimental::exp(v < 0.0f ? v : 0.0f); }
-
 /// Stages the chunk's δ, cumulative δ·a and run ids in scratch.
 template <class Member, class MemorySpace, class Vec, class IntVec>
 KOKKOS_INLINE_FUNCTION void ssd_stage_vectors(const Member& team, const SsdWorkspace<MemorySpace>& ws,
@@ -823,10 +783,13 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
   });
 }
 
+/// The backward; `fused`: its chunk stage B4–B9 is the fused tensor-core one where the gated dout
+/// is aligned for it (ssd_fused_backward_supported must hold for plan and in).
 template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
 void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                          const ConstTensor4<float, MemorySpace>& dout,
-                         const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
+                         const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads,
+                         bool fused) {
   const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk);
   const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
   const SsdWorkspace<MemorySpace> ws(plan);
@@ -859,10 +822,14 @@ void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOp
       "kmamba::ssd::dC_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
   const auto partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch, plan.nchunks, plan.nheads, 3);
-  ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
-             SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
-                                                                        dB_head, dC_head, partial},
-             scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
+  if (fused && ssd_fused_backward_aligned(g.data())) {
+    ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, dB_head, dC_head, partial);
+  } else {
+    ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
+               SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx,
+                                                                          grads.ddt, dB_head, dC_head, partial},
+               scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
+  }
   Kokkos::parallel_for("kmamba::ssd::group_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
                        SsdGroupSumFunctor<MemorySpace>{dB_head, dC_head, grads.dB, grads.dC});
@@ -875,10 +842,17 @@ template <class ExecSpace, class MemorySpace>
 void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDims& dims,
                        const SsdArgs<MemorySpace>& args, const ConstTensor4<float, MemorySpace>& dout,
                        const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
-  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
   const SsdOperands<MemorySpace> in(args);
+  if (args.matmul_precision == MatmulPrecision::BFloat16 && dims.seqlen > 0) {
+    const SsdPlan fused = ssd_plan<ExecSpace>(function, dims, ssd_fused_backward_chunk);
+    if (ssd_fused_backward_supported(fused, in)) {
+      ssd_backward_stages<MatmulPrecision::Float32>(exec, fused, in, dout, dfinal_states, grads, true);
+      return;
+    }
+  }
+  const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
   with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {
-    ssd_backward_stages<decltype(precision)::value>(exec, plan, in, dout, dfinal_states, grads);
+    ssd_backward_stages<decltype(precision)::value>(exec, plan, in, dout, dfinal_states, grads, false);
   });
 }
 template <class ExecSpace, class MemorySpace>

@@ -1,5 +1,5 @@
-// The SSD's dimensions, launch plan and inputs as the kernels read them, shared by the staged
-// stages (impl/SsdImpl.hpp) and the fused forward (impl/SsdFusedForward.hpp).
+// The SSD's dimensions, launch plan, inputs and forward workspace as the kernels read them, shared
+// by the staged stages (impl/SsdImpl.hpp) and the fused kernels (impl/SsdFused*.hpp).
 #ifndef KMAMBA_CORE_IMPL_SSDOPERANDS_HPP
 #define KMAMBA_CORE_IMPL_SSDOPERANDS_HPP
 
@@ -72,6 +72,47 @@ struct SsdOperands {
   }
   KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
 };
+
+/// Buffers the forward stages hand to each other (recomputed by the backward).
+template <class MemorySpace>
+struct SsdWorkspace {
+  Tensor4<float, MemorySpace> dt_out;  // (batch, nheads, nchunks, chunk): δ, 0 past the sequence end
+  Tensor4<float, MemorySpace> dA_cs;   // (batch, nheads, nchunks, chunk): inclusive cumsum of δ·a
+  Tensor3<int, MemorySpace> run;       // (batch, nchunks, chunk): run starts since the chunk start
+  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering
+  Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s for s ≤ l
+
+  explicit SsdWorkspace(const SsdPlan& plan)
+      : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
+                                                                    plan.nchunks, plan.chunk)),
+        dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch,
+                                                                   plan.nheads, plan.nchunks, plan.chunk)),
+        run(allocate_uninitialized<Tensor3<int, MemorySpace>>("kmamba::ssd::run", plan.batch, plan.nchunks,
+                                                               plan.chunk)),
+        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::states", plan.batch, plan.nchunks,
+                                                                    plan.nheads, plan.headdim, plan.dstate)),
+        CB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
+                                                                plan.ngroups, plan.chunk, plan.chunk)) {}
+};
+
+/// Where a (batch, chunk, head) team works.
+struct SsdChunkBlock {
+  int b, c, h, g, t0, len;
+};
+
+KOKKOS_INLINE_FUNCTION SsdChunkBlock ssd_chunk_block(const SsdPlan& plan, int league_rank) {
+  SsdChunkBlock blk;
+  blk.h = league_rank % plan.nheads;
+  blk.c = (league_rank / plan.nheads) % plan.nchunks;
+  blk.b = league_rank / (plan.nheads * plan.nchunks);
+  blk.g = blk.h / plan.heads_per_group;
+  blk.t0 = blk.c * plan.chunk;
+  blk.len = plan.seqlen - blk.t0 < plan.chunk ? plan.seqlen - blk.t0 : plan.chunk;
+  return blk;
+}
+
+/// exp(min(v, 0)): the decay between two tokens of a chunk (the clamp only guards masked pairs).
+KOKKOS_INLINE_FUNCTION float ssd_decay(float v) { return Kokkos::Experimental::exp(v < 0.0f ? v : 0.0f); }
 
 }  // namespace impl
 }  // namespace kmamba

@@ -342,6 +342,50 @@ KOKKOS_INLINE_FUNCTION float warp_broadcast(float value, int source) {
 #endif
 }
 
+/// Σ of `value` over the lanes of a warp, in every lane (tensor-core form: every lane of the warp
+/// calls it; the portable form's one thread is its own sum).
+KOKKOS_INLINE_FUNCTION float warp_sum(float value) {
+#if defined(__CUDA_ARCH__)
+KMAMBA_TILE_UNROLL
+  for (int offset = warp_tile_lanes / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+#endif
+  return value;
+}
+
+/// store(r, Σ_c acc(r, c)·weight(r, c)) for each of the accumulator's 16 rows, once per row (on
+/// tensor cores by the lane q = 0 of the four that hold the row, after summing over them).
+template <int Cols, class Weight, class Store>
+KOKKOS_INLINE_FUNCTION void warp_row_sums(const WarpAccum<Cols, false>& acc, int /*lane*/, const Weight& weight,
+                                          const Store& store) {
+  for (int r = 0; r < warp_tile_rows; ++r) {
+    float sum = 0.0f;
+    for (int c = 0; c < Cols; ++c) sum += acc.v[r][c] * weight(r, c);
+    store(r, sum);
+  }
+}
+template <int Cols, class Weight, class Store>
+KOKKOS_INLINE_FUNCTION void warp_row_sums(const WarpAccum<Cols, true>& acc, int lane, const Weight& weight,
+                                          const Store& store) {
+  const int g = lane >> 2, q = lane & 3;
+  float lo = 0.0f, hi = 0.0f;
+KMAMBA_TILE_UNROLL
+  for (int j = 0; j < Cols / 8; ++j) {
+    const int c = 8 * j + 2 * q;
+    lo += acc.v[j][0] * weight(g, c) + acc.v[j][1] * weight(g, c + 1);
+    hi += acc.v[j][2] * weight(g + 8, c) + acc.v[j][3] * weight(g + 8, c + 1);
+  }
+#if defined(__CUDA_ARCH__)
+  lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+  lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+  hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+  hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+#endif
+  if (q == 0) {
+    store(g, lo);
+    store(g + 8, hi);
+  }
+}
+
 /// The warps of a team in the form's order: calls f(slot, warp, lane) for each warp the calling
 /// thread takes part in (slot indexes the thread's own accumulators: 0 … warps_per_thread − 1).
 template <bool TensorCores, int Warps>
