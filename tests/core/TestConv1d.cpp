@@ -8,6 +8,7 @@
 #include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/Core.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
 
 #include <gtest/gtest.h>
@@ -20,6 +21,8 @@
 #include <vector>
 
 namespace {
+
+using kmamba::reference::sigmoid;
 
 using kmamba::Conv1dActivation;
 
@@ -80,8 +83,6 @@ struct RefGrads {
   std::vector<double> dinit;  // (batch, channels, width - 1)
 };
 
-double ref_sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-
 std::size_t x_index(const Problem& p, int b, int t, int c) {
   return (static_cast<std::size_t>(b) * p.seqlen + t) * p.channels + c;
 }
@@ -111,7 +112,7 @@ RefOutputs ref_forward(const RefInputs& in) {
     for (int t = 0; t < p.seqlen; ++t) {
       for (int c = 0; c < p.channels; ++c) {
         const double pre = ref_pre(in, b, t, c);
-        out.y[x_index(p, b, t, c)] = p.silu ? pre * ref_sigmoid(pre) : pre;
+        out.y[x_index(p, b, t, c)] = p.silu ? pre * sigmoid(pre) : pre;
       }
     }
     for (int c = 0; c < p.channels; ++c) {
@@ -140,7 +141,7 @@ RefGrads ref_backward(const RefInputs& in, const std::vector<double>& dy, const 
     for (int c = 0; c < p.channels; ++c) {
       for (int t = 0; t < p.seqlen; ++t) {
         const double pre = ref_pre(in, b, t, c);
-        const double s = ref_sigmoid(pre);
+        const double s = sigmoid(pre);
         const double dpre = dy[x_index(p, b, t, c)] * (p.silu ? s * (1.0 + pre * (1.0 - s)) : 1.0);
         g.dbias[c] += dpre;
         for (int k = 0; k < p.width; ++k) {

@@ -11,6 +11,7 @@
 #include <kmamba/core/ConvSsdStep.hpp>
 #include <kmamba/core/Core.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
 
 #include <gtest/gtest.h>
@@ -25,6 +26,9 @@
 #include <vector>
 
 namespace {
+
+using kmamba::reference::silu;
+using kmamba::reference::softplus;
 
 struct Config {
   int batch = 2, nheads = 4, headdim = 3, ngroups = 2, dstate = 5, width = 4, xbc_offset = 12, tokens = 3;
@@ -47,9 +51,6 @@ struct Config {
     return s.str();
   }
 };
-
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double silu(double v) { return v / (1.0 + std::exp(-v)); }
 
 std::vector<float> uniform(std::size_t n, double lo, double hi, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> d(lo, hi);
@@ -112,7 +113,7 @@ std::vector<double> reference_step(const Config& c, const std::vector<double>& r
       const int g = h / (c.nheads / c.ngroups);
       double dt = row[static_cast<std::size_t>(b * c.columns() + c.xbc_offset + CD + h)];
       if (c.dt_bias) dt += dt_bias[static_cast<std::size_t>(h)];
-      const double delta = c.softplus ? softplus20(dt) : dt;
+      const double delta = c.softplus ? softplus(dt) : dt;
       const double decay = std::exp(delta * -std::exp(A_log[static_cast<std::size_t>(h)]));
       for (int p = 0; p < c.headdim; ++p) {
         const double x = act[static_cast<std::size_t>(h * c.headdim + p)];

@@ -11,6 +11,7 @@
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
 
 #include <gtest/gtest.h>
@@ -25,6 +26,10 @@
 #include <vector>
 
 namespace {
+
+using kmamba::reference::sigmoid;
+using kmamba::reference::silu;
+using kmamba::reference::silu_derivative;
 
 enum class Mode {
   plain,       // rms_norm
@@ -53,15 +58,9 @@ std::string describe(const Problem& p) {
 // ---------------------------------------------------------------------------------------------
 // Double-precision reference, straight from the spec.
 
-double ref_sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double ref_silu(double v) { return v * ref_sigmoid(v); }
-double ref_silu_grad(double v) {
-  const double s = ref_sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
 // σ(v)·(1 + |v|): the scale of silu′(v)'s fp32 rounding error (1 + v(1 − σ) cancels near
 // v ≈ −1.28, and 1 − σ carries an absolute error of about one ulp of 1).
-double ref_silu_grad_mag(double v) { return ref_sigmoid(v) * (1.0 + std::abs(v)); }
+double silu_derivative_magnitude(double v) { return sigmoid(v) * (1.0 + std::abs(v)); }
 
 struct Inputs {
   std::vector<double> x, z, w, dy;  // (rows, dim), (rows, dim), (dim), (rows, dim)
@@ -78,7 +77,7 @@ struct Backward {
 
 // The normalised input v: x, or x ⊙ silu(z) when the gate comes first.
 double ref_input(const Problem& p, const Inputs& in, std::size_t i) {
-  return p.mode == Mode::gate_first ? in.x[i] * ref_silu(in.z[i]) : in.x[i];
+  return p.mode == Mode::gate_first ? in.x[i] * silu(in.z[i]) : in.x[i];
 }
 
 Forward reference_forward(const Problem& p, const Inputs& in) {
@@ -98,7 +97,7 @@ Forward reference_forward(const Problem& p, const Inputs& in) {
       for (int k = 0; k < p.group_size; ++k) {
         const std::size_t i = begin + k;
         double y = ref_input(p, in, i) * rstd * in.w[static_cast<std::size_t>(g) * p.group_size + k];
-        if (p.mode == Mode::norm_first) y *= ref_silu(in.z[i]);
+        if (p.mode == Mode::norm_first) y *= silu(in.z[i]);
         out.y[i] = y;
       }
     }
@@ -125,7 +124,7 @@ Backward reference_backward(const Problem& p, const Inputs& in) {
       double mean = 0.0, mean_mag = 0.0;
       for (int k = 0; k < p.group_size; ++k) {
         const std::size_t i = begin + k;
-        go[k] = p.mode == Mode::norm_first ? in.dy[i] * ref_silu(in.z[i]) : in.dy[i];
+        go[k] = p.mode == Mode::norm_first ? in.dy[i] * silu(in.z[i]) : in.dy[i];
         xhat[k] = ref_input(p, in, i) * rstd;
         mean += xhat[k] * in.w[wbegin + k] * go[k];
         mean_mag += std::abs(xhat[k] * in.w[wbegin + k] * go[k]);
@@ -143,18 +142,18 @@ Backward reference_backward(const Problem& p, const Inputs& in) {
             out.dx_mag[i] = dv_mag;
             break;
           case Mode::gate_first: {
-            const double s = ref_silu(in.z[i]), ds = ref_silu_grad(in.z[i]);
+            const double s = silu(in.z[i]), ds = silu_derivative(in.z[i]);
             out.dx[i] = dv * s;
             out.dx_mag[i] = dv_mag * std::abs(s);
             out.dz[i] = dv * in.x[i] * ds;
-            out.dz_mag[i] = dv_mag * std::abs(in.x[i]) * ref_silu_grad_mag(in.z[i]);
+            out.dz_mag[i] = dv_mag * std::abs(in.x[i]) * silu_derivative_magnitude(in.z[i]);
             break;
           }
           case Mode::norm_first: {
             out.dx[i] = dv;
             out.dx_mag[i] = dv_mag;
-            out.dz[i] = in.dy[i] * xhat[k] * w * ref_silu_grad(in.z[i]);
-            out.dz_mag[i] = std::abs(in.dy[i] * xhat[k] * w) * ref_silu_grad_mag(in.z[i]);
+            out.dz[i] = in.dy[i] * xhat[k] * w * silu_derivative(in.z[i]);
+            out.dz_mag[i] = std::abs(in.dy[i] * xhat[k] * w) * silu_derivative_magnitude(in.z[i]);
             break;
           }
         }

@@ -24,6 +24,7 @@
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/Ssd.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
 #include "SafeTensorsReader.hpp"
 
@@ -42,6 +43,11 @@
 #include <vector>
 
 namespace {
+
+using kmamba::reference::sigmoid;
+using kmamba::reference::silu;
+using kmamba::reference::silu_derivative;
+using kmamba::reference::softplus;
 
 // ----------------------------------------------------------------------------------------------
 // Problem description and the double reference.
@@ -68,14 +74,6 @@ struct Config {
   }
 };
 
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
-double silu_derivative(double v) {
-  const double s = sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
-
 // Row-major host copies of every input, in double (absent optional inputs are empty).
 struct RefProblem {
   Config cfg;
@@ -97,7 +95,7 @@ struct RefProblem {
                                          seq[static_cast<std::size_t>(b) * cfg.seqlen + t - 1];
   }
   double pre(int b, int t, int h) const { return dt[ti(b, t, h)] + (bias.empty() ? 0.0 : bias[h]); }
-  double unclamped(double p) const { return cfg.softplus ? softplus20(p) : p; }
+  double unclamped(double p) const { return cfg.softplus ? softplus(p) : p; }
   double delta(double p) const {
     return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max));
   }
