@@ -10,6 +10,7 @@
 
 #include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -22,6 +23,8 @@
 
 namespace {
 
+using kmamba::test::host_doubles;
+using kmamba::test::poisoned;
 using kmamba::reference::sigmoid;
 
 using kmamba::Conv1dActivation;
@@ -29,7 +32,6 @@ using kmamba::Conv1dActivation;
 constexpr double kernel_tolerance = 1e-5;
 constexpr double fd_tolerance = 1e-6;
 constexpr double fd_step = 1e-5;
-const float nan_value = std::numeric_limits<float>::quiet_NaN();
 
 struct Problem {
   int batch, seqlen, channels, width;
@@ -236,14 +238,6 @@ template <class ExecSpace>
 class Conv1d : public ::testing::Test {};
 TYPED_TEST_SUITE(Conv1d, kmamba::test::Backends, kmamba::test::BackendNames);
 
-template <class ViewType>
-std::vector<double> host_values(const ViewType& view) {
-  auto h = kmamba::test::to_host(view);
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = static_cast<double>(h.data()[i]);
-  return v;
-}
-
 template <class Exec>
 struct DeviceInputs {
   using Mem = typename Exec::memory_space;
@@ -281,18 +275,10 @@ struct DeviceInputs {
   }
 
   RefInputs reference() const {
-    return RefInputs{p, host_values(x), host_values(w), p.bias ? host_values(bias) : std::vector<double>{},
-                     p.initial_state ? host_values(init) : std::vector<double>{}};
+    return RefInputs{p, host_doubles(x), host_doubles(w), p.bias ? host_doubles(bias) : std::vector<double>{},
+                     p.initial_state ? host_doubles(init) : std::vector<double>{}};
   }
 };
-
-// A new tensor filled with NaN, so that any element a kernel does not write fails the comparison.
-template <class ViewType, class... Extents>
-ViewType poisoned(const char* label, Extents... extents) {
-  auto v = kmamba::allocate_uninitialized<ViewType>(label, extents...);
-  Kokkos::deep_copy(v, nan_value);
-  return v;
-}
 
 // Runs forward and backward on `d` and compares every output and gradient with the reference.
 template <class Exec>
@@ -309,12 +295,12 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
     final_state =
         poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, p.state_len());
   kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y, final_state, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
   if (p.final_state) {
-    EXPECT_TRUE(all_close("final_state", ref.final_state, host_values(final_state)));
+    EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
   }
 
-  const RefGrads g = ref_backward(in, host_values(d.dy), p.final_state ? host_values(d.dfinal) : std::vector<double>{});
+  const RefGrads g = ref_backward(in, host_doubles(d.dy), p.final_state ? host_doubles(d.dfinal) : std::vector<double>{});
   auto dx = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
   auto dw = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::dw", p.channels, p.width);
   kmamba::Tensor1<float, Mem> dbias;
@@ -323,13 +309,13 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
   if (p.initial_state)
     dinit = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dinit", p.batch, p.channels, p.state_len());
   kmamba::causal_conv1d_backward(exec, d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation());
-  EXPECT_TRUE(all_close("dx", g.dx, host_values(dx)));
-  EXPECT_TRUE(all_close("dweight", g.dw, host_values(dw)));
+  EXPECT_TRUE(all_close("dx", g.dx, host_doubles(dx)));
+  EXPECT_TRUE(all_close("dweight", g.dw, host_doubles(dw)));
   if (p.bias) {
-    EXPECT_TRUE(all_close("dbias", g.dbias, host_values(dbias)));
+    EXPECT_TRUE(all_close("dbias", g.dbias, host_doubles(dbias)));
   }
   if (p.initial_state) {
-    EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_values(dinit)));
+    EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_doubles(dinit)));
   }
 }
 
@@ -371,7 +357,7 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
       auto final_state =
           poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, p.state_len());
       kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y_full, final_state, p.activation());
-      const std::vector<double> y_full_h = host_values(y_full);
+      const std::vector<double> y_full_h = host_doubles(y_full);
 
       auto conv_state =
           kmamba::allocate<kmamba::Tensor3<float, Mem>>("kmamba::test::conv_state", p.batch, p.channels, p.state_len());
@@ -384,7 +370,7 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
         for (int b = 0; b < p.batch; ++b)
           for (int c = 0; c < p.channels; ++c) x_t_h(b, c) = x_h(b, t, c);
         Kokkos::deep_copy(x_t, x_t_h);
-        Kokkos::deep_copy(y_t, nan_value);
+        kmamba::test::poison(y_t);
         kmamba::causal_conv1d_update(exec, x_t, d.w, d.bias, conv_state, y_t, p.activation());
         const auto y_t_h = kmamba::test::to_host(y_t);
         std::vector<double> got, from_forward, from_ref;
@@ -397,8 +383,8 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
         EXPECT_TRUE(all_close("decode y vs forward y", from_forward, got)) << "token " << t;
         EXPECT_TRUE(all_close("decode y vs reference", from_ref, got)) << "token " << t;
       }
-      EXPECT_TRUE(all_close("conv_state vs forward final_state", host_values(final_state), host_values(conv_state)));
-      EXPECT_TRUE(all_close("conv_state vs reference", ref.final_state, host_values(conv_state)));
+      EXPECT_TRUE(all_close("conv_state vs forward final_state", host_doubles(final_state), host_doubles(conv_state)));
+      EXPECT_TRUE(all_close("conv_state vs reference", ref.final_state, host_doubles(conv_state)));
     }
   }
 }
@@ -416,8 +402,8 @@ TYPED_TEST(Conv1d, UpdateMayWriteYIntoX) {
   auto state = kmamba::allocate<kmamba::Tensor3<float, Mem>>("kmamba::test::state", p.batch, p.channels, 3);
   Kokkos::deep_copy(state, d.init);
   kmamba::causal_conv1d_update(exec, x_t, d.w, d.bias, state, x_t, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(x_t)));
-  EXPECT_TRUE(all_close("state", ref.final_state, host_values(state)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(x_t)));
+  EXPECT_TRUE(all_close("state", ref.final_state, host_doubles(state)));
 }
 
 // Copies tokens [t0, t1) of a (batch, seqlen, channels) tensor into a new tensor.
@@ -468,9 +454,9 @@ TYPED_TEST(Conv1d, SegmentsEqualOnePass) {
         auto state2 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::state2", p.batch, p.channels, pad);
         kmamba::causal_conv1d(exec, x1, d.w, d.bias, d.init, y1, state1, act);
         kmamba::causal_conv1d(exec, x2, d.w, d.bias, state1, y2, state2, act);
-        EXPECT_TRUE(all_close("y segment 1", host_values(slice_tokens(y, 0, split)), host_values(y1)));
-        EXPECT_TRUE(all_close("y segment 2", host_values(slice_tokens(y, split, seqlen)), host_values(y2)));
-        EXPECT_TRUE(all_close("final state", host_values(final_state), host_values(state2)));
+        EXPECT_TRUE(all_close("y segment 1", host_doubles(slice_tokens(y, 0, split)), host_doubles(y1)));
+        EXPECT_TRUE(all_close("y segment 2", host_doubles(slice_tokens(y, split, seqlen)), host_doubles(y2)));
+        EXPECT_TRUE(all_close("final state", host_doubles(final_state), host_doubles(state2)));
 
         auto dx1 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx1", p.batch, split, p.channels);
         auto dx2 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx2", p.batch, seqlen - split, p.channels);
@@ -484,17 +470,17 @@ TYPED_TEST(Conv1d, SegmentsEqualOnePass) {
         auto dbias2 = poisoned<T1>("kmamba::test::dbias2", p.channels);
         kmamba::causal_conv1d_backward(exec, x2, d.w, d.bias, state1, dy2, d.dfinal, dx2, dw2, dbias2, dstate1, act);
         kmamba::causal_conv1d_backward(exec, x1, d.w, d.bias, d.init, dy1, dstate1, dx1, dw1, dbias1, dinit1, act);
-        EXPECT_TRUE(all_close("dx segment 1", host_values(slice_tokens(dx, 0, split)), host_values(dx1)));
-        EXPECT_TRUE(all_close("dx segment 2", host_values(slice_tokens(dx, split, seqlen)), host_values(dx2)));
+        EXPECT_TRUE(all_close("dx segment 1", host_doubles(slice_tokens(dx, 0, split)), host_doubles(dx1)));
+        EXPECT_TRUE(all_close("dx segment 2", host_doubles(slice_tokens(dx, split, seqlen)), host_doubles(dx2)));
         if (p.initial_state) {
-          EXPECT_TRUE(all_close("dinitial_state", host_values(dinit), host_values(dinit1)));
+          EXPECT_TRUE(all_close("dinitial_state", host_doubles(dinit), host_doubles(dinit1)));
         }
-        std::vector<double> dw_sum = host_values(dw1), dbias_sum = host_values(dbias1);
-        const std::vector<double> dw2_h = host_values(dw2), dbias2_h = host_values(dbias2);
+        std::vector<double> dw_sum = host_doubles(dw1), dbias_sum = host_doubles(dbias1);
+        const std::vector<double> dw2_h = host_doubles(dw2), dbias2_h = host_doubles(dbias2);
         for (std::size_t i = 0; i < dw_sum.size(); ++i) dw_sum[i] += dw2_h[i];
         for (std::size_t i = 0; i < dbias_sum.size(); ++i) dbias_sum[i] += dbias2_h[i];
-        EXPECT_TRUE(all_close("dweight", host_values(dw), dw_sum));
-        EXPECT_TRUE(all_close("dbias", host_values(dbias), dbias_sum));
+        EXPECT_TRUE(all_close("dweight", host_doubles(dw), dw_sum));
+        EXPECT_TRUE(all_close("dbias", host_doubles(dbias), dbias_sum));
       }
     }
   }
@@ -514,8 +500,8 @@ TYPED_TEST(Conv1d, FinalStateMayBeInitialState) {
     Kokkos::deep_copy(state, d.init);
     auto y = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::y", p.batch, p.seqlen, p.channels);
     kmamba::causal_conv1d(exec, d.x, d.w, d.bias, state, y, state, p.activation());
-    EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
-    EXPECT_TRUE(all_close("state", ref.final_state, host_values(state)));
+    EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
+    EXPECT_TRUE(all_close("state", ref.final_state, host_doubles(state)));
   }
 }
 
@@ -527,21 +513,21 @@ TYPED_TEST(Conv1d, OverloadsWithoutInstance) {
   const DeviceInputs<Exec> d(p, 42000);
   const RefInputs in = d.reference();
   const RefOutputs ref = ref_forward(in);
-  const RefGrads g = ref_backward(in, host_values(d.dy), host_values(d.dfinal));
+  const RefGrads g = ref_backward(in, host_doubles(d.dy), host_doubles(d.dfinal));
   auto y = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::y", p.batch, p.seqlen, p.channels);
   auto final_state = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, 2);
   kmamba::causal_conv1d(d.x, d.w, d.bias, d.init, y, final_state, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
-  EXPECT_TRUE(all_close("final_state", ref.final_state, host_values(final_state)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
+  EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
   auto dx = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
   auto dw = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::dw", p.channels, 3);
   auto dbias = poisoned<kmamba::Tensor1<float, Mem>>("kmamba::test::dbias", p.channels);
   auto dinit = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dinit", p.batch, p.channels, 2);
   kmamba::causal_conv1d_backward(d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation());
-  EXPECT_TRUE(all_close("dx", g.dx, host_values(dx)));
-  EXPECT_TRUE(all_close("dweight", g.dw, host_values(dw)));
-  EXPECT_TRUE(all_close("dbias", g.dbias, host_values(dbias)));
-  EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_values(dinit)));
+  EXPECT_TRUE(all_close("dx", g.dx, host_doubles(dx)));
+  EXPECT_TRUE(all_close("dweight", g.dw, host_doubles(dw)));
+  EXPECT_TRUE(all_close("dbias", g.dbias, host_doubles(dbias)));
+  EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_doubles(dinit)));
   auto x_t = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::x_t", p.batch, p.channels);
   auto y_t = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::y_t", p.batch, p.channels);
   Kokkos::deep_copy(x_t, Kokkos::subview(d.x, Kokkos::ALL, 0, Kokkos::ALL));
@@ -554,8 +540,8 @@ TYPED_TEST(Conv1d, OverloadsWithoutInstance) {
   for (int b = 0; b < p.batch; ++b)
     for (int c = 0; c < p.channels; ++c) first.x.push_back(in.x[x_index(p, b, 0, c)]);
   const RefOutputs ref_first = ref_forward(first);
-  EXPECT_TRUE(all_close("update y", ref_first.y, host_values(y_t)));
-  EXPECT_TRUE(all_close("update state", ref_first.final_state, host_values(state)));
+  EXPECT_TRUE(all_close("update y", ref_first.y, host_doubles(y_t)));
+  EXPECT_TRUE(all_close("update state", ref_first.final_state, host_doubles(state)));
 }
 
 template <class F>

@@ -13,6 +13,7 @@
 
 #include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -27,6 +28,9 @@
 
 namespace {
 
+using kmamba::test::expect_user_error;
+using kmamba::test::host_doubles;
+using kmamba::test::poison;
 using kmamba::reference::sigmoid;
 using kmamba::reference::silu;
 using kmamba::reference::silu_derivative;
@@ -234,18 +238,11 @@ TEST(RmsNormReference, BackwardMatchesFiniteDifferences) {
 // ---------------------------------------------------------------------------------------------
 // Kernels against the reference.
 
-template <class HostView>
-std::vector<double> to_doubles(const HostView& h) {
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = kmamba::to_float(h.data()[i]);
-  return v;
-}
-
 // Every element must satisfy |got − ref| ≤ rtol·mag + extra_rtol·|ref| (a NaN never does).
 template <class ViewType>
 void expect_close(const char* what, const ViewType& view, const std::vector<double>& ref,
                   const std::vector<double>& mag, double rtol, double extra_rtol = 0.0) {
-  const std::vector<double> got = to_doubles(kmamba::test::to_host(view));
+  const std::vector<double> got = host_doubles(view);
   ASSERT_EQ(got.size(), ref.size()) << what;
   std::size_t bad = 0;
   std::ostringstream first;
@@ -264,12 +261,6 @@ std::vector<double> abs_of(const std::vector<double>& v) {
   std::vector<double> a(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) a[i] = std::abs(v[i]);
   return a;
-}
-
-template <class ViewType>
-void poison(const ViewType& view) {
-  Kokkos::deep_copy(
-      view, kmamba::from_float<typename ViewType::non_const_value_type>(std::numeric_limits<float>::quiet_NaN()));
 }
 
 constexpr double rtol = 1e-5;
@@ -293,8 +284,7 @@ void check_problem(const Problem& p, std::uint64_t seed, bool use_instance = tru
   kmamba::fill_normal(Exec(), z, seed + 1, 0.0f, 2.0f);
   kmamba::fill_normal(Exec(), w, seed + 2, 1.0f, 0.5f);
   kmamba::fill_normal(Exec(), dy, seed + 3, 0.0f, 1.0f);
-  const Inputs in{to_doubles(kmamba::test::to_host(x)), to_doubles(kmamba::test::to_host(z)),
-                  to_doubles(kmamba::test::to_host(w)), to_doubles(kmamba::test::to_host(dy))};
+  const Inputs in{host_doubles(x), host_doubles(z), host_doubles(w), host_doubles(dy)};
   const Forward fwd = reference_forward(p, in);
   const Backward bwd = reference_backward(p, in);
   const kmamba::ConstTensor2<float, Mem> cx = x, cz = z, cdy = dy;
@@ -468,8 +458,7 @@ TYPED_TEST(RmsNorm, Bf16StorageComputesInFp32) {
   kmamba::fill_normal(Exec(), z, 12, 0.0f, 2.0f);
   kmamba::fill_normal(Exec(), dy, 13, 0.0f, 1.0f);
   kmamba::fill_normal(Exec(), w, 14, 1.0f, 0.5f);
-  const Inputs in{to_doubles(kmamba::test::to_host(x)), to_doubles(kmamba::test::to_host(z)),
-                  to_doubles(kmamba::test::to_host(w)), to_doubles(kmamba::test::to_host(dy))};
+  const Inputs in{host_doubles(x), host_doubles(z), host_doubles(w), host_doubles(dy)};
   const Forward fwd = reference_forward(p, in);
   const Backward bwd = reference_backward(p, in);
 
@@ -524,19 +513,6 @@ TYPED_TEST(RmsNorm, NoRowsGiveZeroDweight) {
   poison(dw);
   kmamba::rms_norm_backward(Exec(), x, x, w, 1e-5f, x, dw);
   expect_close("plain dweight", dw, std::vector<double>(8, 0.0), std::vector<double>(8, 0.0), rtol);
-}
-
-// Expects a kmamba::UserError whose message contains every one of `parts`.
-void expect_user_error(const std::function<void()>& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no exception; expected one mentioning " << parts.front();
-  } catch (const kmamba::UserError& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
-    }
-  }
 }
 
 TYPED_TEST(RmsNorm, ShapeErrorsNameBothShapes) {
@@ -642,7 +618,7 @@ TYPED_TEST(RmsNorm, AddThenNormMatchesReference) {
       const auto d0 = kmamba::test::to_host(delta);
       std::vector<double> sum(r0.size());
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = static_cast<float>(r0.data()[i] + d0.data()[i]);
-      const Forward fwd = reference_forward(p, Inputs{sum, {}, to_doubles(kmamba::test::to_host(w)), {}});
+      const Forward fwd = reference_forward(p, Inputs{sum, {}, host_doubles(w), {}});
       if (rows == 1) {
         kmamba::add_rms_norm(exec, residual, delta, w, p.eps, y);
       } else {

@@ -16,6 +16,7 @@
 
 #include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 #include "SafeTensorsReader.hpp"
 
 #include <gtest/gtest.h>
@@ -31,6 +32,9 @@
 
 namespace {
 
+using kmamba::test::expect_user_error;
+using kmamba::test::host_doubles;
+using kmamba::test::poison;
 using kmamba::reference::silu;
 using kmamba::reference::silu_derivative;
 using kmamba::reference::softplus;
@@ -160,14 +164,6 @@ double reference_loss(const RefProblem& p) {
 // ----------------------------------------------------------------------------------------------
 // Device-side problem: random inputs from kmamba's fills, distinct seeds per tensor.
 
-template <class View>
-std::vector<double> host_doubles(const View& view) {
-  auto h = kmamba::test::to_host(view);
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = static_cast<double>(h.data()[i]);
-  return v;
-}
-
 template <class Exec>
 struct ScanProblem {
   using Mem = typename Exec::memory_space;
@@ -255,11 +251,6 @@ struct ScanOutputs {
   kmamba::Tensor3<float, Mem> out, last;
   kmamba::SelectiveScanGrads<Mem> grads;
 };
-
-template <class View>
-void poison(const View& view) {
-  if (view.is_allocated()) Kokkos::deep_copy(view, std::numeric_limits<float>::quiet_NaN());
-}
 
 // Runs forward and backward on the kernel, every output poisoned with NaN beforehand.
 template <class Exec>
@@ -707,19 +698,6 @@ TYPED_TEST(SelectiveScan, SegmentsChainedThroughStatesEqualOnePass) {
   for (int d = 0; d < c.dim; ++d) {
     EXPECT_NEAR(d1(d) + d2(d), wD(d), tol * (1.0 + std::abs(wD(d)))) << "dD " << d;
     EXPECT_NEAR(b1(d) + b2(d), wb(d), tol * (1.0 + std::abs(wb(d)))) << "ddelta_bias " << d;
-  }
-}
-
-// Expects a kmamba::UserError whose message contains every one of `parts`.
-void expect_user_error(const std::function<void()>& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no kmamba::UserError thrown";
-  } catch (const kmamba::UserError& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
-    }
   }
 }
 

@@ -22,6 +22,7 @@
 
 #include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -37,6 +38,7 @@
 
 namespace {
 
+using kmamba::test::host_doubles;
 using kmamba::reference::silu;
 using kmamba::reference::silu_derivative;
 using kmamba::reference::softplus;
@@ -478,24 +480,14 @@ Tensors download_gradients(const kmamba::ParameterSlab<Mem>& slab, const Tensors
 
 template <class Mem>
 kmamba::Tensor3<float, Mem> device_tensor(const char* label, const Problem& p, const std::vector<double>& values) {
-  auto t = kmamba::allocate<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
-  auto h = Kokkos::create_mirror_view(t);
-  for (std::size_t i = 0; i < values.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
-  Kokkos::deep_copy(t, h);
+  auto t = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
+  kmamba::test::upload(t, values);
   return t;
 }
 
 template <class Mem>
 kmamba::Tensor3<float, Mem> poisoned(const char* label, const Problem& p) {
-  auto t = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
-  Kokkos::deep_copy(t, std::numeric_limits<float>::quiet_NaN());
-  return t;
-}
-
-template <class ViewType>
-std::vector<double> host_values(const ViewType& v) {
-  const auto h = kmamba::test::to_host(v);
-  return std::vector<double>(h.data(), h.data() + h.size());
+  return kmamba::test::poisoned<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
 }
 
 template <class Exec>
@@ -531,8 +523,8 @@ void check_against_reference(const Problem& p, std::uint64_t seed) {
   exec.fence();
 
   const double tol = 1e-4;
-  expect_close("out", ref.out, host_values(out), tol);
-  expect_close("du", ref_grads.at("u"), host_values(du), tol);
+  expect_close("out", ref.out, host_doubles(out), tol);
+  expect_close("du", ref_grads.at("u"), host_doubles(du), tol);
   const Tensors grads = download_gradients(slab, r.w);
   for (const auto& kv : grads) expect_close("grad " + kv.first, ref_grads.at(kv.first), kv.second, tol);
   // The unrelated parameter's gradient is untouched.
@@ -606,7 +598,7 @@ TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {
   mixer.backward(exec, slab, dout, du);
   exec.fence();
   const Tensors once = download_gradients(slab, r.w);
-  const std::vector<double> du_once = host_values(du);
+  const std::vector<double> du_once = host_doubles(du);
   mixer.backward(exec, slab, dout, du);
   exec.fence();
   const Tensors twice = download_gradients(slab, r.w);
@@ -615,7 +607,7 @@ TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {
     for (double& v : doubled) v *= 2.0;
     expect_close("twice " + kv.first, doubled, twice.at(kv.first), 1e-5);
   }
-  expect_close("du", du_once, host_values(du), 1e-5);
+  expect_close("du", du_once, host_doubles(du), 1e-5);
 }
 
 TYPED_TEST(Mamba1Mixer, EmptySequencesLeaveGradientsUnchanged) {

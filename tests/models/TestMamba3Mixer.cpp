@@ -21,6 +21,7 @@
 
 #include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -38,6 +39,9 @@
 
 namespace {
 
+using kmamba::test::expect_user_error;
+using kmamba::test::host_doubles;
+using kmamba::test::upload;
 using kmamba::reference::sigmoid;
 using kmamba::reference::silu;
 using kmamba::reference::softplus;
@@ -264,26 +268,11 @@ Params ref_gradients(const Problem& P, double step) {
 // ----------------------------------------------------------------------------------------------
 // Device side.
 
-template <class View>
-void upload(const View& v, const std::vector<double>& values) {
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
-  Kokkos::deep_copy(v, h);
-}
-
-template <class View>
-std::vector<double> download(const View& v) {
-  auto h = kmamba::test::to_host(v);
-  std::vector<double> out(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
-  return out;
-}
-
 template <class Mem>
 std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
                                 const std::string& name) {
   const auto& e = slab.entry(name);
-  const std::vector<double> all = download(storage);
+  const std::vector<double> all = host_doubles(storage);
   return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
                              all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
 }
@@ -323,14 +312,14 @@ struct Harness {
     Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
     mixer.forward(Exec(), slab, u, out, keep);
     Kokkos::fence();
-    return download(out);
+    return host_doubles(out);
   }
 
   std::vector<double> backward() {
     Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
     mixer.backward(Exec(), slab, dout, du);
     Kokkos::fence();
-    return download(du);
+    return host_doubles(du);
   }
 
   std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
@@ -654,15 +643,6 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
   c.seed = 51;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  const auto expect_user_error = [](const std::function<void()>& call, const std::vector<std::string>& fragments) {
-    try {
-      call();
-      ADD_FAILURE() << "no kmamba::UserError thrown";
-    } catch (const kmamba::UserError& e) {
-      const std::string message = e.what();
-      for (const std::string& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
-    }
-  };
   expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba3Mixer::backward", "keep_for_backward"});
   h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
   expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
