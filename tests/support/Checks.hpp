@@ -32,6 +32,13 @@ std::vector<double> host_doubles(const View& view) {
   return out;
 }
 
+/// Every element of a contiguous float view, in storage order.
+template <class View>
+std::vector<float> host_floats(const View& view) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  return std::vector<float>(h.data(), h.data() + h.span());
+}
+
 /// Copies `values` (storage order) into `view`, rounded to its element type.
 template <class View>
 void upload(const View& view, const std::vector<double>& values) {
