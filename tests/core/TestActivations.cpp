@@ -16,9 +16,7 @@
 
 namespace {
 
-using kmamba::reference::sigmoid;
-using kmamba::reference::silu;
-using kmamba::reference::softplus;
+using namespace kmamba::reference;
 
 const std::vector<float> sample_points = {-100.0f, -30.0f, -20.5f, -8.0f, -1.0f,   -1e-3f, 0.0f,  1e-3f,
                                           0.5f,    3.0f,   19.9f,  20.0f, 20.001f, 20.5f,  25.0f, 100.0f};

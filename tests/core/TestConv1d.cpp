@@ -23,9 +23,8 @@
 
 namespace {
 
-using kmamba::test::host_doubles;
-using kmamba::test::poisoned;
-using kmamba::reference::sigmoid;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 using kmamba::Conv1dActivation;
 

@@ -28,10 +28,8 @@
 
 namespace {
 
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::reference::silu;
-using kmamba::reference::softplus;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 struct Config {
   int batch = 2, nheads = 4, headdim = 3, ngroups = 2, dstate = 5, width = 4, xbc_offset = 12, tokens = 3;

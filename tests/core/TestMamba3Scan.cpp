@@ -51,20 +51,9 @@
 
 namespace {
 
-using kmamba::test::expect_near_rel;
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::test::poison;
-using kmamba::test::poisoned;
+using namespace kmamba::test;
 
-using kmamba::reference::mamba3::Config;
-using kmamba::reference::mamba3::make_reference_problem;
-using kmamba::reference::mamba3::ref_backward;
-using kmamba::reference::mamba3::ref_forward;
-using kmamba::reference::mamba3::ref_loss;
-using kmamba::reference::mamba3::RefGrads;
-using kmamba::reference::mamba3::RefOutputs;
-using kmamba::reference::mamba3::RefProblem;
+using namespace kmamba::reference::mamba3;
 
 // ----------------------------------------------------------------------------------------------
 // The reference against itself: its backward against finite differences of its forward.

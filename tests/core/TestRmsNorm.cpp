@@ -28,12 +28,8 @@
 
 namespace {
 
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::test::poison;
-using kmamba::reference::sigmoid;
-using kmamba::reference::silu;
-using kmamba::reference::silu_derivative;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 enum class Mode {
   plain,       // rms_norm

@@ -32,13 +32,8 @@
 
 namespace {
 
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::test::poison;
-using kmamba::reference::silu;
-using kmamba::reference::silu_derivative;
-using kmamba::reference::softplus;
-using kmamba::reference::softplus_derivative;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 // ----------------------------------------------------------------------------------------------
 // Problem description and the double reference.

@@ -45,18 +45,8 @@
 
 namespace {
 
-using kmamba::reference::ssd::Config;
-using kmamba::reference::ssd::ref_backward;
-using kmamba::reference::ssd::ref_forward;
-using kmamba::reference::ssd::ref_loss;
-using kmamba::reference::ssd::RefForward;
-using kmamba::reference::ssd::RefGrads;
-using kmamba::reference::ssd::RefProblem;
-using kmamba::test::expect_near_rel;
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::test::poison;
-using kmamba::test::upload;
+using namespace kmamba::reference::ssd;
+using namespace kmamba::test;
 
 // ----------------------------------------------------------------------------------------------
 // Device side.

@@ -40,8 +40,7 @@
 
 namespace {
 
-using kmamba::test::l2_relative_error;
-using kmamba::test::max_relative_error;
+using namespace kmamba::test;
 const std::string golden_dir = kmamba::test::golden_dir();
 constexpr double recurrent_tolerance = 5e-5;
 

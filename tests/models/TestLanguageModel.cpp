@@ -21,8 +21,7 @@
 
 namespace {
 
-using kmamba::test::host_floats;
-using kmamba::test::l2_relative_error;
+using namespace kmamba::test;
 
 const std::string golden_dir = kmamba::test::golden_dir();
 

@@ -38,11 +38,8 @@
 
 namespace {
 
-using kmamba::test::host_doubles;
-using kmamba::reference::silu;
-using kmamba::reference::silu_derivative;
-using kmamba::reference::softplus;
-using kmamba::reference::softplus_derivative;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 // ----------------------------------------------------------------------------------------------
 // Problem description and the double reference.

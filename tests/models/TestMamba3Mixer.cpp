@@ -39,12 +39,8 @@
 
 namespace {
 
-using kmamba::test::expect_user_error;
-using kmamba::test::host_doubles;
-using kmamba::test::upload;
-using kmamba::reference::sigmoid;
-using kmamba::reference::silu;
-using kmamba::reference::softplus;
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 const std::string prefix = "backbone.layers.1.mixer.";
 constexpr double pi = 3.14159265358979323846;

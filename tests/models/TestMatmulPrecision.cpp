@@ -37,8 +37,7 @@
 
 namespace {
 
-using kmamba::test::host_floats;
-using kmamba::test::l2_relative_error;
+using namespace kmamba::test;
 using kmamba::MatmulPrecision;
 
 template <class ExecSpace>

@@ -32,8 +32,7 @@
 
 namespace {
 
-using kmamba::test::host_floats;
-using kmamba::test::max_relative_error;
+using namespace kmamba::test;
 constexpr double recurrent_tolerance = 5e-5;
 
 kmamba::SequenceModelConfig tiny_config(kmamba::MixerKind kind) {

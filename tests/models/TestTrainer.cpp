@@ -20,7 +20,7 @@
 
 namespace {
 
-using kmamba::test::host_floats;
+using namespace kmamba::test;
 template <class ExecSpace>
 class Trainer : public ::testing::Test {};
 TYPED_TEST_SUITE(Trainer, kmamba::test::Backends, kmamba::test::BackendNames);
