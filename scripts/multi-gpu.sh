@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU scaling (issue 11) from binaries built HERE and carried to a 2/4/8-GPU machine, so that
+# Multi-GPU scaling from binaries built HERE and carried to a 2/4/8-GPU machine, so that
 # no device time goes into compiling:
 #   (a) equivalence: kmamba-train under mpirun on NCCL meshes follows the one-GPU run step by step
 #       (tests/apps/CheckParallelTraining.cmake, as the train.mpi_* ctest entries do on CPU ranks);

@@ -1,6 +1,7 @@
 #include <kmamba/models/Distributed.hpp>
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -131,15 +132,7 @@ void gather_parameters(const ExecutionSpace& exec, const LanguageModel<Execution
                                     const Tensor1<float, Exec::memory_space>&);                                   \
   template void scatter_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);        \
   template void gather_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);
-#if KMAMBA_HAS_SERIAL
-KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::Serial)
-#endif
-#if KMAMBA_HAS_OPENMP
-KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::OpenMP)
-#endif
-#if KMAMBA_ENABLE_CUDA
-KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Kokkos::Cuda)
-#endif
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_TENSOR_PARALLEL)
 #undef KMAMBA_INSTANTIATE_TENSOR_PARALLEL
 
 void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
@@ -353,15 +346,9 @@ void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, cons
   step_ = steps;
 }
 
-#if KMAMBA_HAS_SERIAL
-template class DataParallel<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class DataParallel<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class DataParallel<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) template class DataParallel<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 #endif
 
 }  // namespace kmamba

@@ -3,6 +3,7 @@
 #include <kmamba/Embed.hpp>
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 
 #include <cmath>
 #include <exception>
@@ -164,14 +165,8 @@ double Model<ExecutionSpace>::evaluate_on(const ExecutionSpace& exec,
   return model_->loss(exec, inputs, targets).loss;
 }
 
-#if KMAMBA_HAS_SERIAL
-template class Model<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class Model<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class Model<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE(Exec) template class Model<Exec>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)
+#undef KMAMBA_INSTANTIATE
 
 }  // namespace kmamba

@@ -4,6 +4,7 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -146,14 +147,6 @@ GenerationResult generate(const ExecutionSpace& exec, LanguageModel<ExecutionSpa
                                             const std::vector<std::vector<std::int64_t>>&, const TokenSampler&, \
                                             const GenerationOptions&, const TokenCallback&);
 
-#if KMAMBA_HAS_SERIAL
-KMAMBA_INSTANTIATE_GENERATE(Kokkos::Serial)
-#endif
-#if KMAMBA_HAS_OPENMP
-KMAMBA_INSTANTIATE_GENERATE(Kokkos::OpenMP)
-#endif
-#if KMAMBA_ENABLE_CUDA
-KMAMBA_INSTANTIATE_GENERATE(Kokkos::Cuda)
-#endif
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_GENERATE)
 
 }  // namespace kmamba

@@ -8,7 +8,9 @@
 #include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/Core.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -21,12 +23,14 @@
 
 namespace {
 
+using namespace kmamba::test;
+using namespace kmamba::reference;
+
 using kmamba::Conv1dActivation;
 
 constexpr double kernel_tolerance = 1e-5;
 constexpr double fd_tolerance = 1e-6;
 constexpr double fd_step = 1e-5;
-const float nan_value = std::numeric_limits<float>::quiet_NaN();
 
 struct Problem {
   int batch, seqlen, channels, width;
@@ -80,8 +84,6 @@ struct RefGrads {
   std::vector<double> dinit;  // (batch, channels, width - 1)
 };
 
-double ref_sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-
 std::size_t x_index(const Problem& p, int b, int t, int c) {
   return (static_cast<std::size_t>(b) * p.seqlen + t) * p.channels + c;
 }
@@ -111,7 +113,7 @@ RefOutputs ref_forward(const RefInputs& in) {
     for (int t = 0; t < p.seqlen; ++t) {
       for (int c = 0; c < p.channels; ++c) {
         const double pre = ref_pre(in, b, t, c);
-        out.y[x_index(p, b, t, c)] = p.silu ? pre * ref_sigmoid(pre) : pre;
+        out.y[x_index(p, b, t, c)] = p.silu ? pre * sigmoid(pre) : pre;
       }
     }
     for (int c = 0; c < p.channels; ++c) {
@@ -140,7 +142,7 @@ RefGrads ref_backward(const RefInputs& in, const std::vector<double>& dy, const 
     for (int c = 0; c < p.channels; ++c) {
       for (int t = 0; t < p.seqlen; ++t) {
         const double pre = ref_pre(in, b, t, c);
-        const double s = ref_sigmoid(pre);
+        const double s = sigmoid(pre);
         const double dpre = dy[x_index(p, b, t, c)] * (p.silu ? s * (1.0 + pre * (1.0 - s)) : 1.0);
         g.dbias[c] += dpre;
         for (int k = 0; k < p.width; ++k) {
@@ -235,14 +237,6 @@ template <class ExecSpace>
 class Conv1d : public ::testing::Test {};
 TYPED_TEST_SUITE(Conv1d, kmamba::test::Backends, kmamba::test::BackendNames);
 
-template <class ViewType>
-std::vector<double> host_values(const ViewType& view) {
-  auto h = kmamba::test::to_host(view);
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = static_cast<double>(h.data()[i]);
-  return v;
-}
-
 template <class Exec>
 struct DeviceInputs {
   using Mem = typename Exec::memory_space;
@@ -280,18 +274,10 @@ struct DeviceInputs {
   }
 
   RefInputs reference() const {
-    return RefInputs{p, host_values(x), host_values(w), p.bias ? host_values(bias) : std::vector<double>{},
-                     p.initial_state ? host_values(init) : std::vector<double>{}};
+    return RefInputs{p, host_doubles(x), host_doubles(w), p.bias ? host_doubles(bias) : std::vector<double>{},
+                     p.initial_state ? host_doubles(init) : std::vector<double>{}};
   }
 };
-
-// A new tensor filled with NaN, so that any element a kernel does not write fails the comparison.
-template <class ViewType, class... Extents>
-ViewType poisoned(const char* label, Extents... extents) {
-  auto v = kmamba::allocate_uninitialized<ViewType>(label, extents...);
-  Kokkos::deep_copy(v, nan_value);
-  return v;
-}
 
 // Runs forward and backward on `d` and compares every output and gradient with the reference.
 template <class Exec>
@@ -308,12 +294,12 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
     final_state =
         poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, p.state_len());
   kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y, final_state, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
   if (p.final_state) {
-    EXPECT_TRUE(all_close("final_state", ref.final_state, host_values(final_state)));
+    EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
   }
 
-  const RefGrads g = ref_backward(in, host_values(d.dy), p.final_state ? host_values(d.dfinal) : std::vector<double>{});
+  const RefGrads g = ref_backward(in, host_doubles(d.dy), p.final_state ? host_doubles(d.dfinal) : std::vector<double>{});
   auto dx = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
   auto dw = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::dw", p.channels, p.width);
   kmamba::Tensor1<float, Mem> dbias;
@@ -322,13 +308,13 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
   if (p.initial_state)
     dinit = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dinit", p.batch, p.channels, p.state_len());
   kmamba::causal_conv1d_backward(exec, d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation());
-  EXPECT_TRUE(all_close("dx", g.dx, host_values(dx)));
-  EXPECT_TRUE(all_close("dweight", g.dw, host_values(dw)));
+  EXPECT_TRUE(all_close("dx", g.dx, host_doubles(dx)));
+  EXPECT_TRUE(all_close("dweight", g.dw, host_doubles(dw)));
   if (p.bias) {
-    EXPECT_TRUE(all_close("dbias", g.dbias, host_values(dbias)));
+    EXPECT_TRUE(all_close("dbias", g.dbias, host_doubles(dbias)));
   }
   if (p.initial_state) {
-    EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_values(dinit)));
+    EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_doubles(dinit)));
   }
 }
 
@@ -370,7 +356,7 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
       auto final_state =
           poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, p.state_len());
       kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y_full, final_state, p.activation());
-      const std::vector<double> y_full_h = host_values(y_full);
+      const std::vector<double> y_full_h = host_doubles(y_full);
 
       auto conv_state =
           kmamba::allocate<kmamba::Tensor3<float, Mem>>("kmamba::test::conv_state", p.batch, p.channels, p.state_len());
@@ -383,7 +369,7 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
         for (int b = 0; b < p.batch; ++b)
           for (int c = 0; c < p.channels; ++c) x_t_h(b, c) = x_h(b, t, c);
         Kokkos::deep_copy(x_t, x_t_h);
-        Kokkos::deep_copy(y_t, nan_value);
+        kmamba::test::poison(y_t);
         kmamba::causal_conv1d_update(exec, x_t, d.w, d.bias, conv_state, y_t, p.activation());
         const auto y_t_h = kmamba::test::to_host(y_t);
         std::vector<double> got, from_forward, from_ref;
@@ -396,8 +382,8 @@ TYPED_TEST(Conv1d, DecodeStepsEqualFullForward) {
         EXPECT_TRUE(all_close("decode y vs forward y", from_forward, got)) << "token " << t;
         EXPECT_TRUE(all_close("decode y vs reference", from_ref, got)) << "token " << t;
       }
-      EXPECT_TRUE(all_close("conv_state vs forward final_state", host_values(final_state), host_values(conv_state)));
-      EXPECT_TRUE(all_close("conv_state vs reference", ref.final_state, host_values(conv_state)));
+      EXPECT_TRUE(all_close("conv_state vs forward final_state", host_doubles(final_state), host_doubles(conv_state)));
+      EXPECT_TRUE(all_close("conv_state vs reference", ref.final_state, host_doubles(conv_state)));
     }
   }
 }
@@ -415,8 +401,8 @@ TYPED_TEST(Conv1d, UpdateMayWriteYIntoX) {
   auto state = kmamba::allocate<kmamba::Tensor3<float, Mem>>("kmamba::test::state", p.batch, p.channels, 3);
   Kokkos::deep_copy(state, d.init);
   kmamba::causal_conv1d_update(exec, x_t, d.w, d.bias, state, x_t, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(x_t)));
-  EXPECT_TRUE(all_close("state", ref.final_state, host_values(state)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(x_t)));
+  EXPECT_TRUE(all_close("state", ref.final_state, host_doubles(state)));
 }
 
 // Copies tokens [t0, t1) of a (batch, seqlen, channels) tensor into a new tensor.
@@ -467,9 +453,9 @@ TYPED_TEST(Conv1d, SegmentsEqualOnePass) {
         auto state2 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::state2", p.batch, p.channels, pad);
         kmamba::causal_conv1d(exec, x1, d.w, d.bias, d.init, y1, state1, act);
         kmamba::causal_conv1d(exec, x2, d.w, d.bias, state1, y2, state2, act);
-        EXPECT_TRUE(all_close("y segment 1", host_values(slice_tokens(y, 0, split)), host_values(y1)));
-        EXPECT_TRUE(all_close("y segment 2", host_values(slice_tokens(y, split, seqlen)), host_values(y2)));
-        EXPECT_TRUE(all_close("final state", host_values(final_state), host_values(state2)));
+        EXPECT_TRUE(all_close("y segment 1", host_doubles(slice_tokens(y, 0, split)), host_doubles(y1)));
+        EXPECT_TRUE(all_close("y segment 2", host_doubles(slice_tokens(y, split, seqlen)), host_doubles(y2)));
+        EXPECT_TRUE(all_close("final state", host_doubles(final_state), host_doubles(state2)));
 
         auto dx1 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx1", p.batch, split, p.channels);
         auto dx2 = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx2", p.batch, seqlen - split, p.channels);
@@ -483,17 +469,17 @@ TYPED_TEST(Conv1d, SegmentsEqualOnePass) {
         auto dbias2 = poisoned<T1>("kmamba::test::dbias2", p.channels);
         kmamba::causal_conv1d_backward(exec, x2, d.w, d.bias, state1, dy2, d.dfinal, dx2, dw2, dbias2, dstate1, act);
         kmamba::causal_conv1d_backward(exec, x1, d.w, d.bias, d.init, dy1, dstate1, dx1, dw1, dbias1, dinit1, act);
-        EXPECT_TRUE(all_close("dx segment 1", host_values(slice_tokens(dx, 0, split)), host_values(dx1)));
-        EXPECT_TRUE(all_close("dx segment 2", host_values(slice_tokens(dx, split, seqlen)), host_values(dx2)));
+        EXPECT_TRUE(all_close("dx segment 1", host_doubles(slice_tokens(dx, 0, split)), host_doubles(dx1)));
+        EXPECT_TRUE(all_close("dx segment 2", host_doubles(slice_tokens(dx, split, seqlen)), host_doubles(dx2)));
         if (p.initial_state) {
-          EXPECT_TRUE(all_close("dinitial_state", host_values(dinit), host_values(dinit1)));
+          EXPECT_TRUE(all_close("dinitial_state", host_doubles(dinit), host_doubles(dinit1)));
         }
-        std::vector<double> dw_sum = host_values(dw1), dbias_sum = host_values(dbias1);
-        const std::vector<double> dw2_h = host_values(dw2), dbias2_h = host_values(dbias2);
+        std::vector<double> dw_sum = host_doubles(dw1), dbias_sum = host_doubles(dbias1);
+        const std::vector<double> dw2_h = host_doubles(dw2), dbias2_h = host_doubles(dbias2);
         for (std::size_t i = 0; i < dw_sum.size(); ++i) dw_sum[i] += dw2_h[i];
         for (std::size_t i = 0; i < dbias_sum.size(); ++i) dbias_sum[i] += dbias2_h[i];
-        EXPECT_TRUE(all_close("dweight", host_values(dw), dw_sum));
-        EXPECT_TRUE(all_close("dbias", host_values(dbias), dbias_sum));
+        EXPECT_TRUE(all_close("dweight", host_doubles(dw), dw_sum));
+        EXPECT_TRUE(all_close("dbias", host_doubles(dbias), dbias_sum));
       }
     }
   }
@@ -513,8 +499,8 @@ TYPED_TEST(Conv1d, FinalStateMayBeInitialState) {
     Kokkos::deep_copy(state, d.init);
     auto y = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::y", p.batch, p.seqlen, p.channels);
     kmamba::causal_conv1d(exec, d.x, d.w, d.bias, state, y, state, p.activation());
-    EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
-    EXPECT_TRUE(all_close("state", ref.final_state, host_values(state)));
+    EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
+    EXPECT_TRUE(all_close("state", ref.final_state, host_doubles(state)));
   }
 }
 
@@ -526,21 +512,21 @@ TYPED_TEST(Conv1d, OverloadsWithoutInstance) {
   const DeviceInputs<Exec> d(p, 42000);
   const RefInputs in = d.reference();
   const RefOutputs ref = ref_forward(in);
-  const RefGrads g = ref_backward(in, host_values(d.dy), host_values(d.dfinal));
+  const RefGrads g = ref_backward(in, host_doubles(d.dy), host_doubles(d.dfinal));
   auto y = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::y", p.batch, p.seqlen, p.channels);
   auto final_state = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, 2);
   kmamba::causal_conv1d(d.x, d.w, d.bias, d.init, y, final_state, p.activation());
-  EXPECT_TRUE(all_close("y", ref.y, host_values(y)));
-  EXPECT_TRUE(all_close("final_state", ref.final_state, host_values(final_state)));
+  EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
+  EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
   auto dx = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
   auto dw = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::dw", p.channels, 3);
   auto dbias = poisoned<kmamba::Tensor1<float, Mem>>("kmamba::test::dbias", p.channels);
   auto dinit = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dinit", p.batch, p.channels, 2);
   kmamba::causal_conv1d_backward(d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation());
-  EXPECT_TRUE(all_close("dx", g.dx, host_values(dx)));
-  EXPECT_TRUE(all_close("dweight", g.dw, host_values(dw)));
-  EXPECT_TRUE(all_close("dbias", g.dbias, host_values(dbias)));
-  EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_values(dinit)));
+  EXPECT_TRUE(all_close("dx", g.dx, host_doubles(dx)));
+  EXPECT_TRUE(all_close("dweight", g.dw, host_doubles(dw)));
+  EXPECT_TRUE(all_close("dbias", g.dbias, host_doubles(dbias)));
+  EXPECT_TRUE(all_close("dinitial_state", g.dinit, host_doubles(dinit)));
   auto x_t = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::x_t", p.batch, p.channels);
   auto y_t = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::y_t", p.batch, p.channels);
   Kokkos::deep_copy(x_t, Kokkos::subview(d.x, Kokkos::ALL, 0, Kokkos::ALL));
@@ -553,8 +539,8 @@ TYPED_TEST(Conv1d, OverloadsWithoutInstance) {
   for (int b = 0; b < p.batch; ++b)
     for (int c = 0; c < p.channels; ++c) first.x.push_back(in.x[x_index(p, b, 0, c)]);
   const RefOutputs ref_first = ref_forward(first);
-  EXPECT_TRUE(all_close("update y", ref_first.y, host_values(y_t)));
-  EXPECT_TRUE(all_close("update state", ref_first.final_state, host_values(state)));
+  EXPECT_TRUE(all_close("update y", ref_first.y, host_doubles(y_t)));
+  EXPECT_TRUE(all_close("update state", ref_first.final_state, host_doubles(state)));
 }
 
 template <class F>

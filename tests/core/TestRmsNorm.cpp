@@ -11,7 +11,9 @@
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -25,6 +27,9 @@
 #include <vector>
 
 namespace {
+
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 enum class Mode {
   plain,       // rms_norm
@@ -53,15 +58,9 @@ std::string describe(const Problem& p) {
 // ---------------------------------------------------------------------------------------------
 // Double-precision reference, straight from the spec.
 
-double ref_sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double ref_silu(double v) { return v * ref_sigmoid(v); }
-double ref_silu_grad(double v) {
-  const double s = ref_sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
 // σ(v)·(1 + |v|): the scale of silu′(v)'s fp32 rounding error (1 + v(1 − σ) cancels near
 // v ≈ −1.28, and 1 − σ carries an absolute error of about one ulp of 1).
-double ref_silu_grad_mag(double v) { return ref_sigmoid(v) * (1.0 + std::abs(v)); }
+double silu_derivative_magnitude(double v) { return sigmoid(v) * (1.0 + std::abs(v)); }
 
 struct Inputs {
   std::vector<double> x, z, w, dy;  // (rows, dim), (rows, dim), (dim), (rows, dim)
@@ -78,7 +77,7 @@ struct Backward {
 
 // The normalised input v: x, or x ⊙ silu(z) when the gate comes first.
 double ref_input(const Problem& p, const Inputs& in, std::size_t i) {
-  return p.mode == Mode::gate_first ? in.x[i] * ref_silu(in.z[i]) : in.x[i];
+  return p.mode == Mode::gate_first ? in.x[i] * silu(in.z[i]) : in.x[i];
 }
 
 Forward reference_forward(const Problem& p, const Inputs& in) {
@@ -98,7 +97,7 @@ Forward reference_forward(const Problem& p, const Inputs& in) {
       for (int k = 0; k < p.group_size; ++k) {
         const std::size_t i = begin + k;
         double y = ref_input(p, in, i) * rstd * in.w[static_cast<std::size_t>(g) * p.group_size + k];
-        if (p.mode == Mode::norm_first) y *= ref_silu(in.z[i]);
+        if (p.mode == Mode::norm_first) y *= silu(in.z[i]);
         out.y[i] = y;
       }
     }
@@ -125,7 +124,7 @@ Backward reference_backward(const Problem& p, const Inputs& in) {
       double mean = 0.0, mean_mag = 0.0;
       for (int k = 0; k < p.group_size; ++k) {
         const std::size_t i = begin + k;
-        go[k] = p.mode == Mode::norm_first ? in.dy[i] * ref_silu(in.z[i]) : in.dy[i];
+        go[k] = p.mode == Mode::norm_first ? in.dy[i] * silu(in.z[i]) : in.dy[i];
         xhat[k] = ref_input(p, in, i) * rstd;
         mean += xhat[k] * in.w[wbegin + k] * go[k];
         mean_mag += std::abs(xhat[k] * in.w[wbegin + k] * go[k]);
@@ -143,18 +142,18 @@ Backward reference_backward(const Problem& p, const Inputs& in) {
             out.dx_mag[i] = dv_mag;
             break;
           case Mode::gate_first: {
-            const double s = ref_silu(in.z[i]), ds = ref_silu_grad(in.z[i]);
+            const double s = silu(in.z[i]), ds = silu_derivative(in.z[i]);
             out.dx[i] = dv * s;
             out.dx_mag[i] = dv_mag * std::abs(s);
             out.dz[i] = dv * in.x[i] * ds;
-            out.dz_mag[i] = dv_mag * std::abs(in.x[i]) * ref_silu_grad_mag(in.z[i]);
+            out.dz_mag[i] = dv_mag * std::abs(in.x[i]) * silu_derivative_magnitude(in.z[i]);
             break;
           }
           case Mode::norm_first: {
             out.dx[i] = dv;
             out.dx_mag[i] = dv_mag;
-            out.dz[i] = in.dy[i] * xhat[k] * w * ref_silu_grad(in.z[i]);
-            out.dz_mag[i] = std::abs(in.dy[i] * xhat[k] * w) * ref_silu_grad_mag(in.z[i]);
+            out.dz[i] = in.dy[i] * xhat[k] * w * silu_derivative(in.z[i]);
+            out.dz_mag[i] = std::abs(in.dy[i] * xhat[k] * w) * silu_derivative_magnitude(in.z[i]);
             break;
           }
         }
@@ -235,18 +234,11 @@ TEST(RmsNormReference, BackwardMatchesFiniteDifferences) {
 // ---------------------------------------------------------------------------------------------
 // Kernels against the reference.
 
-template <class HostView>
-std::vector<double> to_doubles(const HostView& h) {
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = kmamba::to_float(h.data()[i]);
-  return v;
-}
-
 // Every element must satisfy |got − ref| ≤ rtol·mag + extra_rtol·|ref| (a NaN never does).
 template <class ViewType>
 void expect_close(const char* what, const ViewType& view, const std::vector<double>& ref,
                   const std::vector<double>& mag, double rtol, double extra_rtol = 0.0) {
-  const std::vector<double> got = to_doubles(kmamba::test::to_host(view));
+  const std::vector<double> got = host_doubles(view);
   ASSERT_EQ(got.size(), ref.size()) << what;
   std::size_t bad = 0;
   std::ostringstream first;
@@ -265,12 +257,6 @@ std::vector<double> abs_of(const std::vector<double>& v) {
   std::vector<double> a(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) a[i] = std::abs(v[i]);
   return a;
-}
-
-template <class ViewType>
-void poison(const ViewType& view) {
-  Kokkos::deep_copy(
-      view, kmamba::from_float<typename ViewType::non_const_value_type>(std::numeric_limits<float>::quiet_NaN()));
 }
 
 constexpr double rtol = 1e-5;
@@ -294,8 +280,7 @@ void check_problem(const Problem& p, std::uint64_t seed, bool use_instance = tru
   kmamba::fill_normal(Exec(), z, seed + 1, 0.0f, 2.0f);
   kmamba::fill_normal(Exec(), w, seed + 2, 1.0f, 0.5f);
   kmamba::fill_normal(Exec(), dy, seed + 3, 0.0f, 1.0f);
-  const Inputs in{to_doubles(kmamba::test::to_host(x)), to_doubles(kmamba::test::to_host(z)),
-                  to_doubles(kmamba::test::to_host(w)), to_doubles(kmamba::test::to_host(dy))};
+  const Inputs in{host_doubles(x), host_doubles(z), host_doubles(w), host_doubles(dy)};
   const Forward fwd = reference_forward(p, in);
   const Backward bwd = reference_backward(p, in);
   const kmamba::ConstTensor2<float, Mem> cx = x, cz = z, cdy = dy;
@@ -469,8 +454,7 @@ TYPED_TEST(RmsNorm, Bf16StorageComputesInFp32) {
   kmamba::fill_normal(Exec(), z, 12, 0.0f, 2.0f);
   kmamba::fill_normal(Exec(), dy, 13, 0.0f, 1.0f);
   kmamba::fill_normal(Exec(), w, 14, 1.0f, 0.5f);
-  const Inputs in{to_doubles(kmamba::test::to_host(x)), to_doubles(kmamba::test::to_host(z)),
-                  to_doubles(kmamba::test::to_host(w)), to_doubles(kmamba::test::to_host(dy))};
+  const Inputs in{host_doubles(x), host_doubles(z), host_doubles(w), host_doubles(dy)};
   const Forward fwd = reference_forward(p, in);
   const Backward bwd = reference_backward(p, in);
 
@@ -525,19 +509,6 @@ TYPED_TEST(RmsNorm, NoRowsGiveZeroDweight) {
   poison(dw);
   kmamba::rms_norm_backward(Exec(), x, x, w, 1e-5f, x, dw);
   expect_close("plain dweight", dw, std::vector<double>(8, 0.0), std::vector<double>(8, 0.0), rtol);
-}
-
-// Expects a kmamba::UserError whose message contains every one of `parts`.
-void expect_user_error(const std::function<void()>& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no exception; expected one mentioning " << parts.front();
-  } catch (const kmamba::UserError& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
-    }
-  }
 }
 
 TYPED_TEST(RmsNorm, ShapeErrorsNameBothShapes) {
@@ -643,7 +614,7 @@ TYPED_TEST(RmsNorm, AddThenNormMatchesReference) {
       const auto d0 = kmamba::test::to_host(delta);
       std::vector<double> sum(r0.size());
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = static_cast<float>(r0.data()[i] + d0.data()[i]);
-      const Forward fwd = reference_forward(p, Inputs{sum, {}, to_doubles(kmamba::test::to_host(w)), {}});
+      const Forward fwd = reference_forward(p, Inputs{sum, {}, host_doubles(w), {}});
       if (rows == 1) {
         kmamba::add_rms_norm(exec, residual, delta, w, p.eps, y);
       } else {

@@ -14,7 +14,9 @@
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 #include "SafeTensorsReader.hpp"
 
 #include <gtest/gtest.h>
@@ -29,6 +31,9 @@
 #include <vector>
 
 namespace {
+
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 // ----------------------------------------------------------------------------------------------
 // Problem description and the double reference.
@@ -69,15 +74,6 @@ struct RefResult {
   std::vector<double> du, ddelta, dA, dB, dC, dD, dz, dbias, dh0;
 };
 
-double ref_sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double ref_silu(double v) { return v * ref_sigmoid(v); }
-double ref_silu_grad(double v) {
-  const double s = ref_sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
-double ref_softplus(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double ref_softplus_grad(double v) { return v > 20.0 ? 1.0 : ref_sigmoid(v); }
-
 // Forward (out, last) and, when `backward`, every gradient of sum(out·dout) + sum(last·dlast).
 RefResult reference(const RefProblem& p, bool backward) {
   const Config& c = p.cfg;
@@ -104,7 +100,7 @@ RefResult reference(const RefProblem& p, bool backward) {
       for (int n = 0; n < N; ++n) h[n] = c.initial_state ? p.h0[p.st(b, d, n)] : 0.0;
       for (int t = 0; t < L; ++t) {
         pre[t] = p.delta[p.seq(b, d, t)] + (c.bias ? p.bias[d] : 0.0);
-        dt[t] = c.softplus ? ref_softplus(pre[t]) : pre[t];
+        dt[t] = c.softplus ? softplus(pre[t]) : pre[t];
         const double u = p.u[p.seq(b, d, t)];
         double acc = 0.0;
         for (int n = 0; n < N; ++n) {
@@ -114,7 +110,7 @@ RefResult reference(const RefProblem& p, bool backward) {
         }
         y[t] = acc;
         double o = acc + Dd * u;
-        if (c.z) o *= ref_silu(p.z[p.seq(b, d, t)]);
+        if (c.z) o *= silu(p.z[p.seq(b, d, t)]);
         r.out[p.seq(b, d, t)] = o;
       }
       for (int n = 0; n < N; ++n) r.last[p.st(b, d, n)] = h[L * N + n];
@@ -123,8 +119,8 @@ RefResult reference(const RefProblem& p, bool backward) {
       for (int t = L - 1; t >= 0; --t) {
         const double u = p.u[p.seq(b, d, t)];
         const double dout = p.dout[p.seq(b, d, t)];
-        const double gsum = c.z ? dout * ref_silu(p.z[p.seq(b, d, t)]) : dout;
-        if (c.z) r.dz[p.seq(b, d, t)] = dout * (y[t] + Dd * u) * ref_silu_grad(p.z[p.seq(b, d, t)]);
+        const double gsum = c.z ? dout * silu(p.z[p.seq(b, d, t)]) : dout;
+        if (c.z) r.dz[p.seq(b, d, t)] = dout * (y[t] + Dd * u) * silu_derivative(p.z[p.seq(b, d, t)]);
         r.dD[d] += gsum * u;
         double sum_du = 0.0, sum_ddt = 0.0;
         for (int n = 0; n < N; ++n) {
@@ -140,7 +136,7 @@ RefResult reference(const RefProblem& p, bool backward) {
           mu[n] = a * lambda;
         }
         r.du[p.seq(b, d, t)] = Dd * gsum + dt[t] * sum_du;
-        const double dpre = sum_ddt * (c.softplus ? ref_softplus_grad(pre[t]) : 1.0);
+        const double dpre = sum_ddt * (c.softplus ? softplus_derivative(pre[t]) : 1.0);
         r.ddelta[p.seq(b, d, t)] = dpre;
         r.dbias[d] += dpre;
       }
@@ -162,14 +158,6 @@ double reference_loss(const RefProblem& p) {
 
 // ----------------------------------------------------------------------------------------------
 // Device-side problem: random inputs from kmamba's fills, distinct seeds per tensor.
-
-template <class View>
-std::vector<double> host_doubles(const View& view) {
-  auto h = kmamba::test::to_host(view);
-  std::vector<double> v(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) v[i] = static_cast<double>(h.data()[i]);
-  return v;
-}
 
 template <class Exec>
 struct ScanProblem {
@@ -258,11 +246,6 @@ struct ScanOutputs {
   kmamba::Tensor3<float, Mem> out, last;
   kmamba::SelectiveScanGrads<Mem> grads;
 };
-
-template <class View>
-void poison(const View& view) {
-  if (view.is_allocated()) Kokkos::deep_copy(view, std::numeric_limits<float>::quiet_NaN());
-}
 
 // Runs forward and backward on the kernel, every output poisoned with NaN beforehand.
 template <class Exec>
@@ -710,19 +693,6 @@ TYPED_TEST(SelectiveScan, SegmentsChainedThroughStatesEqualOnePass) {
   for (int d = 0; d < c.dim; ++d) {
     EXPECT_NEAR(d1(d) + d2(d), wD(d), tol * (1.0 + std::abs(wD(d)))) << "dD " << d;
     EXPECT_NEAR(b1(d) + b2(d), wb(d), tol * (1.0 + std::abs(wb(d)))) << "ddelta_bias " << d;
-  }
-}
-
-// Expects a kmamba::UserError whose message contains every one of `parts`.
-void expect_user_error(const std::function<void()>& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "no kmamba::UserError thrown";
-  } catch (const kmamba::UserError& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
-    }
   }
 }
 

@@ -25,7 +25,9 @@
 #include <kmamba/core/Ssd.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 #include "SafeTensorsReader.hpp"
+#include "SsdReference.hpp"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -43,234 +45,11 @@
 
 namespace {
 
-// ----------------------------------------------------------------------------------------------
-// Problem description and the double reference.
-
-struct Config {
-  int batch = 2, seqlen = 10, nheads = 4, headdim = 3, ngroups = 2, dstate = 5;
-  int chunk = 8;
-  bool D = false, z = false, bias = false, softplus = true, initial_states = false, dfinal = false;
-  // Row 0 starts a new sequence at each of these tokens; row 1 (ids from 5) at seqlen / 2.
-  bool seq_idx = false;
-  std::vector<int> boundaries;
-  float dt_min = 0.0f, dt_max = std::numeric_limits<float>::infinity();
-  std::uint64_t seed = 1;
-
-  std::string describe() const {
-    std::ostringstream s;
-    s << "batch=" << batch << " seqlen=" << seqlen << " nheads=" << nheads << " headdim=" << headdim
-      << " ngroups=" << ngroups << " dstate=" << dstate << " chunk=" << chunk << " D=" << D << " z=" << z
-      << " bias=" << bias << " softplus=" << softplus << " initial_states=" << initial_states
-      << " dfinal=" << dfinal << " seq_idx=" << seq_idx << " boundaries={";
-    for (int t : boundaries) s << t << ",";
-    s << "} dt_limit=(" << dt_min << ", " << dt_max << ")";
-    return s.str();
-  }
-};
-
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
-double silu_derivative(double v) {
-  const double s = sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
-
-// Row-major host copies of every input, in double (absent optional inputs are empty).
-struct RefProblem {
-  Config cfg;
-  std::vector<double> x, dt, A, B, C, D, z, bias, h0, dout, dfinal;
-  std::vector<std::int64_t> seq;
-
-  std::size_t xi(int b, int t, int h, int p) const {
-    return ((static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.nheads + h) * cfg.headdim + p;
-  }
-  std::size_t ti(int b, int t, int h) const { return (static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.nheads + h; }
-  std::size_t bi(int b, int t, int g, int n) const {
-    return ((static_cast<std::size_t>(b) * cfg.seqlen + t) * cfg.ngroups + g) * cfg.dstate + n;
-  }
-  std::size_t si(int b, int h, int p, int n) const {
-    return ((static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.headdim + p) * cfg.dstate + n;
-  }
-  bool restart(int b, int t) const {
-    return !seq.empty() && t > 0 && seq[static_cast<std::size_t>(b) * cfg.seqlen + t] !=
-                                         seq[static_cast<std::size_t>(b) * cfg.seqlen + t - 1];
-  }
-  double pre(int b, int t, int h) const { return dt[ti(b, t, h)] + (bias.empty() ? 0.0 : bias[h]); }
-  double unclamped(double p) const { return cfg.softplus ? softplus20(p) : p; }
-  double delta(double p) const {
-    return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max));
-  }
-};
-
-struct RefForward {
-  std::vector<double> out, final_states;
-};
-
-// magnitude: the same recurrence on the absolute values of every input and of silu(z) (each term
-// counted with its size, for the bf16 error bounds below).
-RefForward ref_forward(const RefProblem& P, bool magnitude = false) {
-  const Config& c = P.cfg;
-  const auto val = [&](double v) { return magnitude ? std::fabs(v) : v; };
-  RefForward r;
-  r.out.assign(static_cast<std::size_t>(c.batch) * c.seqlen * c.nheads * c.headdim, 0.0);
-  r.final_states.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
-  std::vector<double> h(static_cast<std::size_t>(c.headdim) * c.dstate);
-  for (int b = 0; b < c.batch; ++b)
-    for (int hd = 0; hd < c.nheads; ++hd) {
-      const int g = hd / (c.nheads / c.ngroups);
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) h[p * c.dstate + n] = P.h0.empty() ? 0.0 : val(P.h0[P.si(b, hd, p, n)]);
-      for (int t = 0; t < c.seqlen; ++t) {
-        if (P.restart(b, t)) std::fill(h.begin(), h.end(), 0.0);
-        const double d = P.delta(P.pre(b, t, hd));
-        const double decay = std::exp(d * P.A[hd]);
-        for (int p = 0; p < c.headdim; ++p) {
-          const double xv = val(P.x[P.xi(b, t, hd, p)]);
-          double y = 0.0;
-          for (int n = 0; n < c.dstate; ++n) {
-            double& s = h[p * c.dstate + n];
-            s = decay * s + d * xv * val(P.B[P.bi(b, t, g, n)]);
-            y += s * val(P.C[P.bi(b, t, g, n)]);
-          }
-          y += (P.D.empty() ? 0.0 : val(P.D[hd])) * xv;
-          if (!P.z.empty()) y *= val(silu(P.z[P.xi(b, t, hd, p)]));
-          r.out[P.xi(b, t, hd, p)] = y;
-        }
-      }
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) r.final_states[P.si(b, hd, p, n)] = h[p * c.dstate + n];
-    }
-  return r;
-}
-
-double ref_loss(const RefProblem& P) {
-  const RefForward f = ref_forward(P);
-  double loss = 0.0;
-  for (std::size_t i = 0; i < f.out.size(); ++i) loss += f.out[i] * P.dout[i];
-  if (!P.dfinal.empty()) {
-    for (std::size_t i = 0; i < f.final_states.size(); ++i) loss += f.final_states[i] * P.dfinal[i];
-  }
-  return loss;
-}
-
-struct RefGrads {
-  std::vector<double> dx, ddt, dA, dB, dC, dD, dz, dbias, dh0;
-};
-
-// The adjoint of the recurrence, token by token backwards (every state kept).
-// magnitude: the same recursion with every input (x, B, C, dout, silu(z), D, the initial state and
-// its cotangent) and the factor a of δ's gradient replaced by absolute values, the decays kept:
-// each gradient becomes the sum of the magnitudes of its terms (for the bf16 bounds below).
-RefGrads ref_backward(const RefProblem& P, bool magnitude = false) {
-  const Config& c = P.cfg;
-  const auto val = [&](double v) { return magnitude ? std::fabs(v) : v; };
-  RefGrads gr;
-  gr.dx.assign(P.x.size(), 0.0);
-  gr.ddt.assign(P.dt.size(), 0.0);
-  gr.dA.assign(c.nheads, 0.0);
-  gr.dB.assign(P.B.size(), 0.0);
-  gr.dC.assign(P.C.size(), 0.0);
-  gr.dD.assign(c.nheads, 0.0);
-  gr.dz.assign(P.x.size(), 0.0);
-  gr.dbias.assign(c.nheads, 0.0);
-  gr.dh0.assign(static_cast<std::size_t>(c.batch) * c.nheads * c.headdim * c.dstate, 0.0);
-  const std::size_t PN = static_cast<std::size_t>(c.headdim) * c.dstate;
-  std::vector<double> states(PN * (c.seqlen + 1)), lam(PN), g(c.headdim);
-  for (int b = 0; b < c.batch; ++b)
-    for (int hd = 0; hd < c.nheads; ++hd) {
-      const int grp = hd / (c.nheads / c.ngroups);
-      const double a = P.A[hd];
-      const double Dh = P.D.empty() ? 0.0 : val(P.D[hd]);
-      // states[(t + 1)·PN ...] = state after token t; states[0 ...] = initial state.
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) states[p * c.dstate + n] = P.h0.empty() ? 0.0 : val(P.h0[P.si(b, hd, p, n)]);
-      for (int t = 0; t < c.seqlen; ++t) {
-        const double d = P.delta(P.pre(b, t, hd));
-        const double decay = std::exp(d * a);
-        const bool r = P.restart(b, t);
-        for (int p = 0; p < c.headdim; ++p)
-          for (int n = 0; n < c.dstate; ++n) {
-            const double prev = r ? 0.0 : states[t * PN + p * c.dstate + n];
-            states[(t + 1) * PN + p * c.dstate + n] = decay * prev + d * val(P.x[P.xi(b, t, hd, p)]) * val(P.B[P.bi(b, t, grp, n)]);
-          }
-      }
-      for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) lam[p * c.dstate + n] = P.dfinal.empty() ? 0.0 : val(P.dfinal[P.si(b, hd, p, n)]);
-      for (int t = c.seqlen - 1; t >= 0; --t) {
-        const double pre = P.pre(b, t, hd);
-        const double d = P.delta(pre);
-        const double decay = std::exp(d * a);
-        const bool r = P.restart(b, t);
-        const double* cur = &states[(t + 1) * PN];
-        const double* prev = &states[t * PN];
-        for (int p = 0; p < c.headdim; ++p) {
-          const double xv = val(P.x[P.xi(b, t, hd, p)]);
-          double y = Dh * xv;
-          for (int n = 0; n < c.dstate; ++n) y += cur[p * c.dstate + n] * val(P.C[P.bi(b, t, grp, n)]);
-          const double go = val(P.dout[P.xi(b, t, hd, p)]);
-          if (!P.z.empty()) {
-            const double zz = P.z[P.xi(b, t, hd, p)];
-            g[p] = go * val(silu(zz));
-            gr.dz[P.xi(b, t, hd, p)] = go * y * val(silu_derivative(zz));
-          } else {
-            g[p] = go;
-          }
-          gr.dD[hd] += g[p] * xv;
-          gr.dx[P.xi(b, t, hd, p)] = Dh * g[p];
-        }
-        double ddelta = 0.0;
-        for (int p = 0; p < c.headdim; ++p) {
-          const double xv = val(P.x[P.xi(b, t, hd, p)]);
-          for (int n = 0; n < c.dstate; ++n) {
-            const double Bv = val(P.B[P.bi(b, t, grp, n)]), Cv = val(P.C[P.bi(b, t, grp, n)]);
-            double& l = lam[p * c.dstate + n];
-            l += g[p] * Cv;
-            gr.dC[P.bi(b, t, grp, n)] += g[p] * cur[p * c.dstate + n];
-            const double hp = r ? 0.0 : prev[p * c.dstate + n];
-            ddelta += l * (val(a) * decay * hp + xv * Bv);
-            gr.dA[hd] += l * d * decay * hp;
-            gr.dx[P.xi(b, t, hd, p)] += d * l * Bv;
-            gr.dB[P.bi(b, t, grp, n)] += d * l * xv;
-            l = r ? 0.0 : decay * l;
-          }
-        }
-        if (t == 0) {
-          for (int p = 0; p < c.headdim; ++p)
-            for (int n = 0; n < c.dstate; ++n) gr.dh0[P.si(b, hd, p, n)] = lam[p * c.dstate + n];
-        }
-        const double sp = P.unclamped(pre);
-        if (sp < c.dt_min || sp > c.dt_max) ddelta = 0.0;
-        const double dpre = c.softplus ? ddelta * (pre > 20.0 ? 1.0 : sigmoid(pre)) : ddelta;
-        gr.ddt[P.ti(b, t, hd)] = dpre;
-        gr.dbias[hd] += dpre;
-      }
-    }
-  return gr;
-}
+using namespace kmamba::reference::ssd;
+using namespace kmamba::test;
 
 // ----------------------------------------------------------------------------------------------
 // Device side.
-
-template <class View>
-std::vector<double> host_doubles(const View& v) {
-  auto h = kmamba::test::to_host(v);
-  std::vector<double> out(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
-  return out;
-}
-
-template <class View>
-void poison(const View& v) {
-  Kokkos::deep_copy(v, std::numeric_limits<float>::quiet_NaN());
-}
-
-template <class View>
-void upload(const View& v, const std::vector<double>& values) {
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<typename View::value_type>(values[i]);
-  Kokkos::deep_copy(v, h);
-}
 
 template <class Mem>
 struct DeviceProblem {
@@ -408,25 +187,6 @@ kmamba::SsdGrads<Mem> allocate_grads(const Config& c, bool with_z, bool with_opt
     poison(g.dinitial_states);
   }
   return g;
-}
-
-// max|kernel − ref| ≤ tol·max|ref| (every kernel value finite).
-void expect_near_rel(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
-                     double tol, const std::string& context) {
-  ASSERT_EQ(kernel.size(), ref.size()) << what << " " << context;
-  double scale = 0.0, err = 0.0;
-  std::size_t worst = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(kernel[i])) << what << "[" << i << "] = " << kernel[i] << " " << context;
-    scale = std::max(scale, std::fabs(ref[i]));
-    if (std::fabs(kernel[i] - ref[i]) > err) {
-      err = std::fabs(kernel[i] - ref[i]);
-      worst = i;
-    }
-  }
-  EXPECT_LE(err, tol * std::max(scale, 1e-30))
-      << what << ": max|Δ| = " << err << " at " << worst << " (kernel " << kernel[worst] << ", ref " << ref[worst]
-      << "), max|ref| = " << scale << " " << context;
 }
 
 constexpr double forward_tol = 5e-6;
@@ -1031,17 +791,6 @@ TYPED_TEST(Ssd, FinalStateOfOneSegmentContinuesTheNext) {
   expect_near_rel("out, second segment", host_doubles(out2), host_doubles(slice_tokens(out, split, cfg.seqlen)), 1e-5,
                   ctx);
   expect_near_rel("final_states", host_doubles(fin2), host_doubles(fin), 1e-5, ctx);
-}
-
-template <class Fn>
-void expect_user_error(Fn&& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kmamba::UserError";
-  } catch (const kmamba::UserError& e) {
-    const std::string what = e.what();
-    for (const std::string& f : fragments) EXPECT_NE(what.find(f), std::string::npos) << "'" << f << "' not in: " << what;
-  }
 }
 
 TYPED_TEST(Ssd, RejectsBadShapes) {

@@ -23,6 +23,7 @@
 #include <kmamba/models/TensorIO.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -39,6 +40,7 @@
 
 namespace {
 
+using namespace kmamba::test;
 const std::string golden_dir = kmamba::test::golden_dir();
 constexpr double recurrent_tolerance = 5e-5;
 
@@ -80,25 +82,6 @@ void put_positions(std::vector<float>& whole, const std::vector<float>& part, st
               part.begin() + static_cast<std::ptrdiff_t>((b + 1) * count * width),
               whole.begin() + static_cast<std::ptrdiff_t>((b * seqlen + first) * width));
   }
-}
-
-double max_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
-  EXPECT_EQ(got.size(), ref.size());
-  double diff = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < ref.size() && i < got.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - ref[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
-
-double l2_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    diff += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
-    norm += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
 }
 
 std::vector<float> uniform_values(std::size_t n, std::uint64_t seed) {

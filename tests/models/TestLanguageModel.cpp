@@ -7,6 +7,7 @@
 #include <kmamba/models/TensorIO.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -20,22 +21,9 @@
 
 namespace {
 
+using namespace kmamba::test;
+
 const std::string golden_dir = kmamba::test::golden_dir();
-
-double relative_error(const std::vector<float>& a, const std::vector<float>& ref) {
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    diff += (static_cast<double>(a[i]) - ref[i]) * (static_cast<double>(a[i]) - ref[i]);
-    norm += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-}
-
-template <class View>
-std::vector<float> to_vector(const View& view) {
-  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
-  return std::vector<float>(host.data(), host.data() + host.span());
-}
 
 std::string scratch_dir(const std::string& name) {
   const std::string dir = std::string(::testing::TempDir()) + "kmamba_lm_" + name + "_" + std::to_string(::getpid());
@@ -65,14 +53,14 @@ void check_golden(const std::string& model_name) {
 
   EXPECT_EQ(loss.tokens, static_cast<std::int64_t>(ids.extent(0) * (ids.extent(1) - 1)));
   EXPECT_LE(std::abs(loss.loss - io.read_f32("loss")[0]) / std::abs(io.read_f32("loss")[0]), 2e-4);
-  EXPECT_LE(relative_error(to_vector(logits), io.read_f32("logits")), 2e-4);
+  EXPECT_LE(l2_relative_error(host_floats(logits), io.read_f32("logits")), 2e-4);
   const auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.parameters().grads());
   int checked = 0;
   for (const auto& entry : model.parameters().entries()) {
     const std::string name = "grad." + entry.name;
     ASSERT_TRUE(io.contains(name)) << name;
     const std::vector<float> got(grads.data() + entry.offset, grads.data() + entry.offset + entry.size);
-    EXPECT_LE(relative_error(got, io.read_f32(name)), 1e-3) << name;
+    EXPECT_LE(l2_relative_error(got, io.read_f32(name)), 1e-3) << name;
     ++checked;
   }
   EXPECT_EQ(checked + 3, static_cast<int>(io.names().size()));  // every gradient of the file is checked
@@ -80,7 +68,7 @@ void check_golden(const std::string& model_name) {
   // The forward-only paths agree with the training forward.
   kmamba::Tensor3<float, Mem> inference_logits("inference_logits", ids.extent(0), ids.extent(1), model.config().vocab_size);
   model.forward(exec, ids, inference_logits);
-  EXPECT_LE(relative_error(to_vector(inference_logits), to_vector(logits)), 1e-6);
+  EXPECT_LE(l2_relative_error(host_floats(inference_logits), host_floats(logits)), 1e-6);
   EXPECT_NEAR(model.loss(exec, ids, targets).loss, loss.loss, 1e-6 * std::abs(loss.loss));
 }
 
@@ -102,12 +90,12 @@ TYPED_TEST(LanguageModelTest, GradientsAccumulateAcrossCalls) {
   const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
   model.zero_grads(exec);
   model.loss_and_backward(exec, ids, targets, 0.25);
-  const std::vector<float> quarter = to_vector(model.parameters().grads());
+  const std::vector<float> quarter = host_floats(model.parameters().grads());
   model.loss_and_backward(exec, ids, targets, 0.75);
-  const std::vector<float> whole = to_vector(model.parameters().grads());
+  const std::vector<float> whole = host_floats(model.parameters().grads());
   std::vector<float> expected(quarter.size());
   for (std::size_t i = 0; i < quarter.size(); ++i) expected[i] = 4.0f * quarter[i];
-  EXPECT_LE(relative_error(whole, expected), 1e-5);
+  EXPECT_LE(l2_relative_error(whole, expected), 1e-5);
 }
 
 TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
@@ -136,7 +124,7 @@ TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
     const std::string dir = scratch_dir(std::string("roundtrip_") + mixer + "_" + Exec::name());
     model.save(dir);
     auto loaded = kmamba::LanguageModel<Exec>::load(dir);
-    EXPECT_EQ(to_vector(loaded.parameters().params()), to_vector(model.parameters().params()));
+    EXPECT_EQ(host_floats(loaded.parameters().params()), host_floats(model.parameters().params()));
 
     kmamba::Tensor2<std::int64_t, Mem> ids("ids", 2, 21);
     auto host_ids = Kokkos::create_mirror_view(ids);
@@ -147,7 +135,7 @@ TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
     kmamba::Tensor3<float, Mem> a("a", 2, 21, 50), b("b", 2, 21, 50);
     model.forward(exec, ids, a);
     loaded.forward(exec, ids, b);
-    EXPECT_EQ(to_vector(a), to_vector(b));
+    EXPECT_EQ(host_floats(a), host_floats(b));
 
     // The written file is read back bit-exact, with the Hugging Face names.
     const kmamba::SafeTensorsReader file(dir + "/model.safetensors");
@@ -155,7 +143,7 @@ TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {
     EXPECT_EQ(file.contains("lm_head.weight"), !config.tie_embeddings);
     EXPECT_EQ(file.info("backbone.embeddings.weight").shape, (std::vector<std::int64_t>{56, 32}));
     const auto& slab = model.parameters();
-    const auto params = to_vector(slab.params());
+    const auto params = host_floats(slab.params());
     for (const auto& entry : slab.entries()) {
       const std::vector<float> stored = file.read_f32(entry.name);
       EXPECT_TRUE(std::equal(stored.begin(), stored.end(), params.begin() + static_cast<std::ptrdiff_t>(entry.offset)))
@@ -176,11 +164,11 @@ TYPED_TEST(LanguageModelTest, InitializationIsDeterministicAndFollowsTheReferenc
   a.initialize(11);
   b.initialize(11);
   c.initialize(12);
-  EXPECT_EQ(to_vector(a.parameters().params()), to_vector(b.parameters().params()));
-  EXPECT_NE(to_vector(a.parameters().params()), to_vector(c.parameters().params()));
-  const auto norm = to_vector(a.parameters().template param<1>("backbone.layers.1.norm.weight"));
+  EXPECT_EQ(host_floats(a.parameters().params()), host_floats(b.parameters().params()));
+  EXPECT_NE(host_floats(a.parameters().params()), host_floats(c.parameters().params()));
+  const auto norm = host_floats(a.parameters().template param<1>("backbone.layers.1.norm.weight"));
   for (const float w : norm) EXPECT_EQ(w, 1.0f);
-  const auto embedding = to_vector(a.parameters().template param<2>("backbone.embeddings.weight"));
+  const auto embedding = host_floats(a.parameters().template param<2>("backbone.embeddings.weight"));
   double sum = 0.0, squares = 0.0;
   for (const float v : embedding) {
     sum += v;
@@ -245,8 +233,8 @@ TYPED_TEST(LanguageModelTest, Mamba3GradientsMatchFiniteDifferences) {
     const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
     model.zero_grads(exec);
     model.loss_and_backward(exec, ids, targets);
-    const std::vector<float> grads = to_vector(model.parameters().grads());
-    const std::vector<float> params = to_vector(model.parameters().params());
+    const std::vector<float> grads = host_floats(model.parameters().grads());
+    const std::vector<float> params = host_floats(model.parameters().params());
     auto device_params = model.parameters().params();
     auto host_params = Kokkos::create_mirror_view(device_params);
     const auto loss_at = [&](const typename kmamba::ParameterSlab<Mem>::Entry& entry, double norm, double eps) {
@@ -386,7 +374,7 @@ TEST(LanguageModelFiles, AcceptsMambaSsmNamesAndTheStoredTiedHead) {
   out.write(dir + "/model.safetensors");
   auto renamed = kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(dir);
   auto original = kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(golden_dir + "/tiny_mamba2");
-  EXPECT_EQ(to_vector(renamed.parameters().params()), to_vector(original.parameters().params()));
+  EXPECT_EQ(host_floats(renamed.parameters().params()), host_floats(original.parameters().params()));
 }
 
 }  // namespace

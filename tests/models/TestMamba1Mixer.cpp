@@ -20,7 +20,9 @@
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -35,6 +37,9 @@
 #include <vector>
 
 namespace {
+
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 // ----------------------------------------------------------------------------------------------
 // Problem description and the double reference.
@@ -65,15 +70,6 @@ struct Problem {
     return c;
   }
 };
-
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
-double silu_derivative(double v) {
-  const double s = sigmoid(v);
-  return s * (1.0 + v * (1.0 - s));
-}
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double softplus20_derivative(double v) { return v > 20.0 ? 1.0 : sigmoid(v); }
 
 using Tensors = std::map<std::string, std::vector<double>>;  // name relative to the mixer -> row-major values
 
@@ -151,7 +147,7 @@ struct Reference {
         double s = 0.0;
         for (int r = 0; r < R; ++r) s += param("dt_proj.weight", c * R + r) * f.dbl[m * X + r];
         f.draw[m * E + c] = s;
-        f.delta[m * E + c] = softplus20(s + param("dt_proj.bias", c));
+        f.delta[m * E + c] = softplus(s + param("dt_proj.bias", c));
       }
     }
     for (int b = 0; b < B; ++b)
@@ -242,7 +238,7 @@ struct Reference {
     // delta = softplus(dt·dt_projᵀ + dt_bias)
     for (std::size_t m = 0; m < T; ++m)
       for (int c = 0; c < E; ++c) {
-        const double dr = ddelta[m * E + c] * softplus20_derivative(f.draw[m * E + c] + param("dt_proj.bias", c));
+        const double dr = ddelta[m * E + c] * softplus_derivative(f.draw[m * E + c] + param("dt_proj.bias", c));
         g["dt_proj.bias"][c] += dr;
         for (int r = 0; r < R; ++r) {
           g["dt_proj.weight"][c * R + r] += dr * f.dbl[m * X + r];
@@ -481,24 +477,14 @@ Tensors download_gradients(const kmamba::ParameterSlab<Mem>& slab, const Tensors
 
 template <class Mem>
 kmamba::Tensor3<float, Mem> device_tensor(const char* label, const Problem& p, const std::vector<double>& values) {
-  auto t = kmamba::allocate<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
-  auto h = Kokkos::create_mirror_view(t);
-  for (std::size_t i = 0; i < values.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
-  Kokkos::deep_copy(t, h);
+  auto t = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
+  kmamba::test::upload(t, values);
   return t;
 }
 
 template <class Mem>
 kmamba::Tensor3<float, Mem> poisoned(const char* label, const Problem& p) {
-  auto t = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
-  Kokkos::deep_copy(t, std::numeric_limits<float>::quiet_NaN());
-  return t;
-}
-
-template <class ViewType>
-std::vector<double> host_values(const ViewType& v) {
-  const auto h = kmamba::test::to_host(v);
-  return std::vector<double>(h.data(), h.data() + h.size());
+  return kmamba::test::poisoned<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
 }
 
 template <class Exec>
@@ -534,8 +520,8 @@ void check_against_reference(const Problem& p, std::uint64_t seed) {
   exec.fence();
 
   const double tol = 1e-4;
-  expect_close("out", ref.out, host_values(out), tol);
-  expect_close("du", ref_grads.at("u"), host_values(du), tol);
+  expect_close("out", ref.out, host_doubles(out), tol);
+  expect_close("du", ref_grads.at("u"), host_doubles(du), tol);
   const Tensors grads = download_gradients(slab, r.w);
   for (const auto& kv : grads) expect_close("grad " + kv.first, ref_grads.at(kv.first), kv.second, tol);
   // The unrelated parameter's gradient is untouched.
@@ -609,7 +595,7 @@ TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {
   mixer.backward(exec, slab, dout, du);
   exec.fence();
   const Tensors once = download_gradients(slab, r.w);
-  const std::vector<double> du_once = host_values(du);
+  const std::vector<double> du_once = host_doubles(du);
   mixer.backward(exec, slab, dout, du);
   exec.fence();
   const Tensors twice = download_gradients(slab, r.w);
@@ -618,7 +604,7 @@ TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {
     for (double& v : doubled) v *= 2.0;
     expect_close("twice " + kv.first, doubled, twice.at(kv.first), 1e-5);
   }
-  expect_close("du", du_once, host_values(du), 1e-5);
+  expect_close("du", du_once, host_doubles(du), 1e-5);
 }
 
 TYPED_TEST(Mamba1Mixer, EmptySequencesLeaveGradientsUnchanged) {
@@ -781,7 +767,7 @@ TYPED_TEST(Mamba1Mixer, InitializesAsTheReference) {
   double mean_log = 0.0;
   int floored = 0;
   for (const double b : get("dt_proj.bias")) {
-    const double dt = softplus20(b);
+    const double dt = softplus(b);
     EXPECT_GE(dt, 2e-3 * (1.0 - 1e-4));
     EXPECT_LE(dt, 0.1 * (1.0 + 1e-4));
     if (std::abs(dt - 2e-3) < 2e-3 * 1e-4) ++floored;

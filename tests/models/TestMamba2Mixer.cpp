@@ -18,7 +18,9 @@
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -35,6 +37,9 @@
 #include <vector>
 
 namespace {
+
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 const std::string prefix = "backbone.layers.1.mixer.";
 
@@ -79,10 +84,6 @@ struct Case {
     return s.str();
   }
 };
-
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
 
 using Params = std::map<std::string, std::vector<double>>;  // HF names without the prefix
 
@@ -168,7 +169,7 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
       std::fill(state.begin(), state.end(), 0.0);
       for (int t = 0; t < c.seqlen; ++t) {
         const double* row = &xbc[(std::size_t(b) * c.seqlen + t) * CD];
-        double delta = softplus20(at(b, t, 2 * E + 2 * GN + h) + w.at("dt_bias")[h]);
+        double delta = softplus(at(b, t, 2 * E + 2 * GN + h) + w.at("dt_bias")[h]);
         delta = std::min(std::max(delta, c.dt_limit_min), c.dt_limit_max);
         const double decay = std::exp(delta * A);
         for (int p = 0; p < hd; ++p) {
@@ -248,26 +249,11 @@ Params ref_gradients(const Problem& P, double step) {
 // ----------------------------------------------------------------------------------------------
 // Running the kernel mixer.
 
-template <class View>
-void upload(const View& v, const std::vector<double>& values) {
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
-  Kokkos::deep_copy(v, h);
-}
-
-template <class View>
-std::vector<double> download(const View& v) {
-  auto h = kmamba::test::to_host(v);
-  std::vector<double> out(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
-  return out;
-}
-
 template <class Mem>
 std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
                                 const std::string& name) {
   const auto& e = slab.entry(name);
-  const std::vector<double> all = download(storage);
+  const std::vector<double> all = host_doubles(storage);
   return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
                              all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
 }
@@ -306,14 +292,14 @@ struct Harness {
     Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
     mixer.forward(Exec(), slab, u, out, keep);
     Kokkos::fence();
-    return download(out);
+    return host_doubles(out);
   }
 
   std::vector<double> backward() {
     Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
     mixer.backward(Exec(), slab, dout, du);
     Kokkos::fence();
-    return download(du);
+    return host_doubles(du);
   }
 
   std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
@@ -527,10 +513,10 @@ TYPED_TEST(Mamba2Mixer, OneMixerRunsSeveralShapes) {
   upload(dout, second.dout);
   h.mixer.forward(Exec(), h.slab, u, out, true);
   Kokkos::fence();
-  expect_close("out of the second shape", download(out), ref_forward(second, second.params, second.u), 1e-4);
+  expect_close("out of the second shape", host_doubles(out), ref_forward(second, second.params, second.u), 1e-4);
   h.mixer.backward(Exec(), h.slab, dout, du);
   Kokkos::fence();
-  expect_close("du of the second shape", download(du), ref_gradients(second, 1e-5).at("u"), 1e-4);
+  expect_close("du of the second shape", host_doubles(du), ref_gradients(second, 1e-5).at("u"), 1e-4);
   expect_close("out of the first shape again", h.forward(false), ref_forward(first, first.params, first.u), 1e-4);
 }
 
@@ -563,15 +549,6 @@ TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
   c.seed = 51;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  const auto expect_user_error = [](const std::function<void()>& call, const std::vector<std::string>& fragments) {
-    try {
-      call();
-      ADD_FAILURE() << "no kmamba::UserError thrown";
-    } catch (const kmamba::UserError& e) {
-      const std::string message = e.what();
-      for (const std::string& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
-    }
-  };
   // backward before any forward, and after an inference forward.
   expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba2Mixer::backward", "keep_for_backward"});
   h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
@@ -655,7 +632,7 @@ TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
     EXPECT_LT(std::exp(v), 16.0 + 1e-5);
   }
   for (double v : w.at("dt_bias")) {
-    const double dt = softplus20(v);  // invsp undone
+    const double dt = softplus(v);  // invsp undone
     EXPECT_GE(dt, cfg.dt_min * (1.0 - 1e-4));
     EXPECT_LE(dt, cfg.dt_max * (1.0 + 1e-4));
   }

@@ -19,7 +19,9 @@
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
+#include "Activations.hpp"
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -36,6 +38,9 @@
 #include <vector>
 
 namespace {
+
+using namespace kmamba::test;
+using namespace kmamba::reference;
 
 const std::string prefix = "backbone.layers.1.mixer.";
 constexpr double pi = 3.14159265358979323846;
@@ -78,10 +83,6 @@ struct Case {
     return s.str();
   }
 };
-
-double softplus20(double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); }
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
 
 using Params = std::map<std::string, std::vector<double>>;  // names without the prefix
 
@@ -166,7 +167,7 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
         const double* Bp = row + 2 * E;
         const double* Cp = row + 2 * E + RGN;
         const double* tail = row + 2 * E + 2 * RGN;
-        const double delta = softplus20(tail[h] + param("dt_bias", h));
+        const double delta = softplus(tail[h] + param("dt_bias", h));
         const double v = tail[H + h];
         const double f = v >= 0.0 ? 1.0 + v : 1.0 / (1.0 - v);
         const double A = std::min(-f, -A_floor);
@@ -263,26 +264,11 @@ Params ref_gradients(const Problem& P, double step) {
 // ----------------------------------------------------------------------------------------------
 // Device side.
 
-template <class View>
-void upload(const View& v, const std::vector<double>& values) {
-  auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.size(); ++i) h.data()[i] = static_cast<float>(values[i]);
-  Kokkos::deep_copy(v, h);
-}
-
-template <class View>
-std::vector<double> download(const View& v) {
-  auto h = kmamba::test::to_host(v);
-  std::vector<double> out(h.size());
-  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(h.data()[i]);
-  return out;
-}
-
 template <class Mem>
 std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
                                 const std::string& name) {
   const auto& e = slab.entry(name);
-  const std::vector<double> all = download(storage);
+  const std::vector<double> all = host_doubles(storage);
   return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
                              all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
 }
@@ -322,14 +308,14 @@ struct Harness {
     Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
     mixer.forward(Exec(), slab, u, out, keep);
     Kokkos::fence();
-    return download(out);
+    return host_doubles(out);
   }
 
   std::vector<double> backward() {
     Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
     mixer.backward(Exec(), slab, dout, du);
     Kokkos::fence();
-    return download(du);
+    return host_doubles(du);
   }
 
   std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
@@ -653,15 +639,6 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
   c.seed = 51;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  const auto expect_user_error = [](const std::function<void()>& call, const std::vector<std::string>& fragments) {
-    try {
-      call();
-      ADD_FAILURE() << "no kmamba::UserError thrown";
-    } catch (const kmamba::UserError& e) {
-      const std::string message = e.what();
-      for (const std::string& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message;
-    }
-  };
   expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba3Mixer::backward", "keep_for_backward"});
   h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
   expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
@@ -765,7 +742,7 @@ TYPED_TEST(Mamba3Mixer, InitializesAsTheReference) {
     for (double v : w.at(quarter)) EXPECT_EQ(v, 0.25) << quarter;
   }
   for (double v : w.at("dt_bias")) {
-    const double dt = softplus20(v);
+    const double dt = softplus(v);
     EXPECT_GE(dt, cfg.dt_min * (1.0 - 1e-4));
     EXPECT_LE(dt, cfg.dt_max * (1.0 + 1e-4));
   }

@@ -21,6 +21,7 @@
 #include <kmamba/models/Trainer.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -36,6 +37,7 @@
 
 namespace {
 
+using namespace kmamba::test;
 using kmamba::MatmulPrecision;
 
 template <class ExecSpace>
@@ -58,21 +60,6 @@ kmamba::ModelConfig small_config(kmamba::MixerKind mixer) {
 
 const kmamba::MixerKind all_mixers[] = {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2,
                                         kmamba::MixerKind::Mamba3};
-
-template <class View>
-std::vector<float> to_vector(const View& view) {
-  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
-  return std::vector<float>(host.data(), host.data() + host.span());
-}
-
-double relative_distance(const std::vector<float>& a, const std::vector<float>& ref) {
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    diff += (static_cast<double>(a[i]) - ref[i]) * (static_cast<double>(a[i]) - ref[i]);
-    norm += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-}
 
 template <class Mem>
 kmamba::Tensor2<std::int64_t, Mem> random_ids(std::int64_t batch, std::int64_t seqlen, int vocab, std::uint64_t seed) {
@@ -108,13 +95,13 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
       EXPECT_EQ(model.matmul_precision(), p);
       model.forward(exec, ids, logits);
       exec.fence();
-      return to_vector(logits);
+      return host_floats(logits);
     };
     const std::vector<float> fp32 = forward(MatmulPrecision::Float32);
     const std::vector<float> bf16 = forward(MatmulPrecision::BFloat16);
     const std::vector<float> tf32 = forward(MatmulPrecision::TensorFloat32);
     const std::vector<float> fp32_again = forward(MatmulPrecision::Float32);
-    const double d_bf16 = relative_distance(bf16, fp32), d_tf32 = relative_distance(tf32, fp32);
+    const double d_bf16 = l2_relative_error(bf16, fp32), d_tf32 = l2_relative_error(tf32, fp32);
     std::printf("[ info ] %s logits: bf16 vs fp32 %.3e, tf32 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_bf16, d_tf32);
     EXPECT_GT(d_bf16, 1e-5) << "bf16 logits equal fp32's: the switch did not reach the GEMMs";
     EXPECT_LT(d_bf16, 3e-2);
@@ -138,11 +125,11 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
       model.zero_grads(exec);
       model.loss_and_backward(exec, ids, targets);
       exec.fence();
-      return to_vector(model.parameters().grads());
+      return host_floats(model.parameters().grads());
     };
     const std::vector<float> g32 = gradients(MatmulPrecision::Float32);
     const std::vector<float> g16 = gradients(MatmulPrecision::BFloat16);
-    const double d_grad = relative_distance(g16, g32);
+    const double d_grad = l2_relative_error(g16, g32);
     std::printf("[ info ] %s gradients: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_grad);
     EXPECT_GT(d_grad, 1e-5);
     EXPECT_LT(d_grad, 5e-2);
@@ -160,11 +147,11 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
       model.prefill(exec, prompt_ids, state, kmamba::Tensor2<float, Mem>());
       model.decode_step(exec, last, state, step_logits);
       exec.fence();
-      return to_vector(step_logits);
+      return host_floats(step_logits);
     };
     const std::vector<float> s32 = decode(MatmulPrecision::Float32);
     const std::vector<float> s16 = decode(MatmulPrecision::BFloat16);
-    const double d_step = relative_distance(s16, s32);
+    const double d_step = l2_relative_error(s16, s32);
     std::printf("[ info ] %s decode logits: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_step);
     EXPECT_GT(d_step, 1e-5);
     EXPECT_LT(d_step, 3e-2);

@@ -15,6 +15,7 @@
 #include <kmamba/KMamba.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -31,6 +32,7 @@
 
 namespace {
 
+using namespace kmamba::test;
 constexpr double recurrent_tolerance = 5e-5;
 
 kmamba::SequenceModelConfig tiny_config(kmamba::MixerKind kind) {
@@ -46,22 +48,6 @@ kmamba::SequenceModelConfig tiny_config(kmamba::MixerKind kind) {
   m.expand = 2;
   m.chunk_size = 8;
   return c;
-}
-
-template <class View>
-std::vector<float> to_vector(const View& view) {
-  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
-  return std::vector<float>(host.data(), host.data() + host.span());
-}
-
-double max_relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
-  EXPECT_EQ(got.size(), ref.size());
-  double diff = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - ref[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return diff / scale;
 }
 
 template <class Exec>
@@ -105,8 +91,8 @@ TYPED_TEST(SequenceModelTest, GradientsMatchFiniteDifferences) {
     const Exec exec;
     model.zero_grads(exec);
     model.loss_and_backward(exec, x, t);
-    const std::vector<float> grads = to_vector(model.parameters().grads());
-    const std::vector<float> theta = to_vector(model.parameters().params());
+    const std::vector<float> grads = host_floats(model.parameters().grads());
+    const std::vector<float> theta = host_floats(model.parameters().params());
     const auto host_params = Kokkos::create_mirror_view(model.parameters().params());
     const auto loss_at = [&](const std::vector<float>& p) {
       std::copy(p.begin(), p.end(), host_params.data());
@@ -167,7 +153,7 @@ TYPED_TEST(SequenceModelTest, LossIsTheMeanSquaredErrorOfTheOutputs) {
   kmamba::Tensor3<float, Mem> y("kmamba::test::y", batch, seqlen, 2), y_train("kmamba::test::y_train", batch, seqlen, 2);
   model.forward(exec, x, y);
   exec.fence();
-  const std::vector<float> out = to_vector(y), target = to_vector(t);
+  const std::vector<float> out = host_floats(y), target = host_floats(t);
   double reference = 0.0;
   for (std::size_t i = 0; i < out.size(); ++i) reference += (double(out[i]) - target[i]) * (double(out[i]) - target[i]);
   reference /= static_cast<double>(out.size());
@@ -177,7 +163,7 @@ TYPED_TEST(SequenceModelTest, LossIsTheMeanSquaredErrorOfTheOutputs) {
   model.zero_grads(exec);
   const kmamba::RegressionLoss trained = model.loss_and_backward(exec, x, t, 1.0, y_train);
   EXPECT_NEAR(trained.loss, reference, 1e-6 * reference);
-  EXPECT_EQ(to_vector(y_train), out);
+  EXPECT_EQ(host_floats(y_train), out);
 }
 
 TYPED_TEST(SequenceModelTest, SessionStepsEqualOneForward) {
@@ -192,7 +178,7 @@ TYPED_TEST(SequenceModelTest, SessionStepsEqualOneForward) {
     kmamba::Tensor3<float, Mem> y("kmamba::test::y", streams, steps, 2);
     model.forward(exec, x, y);
     exec.fence();
-    const std::vector<float> reference = to_vector(y);
+    const std::vector<float> reference = host_floats(y);
 
     // Every step one at a time from a fresh session, then a prefill of `warm` steps + the rest stepped.
     for (const int prefilled : {0, warm}) {
@@ -214,7 +200,7 @@ TYPED_TEST(SequenceModelTest, SessionStepsEqualOneForward) {
       }
       exec.fence();
       EXPECT_EQ(session.position(), steps);
-      EXPECT_LE(max_relative_error(to_vector(got), reference), recurrent_tolerance);
+      EXPECT_LE(max_relative_error(host_floats(got), reference), recurrent_tolerance);
     }
   }
 }
@@ -250,14 +236,14 @@ TYPED_TEST(SequenceModelTest, IndependentSessionsDoNotInterfere) {
     run(b, xb, yb2, s);
   }
   exec.fence();
-  EXPECT_EQ(to_vector(ya2), to_vector(ya));
-  EXPECT_EQ(to_vector(yb2), to_vector(yb));
+  EXPECT_EQ(host_floats(ya2), host_floats(ya));
+  EXPECT_EQ(host_floats(yb2), host_floats(yb));
   // A reset session starts afresh.
   a.reset(exec);
   kmamba::Tensor3<float, Mem> ya3("kmamba::test::ya3", 2, steps, 2);
   for (int s = 0; s < steps; ++s) run(a, xa, ya3, s);
   exec.fence();
-  EXPECT_EQ(to_vector(ya3), to_vector(ya));
+  EXPECT_EQ(host_floats(ya3), host_floats(ya));
 }
 
 TYPED_TEST(SequenceModelTest, UnmanagedViewsOverApplicationMemory) {
@@ -279,14 +265,14 @@ TYPED_TEST(SequenceModelTest, UnmanagedViewsOverApplicationMemory) {
   Kokkos::deep_copy(ux, x);
   model.forward(exec, ux, uy);
   exec.fence();
-  EXPECT_EQ(to_vector(uy), to_vector(y));
+  EXPECT_EQ(host_floats(uy), host_floats(y));
   // Stepping on unmanaged (streams, channels) views.
   auto session = model.session(batch);
   const Unmanaged2 ux_t(app_x, batch, 3), uy_t(app_y, batch, 2);
   Kokkos::deep_copy(ux_t, Kokkos::subview(x, Kokkos::ALL, 0, Kokkos::ALL));
   session.step(exec, ux_t, uy_t);
   exec.fence();
-  const std::vector<float> stepped = to_vector(uy_t), full = to_vector(y);
+  const std::vector<float> stepped = host_floats(uy_t), full = host_floats(y);
   for (int b = 0; b < batch; ++b) {
     for (int c = 0; c < 2; ++c) {
       EXPECT_NEAR(stepped[static_cast<std::size_t>(b * 2 + c)], full[static_cast<std::size_t>((b * seqlen) * 2 + c)],
@@ -295,14 +281,14 @@ TYPED_TEST(SequenceModelTest, UnmanagedViewsOverApplicationMemory) {
   }
   // Host application memory, when the model's execution space can read it.
   if constexpr (Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible) {
-    std::vector<float> host_x = to_vector(x), host_y(y.span());
+    std::vector<float> host_x = host_floats(x), host_y(y.span());
     const Kokkos::View<const float***, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hx(
         host_x.data(), batch, seqlen, 3);
     const Kokkos::View<float***, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hy(host_y.data(), batch,
                                                                                                  seqlen, 2);
     model.forward(exec, hx, hy);
     exec.fence();
-    EXPECT_EQ(host_y, to_vector(y));
+    EXPECT_EQ(host_y, host_floats(y));
   }
   Kokkos::kokkos_free<Mem>(app_x);
   Kokkos::kokkos_free<Mem>(app_y);
@@ -371,7 +357,7 @@ TYPED_TEST(SequenceModelTest, SaveThenLoadGivesIdenticalOutputs) {
   model.forward(exec, x, y);
   loaded.forward(exec, x, y2);
   exec.fence();
-  EXPECT_EQ(to_vector(y2), to_vector(y));
+  EXPECT_EQ(host_floats(y2), host_floats(y));
   const std::string message = error_of([&] { kmamba::Model<Exec>::load(dir + "_missing"); });
   EXPECT_NE(message.find("is not a directory"), std::string::npos) << message;
 }

@@ -3,6 +3,7 @@
 #include <kmamba/models/Trainer.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -19,6 +20,7 @@
 
 namespace {
 
+using namespace kmamba::test;
 template <class ExecSpace>
 class Trainer : public ::testing::Test {};
 TYPED_TEST_SUITE(Trainer, kmamba::test::Backends, kmamba::test::BackendNames);
@@ -61,12 +63,6 @@ kmamba::Trainer<Exec> make_trainer(const kmamba::TrainConfig& t, std::shared_ptr
   kmamba::LanguageModel<Exec> model(tiny_config());
   model.initialize(init_seed);
   return kmamba::Trainer<Exec>(std::move(model), t, std::move(data));
-}
-
-template <class View>
-std::vector<float> host_values(const View& v) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  return std::vector<float>(h.data(), h.data() + h.extent(0));
 }
 
 std::string fresh_dir(const std::string& name) {
@@ -123,15 +119,15 @@ TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
   std::vector<double> resumed_losses;
   for (int i = 0; i < 3; ++i) resumed_losses.push_back(resumed.step().loss);
 
-  const std::vector<float> p_straight = host_values(straight.model().parameters().params());
-  const std::vector<float> p_resumed = host_values(resumed.model().parameters().params());
+  const std::vector<float> p_straight = host_floats(straight.model().parameters().params());
+  const std::vector<float> p_resumed = host_floats(resumed.model().parameters().params());
   if (std::is_same<Exec, Kokkos::Serial>::value) {
     // Serial is deterministic: the resumed run is the same run, bit for bit.
     for (int i = 0; i < 3; ++i)
       EXPECT_EQ(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)]);
     EXPECT_EQ(p_resumed, p_straight);
-    EXPECT_EQ(host_values(resumed.optimizer().first_moment()), host_values(straight.optimizer().first_moment()));
-    EXPECT_EQ(host_values(resumed.optimizer().second_moment()), host_values(straight.optimizer().second_moment()));
+    EXPECT_EQ(host_floats(resumed.optimizer().first_moment()), host_floats(straight.optimizer().first_moment()));
+    EXPECT_EQ(host_floats(resumed.optimizer().second_moment()), host_floats(straight.optimizer().second_moment()));
   } else {
     for (int i = 0; i < 3; ++i) {
       EXPECT_NEAR(resumed_losses[static_cast<std::size_t>(i)], losses[static_cast<std::size_t>(3 + i)], 1e-4);
@@ -176,11 +172,11 @@ TYPED_TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {
   EXPECT_EQ(a.correct, b.correct);
   EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(a.loss));
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-4 * a.grad_norm);
-  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().grads()),
-                                host_values(one.model().parameters().grads())),
+  EXPECT_LT(relative_difference(host_floats(accumulated.model().parameters().grads()),
+                                host_floats(one.model().parameters().grads())),
             1e-5);
-  EXPECT_LT(relative_difference(host_values(accumulated.model().parameters().params()),
-                                host_values(one.model().parameters().params())),
+  EXPECT_LT(relative_difference(host_floats(accumulated.model().parameters().params()),
+                                host_floats(one.model().parameters().params())),
             1e-5);
 }
 
@@ -192,9 +188,9 @@ TYPED_TEST(Trainer, OneStepIsAClippedAdamWStep) {
   auto data = tiny_task();
   auto trainer = make_trainer<Exec>(t, data);
   const auto& slab = trainer.model().parameters();
-  const std::vector<float> p0 = host_values(slab.params());
+  const std::vector<float> p0 = host_floats(slab.params());
   const kmamba::StepResult r = trainer.step();
-  const std::vector<float> g = host_values(slab.grads()), p1 = host_values(slab.params());
+  const std::vector<float> g = host_floats(slab.grads()), p1 = host_floats(slab.params());
 
   double norm = 0.0;
   for (const float x : g) norm += static_cast<double>(x) * x;
@@ -222,12 +218,12 @@ TYPED_TEST(Trainer, OneStepIsAClippedAdamWStep) {
 TYPED_TEST(Trainer, EvaluationIsRepeatableAndLeavesTheModelAlone) {
   using Exec = TypeParam;
   auto trainer = make_trainer<Exec>(tiny_train_config(), tiny_task());
-  const std::vector<float> p0 = host_values(trainer.model().parameters().params());
+  const std::vector<float> p0 = host_floats(trainer.model().parameters().params());
   const kmamba::LossResult a = trainer.evaluate(), b = trainer.evaluate();
   EXPECT_EQ(a.tokens, 2 * 4 * 4);  // eval_batches x batch_size x pairs
   EXPECT_NEAR(a.loss, b.loss, 1e-6 * a.loss);
   EXPECT_GT(a.loss, 0.5 * std::log(32.0));
-  EXPECT_EQ(host_values(trainer.model().parameters().params()), p0);
+  EXPECT_EQ(host_floats(trainer.model().parameters().params()), p0);
 }
 
 TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {
@@ -255,7 +251,7 @@ TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {
     EXPECT_NE(e.find("trained on"), std::string::npos) << e;
   }
   auto fresh = make_trainer<Exec>(t, tiny_task());
-  const std::vector<float> before = host_values(fresh.model().parameters().params());
+  const std::vector<float> before = host_floats(fresh.model().parameters().params());
   const std::string backup = dir + "/good_state.safetensors";
   std::filesystem::copy_file(state, backup);
   const kmamba::SafeTensorsReader good(backup);
@@ -291,7 +287,7 @@ TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {
   EXPECT_THROW(fresh.resume(fresh_dir("missing")), kmamba::UserError);
   // A failed resume leaves the trainer as it was.
   EXPECT_EQ(fresh.steps_taken(), 0);
-  EXPECT_EQ(host_values(fresh.model().parameters().params()), before);
+  EXPECT_EQ(host_floats(fresh.model().parameters().params()), before);
 
   // Bad batches and data.
   EXPECT_THROW(fresh.step(std::vector<kmamba::TokenBatch>{}), kmamba::UserError);
@@ -362,8 +358,8 @@ TYPED_TEST(Trainer, NonFiniteStepsAreSkippedCountedAndNamed) {
   // A NaN parameter: the step is skipped, nothing but the data position and the counter changes.
   const float original = poison(trainer, victim, 3, nan);
   ++injected;
-  const std::vector<float> params = host_values(trainer.model().parameters().params());
-  const std::vector<float> moment = host_values(trainer.optimizer().first_moment());
+  const std::vector<float> params = host_floats(trainer.model().parameters().params());
+  const std::vector<float> moment = host_floats(trainer.optimizer().first_moment());
   const std::int64_t position = trainer.data_position();
   kmamba::StepResult r = trainer.step();
   EXPECT_TRUE(r.skipped);
@@ -374,11 +370,11 @@ TYPED_TEST(Trainer, NonFiniteStepsAreSkippedCountedAndNamed) {
   EXPECT_EQ(trainer.steps_taken(), 1);
   EXPECT_EQ(trainer.skipped_steps(), 1);
   EXPECT_GT(trainer.data_position(), position);
-  const std::vector<float> after = host_values(trainer.model().parameters().params());
+  const std::vector<float> after = host_floats(trainer.model().parameters().params());
   ASSERT_EQ(after.size(), params.size());
   EXPECT_EQ(std::memcmp(after.data(), params.data(), after.size() * sizeof(float)), 0) << "a skipped step changed "
                                                                                           "the parameters";
-  EXPECT_EQ(host_values(trainer.optimizer().first_moment()), moment);
+  EXPECT_EQ(host_floats(trainer.optimizer().first_moment()), moment);
 
   // An infinite one as well: the second skip in a row.
   poison(trainer, "backbone.norm_f.weight", 0, inf);

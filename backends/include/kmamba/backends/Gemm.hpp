@@ -25,6 +25,7 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/backends/impl/GemmImpl.hpp>
@@ -49,6 +50,7 @@ void gemm(const ExecutionSpace& exec, Transpose trans_a, Transpose trans_b, floa
           float beta,
           const Tensor2<float, MemorySpace>& C,       // (m, n)
           MatmulPrecision precision = MatmulPrecision::Float32) {
+  const ProfilingRegion region("kmamba::gemm");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::gemm: the execution space cannot access the matrices' memory space");
   constexpr const char* function = "kmamba::gemm";

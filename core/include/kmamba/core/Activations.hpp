@@ -9,6 +9,7 @@
 #ifndef KMAMBA_CORE_ACTIVATIONS_HPP
 #define KMAMBA_CORE_ACTIVATIONS_HPP
 
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -89,6 +90,7 @@ void silu_forward(const ExecutionSpace& exec,
                   const XView& x,  // any shape of rank 1..4
                   const YView& y   // same shape as x
 ) {
+  const ProfilingRegion region("kmamba::silu_forward");
   impl::check_silu_view<ExecutionSpace, XView>();
   impl::check_silu_view<ExecutionSpace, YView>();
   check_same_shape("kmamba::silu_forward", "y", y, "x", x);
@@ -112,6 +114,7 @@ void silu_backward(const ExecutionSpace& exec,
                    const DyView& dy,  // same shape as x
                    const DxView& dx   // same shape as x
 ) {
+  const ProfilingRegion region("kmamba::silu_backward");
   impl::check_silu_view<ExecutionSpace, XView>();
   impl::check_silu_view<ExecutionSpace, DyView>();
   impl::check_silu_view<ExecutionSpace, DxView>();

@@ -17,6 +17,7 @@
 #define KMAMBA_CORE_CONV1D_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Shape.hpp>
@@ -90,6 +91,7 @@ void causal_conv1d(
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& y,            // (batch, seqlen, channels)
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& final_state,  // (batch, channels, width - 1) or empty
     Conv1dActivation activation) {
+  const ProfilingRegion region("kmamba::causal_conv1d");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
   constexpr const char* function = "kmamba::causal_conv1d";
   const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, activation);
@@ -147,6 +149,7 @@ void causal_conv1d_backward(
     const Tensor1<float, impl::Conv1dMemory<ExecutionSpace>>& dbias,           // (channels) or empty
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& dinitial_state,  // (batch, channels, width - 1) or empty
     Conv1dActivation activation) {
+  const ProfilingRegion region("kmamba::causal_conv1d_backward");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
   constexpr const char* function = "kmamba::causal_conv1d_backward";
   const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, activation);
@@ -264,6 +267,7 @@ void causal_conv1d_update(
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& conv_state,   // (batch, channels, width - 1)
     const Tensor2<float, impl::Conv1dMemory<ExecutionSpace>>& y,            // (batch, channels)
     Conv1dActivation activation) {
+  const ProfilingRegion region("kmamba::causal_conv1d_update");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
   constexpr const char* function = "kmamba::causal_conv1d_update";
   const auto batch = static_cast<std::int64_t>(x.extent(0));

@@ -36,6 +36,7 @@
 #define KMAMBA_CORE_CONVSSDSTEP_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/ConvSsdStepImpl.hpp>
@@ -101,6 +102,7 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
                    const Tensor3<float, MemorySpace>& y,        // (batch, nheads, headdim)
                    const Tensor2<float, MemorySpace>& normed =  // (batch, nheads·headdim), with norm_weight
                    Tensor2<float, MemorySpace>()) {
+  const ProfilingRegion region("kmamba::conv_ssd_step");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::conv_ssd_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::conv_ssd_step";

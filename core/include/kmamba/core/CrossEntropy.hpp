@@ -9,6 +9,7 @@
 #define KMAMBA_CORE_CROSSENTROPY_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/CrossEntropyImpl.hpp>
@@ -36,6 +37,7 @@ CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
                                       const ConstTensor1<std::int64_t, MemorySpace>& targets,  // (rows)
                                       std::int64_t ignore_index,
                                       const Tensor1<float, MemorySpace>& lse) {               // (rows)
+  const ProfilingRegion region("kmamba::cross_entropy_forward");
   constexpr const char* function = "kmamba::cross_entropy_forward";
   const std::int64_t rows = static_cast<std::int64_t>(logits.extent(0));
   const std::int64_t vocab = static_cast<std::int64_t>(logits.extent(1));
@@ -61,6 +63,7 @@ void cross_entropy_backward(const ExecutionSpace& exec,
                             const ConstTensor1<float, MemorySpace>& lse,             // (rows), from the forward
                             float scale,
                             const Tensor2<float, MemorySpace>& dlogits) {            // (rows, vocab)
+  const ProfilingRegion region("kmamba::cross_entropy_backward");
   constexpr const char* function = "kmamba::cross_entropy_backward";
   const std::int64_t rows = static_cast<std::int64_t>(logits.extent(0));
   check_shape(function, "targets", targets, {rows}, "(rows) with rows from logits");

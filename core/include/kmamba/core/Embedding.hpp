@@ -4,6 +4,7 @@
 #define KMAMBA_CORE_EMBEDDING_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -40,6 +41,7 @@ template <class ExecutionSpace, class MemorySpace>
 void check_embedding_ids(const ExecutionSpace& exec,
                          const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                          const std::int64_t vocab, const char* function = "kmamba::embedding_forward") {
+  const ProfilingRegion region("kmamba::check_embedding_ids");
   const impl::InvalidIds bad = impl::find_invalid_ids(exec, ids, false, 0, vocab);
   KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " token id(s) are outside [0, " << vocab
                                           << "), the rows of the embedding table; the first is " << bad.first_value
@@ -55,6 +57,7 @@ void embedding_forward(const ExecutionSpace& exec,
                        const ConstTensor2<float, MemorySpace>& table,       // (vocab, dim)
                        const Tensor2<float, MemorySpace>& out,              // (tokens, dim)
                        const bool check_ids = true) {
+  const ProfilingRegion region("kmamba::embedding_forward");
   constexpr const char* function = "kmamba::embedding_forward";
   const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
   const std::int64_t vocab = static_cast<std::int64_t>(table.extent(0));
@@ -74,6 +77,7 @@ void embedding_backward(const ExecutionSpace& exec,
                         const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                         const ConstTensor2<float, MemorySpace>& dout,        // (tokens, dim)
                         const Tensor2<float, MemorySpace>& dtable) {         // (vocab, dim)
+  const ProfilingRegion region("kmamba::embedding_backward");
   constexpr const char* function = "kmamba::embedding_backward";
   const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
   const std::int64_t dim = static_cast<std::int64_t>(dtable.extent(1));

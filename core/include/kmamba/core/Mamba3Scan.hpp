@@ -47,6 +47,7 @@
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/Mamba3ScanImpl.hpp>
@@ -511,6 +512,7 @@ template <class ExecutionSpace, class MemorySpace>
 void mamba3_siso_forward(const ExecutionSpace& exec, const Mamba3SisoArgs<MemorySpace>& args,
                          const Tensor4<float, MemorySpace>& out,  // (batch, seqlen, nheads, headdim)
                          const Mamba3SisoStates<MemorySpace>& final_states) {
+  const ProfilingRegion region("kmamba::mamba3_siso_forward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_siso_forward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_siso_forward";
@@ -541,6 +543,7 @@ void mamba3_siso_backward(
     const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
     const Mamba3SisoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
     const Mamba3SisoGrads<MemorySpace>& grads) {
+  const ProfilingRegion region("kmamba::mamba3_siso_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_siso_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_siso_backward";
@@ -588,6 +591,7 @@ template <class ExecutionSpace, class MemorySpace>
 void mamba3_mimo_forward(const ExecutionSpace& exec, const Mamba3MimoArgs<MemorySpace>& args,
                          const Tensor4<float, MemorySpace>& out,  // (batch, seqlen, nheads, headdim)
                          const Mamba3MimoStates<MemorySpace>& final_states) {
+  const ProfilingRegion region("kmamba::mamba3_mimo_forward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_mimo_forward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_mimo_forward";
@@ -614,6 +618,7 @@ void mamba3_mimo_backward(
     const ConstTensor4<float, impl::Mamba3NonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
     const Mamba3MimoConstStates<impl::Mamba3NonDeduced<MemorySpace>>& dfinal_states,
     const Mamba3MimoGrads<MemorySpace>& grads) {
+  const ProfilingRegion region("kmamba::mamba3_mimo_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_mimo_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_mimo_backward";
@@ -704,6 +709,7 @@ template <class ExecutionSpace, class MemorySpace>
 void mamba3_siso_step(const ExecutionSpace& exec, const Mamba3SisoStepArgs<MemorySpace>& args,
                       const Mamba3SisoStates<MemorySpace>& states,  // updated in place
                       const Tensor3<float, MemorySpace>& out) {     // (batch, nheads, headdim)
+  const ProfilingRegion region("kmamba::mamba3_siso_step");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_siso_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_siso_step";
@@ -750,6 +756,7 @@ template <class ExecutionSpace, class MemorySpace>
 void mamba3_mimo_step(const ExecutionSpace& exec, const Mamba3MimoStepArgs<MemorySpace>& args,
                       const Mamba3MimoStates<MemorySpace>& states,  // updated in place
                       const Tensor3<float, MemorySpace>& out) {     // (batch, nheads, headdim)
+  const ProfilingRegion region("kmamba::mamba3_mimo_step");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_mimo_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::mamba3_mimo_step";

@@ -10,6 +10,7 @@
 
 #include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/impl/RandomImpl.hpp>
 
@@ -41,6 +42,7 @@ KOKKOS_INLINE_FUNCTION float normal_at(std::uint64_t seed, std::uint64_t index) 
 template <class ExecutionSpace, class ViewType>
 void fill_uniform(const ExecutionSpace& exec, const ViewType& view, std::uint64_t seed, float lo, float hi,
                   std::uint64_t offset = 0) {
+  const ProfilingRegion region("kmamba::fill_uniform");
   KMAMBA_REQUIRE(lo <= hi, "kmamba::fill_uniform: lo must not exceed hi, got lo=" << lo << " hi=" << hi);
   check_allocated("kmamba::fill_uniform", "view", view);
   impl::fill_random(exec, view, impl::UniformDraw{seed, offset, lo, hi - lo}, "kmamba::random::fill_uniform");
@@ -56,6 +58,7 @@ void fill_uniform(const ViewType& view, std::uint64_t seed, float lo, float hi, 
 template <class ExecutionSpace, class ViewType>
 void fill_normal(const ExecutionSpace& exec, const ViewType& view, std::uint64_t seed, float mean,
                  float stddev, std::uint64_t offset = 0) {
+  const ProfilingRegion region("kmamba::fill_normal");
   KMAMBA_REQUIRE(stddev >= 0.0f, "kmamba::fill_normal: stddev must be >= 0, got " << stddev);
   check_allocated("kmamba::fill_normal", "view", view);
   impl::fill_random(exec, view, impl::NormalDraw{seed, offset, mean, stddev}, "kmamba::random::fill_normal");

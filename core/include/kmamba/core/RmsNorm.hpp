@@ -20,6 +20,7 @@
 #define KMAMBA_CORE_RMSNORM_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/RmsNormImpl.hpp>
@@ -41,6 +42,7 @@ void rms_norm(const ExecutionSpace& exec,
               const YView& y,        // (rows, dim)
               const RstdView& rstd)  // (rows,)
 {
+  const ProfilingRegion region("kmamba::rms_norm");
   static_assert(XView::rank == 2 && WView::rank == 1 && YView::rank == 2 && RstdView::rank == 1,
                 "kmamba::rms_norm: x and y are (rows, dim), weight is (dim,), rstd is (rows,)");
   static_assert(std::is_same<typename RstdView::value_type, float>::value, "kmamba::rms_norm: rstd is fp32");
@@ -69,6 +71,7 @@ void rms_norm(const ExecutionSpace& exec,
               float eps,
               const YView& y)       // (rows, dim)
 {
+  const ProfilingRegion region("kmamba::rms_norm");
   static_assert(XView::rank == 2 && WView::rank == 1 && YView::rank == 2,
                 "kmamba::rms_norm: x and y are (rows, dim), weight is (dim,)");
   static_assert(impl::rms_norm_accessible<ExecutionSpace, XView, WView, YView>,
@@ -100,6 +103,7 @@ void add_rms_norm(const ExecutionSpace& exec,
                   float eps,
                   const YView& y)                // (rows, dim)
 {
+  const ProfilingRegion region("kmamba::add_rms_norm");
   static_assert(ResidualView::rank == 2 && DeltaView::rank == 2 && WView::rank == 1 && YView::rank == 2,
                 "kmamba::add_rms_norm: residual, delta and y are (rows, dim), weight is (dim,)");
   static_assert(impl::rms_norm_accessible<ExecutionSpace, ResidualView, DeltaView, WView, YView>,
@@ -150,6 +154,7 @@ void rms_norm_backward(const ExecutionSpace& exec,
                        const DxView& dx,           // (rows, dim)
                        const DweightView& dweight) // (dim,)
 {
+  const ProfilingRegion region("kmamba::rms_norm_backward");
   static_assert(DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && RstdView::rank == 1 &&
                     DxView::rank == 2 && DweightView::rank == 1,
                 "kmamba::rms_norm_backward: dy, x, dx are (rows, dim), weight and dweight (dim,), rstd (rows,)");
@@ -187,6 +192,7 @@ void rms_norm_backward(const ExecutionSpace& exec,
                        const DxView& dx,           // (rows, dim)
                        const DweightView& dweight) // (dim,)
 {
+  const ProfilingRegion region("kmamba::rms_norm_backward");
   static_assert(DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && DxView::rank == 2 &&
                     DweightView::rank == 1,
                 "kmamba::rms_norm_backward: dy, x, dx are (rows, dim), weight and dweight (dim,)");
@@ -240,6 +246,7 @@ void gated_rms_norm(const ExecutionSpace& exec,
                     const YView& y,        // (rows, dim)
                     const RstdView& rstd)  // (rows, dim / group_size)
 {
+  const ProfilingRegion region("kmamba::gated_rms_norm");
   static_assert(XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && YView::rank == 2 &&
                     RstdView::rank == 2,
                 "kmamba::gated_rms_norm: x, z, y are (rows, dim), weight (dim,), rstd (rows, groups)");
@@ -274,6 +281,7 @@ void gated_rms_norm(const ExecutionSpace& exec,
                     float eps, int group_size, bool norm_before_gate,
                     const YView& y)       // (rows, dim)
 {
+  const ProfilingRegion region("kmamba::gated_rms_norm");
   static_assert(XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && YView::rank == 2,
                 "kmamba::gated_rms_norm: x, z, y are (rows, dim), weight (dim,)");
   static_assert(impl::rms_norm_accessible<ExecutionSpace, XView, ZView, WView, YView>,
@@ -326,6 +334,7 @@ void gated_rms_norm_backward(const ExecutionSpace& exec,
                              const DzView& dz,        // (rows, dim)
                              const DweightView& dweight)  // (dim,)
 {
+  const ProfilingRegion region("kmamba::gated_rms_norm_backward");
   static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 &&
                     RstdView::rank == 2 && DxView::rank == 2 && DzView::rank == 2 && DweightView::rank == 1,
                 "kmamba::gated_rms_norm_backward: dy, x, z, dx, dz are (rows, dim), weight and dweight "
@@ -373,6 +382,7 @@ void gated_rms_norm_backward(const ExecutionSpace& exec,
                              const DzView& dz,        // (rows, dim)
                              const DweightView& dweight)  // (dim,)
 {
+  const ProfilingRegion region("kmamba::gated_rms_norm_backward");
   static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 &&
                     DxView::rank == 2 && DzView::rank == 2 && DweightView::rank == 1,
                 "kmamba::gated_rms_norm_backward: dy, x, z, dx, dz are (rows, dim), weight and dweight (dim,)");

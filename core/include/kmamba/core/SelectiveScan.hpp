@@ -22,6 +22,7 @@
 #define KMAMBA_CORE_SELECTIVESCAN_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/SelectiveScanImpl.hpp>
@@ -128,6 +129,7 @@ template <class ExecutionSpace, class MemorySpace>
 void selective_scan_forward(const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,
                             const Tensor3<float, MemorySpace>& out,          // (batch, dim, seqlen)
                             const Tensor3<float, MemorySpace>& last_state) {  // (batch, dim, dstate), optional
+  const ProfilingRegion region("kmamba::selective_scan_forward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::selective_scan_forward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::selective_scan_forward";
@@ -161,6 +163,7 @@ void selective_scan_backward(const ExecutionSpace& exec, const SelectiveScanArgs
                              const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dout,         // (batch, dim, seqlen)
                              const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dlast_state,  // (batch, dim, dstate), optional
                              const SelectiveScanGrads<MemorySpace>& grads) {
+  const ProfilingRegion region("kmamba::selective_scan_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::selective_scan_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::selective_scan_backward";
@@ -208,6 +211,7 @@ template <class ExecutionSpace, class MemorySpace>
 void selective_scan_step(const ExecutionSpace& exec, const SelectiveScanStepArgs<MemorySpace>& args,
                          const Tensor3<float, MemorySpace>& state,  // (batch, dim, dstate), updated in place
                          const Tensor2<float, MemorySpace>& out) {  // (batch, dim)
+  const ProfilingRegion region("kmamba::selective_scan_step");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::selective_scan_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::selective_scan_step";

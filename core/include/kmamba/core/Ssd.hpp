@@ -28,6 +28,7 @@
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
+#include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/SsdImpl.hpp>
@@ -42,11 +43,9 @@ namespace kmamba {
 /// The chunk length at which this library's SSD does the least work for Mamba-2's shapes on every
 /// backend measured, and the longest chunk a model computes with when its configuration asks for
 /// more (the result is the same function of the inputs). The intra-chunk products grow with the
-/// chunk, the state products do not: at b8 × 4096 tokens, 32 heads, headdim 64, d_state 128 the
-/// forward and backward took 29.7 ms at 256, 26.4 ms at 128 and 26.4 ms at 64 on an H200, and a
-/// mamba2-130m-shaped bf16 training step 3–9% less at 64 than at 256 (two runs: 395.5 against
-/// 434.5 ms, 417.1 against 422.1 ms; perf/RESULTS.md, session 9); on a 2-core CPU, 48.3 ms
-/// against 85.6 ms for a smaller shape.
+/// chunk, the state products do not, and the chunk kernels are not bound by their products: 64
+/// was fastest or tied on the H200 (SSD forward and backward, bf16 training step) and on the CPU.
+/// The timings are in perf/RESULTS.md (2026-12-03, "chunk length measured").
 constexpr int ssd_preferred_chunk_size = 64;
 
 /// Inputs of ssd_forward / ssd_backward. A View left unallocated (default constructed) means
@@ -185,6 +184,7 @@ template <class ExecutionSpace, class MemorySpace>
 void ssd_forward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
                  const Tensor4<float, MemorySpace>& out,             // (batch, seqlen, nheads, headdim)
                  const Tensor4<float, MemorySpace>& final_states) {  // (batch, nheads, headdim, dstate), optional
+  const ProfilingRegion region("kmamba::ssd_forward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::ssd_forward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::ssd_forward";
@@ -218,6 +218,7 @@ void ssd_backward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
                   const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dout,           // (batch, seqlen, nheads, headdim)
                   const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dfinal_states,  // (batch, nheads, headdim, dstate), optional
                   const SsdGrads<MemorySpace>& grads) {
+  const ProfilingRegion region("kmamba::ssd_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::ssd_backward: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::ssd_backward";
@@ -268,6 +269,7 @@ template <class ExecutionSpace, class MemorySpace>
 void ssd_step(const ExecutionSpace& exec, const SsdStepArgs<MemorySpace>& args,
               const Tensor4<float, MemorySpace>& state,  // (batch, nheads, headdim, dstate), updated in place
               const Tensor3<float, MemorySpace>& out) {  // (batch, nheads, headdim)
+  const ProfilingRegion region("kmamba::ssd_step");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::ssd_step: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::ssd_step";

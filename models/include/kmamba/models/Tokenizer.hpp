@@ -1,4 +1,4 @@
-// Tokenizers: text <-> token ids (docs/algorithms.md §5; issue 6).
+// Tokenizers: text <-> token ids (docs/algorithms.md §5).
 //
 //   ByteTokenizer     one token per byte, ids 0..255: the default for models trained by kmamba.
 //   BpeTokenizer      the byte-level BPE of GPT-2 / GPT-NeoX read from a Hugging Face tokenizer.json

@@ -7,8 +7,8 @@
 //   mesh.data().all_reduce(exec, grads);                     // over the ranks with the same (tp, sp)
 //
 // Axes: "dp" (data parallel: same tp and sp), "tp" (tensor parallel: same dp and sp), "sp" (sequence
-// parallel: same dp and tp), "dp_sp" (data × sequence: same tp; the group that shares parameters
-// and reduces their gradients once sequence parallelism lands) and "world".
+// parallel: same dp and tp), "dp_sp" (data × sequence: same tp; the ranks that hold the same
+// parameters, so the group over which their gradients are reduced when sp > 1) and "world".
 #ifndef KMAMBA_PARALLEL_PROCESSMESH_HPP
 #define KMAMBA_PARALLEL_PROCESSMESH_HPP
 

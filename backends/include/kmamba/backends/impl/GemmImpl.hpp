@@ -152,10 +152,11 @@ struct GemmImpl {
 void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B,
                         float beta, float* C, MatmulPrecision precision = MatmulPrecision::Float32);
 
-/// The most rows for which the CUDA GEMM takes gemm_few_rows_cuda rather than cuBLAS. Measured on
-/// the H200 (perf/RESULTS.md, 2026-12-03): at m = 1 it beats cuBLAS SGEMM on every decode shape
-/// (in_proj 13 vs 17 µs, head 50 vs 55 µs); at m = 16 cuBLAS wins (head 122 vs 309 µs). The cut
-/// at 4 lies between the two measured points (`kmamba-perf --case gemm_few_rows` times m = 4 too).
+/// The most rows for which the CUDA GEMM takes gemm_few_rows_cuda rather than cuBLAS. The
+/// few-row kernel streams B once at memory bandwidth, which beats cuBLAS SGEMM at one row on every
+/// decode shape; with more rows its dependent FMA chains and re-reads of A make it latency bound,
+/// and cuBLAS wins by 16 rows. The cut lies between the two (timings: perf/RESULTS.md,
+/// 2026-12-03, "few-row GEMM kernel"; `kmamba-perf --case gemm_few_rows` times m = 1, 4 and 16).
 constexpr int gemm_few_rows_cuda_max = 4;
 
 // C = alpha op(A) op(B) + beta C in row-major is Cᵀ = alpha op(B)ᵀ op(A)ᵀ + beta Cᵀ in cuBLAS's

@@ -1,0 +1,134 @@
+// Moving tensors between the tests' double vectors and device views, poisoning outputs, and the
+// comparisons the kernel tests share: one definition each.
+#ifndef KMAMBA_TESTS_SUPPORT_CHECKS_HPP
+#define KMAMBA_TESTS_SUPPORT_CHECKS_HPP
+
+#include "Backends.hpp"
+
+#include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Error.hpp>
+#include <kmamba/core/Tensor.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace kmamba {
+namespace test {
+
+/// Every element of any view (fp32 or bf16, any rank), in storage order, widened to double.
+template <class View>
+std::vector<double> host_doubles(const View& view) {
+  const auto h = to_host(view);
+  std::vector<double> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(kmamba::to_float(h.data()[i]));
+  return out;
+}
+
+/// Every element of a contiguous float view, in storage order.
+template <class View>
+std::vector<float> host_floats(const View& view) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
+  return std::vector<float>(h.data(), h.data() + h.span());
+}
+
+/// Copies `values` (storage order) into `view`, rounded to its element type.
+template <class View>
+void upload(const View& view, const std::vector<double>& values) {
+  auto h = Kokkos::create_mirror_view(view);
+  EXPECT_EQ(h.size(), values.size()) << view.label();
+  for (std::size_t i = 0; i < h.size() && i < values.size(); ++i)
+    h.data()[i] = kmamba::from_float<typename View::non_const_value_type>(static_cast<float>(values[i]));
+  Kokkos::deep_copy(view, h);
+}
+
+/// Fills an allocated view with NaN, so that an element a kernel fails to write fails the comparison.
+template <class View>
+void poison(const View& view) {
+  if (view.is_allocated())
+    Kokkos::deep_copy(
+        view, kmamba::from_float<typename View::non_const_value_type>(std::numeric_limits<float>::quiet_NaN()));
+}
+
+/// A new view of the given extents, filled with NaN (poison).
+template <class View, class... Extents>
+View poisoned(const std::string& label, Extents... extents) {
+  View view = kmamba::allocate_uninitialized<View>(label, extents...);
+  poison(view);
+  return view;
+}
+
+/// Expects `call` to throw a kmamba::UserError whose message contains every one of `parts`.
+inline void expect_user_error(const std::function<void()>& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "no kmamba::UserError thrown";
+  } catch (const kmamba::UserError& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
+  }
+}
+
+/// Expects every `got` finite and max|got − ref| ≤ tol·max(max|ref|, floor); returns
+/// max|got − ref| / max(max|ref|, floor) (the absolute error where that scale is 0).
+inline double expect_near_rel(const std::string& what, const std::vector<double>& got, const std::vector<double>& ref,
+                              double tol, const std::string& context, double floor = 0.0) {
+  EXPECT_EQ(got.size(), ref.size()) << what << " " << context;
+  if (got.size() != ref.size()) return 0.0;
+  double scale = 0.0, err = 0.0;
+  std::size_t worst_at = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << " " << context;
+      return 0.0;
+    }
+    scale = std::max(scale, std::fabs(ref[i]));
+    if (std::fabs(got[i] - ref[i]) > err) {
+      err = std::fabs(got[i] - ref[i]);
+      worst_at = i;
+    }
+  }
+  scale = std::max(scale, floor);
+  EXPECT_LE(err, tol * std::max(scale, 1e-30))
+      << what << ": max|Δ| = " << err << " at " << worst_at << " (got " << got[worst_at] << ", ref " << ref[worst_at]
+      << "), scale = " << scale << " " << context;
+  return scale > 0.0 ? err / scale : err;
+}
+
+/// max|got − ref| / max|ref| over two equally long vectors.
+template <class T>
+double max_relative_error(const std::vector<T>& got, const std::vector<T>& ref) {
+  EXPECT_EQ(got.size(), ref.size());
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - static_cast<double>(ref[i])));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+/// ‖got − ref‖₂ / ‖ref‖₂ over two equally long vectors.
+template <class T>
+double l2_relative_error(const std::vector<T>& got, const std::vector<T>& ref) {
+  EXPECT_EQ(got.size(), ref.size());
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    const double d = static_cast<double>(got[i]) - static_cast<double>(ref[i]);
+    diff += d * d;
+    norm += static_cast<double>(ref[i]) * static_cast<double>(ref[i]);
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+}  // namespace test
+}  // namespace kmamba
+
+#endif
