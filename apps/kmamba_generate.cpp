@@ -86,7 +86,7 @@ void declare_sampling(CLI::App& cli, Options& o) {
   cli.add_option("--top-p", c.top_p,
                  "keep the smallest set of probability mass >= X; X in (0, 1], 1 = off (default 1)")
       ->type_name("X")
-      ->check(number_in(0.0, 1.0, true))
+      ->check(number_in(0.0, 1.0, kmamba::app::Ends::LowOpen))
       ->group(sampling);
   cli.add_option("--min-p", c.min_p, "keep tokens with probability >= X times the largest, 0 = off (default 0)")
       ->type_name("X")
@@ -95,7 +95,7 @@ void declare_sampling(CLI::App& cli, Options& o) {
   cli.add_option("--repetition-penalty", c.repetition_penalty,
                  "> 1 discourages tokens already in the sequence; X in (0, 1e6] (default 1)")
       ->type_name("X")
-      ->check(number_in(0.0, 1e6, true))
+      ->check(number_in(0.0, 1e6, kmamba::app::Ends::LowOpen))
       ->group(sampling);
   cli.add_option("--seed", c.seed, "random seed; a seed reproduces its output exactly (default 0)")
       ->type_name("N")

@@ -259,16 +259,17 @@ CLI::Validator integer_in(long long low, long long high) {
       "");
 }
 
-CLI::Validator number_in(double low, double high, bool low_open) {
+CLI::Validator number_in(double low, double high, Ends ends) {
+  const bool low_open = ends == Ends::LowOpen, high_open = ends == Ends::HighOpen;
   const std::string range = std::isinf(high) ? std::string(low_open ? "> " : ">= ") + bound(low)
                                              : std::string("in ") + (low_open ? "(" : "[") + bound(low) + ", " +
-                                                   bound(high) + "]";
+                                                   bound(high) + (high_open ? ")" : "]");
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         char* end = nullptr;
         const double v = std::strtod(text.c_str(), &end);
         const bool whole = !text.empty() && !std::isspace(static_cast<unsigned char>(text[0])) && *end == '\0';
-        const bool inside = (low_open ? v > low : v >= low) && v <= high;
+        const bool inside = (low_open ? v > low : v >= low) && (high_open ? v < high : v <= high);
         if (whole && std::isfinite(v) && inside) return {};
         return "got '" + text + "', expected a finite number " + range;
       },

@@ -19,6 +19,7 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -85,8 +86,11 @@ bool stop_requested();
 
 /// A decimal integer in [low, high].
 CLI::Validator integer_in(long long low, long long high);
-/// A finite number in [low, high]; with `low_open`, in (low, high].
-CLI::Validator number_in(double low, double high, bool low_open = false);
+/// Which ends an interval of numbers includes.
+enum class Ends { Closed, LowOpen, HighOpen };
+/// A finite number in [low, high] (or (low, high], [low, high)); high = unbounded: no upper end.
+CLI::Validator number_in(double low, double high, Ends ends = Ends::Closed);
+constexpr double unbounded = std::numeric_limits<double>::infinity();
 /// One of `choices`, exactly.
 CLI::Validator one_of(const std::vector<std::string>& choices);
 

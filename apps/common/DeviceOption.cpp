@@ -29,14 +29,18 @@ bool names_space(const std::string& name, const char* space) {
          });
 }
 
-CLI::Option* add_device_option(CLI::App& cli, std::string& device) {
+std::vector<std::string> devices_of_this_build() {
   std::vector<std::string> devices = spaces_of_this_build();
   for (std::string& d : devices) {
     std::transform(d.begin(), d.end(), d.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   }
+  return devices;
+}
+
+CLI::Option* add_device_option(CLI::App& cli, std::string& device) {
   return cli.add_option("--device", device, "serial, openmp or cuda (default: the build's default execution space)")
       ->type_name("NAME")
-      ->check(one_of(devices));
+      ->check(one_of(devices_of_this_build()));
 }
 
 CLI::Option* add_space_option(CLI::App& cli, std::string& space, const std::string& help) {

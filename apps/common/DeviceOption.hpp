@@ -18,6 +18,9 @@ namespace app {
 /// "Serial", "OpenMP", "Cuda": the execution spaces this build has, by Kokkos's names.
 std::vector<std::string> spaces_of_this_build();
 
+/// "serial", "openmp", "cuda": the --device names of this build's spaces.
+std::vector<std::string> devices_of_this_build();
+
 /// Declares `--device NAME` (serial, openmp or cuda, those of this build; empty: the build's
 /// default execution space) into `device`.
 CLI::Option* add_device_option(CLI::App& cli, std::string& device);
