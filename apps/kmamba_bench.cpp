@@ -2,6 +2,9 @@
 // their results. With no arguments it is the quick end-to-end check that a build works.
 #include <kmamba/KMamba.hpp>
 
+#include "AppRuntime.hpp"
+#include "DeviceOption.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,45 +23,14 @@ struct Options {
   std::string only_space;
 };
 
-void print_help() {
-  std::printf(
-      "usage: kmamba-bench [--elements N] [--repeats R] [--space NAME]\n"
-      "\n"
-      "Runs kmamba's kernels on each execution space of this build (Cuda, OpenMP, Serial), checks\n"
-      "their results against the host and prints time, bandwidth and the check.\n"
-      "\n"
-      "  --elements N   tensor size in elements (default 16777216)\n"
-      "  --repeats R    timed repetitions; the median is reported (default 5)\n"
-      "  --space NAME   only this execution space (Serial, OpenMP or Cuda)\n"
-      "  -h, --help     this text\n"
-      "\n"
-      "Kokkos options (--kokkos-threads=N, ...) are accepted too.\n");
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&](const char* name) -> std::string {
-      if (i + 1 >= argc) throw kmamba::UserError(std::string("kmamba-bench: ") + name + " needs a value");
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") {
-      print_help();
-      std::exit(0);
-    } else if (a == "--elements") {
-      o.elements = std::stoll(value("--elements"));
-      KMAMBA_REQUIRE(o.elements > 0, "kmamba-bench: --elements must be positive, got " << o.elements);
-    } else if (a == "--repeats") {
-      o.repeats = std::stoi(value("--repeats"));
-      KMAMBA_REQUIRE(o.repeats > 0, "kmamba-bench: --repeats must be positive, got " << o.repeats);
-    } else if (a == "--space") {
-      o.only_space = value("--space");
-    } else if (a.rfind("--kokkos-", 0) != 0) {
-      throw kmamba::UserError("kmamba-bench: unknown argument '" + a + "' (see --help)");
-    }
-  }
-  return o;
+void declare(CLI::App& cli, Options& o) {
+  cli.add_option("--elements", o.elements, "tensor size in elements (default 16777216)")
+      ->type_name("N")
+      ->check(kmamba::app::integer_in(1, 1LL << 36));
+  cli.add_option("--repeats", o.repeats, "timed repetitions; the median is reported (default 5)")
+      ->type_name("R")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  kmamba::app::add_space_option(cli, o.only_space, "only this execution space (default: every one of this build)");
 }
 
 template <class F>
@@ -110,38 +82,35 @@ bool bench_space(const Options& o) {
   return bad == 0;
 }
 
+int run(const Options& o) {
+  kmamba::print_configuration(std::cout);
+  std::printf("kmamba-bench: %lld elements, median of %d runs\n", o.elements, o.repeats);
+  bool ok = true;
+  bool ran = false;
+  auto want = [&](const char* name) { return o.only_space.empty() || o.only_space == name; };
+#if KMAMBA_ENABLE_CUDA
+  if (want("Cuda")) ok = bench_space<Kokkos::Cuda>(o) && ok, ran = true;
+#endif
+#if KMAMBA_HAS_OPENMP
+  if (want("OpenMP")) ok = bench_space<Kokkos::OpenMP>(o) && ok, ran = true;
+#endif
+#if KMAMBA_HAS_SERIAL
+  if (want("Serial")) ok = bench_space<Kokkos::Serial>(o) && ok, ran = true;
+#endif
+  KMAMBA_REQUIRE(ran, "kmamba-bench: --space " << o.only_space << " is not an execution space of this build");
+  std::printf(ok ? "kmamba-bench: all checks passed\n" : "kmamba-bench: CHECK FAILED\n");
+  return ok ? kmamba::app::exit_done : kmamba::app::exit_failed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  try {
-    const Options o = parse(argc, argv);
-    kmamba::print_configuration(std::cout);
-    std::printf("kmamba-bench: %lld elements, median of %d runs\n", o.elements, o.repeats);
-    bool ok = true;
-    bool ran = false;
-    auto want = [&](const char* name) { return o.only_space.empty() || o.only_space == name; };
-#if KMAMBA_ENABLE_CUDA
-    if (want("Cuda")) ok = bench_space<Kokkos::Cuda>(o) && ok, ran = true;
-#endif
-#if KMAMBA_HAS_OPENMP
-    if (want("OpenMP")) ok = bench_space<Kokkos::OpenMP>(o) && ok, ran = true;
-#endif
-#if KMAMBA_HAS_SERIAL
-    if (want("Serial")) ok = bench_space<Kokkos::Serial>(o) && ok, ran = true;
-#endif
-    KMAMBA_REQUIRE(ran, "kmamba-bench: --space " << o.only_space << " is not an execution space of this build");
-    std::printf(ok ? "kmamba-bench: all checks passed\n" : "kmamba-bench: CHECK FAILED\n");
-    return ok ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+  CLI::App cli{"Runs kmamba's kernels on each execution space of this build (Cuda, OpenMP, Serial), checks\n"
+               "their results against the host and prints time, bandwidth and the check. Exit status: 0 all\n"
+               "checks passed, 1 a check failed, 2 a bad option.",
+               "kmamba-bench"};
+  kmamba::app::configure(cli);
+  Options o;
+  declare(cli, o);
+  return kmamba::app::run_app(argc, argv, cli, {}, [&](kmamba::app::Runtime&) { return run(o); });
 }

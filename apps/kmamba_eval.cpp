@@ -7,6 +7,8 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/models/Mamba3Mixer.hpp>
 
+#include "AppRuntime.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -22,51 +24,10 @@ namespace {
 using Exec = Kokkos::DefaultExecutionSpace;
 using Mem = Exec::memory_space;
 
-void print_help() {
-  std::printf(
-      "usage: kmamba-eval --model DIR --input IN.safetensors --output OUT.safetensors [options]\n"
-      "       kmamba-eval --op NAME --input IN.safetensors --output OUT.safetensors [options]\n"
-      "\n"
-      "--model: loads the checkpoint DIR (config.json + model.safetensors, Hugging Face or mamba_ssm\n"
-      "names), reads input_ids (batch, seqlen) int64 from IN and writes logits (batch, seqlen, vocab)\n"
-      "f32 and loss (1,) f32: the mean next-token cross-entropy over the batch*(seqlen-1) predicted\n"
-      "positions (labels = input ids shifted by one, the Hugging Face convention). With --grads it\n"
-      "also writes grad.<parameter name> (f32) for every parameter.\n"
-      "\n"
-      "--op: runs one kmamba op forward on the inputs of IN (the reference API's tensor names and layouts;\n"
-      "attributes from IN's metadata entry \"config\"), then, if IN holds the output cotangent `dout`,\n"
-      "backward, and writes the outputs and grad.<input> to OUT.\n"
-      "\n"
-      "ops:\n"
-      "  ssd              inputs x, dt, A, B, C [, D, z, dt_bias, initial_states, seq_idx];\n"
-      "                   outputs out, final_states; cotangents dout [, dfinal_states]\n"
-      "                   (config: chunk_size, dt_softplus, dt_limit)\n"
-      "  selective_scan   inputs u, delta, A, B, C [, D, z, delta_bias, initial_state];\n"
-      "                   outputs out, last_state; cotangents dout [, dlast_state]\n"
-      "  mamba3_siso      inputs Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles [, D, Z, initial_angle,\n"
-      "                   initial_ssm, initial_k, initial_v]; outputs out, final_angle, final_ssm, final_k,\n"
-      "                   final_v; cotangents dout [, dfinal_angle, dfinal_ssm, dfinal_k, dfinal_v]\n"
-      "                   (config: chunk_size, default 64)\n"
-      "  mamba3_mimo      as mamba3_siso with a rank axis, plus MIMO_V, MIMO_O [, MIMO_Z with Z]\n"
-      "                   (config: chunk_size, default 64 / rank)\n"
-      "  mamba3_mixer     a Mamba-3 mixer: parameters param.<name> (the reference module's names), input\n"
-      "                   u (batch, seqlen, d_model); output out; cotangent dout; grad.u, grad.<name>\n"
-      "                   (config: d_model, d_state, expand, headdim, ngroups, rope_fraction, A_floor,\n"
-      "                   rmsnorm_eps, is_mimo, mimo_rank, is_outproj_norm, chunk_size default 64)\n"
-      "\n"
-      "options:\n"
-      "  --check TOL      compare every output with the tensor of the same name in IN (if present) and\n"
-      "                   fail unless ||out - ref|| / ||ref|| <= TOL for each\n"
-      "  --chunk-size N   tokens per chunk (default: the file's config for ssd and mamba3_*, chosen by\n"
-      "                   kmamba for selective_scan)\n"
-      "  --grads          (--model) also write the gradient of the loss for every parameter\n"
-      "  -h, --help       this text\n");
-}
-
 struct Options {
   std::string op, model, input, output;
-  double check = -1.0;
-  int chunk_size = 0;
+  double check = -1.0;  // negative: no comparison
+  int chunk_size = 0;   // 0: the file's config or kmamba's choice
   bool grads = false;
 };
 
@@ -471,11 +432,27 @@ void run_mamba3_mixer(const Options& o, const kmamba::SafeTensorsReader& in, kma
   }
 }
 
+// Throws kmamba::UserError naming the parameters of `model` that hold NaN or infinity: their
+// outputs would be meaningless.
+template <class Model>
+void require_finite_parameters(const Model& model, const std::string& dir) {
+  const auto& slab = model.parameters();
+  const auto params = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
+  std::string bad;
+  for (const auto& entry : slab.entries()) {
+    std::size_t count = 0;
+    for (std::size_t i = 0; i < entry.size; ++i) count += std::isfinite(params(entry.offset + i)) ? 0 : 1;
+    if (count > 0) bad += (bad.empty() ? "" : ", ") + entry.name + " (" + std::to_string(count) + " of " + std::to_string(entry.size) + ")";
+  }
+  KMAMBA_REQUIRE(bad.empty(), "kmamba-eval: the checkpoint '" << dir << "' holds non-finite parameters: " << bad);
+}
+
 void run_model(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
   using I2 = kmamba::Tensor2<std::int64_t, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
   const Exec exec;
   auto model = kmamba::LanguageModel<Exec>::load(o.model);
+  require_finite_parameters(model, o.model);
   const I2 ids = kmamba::read_view<I2>(in, "input_ids");
   KMAMBA_REQUIRE(ids.extent(1) >= 2, "kmamba-eval: input_ids of '" << o.input << "' has shape "
                                                                    << kmamba::shape_of(ids).to_string()
@@ -531,76 +508,129 @@ bool check_against(const kmamba::SafeTensorsReader& written, const kmamba::SafeT
   return ok && compared > 0;
 }
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      KMAMBA_REQUIRE(i + 1 < argc, "kmamba-eval: " << a << " needs a value (see --help)");
-      return argv[++i];
-    };
-    if (a == "--op") {
-      o.op = value();
-    } else if (a == "--input") {
-      o.input = value();
-    } else if (a == "--output") {
-      o.output = value();
-    } else if (a == "--check") {
-      o.check = std::stod(value());
-    } else if (a == "--model") {
-      o.model = value();
-    } else if (a == "--grads") {
-      o.grads = true;
-    } else if (a == "--chunk-size") {
-      o.chunk_size = std::stoi(value());
-    } else if (a.rfind("--kokkos-", 0) != 0) {
-      KMAMBA_USER_ERROR("kmamba-eval: unknown argument '" << a << "' (see --help)");
-    }
-  }
+const char* const description =
+    "kmamba-eval: the black-box interface to kmamba's models and ops, for tests and for comparing against the\n"
+    "reference implementation.\n"
+    "\n"
+    "--model: loads the checkpoint DIR (config.json + model.safetensors, Hugging Face or mamba_ssm names),\n"
+    "reads input_ids (batch, seqlen) int64 from IN and writes logits (batch, seqlen, vocab) f32 and loss (1,)\n"
+    "f32: the mean next-token cross-entropy over the batch*(seqlen-1) predicted positions (labels = input ids\n"
+    "shifted by one, the Hugging Face convention). With --grads it also writes grad.<parameter name> (f32) for\n"
+    "every parameter.\n"
+    "\n"
+    "--op: runs one kmamba op forward on the inputs of IN (the reference API's tensor names and layouts;\n"
+    "attributes from IN's metadata entry \"config\"), then, if IN holds the output cotangent `dout`, backward,\n"
+    "and writes the outputs and grad.<input> to OUT.";
+
+const char* const footer =
+    "ops:\n"
+    "  ssd              inputs x, dt, A, B, C [, D, z, dt_bias, initial_states, seq_idx];\n"
+    "                   outputs out, final_states; cotangents dout [, dfinal_states]\n"
+    "                   (config: chunk_size, dt_softplus, dt_limit)\n"
+    "  selective_scan   inputs u, delta, A, B, C [, D, z, delta_bias, initial_state];\n"
+    "                   outputs out, last_state; cotangents dout [, dlast_state]\n"
+    "  mamba3_siso      inputs Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles [, D, Z, initial_angle,\n"
+    "                   initial_ssm, initial_k, initial_v]; outputs out, final_angle, final_ssm, final_k,\n"
+    "                   final_v; cotangents dout [, dfinal_angle, dfinal_ssm, dfinal_k, dfinal_v]\n"
+    "                   (config: chunk_size, default 64)\n"
+    "  mamba3_mimo      as mamba3_siso with a rank axis, plus MIMO_V, MIMO_O [, MIMO_Z with Z]\n"
+    "                   (config: chunk_size, default 64 / rank)\n"
+    "  mamba3_mixer     a Mamba-3 mixer: parameters param.<name> (the reference module's names), input\n"
+    "                   u (batch, seqlen, d_model); output out; cotangent dout; grad.u, grad.<name>\n"
+    "                   (config: d_model, d_state, expand, headdim, ngroups, rope_fraction, A_floor,\n"
+    "                   rmsnorm_eps, is_mimo, mimo_rank, is_outproj_norm, chunk_size default 64)\n"
+    "\n"
+    "Exit status: 0 done (and --check passed); 1 --check failed or an output holds NaN or infinity;\n"
+    "2 a bad option, input or checkpoint (a model with non-finite parameters among them).";
+
+using OpRunner = std::function<void(const Options&, const kmamba::SafeTensorsReader&, kmamba::SafeTensorsWriter&)>;
+
+const std::map<std::string, OpRunner>& ops() {
+  static const std::map<std::string, OpRunner> table = {{"ssd", run_ssd},
+                                                        {"selective_scan", run_selective_scan},
+                                                        {"mamba3_siso", run_mamba3_siso},
+                                                        {"mamba3_mimo", run_mamba3_mimo},
+                                                        {"mamba3_mixer", run_mamba3_mixer}};
+  return table;
+}
+
+void declare(CLI::App& cli, Options& o) {
+  using kmamba::app::int_max;
+  std::vector<std::string> op_names;
+  for (const auto& op : ops()) op_names.push_back(op.first);
+  const char* io = "what to run";
+  cli.add_option("--model", o.model, "the checkpoint directory to evaluate")->type_name("DIR")->group(io);
+  cli.add_option("--op", o.op, "the op to run (see ops below)")->type_name("NAME")->check(kmamba::app::one_of(op_names))->group(io);
+  cli.add_option("--input", o.input, "the input tensors (required)")->type_name("IN.safetensors")->group(io);
+  cli.add_option("--output", o.output, "where the outputs go (required)")->type_name("OUT.safetensors")->group(io);
+  const char* options = "options";
+  cli.add_option("--check", o.check,
+                 "compare every output with the tensor of the same name in IN (if present) and fail unless "
+                 "||out - ref|| / ||ref|| <= TOL for each; TOL in [0, 1]")
+      ->type_name("TOL")
+      ->check(kmamba::app::number_in(0.0, 1.0))
+      ->group(options);
+  cli.add_option("--chunk-size", o.chunk_size,
+                 "tokens per chunk (default: the file's config for ssd and mamba3_*, chosen by kmamba for "
+                 "selective_scan)")
+      ->type_name("N")
+      ->check(kmamba::app::integer_in(1, int_max))
+      ->group(options);
+  cli.add_flag("--grads", o.grads, "(--model) also write the gradient of the loss for every parameter")->group(options);
+}
+
+void validate(const Options& o) {
   KMAMBA_REQUIRE(o.op.empty() != o.model.empty(), "kmamba-eval: give exactly one of --model DIR and --op NAME (see --help)");
   KMAMBA_REQUIRE(!o.input.empty() && !o.output.empty(), "kmamba-eval: --input and --output are required (see --help)");
   KMAMBA_REQUIRE(!o.grads || !o.model.empty(), "kmamba-eval: --grads applies to --model only");
-  return o;
+}
+
+// The tensors of `written` that hold NaN or infinity, with their counts; empty if none.
+std::string non_finite_outputs(const kmamba::SafeTensorsReader& written) {
+  std::string bad;
+  for (const std::string& name : written.names()) {
+    if (written.info(name).dtype != kmamba::DType::F32) continue;
+    const std::vector<float> values = written.read_f32(name);
+    const auto count = std::count_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+    if (count > 0) bad += (bad.empty() ? "" : ", ") + name + " (" + std::to_string(count) + " of " + std::to_string(values.size()) + ")";
+  }
+  return bad;
+}
+
+int run(const Options& o) {
+  const kmamba::SafeTensorsReader in(o.input);
+  kmamba::SafeTensorsWriter out;
+  if (o.model.empty()) {
+    ops().at(o.op)(o, in, out);
+  } else {
+    run_model(o, in, out);
+  }
+  out.set_metadata("producer", std::string("kmamba-eval ") + kmamba::version());
+  out.write(o.output);
+  std::printf("kmamba-eval: %s: wrote %s\n", o.model.empty() ? o.op.c_str() : o.model.c_str(), o.output.c_str());
+  const kmamba::SafeTensorsReader written(o.output);
+  const std::string bad = non_finite_outputs(written);
+  if (!bad.empty()) {
+    std::fprintf(stderr, "kmamba-eval: the outputs hold NaN or infinity: %s\n", bad.c_str());
+    return kmamba::app::exit_failed;
+  }
+  if (o.check >= 0.0 && !check_against(written, in, o.check)) return kmamba::app::exit_failed;
+  return kmamba::app::exit_done;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  try {
-    const Options o = parse(argc, argv);
-    const std::map<std::string, std::function<void(const Options&, const kmamba::SafeTensorsReader&,
-                                                   kmamba::SafeTensorsWriter&)>>
-        ops = {{"ssd", run_ssd},
-               {"selective_scan", run_selective_scan},
-               {"mamba3_siso", run_mamba3_siso},
-               {"mamba3_mimo", run_mamba3_mimo},
-               {"mamba3_mixer", run_mamba3_mixer}};
-    const auto op = ops.find(o.op);
-    KMAMBA_REQUIRE(!o.model.empty() || op != ops.end(), "kmamba-eval: unknown --op '" << o.op << "' (see --help for the list)");
-    const std::string name = o.model.empty() ? o.op : o.model;
-    const kmamba::SafeTensorsReader in(o.input);
-    kmamba::SafeTensorsWriter out;
-    if (o.model.empty()) {
-      op->second(o, in, out);
-    } else {
-      run_model(o, in, out);
-    }
-    out.set_metadata("producer", std::string("kmamba-eval ") + kmamba::version());
-    out.write(o.output);
-    std::printf("kmamba-eval: %s: wrote %s\n", name.c_str(), o.output.c_str());
-    if (o.check >= 0.0) return check_against(kmamba::SafeTensorsReader(o.output), in, o.check) ? 0 : 1;
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+  CLI::App cli{description, "kmamba-eval"};
+  kmamba::app::configure(cli, footer);
+  Options o;
+  declare(cli, o);
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        validate(o);
+        return kmamba::app::Launch{};
+      },
+      [&](kmamba::app::Runtime&) { return run(o); });
 }

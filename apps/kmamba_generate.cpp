@@ -3,70 +3,26 @@
 // to stdout as they are produced; --batch-file generates many prompts as batches. See print_help().
 #include <kmamba/KMamba.hpp>
 
+#include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <fstream>
+#include <limits>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-void print_help() {
-  std::printf(
-      "usage: kmamba-generate --model DIR (--prompt TEXT | --prompt-ids IDS | --batch-file FILE) [options]\n"
-      "\n"
-      "Generates text from a checkpoint: a model trained by kmamba-train (its checkpoint/ directory) or a\n"
-      "Hugging Face / mamba_ssm Mamba-1 or Mamba-2 checkpoint (config.json + model.safetensors). The\n"
-      "prompt is prefilled with the chunked forward, then tokens are decoded one step at a time. With\n"
-      "one prompt the text streams to stdout as it is produced; prefill and decode speed go to stderr.\n"
-      "\n"
-      "input:\n"
-      "  --model DIR              checkpoint directory (required)\n"
-      "  --prompt TEXT            the prompt\n"
-      "  --prompt-ids IDS         the prompt as comma-separated token ids (e.g. for models without a tokenizer)\n"
-      "  --batch-file FILE        one prompt per line (empty lines skipped); prompts are generated in\n"
-      "                           batches of --batch-size and printed in order when each batch is done\n"
-      "  --batch-size N           prompts per batch with --batch-file (default 64)\n"
-      "  --tokenizer FILE         a tokenizer.json to use instead of the model directory's (default: DIR's\n"
-      "                           tokenizer.json if present, else bytes: the tokenizer of kmamba-train's text models)\n"
-      "\n"
-      "sampling (defaults: plain softmax sampling at temperature 1):\n"
-      "  --max-new-tokens N       tokens to generate per prompt at most (default 128)\n"
-      "  --greedy                 greedy decoding (same as --temperature 0)\n"
-      "  --temperature X          softmax temperature, 0 = greedy (default 1)\n"
-      "  --top-k N                keep the N most likely tokens, 0 = off (default 0)\n"
-      "  --top-p X                keep the smallest set of probability mass >= X, 1 = off (default 1)\n"
-      "  --min-p X                keep tokens with probability >= X times the largest, 0 = off (default 0)\n"
-      "  --repetition-penalty X   > 1 discourages tokens already in the sequence (default 1)\n"
-      "  --seed N                 random seed; a seed reproduces its output exactly (default 0)\n"
-      "  --stop-id ID             stop a sequence when it generates ID (repeatable; the tokenizer's\n"
-      "                           end-of-text token stops too unless --ignore-eos)\n"
-      "  --ignore-eos             do not stop at the tokenizer's end-of-text token\n"
-      "\n"
-      "output:\n"
-      "  --ids                    print token ids instead of text\n"
-      "  --no-echo                do not print the prompt before its continuation\n"
-      "  --output FILE            also write one JSON object per prompt (prompt, completion, token ids)\n"
-      "  --quiet                  no speed report on stderr\n"
-      "  --device NAME            serial, openmp or cuda (default: the build's default execution space)\n"
-      "  -h, --help               this text\n"
-      "\n"
-      "Kokkos options (--kokkos-threads=N, ...) are accepted too.\n");
-}
-
 struct Options {
-  std::string model, prompt, prompt_ids, batch_file, tokenizer, output, device;
-  bool have_prompt = false;
+  std::string model, prompt, batch_file, tokenizer, output, device;
+  std::vector<std::int64_t> prompt_ids;
   int batch_size = 64;
   kmamba::SamplingConfig sampling;
   int max_new_tokens = 128;
@@ -74,83 +30,104 @@ struct Options {
   bool ignore_eos = false, ids = false, echo = true, quiet = false;
 };
 
-long long parse_integer(const std::string& option, const std::string& text) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  KMAMBA_REQUIRE(!text.empty() && *end == '\0' && errno == 0,
-                 "kmamba-generate: " << option << " expects an integer, got '" << text << "'");
-  return v;
+const char* const description =
+    "Generates text from a checkpoint: a model trained by kmamba-train (its checkpoint/ directory) or a\n"
+    "Hugging Face / mamba_ssm Mamba-1 or Mamba-2 checkpoint (config.json + model.safetensors). The\n"
+    "prompt is prefilled with the chunked forward, then tokens are decoded one step at a time. With\n"
+    "one prompt the text streams to stdout as it is produced; prefill and decode speed go to stderr.\n"
+    "Give --model and exactly one of --prompt, --prompt-ids and --batch-file.";
+
+void declare_input(CLI::App& cli, Options& o) {
+  using kmamba::app::integer_in;
+  const char* input = "input";
+  cli.add_option("--model", o.model, "checkpoint directory (required)")->type_name("DIR")->group(input);
+  cli.add_option("--prompt", o.prompt, "the prompt")->type_name("TEXT")->group(input);
+  cli.add_option("--prompt-ids", o.prompt_ids,
+                 "the prompt as comma-separated token ids (e.g. for models without a tokenizer)")
+      ->type_name("IDS")
+      ->delimiter(',')
+      ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()))
+      ->group(input);
+  cli.add_option("--batch-file", o.batch_file,
+                 "one prompt per line (empty lines skipped); prompts are generated in batches of --batch-size "
+                 "and printed in order when each batch is done")
+      ->type_name("FILE")
+      ->group(input);
+  cli.add_option("--batch-size", o.batch_size, "prompts per batch with --batch-file (default 64)")
+      ->type_name("N")
+      ->check(integer_in(1, 1000000000))
+      ->group(input);
+  cli.add_option("--tokenizer", o.tokenizer,
+                 "a tokenizer.json to use instead of the model directory's (default: DIR's tokenizer.json if "
+                 "present, else bytes: the tokenizer of kmamba-train's text models)")
+      ->type_name("FILE")
+      ->group(input);
 }
 
-double parse_number(const std::string& option, const std::string& text) {
-  char* end = nullptr;
-  errno = 0;
-  const double v = std::strtod(text.c_str(), &end);
-  KMAMBA_REQUIRE(!text.empty() && *end == '\0' && errno == 0,
-                 "kmamba-generate: " << option << " expects a number, got '" << text << "'");
-  return v;
+void declare_sampling(CLI::App& cli, Options& o) {
+  using kmamba::app::integer_in;
+  using kmamba::app::number_in;
+  const char* sampling = "sampling (defaults: plain softmax sampling at temperature 1)";
+  kmamba::SamplingConfig& c = o.sampling;
+  cli.add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate per prompt at most (default 128)")
+      ->type_name("N")
+      ->check(integer_in(0, 1000000000))
+      ->group(sampling);
+  cli.add_flag_callback("--greedy", [&c] { c.temperature = 0.0f; }, "greedy decoding (same as --temperature 0)")
+      ->group(sampling);
+  cli.add_option("--temperature", c.temperature, "softmax temperature, 0 = greedy (default 1)")
+      ->type_name("X")
+      ->check(number_in(0.0, 1e6))
+      ->group(sampling);
+  cli.add_option("--top-k", c.top_k, "keep the N most likely tokens, 0 = off (default 0)")
+      ->type_name("N")
+      ->check(integer_in(0, kmamba::app::int_max))
+      ->group(sampling);
+  cli.add_option("--top-p", c.top_p,
+                 "keep the smallest set of probability mass >= X; X in (0, 1], 1 = off (default 1)")
+      ->type_name("X")
+      ->check(number_in(0.0, 1.0, kmamba::app::Ends::LowOpen))
+      ->group(sampling);
+  cli.add_option("--min-p", c.min_p, "keep tokens with probability >= X times the largest, 0 = off (default 0)")
+      ->type_name("X")
+      ->check(number_in(0.0, 1.0))
+      ->group(sampling);
+  cli.add_option("--repetition-penalty", c.repetition_penalty,
+                 "> 1 discourages tokens already in the sequence; X in (0, 1e6] (default 1)")
+      ->type_name("X")
+      ->check(number_in(0.0, 1e6, kmamba::app::Ends::LowOpen))
+      ->group(sampling);
+  cli.add_option("--seed", c.seed, "random seed; a seed reproduces its output exactly (default 0)")
+      ->type_name("N")
+      ->check(integer_in(0, std::numeric_limits<long long>::max()))
+      ->group(sampling);
+  cli.add_option("--stop-id", o.stop_ids,
+                 "stop a sequence when it generates ID (repeatable; the tokenizer's end-of-text token stops too "
+                 "unless --ignore-eos)")
+      ->type_name("ID")
+      ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()))
+      ->group(sampling);
+  cli.add_flag("--ignore-eos", o.ignore_eos, "do not stop at the tokenizer's end-of-text token")->group(sampling);
 }
 
-int parse_int(const std::string& option, const std::string& text, long long min_value) {
-  const long long v = parse_integer(option, text);
-  KMAMBA_REQUIRE(v >= min_value && v <= 1000000000,
-                 "kmamba-generate: " << option << " must be in [" << min_value << ", 1e9], got " << v);
-  return static_cast<int>(v);
+void declare_output(CLI::App& cli, Options& o) {
+  const char* output = "output";
+  cli.add_flag("--ids", o.ids, "print token ids instead of text")->group(output);
+  cli.add_flag_callback("--no-echo", [&o] { o.echo = false; }, "do not print the prompt before its continuation")
+      ->group(output);
+  cli.add_option("--output", o.output, "also write one JSON object per prompt (prompt, completion, token ids)")
+      ->type_name("FILE")
+      ->group(output);
+  cli.add_flag("--quiet", o.quiet, "no speed report on stderr")->group(output);
+  kmamba::app::add_device_option(cli, o.device)->group(output);
 }
 
-std::vector<std::int64_t> parse_ids(const std::string& option, const std::string& text) {
-  std::vector<std::int64_t> ids;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    ids.push_back(parse_integer(option, item));
-  }
-  KMAMBA_REQUIRE(!ids.empty(), "kmamba-generate: " << option << " expects comma-separated token ids, got '" << text
-                                                   << "'");
-  return ids;
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--kokkos-", 0) == 0) continue;
-    const auto value = [&]() -> std::string {
-      KMAMBA_REQUIRE(i + 1 < argc, "kmamba-generate: " << a << " needs a value (see --help)");
-      return argv[++i];
-    };
-    if (a == "--model") o.model = value();
-    else if (a == "--prompt") { o.prompt = value(); o.have_prompt = true; }
-    else if (a == "--prompt-ids") o.prompt_ids = value();
-    else if (a == "--batch-file") o.batch_file = value();
-    else if (a == "--batch-size") o.batch_size = parse_int(a, value(), 1);
-    else if (a == "--tokenizer") o.tokenizer = value();
-    else if (a == "--max-new-tokens") o.max_new_tokens = parse_int(a, value(), 0);
-    else if (a == "--greedy") o.sampling.temperature = 0.0f;
-    else if (a == "--temperature") o.sampling.temperature = static_cast<float>(parse_number(a, value()));
-    else if (a == "--top-k") o.sampling.top_k = parse_int(a, value(), 0);
-    else if (a == "--top-p") o.sampling.top_p = static_cast<float>(parse_number(a, value()));
-    else if (a == "--min-p") o.sampling.min_p = static_cast<float>(parse_number(a, value()));
-    else if (a == "--repetition-penalty") o.sampling.repetition_penalty = static_cast<float>(parse_number(a, value()));
-    else if (a == "--seed") o.sampling.seed = static_cast<std::uint64_t>(parse_integer(a, value()));
-    else if (a == "--stop-id") o.stop_ids.push_back(parse_integer(a, value()));
-    else if (a == "--ignore-eos") o.ignore_eos = true;
-    else if (a == "--ids") o.ids = true;
-    else if (a == "--no-echo") o.echo = false;
-    else if (a == "--output") o.output = value();
-    else if (a == "--quiet") o.quiet = true;
-    else if (a == "--device") o.device = value();
-    else KMAMBA_USER_ERROR("kmamba-generate: unknown option '" << a << "' (see --help)");
-  }
+void validate(const CLI::App& cli, const Options& o) {
   KMAMBA_REQUIRE(!o.model.empty(), "kmamba-generate: --model DIR is required (see --help)");
-  const int sources = int(o.have_prompt) + int(!o.prompt_ids.empty()) + int(!o.batch_file.empty());
+  const int sources = int(cli.count("--prompt") > 0) + int(cli.count("--prompt-ids") > 0) + int(cli.count("--batch-file") > 0);
   KMAMBA_REQUIRE(sources == 1, "kmamba-generate: give exactly one of --prompt, --prompt-ids and --batch-file (got "
                                    << sources << ")");
   o.sampling.validate();
-  return o;
 }
 
 // One prompt: its text (empty for --prompt-ids) and ids.
@@ -162,8 +139,8 @@ struct Prompt {
 std::vector<Prompt> read_prompts(const Options& o, const kmamba::Tokenizer& tokenizer, std::int64_t vocab) {
   std::vector<Prompt> prompts;
   if (!o.prompt_ids.empty()) {
-    prompts.push_back({"", parse_ids("--prompt-ids", o.prompt_ids)});
-  } else if (o.have_prompt) {
+    prompts.push_back({"", o.prompt_ids});
+  } else if (o.batch_file.empty()) {
     prompts.push_back({o.prompt, tokenizer.encode(o.prompt)});
   } else {
     std::ifstream in(o.batch_file, std::ios::binary);
@@ -313,44 +290,23 @@ int run(const Options& o) {
   return 0;
 }
 
-int dispatch(const Options& o) {
-  kmamba_apps::check_device("kmamba-generate", o.device);
-#if KMAMBA_HAS_SERIAL
-  if (o.device == "serial") return run<Kokkos::Serial>(o);
-#endif
-#if KMAMBA_HAS_OPENMP
-  if (o.device == "openmp") return run<Kokkos::OpenMP>(o);
-#endif
-#if KMAMBA_ENABLE_CUDA
-  if (o.device == "cuda") return run<Kokkos::Cuda>(o);
-#endif
-  return run<Kokkos::DefaultExecutionSpace>(o);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  try {
-    const Options options = parse(argc, argv);
-    std::vector<char*> kokkos_args = {argv[0]};
-    for (int i = 1; i < argc; ++i) {
-      if (std::string(argv[i]).rfind("--kokkos-", 0) == 0) kokkos_args.push_back(argv[i]);
-    }
-    int kokkos_argc = static_cast<int>(kokkos_args.size());
-    kokkos_args.push_back(nullptr);
-    Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_args.data());
-    return dispatch(options);
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+  CLI::App cli{description, "kmamba-generate"};
+  kmamba::app::configure(cli);
+  Options o;
+  declare_input(cli, o);
+  declare_sampling(cli, o);
+  declare_output(cli, o);
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        validate(cli, o);
+        return kmamba::app::Launch{};
+      },
+      [&](kmamba::app::Runtime&) {
+        return kmamba::app::on_space(o.device, [&](auto exec) { return run<decltype(exec)>(o); });
+      });
 }

@@ -12,6 +12,7 @@
 // trajectories and trains on its shard of each global batch.
 #include <kmamba/KMamba.hpp>
 
+#include "AppRuntime.hpp"
 #include "Plot.hpp"
 #include "Png.hpp"
 
@@ -27,10 +28,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
+#include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 namespace {
@@ -63,74 +64,44 @@ struct Options {
   bool check = false;
 };
 
-void print_help() {
-  std::printf(
-      "usage: kmamba-lorenz96 [options]        (also under mpirun: data-parallel training)\n"
-      "Integrates Lorenz-96 (40 variables, F = 8, RK4), trains a Mamba-2 surrogate on its own\n"
-      "trajectories, forecasts from new initial conditions and compares with persistence.\n"
-      "  --steps N          optimizer steps (default 300)\n"
-      "  --batch N          training windows per rank and step (default 8)\n"
-      "  --seqlen N         samples per training window (default 64)\n"
-      "  --trajectories N   training trajectories (default 8)\n"
-      "  --samples N        samples per training trajectory, 0.05 time units apart (default 2500)\n"
-      "  --forecasts N      forecasts from new initial conditions (default 16)\n"
-      "  --history N        observed samples fed before each forecast (default 32)\n"
-      "  --horizon T        forecast length in Lyapunov times (default 5)\n"
-      "  --d-model N        model width (default 64)\n"
-      "  --layers N         Mamba-2 blocks (default 2)\n"
-      "  --lr X             peak learning rate (default 1e-2)\n"
-      "  --seed N           initial conditions and model initialisation (default 1)\n"
-      "  --out DIR          where forecast.png goes (default runs/lorenz96)\n"
-      "  --check            exit with status 1 unless the surrogate's mean error over the first\n"
-      "                     Lyapunov time is below persistence's\n"
-      "  -h, --help         this text\n");
+const char* const description =
+    "Integrates Lorenz-96 (40 variables, F = 8, RK4), trains a Mamba-2 surrogate on its own trajectories,\n"
+    "forecasts from new initial conditions and compares with persistence (also under mpirun: data-parallel\n"
+    "training). Exit status: 0 done, 1 --check failed, 2 a bad option.";
+
+void declare(CLI::App& cli, Options& o) {
+  using kmamba::app::integer_in;
+  using kmamba::app::int_max;
+  const auto count = [&](const char* name, int& value, long long low, const char* help) {
+    cli.add_option(name, value, help)->type_name("N")->check(integer_in(low, int_max));
+  };
+  count("--steps", o.train_steps, 1, "optimizer steps (default 300)");
+  count("--batch", o.batch, 1, "training windows per rank and step (default 8)");
+  count("--seqlen", o.seqlen, 2, "samples per training window (default 64)");
+  count("--trajectories", o.trajectories, 1, "training trajectories (default 8)");
+  count("--samples", o.samples, 8, "samples per training trajectory, 0.05 time units apart, more than --seqlen (default 2500)");
+  count("--forecasts", o.forecasts, 1, "forecasts from new initial conditions (default 16)");
+  count("--history", o.history, 1, "observed samples fed before each forecast (default 32)");
+  cli.add_option("--horizon", o.horizon, "forecast length in Lyapunov times, in (0, 1000] (default 5)")
+      ->type_name("T")
+      ->check(kmamba::app::number_in(0, 1000, kmamba::app::Ends::LowOpen));
+  count("--d-model", o.d_model, 8, "model width (default 64)");
+  count("--layers", o.n_layer, 1, "Mamba-2 blocks (default 2)");
+  cli.add_option("--lr", o.lr, "peak learning rate, > 0 (default 1e-2)")
+      ->type_name("X")
+      ->check(kmamba::app::number_in(0, kmamba::app::unbounded, kmamba::app::Ends::LowOpen));
+  cli.add_option("--seed", o.seed, "initial conditions and model initialisation (default 1)")
+      ->type_name("N")
+      ->check(integer_in(0, std::numeric_limits<long long>::max()));
+  cli.add_option("--out", o.out, "where forecast.png goes (default runs/lorenz96)")->type_name("DIR");
+  cli.add_flag("--check", o.check,
+               "exit with status 1 unless the surrogate's mean error over the first Lyapunov time is below "
+               "persistence's");
 }
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw kmamba::UserError("kmamba-lorenz96: " + a + " needs a value");
-      return argv[++i];
-    };
-    const auto integer = [&](int low) {
-      const std::string v = value();
-      char* end = nullptr;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (*end != '\0' || n < low) {
-        throw kmamba::UserError("kmamba-lorenz96: " + a + " must be an integer >= " + std::to_string(low) + ", got '" +
-                                v + "'");
-      }
-      return static_cast<int>(n);
-    };
-    const auto real = [&]() {
-      const std::string v = value();
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (*end != '\0' || !(x > 0)) throw kmamba::UserError("kmamba-lorenz96: " + a + " must be positive, got '" + v + "'");
-      return x;
-    };
-    if (a == "--steps") o.train_steps = integer(1);
-    else if (a == "--batch") o.batch = integer(1);
-    else if (a == "--seqlen") o.seqlen = integer(2);
-    else if (a == "--trajectories") o.trajectories = integer(1);
-    else if (a == "--samples") o.samples = integer(8);
-    else if (a == "--forecasts") o.forecasts = integer(1);
-    else if (a == "--history") o.history = integer(1);
-    else if (a == "--horizon") o.horizon = real();
-    else if (a == "--d-model") o.d_model = integer(8);
-    else if (a == "--layers") o.n_layer = integer(1);
-    else if (a == "--lr") o.lr = real();
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(integer(0));
-    else if (a == "--out") o.out = value();
-    else if (a == "--check") o.check = true;
-    else throw kmamba::UserError("kmamba-lorenz96: unknown argument '" + a + "' (see --help)");
-  }
-  if (o.samples < o.seqlen + 1) {
-    throw kmamba::UserError("kmamba-lorenz96: --samples must exceed --seqlen (" + std::to_string(o.seqlen) + ")");
-  }
-  return o;
+void validate(const Options& o) {
+  KMAMBA_REQUIRE(o.samples > o.seqlen, "kmamba-lorenz96: --samples (" << o.samples << ") must exceed --seqlen ("
+                                                                     << o.seqlen << ")");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -237,68 +208,40 @@ Statistics statistics(const Kokkos::View<double***, Kokkos::LayoutRight, Mem>& t
   return s;
 }
 
-bool is_directory(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-void make_directories(const std::string& dir) {
-  std::size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = dir.find('/', pos + 1);
-    const std::string partial = dir.substr(0, pos);
-    if (!partial.empty() && !is_directory(partial)) ::mkdir(partial.c_str(), 0755);
-  }
-}
-
-struct MpiSession {
-  int rank = 0, size = 1;
-#if KMAMBA_ENABLE_MPI
-  bool finalize = false;
-  MpiSession(int& argc, char**& argv) {
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    if (!initialized) {
-      MPI_Init(&argc, &argv);
-      finalize = true;
-    }
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-  }
-  ~MpiSession() {
-    if (finalize) MPI_Finalize();
-  }
-#else
-  MpiSession(int&, char**&) {}
-#endif
-};
-
 double seconds_since(const std::chrono::steady_clock::time_point& start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-int run(const Options& o, const MpiSession& mpi) {
-  const Exec exec;
-  const bool root = mpi.rank == 0;
+using Trajectories = Kokkos::View<double***, Kokkos::LayoutRight, Mem>;  // (members, samples, variables)
 
-  // 1. The simulation: training trajectories and, from other initial conditions, the truth the
-  //    forecasts are scored against (history, then the forecast horizon).
-  const int lead_steps = std::max(1, static_cast<int>(std::lround(o.horizon * lyapunov_time / sample_interval)));
-  auto start = std::chrono::steady_clock::now();
-  const auto trajectories = integrate(exec, o.trajectories, o.samples, o.seed);
-  const auto truth = integrate(exec, o.forecasts, o.history + lead_steps, o.seed + 1000003);
-  const Statistics stats = statistics(trajectories);
-  const double simulate_seconds = seconds_since(start);
+// The simulation: training trajectories and, from other initial conditions, the truth the
+// forecasts are scored against (history, then the forecast horizon).
+struct Simulation {
+  Trajectories trajectories, truth;
+  Statistics stats;
+  int lead_steps = 0;
+};
+
+Simulation simulate(const Exec& exec, const Options& o, bool root) {
+  Simulation sim;
+  sim.lead_steps = std::max(1, static_cast<int>(std::lround(o.horizon * lyapunov_time / sample_interval)));
+  const auto start = std::chrono::steady_clock::now();
+  sim.trajectories = integrate(exec, o.trajectories, o.samples, o.seed);
+  sim.truth = integrate(exec, o.forecasts, o.history + sim.lead_steps, o.seed + 1000003);
+  sim.stats = statistics(sim.trajectories);
   if (root) {
     std::printf("Lorenz-96: %d variables, F = %g, RK4 dt = %g, sampled every %g (Lyapunov time %.3f = %.1f samples)\n",
                 variables, forcing, dt, sample_interval, lyapunov_time, lyapunov_time / sample_interval);
     std::printf("simulated %d training trajectories x %d samples and %d forecast cases in %.2f s "
                 "(mean %.3f, std %.3f, increment std %.3f)\n",
-                o.trajectories, o.samples, o.forecasts, simulate_seconds, stats.mean, stats.scale,
-                stats.increment_scale);
+                o.trajectories, o.samples, o.forecasts, seconds_since(start), sim.stats.mean, sim.stats.scale,
+                sim.stats.increment_scale);
   }
+  return sim;
+}
 
-  // 2. The surrogate: a Mamba-2 over continuous values, trained in-process.
+// The surrogate: a Mamba-2 over continuous values.
+kmamba::Model<Exec> make_surrogate(const Options& o, const kmamba::app::Runtime& runtime) {
   kmamba::SequenceModelConfig config;
   config.input_size = variables;
   config.output_size = variables;
@@ -318,52 +261,67 @@ int run(const Options& o, const MpiSession& mpi) {
   train.grad_clip = 1.0;
   kmamba::Model<Exec> model(config, o.seed, train);
 #if KMAMBA_ENABLE_MPI
-  if (mpi.size > 1) model.enable_data_parallel(MPI_COMM_WORLD);
+  if (runtime.size() > 1) model.enable_data_parallel(MPI_COMM_WORLD);
 #endif
-  std::int64_t parameters = static_cast<std::int64_t>(model.sequence_model().parameters().size());
-  if (root) {
+  if (runtime.root()) {
+    const auto parameters = static_cast<long long>(model.sequence_model().parameters().size());
     std::printf("surrogate: Mamba-2, d_model %d, %d layers, %lld parameters; %d steps of %d x %d windows on %d rank(s)\n",
-                o.d_model, o.n_layer, static_cast<long long>(parameters), o.train_steps, o.batch * mpi.size, o.seqlen,
-                mpi.size);
+                o.d_model, o.n_layer, parameters, o.train_steps, o.batch * runtime.size(), o.seqlen, runtime.size());
   }
+  return model;
+}
+
+// Trains the surrogate in-process on windows of the trajectories; returns the training seconds.
+double train_surrogate(const Exec& exec, const Options& o, const Simulation& sim, kmamba::Model<Exec>& model,
+                       const kmamba::app::Runtime& runtime) {
   Kokkos::View<float***, Kokkos::LayoutRight, Mem> inputs("kmamba::lorenz96::inputs", o.batch, o.seqlen, variables);
   Kokkos::View<float***, Kokkos::LayoutRight, Mem> targets("kmamba::lorenz96::targets", o.batch, o.seqlen, variables);
   Kokkos::View<int**, Kokkos::LayoutRight, Mem> starts("kmamba::lorenz96::starts", o.batch, 2);
   auto host_starts = Kokkos::create_mirror_view(starts);
   std::mt19937_64 rng(o.seed + 17);  // the same on every rank: each takes its shard of the global batch
   std::uniform_int_distribution<int> member(0, o.trajectories - 1), offset(0, o.samples - o.seqlen - 1);
-  start = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
   double last_loss = 0;
   for (int step = 0; step < o.train_steps; ++step) {
-    for (int b = 0; b < o.batch * mpi.size; ++b) {
+    for (int b = 0; b < o.batch * runtime.size(); ++b) {
       const int mm = member(rng), oo = offset(rng);
-      if (b / o.batch != mpi.rank) continue;
+      if (b / o.batch != runtime.rank()) continue;
       host_starts(b % o.batch, 0) = mm;
       host_starts(b % o.batch, 1) = oo;
     }
     Kokkos::deep_copy(exec, starts, host_starts);
     Kokkos::parallel_for("kmamba::lorenz96::windows",
                          Kokkos::MDRangePolicy<Exec, Kokkos::Rank<3>>(exec, {0, 0, 0}, {o.batch, o.seqlen, variables}),
-                         MakeWindows{inputs, targets, trajectories, starts, stats.mean, stats.scale,
-                                     stats.increment_scale});
+                         MakeWindows{inputs, targets, sim.trajectories, starts, sim.stats.mean, sim.stats.scale,
+                                     sim.stats.increment_scale});
     const kmamba::TrainStepResult r = model.train_step(exec, inputs, targets);
     last_loss = r.loss;
-    if (root && (step == 0 || (step + 1) % 50 == 0 || step + 1 == o.train_steps)) {
+    if (runtime.root() && (step == 0 || (step + 1) % 50 == 0 || step + 1 == o.train_steps)) {
       std::printf("  step %4d  loss %.4f  grad norm %.3f  lr %.2e  %.1f s\n", static_cast<int>(r.step), r.loss,
                   r.grad_norm, r.lr, seconds_since(start));
       std::fflush(stdout);
     }
   }
   const double train_seconds = seconds_since(start);
-  const double windows = static_cast<double>(o.train_steps) * o.batch * mpi.size;
-  if (root) {
+  const double windows = static_cast<double>(o.train_steps) * o.batch * runtime.size();
+  if (runtime.root()) {
     std::printf("trained in %.1f s (%.0f samples/s; final loss %.4f, 1 = predicting no change)\n", train_seconds,
                 windows * o.seqlen / train_seconds, last_loss);
   }
+  return train_seconds;
+}
 
-  // 3. Forecasts: prefill the observed history, then step on the surrogate's own output.
-  start = std::chrono::steady_clock::now();
-  const auto host_truth = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), truth);
+// The forecast errors per lead step (RMSE / climatological std) and forecast 0's variable 0.
+struct Forecasts {
+  std::vector<double> surrogate_error, persistence_error, sample_truth, sample_forecast;
+  double seconds = 0;
+};
+
+// Prefills each forecast's observed history, then steps the surrogate on its own output.
+Forecasts forecast(const Exec& exec, const Options& o, const Simulation& sim, kmamba::Model<Exec>& model) {
+  const auto start = std::chrono::steady_clock::now();
+  const Statistics& stats = sim.stats;
+  const auto host_truth = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), sim.truth);
   const int streams = o.forecasts, last = o.history - 1;
   kmamba::Session<Exec> session = model.session(streams);
   Kokkos::View<float***, Kokkos::LayoutRight, Mem> history("kmamba::lorenz96::history", streams, o.history, variables);
@@ -378,122 +336,129 @@ int run(const Options& o, const MpiSession& mpi) {
   session.prefill(exec, history, history_out);
   // The whole output comes back: a strided subview cannot be copied between host and device.
   const auto host_history_out = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), history_out);
-  std::vector<double> forecast(static_cast<std::size_t>(streams * variables));
+  std::vector<double> state(static_cast<std::size_t>(streams * variables));
+  const auto at = [](int s, int i) { return static_cast<std::size_t>(s * variables + i); };
   for (int s = 0; s < streams; ++s)
     for (int i = 0; i < variables; ++i)
-      forecast[static_cast<std::size_t>(s * variables + i)] = host_truth(s, last, i) + stats.increment_scale * host_history_out(s, last, i);
+      state[at(s, i)] = host_truth(s, last, i) + stats.increment_scale * host_history_out(s, last, i);
   Kokkos::View<float**, Kokkos::LayoutRight, Mem> x_t("kmamba::lorenz96::x_t", streams, variables);
   Kokkos::View<float**, Kokkos::LayoutRight, Mem> y_t("kmamba::lorenz96::y_t", streams, variables);
   auto host_x = Kokkos::create_mirror_view(x_t);
   auto host_y = Kokkos::create_mirror_view(y_t);
-  std::vector<double> surrogate_error(static_cast<std::size_t>(lead_steps)), persistence_error(surrogate_error);
-  std::vector<double> sample_truth, sample_forecast;  // variable 0 of forecast 0, for the chart
-  for (int k = 1; k <= lead_steps; ++k) {
+  Forecasts f;
+  for (int k = 1; k <= sim.lead_steps; ++k) {
     double se = 0, pe = 0;
     for (int s = 0; s < streams; ++s) {
       for (int i = 0; i < variables; ++i) {
-        const double t = host_truth(s, last + k, i), f = forecast[static_cast<std::size_t>(s * variables + i)];
-        se += (f - t) * (f - t);
-        pe += (host_truth(s, last, i) - t) * (host_truth(s, last, i) - t);
+        const double t = host_truth(s, last + k, i), p = host_truth(s, last, i);
+        se += (state[at(s, i)] - t) * (state[at(s, i)] - t);
+        pe += (p - t) * (p - t);
       }
     }
     const double n = static_cast<double>(streams) * variables;
-    surrogate_error[static_cast<std::size_t>(k - 1)] = std::sqrt(se / n) / stats.scale;
-    persistence_error[static_cast<std::size_t>(k - 1)] = std::sqrt(pe / n) / stats.scale;
-    sample_truth.push_back(host_truth(0, last + k, 0));
-    sample_forecast.push_back(forecast[0]);
-    if (k == lead_steps) break;
+    f.surrogate_error.push_back(std::sqrt(se / n) / stats.scale);
+    f.persistence_error.push_back(std::sqrt(pe / n) / stats.scale);
+    f.sample_truth.push_back(host_truth(0, last + k, 0));
+    f.sample_forecast.push_back(state[0]);
+    if (k == sim.lead_steps) break;
     for (int s = 0; s < streams; ++s)
-      for (int i = 0; i < variables; ++i)
-        host_x(s, i) = static_cast<float>((forecast[static_cast<std::size_t>(s * variables + i)] - stats.mean) / stats.scale);
+      for (int i = 0; i < variables; ++i) host_x(s, i) = static_cast<float>((state[at(s, i)] - stats.mean) / stats.scale);
     Kokkos::deep_copy(exec, x_t, host_x);
     session.step(exec, x_t, y_t);
     Kokkos::deep_copy(exec, host_y, y_t);
     exec.fence();
     for (int s = 0; s < streams; ++s)
-      for (int i = 0; i < variables; ++i) forecast[static_cast<std::size_t>(s * variables + i)] += stats.increment_scale * host_y(s, i);
+      for (int i = 0; i < variables; ++i) state[at(s, i)] += stats.increment_scale * host_y(s, i);
   }
-  const double forecast_seconds = seconds_since(start);
+  f.seconds = seconds_since(start);
+  return f;
+}
 
-  // 4. Report.
-  const auto lead_in_lyapunov = [&](int k) { return k * sample_interval / lyapunov_time; };
-  const auto mean_over = [&](const std::vector<double>& e, double from, double to) {
-    double sum = 0;
-    int count = 0;
-    for (int k = 1; k <= lead_steps; ++k) {
-      const double lead = lead_in_lyapunov(k);
-      if (lead > from && lead <= to + 1e-9) {
-        sum += e[static_cast<std::size_t>(k - 1)];
-        ++count;
-      }
+double lead_in_lyapunov(int k) { return k * sample_interval / lyapunov_time; }
+
+// The mean of e over the lead steps in (from, to] Lyapunov times (NaN if none).
+double mean_over(const std::vector<double>& e, double from, double to) {
+  double sum = 0;
+  int count = 0;
+  for (int k = 1; k <= static_cast<int>(e.size()); ++k) {
+    const double lead = lead_in_lyapunov(k);
+    if (lead > from && lead <= to + 1e-9) {
+      sum += e[static_cast<std::size_t>(k - 1)];
+      ++count;
     }
-    return count > 0 ? sum / count : std::nan("");
-  };
-  const double first_surrogate = mean_over(surrogate_error, 0.0, 1.0);
-  const double first_persistence = mean_over(persistence_error, 0.0, 1.0);
-  if (root) {
-    std::printf("\nforecast error (RMSE / climatological std, %d forecasts, %d observed samples each; %.2f s):\n",
-                streams, o.history, forecast_seconds);
-    std::printf("  lead (Lyapunov times)  lead (time)  surrogate  persistence\n");
-    double next_row = 0.25;
-    for (int k = 1; k <= lead_steps; ++k) {
-      if (k > 1 && lead_in_lyapunov(k) + 1e-9 < next_row && k != lead_steps) continue;
-      std::printf("  %21.2f  %11.2f  %9.3f  %11.3f\n", lead_in_lyapunov(k), k * sample_interval,
-                  surrogate_error[static_cast<std::size_t>(k - 1)], persistence_error[static_cast<std::size_t>(k - 1)]);
-      while (next_row <= lead_in_lyapunov(k) + 1e-9) next_row += 0.25;
-    }
-    std::printf("\nmean error per Lyapunov time:\n  window          surrogate  persistence\n");
-    for (int w = 0; w < static_cast<int>(std::ceil(o.horizon - 1e-9)); ++w) {
-      std::printf("  (%d, %d] T_lyap  %9.3f  %11.3f\n", w, w + 1, mean_over(surrogate_error, w, w + 1),
-                  mean_over(persistence_error, w, w + 1));
-    }
+  }
+  return count > 0 ? sum / count : std::nan("");
+}
+
+void print_table(const Options& o, const Forecasts& f) {
+  const int lead_steps = static_cast<int>(f.surrogate_error.size());
+  std::printf("\nforecast error (RMSE / climatological std, %d forecasts, %d observed samples each; %.2f s):\n",
+              o.forecasts, o.history, f.seconds);
+  std::printf("  lead (Lyapunov times)  lead (time)  surrogate  persistence\n");
+  double next_row = 0.25;
+  for (int k = 1; k <= lead_steps; ++k) {
+    if (k > 1 && lead_in_lyapunov(k) + 1e-9 < next_row && k != lead_steps) continue;
+    std::printf("  %21.2f  %11.2f  %9.3f  %11.3f\n", lead_in_lyapunov(k), k * sample_interval,
+                f.surrogate_error[static_cast<std::size_t>(k - 1)], f.persistence_error[static_cast<std::size_t>(k - 1)]);
+    while (next_row <= lead_in_lyapunov(k) + 1e-9) next_row += 0.25;
+  }
+  std::printf("\nmean error per Lyapunov time:\n  window          surrogate  persistence\n");
+  for (int w = 0; w < static_cast<int>(std::ceil(o.horizon - 1e-9)); ++w) {
+    std::printf("  (%d, %d] T_lyap  %9.3f  %11.3f\n", w, w + 1, mean_over(f.surrogate_error, w, w + 1),
+                mean_over(f.persistence_error, w, w + 1));
+  }
+}
+
+void plot(const Options& o, const Forecasts& f) {
+  std::filesystem::create_directories(o.out);
+  std::vector<double> leads;
+  for (int k = 1; k <= static_cast<int>(f.surrogate_error.size()); ++k) leads.push_back(lead_in_lyapunov(k));
+  kmamba::app::Panel error{"forecast error rmse / std", false,
+                           {{"surrogate", {31, 119, 180}, leads, f.surrogate_error, false},
+                            {"persistence", {214, 39, 40}, leads, f.persistence_error, false}}};
+  kmamba::app::Panel sample{"forecast 0 variable 0",
+                            false,
+                            {{"truth", {40, 40, 40}, leads, f.sample_truth, false},
+                             {"surrogate", {31, 119, 180}, leads, f.sample_forecast, false}}};
+  const std::string png = o.out + "/forecast.png";
+  kmamba::app::write_png(png, kmamba::app::plot({error, sample}, "lead time lyapunov times", 900, 600));
+  std::printf("chart: %s\n", png.c_str());
+}
+
+int run(const Options& o, kmamba::app::Runtime& runtime) {
+  if (runtime.size() > 1) runtime.errors_may_be_local();  // a rank's failure must not leave the others waiting
+  const Exec exec;
+  const Simulation sim = simulate(exec, o, runtime.root());
+  kmamba::Model<Exec> model = make_surrogate(o, runtime);
+  const double train_seconds = train_surrogate(exec, o, sim, model, runtime);
+  const Forecasts f = forecast(exec, o, sim, model);
+  const double first_surrogate = mean_over(f.surrogate_error, 0.0, 1.0);
+  const double first_persistence = mean_over(f.persistence_error, 0.0, 1.0);
+  if (runtime.root()) {
+    print_table(o, f);
     std::printf("\nfirst Lyapunov time: surrogate %.3f vs persistence %.3f -> %s\n", first_surrogate, first_persistence,
                 first_surrogate < first_persistence ? "the surrogate beats persistence"
                                                     : "the surrogate does NOT beat persistence");
-
-    make_directories(o.out);
-    std::vector<double> leads;
-    for (int k = 1; k <= lead_steps; ++k) leads.push_back(lead_in_lyapunov(k));
-    kmamba::app::Panel error{"forecast error rmse / std", false,
-                             {{"surrogate", {31, 119, 180}, leads, surrogate_error, false},
-                              {"persistence", {214, 39, 40}, leads, persistence_error, false}}};
-    kmamba::app::Panel sample{"forecast 0 variable 0",
-                              false,
-                              {{"truth", {40, 40, 40}, leads, sample_truth, false},
-                               {"surrogate", {31, 119, 180}, leads, sample_forecast, false}}};
-    const std::string png = o.out + "/forecast.png";
-    kmamba::app::write_png(png, kmamba::app::plot({error, sample}, "lead time lyapunov times", 900, 600));
-    std::printf("chart: %s\n", png.c_str());
+    plot(o, f);
     std::printf("summary: train %.1f s, first-Lyapunov-time error %.3f (persistence %.3f)\n", train_seconds,
                 first_surrogate, first_persistence);
   }
-  return o.check && !(first_surrogate < first_persistence) ? 1 : 0;
+  return o.check && !(first_surrogate < first_persistence) ? kmamba::app::exit_failed : kmamba::app::exit_done;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  MpiSession mpi(argc, argv);
-  int status = 0;
-  {
-    Kokkos::ScopeGuard kokkos(argc, argv);
-    try {
-      status = run(parse(argc, argv), mpi);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kmamba-lorenz96: %s\n", e.what());
-      status = 2;
-#if KMAMBA_ENABLE_MPI
-      if (mpi.size > 1) MPI_Abort(MPI_COMM_WORLD, status);  // the other ranks would wait forever
-#endif
-    }
-  }
-  return status;
+  CLI::App cli{description, "kmamba-lorenz96"};
+  kmamba::app::configure(cli);
+  Options o;
+  declare(cli, o);
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        validate(o);
+        return kmamba::app::Launch{true};
+      },
+      [&](kmamba::app::Runtime& runtime) { return run(o, runtime); });
 }

@@ -1,13 +1,16 @@
 // kmamba-train: trains a Mamba language model. With no arguments it runs the embedded default, a
 // small Mamba-2 learning multi-query associative recall; --data trains on text or token files and
-// --model fine-tunes a Hugging Face checkpoint. See print_help() for every option. Under
-// `mpirun -np N` it trains on a dp × tp × sp process mesh (--dp --tp --sp); only world rank 0
-// prints and writes.
+// --model fine-tunes a Hugging Face checkpoint. `--help` lists every option (train/TrainOptions.cpp
+// declares them). Under `mpirun -np N` it trains on a dp × tp × sp process mesh (--dp --tp --sp);
+// only world rank 0 prints and writes. Exit status: 0 done, 130 interrupted (SIGINT/SIGTERM) with
+// the checkpoint saved, 2 a bad option or input, 1 an internal error.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
+#include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
 #include "Plot.hpp"
+#include "TrainOptions.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -18,19 +21,12 @@
 #endif
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
-#include <cstdlib>
-#include <exception>
 #include <filesystem>
 #include <fstream>
-#include <limits>
-#include <map>
 #include <memory>
-#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,356 +34,23 @@
 namespace {
 
 using json = nlohmann::json;
+using kmamba::app::Run;
 
-// ---------------------------------------------------------------------------------------------
-// Options: one table drives the command line, the JSON config file, run.json and --help.
+const char* const description =
+    "Trains a Mamba language model. Without options: the embedded default, a small Mamba-2 that learns\n"
+    "multi-query associative recall (key-value pairs, then the keys again; the model must answer each\n"
+    "with its value) in a few minutes on a CPU. The run directory receives metrics.jsonl (one JSON\n"
+    "object per step and evaluation), loss.png, run.json (the options) and checkpoint/ (a Hugging Face\n"
+    "model plus training_state.safetensors). Ctrl-C stops after the current step and saves a checkpoint.";
 
-struct OptionSpec {
-  const char* name;   // long option without "--"; the JSON key is the same with '_' for '-'
-  const char* value;  // value placeholder; nullptr for a flag
-  const char* help;
-};
-
-const std::vector<std::pair<const char*, std::vector<OptionSpec>>>& option_table() {
-  static const std::vector<std::pair<const char*, std::vector<OptionSpec>>> table = {
-      {"what to train",
-       {{"data", "FILE", "train on FILE: a KMTOKENS token file, or any other file as byte-level text (vocab 256)"},
-        {"model", "DIR", "fine-tune the Hugging Face checkpoint DIR (config.json + model.safetensors)"},
-        {"config", "FILE",
-         "read options from a JSON object, e.g. {\"steps\": 500, \"lr\": 0.001}; command-line options win"},
-        {"out", "DIR", "run directory (default runs/recall, runs/<data file name> or runs/finetune-<model dir name>)"},
-        {"resume", nullptr, "continue the run in --out from its checkpoint (its options are the defaults)"},
-        {"device", "NAME", "serial, openmp or cuda (default: the build's default execution space)"}}},
-      {"optimisation",
-       {{"steps", "N", "optimizer steps (default 600 for recall, 2000 otherwise)"},
-        {"lr", "X", "peak learning rate (default 0.01 for recall, 0.002 otherwise)"},
-        {"min-lr", "X", "learning rate at the end of the cosine decay (default lr / 10)"},
-        {"warmup", "N", "linear warm-up steps (default steps / 30, at most 100)"},
-        {"weight-decay", "X", "AdamW decoupled weight decay (default 0.1)"},
-        {"beta1", "X", "AdamW beta1 (default 0.9)"},
-        {"beta2", "X", "AdamW beta2 (default 0.95)"},
-        {"grad-clip", "X", "maximum global gradient norm, 0 = off (default 1)"},
-        {"batch-size", "N", "sequences per micro-batch (default 16)"},
-        {"grad-accum", "N", "micro-batches per optimizer step (default 1)"},
-        {"seed", "N", "seed of the model initialisation and of the data (default 1234)"},
-        {"precision", "P",
-         "fp32, tf32 or bf16: the projection GEMMs and the LM head, forward and backward, multiply operands rounded "
-         "to bf16/TF32 with fp32 sums (tensor cores on CUDA); weights, optimizer state, scans and norms stay fp32; "
-         "tf32 also runs the scans' chunk products in TF32. CPU backends emulate the rounding: same numerics, no "
-         "faster (default fp32)"}}},
-      {"data",
-       {{"seqlen", "N", "tokens per sequence (default 64 for recall, 128 otherwise)"},
-        {"kv-pairs", "N", "recall: key-value pairs per sequence (default 8)"},
-        {"queries", "N", "recall: queries per sequence (default: every position after the pairs)"},
-        {"vocab-size", "N", "recall: vocabulary size (default 64)"},
-        {"validation-fraction", "X", "text/token data: held-out tail (default 0.1)"}}},
-      {"model (new models; --model takes them from its config.json)",
-       {{"mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)"},
-        {"d-model", "N", "model width (default 64 for recall, 128 otherwise)"},
-        {"n-layer", "N", "residual blocks (default 2 for recall, 4 otherwise)"},
-        {"d-state", "N", "state size per channel (default 16)"},
-        {"headdim", "N", "mamba2/mamba3: channels per head (default 16)"},
-        {"ngroups", "N", "mamba2/mamba3: B/C groups, a multiple of --tp (default 1)"},
-        {"expand", "N", "inner width = expand * d-model (default 2)"},
-        {"chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)"},
-        {"dt-min", "X", "smallest initial time step (default 0.001)"},
-        {"dt-max", "X", "largest initial time step (default 0.1)"},
-        {"bc-bias-init", "X", "mamba3: initial B_bias and C_bias (default 0.1 for recall, the reference's 1 otherwise)"}}},
-      {"progress and output",
-       {{"eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)"},
-        {"eval-batches", "N", "held-out batches per evaluation (default 8)"},
-        {"checkpoint-interval", "N", "steps between checkpoints, 0 = only at the end (default 200)"},
-        {"max-skipped-steps", "N",
-         "consecutive steps with a non-finite loss or gradient to skip before stopping, 0 = stop at the first "
-         "(default 10)"},
-        {"log-interval", "N", "steps between progress lines when stdout is not a terminal (default 10)"}}},
-      {"parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)",
-       {{"data-parallel-size", "N", "--dp: data-parallel ranks (default: N / (tp * sp))"},
-        {"tensor-parallel-size", "N", "--tp: ranks splitting each Mamba-2/3 layer's heads (default 1)"},
-        {"sequence-parallel-size", "N", "--sp: ranks splitting each sequence into segments (default 1)"},
-        {"zero-stage", "N", "0: every rank keeps all AdamW moments (default); 1: ZeRO-1, moments sharded over dp x sp"},
-        {"activation-checkpointing", nullptr, "keep only each layer's input and recompute the rest in backward"}}},
-  };
-  return table;
-}
-
-void print_help() {
-  std::printf(
-      "usage: kmamba-train [options]\n"
-      "\n"
-      "Trains a Mamba language model. Without options: the embedded default, a small Mamba-2 that learns\n"
-      "multi-query associative recall (key-value pairs, then the keys again; the model must answer each\n"
-      "with its value) in a few minutes on a CPU. The run directory receives metrics.jsonl (one JSON\n"
-      "object per step and evaluation), loss.png, run.json (the options) and checkpoint/ (a Hugging Face\n"
-      "model plus training_state.safetensors). Ctrl-C stops after the current step and saves a checkpoint.\n");
-  for (const auto& [group, options] : option_table()) {
-    std::printf("\n%s:\n", group);
-    for (const OptionSpec& o : options) {
-      const std::string left = std::string("--") + o.name + (o.value ? std::string(" ") + o.value : "");
-      std::printf("  %-26s %s\n", left.c_str(), o.help);
-    }
-  }
-  std::printf(
-      "  -h, --help                 this text\n"
-      "\n"
-      "Token files: 32-byte header \"KMTOKENS\", u32 version 1, u32 bytes per token (2 or 4), u64 vocabulary\n"
-      "size, u64 token count, then the tokens, all little-endian (see kmamba/models/Data.hpp).\n"
-      "Kokkos options (--kokkos-threads=N, ...) are accepted too.\n");
-}
-
-const OptionSpec* find_option(const std::string& name) {
-  if (name == "dp") return find_option("data-parallel-size");
-  if (name == "tp") return find_option("tensor-parallel-size");
-  if (name == "sp") return find_option("sequence-parallel-size");
-  for (const auto& group : option_table()) {
-    for (const OptionSpec& o : group.second) {
-      if (name == o.name) return &o;
-    }
-  }
-  return nullptr;
-}
-
-std::string json_key(std::string name) {
-  std::replace(name.begin(), name.end(), '-', '_');
-  return name;
-}
-
-// Option values by name ("batch-size"), as text, merged from the sources in order of precedence.
-using Values = std::map<std::string, std::string>;
-
-Values parse_command_line(int argc, char** argv) {
-  Values v;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--kokkos-", 0) == 0) continue;
-    KMAMBA_REQUIRE(a.rfind("--", 0) == 0, "kmamba-train: unexpected argument '" << a << "' (see --help)");
-    std::string name = a.substr(2), value;
-    const std::size_t eq = name.find('=');
-    const bool inline_value = eq != std::string::npos;
-    if (inline_value) value = name.substr(eq + 1), name = name.substr(0, eq);
-    const OptionSpec* spec = find_option(name);
-    KMAMBA_REQUIRE(spec != nullptr, "kmamba-train: unknown option '--" << name << "' (see --help)");
-    name = spec->name;  // --dp, --tp, --sp are short for the mesh options
-    if (spec->value == nullptr) {
-      KMAMBA_REQUIRE(!inline_value, "kmamba-train: --" << name << " takes no value");
-      value = "true";
-    } else if (!inline_value) {
-      KMAMBA_REQUIRE(i + 1 < argc, "kmamba-train: --" << name << " needs a value " << spec->value << " (see --help)");
-      value = argv[++i];
-    }
-    v[name] = value;
-  }
-  return v;
-}
-
-// A JSON object of options (keys with '-' or '_'); keys in `disallowed` are errors.
-Values read_json_options(const std::string& path, const std::set<std::string>& disallowed) {
-  std::ifstream in(path);
-  KMAMBA_REQUIRE(in.good(), "kmamba-train: cannot open the config file '" << path << "'");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba-train: '" << path << "' is not valid JSON: " << e.what());
-  }
-  KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
-  Values v;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    std::string name = it.key();
-    std::replace(name.begin(), name.end(), '_', '-');
-    const OptionSpec* spec = find_option(name);
-    KMAMBA_REQUIRE(spec != nullptr && disallowed.count(name) == 0,
-                   "kmamba-train: '" << path << "': unknown or misplaced option \"" << it.key() << "\" (see --help)");
-    const json& value = it.value();
-    if (value.is_string()) {
-      v[name] = value.get<std::string>();
-    } else if (value.is_number() || value.is_boolean()) {
-      v[name] = value.dump();
-    } else {
-      KMAMBA_USER_ERROR("kmamba-train: '" << path << "': option \"" << it.key()
-                                          << "\" must be a string, number or boolean");
-    }
-    KMAMBA_REQUIRE(spec->value != nullptr || v[name] == "true" || v[name] == "false",
-                   "kmamba-train: '" << path << "': option \"" << it.key() << "\" must be true or false");
-  }
-  return v;
-}
-
-// Typed access to the merged values, with errors that name the option.
-class Options {
- public:
-  explicit Options(Values values) : values_(std::move(values)) {}
-  bool has(const std::string& name) const { return values_.count(name) != 0; }
-  std::string text(const std::string& name, const std::string& fallback) const {
-    return has(name) ? values_.at(name) : fallback;
-  }
-  bool flag(const std::string& name) const { return has(name) && values_.at(name) == "true"; }
-  long long integer(const std::string& name, long long fallback, long long min,
-                    long long max = std::numeric_limits<int>::max()) const {
-    if (!has(name)) return fallback;
-    const std::string& s = values_.at(name);
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(s.c_str(), &end, 10);
-    KMAMBA_REQUIRE(!s.empty() && end == s.c_str() + s.size() && errno == 0,
-                   "kmamba-train: --" << name << " expects an integer, got '" << s << "'");
-    KMAMBA_REQUIRE(v >= min && v <= max,
-                   "kmamba-train: --" << name << " must lie in [" << min << ", " << max << "], got " << v);
-    return v;
-  }
-  double number(const std::string& name, double fallback) const {
-    if (!has(name)) return fallback;
-    const std::string& s = values_.at(name);
-    char* end = nullptr;
-    const double v = std::strtod(s.c_str(), &end);
-    KMAMBA_REQUIRE(!s.empty() && end == s.c_str() + s.size() && std::isfinite(v),
-                   "kmamba-train: --" << name << " expects a number, got '" << s << "'");
-    return v;
-  }
-  const Values& values() const { return values_; }
-
- private:
-  Values values_;
-};
-
-// Everything a run needs, resolved from the options with the defaults of its kind.
-struct Run {
-  explicit Run(Options o) : options(std::move(o)) {}
-  Options options;
-  enum class Kind { Recall, Tokens } kind = Kind::Recall;
-  std::string data_path, model_dir, out, device;
-  bool resume = false;
-  kmamba::TrainConfig train;
-  kmamba::AssociativeRecallConfig recall;
-  kmamba::TokenDatasetConfig tokens;
-  kmamba::ModelConfig model;
-  kmamba::MeshConfig mesh;
-  int zero_stage = 0;
-  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
-  std::int64_t log_interval = 10;
-};
-
-std::string base_name(const std::string& path) {
-  std::string name = std::filesystem::path(path).filename().string();
-  if (name.empty()) name = std::filesystem::path(path).parent_path().filename().string();
-  return name.empty() ? "run" : name;
-}
-
-Run resolve(const Options& o) {
-  Run r(o);
-  r.data_path = o.text("data", "");
-  r.model_dir = o.text("model", "");
-  r.kind = r.data_path.empty() ? Run::Kind::Recall : Run::Kind::Tokens;
-  const bool recall = r.kind == Run::Kind::Recall;
-  r.resume = o.flag("resume");
-  r.device = o.text("device", "");
-  kmamba_apps::check_device("kmamba-train", r.device);
-  r.out = o.text("out", !r.model_dir.empty() ? "runs/finetune-" + base_name(r.model_dir)
-                        : recall             ? "runs/recall"
-                                             : "runs/" + base_name(r.data_path));
-
-  kmamba::TrainConfig& t = r.train;
-  t.total_steps = o.integer("steps", recall ? 600 : 2000, 1);
-  t.lr = o.number("lr", recall ? 1e-2 : 2e-3);
-  t.min_lr = o.number("min-lr", t.lr / 10.0);
-  t.warmup_steps = o.integer("warmup", std::min<long long>(100, t.total_steps / 30), 0);
-  t.weight_decay = o.number("weight-decay", 0.1);
-  t.beta1 = o.number("beta1", 0.9);
-  t.beta2 = o.number("beta2", 0.95);
-  t.grad_clip = o.number("grad-clip", 1.0);
-  t.batch_size = o.integer("batch-size", 16, 1);
-  t.grad_accum = o.integer("grad-accum", 1, 1);
-  t.seed = static_cast<std::uint64_t>(o.integer("seed", 1234, 0, std::numeric_limits<long long>::max()));
-  t.eval_interval = o.integer("eval-interval", 50, 0);
-  t.eval_batches = o.integer("eval-batches", 8, 1);
-  t.checkpoint_interval = o.integer("checkpoint-interval", 200, 0);
-  t.max_skipped_steps = o.integer("max-skipped-steps", 10, 0);
-  t.validate();
-  r.log_interval = o.integer("log-interval", 10, 1);
-  r.precision = kmamba::parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
-  r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0, 0));
-  r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1, 1));
-  r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1, 1));
-  r.zero_stage = static_cast<int>(o.integer("zero-stage", 0, 0, 1));
-
-  const std::int64_t seqlen = o.integer("seqlen", recall ? 64 : 128, 1);
-  if (recall) {
-    r.recall.vocab_size = static_cast<int>(o.integer("vocab-size", 64, 2));
-    r.recall.num_kv_pairs = static_cast<int>(o.integer("kv-pairs", 8, 1));
-    r.recall.seqlen = seqlen;
-    r.recall.num_queries =
-        static_cast<int>(o.integer("queries", std::max<std::int64_t>(1, seqlen - 2 * r.recall.num_kv_pairs), 1));
-    r.recall.seed = t.seed;
-    r.recall.validate();
-  } else {
-    KMAMBA_REQUIRE(!o.has("kv-pairs") && !o.has("vocab-size") && !o.has("queries"),
-                   "kmamba-train: --kv-pairs, --queries and --vocab-size configure the recall task, not --data");
-    r.tokens.seqlen = seqlen;
-    r.tokens.validation_fraction = o.number("validation-fraction", 0.1);
-    r.tokens.seed = t.seed;
-  }
-
-  if (!r.model_dir.empty()) {
-    for (const char* name : {"mixer", "d-model", "n-layer", "d-state", "headdim", "ngroups", "expand", "chunk-size",
-                           "dt-min", "dt-max", "bc-bias-init"}) {
-      KMAMBA_REQUIRE(!o.has(name), "kmamba-train: --" << name << " conflicts with --model (the architecture comes from "
-                                                      << r.model_dir << "/config.json)");
-    }
-    return r;
-  }
-  kmamba::ModelConfig& m = r.model;
-  const std::string mixer = o.text("mixer", "mamba2");
-  KMAMBA_REQUIRE(mixer == "mamba1" || mixer == "mamba2" || mixer == "mamba3",
-                 "kmamba-train: --mixer must be mamba1, mamba2 or mamba3, got '" << mixer << "'");
-  m.mixer = mixer == "mamba1"   ? kmamba::MixerKind::Mamba1
-            : mixer == "mamba2" ? kmamba::MixerKind::Mamba2
-                                : kmamba::MixerKind::Mamba3;
-  m.d_model = static_cast<int>(o.integer("d-model", recall ? 64 : 128, 1));
-  m.n_layer = static_cast<int>(o.integer("n-layer", recall ? 2 : 4, 1));
-  m.d_state = static_cast<int>(o.integer("d-state", 16, 1));
-  m.expand = static_cast<int>(o.integer("expand", 2, 1));
-  m.headdim = static_cast<int>(o.integer("headdim", 16, 1));
-  m.ngroups = static_cast<int>(o.integer("ngroups", 1, 1));
-  m.chunk_size = static_cast<int>(o.integer("chunk-size", recall ? 16 : 64, 1));
-  m.dt_min = o.number("dt-min", m.dt_min);
-  m.dt_max = o.number("dt-max", m.dt_max);
-  KMAMBA_REQUIRE(m.mixer == kmamba::MixerKind::Mamba3 || !o.has("bc-bias-init"),
-                 "kmamba-train: --bc-bias-init configures a mamba3 model, not " << mixer);
-  if (m.mixer == kmamba::MixerKind::Mamba3) m.bc_bias_init = o.number("bc-bias-init", recall ? 0.1 : 1.0);
-  m.vocab_size = recall ? r.recall.vocab_size : 256;  // replaced by a token file's vocabulary
-  return r;
-}
+const char* const footer =
+    "Token files: 32-byte header \"KMTOKENS\", u32 version 1, u32 bytes per token (2 or 4), u64 vocabulary\n"
+    "size, u64 token count, then the tokens, all little-endian (see kmamba/models/Data.hpp).\n"
+    "Exit status: 0 done; 130 interrupted by SIGINT or SIGTERM, the checkpoint saved (continue with\n"
+    "--resume); 2 a bad option, input or run directory; 1 an internal error.";
 
 // ---------------------------------------------------------------------------------------------
 // Progress, metrics and the loss curve.
-
-volatile std::sig_atomic_t stop_requested = 0;
-bool mpi_running = false;           // main initialised MPI (launched by mpirun, or given a mesh option)
-bool errors_are_collective = true;  // an error so far is raised on every rank alike (MPI_Finalize, not Abort)
-#if KMAMBA_ENABLE_MPI
-int mpi_world_size() {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-#endif
-bool progress_line_open = false;  // a \r-updated line is on the terminal without its newline
-
-extern "C" void on_stop_signal(int) {
-  stop_requested = 1;
-  const char message[] = "\nkmamba-train: stopping after this step (Ctrl-C again to abort without a checkpoint)\n";
-  const ssize_t ignored = ::write(2, message, sizeof(message) - 1);
-  (void)ignored;
-}
-
-void install_stop_handler() {
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESETHAND;  // a second signal takes the default action
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
-}
 
 // printf into a std::string.
 template <class... Args>
@@ -409,6 +72,7 @@ std::string rate(double tokens_per_second) {
   if (tokens_per_second >= 1e3) return format("%.1fk", tokens_per_second * 1e-3);
   return format("%.0f", tokens_per_second);
 }
+
 
 // The metrics log and the curves drawn from it.
 class Metrics {
@@ -495,8 +159,10 @@ class Metrics {
   std::vector<double> train_steps_, train_loss_, train_ema_, train_accuracy_, eval_steps_, eval_loss_, eval_accuracy_;
 };
 
+
 // ---------------------------------------------------------------------------------------------
 // The run.
+
 
 std::shared_ptr<const kmamba::Dataset> make_data(Run& r) {
   if (r.kind == Run::Kind::Recall) return std::make_shared<kmamba::AssociativeRecallTask>(r.recall);
@@ -518,20 +184,6 @@ std::string describe_data(const Run& r, const kmamba::Dataset& data) {
   return s.str();
 }
 
-void write_run_json(const Run& r) {
-  json j = json::object();
-  for (const auto& [name, value] : r.options.values()) {
-    if (name == "resume" || name == "config") continue;
-    j[json_key(name)] = value;
-  }
-  j["data"] = r.data_path;
-  j["model"] = r.model_dir;
-  j["out"] = r.out;
-  std::ofstream out(r.out + "/run.json", std::ios::trunc);
-  out << j.dump(2) << '\n';
-  KMAMBA_REQUIRE(out.good(), "kmamba-train: cannot write '" << r.out << "/run.json'");
-}
-
 double accuracy_of(const kmamba::LossResult& r) {
   return r.tokens > 0 ? static_cast<double>(r.correct) / static_cast<double>(r.tokens) : 0.0;
 }
@@ -540,6 +192,9 @@ double accuracy_of(const kmamba::LossResult& r) {
 class Console {
  public:
   Console() : tty_(::isatty(::fileno(stdout)) != 0) {}
+  Console(const Console&) = delete;
+  Console& operator=(const Console&) = delete;
+  ~Console() { finish(); }
   bool tty() const { return tty_; }
   // A progress line (replaced by the next line on a terminal).
   void progress(const std::string& line) { print(line, false); }
@@ -563,297 +218,290 @@ class Console {
     std::fflush(stdout);
   }
   bool tty_;
+  bool progress_line_open = false;  // a \r-updated line is on the terminal without its newline
+};
+
+
+// The model's architecture: the checkpoint's when resuming (options given now must agree with it),
+// else --model's, else the options'.
+kmamba::ModelConfig architecture(const Run& r) {
+  if (r.resume) {
+    const kmamba::ModelConfig saved = kmamba::ModelConfig::load(r.checkpoint() + "/config.json");
+    if (r.model_dir.empty()) kmamba::app::check_resumed_architecture(r, saved);
+    return saved;
+  }
+  if (!r.model_dir.empty()) return kmamba::ModelConfig::load(r.model_dir + "/config.json");
+  return r.model;
+}
+
+// The process mesh of an MPI run (none without MPI): a size that does not fit the world or the
+// model is the same error on every rank, raised before any rank communicates.
+struct Parallel {
+#if KMAMBA_ENABLE_MPI
+  std::unique_ptr<kmamba::ProcessMesh> mesh;
+#endif
+  bool root = true;   // world rank 0: prints and writes
+  bool split = false;  // the model is sharded over tensor or sequence ranks
 };
 
 template <class Exec>
-int train(Run& r) {
-  const Exec exec;
-  const std::string checkpoint = r.out + "/checkpoint";
-  const bool recall = r.kind == Run::Kind::Recall;
-  std::shared_ptr<const kmamba::Dataset> data = make_data(r);
-
-  // The model: the checkpoint's architecture when resuming, else --model's, else a new one.
-  kmamba::ModelConfig model_config = r.model;
-  if (r.resume) {
-    model_config = kmamba::ModelConfig::load(checkpoint + "/config.json");
-  } else if (!r.model_dir.empty()) {
-    model_config = kmamba::ModelConfig::load(r.model_dir + "/config.json");
-  }
+Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const kmamba::app::Runtime& runtime) {
+  Parallel p;
 #if KMAMBA_ENABLE_MPI
-  // The mesh: a size that does not fit the world or the model is the same error on every rank,
-  // raised before any rank communicates.
-  std::unique_ptr<kmamba::ProcessMesh> mesh;
-  if (mpi_running) {
-    const int world = mpi_world_size();
-    const kmamba::MeshConfig resolved = r.mesh.resolve(world);
-    kmamba::check_mesh_fits_model(resolved, model_config);
-    // Device memory travels through NCCL (one GPU per rank); host memory through MPI.
-    constexpr bool device_memory =
-        !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
+  if (!runtime.mpi()) return p;
+  const kmamba::MeshConfig resolved = r.mesh.resolve(runtime.size());
+  kmamba::check_mesh_fits_model(resolved, config);
+  // Device memory travels through NCCL (one GPU per rank); host memory through MPI.
+  constexpr bool device_memory =
+      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
 #if KMAMBA_ENABLE_NCCL
-    const kmamba::Transport transport = device_memory ? kmamba::Transport::Nccl : kmamba::Transport::Mpi;
+  const kmamba::Transport transport = device_memory ? kmamba::Transport::Nccl : kmamba::Transport::Mpi;
 #else
-    (void)device_memory;  // a CUDA build without NCCL: the MPI transport says what is missing
-    const kmamba::Transport transport = kmamba::Transport::Mpi;
+  (void)device_memory;  // a CUDA build without NCCL: the MPI transport says what is missing
+  const kmamba::Transport transport = kmamba::Transport::Mpi;
 #endif
-    mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved, transport);
-  }
-  const bool root = mesh == nullptr || mesh->world().rank() == 0;
-  const bool split = mesh != nullptr && (mesh->config().tensor_parallel_size > 1 ||
-                                         mesh->config().sequence_parallel_size > 1);
+  p.mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved, transport);
+  p.root = p.mesh->world().rank() == 0;
+  p.split = p.mesh->config().tensor_parallel_size > 1 || p.mesh->config().sequence_parallel_size > 1;
 #else
+  (void)config;
+  (void)runtime;
   KMAMBA_REQUIRE(r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 &&
                      r.mesh.data_parallel_size <= 1,
                  "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
-  const bool root = true, split = false;
 #endif
+  return p;
+}
+
+// The trainer of this rank: the model (loaded, resumed or new; this rank's shards of it on a
+// split mesh) with the run's settings, data parallel over the mesh.
+template <class Exec>
+kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& config,
+                                   std::shared_ptr<const kmamba::Dataset> data, Parallel& p) {
+  const Exec exec;
   auto make_model = [&]() {
     if (!r.resume && !r.model_dir.empty()) return kmamba::LanguageModel<Exec>::load(r.model_dir);
-    kmamba::LanguageModel<Exec> model(model_config);
+    kmamba::LanguageModel<Exec> model(config);
     if (!r.resume) model.initialize(r.train.seed);
     return model;
   };
   kmamba::LanguageModel<Exec> model = make_model();
 #if KMAMBA_ENABLE_MPI
-  if (split) {  // this rank's shards of the unsplit model
-    kmamba::LanguageModel<Exec> local(model.config(), {&mesh->tensor(), &mesh->sequence()});
+  if (p.split) {
+    kmamba::LanguageModel<Exec> local(model.config(), {&p.mesh->tensor(), &p.mesh->sequence()});
     kmamba::scatter_parameters(exec, model, local);
     model = std::move(local);
   }
 #endif
-  model.set_activation_checkpointing(r.options.flag("activation-checkpointing"));
+  model.set_activation_checkpointing(r.activation_checkpointing);
   model.set_matmul_precision(r.precision);
-  kmamba::Trainer<Exec> trainer(std::move(model), r.train, data, exec);
+  kmamba::Trainer<Exec> trainer(std::move(model), r.train, std::move(data), exec);
 #if KMAMBA_ENABLE_MPI
-  if (mesh) trainer.enable_data_parallel(*mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
-  errors_are_collective = mesh == nullptr;  // from here on an error may strike one rank only
+  if (p.mesh) trainer.enable_data_parallel(*p.mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
+#else
+  (void)p;
 #endif
-  if (root) std::filesystem::create_directories(r.out);
-  Metrics metrics(r.out, recall, root);
+  return trainer;
+}
+
+template <class Exec>
+void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelConfig& config,
+                 const kmamba::Trainer<Exec>& trainer, const Parallel& p) {
+  std::printf("kmamba-train: %s\n", describe_data(r, data).c_str());
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s\n",
+              kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, trainer.model().parameters().size(),
+              Exec::name(), kmamba::matmul_precision_name(r.precision),
+              r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
+#if KMAMBA_ENABLE_MPI
+  if (p.mesh) {
+    std::printf("kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d\n",
+                p.mesh->world().size(), p.mesh->config().data_parallel_size, p.mesh->config().tensor_parallel_size,
+                p.mesh->config().sequence_parallel_size);
+  }
+#else
+  (void)p;
+#endif
+  std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n",
+              static_cast<long long>(r.train.total_steps), static_cast<long long>(r.train.grad_accum),
+              static_cast<long long>(r.train.batch_size), r.train.lr, r.out.c_str(),
+              r.resume ? (", resumed at step " + std::to_string(trainer.steps_taken())).c_str() : "");
+  std::fflush(stdout);
+}
+
+// The loop of optimizer steps with its evaluations, checkpoints, metrics and progress lines.
+template <class Exec>
+class TrainingLoop {
+ public:
+  TrainingLoop(const Run& r, kmamba::Trainer<Exec>& trainer, Metrics& metrics, Parallel& p)
+      : r_(r), trainer_(trainer), metrics_(metrics), parallel_(p) {}
+
+  /// Steps until the run's total or a stop signal; returns true when interrupted.
+  bool run() {
+    kmamba::app::install_stop_handler("kmamba-train");
+    if (!r_.resume) evaluate();
+    started_ = std::chrono::steady_clock::now();
+    const std::int64_t total = r_.train.total_steps;
+    while (trainer_.steps_taken() < total && !stop()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const kmamba::StepResult s = trainer_.step();
+      train_seconds_ += seconds_since(t0);
+      session_tokens_ += s.input_tokens;
+      ++session_steps_;
+      if (s.skipped) {
+        record_skipped(s);
+        continue;
+      }
+      record_step(s);
+      if (s.step == total) break;
+      if (r_.train.eval_interval > 0 && s.step % r_.train.eval_interval == 0) evaluate();
+      if (r_.train.checkpoint_interval > 0 && s.step % r_.train.checkpoint_interval == 0) {
+        trainer_.save_checkpoint(r_.checkpoint());
+      }
+    }
+    console_.finish();
+    const bool interrupted = trainer_.steps_taken() < total;
+    if (!interrupted) evaluate();
+    trainer_.save_checkpoint(r_.checkpoint());
+    return interrupted;
+  }
+
+  void print_end(bool interrupted) const {
+    const long long steps = static_cast<long long>(trainer_.steps_taken());
+    if (interrupted) {
+      std::printf("kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: "
+                  "kmamba-train --resume --out %s\n",
+                  steps, static_cast<long long>(r_.train.total_steps), r_.checkpoint().c_str(), r_.out.c_str());
+    } else {
+      std::printf("kmamba-train: done: %lld steps in %s (%s tok/s); held-out loss %.4f%s\n", steps,
+                  duration(seconds_since(started_)).c_str(), rate(tokens_per_second()).c_str(), last_eval_.loss,
+                  r_.recall_task() ? format(", recall accuracy %.1f%%", 100.0 * accuracy_of(last_eval_)).c_str() : "");
+    }
+    if (trainer_.skipped_steps() > 0) {
+      std::printf("kmamba-train: %lld steps were skipped for a non-finite loss or gradient (see \"skipped\" in %s)\n",
+                  static_cast<long long>(trainer_.skipped_steps()), metrics_.path().c_str());
+    }
+    std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", r_.checkpoint().c_str(),
+                metrics_.path().c_str(), metrics_.plot_path().c_str());
+  }
+
+ private:
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+  double tokens_per_second() const { return static_cast<double>(session_tokens_) / std::max(train_seconds_, 1e-9); }
+
+  // A stop signal on any rank stops every rank after the same step.
+  bool stop() const {
+    const bool here = kmamba::app::stop_requested();
+#if KMAMBA_ENABLE_MPI
+    if (parallel_.mesh) {
+      return parallel_.mesh->world().all_reduce_value(static_cast<int>(here), kmamba::ReduceOp::Max) != 0;
+    }
+#endif
+    return here;
+  }
+
+  void evaluate() {
+    last_eval_ = trainer_.evaluate();
+    metrics_.append({{"type", "eval"},
+                     {"step", trainer_.steps_taken()},
+                     {"loss", last_eval_.loss},
+                     {"accuracy", accuracy_of(last_eval_)},
+                     {"tokens", last_eval_.tokens}});
+    console_.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%",
+                         static_cast<long long>(trainer_.steps_taken()), last_eval_.loss,
+                         100.0 * accuracy_of(last_eval_)));
+    metrics_.plot();
+  }
+
+  void record_skipped(const kmamba::StepResult& s) {
+    const auto number = [](double v) { return std::isfinite(v) ? json(v) : json(std::to_string(v)); };
+    metrics_.append({{"type", "skipped"},
+                     {"step", s.step + 1},
+                     {"loss", number(s.loss)},
+                     {"grad_norm", number(s.grad_norm)},
+                     {"skipped_steps", trainer_.skipped_steps()},
+                     {"reason", s.non_finite}});
+    console_.line(format("skip  step %6lld | %s (skipped %lld so far)", static_cast<long long>(s.step + 1),
+                         s.non_finite.c_str(), static_cast<long long>(trainer_.skipped_steps())));
+  }
+
+  void record_step(const kmamba::StepResult& s) {
+    const std::int64_t total = r_.train.total_steps;
+    metrics_.append({{"type", "train"},
+                     {"step", s.step},
+                     {"loss", s.loss},
+                     {"accuracy", s.accuracy()},
+                     {"tokens", s.tokens},
+                     {"lr", s.lr},
+                     {"grad_norm", s.grad_norm},
+                     {"tokens_per_s", tokens_per_second()},
+                     {"elapsed_s", seconds_since(started_)}});
+    if (!console_.tty() && s.step % r_.log_interval != 0 && s.step != total) return;
+    const double eta = train_seconds_ / static_cast<double>(session_steps_) * static_cast<double>(total - s.step);
+    console_.progress(
+        format("step %6lld/%lld | loss %.4f", static_cast<long long>(s.step), static_cast<long long>(total), s.loss) +
+        (r_.recall_task() ? format(" | acc %5.1f%%", 100.0 * s.accuracy()) : "") + format(" | lr %.1e | ", s.lr) +
+        rate(tokens_per_second()) + " tok/s | ETA " + duration(eta));
+  }
+
+  const Run& r_;
+  kmamba::Trainer<Exec>& trainer_;
+  Metrics& metrics_;
+  Parallel& parallel_;
+  Console console_;
+  kmamba::LossResult last_eval_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  double train_seconds_ = 0.0;  // in step(), without evaluations and checkpoints
+  std::int64_t session_tokens_ = 0, session_steps_ = 0;
+};
+
+template <class Exec>
+int train(Run& r, const CLI::App& cli, kmamba::app::Runtime& runtime) {
+  std::shared_ptr<const kmamba::Dataset> data = make_data(r);
+  const kmamba::ModelConfig config = architecture(r);
+  Parallel parallel = make_parallel<Exec>(r, config, runtime);
+  kmamba::Trainer<Exec> trainer = make_trainer<Exec>(r, config, data, parallel);
+#if KMAMBA_ENABLE_MPI
+  if (parallel.mesh) runtime.errors_may_be_local();  // from here on an error may strike one rank only
+#endif
+  if (parallel.root) std::filesystem::create_directories(r.out);
+  Metrics metrics(r.out, r.recall_task(), parallel.root);
   if (r.resume) {
-    trainer.resume(checkpoint);
+    trainer.resume(r.checkpoint());
     metrics.resume(trainer.steps_taken());
   } else {
     metrics.start();
   }
-  if (root) write_run_json(r);
-
-  const std::int64_t total = r.train.total_steps;
-  std::printf("kmamba-train: %s\n", describe_data(r, *data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s\n",
-              kmamba::mixer_name(model_config.mixer), model_config.d_model, model_config.n_layer,
-              trainer.model().parameters().size(), Exec::name(), kmamba::matmul_precision_name(r.precision),
-              r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
-#if KMAMBA_ENABLE_MPI
-  if (mesh) {
-    std::printf("kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d\n",
-                mesh->world().size(), mesh->config().data_parallel_size, mesh->config().tensor_parallel_size,
-                mesh->config().sequence_parallel_size);
-  }
-#endif
-  std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n", static_cast<long long>(total),
-              static_cast<long long>(r.train.grad_accum), static_cast<long long>(r.train.batch_size), r.train.lr,
-              r.out.c_str(), r.resume ? (", resumed at step " + std::to_string(trainer.steps_taken())).c_str() : "");
-  std::fflush(stdout);
-  if (trainer.steps_taken() >= total) {
+  if (parallel.root) kmamba::app::write_run_json(cli, r);
+  print_start(r, *data, config, trainer, parallel);
+  if (trainer.steps_taken() >= r.train.total_steps) {
     std::printf("kmamba-train: the run in %s is complete at step %lld (raise --steps to continue it)\n", r.out.c_str(),
                 static_cast<long long>(trainer.steps_taken()));
-    return 0;
+    return kmamba::app::exit_done;
   }
-
-  Console console;
-  kmamba::LossResult last_eval;
-  auto evaluate = [&]() {
-    last_eval = trainer.evaluate();
-    metrics.append({{"type", "eval"},
-                    {"step", trainer.steps_taken()},
-                    {"loss", last_eval.loss},
-                    {"accuracy", accuracy_of(last_eval)},
-                    {"tokens", last_eval.tokens}});
-    console.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%",
-                        static_cast<long long>(trainer.steps_taken()), last_eval.loss, 100.0 * accuracy_of(last_eval)));
-    metrics.plot();
-  };
-
-  install_stop_handler();
-  if (!r.resume) evaluate();
-  const auto started = std::chrono::steady_clock::now();
-  double train_seconds = 0.0;  // in step(), without evaluations and checkpoints
-  std::int64_t session_tokens = 0, session_steps = 0;
-  // Ctrl-C on any rank stops every rank after the same step.
-  const auto stop = [&]() {
-#if KMAMBA_ENABLE_MPI
-    if (mesh) return mesh->world().all_reduce_value(static_cast<int>(stop_requested), kmamba::ReduceOp::Max) != 0;
-#endif
-    return stop_requested != 0;
-  };
-  while (trainer.steps_taken() < total && !stop()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const kmamba::StepResult s = trainer.step();
-    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    session_tokens += s.input_tokens;
-    ++session_steps;
-    const double tokens_per_second = static_cast<double>(session_tokens) / std::max(train_seconds, 1e-9);
-    if (s.skipped) {
-      metrics.append({{"type", "skipped"},
-                      {"step", s.step + 1},
-                      {"loss", std::isfinite(s.loss) ? json(s.loss) : json(std::to_string(s.loss))},
-                      {"grad_norm", std::isfinite(s.grad_norm) ? json(s.grad_norm) : json(std::to_string(s.grad_norm))},
-                      {"skipped_steps", trainer.skipped_steps()},
-                      {"reason", s.non_finite}});
-      console.line(format("skip  step %6lld | %s (skipped %lld so far)", static_cast<long long>(s.step + 1),
-                          s.non_finite.c_str(), static_cast<long long>(trainer.skipped_steps())));
-      continue;
-    }
-    metrics.append({{"type", "train"},
-                    {"step", s.step},
-                    {"loss", s.loss},
-                    {"accuracy", s.accuracy()},
-                    {"tokens", s.tokens},
-                    {"lr", s.lr},
-                    {"grad_norm", s.grad_norm},
-                    {"tokens_per_s", tokens_per_second},
-                    {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()}});
-    if (console.tty() || s.step % r.log_interval == 0 || s.step == total) {
-      const double eta = train_seconds / static_cast<double>(session_steps) * static_cast<double>(total - s.step);
-      console.progress(
-          format("step %6lld/%lld | loss %.4f", static_cast<long long>(s.step), static_cast<long long>(total), s.loss) +
-          (recall ? format(" | acc %5.1f%%", 100.0 * s.accuracy()) : "") + format(" | lr %.1e | ", s.lr) +
-          rate(tokens_per_second) + " tok/s | ETA " + duration(eta));
-    }
-    if (s.step == total) break;
-    if (r.train.eval_interval > 0 && s.step % r.train.eval_interval == 0) evaluate();
-    if (r.train.checkpoint_interval > 0 && s.step % r.train.checkpoint_interval == 0)
-      trainer.save_checkpoint(checkpoint);
-  }
-  console.finish();
-  const bool interrupted = trainer.steps_taken() < total;
-  if (!interrupted) evaluate();
-  trainer.save_checkpoint(checkpoint);
-  if (interrupted) {
-    std::printf(
-        "kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: kmamba-train --resume "
-        "--out %s\n",
-        static_cast<long long>(trainer.steps_taken()), static_cast<long long>(total), checkpoint.c_str(),
-        r.out.c_str());
-  } else {
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    std::printf("kmamba-train: done: %lld steps in %s (%s tok/s); held-out loss %.4f%s\n",
-                static_cast<long long>(trainer.steps_taken()), duration(elapsed).c_str(),
-                rate(static_cast<double>(session_tokens) / std::max(train_seconds, 1e-9)).c_str(), last_eval.loss,
-                recall ? format(", recall accuracy %.1f%%", 100.0 * accuracy_of(last_eval)).c_str() : "");
-  }
-  if (trainer.skipped_steps() > 0) {
-    std::printf("kmamba-train: %lld steps were skipped for a non-finite loss or gradient (see \"skipped\" in %s)\n",
-                static_cast<long long>(trainer.skipped_steps()), metrics.path().c_str());
-  }
-  std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", checkpoint.c_str(), metrics.path().c_str(),
-              metrics.plot_path().c_str());
-  return 0;
-}
-
-int dispatch(Run& r) {
-#if KMAMBA_HAS_SERIAL
-  if (r.device == "serial") return train<Kokkos::Serial>(r);
-#endif
-#if KMAMBA_HAS_OPENMP
-  if (r.device == "openmp") return train<Kokkos::OpenMP>(r);
-#endif
-#if KMAMBA_ENABLE_CUDA
-  if (r.device == "cuda") return train<Kokkos::Cuda>(r);
-#endif
-  return train<Kokkos::DefaultExecutionSpace>(r);
-}
-
-// Merges the option sources: the resumed run's run.json, then --config, then the command line.
-Run configure(int argc, char** argv) {
-  const Values cli = parse_command_line(argc, argv);
-  Values merged;
-  const Values file = cli.count("config") ? read_json_options(cli.at("config"), {"config"}) : Values{};
-  Values first = file;
-  for (const auto& [k, v] : cli) first[k] = v;
-  if (Options(first).flag("resume")) {
-    const std::string out = resolve(Options(first)).out;
-    const std::string saved = out + "/run.json";
-    kmamba::StagedDirectory::recover(out + "/checkpoint");  // a save killed mid-way on a file system without exchange
-    KMAMBA_REQUIRE(std::filesystem::exists(out + "/checkpoint/training_state.safetensors"),
-                   "kmamba-train: --resume: no checkpoint in '" << out << "/checkpoint' (pass the run's --out)");
-    if (std::filesystem::exists(saved)) merged = read_json_options(saved, {"config", "resume"});
-  }
-  for (const auto& [k, v] : first) merged[k] = v;
-  merged.erase("config");
-  return resolve(Options(merged));
+  TrainingLoop<Exec> loop(r, trainer, metrics, parallel);
+  const bool interrupted = loop.run();
+  loop.print_end(interrupted);
+  return interrupted ? kmamba::app::exit_interrupted : kmamba::app::exit_done;
 }
 
 }  // namespace
 
-// MPI is started when a launcher started this process or a mesh option asks for ranks; every rank
-// but world rank 0 then writes nothing to stdout.
-void start_mpi(int& argc, char**& argv, const Run& run) {
-#if KMAMBA_ENABLE_MPI
-  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-                        std::getenv("PMIX_RANK") != nullptr;
-  const bool asked = run.options.has("data-parallel-size") || run.options.has("tensor-parallel-size") ||
-                     run.options.has("sequence-parallel-size") || run.options.has("zero-stage");
-  if (!launched && !asked) return;
-  MPI_Init(&argc, &argv);
-  mpi_running = true;
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) {
-    KMAMBA_REQUIRE(std::freopen("/dev/null", "w", stdout) != nullptr, "kmamba-train: cannot silence rank " << rank);
-  }
-#else
-  (void)argc;
-  (void)argv;
-  (void)run;
-#endif
-}
-
-// Ends MPI: an error raised on one rank only aborts the others (they may wait in a collective).
-int finish_mpi(int status) {
-#if KMAMBA_ENABLE_MPI
-  if (mpi_running) {
-    if (status != 0 && !errors_are_collective) MPI_Abort(MPI_COMM_WORLD, status);
-    MPI_Finalize();
-  }
-#endif
-  return status;
-}
-
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  try {
-    Run run = configure(argc, argv);
-    start_mpi(argc, argv, run);
-    // Kokkos sees only its own options: it would also claim --device and --threads.
-    std::vector<char*> kokkos_args = {argv[0]};
-    for (int i = 1; i < argc; ++i) {
-      if (std::string(argv[i]).rfind("--kokkos-", 0) == 0) kokkos_args.push_back(argv[i]);
-    }
-    int kokkos_argc = static_cast<int>(kokkos_args.size());
-    kokkos_args.push_back(nullptr);
-    int status = 0;
-    {
-      Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_args.data());
-      try {
-        status = dispatch(run);
-      } catch (const std::exception& e) {
-        Console().finish();
-        std::fprintf(stderr, "%s\n", e.what());
-        status = 2;
-      }
-    }
-    return finish_mpi(status);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return finish_mpi(2);
-  }
+  CLI::App cli{description, "kmamba-train"};
+  kmamba::app::configure(cli, footer);
+  kmamba::app::declare_train_options(cli);
+  Run run;
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        run = kmamba::app::configure_run(cli);
+        // MPI when a launcher started this process or a mesh option asks for ranks.
+        return kmamba::app::Launch{kmamba::app::launched_by_mpi() || kmamba::app::asks_for_ranks(cli)};
+      },
+      [&](kmamba::app::Runtime& runtime) {
+        return kmamba::app::on_space(run.device, [&](auto exec) { return train<decltype(exec)>(run, cli, runtime); });
+      });
 }

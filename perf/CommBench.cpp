@@ -20,17 +20,20 @@
 #include <kmamba/parallel/Mpi.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
+#include "AppRuntime.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,85 +56,64 @@ struct Options {
   std::string json;
 };
 
-void print_help() {
-  std::printf(
-      "usage: mpirun -np N kmamba-perf-comm [options]\n"
-      "\n"
-      "Times kmamba::Communicator's collectives over a message-size sweep on N ranks and prints, on rank 0,\n"
-      "collective, bytes, median time (us), algorithm and bus bandwidth (GB/s, the NCCL tests' conventions).\n"
-      "\n"
-      "  --device host|cuda      host: MPI communicator, host memory (default); cuda: NCCL communicator,\n"
-      "                          device memory, one GPU per rank (the rank's node-local rank)\n"
-      "  --min-bytes B           smallest message (default 1024)\n"
-      "  --max-bytes B           largest message (default 1073741824 = 1 GiB)\n"
-      "  --factor F              size ratio between steps, 2 or 4 (default 4)\n"
-      "  --reps R                timed repetitions per size; the median is reported (default 20)\n"
-      "  --warmup W              untimed calls per size first (default 5)\n"
-      "  --collectives LIST      comma-separated subset of all_reduce,reduce_scatter,all_gather,broadcast,\n"
-      "                          send_recv (default: all)\n"
-      "  --json FILE             also write the results as JSON (rank 0)\n"
-      "  -h, --help              this text\n"
-      "Byte counts accept K, M, G suffixes (powers of 1024). Kokkos options (--kokkos-...) are passed on.\n");
-}
+const char* const description =
+    "Times kmamba::Communicator's collectives over a message-size sweep on N ranks (mpirun -np N) and prints,\n"
+    "on rank 0, collective, bytes, median time (us), algorithm and bus bandwidth (GB/s, the NCCL tests'\n"
+    "conventions). Byte counts accept K, M, G suffixes (powers of 1024).";
 
+// A positive byte count: digits with an optional K, M or G suffix (powers of 1024); 0 if `text`
+// is not one.
 std::size_t parse_bytes(const std::string& text) {
-  std::size_t used = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &used);
-  } catch (const std::exception&) {
-    KMAMBA_USER_ERROR("kmamba-perf-comm: '" << text << "' is not a byte count (e.g. 1024, 64K, 1G)");
-  }
-  const std::string suffix = text.substr(used);
-  if (suffix == "K" || suffix == "k") value <<= 10;
-  else if (suffix == "M" || suffix == "m") value <<= 20;
-  else if (suffix == "G" || suffix == "g") value <<= 30;
-  else KMAMBA_REQUIRE(suffix.empty(), "kmamba-perf-comm: '" << text << "' is not a byte count (e.g. 1024, 64K, 1G)");
-  KMAMBA_REQUIRE(value > 0, "kmamba-perf-comm: a byte count must be positive, got '" << text << "'");
-  return static_cast<std::size_t>(value);
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text.c_str(), &end, 10);
+  if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0])) || errno != 0 || value == 0) return 0;
+  const std::string suffix(end);
+  const int shift = suffix.empty() ? 0 : suffix == "K" || suffix == "k" ? 10 : suffix == "M" || suffix == "m" ? 20
+                                     : suffix == "G" || suffix == "g" ? 30 : -1;
+  if (shift < 0 || value > (~0ull >> shift)) return 0;
+  return static_cast<std::size_t>(value << shift);
 }
 
-int parse_positive(const std::string& option, const std::string& text) {
-  const int value = std::atoi(text.c_str());
-  KMAMBA_REQUIRE(value > 0, "kmamba-perf-comm: " << option << " needs a positive integer, got '" << text << "'");
-  return value;
+CLI::Option* add_bytes_option(CLI::App& cli, const char* name, std::size_t& bytes, const char* help) {
+  const CLI::Validator byte_count(
+      [](std::string& text) -> std::string {
+        return parse_bytes(text) > 0 ? std::string() : "got '" + text + "', expected a positive byte count (e.g. 1024, 64K, 1G)";
+      },
+      "");
+  return cli.add_option_function<std::string>(name, [&bytes](const std::string& text) { bytes = parse_bytes(text); }, help)
+      ->type_name("B")
+      ->check(byte_count);
 }
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> std::string {
-      KMAMBA_REQUIRE(i + 1 < args.size(), "kmamba-perf-comm: " << a << " needs a value");
-      return args[++i];
-    };
-    if (a == "--device") o.device = value();
-    else if (a == "--min-bytes") o.min_bytes = parse_bytes(value());
-    else if (a == "--max-bytes") o.max_bytes = parse_bytes(value());
-    else if (a == "--factor") o.factor = parse_positive(a, value());
-    else if (a == "--reps") o.reps = parse_positive(a, value());
-    else if (a == "--warmup") o.warmup = std::max(0, std::atoi(value().c_str()));
-    else if (a == "--json") o.json = value();
-    else if (a == "--collectives") {
-      o.collectives.clear();
-      std::stringstream list(value());
-      for (std::string name; std::getline(list, name, ',');) {
-        KMAMBA_REQUIRE(std::find(all_collectives().begin(), all_collectives().end(), name) != all_collectives().end(),
-                       "kmamba-perf-comm: unknown collective '" << name
-                           << "' (all_reduce, reduce_scatter, all_gather, broadcast, send_recv)");
-        o.collectives.push_back(name);
-      }
-      KMAMBA_REQUIRE(!o.collectives.empty(), "kmamba-perf-comm: --collectives names none");
-    } else if (a.rfind("--kokkos-", 0) != 0) {
-      KMAMBA_USER_ERROR("kmamba-perf-comm: unknown argument '" << a << "' (see --help)");
-    }
-  }
-  KMAMBA_REQUIRE(o.device == "host" || o.device == "cuda",
-                 "kmamba-perf-comm: --device must be host or cuda, got '" << o.device << "'");
-  KMAMBA_REQUIRE(o.factor == 2 || o.factor == 4, "kmamba-perf-comm: --factor must be 2 or 4, got " << o.factor);
+void declare(CLI::App& cli, Options& o) {
+  cli.add_option("--device", o.device,
+                 "host: MPI communicator, host memory (default); cuda: NCCL communicator, device memory, one GPU per "
+                 "rank (the rank's node-local rank)")
+      ->type_name("NAME")
+      ->check(kmamba::app::one_of({"host", "cuda"}));
+  add_bytes_option(cli, "--min-bytes", o.min_bytes, "smallest message (default 1024)");
+  add_bytes_option(cli, "--max-bytes", o.max_bytes, "largest message (default 1073741824 = 1 GiB)");
+  cli.add_option("--factor", o.factor, "size ratio between steps, 2 or 4 (default 4)")
+      ->type_name("F")
+      ->check(kmamba::app::one_of({"2", "4"}));
+  cli.add_option("--reps", o.reps, "timed repetitions per size; the median is reported (default 20)")
+      ->type_name("R")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  cli.add_option("--warmup", o.warmup, "untimed calls per size first (default 5)")
+      ->type_name("W")
+      ->check(kmamba::app::integer_in(0, 1000000));
+  cli.add_option("--collectives", o.collectives,
+                 "comma-separated subset of all_reduce,reduce_scatter,all_gather,broadcast,send_recv (default: all)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(kmamba::app::one_of(all_collectives()));
+  cli.add_option("--json", o.json, "also write the results as JSON (rank 0)")->type_name("FILE");
+}
+
+void validate(const Options& o) {
   KMAMBA_REQUIRE(o.min_bytes <= o.max_bytes,
                  "kmamba-perf-comm: --min-bytes " << o.min_bytes << " exceeds --max-bytes " << o.max_bytes);
-  return o;
 }
 
 /// Bus bandwidth / algorithm bandwidth (the NCCL tests' factors).
@@ -267,44 +249,23 @@ int sweep(const Options& o, kmamba::Transport transport) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
-  for (const std::string& a : args) {
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  MPI_Init(&argc, &argv);
-  const int status = kmamba::run_or_abort(MPI_COMM_WORLD, [&]() -> int {
-    const Options o = parse(args);
-    // Kokkos sees its own options; one GPU per rank: the node-local rank picks it unless
-    // --kokkos-device-id does.
-    std::vector<std::string> kokkos_args = {argv[0]};
-    for (const std::string& a : args) {
-      if (a.rfind("--kokkos-", 0) == 0) kokkos_args.push_back(a);
-    }
-#if KMAMBA_ENABLE_CUDA
-    const bool device_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
-      return a.rfind("--kokkos-device-id", 0) == 0;
-    });
-    if (o.device == "cuda" && !device_given) {
-      const int devices = Kokkos::Cuda::detect_device_count();
-      KMAMBA_REQUIRE(devices > 0, "kmamba-perf-comm: --device cuda, but no CUDA device is visible");
-      kokkos_args.push_back("--kokkos-device-id=" + std::to_string(kmamba::node_local_rank(MPI_COMM_WORLD) % devices));
-    }
-#endif
-    std::vector<char*> kokkos_argv;
-    for (std::string& a : kokkos_args) kokkos_argv.push_back(&a[0]);
-    int kokkos_argc = static_cast<int>(kokkos_argv.size());
-    kokkos_argv.push_back(nullptr);
-    Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_argv.data());
-    if (o.device == "host") return sweep<Kokkos::DefaultHostExecutionSpace>(o, kmamba::Transport::Mpi);
+  CLI::App cli{description, "kmamba-perf-comm"};
+  kmamba::app::configure(cli);
+  Options o;
+  declare(cli, o);
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        validate(o);
+        return kmamba::app::Launch{true};
+      },
+      [&](kmamba::app::Runtime& runtime) {
+        runtime.errors_may_be_local();  // the other ranks may wait in a collective
+        if (o.device == "host") return sweep<Kokkos::DefaultHostExecutionSpace>(o, kmamba::Transport::Mpi);
 #if KMAMBA_ENABLE_NCCL
-    return sweep<Kokkos::Cuda>(o, kmamba::Transport::Nccl);
+        return sweep<Kokkos::Cuda>(o, kmamba::Transport::Nccl);
 #else
-    KMAMBA_USER_ERROR("kmamba-perf-comm: --device cuda needs a CUDA build with NCCL (KMAMBA_ENABLE_NCCL)");
+        KMAMBA_USER_ERROR("kmamba-perf-comm: --device cuda needs a CUDA build with NCCL (KMAMBA_ENABLE_NCCL)");
 #endif
-  });
-  MPI_Finalize();
-  return status;
+      });
 }

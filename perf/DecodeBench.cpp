@@ -30,6 +30,8 @@
 #include <cuda_profiler_api.h>
 #endif
 
+#include "AppRuntime.hpp"
+#include "DeviceOption.hpp"
 #include "KernelTimes.hpp"
 
 #include <algorithm>
@@ -272,57 +274,44 @@ void run_space(const Options& o) {
   }
 }
 
+const char* const description =
+    "Recurrent inference of a mamba2-130m-shaped language model: decode latency (batch 1), throughput\n"
+    "(batch 64), prefill tokens/s (see the head of perf/DecodeBench.cpp).";
+
+void declare(CLI::App& cli, Options& o) {
+  kmamba::app::add_space_option(cli, o.space, "the execution space (default: the build's default)");
+  cli.add_flag("--small", o.small,
+               "batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU); default: batch 1 and "
+               "64, prompt 128, 64 new tokens, prefill 8x512");
+  cli.add_option("--repeats", o.repeats, "timed decode steps; the median is reported (default 20)")
+      ->type_name("R")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  cli.add_option("--mixer", o.mixer, "mamba2 or mamba1 (default mamba2)")
+      ->type_name("NAME")
+      ->check(kmamba::app::one_of({"mamba2", "mamba1"}));
+  cli.add_option("--profile-steps", o.profile_steps,
+                 "only N plain decode steps at --profile-batch, inside cudaProfilerStart/Stop on CUDA (for ncu "
+                 "--profile-from-start off)")
+      ->type_name("N")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  cli.add_option("--profile-batch", o.profile_batch, "the batch of --profile-steps (default 1)")
+      ->type_name("B")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  cli.add_flag("--kernel-times", o.kernel_times,
+               "with --profile-steps: every Kokkos kernel of those steps fenced and timed, a table");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
+  CLI::App cli{description, "kmamba-perf-decode"};
+  kmamba::app::configure(cli);
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::printf("usage: kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]\n"
-                  "                          [--profile-steps N [--profile-batch B] [--kernel-times]]\n"
-                  "  --small          batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU);\n"
-                  "                   default: batch 1 and 64, prompt 128, 64 new tokens, prefill 8x512\n"
-                  "  --profile-steps  only N plain decode steps at batch B (default 1), inside cudaProfilerStart/Stop\n"
-                  "                   on CUDA (for ncu --profile-from-start off)\n"
-                  "  --kernel-times   with --profile-steps: every Kokkos kernel of those steps fenced and timed, a table\n");
-      return 0;
-    }
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        KMAMBA_REQUIRE(i + 1 < argc, "kmamba-perf-decode: " << a << " needs a value");
-        return argv[++i];
-      };
-      if (a == "--space") o.space = value();
-      else if (a == "--small") o.small = true;
-      else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
-      else if (a == "--mixer") o.mixer = value();
-      else if (a == "--profile-steps") o.profile_steps = std::max(1, std::atoi(value().c_str()));
-      else if (a == "--profile-batch") o.profile_batch = std::max(1, std::atoi(value().c_str()));
-      else if (a == "--kernel-times") o.kernel_times = true;
-      else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf-decode: unknown argument '" << a << "'");
-    }
+  declare(cli, o);
+  return kmamba::app::run_app(argc, argv, cli, {}, [&](kmamba::app::Runtime&) {
     kmamba::print_configuration(std::cout);
-    const std::string space = o.space.empty() ? Kokkos::DefaultExecutionSpace::name() : o.space;
-    bool ran = false;
-#if KMAMBA_ENABLE_CUDA
-    if (space == "Cuda") run_space<Kokkos::Cuda>(o), ran = true;
-#endif
-#if KMAMBA_HAS_OPENMP
-    if (space == "OpenMP") run_space<Kokkos::OpenMP>(o), ran = true;
-#endif
-#if KMAMBA_HAS_SERIAL
-    if (space == "Serial") run_space<Kokkos::Serial>(o), ran = true;
-#endif
-    KMAMBA_REQUIRE(ran, "kmamba-perf-decode: --space " << space << " is not an execution space of this build");
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+    kmamba::app::on_space(o.space, [&](auto exec) { run_space<decltype(exec)>(o); });
+    return kmamba::app::exit_done;
+  });
 }

@@ -14,6 +14,9 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
 
+#include "AppRuntime.hpp"
+#include "DeviceOption.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -505,76 +508,60 @@ void write_json(const Options& o, const std::string& space, const std::vector<Me
   KMAMBA_REQUIRE(file.good(), "kmamba-perf: writing '" << o.json << "' failed");
 }
 
+const char* const description =
+    "Prints one row per case: shape, median time, achieved GB/s and GFLOP/s, the H200 floor and the ratio to it.";
+
+void declare(CLI::App& cli, Options& o) {
+  cli.add_option("--case", o.only_case, "only this case (default: all)")
+      ->type_name("NAME")
+      ->check(kmamba::app::one_of({"ssd", "mamba3_siso", "selective_scan", "gemm_few_rows"}));
+  kmamba::app::add_space_option(cli, o.space, "the execution space (default: the build's default)");
+  cli.add_flag("--small", o.small,
+               "shapes that run in seconds on a 2-core CPU (default: the H200 shapes of docs/performance.md §3)");
+  cli.add_option("--repeats", o.repeats, "timed runs per case; the median is reported (default 10)")
+      ->type_name("R")
+      ->check(kmamba::app::integer_in(1, 1000000));
+  cli.add_option("--precision", o.precision,
+                 "the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, bf16 (the SSD's fused "
+                 "forward), or all (default)")
+      ->type_name("P")
+      ->check(kmamba::app::one_of({"fp32", "tf32", "bf16", "all"}));
+  cli.add_option("--chunk", o.chunk,
+                 "chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64); the result "
+                 "is the same function of the inputs, the work is not")
+      ->type_name("Q")
+      ->check(kmamba::app::integer_in(1, kmamba::app::int_max));
+  cli.add_option("--json", o.json, "also write the rows to FILE as JSON (an object with the configuration and a "
+                                   "\"rows\" array)")
+      ->type_name("FILE");
+}
+
+int run(Options& o) {
+  if (!o.json.empty()) {
+    // Before the benchmarks run, so that an unwritable path costs nothing.
+    std::ofstream probe(o.json);
+    KMAMBA_REQUIRE(probe.good(), "kmamba-perf: cannot write '" << o.json << "'");
+  }
+  kmamba::print_configuration(std::cout);
+  std::printf("%-28s %-34s %13s %14s %17s   %s\n", "case", "shape", "median", "bandwidth", "arithmetic",
+              "H200 floor and ratio");
+  std::vector<Measurement> rows;
+  o.rows = &rows;
+  const std::string space = kmamba::app::on_space(o.space, [&](auto exec) {
+    run_space<decltype(exec)>(o);
+    return std::string(decltype(exec)::name());
+  });
+  if (!o.json.empty()) write_json(o, space, rows);
+  return kmamba::app::exit_done;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
+  CLI::App cli{description, "kmamba-perf"};
+  kmamba::app::configure(cli);
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::printf("usage: kmamba-perf [--case ssd|mamba3_siso|selective_scan|gemm_few_rows] [--space Cuda|OpenMP|Serial] [--small] [--repeats R]\n"
-                  "                   [--precision fp32|tf32|bf16|all] [--chunk Q] [--json FILE]\n"
-                  "Prints one row per case: shape, median time, achieved GB/s and GFLOP/s, the H200 floor and the ratio to it.\n"
-                  "  --small      shapes that run in seconds on a 2-core CPU (default: the H200 shapes of docs/performance.md §3)\n"
-                  "  --precision  the SSD / Mamba-3 chunk products: exact fp32, TF32 on the tensor cores, bf16 (the SSD's fused forward), or all (default)\n"
-                  "  --chunk      chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64);\n"
-                  "               the result is the same function of the inputs, the work is not\n"
-                  "  --json       also write the rows to FILE as JSON (an object with the configuration and a \"rows\" array)\n");
-      return 0;
-    }
-  }
-  Kokkos::ScopeGuard kokkos(argc, argv);
-  try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        KMAMBA_REQUIRE(i + 1 < argc, "kmamba-perf: " << a << " needs a value");
-        return argv[++i];
-      };
-      if (a == "--case") o.only_case = value();
-      else if (a == "--space") o.space = value();
-      else if (a == "--small") o.small = true;
-      else if (a == "--json") o.json = value();
-      else if (a == "--repeats") o.repeats = std::max(1, std::atoi(value().c_str()));
-      else if (a == "--chunk") {
-        const std::string v = value();
-        o.chunk = std::atoi(v.c_str());
-        KMAMBA_REQUIRE(o.chunk > 0, "kmamba-perf: --chunk must be a positive integer, got '" << v << "'");
-      }
-      else if (a == "--precision") {
-        o.precision = value();
-        KMAMBA_REQUIRE(o.precision == "fp32" || o.precision == "tf32" || o.precision == "bf16" || o.precision == "all",
-                       "kmamba-perf: --precision must be fp32, tf32, bf16 or all, got '" << o.precision << "'");
-      }
-      else if (a.rfind("--kokkos-", 0) != 0) KMAMBA_USER_ERROR("kmamba-perf: unknown argument '" << a << "'");
-    }
-    if (!o.json.empty()) {
-      // Before the benchmarks run, so that an unwritable path costs nothing.
-      std::ofstream probe(o.json);
-      KMAMBA_REQUIRE(probe.good(), "kmamba-perf: cannot write '" << o.json << "'");
-    }
-    kmamba::print_configuration(std::cout);
-    std::printf("%-28s %-34s %13s %14s %17s   %s\n", "case", "shape", "median", "bandwidth", "arithmetic",
-                "H200 floor and ratio");
-    const std::string space = o.space.empty() ? Kokkos::DefaultExecutionSpace::name() : o.space;
-    std::vector<Measurement> rows;
-    o.rows = &rows;
-    bool ran = false;
-#if KMAMBA_ENABLE_CUDA
-    if (space == "Cuda") run_space<Kokkos::Cuda>(o), ran = true;
-#endif
-#if KMAMBA_HAS_OPENMP
-    if (space == "OpenMP") run_space<Kokkos::OpenMP>(o), ran = true;
-#endif
-#if KMAMBA_HAS_SERIAL
-    if (space == "Serial") run_space<Kokkos::Serial>(o), ran = true;
-#endif
-    KMAMBA_REQUIRE(ran, "kmamba-perf: --space " << space << " is not an execution space of this build");
-    if (!o.json.empty()) write_json(o, space, rows);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+  declare(cli, o);
+  return kmamba::app::run_app(argc, argv, cli, {}, [&](kmamba::app::Runtime&) { return run(o); });
 }

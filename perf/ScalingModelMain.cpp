@@ -10,6 +10,7 @@
 
 #include <kmamba/core/Error.hpp>
 
+#include "AppRuntime.hpp"
 #include "Plot.hpp"
 
 #include <nlohmann/json.hpp>
@@ -20,7 +21,6 @@
 #include <cstdlib>
 #include <exception>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -42,100 +42,49 @@ struct Options {
   std::string png, json;
 };
 
-void print_help() {
-  std::printf(
-      "usage: kmamba-perf-model SWEEP.json... --compute-ms T [options]\n"
-      "\n"
-      "Fits time = alpha + bytes * factor(n) * beta per collective and group size to kmamba-perf-comm sweeps\n"
-      "(factor: all-reduce 2(n-1)/n, reduce-scatter / all-gather (n-1)/n, broadcast / send-recv 1), prints the\n"
-      "fits and each point's error, and predicts data-, tensor- and sequence-parallel training on N GPUs.\n"
-      "\n"
-      "  --compute-ms T          measured step time of one GPU (no parallelism) on --tokens-per-gpu tokens\n"
-      "  --tokens-per-gpu N      tokens of that step (default 16384 = 8 x 2048)\n"
-      "  --gpus LIST             GPU counts to predict (default 16,32,64,128,256,512,1024)\n"
-      "  --gpus-per-node G       GPUs per node; the sweeps describe one node (default 8)\n"
-      "  --inter-bw GBPS         inter-node bandwidth per GPU, GB/s (assumed; default 50)\n"
-      "  --inter-alpha US        inter-node latency per message step, us (assumed; default 15)\n"
-      "  --tp LIST               tensor-parallel sizes (default 2,4)\n"
-      "  --sp C                  sequence-parallel size (default 8)\n"
-      "  --seqlens LIST          sequence lengths of the sp layouts (default 8192,16384,32768,65536)\n"
-      "  --serial-fraction X     share of the compute in the conv + SSD scan that the sp chain serialises\n"
-      "                          (default 0.1; calibrate from a one-GPU profile)\n"
-      "  --peak-tflops X         per-GPU peak for MFU (default 989, H200 dense bf16)\n"
-      "  --bytes-per-value B     gradient / activation element bytes (default 4, fp32)\n"
-      "  --d-model, --n-layer, --vocab-size, --pad-vocab-multiple, --d-state, --headdim, --expand, --ngroups,\n"
-      "  --chunk-size N          model shape (default mamba2-370m: 1024, 48, 50277, 8, 128, 64, 2, 1, 256)\n"
-      "  --png FILE              plot of predicted tokens/s and MFU against GPUs\n"
-      "  --json FILE             the fits and predictions as JSON\n"
-      "  -h, --help              this text\n");
+const char* const description =
+    "Fits time = alpha + bytes * factor(n) * beta per collective and group size to kmamba-perf-comm sweeps\n"
+    "(factor: all-reduce 2(n-1)/n, reduce-scatter / all-gather (n-1)/n, broadcast / send-recv 1), prints the\n"
+    "fits and each point's error, and predicts data-, tensor- and sequence-parallel training on N GPUs.";
+
+void declare(CLI::App& cli, Options& o) {
+  using kmamba::app::integer_in;
+  using kmamba::app::number_in;
+  using kmamba::app::unbounded;
+  const auto positive = number_in(0, unbounded, kmamba::app::Ends::LowOpen);
+  const auto count = integer_in(1, kmamba::app::int_max);
+  cli.add_option("sweeps", o.sweeps, "kmamba-perf-comm JSON files (at least one)")->type_name("SWEEP.json")->required();
+  cli.add_option("--compute-ms", o.compute_ms, "measured step time of one GPU (no parallelism) on --tokens-per-gpu tokens (required)")
+      ->type_name("T")->check(positive)->required();
+  cli.add_option("--tokens-per-gpu", o.tokens_per_gpu, "tokens of that step (default 16384 = 8 x 2048)")->type_name("N")->check(positive);
+  cli.add_option("--gpus", o.gpus, "GPU counts to predict (default 16,32,64,128,256,512,1024)")->type_name("LIST")->delimiter(',')->check(count);
+  cli.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node; the sweeps describe one node (default 8)")->type_name("G")->check(count);
+  cli.add_option("--inter-bw", o.inter_bw_gbps, "inter-node bandwidth per GPU, GB/s (assumed; default 50)")->type_name("GBPS")->check(positive);
+  cli.add_option("--inter-alpha", o.inter_alpha_us, "inter-node latency per message step, us (assumed; default 15)")->type_name("US")->check(number_in(0, unbounded));
+  cli.add_option("--tp", o.tp, "tensor-parallel sizes (default 2,4)")->type_name("LIST")->delimiter(',')->check(count);
+  cli.add_option("--sp", o.sp, "sequence-parallel size (default 8)")->type_name("C")->check(count);
+  cli.add_option("--seqlens", o.seqlens, "sequence lengths of the sp layouts (default 8192,16384,32768,65536)")->type_name("LIST")->delimiter(',')->check(positive);
+  cli.add_option("--serial-fraction", o.serial_fraction, "share of the compute in the conv + SSD scan that the sp chain serialises, in [0, 1] (default 0.1; calibrate from a one-GPU profile)")
+      ->type_name("X")->check(number_in(0, 1));
+  cli.add_option("--peak-tflops", o.peak_tflops, "per-GPU peak for MFU (default 989, H200 dense bf16)")->type_name("X")->check(positive);
+  cli.add_option("--bytes-per-value", o.bytes_per_value, "gradient / activation element bytes (default 4, fp32)")->type_name("B")->check(positive);
+  const char* shape = "model shape (default mamba2-370m)";
+  cli.add_option("--d-model", o.shape.d_model, "default 1024")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--n-layer", o.shape.n_layer, "default 48")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--vocab-size", o.shape.vocab_size, "default 50277")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--pad-vocab-multiple", o.shape.pad_vocab_size_multiple, "default 8")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--d-state", o.shape.d_state, "default 128")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--headdim", o.shape.headdim, "default 64")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--expand", o.shape.expand, "default 2")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--ngroups", o.shape.ngroups, "default 1")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--chunk-size", o.shape.chunk_size, "default 256")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--png", o.png, "plot of predicted tokens/s and MFU against GPUs")->type_name("FILE");
+  cli.add_option("--json", o.json, "the fits and predictions as JSON")->type_name("FILE");
 }
 
-template <class T>
-std::vector<T> parse_list(const std::string& option, const std::string& text) {
-  std::vector<T> values;
-  std::stringstream list(text);
-  for (std::string item; std::getline(list, item, ',');) {
-    const double v = std::atof(item.c_str());
-    KMAMBA_REQUIRE(v > 0, "kmamba-perf-model: " << option << " needs positive numbers, got '" << item << "'");
-    values.push_back(static_cast<T>(v));
-  }
-  KMAMBA_REQUIRE(!values.empty(), "kmamba-perf-model: " << option << " is empty");
-  return values;
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      KMAMBA_REQUIRE(i + 1 < argc, "kmamba-perf-model: " << a << " needs a value");
-      return argv[++i];
-    };
-    auto number = [&]() {
-      const std::string text = value();
-      char* end = nullptr;
-      const double v = std::strtod(text.c_str(), &end);
-      KMAMBA_REQUIRE(end != text.c_str() && *end == '\0' && v >= 0,
-                     "kmamba-perf-model: " << a << " needs a non-negative number, got '" << text << "'");
-      return v;
-    };
-    auto integer = [&]() {
-      const double v = number();
-      KMAMBA_REQUIRE(v >= 1 && v == std::floor(v), "kmamba-perf-model: " << a << " needs a positive integer");
-      return static_cast<int>(v);
-    };
-    if (a == "--compute-ms") o.compute_ms = number();
-    else if (a == "--tokens-per-gpu") o.tokens_per_gpu = number();
-    else if (a == "--gpus") o.gpus = parse_list<int>(a, value());
-    else if (a == "--gpus-per-node") o.gpus_per_node = integer();
-    else if (a == "--inter-bw") o.inter_bw_gbps = number();
-    else if (a == "--inter-alpha") o.inter_alpha_us = number();
-    else if (a == "--tp") o.tp = parse_list<int>(a, value());
-    else if (a == "--sp") o.sp = integer();
-    else if (a == "--seqlens") o.seqlens = parse_list<double>(a, value());
-    else if (a == "--serial-fraction") o.serial_fraction = number();
-    else if (a == "--peak-tflops") o.peak_tflops = number();
-    else if (a == "--bytes-per-value") o.bytes_per_value = number();
-    else if (a == "--d-model") o.shape.d_model = integer();
-    else if (a == "--n-layer") o.shape.n_layer = integer();
-    else if (a == "--vocab-size") o.shape.vocab_size = integer();
-    else if (a == "--pad-vocab-multiple") o.shape.pad_vocab_size_multiple = integer();
-    else if (a == "--d-state") o.shape.d_state = integer();
-    else if (a == "--headdim") o.shape.headdim = integer();
-    else if (a == "--expand") o.shape.expand = integer();
-    else if (a == "--ngroups") o.shape.ngroups = integer();
-    else if (a == "--chunk-size") o.shape.chunk_size = integer();
-    else if (a == "--png") o.png = value();
-    else if (a == "--json") o.json = value();
-    else if (a.rfind("--", 0) == 0) KMAMBA_USER_ERROR("kmamba-perf-model: unknown option '" << a << "' (see --help)");
-    else o.sweeps.push_back(a);
-  }
-  KMAMBA_REQUIRE(!o.sweeps.empty(), "kmamba-perf-model: name at least one kmamba-perf-comm JSON file (see --help)");
-  KMAMBA_REQUIRE(o.compute_ms > 0, "kmamba-perf-model: --compute-ms (the one-GPU step time) is required");
-  KMAMBA_REQUIRE(o.inter_bw_gbps > 0, "kmamba-perf-model: --inter-bw must be positive");
+void validate(const Options& o) {
   KMAMBA_REQUIRE(o.shape.d_inner() % o.shape.headdim == 0,
-                 "kmamba-perf-model: headdim " << o.shape.headdim << " must divide d_inner " << o.shape.d_inner());
-  return o;
+                 "kmamba-perf-model: --headdim " << o.shape.headdim << " must divide d_inner " << o.shape.d_inner());
 }
 
 std::vector<kmamba::perf::Sample> read_sweep(const std::string& path) {
@@ -187,6 +136,58 @@ nlohmann::json to_json(const Prediction& p) {
           {"step_overlap_ms", p.step_overlap * 1e3},
           {"tokens_per_s_overlap", p.tokens_per_s_overlap},
           {"mfu_overlap", p.mfu_overlap}};
+}
+
+// The predicted tokens/s and MFU against the GPU count, one series per layout.
+void plot_predictions(const std::string& path, const std::vector<Prediction>& all) {
+  using kmamba::app::Panel;
+  using kmamba::app::Rgb;
+  using kmamba::app::Series;
+  const std::vector<Rgb> palette = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40},
+                                    {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
+  Panel rate{"predicted tokens/s (no overlap)", true, {}};
+  Panel mfu{"predicted mfu % (no overlap)", false, {}};
+  std::vector<std::string> names;
+  for (const Prediction& p : all) {
+    if (std::find(names.begin(), names.end(), p.layout) == names.end()) names.push_back(p.layout);
+  }
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    std::string label = names[i];  // the chart font has no '@'
+    const std::size_t at = label.find('@');
+    if (at != std::string::npos) label = label.substr(0, at) + " len " + label.substr(at + 1);
+    Series r{label, palette[i % palette.size()], {}, {}, false};
+    Series m = r;
+    for (const Prediction& p : all) {
+      if (p.layout != names[i]) continue;
+      r.x.push_back(std::log2(p.gpus));
+      r.y.push_back(p.tokens_per_s);
+      m.x.push_back(std::log2(p.gpus));
+      m.y.push_back(100.0 * p.mfu);
+    }
+    rate.series.push_back(r);
+    mfu.series.push_back(m);
+  }
+  kmamba::app::write_png(path, kmamba::app::plot({rate, mfu}, "log2(gpus)", 900, 700));
+  std::printf("\nkmamba-perf-model: wrote %s\n", path.c_str());
+}
+
+// The fits and the predictions as JSON.
+void write_json(const std::string& path, const std::vector<kmamba::perf::AlphaBeta>& fits, const std::vector<Prediction>& all) {
+  nlohmann::json fits_json = nlohmann::json::array(), predictions = nlohmann::json::array();
+  for (const auto& f : fits) {
+    fits_json.push_back({{"collective", f.collective},
+                         {"ranks", f.ranks},
+                         {"alpha_us", f.alpha * 1e6},
+                         {"busbw_GBps", f.beta > 0 ? 1e-9 / f.beta : 0.0},
+                         {"alpha_clamped", f.alpha_clamped},
+                         {"bytes", f.bytes},
+                         {"relative_error", f.relative_error}});
+  }
+  for (const Prediction& p : all) predictions.push_back(to_json(p));
+  std::ofstream file(path);
+  KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot write '" << path << "'");
+  file << nlohmann::json{{"fits", fits_json}, {"predictions", predictions}}.dump(1) << "\n";
+  std::printf("kmamba-perf-model: wrote %s\n", path.c_str());
 }
 
 int run(const Options& o) {
@@ -284,71 +285,23 @@ int run(const Options& o) {
     std::printf("\n");
   }
 
-  if (!o.png.empty()) {
-    using kmamba::app::Panel;
-    using kmamba::app::Rgb;
-    using kmamba::app::Series;
-    const std::vector<Rgb> palette = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40},
-                                      {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
-    Panel rate{"predicted tokens/s (no overlap)", true, {}};
-    Panel mfu{"predicted mfu % (no overlap)", false, {}};
-    std::vector<std::string> names;
-    for (const Prediction& p : all) {
-      if (std::find(names.begin(), names.end(), p.layout) == names.end()) names.push_back(p.layout);
-    }
-    for (std::size_t i = 0; i < names.size(); ++i) {
-      std::string label = names[i];  // the chart font has no '@'
-      const std::size_t at = label.find('@');
-      if (at != std::string::npos) label = label.substr(0, at) + " len " + label.substr(at + 1);
-      Series r{label, palette[i % palette.size()], {}, {}, false};
-      Series m = r;
-      for (const Prediction& p : all) {
-        if (p.layout != names[i]) continue;
-        r.x.push_back(std::log2(p.gpus));
-        r.y.push_back(p.tokens_per_s);
-        m.x.push_back(std::log2(p.gpus));
-        m.y.push_back(100.0 * p.mfu);
-      }
-      rate.series.push_back(r);
-      mfu.series.push_back(m);
-    }
-    kmamba::app::write_png(o.png, kmamba::app::plot({rate, mfu}, "log2(gpus)", 900, 700));
-    std::printf("\nkmamba-perf-model: wrote %s\n", o.png.c_str());
-  }
-  if (!o.json.empty()) {
-    nlohmann::json fits_json = nlohmann::json::array(), predictions = nlohmann::json::array();
-    for (const auto& f : fits) {
-      fits_json.push_back({{"collective", f.collective},
-                           {"ranks", f.ranks},
-                           {"alpha_us", f.alpha * 1e6},
-                           {"busbw_GBps", f.beta > 0 ? 1e-9 / f.beta : 0.0},
-                           {"alpha_clamped", f.alpha_clamped},
-                           {"bytes", f.bytes},
-                           {"relative_error", f.relative_error}});
-    }
-    for (const Prediction& p : all) predictions.push_back(to_json(p));
-    std::ofstream file(o.json);
-    KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot write '" << o.json << "'");
-    file << nlohmann::json{{"fits", fits_json}, {"predictions", predictions}}.dump(1) << "\n";
-    std::printf("kmamba-perf-model: wrote %s\n", o.json.c_str());
-  }
-  return 0;
+  if (!o.png.empty()) plot_predictions(o.png, all);
+  if (!o.json.empty()) write_json(o.json, fits, all);
+  return kmamba::app::exit_done;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      print_help();
-      return 0;
-    }
-  }
-  try {
-    return run(parse(argc, argv));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
-  }
+  CLI::App cli{description, "kmamba-perf-model"};
+  kmamba::app::configure(cli);
+  Options o;
+  declare(cli, o);
+  return kmamba::app::run_app(
+      argc, argv, cli,
+      [&] {
+        validate(o);
+        return kmamba::app::Launch{};
+      },
+      [&](kmamba::app::Runtime&) { return run(o); });
 }

@@ -1,0 +1,371 @@
+#include "TrainOptions.hpp"
+
+#include "AppRuntime.hpp"
+#include "DeviceOption.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+namespace kmamba {
+namespace app {
+namespace {
+
+using json = nlohmann::json;
+
+// --name VALUE in `group`, checked by `check`; its JSON key is the name with '_' for '-'.
+void option(CLI::App& cli, const char* group, const std::string& names, const char* value, const char* help,
+            CLI::Validator check) {
+  check.description("");  // the placeholder `value` names the kind of value
+  cli.add_option(names)->description(help)->type_name(value)->check(check)->group(group);
+}
+
+CLI::Validator count_from(long long low) { return integer_in(low, int_max); }
+
+void declare_what(CLI::App& cli) {
+  const char* g = "what to train";
+  option(cli, g, "--data", "FILE",
+         "train on FILE: a KMTOKENS token file, or any other file as byte-level text (vocab 256)", CLI::ExistingFile);
+  option(cli, g, "--model", "DIR", "fine-tune the Hugging Face checkpoint DIR (config.json + model.safetensors)",
+         CLI::ExistingDirectory);
+  option(cli, g, "--config", "FILE",
+         "read options from a JSON object, e.g. {\"steps\": 500, \"lr\": 0.001}; command-line options win",
+         CLI::ExistingFile);
+  cli.add_option("--out")
+      ->description("run directory (default runs/recall, runs/<data file name> or runs/finetune-<model dir name>)")
+      ->type_name("DIR")
+      ->group(g);
+  cli.add_flag("--resume", "continue the run in --out from its checkpoint (its run.json options are the defaults)")
+      ->group(g);
+  option(cli, g, "--device", "NAME", "serial, openmp or cuda (default: the build's default execution space)",
+         one_of(devices_of_this_build()));
+}
+
+void declare_optimisation(CLI::App& cli) {
+  const char* g = "optimisation";
+  option(cli, g, "--steps", "N", "optimizer steps (default 600 for recall, 2000 otherwise)", count_from(1));
+  option(cli, g, "--lr", "X", "peak learning rate (default 0.01 for recall, 0.002 otherwise)", number_in(0, unbounded));
+  option(cli, g, "--min-lr", "X", "learning rate at the end of the cosine decay (default lr / 10)",
+         number_in(0, unbounded));
+  option(cli, g, "--warmup", "N", "linear warm-up steps (default steps / 30, at most 100)", count_from(0));
+  option(cli, g, "--weight-decay", "X", "AdamW decoupled weight decay (default 0.1)", number_in(0, unbounded));
+  option(cli, g, "--beta1", "X", "AdamW beta1, in [0, 1) (default 0.9)", number_in(0, 1, Ends::HighOpen));
+  option(cli, g, "--beta2", "X", "AdamW beta2, in [0, 1) (default 0.95)", number_in(0, 1, Ends::HighOpen));
+  option(cli, g, "--grad-clip", "X", "maximum global gradient norm, 0 = off (default 1)", number_in(0, unbounded));
+  option(cli, g, "--batch-size", "N", "sequences per micro-batch (default 16)", count_from(1));
+  option(cli, g, "--grad-accum", "N", "micro-batches per optimizer step (default 1)", count_from(1));
+  option(cli, g, "--seed", "N", "seed of the model initialisation and of the data (default 1234)",
+         integer_in(0, std::numeric_limits<long long>::max()));
+  option(cli, g, "--precision", "P",
+         "fp32, tf32 or bf16: the projection GEMMs and the LM head, forward and backward, multiply operands rounded "
+         "to bf16/TF32 with fp32 sums (tensor cores on CUDA); weights, optimizer state, scans and norms stay fp32; "
+         "tf32 also runs the scans' chunk products in TF32. CPU backends emulate the rounding: same numerics, no "
+         "faster (default fp32)",
+         one_of({"fp32", "tf32", "bf16"}));
+}
+
+void declare_data(CLI::App& cli) {
+  const char* g = "data";
+  option(cli, g, "--seqlen", "N", "tokens per sequence (default 64 for recall, 128 otherwise)", count_from(1));
+  option(cli, g, "--kv-pairs", "N", "recall: key-value pairs per sequence (default 8)", count_from(1));
+  option(cli, g, "--queries", "N", "recall: queries per sequence (default: every position after the pairs)",
+         count_from(1));
+  option(cli, g, "--vocab-size", "N", "recall: vocabulary size (default 64)", count_from(2));
+  option(cli, g, "--validation-fraction", "X", "text/token data: held-out tail, in [0, 1) (default 0.1)",
+         number_in(0, 1, Ends::HighOpen));
+}
+
+void declare_model(CLI::App& cli) {
+  const char* g = "model (new models; --model takes them from its config.json)";
+  option(cli, g, "--mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)", one_of({"mamba1", "mamba2", "mamba3"}));
+  option(cli, g, "--d-model", "N", "model width (default 64 for recall, 128 otherwise)", count_from(1));
+  option(cli, g, "--n-layer", "N", "residual blocks (default 2 for recall, 4 otherwise)", count_from(1));
+  option(cli, g, "--d-state", "N", "state size per channel (default 16)", count_from(1));
+  option(cli, g, "--headdim", "N", "mamba2/mamba3: channels per head (default 16)", count_from(1));
+  option(cli, g, "--ngroups", "N", "mamba2/mamba3: B/C groups, a multiple of --tp (default 1)", count_from(1));
+  option(cli, g, "--expand", "N", "inner width = expand * d-model (default 2)", count_from(1));
+  option(cli, g, "--chunk-size", "N", "mamba2/mamba3: scan chunk length (default 16 for recall, 64 otherwise)",
+         count_from(1));
+  option(cli, g, "--dt-min", "X", "smallest initial time step (default 0.001)", number_in(0, unbounded, Ends::LowOpen));
+  option(cli, g, "--dt-max", "X", "largest initial time step (default 0.1)", number_in(0, unbounded, Ends::LowOpen));
+  option(cli, g, "--bc-bias-init", "X",
+         "mamba3: initial B_bias and C_bias (default 0.1 for recall, the reference's 1 otherwise)",
+         number_in(-1e6, 1e6));
+}
+
+void declare_progress(CLI::App& cli) {
+  const char* g = "progress and output";
+  option(cli, g, "--eval-interval", "N", "steps between held-out evaluations, 0 = only at the end (default 50)",
+         count_from(0));
+  option(cli, g, "--eval-batches", "N", "held-out batches per evaluation (default 8)", count_from(1));
+  option(cli, g, "--checkpoint-interval", "N", "steps between checkpoints, 0 = only at the end (default 200)",
+         count_from(0));
+  option(cli, g, "--max-skipped-steps", "N",
+         "consecutive steps with a non-finite loss or gradient to skip before stopping, 0 = stop at the first "
+         "(default 10)",
+         count_from(0));
+  option(cli, g, "--log-interval", "N", "steps between progress lines when stdout is not a terminal (default 10)",
+         count_from(1));
+}
+
+void declare_parallel(CLI::App& cli) {
+  const char* g = "parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)";
+  option(cli, g, "--data-parallel-size,--dp", "N", "data-parallel ranks (default: N / (tp * sp))", count_from(0));
+  option(cli, g, "--tensor-parallel-size,--tp", "N", "ranks splitting each Mamba-2/3 layer's heads (default 1)",
+         count_from(1));
+  option(cli, g, "--sequence-parallel-size,--sp", "N", "ranks splitting each sequence into segments (default 1)",
+         count_from(1));
+  option(cli, g, "--zero-stage", "N",
+         "0: every rank keeps all AdamW moments (default); 1: ZeRO-1, moments sharded over dp x sp", integer_in(0, 1));
+  cli.add_flag("--activation-checkpointing", "keep only each layer's input and recompute the rest in backward")
+      ->group(g);
+}
+
+std::string json_key(std::string name) {
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+
+// The long name of `o` without "--" ("batch-size"), the key of TrainOptions and of run.json.
+std::string long_name(const CLI::Option& o) { return o.get_lnames().empty() ? o.get_name() : o.get_lnames()[0]; }
+
+// Gives the options of the JSON object in `path` that no earlier source set (keys with '-' or
+// '_'), checked as on the command line; keys in `disallowed` are errors. Returns the names set.
+std::set<std::string> apply_json_options(CLI::App& cli, const std::string& path, const std::set<std::string>& disallowed) {
+  std::ifstream in(path);
+  KMAMBA_REQUIRE(in.good(), "kmamba-train: cannot open the options file '" << path << "'");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    KMAMBA_USER_ERROR("kmamba-train: '" << path << "' is not valid JSON: " << e.what());
+  }
+  KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
+  std::set<std::string> set;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    std::string name = it.key();
+    std::replace(name.begin(), name.end(), '_', '-');
+    CLI::Option* o = cli.get_option_no_throw("--" + name);
+    KMAMBA_REQUIRE(o != nullptr && o != cli.get_help_ptr() && disallowed.count(long_name(*o)) == 0,
+                   "kmamba-train: '" << path << "': unknown or misplaced option \"" << it.key() << "\" (see --help)");
+    const json& value = it.value();
+    KMAMBA_REQUIRE(value.is_string() || value.is_number() || value.is_boolean(),
+                   "kmamba-train: '" << path << "': option \"" << it.key() << "\" must be a string, number or boolean");
+    if (o->count() > 0) continue;  // an earlier source wins
+    try {
+      o->add_result(value.is_string() ? value.get<std::string>() : value.dump());
+      o->run_callback();
+    } catch (const CLI::ParseError& e) {
+      KMAMBA_USER_ERROR("kmamba-train: '" << path << "': " << e.what());
+    }
+    set.insert(long_name(*o));
+  }
+  return set;
+}
+
+std::string base_name(const std::string& path) {
+  std::string name = std::filesystem::path(path).filename().string();
+  if (name.empty()) name = std::filesystem::path(path).parent_path().filename().string();
+  return name.empty() ? "run" : name;
+}
+
+std::string out_of(const TrainOptions& o) {
+  const std::string data = o.text("data", ""), model = o.text("model", "");
+  return o.text("out", !model.empty() ? "runs/finetune-" + base_name(model)
+                       : data.empty() ? "runs/recall"
+                                      : "runs/" + base_name(data));
+}
+
+void resolve_training(const TrainOptions& o, Run& r) {
+  const bool recall = r.recall_task();
+  TrainConfig& t = r.train;
+  t.total_steps = o.integer("steps", recall ? 600 : 2000);
+  t.lr = o.number("lr", recall ? 1e-2 : 2e-3);
+  t.min_lr = o.number("min-lr", t.lr / 10.0);
+  t.warmup_steps = o.integer("warmup", std::min<long long>(100, t.total_steps / 30));
+  t.weight_decay = o.number("weight-decay", 0.1);
+  t.beta1 = o.number("beta1", 0.9);
+  t.beta2 = o.number("beta2", 0.95);
+  t.grad_clip = o.number("grad-clip", 1.0);
+  t.batch_size = o.integer("batch-size", 16);
+  t.grad_accum = o.integer("grad-accum", 1);
+  t.seed = static_cast<std::uint64_t>(o.integer("seed", 1234));
+  t.eval_interval = o.integer("eval-interval", 50);
+  t.eval_batches = o.integer("eval-batches", 8);
+  t.checkpoint_interval = o.integer("checkpoint-interval", 200);
+  t.max_skipped_steps = o.integer("max-skipped-steps", 10);
+  t.validate();
+  r.log_interval = o.integer("log-interval", 10);
+  r.precision = parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
+  r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0));
+  r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1));
+  r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1));
+  r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
+  r.activation_checkpointing = o.flag("activation-checkpointing");
+}
+
+void resolve_data(const TrainOptions& o, Run& r) {
+  const bool recall = r.recall_task();
+  const std::int64_t seqlen = o.integer("seqlen", recall ? 64 : 128);
+  if (recall) {
+    r.recall.vocab_size = static_cast<int>(o.integer("vocab-size", 64));
+    r.recall.num_kv_pairs = static_cast<int>(o.integer("kv-pairs", 8));
+    r.recall.seqlen = seqlen;
+    r.recall.num_queries =
+        static_cast<int>(o.integer("queries", std::max<std::int64_t>(1, seqlen - 2 * r.recall.num_kv_pairs)));
+    r.recall.seed = r.train.seed;
+    r.recall.validate();
+  } else {
+    KMAMBA_REQUIRE(!o.has("kv-pairs") && !o.has("vocab-size") && !o.has("queries"),
+                   "kmamba-train: --kv-pairs, --queries and --vocab-size configure the recall task, not --data");
+    r.tokens.seqlen = seqlen;
+    r.tokens.validation_fraction = o.number("validation-fraction", 0.1);
+    r.tokens.seed = r.train.seed;
+  }
+}
+
+const char* const architecture_options[] = {"mixer",   "d-model",    "n-layer", "d-state", "headdim", "ngroups",
+                                            "expand",  "chunk-size", "dt-min",  "dt-max",  "bc-bias-init"};
+
+void resolve_model(const TrainOptions& o, Run& r) {
+  const bool recall = r.recall_task();
+  if (!r.model_dir.empty()) {
+    for (const char* name : architecture_options) {
+      KMAMBA_REQUIRE(!o.has(name), "kmamba-train: --" << name << " conflicts with --model (the architecture comes from "
+                                                      << r.model_dir << "/config.json)");
+    }
+    return;
+  }
+  ModelConfig& m = r.model;
+  const std::string mixer = o.text("mixer", "mamba2");
+  m.mixer = mixer == "mamba1" ? MixerKind::Mamba1 : mixer == "mamba2" ? MixerKind::Mamba2 : MixerKind::Mamba3;
+  m.d_model = static_cast<int>(o.integer("d-model", recall ? 64 : 128));
+  m.n_layer = static_cast<int>(o.integer("n-layer", recall ? 2 : 4));
+  m.d_state = static_cast<int>(o.integer("d-state", 16));
+  m.expand = static_cast<int>(o.integer("expand", 2));
+  m.headdim = static_cast<int>(o.integer("headdim", 16));
+  m.ngroups = static_cast<int>(o.integer("ngroups", 1));
+  m.chunk_size = static_cast<int>(o.integer("chunk-size", recall ? 16 : 64));
+  m.dt_min = o.number("dt-min", m.dt_min);
+  m.dt_max = o.number("dt-max", m.dt_max);
+  KMAMBA_REQUIRE(m.mixer == MixerKind::Mamba3 || !o.has("bc-bias-init"),
+                 "kmamba-train: --bc-bias-init configures a mamba3 model, not " << mixer);
+  if (m.mixer == MixerKind::Mamba3) m.bc_bias_init = o.number("bc-bias-init", recall ? 0.1 : 1.0);
+  m.vocab_size = recall ? r.recall.vocab_size : 256;  // replaced by a token file's vocabulary
+}
+
+Run resolve(const TrainOptions& o) {
+  Run r;
+  r.data_path = o.text("data", "");
+  r.model_dir = o.text("model", "");
+  r.kind = r.data_path.empty() ? Run::Kind::Recall : Run::Kind::Tokens;
+  r.resume = o.flag("resume");
+  r.device = o.text("device", "");
+  r.out = out_of(o);
+  resolve_training(o, r);
+  resolve_data(o, r);
+  resolve_model(o, r);
+  return r;
+}
+
+// The options given on the command line or by --config: those with a value before run.json.
+std::set<std::string> given_options(const CLI::App& cli) {
+  std::set<std::string> given;
+  for (const CLI::Option* o : cli.get_options()) {
+    if (o->count() > 0) given.insert(long_name(*o));
+  }
+  return given;
+}
+
+}  // namespace
+
+void declare_train_options(CLI::App& cli) {
+  declare_what(cli);
+  declare_optimisation(cli);
+  declare_data(cli);
+  declare_model(cli);
+  declare_progress(cli);
+  declare_parallel(cli);
+}
+
+bool TrainOptions::has(const std::string& name) const { return cli_.count("--" + name) > 0; }
+
+std::string TrainOptions::text(const std::string& name, const std::string& fallback) const {
+  return has(name) ? cli_.get_option("--" + name)->as<std::string>() : fallback;
+}
+
+bool TrainOptions::flag(const std::string& name) const { return has(name) && cli_.get_option("--" + name)->as<bool>(); }
+
+long long TrainOptions::integer(const std::string& name, long long fallback) const {
+  return has(name) ? cli_.get_option("--" + name)->as<long long>() : fallback;
+}
+
+double TrainOptions::number(const std::string& name, double fallback) const {
+  return has(name) ? cli_.get_option("--" + name)->as<double>() : fallback;
+}
+
+Run configure_run(CLI::App& cli) {
+  const TrainOptions o(cli);
+  if (o.has("config")) apply_json_options(cli, o.text("config", ""), {"config"});
+  const std::set<std::string> given = given_options(cli);
+  if (o.flag("resume")) {
+    const std::string out = out_of(o);
+    StagedDirectory::recover(out + "/checkpoint");  // a save killed mid-way on a file system without exchange
+    KMAMBA_REQUIRE(std::filesystem::exists(out + "/checkpoint/training_state.safetensors"),
+                   "kmamba-train: --resume: no checkpoint in '" << out << "/checkpoint' (pass the run's --out)");
+    const std::string saved = out + "/run.json";
+    KMAMBA_REQUIRE(std::filesystem::exists(saved),
+                   "kmamba-train: --resume: '" << saved << "' is missing; it holds the run's options (--steps, the "
+                                               << "learning-rate schedule, the data), without which the run would "
+                                               << "continue on other ones");
+    apply_json_options(cli, saved, {"config", "resume"});
+  }
+  Run r = resolve(o);
+  r.given = given;
+  return r;
+}
+
+bool asks_for_ranks(const CLI::App& cli) {
+  for (const char* name : {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--zero-stage"}) {
+    if (cli.count(name) > 0) return true;
+  }
+  return false;
+}
+
+void check_resumed_architecture(const Run& run, const ModelConfig& saved) {
+  const ModelConfig& m = run.model;
+  const std::vector<std::pair<const char*, bool>> same = {
+      {"mixer", m.mixer == saved.mixer},          {"d-model", m.d_model == saved.d_model},
+      {"n-layer", m.n_layer == saved.n_layer},    {"d-state", m.d_state == saved.d_state},
+      {"headdim", m.headdim == saved.headdim},    {"ngroups", m.ngroups == saved.ngroups},
+      {"expand", m.expand == saved.expand},       {"chunk-size", m.chunk_size == saved.chunk_size},
+      {"vocab-size", m.vocab_size == saved.vocab_size}};
+  for (const auto& [name, equal] : same) {
+    KMAMBA_REQUIRE(run.given.count(name) == 0 || equal,
+                   "kmamba-train: --resume: --" << name << " differs from the checkpoint's architecture in '"
+                                                << run.checkpoint() << "/config.json' (a resumed run keeps it)");
+  }
+  for (const char* name : {"dt-min", "dt-max", "bc-bias-init"}) {
+    KMAMBA_REQUIRE(run.given.count(name) == 0, "kmamba-train: --resume: --" << name
+                                                   << " sets the initialisation, which a resumed run does not redo");
+  }
+}
+
+void write_run_json(const CLI::App& cli, const Run& run) {
+  json j = json::object();
+  for (const CLI::Option* o : cli.get_options()) {
+    const std::string name = long_name(*o);
+    if (o->count() == 0 || name == "resume" || name == "config") continue;
+    j[json_key(name)] = o->as<std::string>();
+  }
+  j["out"] = run.out;
+  std::ofstream out(run.out + "/run.json", std::ios::trunc);
+  out << j.dump(2) << '\n';
+  KMAMBA_REQUIRE(out.good(), "kmamba-train: cannot write '" << run.out << "/run.json'");
+}
+
+}  // namespace app
+}  // namespace kmamba

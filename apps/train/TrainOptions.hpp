@@ -1,0 +1,74 @@
+// kmamba-train's options: declared once through CLI11 (the command line, --help, the JSON config
+// file, run.json), then resolved with the defaults of the run's kind into a Run.
+#ifndef KMAMBA_APPS_TRAIN_TRAINOPTIONS_HPP
+#define KMAMBA_APPS_TRAIN_TRAINOPTIONS_HPP
+
+#include <kmamba/KMamba.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <set>
+#include <string>
+
+namespace kmamba {
+namespace app {
+
+/// Declares every option of kmamba-train into `cli`, grouped as --help shows them.
+void declare_train_options(CLI::App& cli);
+
+/// Typed access to the parsed options by long name ("batch-size"); a value not given anywhere is
+/// the fallback. The ranges were checked when the value was parsed.
+class TrainOptions {
+ public:
+  explicit TrainOptions(const CLI::App& cli) : cli_(cli) {}
+  bool has(const std::string& name) const;
+  std::string text(const std::string& name, const std::string& fallback) const;
+  bool flag(const std::string& name) const;
+  long long integer(const std::string& name, long long fallback) const;
+  double number(const std::string& name, double fallback) const;
+  const CLI::App& cli() const { return cli_; }
+
+ private:
+  const CLI::App& cli_;
+};
+
+/// Everything a run needs, resolved from the options with the defaults of its kind.
+struct Run {
+  enum class Kind { Recall, Tokens } kind = Kind::Recall;
+  std::string data_path, model_dir, out, device;
+  bool resume = false;
+  bool activation_checkpointing = false;
+  TrainConfig train;
+  AssociativeRecallConfig recall;
+  TokenDatasetConfig tokens;
+  ModelConfig model;
+  MeshConfig mesh;
+  int zero_stage = 0;
+  MatmulPrecision precision = MatmulPrecision::Float32;
+  std::int64_t log_interval = 10;
+  /// The options given on the command line or in --config (not those run.json restored).
+  std::set<std::string> given;
+  std::string checkpoint() const { return out + "/checkpoint"; }
+  bool recall_task() const { return kind == Kind::Recall; }
+};
+
+/// Merges the option sources into `cli` (the command line wins over --config, which wins over the
+/// resumed run's run.json) and resolves them. Throws kmamba::UserError for a bad value, a
+/// misplaced option, or --resume without the run's checkpoint and run.json.
+Run configure_run(CLI::App& cli);
+
+/// True when an option asks for a process mesh (the run then starts MPI).
+bool asks_for_ranks(const CLI::App& cli);
+
+/// Throws kmamba::UserError naming the first architecture option given with --resume that
+/// differs from the checkpoint's `saved` configuration (a resumed run keeps its architecture).
+void check_resumed_architecture(const Run& run, const ModelConfig& saved);
+
+/// Writes `run.out`/run.json: every option with a value, as text, and the resolved run directory.
+void write_run_json(const CLI::App& cli, const Run& run);
+
+}  // namespace app
+}  // namespace kmamba
+
+#endif

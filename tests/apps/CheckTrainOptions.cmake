@@ -1,0 +1,32 @@
+# kmamba-train's option sources and --resume:
+# - a bad value in --config fails with 2, naming the file, the option, the value and the range;
+# - --resume with an architecture option that differs from the checkpoint's fails with 2 naming it;
+# - --resume without run.json fails with 2 instead of continuing on default options;
+# - --resume with run.json continues the run to its --steps.
+#   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckTrainOptions.cmake
+file(REMOVE_RECURSE ${OUT})
+file(MAKE_DIRECTORY ${OUT})
+function(train expected match)
+  execute_process(COMMAND ${TRAIN} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
+  message(STATUS "kmamba-train ${ARGN}: exit ${rc}\n${out}${err}")
+  if(NOT rc STREQUAL "${expected}")
+    message(FATAL_ERROR "CheckTrainOptions: kmamba-train ${ARGN} exited with '${rc}', expected ${expected}")
+  endif()
+  if(NOT "${out}${err}" MATCHES "${match}")
+    message(FATAL_ERROR "CheckTrainOptions: the output of kmamba-train ${ARGN} does not match '${match}'")
+  endif()
+endfunction()
+
+file(WRITE ${OUT}/bad.json "{\"steps\": 2, \"learning_rate_typo\": 1}")
+train(2 "bad.json': unknown or misplaced option \"learning_rate_typo\"" --config ${OUT}/bad.json --out ${OUT}/run)
+file(WRITE ${OUT}/nan.json "{\"steps\": 2, \"lr\": \"nan\"}")
+train(2 "nan.json': --lr: got 'nan', expected a finite number >= 0" --config ${OUT}/nan.json --out ${OUT}/run)
+
+set(small --d-model 16 --n-layer 1 --seqlen 24 --batch-size 2 --eval-interval 0 --eval-batches 1)
+file(WRITE ${OUT}/small.json "{\"steps\": 3, \"checkpoint_interval\": 0}")
+train(0 "done: 3 steps" --config ${OUT}/small.json ${small} --out ${OUT}/run)
+train(2 "--resume: --d-model differs from the checkpoint's architecture" --resume --out ${OUT}/run --d-model 32)
+train(2 "--resume: --dt-min sets the initialisation" --resume --out ${OUT}/run --dt-min 0.01)
+train(0 "resumed at step 3.*done: 5 steps" --resume --out ${OUT}/run --steps 5 --d-model 16)
+file(RENAME ${OUT}/run/run.json ${OUT}/run.json.saved)
+train(2 "run.json' is missing; it holds the run's options" --resume --out ${OUT}/run --steps 7)
