@@ -214,6 +214,10 @@ Trainer<ExecutionSpace>::Trainer(LanguageModel<ExecutionSpace> model, const Trai
                                                                           << data_->vocab_size()
                                                                           << " tokens) exceeds the model's vocab_size "
                                                                           << model_.config().vocab_size);
+    KMAMBA_REQUIRE(config_.eval_interval == 0 || data_->has_validation(),
+                   "kmamba::Trainer: eval_interval is " << config_.eval_interval
+                                                        << " but the data set has no held-out split (validation fraction 0): set "
+                                                           "eval_interval to 0, or a validation fraction above 0");
   }
 }
 
@@ -423,9 +427,13 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
 template <class ExecutionSpace>
 LossResult Trainer<ExecutionSpace>::evaluate() {
   const Dataset& data = dataset("kmamba::Trainer::evaluate");
-  const Split split = data.has_validation() ? Split::Validation : Split::Train;
+  // A loss over training batches is no held-out loss: without a held-out split there is none.
+  KMAMBA_REQUIRE(data.has_validation(), "kmamba::Trainer::evaluate: the data set has no held-out split "
+                                        "(validation fraction 0), so there is no held-out loss to compute");
   std::vector<TokenBatch> batches;
-  for (std::int64_t i = 0; i < config_.eval_batches; ++i) batches.push_back(data.batch(split, i, config_.batch_size));
+  for (std::int64_t i = 0; i < config_.eval_batches; ++i) {
+    batches.push_back(data.batch(Split::Validation, i, config_.batch_size));
+  }
   return evaluate(batches);
 }
 
