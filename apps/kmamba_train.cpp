@@ -4,6 +4,7 @@
 // `mpirun -np N` it trains on a dp × tp × sp process mesh (--dp --tp --sp); only world rank 0
 // prints and writes.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include "DeviceOption.hpp"
@@ -182,14 +183,8 @@ Values parse_command_line(int argc, char** argv) {
 
 // A JSON object of options (keys with '-' or '_'); keys in `disallowed` are errors.
 Values read_json_options(const std::string& path, const std::set<std::string>& disallowed) {
-  std::ifstream in(path);
-  KMAMBA_REQUIRE(in.good(), "kmamba-train: cannot open the config file '" << path << "'");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba-train: '" << path << "' is not valid JSON: " << e.what());
-  }
+  const json j = kmamba::parse_json(kmamba::read_input_file(path, 16u << 20, "kmamba-train: the config file"),
+                                   "kmamba-train: '" + path + "'");
   KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
   Values v;
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -438,15 +433,12 @@ class Metrics {
 
   void start() {
     if (!writes_) return;
-    file_.open(path_, std::ios::trunc);
-    KMAMBA_REQUIRE(file_.good(), "kmamba-train: cannot write '" << path_ << "'");
+    file_ = std::make_unique<kmamba::AppendFile>(path_, true, "kmamba-train");
   }
 
+  // A record that cannot be written (disk full) is an error, never a silently shorter log.
   void append(const json& record) {
-    if (writes_) {
-      file_ << record.dump() << '\n';
-      file_.flush();
-    }
+    if (writes_) file_->append(record.dump() + '\n');
     const double step = static_cast<double>(record.at("step").get<std::int64_t>());
     if (record.at("type") == "train") {
       const double loss = record.at("loss").get<double>();
@@ -467,8 +459,18 @@ class Metrics {
   const std::string& path() const { return path_; }
   const std::string& plot_path() const { return plot_path_; }
 
+  // The loss curve is cosmetic: failing to write it is a warning, and the run goes on.
   void plot() const {
     if (!writes_) return;
+    try {
+      write_plot();
+    } catch (const kmamba::Error& e) {
+      std::fprintf(stderr, "kmamba-train: warning: the loss curve was not written: %s\n", e.what());
+    }
+  }
+
+ private:
+  void write_plot() const {
     using kmamba::app::Rgb;
     using kmamba::app::Series;
     const Rgb light{174, 199, 232}, blue{31, 119, 180}, orange{255, 127, 14};
@@ -486,11 +488,10 @@ class Metrics {
     kmamba::app::write_png(plot_path_, kmamba::app::plot(panels, "step", 900, 640));
   }
 
- private:
   std::string path_, plot_path_;
   bool recall_;
   bool writes_;
-  std::ofstream file_;
+  std::unique_ptr<kmamba::AppendFile> file_;
   double ema_ = 0.0, accuracy_ema_ = 0.0;
   std::vector<double> train_steps_, train_loss_, train_ema_, train_accuracy_, eval_steps_, eval_loss_, eval_accuracy_;
 };
@@ -527,9 +528,7 @@ void write_run_json(const Run& r) {
   j["data"] = r.data_path;
   j["model"] = r.model_dir;
   j["out"] = r.out;
-  std::ofstream out(r.out + "/run.json", std::ios::trunc);
-  out << j.dump(2) << '\n';
-  KMAMBA_REQUIRE(out.good(), "kmamba-train: cannot write '" << r.out << "/run.json'");
+  kmamba::write_output_file(r.out + "/run.json", j.dump(2) + '\n', "kmamba-train");
 }
 
 double accuracy_of(const kmamba::LossResult& r) {
@@ -607,6 +606,9 @@ int train(Run& r) {
                  "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
   const bool root = true, split = false;
 #endif
+  // One run per directory: a second kmamba-train on it stops here, naming this one's process id.
+  std::unique_ptr<kmamba::DirectoryLock> lock;
+  if (root) lock = std::make_unique<kmamba::DirectoryLock>(r.out, "kmamba-train");
   auto make_model = [&]() {
     if (!r.resume && !r.model_dir.empty()) return kmamba::LanguageModel<Exec>::load(r.model_dir);
     kmamba::LanguageModel<Exec> model(model_config);
@@ -628,7 +630,6 @@ int train(Run& r) {
   if (mesh) trainer.enable_data_parallel(*mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
   errors_are_collective = mesh == nullptr;  // from here on an error may strike one rank only
 #endif
-  if (root) std::filesystem::create_directories(r.out);
   Metrics metrics(r.out, recall, root);
   if (r.resume) {
     trainer.resume(checkpoint);
@@ -672,11 +673,13 @@ int train(Run& r) {
                     {"tokens", last_eval.tokens}});
     console.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%",
                         static_cast<long long>(trainer.steps_taken()), last_eval.loss, 100.0 * accuracy_of(last_eval)));
-    metrics.plot();
   };
 
   install_stop_handler();
-  if (!r.resume) evaluate();
+  if (!r.resume) {
+    evaluate();
+    metrics.plot();
+  }
   const auto started = std::chrono::steady_clock::now();
   double train_seconds = 0.0;  // in step(), without evaluations and checkpoints
   std::int64_t session_tokens = 0, session_steps = 0;
@@ -722,14 +725,18 @@ int train(Run& r) {
           rate(tokens_per_second) + " tok/s | ETA " + duration(eta));
     }
     if (s.step == total) break;
-    if (r.train.eval_interval > 0 && s.step % r.train.eval_interval == 0) evaluate();
+    // The checkpoint before the plot, which may fail without losing the run.
+    const bool evaluated = r.train.eval_interval > 0 && s.step % r.train.eval_interval == 0;
+    if (evaluated) evaluate();
     if (r.train.checkpoint_interval > 0 && s.step % r.train.checkpoint_interval == 0)
       trainer.save_checkpoint(checkpoint);
+    if (evaluated) metrics.plot();
   }
   console.finish();
   const bool interrupted = trainer.steps_taken() < total;
   if (!interrupted) evaluate();
   trainer.save_checkpoint(checkpoint);
+  metrics.plot();
   if (interrupted) {
     std::printf(
         "kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: kmamba-train --resume "

@@ -1,12 +1,10 @@
 #include "Png.hpp"
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 
 namespace kmamba {
 namespace app {
@@ -189,16 +187,7 @@ std::vector<std::uint8_t> encode_png(const Image& image) {
 
 void write_png(const std::string& path, const Image& image) {
   const std::vector<std::uint8_t> png = encode_png(image);
-  const std::string temporary = path + ".tmp";
-  std::FILE* f = std::fopen(temporary.c_str(), "wb");
-  KMAMBA_REQUIRE(f != nullptr, "kmamba: cannot create '" << temporary << "': " << std::strerror(errno));
-  bool ok = std::fwrite(png.data(), 1, png.size(), f) == png.size();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("kmamba: writing '" << path << "' failed: " << std::strerror(err));
-  }
+  write_output_file(path, png.data(), png.size(), "kmamba::app::write_png");
 }
 
 }  // namespace app

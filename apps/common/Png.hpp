@@ -45,8 +45,8 @@ std::uint32_t adler32(const std::uint8_t* data, std::size_t size);
 std::vector<std::uint8_t> zlib_compress(const std::vector<std::uint8_t>& data, std::size_t row_bytes);
 /// The PNG file of `image`.
 std::vector<std::uint8_t> encode_png(const Image& image);
-/// Writes encode_png(image) to `path` through a temporary file and a rename; throws
-/// kmamba::UserError if it cannot.
+/// Writes encode_png(image) to `path` through kmamba::write_output_file (atomically for a regular
+/// file); throws kmamba::UserError if it cannot.
 void write_png(const std::string& path, const Image& image);
 
 }  // namespace app
