@@ -203,4 +203,28 @@ TEST(SafeTensors, RefusesAFifoInsteadOfHanging) {
   std::remove(p.c_str());
 }
 
+TEST(SafeTensors, WriterFollowsSymlinksAndNeverReplacesADevice) {
+  // kmamba-eval --output: a symbolic link became a regular file, and as root /dev/full was
+  // replaced by a regular file (exit 0).
+  kmamba::SafeTensorsWriter w;
+  w.add_f32("w", {2}, {1.0f, 2.0f});
+  const std::string target = scratch("link_target.safetensors"), link = scratch("link.safetensors");
+  std::remove(target.c_str());
+  std::remove(link.c_str());
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  w.write(link);
+  struct stat st;
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode)) << "the symbolic link was replaced";
+  EXPECT_EQ(kmamba::SafeTensorsReader(target).read_f32("w"), (std::vector<float>{1.0f, 2.0f}));
+  try {
+    w.write("/dev/full");
+    FAIL() << "writing /dev/full succeeded";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(::stat("/dev/full", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/full is no longer a device";
+}
+
 }  // namespace
