@@ -5,6 +5,7 @@
 // only world rank 0 prints and writes. Exit status: 0 done, 130 interrupted (SIGINT/SIGTERM) with
 // the checkpoint saved, 2 a bad option or input, 1 an internal error.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include "AppRuntime.hpp"
@@ -102,15 +103,12 @@ class Metrics {
 
   void start() {
     if (!writes_) return;
-    file_.open(path_, std::ios::trunc);
-    KMAMBA_REQUIRE(file_.good(), "kmamba-train: cannot write '" << path_ << "'");
+    file_ = std::make_unique<kmamba::AppendFile>(path_, true, "kmamba-train");
   }
 
+  // A record that cannot be written (disk full) is an error, never a silently shorter log.
   void append(const json& record) {
-    if (writes_) {
-      file_ << record.dump() << '\n';
-      file_.flush();
-    }
+    if (writes_) file_->append(record.dump() + '\n');
     const double step = static_cast<double>(record.at("step").get<std::int64_t>());
     if (record.at("type") == "train") {
       const double loss = record.at("loss").get<double>();
@@ -131,8 +129,18 @@ class Metrics {
   const std::string& path() const { return path_; }
   const std::string& plot_path() const { return plot_path_; }
 
+  // The loss curve is cosmetic: failing to write it is a warning, and the run goes on.
   void plot() const {
     if (!writes_) return;
+    try {
+      write_plot();
+    } catch (const kmamba::Error& e) {
+      std::fprintf(stderr, "kmamba-train: warning: the loss curve was not written: %s\n", e.what());
+    }
+  }
+
+ private:
+  void write_plot() const {
     using kmamba::app::Rgb;
     using kmamba::app::Series;
     const Rgb light{174, 199, 232}, blue{31, 119, 180}, orange{255, 127, 14};
@@ -150,11 +158,10 @@ class Metrics {
     kmamba::app::write_png(plot_path_, kmamba::app::plot(panels, "step", 900, 640));
   }
 
- private:
   std::string path_, plot_path_;
   bool recall_;
   bool writes_;
-  std::ofstream file_;
+  std::unique_ptr<kmamba::AppendFile> file_;
   double ema_ = 0.0, accuracy_ema_ = 0.0;
   std::vector<double> train_steps_, train_loss_, train_ema_, train_accuracy_, eval_steps_, eval_loss_, eval_accuracy_;
 };
@@ -338,7 +345,10 @@ class TrainingLoop {
   /// Steps until the run's total or a stop signal; returns true when interrupted.
   bool run() {
     kmamba::app::install_stop_handler("kmamba-train");
-    if (!r_.resume) evaluate();
+    if (!r_.resume) {
+      evaluate();
+      metrics_.plot();
+    }
     started_ = std::chrono::steady_clock::now();
     const std::int64_t total = r_.train.total_steps;
     while (trainer_.steps_taken() < total && !stop()) {
@@ -353,15 +363,19 @@ class TrainingLoop {
       }
       record_step(s);
       if (s.step == total) break;
-      if (r_.train.eval_interval > 0 && s.step % r_.train.eval_interval == 0) evaluate();
+      // The checkpoint before the plot, which may fail without losing the run.
+      const bool evaluated = r_.train.eval_interval > 0 && s.step % r_.train.eval_interval == 0;
+      if (evaluated) evaluate();
       if (r_.train.checkpoint_interval > 0 && s.step % r_.train.checkpoint_interval == 0) {
         trainer_.save_checkpoint(r_.checkpoint());
       }
+      if (evaluated) metrics_.plot();
     }
     console_.finish();
     const bool interrupted = trainer_.steps_taken() < total;
     if (!interrupted) evaluate();
     trainer_.save_checkpoint(r_.checkpoint());
+    metrics_.plot();
     return interrupted;
   }
 
@@ -411,7 +425,6 @@ class TrainingLoop {
     console_.line(format("eval  step %6lld | held-out loss %.4f | acc %5.1f%%",
                          static_cast<long long>(trainer_.steps_taken()), last_eval_.loss,
                          100.0 * accuracy_of(last_eval_)));
-    metrics_.plot();
   }
 
   void record_skipped(const kmamba::StepResult& s) {
@@ -461,11 +474,13 @@ int train(Run& r, const CLI::App& cli, kmamba::app::Runtime& runtime) {
   std::shared_ptr<const kmamba::Dataset> data = make_data(r);
   const kmamba::ModelConfig config = architecture(r);
   Parallel parallel = make_parallel<Exec>(r, config, runtime);
+  // One run per directory: a second kmamba-train on it stops here, naming this one's process id.
+  std::unique_ptr<kmamba::DirectoryLock> lock;
+  if (parallel.root) lock = std::make_unique<kmamba::DirectoryLock>(r.out, "kmamba-train");
   kmamba::Trainer<Exec> trainer = make_trainer<Exec>(r, config, data, parallel);
 #if KMAMBA_ENABLE_MPI
   if (parallel.mesh) runtime.errors_may_be_local();  // from here on an error may strike one rank only
 #endif
-  if (parallel.root) std::filesystem::create_directories(r.out);
   Metrics metrics(r.out, r.recall_task(), parallel.root);
   if (r.resume) {
     trainer.resume(r.checkpoint());

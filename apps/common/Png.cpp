@@ -1,12 +1,9 @@
 #include "Png.hpp"
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
 
 #include <png.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 
 namespace kmamba {
 namespace app {
@@ -39,25 +36,27 @@ Rgb Image::get(int x, int y) const {
   return Rgb{pixels_[i], pixels_[i + 1], pixels_[i + 2]};
 }
 
-void write_png(const std::string& path, const Image& image) {
+std::vector<std::uint8_t> encode_png(const Image& image) {
   png_image png{};
   png.version = PNG_IMAGE_VERSION;
   png.width = static_cast<png_uint_32>(image.width());
   png.height = static_cast<png_uint_32>(image.height());
   png.format = PNG_FORMAT_RGB;
-  const std::string temporary = path + ".tmp";
-  const bool written = png_image_write_to_file(&png, temporary.c_str(), 0, image.pixels().data(), 0, nullptr) != 0;
-  const std::string libpng_message = png.message;  // libpng's reason when `written` is false
+  // libpng's bound on the encoded size of an image of this size and format.
+  png_alloc_size_t size = PNG_IMAGE_PNG_SIZE_MAX(png);
+  std::vector<std::uint8_t> encoded(size);
+  const bool ok = png_image_write_to_memory(&png, encoded.data(), &size, 0, image.pixels().data(), 0, nullptr) != 0;
+  const std::string libpng_message = png.message;  // libpng's reason when `ok` is false
   png_image_free(&png);
-  if (!written) {
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("kmamba: cannot write the PNG file '" << temporary << "': " << libpng_message);
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("kmamba: cannot rename '" << temporary << "' to '" << path << "': " << std::strerror(err));
-  }
+  KMAMBA_REQUIRE(ok, "kmamba::app::encode_png: libpng failed on a " << image.width() << " x " << image.height()
+                                                                    << " image: " << libpng_message);
+  encoded.resize(size);
+  return encoded;
+}
+
+void write_png(const std::string& path, const Image& image) {
+  const std::vector<std::uint8_t> png = encode_png(image);
+  write_output_file(path, png.data(), png.size(), "kmamba::app::write_png");
 }
 
 }  // namespace app

@@ -34,8 +34,10 @@ class Image {
   std::vector<std::uint8_t> pixels_;
 };
 
-/// Writes `image` as a PNG file to `path` through a temporary file and a rename (a reader never
-/// sees half a file); throws kmamba::UserError naming the path if it cannot.
+/// The PNG file of `image` (8-bit RGB, encoded by libpng).
+std::vector<std::uint8_t> encode_png(const Image& image);
+/// Writes encode_png(image) to `path` through kmamba::write_output_file (atomically for a regular
+/// file); throws kmamba::UserError naming the path if it cannot.
 void write_png(const std::string& path, const Image& image);
 
 }  // namespace app

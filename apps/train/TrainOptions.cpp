@@ -3,6 +3,9 @@
 #include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
 
+#include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -135,14 +138,8 @@ std::string long_name(const CLI::Option& o) { return o.get_lnames().empty() ? o.
 // Gives the options of the JSON object in `path` that no earlier source set (keys with '-' or
 // '_'), checked as on the command line; keys in `disallowed` are errors. Returns the names set.
 std::set<std::string> apply_json_options(CLI::App& cli, const std::string& path, const std::set<std::string>& disallowed) {
-  std::ifstream in(path);
-  KMAMBA_REQUIRE(in.good(), "kmamba-train: cannot open the options file '" << path << "'");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba-train: '" << path << "' is not valid JSON: " << e.what());
-  }
+  const json j = kmamba::parse_json(kmamba::read_input_file(path, 16u << 20, "kmamba-train: the options file"),
+                                   "kmamba-train: '" + path + "'");
   KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
   std::set<std::string> set;
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -362,9 +359,7 @@ void write_run_json(const CLI::App& cli, const Run& run) {
     j[json_key(name)] = o->as<std::string>();
   }
   j["out"] = run.out;
-  std::ofstream out(run.out + "/run.json", std::ios::trunc);
-  out << j.dump(2) << '\n';
-  KMAMBA_REQUIRE(out.good(), "kmamba-train: cannot write '" << run.out << "/run.json'");
+  kmamba::write_output_file(run.out + "/run.json", j.dump(2) + '\n', "kmamba-train");
 }
 
 }  // namespace app

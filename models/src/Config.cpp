@@ -1,23 +1,19 @@
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/models/Config.hpp>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <limits>
-#include <sstream>
-
-#include <unistd.h>
 
 namespace kmamba {
 namespace {
 
 using json = nlohmann::json;
+
+// A config.json is a few kB; a file beyond this is not one.
+constexpr std::uint64_t max_config_bytes = 16u << 20;
 
 // Typed access to optional fields, with errors that name the file and the field.
 class Fields {
@@ -26,13 +22,19 @@ class Fields {
 
   bool has(const char* key) const { return object_.contains(key) && !object_[key].is_null(); }
 
+  // A field without a default: the architecture's sizes, which no default can guess.
+  int required_integer(const char* key) const {
+    KMAMBA_REQUIRE(has(key), where(key) << " is missing (it sets the model's size and has no default)");
+    return integer(key, 0);
+  }
+
   int integer(const char* key, int fallback) const {
     if (!has(key)) return fallback;
     const json& v = object_[key];
     KMAMBA_REQUIRE(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
-                   where(key) << " is " << v.dump() << ", expected an integer");
+                   where(key) << " is " << quote_json(v) << ", expected an integer");
     const double d = v.get<double>();
-    KMAMBA_REQUIRE(std::fabs(d) < 2147483647.0, where(key) << " is " << v.dump() << ", out of range");
+    KMAMBA_REQUIRE(std::fabs(d) < 2147483647.0, where(key) << " is " << quote_json(v) << ", out of range");
     return static_cast<int>(d);
   }
 
@@ -43,13 +45,13 @@ class Fields {
 
   bool boolean(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
-    KMAMBA_REQUIRE(object_[key].is_boolean(), where(key) << " is " << object_[key].dump() << ", expected true or false");
+    KMAMBA_REQUIRE(object_[key].is_boolean(), where(key) << " is " << quote_json(object_[key]) << ", expected true or false");
     return object_[key].get<bool>();
   }
 
   std::string string(const char* key, const std::string& fallback) const {
     if (!has(key)) return fallback;
-    KMAMBA_REQUIRE(object_[key].is_string(), where(key) << " is " << object_[key].dump() << ", expected a string");
+    KMAMBA_REQUIRE(object_[key].is_string(), where(key) << " is " << quote_json(object_[key]) << ", expected a string");
     return object_[key].get<std::string>();
   }
 
@@ -57,7 +59,7 @@ class Fields {
   void pair(const char* key, double& lo, double& hi) const {
     if (!has(key)) return;
     const json& v = object_[key];
-    KMAMBA_REQUIRE(v.is_array() && v.size() == 2, where(key) << " is " << v.dump() << ", expected [min, max]");
+    KMAMBA_REQUIRE(v.is_array() && v.size() == 2, where(key) << " is " << quote_json(v) << ", expected [min, max]");
     lo = as_number(v[0], key);
     hi = as_number(v[1], key);
   }
@@ -73,7 +75,7 @@ class Fields {
     if (v.is_object() && v.contains("__float__") && v["__float__"].is_string()) text = v["__float__"].get<std::string>();
     if (text == "Infinity" || text == "inf" || text == "+inf") return std::numeric_limits<double>::infinity();
     if (text == "-Infinity" || text == "-inf") return -std::numeric_limits<double>::infinity();
-    KMAMBA_USER_ERROR(where(key) << " is " << v.dump() << ", expected a number");
+    KMAMBA_USER_ERROR(where(key) << " is " << quote_json(v) << ", expected a number");
   }
 
   const json& object_;
@@ -84,7 +86,7 @@ int dt_rank_field(const Fields& f, const char* key) {
   if (!f.has(key)) return 0;
   const json& v = f.raw(key);
   if (v.is_string()) {
-    KMAMBA_REQUIRE(v.get<std::string>() == "auto", f.where(key) << " is " << v.dump() << ", expected an integer or \"auto\"");
+    KMAMBA_REQUIRE(v.get<std::string>() == "auto", f.where(key) << " is " << quote_json(v) << ", expected an integer or \"auto\"");
     return 0;
   }
   return f.integer(key, 0);
@@ -96,11 +98,12 @@ json infinity_aware(double value) {
 }
 
 void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
-  // Defaults are those of transformers' MambaConfig / Mamba2Config (save_pretrained may omit them).
+  // Defaults are those of transformers' MambaConfig / Mamba2Config (save_pretrained may omit them);
+  // save_pretrained always writes the sizes, so a file without them is not one of its files.
   c.mixer = mamba2 ? MixerKind::Mamba2 : MixerKind::Mamba1;
-  c.d_model = f.integer("hidden_size", mamba2 ? 4096 : 768);
-  c.n_layer = f.integer("num_hidden_layers", mamba2 ? 64 : 32);
-  c.vocab_size = f.integer("vocab_size", mamba2 ? 32768 : 50280);
+  c.d_model = f.required_integer("hidden_size");
+  c.n_layer = f.required_integer("num_hidden_layers");
+  c.vocab_size = f.required_integer("vocab_size");
   c.pad_vocab_size_multiple = 1;
   // kmamba writes the real vocabulary beside the padded one transformers needs (the embedding rows).
   if (f.has("unpadded_vocab_size")) {
@@ -152,9 +155,9 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
 }
 
 void read_mamba_ssm(const Fields& f, ModelConfig& c, const std::string& source) {
-  c.d_model = f.integer("d_model", 2560);
-  c.n_layer = f.integer("n_layer", 64);
-  c.vocab_size = f.integer("vocab_size", 50277);
+  c.d_model = f.required_integer("d_model");
+  c.n_layer = f.required_integer("n_layer");
+  c.vocab_size = f.required_integer("vocab_size");
   c.pad_vocab_size_multiple = f.integer("pad_vocab_size_multiple", 8);
   c.tie_embeddings = f.boolean("tie_embeddings", true);
   c.rms_norm = f.boolean("rms_norm", true);
@@ -288,12 +291,7 @@ void ModelConfig::validate() const {
 }
 
 ModelConfig ModelConfig::from_json(const std::string& json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("config '" << source << "' is not valid JSON: " << e.what());
-  }
+  const json root = parse_json(json_text, "config '" + source + "'");
   KMAMBA_REQUIRE(root.is_object(), "config '" << source << "' is not a JSON object");
   const Fields f(root, source);
   ModelConfig c;
@@ -319,11 +317,7 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
 }
 
 ModelConfig ModelConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  KMAMBA_REQUIRE(in.good(), "config: cannot open '" << path << "': " << std::strerror(errno));
-  std::stringstream text;
-  text << in.rdbuf();
-  return from_json(text.str(), path);
+  return from_json(read_input_file(path, max_config_bytes, "config"), path);
 }
 
 std::string ModelConfig::to_hf_json() const {
@@ -391,18 +385,7 @@ std::string ModelConfig::to_hf_json() const {
 }
 
 void ModelConfig::save(const std::string& path) const {
-  const std::string text = to_hf_json();
-  const std::string temporary = path + ".tmp";
-  std::FILE* f = std::fopen(temporary.c_str(), "wb");
-  KMAMBA_REQUIRE(f != nullptr, "config: cannot create '" << temporary << "': " << std::strerror(errno));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = (std::fflush(f) == 0) && ok;
-  ok = (::fsync(::fileno(f)) == 0) && ok;  // on disk before the rename publishes it
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("config: writing '" << path << "' failed: " << std::strerror(errno));
-  }
+  write_output_file(path, to_hf_json(), "kmamba::ModelConfig::save");
 }
 
 }  // namespace kmamba

@@ -1,16 +1,11 @@
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/models/Data.hpp>
 #include <kmamba/models/TokenFile.hpp>
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -101,27 +96,16 @@ std::string hex64(std::uint64_t x) {
   return text;
 }
 
-std::vector<unsigned char> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KMAMBA_REQUIRE(in.good(), "kmamba::TokenDataset: cannot open '" << path << "': " << std::strerror(errno));
-  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  KMAMBA_REQUIRE(!in.bad(), "kmamba::TokenDataset: reading '" << path << "' failed");
-  return bytes;
+// The file's bytes; a FIFO or a device is refused rather than read forever.
+std::string read_file(const std::string& path) {
+  return read_input_file(path, std::numeric_limits<std::uint64_t>::max(), "kmamba::TokenDataset");
 }
 
-void write_atomically(const std::string& path, const std::vector<unsigned char>& bytes) {
-  const std::string temporary = path + ".tmp";
-  std::FILE* f = std::fopen(temporary.c_str(), "wb");
-  KMAMBA_REQUIRE(f != nullptr, "kmamba::TokenDataset: cannot create '" << temporary << "': " << std::strerror(errno));
-  bool ok = bytes.empty() || std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  ok = (std::fflush(f) == 0) && ok;
-  ok = (::fsync(::fileno(f)) == 0) && ok;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("kmamba::TokenDataset: writing '" << path << "' failed: " << std::strerror(err));
-  }
+const unsigned char* bytes_of(const std::string& text) { return reinterpret_cast<const unsigned char*>(text.data()); }
+
+// One token per byte of a text file.
+std::vector<std::uint32_t> byte_tokens(const std::string& text) {
+  return std::vector<std::uint32_t>(bytes_of(text), bytes_of(text) + text.size());
 }
 
 }  // namespace
@@ -238,31 +222,32 @@ TokenDataset::TokenDataset(std::vector<std::uint32_t> tokens, int vocab_size, co
 }
 
 TokenDataset TokenDataset::from_file(const std::string& path, const TokenDatasetConfig& config) {
-  std::vector<unsigned char> bytes = read_file(path);
-  if (has_token_magic(bytes.data(), bytes.size())) {
+  const std::string bytes = read_file(path);
+  if (has_token_magic(bytes_of(bytes), bytes.size())) {
     int vocab = 0;
-    std::vector<std::uint32_t> tokens = parse_token_file(bytes.data(), bytes.size(), path, vocab);
+    std::vector<std::uint32_t> tokens = parse_token_file(bytes_of(bytes), bytes.size(), path, vocab);
     return TokenDataset(std::move(tokens), vocab, config, "token file '" + path + "'");
   }
   KMAMBA_REQUIRE(!bytes.empty(), "kmamba::TokenDataset: '" << path << "' is empty");
-  return TokenDataset(std::vector<std::uint32_t>(bytes.begin(), bytes.end()), 256, config, "text file '" + path + "'");
+  return TokenDataset(byte_tokens(bytes), 256, config, "text file '" + path + "'");
 }
 
 TokenDataset TokenDataset::from_text(const std::string& path, const TokenDatasetConfig& config) {
-  const std::vector<unsigned char> bytes = read_file(path);
+  const std::string bytes = read_file(path);
   KMAMBA_REQUIRE(!bytes.empty(), "kmamba::TokenDataset: '" << path << "' is empty");
-  return TokenDataset(std::vector<std::uint32_t>(bytes.begin(), bytes.end()), 256, config, "text file '" + path + "'");
+  return TokenDataset(byte_tokens(bytes), 256, config, "text file '" + path + "'");
 }
 
 TokenDataset TokenDataset::from_token_file(const std::string& path, const TokenDatasetConfig& config) {
   int vocab = 0;
-  const std::vector<unsigned char> bytes = read_file(path);
-  std::vector<std::uint32_t> tokens = parse_token_file(bytes.data(), bytes.size(), path, vocab);
+  const std::string bytes = read_file(path);
+  std::vector<std::uint32_t> tokens = parse_token_file(bytes_of(bytes), bytes.size(), path, vocab);
   return TokenDataset(std::move(tokens), vocab, config, "token file '" + path + "'");
 }
 
 void TokenDataset::write_token_file(const std::string& path, const std::vector<std::uint32_t>& tokens, int vocab_size) {
-  write_atomically(path, encode_token_file(tokens, vocab_size));
+  const std::vector<unsigned char> bytes = encode_token_file(tokens, vocab_size);
+  write_output_file(path, bytes.data(), bytes.size(), "kmamba::TokenDataset::write_token_file");
 }
 
 std::int64_t TokenDataset::size(Split split) const {

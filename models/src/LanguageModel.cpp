@@ -20,6 +20,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -97,11 +98,16 @@ struct LanguageModel<ExecutionSpace>::State {
 
   State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p), backbone(c, p, "kmamba::lm") {
     config.validate();
+    declare_parameters(config, backbone, slab);
+    slab.finalize("kmamba::lm");
+  }
+
+  // The parameters' names and shapes, in declaration order; allocates nothing.
+  static void declare_parameters(const ModelConfig& config, const Backbone& backbone, Slab& slab) {
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
     slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
     backbone.declare_parameters(slab);
     if (!config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
-    slab.finalize("kmamba::lm");
   }
 
   ConstTensor2<float, Mem> head_weight() const {
@@ -520,24 +526,80 @@ void make_directories(const std::string& dir) {
 
 }  // namespace
 
+namespace {
+
+// The tensor of `file` that holds parameter `name`: mamba_ssm spells the embedding its own way.
+std::string stored_name(const SafeTensorsReader& file, const std::string& name) {
+  if (name == impl::embedding_name && !file.contains(name) && file.contains(impl::mamba_ssm_embedding_name)) {
+    return impl::mamba_ssm_embedding_name;
+  }
+  return name;
+}
+
+// Layers of the file: one more than the highest L of its "backbone.layers.L." tensors, and one
+// tensor of layer L (empty without layers).
+std::pair<long long, std::string> layers_in(const SafeTensorsReader& file) {
+  const std::string prefix = "backbone.layers.";
+  std::pair<long long, std::string> layers{0, ""};
+  for (const std::string& name : file.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::size_t end = name.find_first_not_of("0123456789", prefix.size());
+    const std::string digits = name.substr(prefix.size(), end - prefix.size());
+    if (digits.empty() || digits.size() > 9 || std::stoll(digits) + 1 <= layers.first) continue;
+    layers = {std::stoll(digits) + 1, name};
+  }
+  return layers;
+}
+
+// The sizes config.json states against the tensors of model.safetensors, before anything sized by
+// them is allocated: a num_hidden_layers of 20000 or a vocab_size of 2e9 beside a small checkpoint
+// is an error naming the field, not gigabytes of memory.
+void check_sizes_against_file(const ModelConfig& c, const SafeTensorsReader& file, const std::string& config_path) {
+  const char* function = "kmamba::LanguageModel::load";
+  const std::string embedding = stored_name(file, impl::embedding_name);
+  KMAMBA_REQUIRE(file.contains(embedding), function << ": '" << file.path() << "' has no tensor '"
+                                                    << impl::embedding_name << "' (the embedding)");
+  const std::vector<std::int64_t>& shape = file.info(embedding).shape;
+  KMAMBA_REQUIRE(shape.size() == 2 && shape[0] == c.padded_vocab_size(),
+                 function << ": '" << config_path << "' gives vocab_size " << c.vocab_size << " (" << c.padded_vocab_size()
+                          << " embedding rows), but the embedding '" << embedding << "' of '" << file.path()
+                          << "' has shape " << Shape(shape).to_string());
+  KMAMBA_REQUIRE(shape[1] == c.d_model, function << ": '" << config_path << "' gives hidden_size (d_model) " << c.d_model
+                                                 << ", but the embedding '" << embedding << "' of '" << file.path()
+                                                 << "' has shape " << Shape(shape).to_string());
+  const auto [layers, last] = layers_in(file);
+  KMAMBA_REQUIRE(layers == c.n_layer, function << ": '" << config_path << "' gives num_hidden_layers (n_layer) "
+                                               << c.n_layer << ", but '" << file.path() << "' holds " << layers
+                                               << " layers (the last tensor of the last layer: '" << last << "')");
+}
+
+}  // namespace
+
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::string& dir) {
   KMAMBA_REQUIRE(is_directory(dir), "kmamba::LanguageModel::load: '" << dir << "' is not a directory (expected a "
                                                                       "checkpoint directory with config.json and model.safetensors)");
-  LanguageModel model(ModelConfig::load(dir + "/config.json"));
+  const std::string config_path = dir + "/config.json";
+  const ModelConfig config = ModelConfig::load(config_path);
   const SafeTensorsReader file(dir + "/model.safetensors");
+  check_sizes_against_file(config, file, config_path);
+  {
+    // Every parameter's shape against the file's header, still before any allocation.
+    const typename State::Backbone backbone(config, ModelParallel(), "kmamba::lm");
+    Slab declared;
+    State::declare_parameters(config, backbone, declared);
+    for (const auto& entry : declared.entries()) {
+      KMAMBA_REQUIRE(file.contains(stored_name(file, entry.name)),
+                     "kmamba::LanguageModel::load: '" << file.path() << "' has no tensor '" << entry.name << "' (shape "
+                                                      << Shape(entry.shape).to_string() << ") required by config.json");
+      file.check_shape(stored_name(file, entry.name), entry.shape);
+    }
+  }
+  LanguageModel model(config);
   State& s = *model.state_;
   std::set<std::string> used;
   for (const auto& entry : s.slab.entries()) {
-    std::string stored = entry.name;
-    if (entry.name == impl::embedding_name && !file.contains(stored) && file.contains(impl::mamba_ssm_embedding_name)) {
-      stored = impl::mamba_ssm_embedding_name;
-    }
-    KMAMBA_REQUIRE(file.contains(stored), "kmamba::LanguageModel::load: '" << file.path() << "' has no tensor '"
-                                                                            << entry.name << "' (shape "
-                                                                            << Shape(entry.shape).to_string()
-                                                                            << ") required by config.json");
-    file.check_shape(stored, entry.shape);
+    const std::string stored = stored_name(file, entry.name);
     const std::vector<float> values = file.read_f32(stored);
     const Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(values.data(),
                                                                                                       values.size());

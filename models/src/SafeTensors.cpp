@@ -1,18 +1,14 @@
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/models/SafeTensors.hpp>
-
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <limits>
-#include <set>
 #include <sstream>
-
-#include <unistd.h>
 
 namespace kmamba {
 namespace {
@@ -71,7 +67,67 @@ double json_number(const nlohmann::json& v, const std::string& where) {
     if (text == "inf" || text == "Infinity" || text == "+inf") return std::numeric_limits<double>::infinity();
     if (text == "-inf" || text == "-Infinity") return -std::numeric_limits<double>::infinity();
   }
-  KMAMBA_USER_ERROR(where << " is " << v.dump() << ", not a number");
+  KMAMBA_USER_ERROR(where << " is " << quote_json(v) << ", not a number");
+}
+
+// The extents of `shape`; returns their product, refusing one whose bytes could not fit in
+// `data_size` (an empty tensor, with an extent 0, fits whatever its other extents).
+std::uint64_t parse_shape(const nlohmann::json& shape, const std::string& where, std::uint64_t data_size,
+                          std::vector<std::int64_t>& extents) {
+  KMAMBA_REQUIRE(shape.is_array(), where << ": shape is " << quote_json(shape) << ", not an array");
+  bool empty = false;
+  for (const nlohmann::json& d : shape) {
+    KMAMBA_REQUIRE(d.is_number_unsigned(), where << ": shape holds " << quote_json(d)
+                                                 << ", not a non-negative integer");
+    const std::uint64_t extent = d.get<std::uint64_t>();
+    KMAMBA_REQUIRE(extent <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
+                   where << ": shape " << quote_json(shape) << " has an extent beyond 2^63 - 1");
+    empty = empty || extent == 0;
+    extents.push_back(static_cast<std::int64_t>(extent));
+  }
+  if (empty) return 0;
+  std::uint64_t numel = 1;
+  for (const std::int64_t extent : extents) {
+    const auto e = static_cast<std::uint64_t>(extent);
+    KMAMBA_REQUIRE(numel <= data_size / e, where << ": shape " << quote_json(shape) << " is larger than the file ("
+                                                 << data_size << " bytes of tensor data)");
+    numel *= e;
+  }
+  return numel;
+}
+
+TensorInfo parse_tensor(const std::string& name, const nlohmann::json& value, const std::string& path,
+                        std::uint64_t data_size) {
+  const std::string where = "safetensors: '" + path + "', tensor '" + name + "'";
+  KMAMBA_REQUIRE(value.is_object() && value.contains("dtype") && value.contains("shape") &&
+                     value.contains("data_offsets"),
+                 where << ": needs dtype, shape and data_offsets");
+  TensorInfo info;
+  info.name = name;
+  KMAMBA_REQUIRE(value["dtype"].is_string(), where << ": dtype is " << quote_json(value["dtype"]) << ", not a string");
+  const std::string dtype = value["dtype"].get<std::string>();
+  bool known = false;
+  for (const auto& entry : dtype_table) {
+    if (dtype == entry.first) {
+      info.dtype = entry.second;
+      known = true;
+    }
+  }
+  KMAMBA_REQUIRE(known, where << ": unsupported dtype '" << dtype.substr(0, 32) << (dtype.size() > 32 ? "...'" : "'"));
+  const std::uint64_t numel = parse_shape(value["shape"], where, data_size, info.shape);
+  const nlohmann::json& offsets = value["data_offsets"];
+  KMAMBA_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
+                     offsets[1].is_number_unsigned(),
+                 where << ": data_offsets must be two non-negative integers, got " << quote_json(offsets));
+  info.begin = offsets[0].get<std::uint64_t>();
+  info.end = offsets[1].get<std::uint64_t>();
+  KMAMBA_REQUIRE(info.begin <= info.end && info.end <= data_size,
+                 where << ": data_offsets [" << info.begin << ", " << info.end << "] lie outside the " << data_size
+                       << "-byte data section");
+  KMAMBA_REQUIRE(info.end - info.begin == numel * dtype_size(info.dtype),
+                 where << ": " << info.end - info.begin << " bytes for " << dtype << " " << shape_string(info.shape)
+                       << ", which needs " << numel * dtype_size(info.dtype));
+  return info;
 }
 
 }  // namespace
@@ -108,6 +164,7 @@ std::int64_t TensorInfo::numel() const {
 }
 
 SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
+  require_regular_file(path, "safetensors");  // a FIFO would block the open below forever
   std::ifstream in(path, std::ios::binary);
   KMAMBA_REQUIRE(in.good(), "safetensors: cannot open '" << path << "': " << std::strerror(errno));
   in.seekg(0, std::ios::end);
@@ -130,23 +187,8 @@ SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
   data_start_ = 8 + header_length;
   const std::uint64_t data_size = file_size - data_start_;
 
-  // Duplicate keys would silently overwrite each other in the parsed object: count them while parsing.
-  std::set<std::string> top_keys;
-  std::string duplicate;
-  const auto track_duplicates = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    if (event == nlohmann::json::parse_event_t::key && depth == 1) {
-      const std::string key = parsed.get<std::string>();
-      if (!top_keys.insert(key).second && duplicate.empty()) duplicate = key;
-    }
-    return true;
-  };
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(header, track_duplicates);
-  } catch (const nlohmann::json::exception& e) {
-    KMAMBA_USER_ERROR("safetensors: the header of '" << path << "' is not valid JSON: " << e.what());
-  }
-  KMAMBA_REQUIRE(duplicate.empty(), "safetensors: '" << path << "' names tensor '" << duplicate << "' twice");
+  // Duplicate tensor names would silently overwrite each other: parse_json refuses them.
+  const nlohmann::json json = parse_json(header, "safetensors: the header of '" + path + "'");
   KMAMBA_REQUIRE(json.is_object(), "safetensors: the header of '" << path << "' is not a JSON object");
 
   for (auto it = json.begin(); it != json.end(); ++it) {
@@ -161,47 +203,7 @@ SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
       }
       continue;
     }
-    const std::string where = "safetensors: '" + path + "', tensor '" + name + "'";
-    KMAMBA_REQUIRE(value.is_object() && value.contains("dtype") && value.contains("shape") &&
-                       value.contains("data_offsets"),
-                   where << ": needs dtype, shape and data_offsets");
-    TensorInfo info;
-    info.name = name;
-    KMAMBA_REQUIRE(value["dtype"].is_string(), where << ": dtype is not a string");
-    const std::string dtype = value["dtype"].get<std::string>();
-    bool known = false;
-    for (const auto& entry : dtype_table) {
-      if (dtype == entry.first) {
-        info.dtype = entry.second;
-        known = true;
-      }
-    }
-    KMAMBA_REQUIRE(known, where << ": unsupported dtype '" << dtype << "'");
-    KMAMBA_REQUIRE(value["shape"].is_array(), where << ": shape is not an array");
-    std::uint64_t numel = 1;
-    for (const nlohmann::json& d : value["shape"]) {
-      KMAMBA_REQUIRE(d.is_number_unsigned(), where << ": shape holds '" << d.dump() << "', not a non-negative integer");
-      const std::uint64_t extent = d.get<std::uint64_t>();
-      KMAMBA_REQUIRE(extent <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
-                     where << ": shape " << value["shape"].dump() << " has an extent beyond 2^63 - 1");
-      KMAMBA_REQUIRE(extent == 0 || numel <= data_size / extent, where << ": shape " << value["shape"].dump()
-                                                                       << " is larger than the file");
-      numel *= extent;
-      info.shape.push_back(static_cast<std::int64_t>(extent));
-    }
-    const nlohmann::json& offsets = value["data_offsets"];
-    KMAMBA_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
-                       offsets[1].is_number_unsigned(),
-                   where << ": data_offsets must be two non-negative integers, got " << offsets.dump());
-    info.begin = offsets[0].get<std::uint64_t>();
-    info.end = offsets[1].get<std::uint64_t>();
-    KMAMBA_REQUIRE(info.begin <= info.end && info.end <= data_size,
-                   where << ": data_offsets [" << info.begin << ", " << info.end << "] lie outside the "
-                         << data_size << "-byte data section");
-    KMAMBA_REQUIRE(info.end - info.begin == numel * dtype_size(info.dtype),
-                   where << ": " << info.end - info.begin << " bytes for " << dtype << " " << shape_string(info.shape)
-                         << ", which needs " << numel * dtype_size(info.dtype));
-    tensors_.emplace(name, std::move(info));
+    tensors_.emplace(name, parse_tensor(name, value, path, data_size));
   }
 
   std::vector<const TensorInfo*> by_offset;
@@ -249,13 +251,9 @@ namespace {
 nlohmann::json parsed_config(const std::map<std::string, std::string>& metadata, const std::string& path) {
   const auto it = metadata.find("config");
   if (it == metadata.end()) return nullptr;
-  try {
-    nlohmann::json config = nlohmann::json::parse(it->second);
-    KMAMBA_REQUIRE(config.is_object(), "safetensors: '" << path << "': metadata 'config' is not a JSON object");
-    return config;
-  } catch (const nlohmann::json::exception& e) {
-    KMAMBA_USER_ERROR("safetensors: '" << path << "': metadata 'config' is not valid JSON: " << e.what());
-  }
+  nlohmann::json config = parse_json(it->second, "safetensors: '" + path + "': metadata 'config'");
+  KMAMBA_REQUIRE(config.is_object(), "safetensors: '" << path << "': metadata 'config' is not a JSON object");
+  return config;
 }
 }  // namespace
 
@@ -263,7 +261,7 @@ bool SafeTensorsReader::config_bool(const std::string& key, bool fallback) const
   const nlohmann::json config = parsed_config(metadata_, path_);
   if (config.is_null() || !config.contains(key)) return fallback;
   KMAMBA_REQUIRE(config[key].is_boolean(), "safetensors: '" << path_ << "': config '" << key << "' is "
-                                                            << config[key].dump() << ", not true or false");
+                                                            << quote_json(config[key]) << ", not true or false");
   return config[key].get<bool>();
 }
 
@@ -278,7 +276,7 @@ std::vector<double> SafeTensorsReader::config_numbers(const std::string& key,
   const nlohmann::json config = parsed_config(metadata_, path_);
   if (config.is_null() || !config.contains(key)) return fallback;
   const std::string where = "safetensors: '" + path_ + "': config '" + key + "'";
-  KMAMBA_REQUIRE(config[key].is_array(), where << " is " << config[key].dump() << ", not an array");
+  KMAMBA_REQUIRE(config[key].is_array(), where << " is " << quote_json(config[key]) << ", not an array");
   std::vector<double> out;
   for (const nlohmann::json& v : config[key]) out.push_back(json_number(v, where));
   return out;
@@ -384,32 +382,17 @@ void SafeTensorsWriter::write(const std::string& path) const {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // align the data section to 8 bytes
 
-  const std::string temporary = path + ".tmp";
-  {
-    std::FILE* f = std::fopen(temporary.c_str(), "wb");
-    KMAMBA_REQUIRE(f != nullptr, "safetensors: cannot create '" << temporary << "': " << std::strerror(errno));
-    unsigned char length_bytes[8];
-    std::uint64_t length = text.size();
-    for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>((length >> (8 * i)) & 0xffu);
-    bool ok = std::fwrite(length_bytes, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    for (const std::string& name : order_) {
-      const Pending& p = tensors_.at(name);
-      ok = ok && (p.bytes.empty() || std::fwrite(p.bytes.data(), 1, p.bytes.size(), f) == p.bytes.size());
-    }
-    ok = (std::fflush(f) == 0) && ok;
-    ok = (::fsync(::fileno(f)) == 0) && ok;  // the bytes are on disk before the rename publishes them
-    ok = (std::fclose(f) == 0) && ok;
-    if (!ok) {
-      std::remove(temporary.c_str());
-      KMAMBA_USER_ERROR("safetensors: writing '" << temporary << "' failed (disk full?); '" << path
-                                                 << "' was left unchanged");
-    }
+  unsigned char length_bytes[8];
+  const std::uint64_t length = text.size();
+  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>((length >> (8 * i)) & 0xffu);
+  OutputFile out(path, "safetensors");
+  out.write(length_bytes, 8);
+  out.write(text);
+  for (const std::string& name : order_) {
+    const Pending& p = tensors_.at(name);
+    out.write(p.bytes.data(), p.bytes.size());
   }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("safetensors: cannot rename '" << temporary << "' to '" << path << "': " << std::strerror(err));
-  }
+  out.commit();
 }
 
 }  // namespace kmamba

@@ -8,7 +8,9 @@
 
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/core/ForEachBackend.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
@@ -16,13 +18,10 @@
 
 #include <Kokkos_Core.hpp>
 
-#include <nlohmann/json.hpp>
-
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <set>
 #include <sstream>
 #include <sys/stat.h>
@@ -82,18 +81,6 @@ void make_directories(const std::string& dir) {
   }
 }
 
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string temporary = path + ".tmp";
-  std::FILE* f = std::fopen(temporary.c_str(), "wb");
-  KMAMBA_REQUIRE(f != nullptr, "kmamba::SequenceModel::save: cannot create '" << temporary << "': " << std::strerror(errno));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    KMAMBA_USER_ERROR("kmamba::SequenceModel::save: writing '" << path << "' failed: " << std::strerror(errno));
-  }
-}
-
 }  // namespace seq
 }  // namespace impl
 
@@ -116,13 +103,8 @@ std::string SequenceModelConfig::to_json() const {
 }
 
 SequenceModelConfig SequenceModelConfig::from_json(const std::string& json_text, const std::string& source) {
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba::SequenceModelConfig: '" << source << "' is not valid JSON: " << e.what());
-  }
-  KMAMBA_REQUIRE(root.is_object() && root.value("format", std::string()) == impl::seq::format,
+  const nlohmann::json root = parse_json(json_text, "kmamba::SequenceModelConfig: '" + source + "'");
+  KMAMBA_REQUIRE(root.is_object() && root.contains("format") && root["format"] == impl::seq::format,
                  "kmamba::SequenceModelConfig: '" << source << "' is not a kmamba sequence model config (expected "
                                                   << "\"format\": \"" << impl::seq::format << "\")");
   for (const char* key : {"input_size", "output_size"}) {
@@ -489,11 +471,7 @@ SequenceModel<ExecutionSpace> SequenceModel<ExecutionSpace>::load(const std::str
                                                         << "' is not a directory (expected a checkpoint directory "
                                                            "with config.json and model.safetensors)");
   const std::string config_path = dir + "/config.json";
-  std::ifstream in(config_path);
-  KMAMBA_REQUIRE(in.good(), function << ": cannot read '" << config_path << "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  SequenceModel model(SequenceModelConfig::from_json(text.str(), config_path));
+  SequenceModel model(SequenceModelConfig::from_json(read_input_file(config_path, 16u << 20, function), config_path));
   const SafeTensorsReader file(dir + "/model.safetensors");
   State& s = *model.state_;
   std::set<std::string> used;
@@ -524,7 +502,7 @@ void SequenceModel<ExecutionSpace>::save(const std::string& dir) const {
   for (const auto& entry : s.slab.entries()) file.add(entry.name, DType::F32, entry.shape, host.data() + entry.offset);
   file.set_metadata("format", "pt");
   file.write(dir + "/model.safetensors");
-  impl::seq::write_text_atomically(dir + "/config.json", s.config.to_json());
+  write_output_file(dir + "/config.json", s.config.to_json(), "kmamba::SequenceModel::save");
 }
 
 #define KMAMBA_INSTANTIATE(Exec) \

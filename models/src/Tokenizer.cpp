@@ -1,11 +1,11 @@
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/models/Tokenizer.hpp>
-
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <array>
-#include <fstream>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <queue>
@@ -271,11 +271,7 @@ class JsonSource {
   }
 
   // The JSON text of `v`, shortened for messages.
-  static std::string brief(const json& v) {
-    std::string text = v.dump();
-    if (text.size() > 60) text = text.substr(0, 57) + "...";
-    return text;
-  }
+  static std::string brief(const json& v) { return quote_json(v); }
 
  private:
   std::string prefix_;
@@ -546,23 +542,13 @@ std::pair<std::string, std::string> merge_pair(const JsonSource& src, const json
 BpeTokenizer::BpeTokenizer(std::shared_ptr<const State> state) : state_(std::move(state)) {}
 
 BpeTokenizer BpeTokenizer::from_file(const std::string& path, const std::string& eos_token) {
-  std::ifstream in(path, std::ios::binary);
-  KMAMBA_REQUIRE(in.good(), "kmamba::BpeTokenizer: cannot open " << in_quotes(path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  KMAMBA_REQUIRE(!in.bad(), "kmamba::BpeTokenizer: reading " << in_quotes(path) << " failed");
-  return from_json(text.str(), path, eos_token);
+  return from_json(read_input_file(path, JsonLimits().max_bytes, "kmamba::BpeTokenizer"), path, eos_token);
 }
 
 BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::string& source,
                                      const std::string& eos_token) {
   const JsonSource src(source);
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR(src.prefix() << "not valid JSON (" << e.what() << ")");
-  }
+  const json root = parse_json(json_text, "tokenizer.json " + in_quotes(source));
   KMAMBA_REQUIRE(root.is_object(), src.prefix() << "the top level is not a JSON object");
   auto state = std::make_shared<State>();
   state->source = source;
@@ -733,7 +719,8 @@ bool BpeTokenizer::add_prefix_space() const { return state_->add_prefix_space; }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir) {
   const std::string path = model_dir + "/tokenizer.json";
-  if (std::ifstream(path).good()) return std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(path));
+  std::error_code missing;
+  if (std::filesystem::exists(path, missing)) return std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(path));
   return std::make_unique<ByteTokenizer>();
 }
 

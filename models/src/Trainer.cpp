@@ -1,10 +1,9 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/Trainer.hpp>
-
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
@@ -59,17 +58,17 @@ struct FieldReader {
     if (!object.contains(key)) return;
     seen.insert(key);
     const json& v = object[key];
-    KMAMBA_REQUIRE(v.is_number(), where(key) << " is " << v.dump() << ", expected a number");
+    KMAMBA_REQUIRE(v.is_number(), where(key) << " is " << quote_json(v) << ", expected a number");
     value = v.get<double>();
   }
   void operator()(const char* key, std::int64_t& value) const {
     if (!object.contains(key)) return;
     seen.insert(key);
     const json& v = object[key];
-    KMAMBA_REQUIRE(v.is_number_integer(), where(key) << " is " << v.dump() << ", expected an integer");
+    KMAMBA_REQUIRE(v.is_number_integer(), where(key) << " is " << quote_json(v) << ", expected an integer");
     KMAMBA_REQUIRE(!v.is_number_unsigned() ||
                        v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
-                   where(key) << " is " << v.dump() << ", out of range");
+                   where(key) << " is " << quote_json(v) << ", out of range");
     value = v.get<std::int64_t>();
   }
   void operator()(const char* key, std::uint64_t& value) const {
@@ -77,7 +76,7 @@ struct FieldReader {
     seen.insert(key);
     const json& v = object[key];
     KMAMBA_REQUIRE(v.is_number_unsigned() || (v.is_number_integer() && v.get<std::int64_t>() >= 0),
-                   where(key) << " is " << v.dump() << ", expected a non-negative integer");
+                   where(key) << " is " << quote_json(v) << ", expected a non-negative integer");
     value = v.get<std::uint64_t>();
   }
 };
@@ -100,14 +99,14 @@ std::string parameter_checksum(const Tensor1<float, MemorySpace>& params) {
 
 // "a, b and c" differ between two config.json texts.
 std::string differing_keys(const std::string& a, const std::string& b) {
-  const json ja = json::parse(a), jb = json::parse(b);
+  const json ja = parse_json(a, "config.json"), jb = parse_json(b, "config.json");
   std::set<std::string> keys;
   for (auto it = ja.begin(); it != ja.end(); ++it) keys.insert(it.key());
   for (auto it = jb.begin(); it != jb.end(); ++it) keys.insert(it.key());
   std::ostringstream s;
   for (const std::string& k : keys) {
     const json va = ja.contains(k) ? ja[k] : json(), vb = jb.contains(k) ? jb[k] : json();
-    if (va != vb) s << (s.tellp() > 0 ? ", " : "") << k << " (" << va.dump() << " vs " << vb.dump() << ")";
+    if (va != vb) s << (s.tellp() > 0 ? ", " : "") << k << " (" << quote_json(va) << " vs " << quote_json(vb) << ")";
   }
   return s.str();
 }
@@ -174,12 +173,7 @@ std::string TrainConfig::to_json() const {
 }
 
 TrainConfig TrainConfig::from_json(const std::string& json_text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba::TrainConfig: " << source << " is not valid JSON: " << e.what());
-  }
+  const json j = parse_json(json_text, "kmamba::TrainConfig: " + source);
   KMAMBA_REQUIRE(j.is_object(), "kmamba::TrainConfig: " << source << " must hold a JSON object");
   TrainConfig c;
   std::set<std::string> seen;
@@ -220,6 +214,10 @@ Trainer<ExecutionSpace>::Trainer(LanguageModel<ExecutionSpace> model, const Trai
                                                                           << data_->vocab_size()
                                                                           << " tokens) exceeds the model's vocab_size "
                                                                           << model_.config().vocab_size);
+    KMAMBA_REQUIRE(config_.eval_interval == 0 || data_->has_validation(),
+                   "kmamba::Trainer: eval_interval is " << config_.eval_interval
+                                                        << " but the data set has no held-out split (validation fraction 0): set "
+                                                           "eval_interval to 0, or a validation fraction above 0");
   }
 }
 
@@ -429,9 +427,13 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
 template <class ExecutionSpace>
 LossResult Trainer<ExecutionSpace>::evaluate() {
   const Dataset& data = dataset("kmamba::Trainer::evaluate");
-  const Split split = data.has_validation() ? Split::Validation : Split::Train;
+  // A loss over training batches is no held-out loss: without a held-out split there is none.
+  KMAMBA_REQUIRE(data.has_validation(), "kmamba::Trainer::evaluate: the data set has no held-out split "
+                                        "(validation fraction 0), so there is no held-out loss to compute");
   std::vector<TokenBatch> batches;
-  for (std::int64_t i = 0; i < config_.eval_batches; ++i) batches.push_back(data.batch(split, i, config_.batch_size));
+  for (std::int64_t i = 0; i < config_.eval_batches; ++i) {
+    batches.push_back(data.batch(Split::Validation, i, config_.batch_size));
+  }
   return evaluate(batches);
 }
 

@@ -1,8 +1,7 @@
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include <kmamba/core/Error.hpp>
-
-#include <nlohmann/json.hpp>
+#include <kmamba/core/Json.hpp>
 
 #include <climits>
 #include <utility>
@@ -24,12 +23,7 @@ constexpr const char* sp_key = "sequence_parallel_size";
 }  // namespace
 
 MeshConfig MeshConfig::from_json(const std::string& json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    KMAMBA_USER_ERROR("kmamba::MeshConfig::from_json: " << source << " is not valid JSON: " << e.what());
-  }
+  const json root = parse_json(json_text, "kmamba::MeshConfig::from_json: " + source);
   KMAMBA_REQUIRE(root.is_object(), "kmamba::MeshConfig::from_json: " << source << " must hold a JSON object");
   MeshConfig config;
   for (auto it = root.begin(); it != root.end(); ++it) {
@@ -43,7 +37,7 @@ MeshConfig MeshConfig::from_json(const std::string& json_text, const std::string
     const json& value = it.value();
     KMAMBA_REQUIRE(value.is_number_integer() && value.get<long long>() >= 0 && value.get<long long>() <= INT_MAX,
                    "kmamba::MeshConfig::from_json: " << source << ": '" << it.key()
-                                                     << "' must be a non-negative integer, got " << value.dump());
+                                                     << "' must be a non-negative integer, got " << quote_json(value));
     *field = value.get<int>();
   }
   return config;

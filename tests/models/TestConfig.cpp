@@ -114,7 +114,7 @@ TEST(Config, AcceptsEveryInfinitySpelling) {
   for (const char* inf : {R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
     const auto c = kmamba::ModelConfig::from_json(
         std::string(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 1,
-                        "num_hidden_layers": 1, "time_step_limit": [0.0, )") + inf + "]}",
+                        "num_hidden_layers": 1, "vocab_size": 10, "time_step_limit": [0.0, )") + inf + "]}",
         "inf");
     EXPECT_TRUE(std::isinf(c.dt_limit_max)) << inf;
   }
@@ -124,32 +124,68 @@ TEST(Config, RejectsInconsistentConfigsWithClearErrors) {
   expect_config_error("{", "not valid JSON");
   expect_config_error("[1]", "not a JSON object");
   expect_config_error(R"({"model_type": "llama"})", "model_type \"llama\" is not a Mamba model");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": "big"})", "field 'hidden_size' is \"big\", expected an integer");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 7, "head_dim": 16, "n_groups": 1})",
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": "big", "num_hidden_layers": 2, "vocab_size": 10})", "field 'hidden_size' is \"big\", expected an integer");
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 7, "head_dim": 16, "n_groups": 1, "num_hidden_layers": 2, "vocab_size": 10})",
                       "num_heads 7 * headdim 16 = 112 but d_inner = 128");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 3})",
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 3, "num_hidden_layers": 2, "vocab_size": 10})",
                       "num_heads 8 is not divisible by ngroups 3");
   expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "attn_layer_idx": [1]})",
                       "hybrid attention models are not supported");
   expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "ssm_cfg": {"layer": "Mamba9"}})",
                       "expected Mamba1, Mamba2 or Mamba3");
-  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 0})", "n_layer must be positive, got 0");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "intermediate_size": 100})",
+  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 0, "hidden_size": 64, "vocab_size": 10})", "n_layer must be positive, got 0");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "intermediate_size": 100, "num_hidden_layers": 2, "vocab_size": 10})",
                       "intermediate_size' is 100 but expand * hidden_size = 128");
-  expect_config_error(R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1})",
+  expect_config_error(R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})",
                       "need 0 < dt_min <= dt_max");
-  expect_config_error(R"({"model_type": "mamba", "hidden_act": "gelu"})", "supports \"silu\" only");
+  expect_config_error(R"({"model_type": "mamba", "hidden_act": "gelu", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})", "supports \"silu\" only");
   // Sizes whose products overflow an int (found by tests/fuzz/FuzzConfig.cpp).
-  expect_config_error(R"({"d_model": 2147483640, "ssm_cfg": {"layer": "Mamba2"}})", "d_model 2147483640 is too large");
-  expect_config_error(R"({"d_model": 1073741824, "ssm_cfg": {"layer": "Mamba2"}})",
+  expect_config_error(R"({"d_model": 2147483640, "ssm_cfg": {"layer": "Mamba2"}, "n_layer": 2, "vocab_size": 10})", "d_model 2147483640 is too large");
+  expect_config_error(R"({"d_model": 1073741824, "ssm_cfg": {"layer": "Mamba2"}, "n_layer": 2, "vocab_size": 10})",
                       "expand * d_model = 2 * 1073741824 is too large");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": 1073741824, "intermediate_size": 5})",
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 1073741824, "intermediate_size": 5, "num_hidden_layers": 2, "vocab_size": 10})",
                       "but expand * hidden_size = 2147483648");
-  expect_config_error(R"({"d_model": 64, "vocab_size": 2147483640, "pad_vocab_size_multiple": 16})",
+  expect_config_error(R"({"d_model": 64, "vocab_size": 2147483640, "pad_vocab_size_multiple": 16, "n_layer": 2})",
                       "vocab_size 2147483640 padded to a multiple of 16 is too large");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 1073741824, "head_dim": 64})",
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 1073741824, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 10})",
                       "num_heads * headdim = 1073741824 * 64 is too large");
   EXPECT_THROW(kmamba::ModelConfig::load("/nonexistent/config.json"), kmamba::UserError);
+}
+
+TEST(Config, RequiresTheSizesThatNoDefaultCanGuess) {
+  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 2, "vocab_size": 10})",
+                      "field 'hidden_size' is missing");
+  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "vocab_size": 10})",
+                      "field 'num_hidden_layers' is missing");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2})",
+                      "field 'vocab_size' is missing");
+  expect_config_error(R"({"d_model": 64, "vocab_size": 10})", "field 'n_layer' is missing");
+  expect_config_error(R"({"model_type": "mamba3", "n_layer": 2, "vocab_size": 10})", "field 'd_model' is missing");
+}
+
+TEST(Config, DeeplyNestedFieldsAreRefusedWithoutRecursion) {
+  // A field nested far deeper than any stack allows a recursive walk (it segfaulted dump()ing it).
+  const std::size_t depth = 200000;
+  const std::string nested = std::string(depth, '[') + std::string(depth, ']');
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": )" + nested + "}", "deeper than 64 levels");
+  // Within the depth limit the quoted value is cut short, not dumped whole.
+  const std::string wide = "[" + std::string(50, '[') + std::string(50, ']') + "]";
+  try {
+    kmamba::ModelConfig::from_json(R"({"model_type": "mamba", "hidden_size": )" + wide + "}", "test.json");
+    FAIL() << "an array was accepted as hidden_size";
+  } catch (const kmamba::UserError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("field 'hidden_size' is [[[["), std::string::npos) << what;
+    EXPECT_NE(what.find("...,"), std::string::npos) << what;
+    EXPECT_LT(what.size(), 200u) << what;
+  }
+}
+
+TEST(Config, RefusesDuplicateKeys) {
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "hidden_size": 32})",
+                      "names the key \"hidden_size\" twice");
+  expect_config_error(R"({"d_model": 64, "ssm_cfg": {"layer": "Mamba2", "layer": "Mamba1"}})",
+                      "names the key \"layer\" twice");
 }
 
 }  // namespace

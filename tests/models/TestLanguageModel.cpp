@@ -12,10 +12,13 @@
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <sys/stat.h>
 #include <vector>
 
@@ -359,6 +362,43 @@ TEST(LanguageModelFiles, BadCheckpointsGiveErrorsNamingTheTensor) {
 
   message = load_error("no_weights", [](const std::string&) {});
   EXPECT_NE(message.find("model.safetensors"), std::string::npos) << message;
+}
+
+// Writes tiny_mamba2 with its config.json edited by replacing `from` with `to`, and returns the
+// error message of loading it and the seconds it took.
+std::pair<std::string, double> load_with_config(const std::string& name, const std::string& from, const std::string& to) {
+  const std::string dir = scratch_dir(name);
+  std::ifstream config_in(golden_dir + "/tiny_mamba2/config.json");
+  std::string config((std::istreambuf_iterator<char>(config_in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(config.find(from), std::string::npos) << from;
+  if (config.find(from) != std::string::npos) config.replace(config.find(from), from.size(), to);
+  std::ofstream(dir + "/config.json") << config;
+  copy_file(golden_dir + "/tiny_mamba2/model.safetensors", dir + "/model.safetensors");
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace>::load(dir);
+  } catch (const kmamba::UserError& e) {
+    message = e.what();
+  }
+  return {message, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
+TEST(LanguageModelFiles, ConfigSizesAreCheckedAgainstTheFileBeforeAllocating) {
+  // 20000 layers beside a 2-layer checkpoint allocated 4.8 GB for over a minute; a vocab_size of
+  // 2e9 asked for 477 GB and failed naming a Kokkos label.
+  auto [message, seconds] = load_with_config("layers", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 20000");
+  EXPECT_NE(message.find("gives num_hidden_layers (n_layer) 20000, but"), std::string::npos) << message;
+  EXPECT_NE(message.find("holds 2 layers"), std::string::npos) << message;
+  EXPECT_LT(seconds, 5.0);
+  std::tie(message, seconds) = load_with_config("vocab", "\"vocab_size\": 96", "\"vocab_size\": 2000000000");
+  EXPECT_NE(message.find("gives vocab_size 2000000000 (2000000000 embedding rows), but the embedding"),
+            std::string::npos) << message;
+  EXPECT_LT(seconds, 5.0);
+  // A per-layer size beyond the file: named by the tensor, still before the model is allocated.
+  std::tie(message, seconds) = load_with_config("state", "\"state_size\": 16", "\"state_size\": 4000000");
+  EXPECT_NE(message.find("backbone.layers.0.mixer."), std::string::npos) << message;
+  EXPECT_LT(seconds, 5.0);
 }
 
 TEST(LanguageModelFiles, AcceptsMambaSsmNamesAndTheStoredTiedHead) {

@@ -5,11 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace {
 
@@ -114,7 +118,7 @@ TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {
   expect_user_error(p, "overlap");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
                R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
-  expect_user_error(p, "names tensor 'a' twice");
+  expect_user_error(p, "names the key \"a\" twice");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [1]}})", 4);
   expect_user_error(p, "needs dtype, shape and data_offsets");
   write_raw(p, R"({"__metadata__": {"k": 3}})", 0);
@@ -133,10 +137,94 @@ TEST(SafeTensors, FailedWriteLeavesThePreviousFile) {
   EXPECT_EQ(kmamba::SafeTensorsReader(path).read_f32("w"), (std::vector<float>{1.0f, 2.0f}));
   second.write(path);
   EXPECT_EQ(kmamba::SafeTensorsReader(path).read_f32("w"), (std::vector<float>{3.0f, 4.0f}));
-  std::ifstream leftover(path + ".tmp");
+  std::ifstream leftover(path + ".tmp." + std::to_string(::getpid()));
   EXPECT_FALSE(leftover.good()) << "the temporary file was left behind";
   EXPECT_THROW(second.add_f32("w", {2}, {0.0f, 0.0f}), kmamba::UserError);
   EXPECT_THROW(second.add_f32("v", {3}, {0.0f, 0.0f}), kmamba::UserError);
+}
+
+TEST(SafeTensors, DeeplyNestedHeaderValuesAreRefusedWithoutRecursion) {
+  // Quoting such a value in the error message overflowed the stack (exit 139).
+  const std::string p = scratch("deep.safetensors");
+  const std::size_t depth = 200000;
+  for (const char* field : {"shape", "data_offsets"}) {
+    const std::string nested = std::string(depth, '[') + std::string(depth, ']');
+    const std::string other = std::string(field) == "shape" ? R"("data_offsets": [0, 0])" : R"("shape": [0])";
+    write_raw(p, R"({"a": {"dtype": "F32", )" + other + R"(, ")" + field + "\": " + nested + "}}", 0);
+    expect_user_error(p, "nests arrays and objects deeper than 64 levels");
+  }
+  // Within the limit, a bad value is quoted cut short.
+  write_raw(p, R"({"a": {"dtype": "F32", "data_offsets": [0, 0], "shape": [)" + std::string(60, '[') +
+                   std::string(60, ']') + "]}}", 0);
+  try {
+    kmamba::SafeTensorsReader reader(p);
+    FAIL() << "a nested shape was accepted";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("shape holds [[[["), std::string::npos) << e.what();
+    EXPECT_LT(std::string(e.what()).size(), 200u) << e.what();
+  }
+}
+
+TEST(SafeTensors, ManyTensorsParseInLinearTime) {
+  // Duplicate detection through nlohmann's parser callback rescanned every tensor at the end of
+  // each one: 40 000 tensors took 13 s and 80 000 over 100 s.
+  const std::size_t count = 100000;
+  std::string header = "{";
+  for (std::size_t i = 0; i < count; ++i) {
+    header += (i ? ",\"t" : "\"t") + std::to_string(i) + R"(":{"dtype":"F32","shape":[1],"data_offsets":[)" +
+              std::to_string(4 * i) + "," + std::to_string(4 * i + 4) + "]}";
+  }
+  header += "}";
+  const std::string p = scratch("many.safetensors");
+  write_raw(p, header, 4 * count);
+  const auto start = std::chrono::steady_clock::now();
+  const kmamba::SafeTensorsReader reader(p);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(reader.names().size(), count);
+  EXPECT_LT(seconds, 20.0) << "parsing " << count << " tensors took " << seconds << " s";
+}
+
+TEST(SafeTensors, EmptyTensorsFitAnyFile) {
+  // A (2, 0) tensor holds no bytes: it was "larger than the file" when the data section was empty.
+  const std::string p = scratch("empty_tensor.safetensors");
+  write_raw(p, R"({"x": {"dtype": "F32", "shape": [2, 0], "data_offsets": [0, 0]}})", 0);
+  const kmamba::SafeTensorsReader reader(p);
+  EXPECT_EQ(reader.info("x").shape, (std::vector<std::int64_t>{2, 0}));
+  EXPECT_TRUE(reader.read_f32("x").empty());
+  write_raw(p, R"({"x": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 0]}})", 0);
+  expect_user_error(p, "shape [3,2] is larger than the file");
+}
+
+TEST(SafeTensors, RefusesAFifoInsteadOfHanging) {
+  const std::string p = scratch("fifo.safetensors");
+  std::remove(p.c_str());
+  ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0) << "cannot create a FIFO at " << p;
+  expect_user_error(p, "is a FIFO, expected a regular file");
+  std::remove(p.c_str());
+}
+
+TEST(SafeTensors, WriterFollowsSymlinksAndNeverReplacesADevice) {
+  // kmamba-eval --output: a symbolic link became a regular file, and as root /dev/full was
+  // replaced by a regular file (exit 0).
+  kmamba::SafeTensorsWriter w;
+  w.add_f32("w", {2}, {1.0f, 2.0f});
+  const std::string target = scratch("link_target.safetensors"), link = scratch("link.safetensors");
+  std::remove(target.c_str());
+  std::remove(link.c_str());
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  w.write(link);
+  struct stat st;
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode)) << "the symbolic link was replaced";
+  EXPECT_EQ(kmamba::SafeTensorsReader(target).read_f32("w"), (std::vector<float>{1.0f, 2.0f}));
+  try {
+    w.write("/dev/full");
+    FAIL() << "writing /dev/full succeeded";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(::stat("/dev/full", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/full is no longer a device";
 }
 
 }  // namespace

@@ -226,6 +226,33 @@ TYPED_TEST(Trainer, EvaluationIsRepeatableAndLeavesTheModelAlone) {
   EXPECT_EQ(host_floats(trainer.model().parameters().params()), p0);
 }
 
+TYPED_TEST(Trainer, WithoutAHeldOutSplitThereIsNoHeldOutLoss) {
+  // The "held-out" loss of a data set with validation fraction 0 was computed on training batches.
+  using Exec = TypeParam;
+  std::vector<std::uint32_t> tokens(400);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint32_t>((i * 7) % 32);
+  const auto data = std::make_shared<kmamba::TokenDataset>(tokens, 32, kmamba::TokenDatasetConfig{16, 0.0, 1});
+  ASSERT_FALSE(data->has_validation());
+  kmamba::TrainConfig t = tiny_train_config();
+  t.eval_interval = 10;
+  try {
+    make_trainer<Exec>(t, data);
+    FAIL() << "eval_interval 10 was accepted without a held-out split";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("eval_interval is 10 but the data set has no held-out split"), std::string::npos)
+        << e.what();
+  }
+  t.eval_interval = 0;
+  auto trainer = make_trainer<Exec>(t, data);
+  trainer.step();
+  try {
+    trainer.evaluate();
+    FAIL() << "evaluate() gave a held-out loss without a held-out split";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("no held-out split (validation fraction 0)"), std::string::npos) << e.what();
+  }
+}
+
 TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {
   using Exec = TypeParam;
   const kmamba::TrainConfig t = tiny_train_config();

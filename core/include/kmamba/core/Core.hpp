@@ -1,4 +1,4 @@
-// Everything core/ offers: tensors, shapes, errors, bf16 storage and random fills.
+// Everything core/ offers: tensors, shapes, errors, files, bf16 storage and random fills.
 #ifndef KMAMBA_CORE_CORE_HPP
 #define KMAMBA_CORE_CORE_HPP
 
@@ -10,6 +10,7 @@
 #include <kmamba/core/CrossEntropy.hpp>
 #include <kmamba/core/Embedding.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/core/HostMemory.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>

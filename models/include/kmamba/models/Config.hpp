@@ -67,13 +67,15 @@ struct ModelConfig {
   void validate() const;
 
   /// Parses config.json text in the HF (model_type "mamba" / "mamba2") or mamba_ssm layout
-  /// (d_model, n_layer, ssm_cfg). `source` names the file in error messages. Validates.
+  /// (d_model, n_layer, ssm_cfg) with kmamba::parse_json. The sizes (hidden_size,
+  /// num_hidden_layers, vocab_size; d_model, n_layer, vocab_size) are required, the other fields
+  /// default as transformers / mamba_ssm do. `source` names the file in error messages. Validates.
   static ModelConfig from_json(const std::string& json_text, const std::string& source);
-  /// Reads and parses a config.json file.
+  /// Reads and parses a config.json file (a regular file of at most 16 MB).
   static ModelConfig load(const std::string& path);
   /// The HF layout (MambaForCausalLM / Mamba2ForCausalLM), as transformers writes it.
   std::string to_hf_json() const;
-  /// Writes to_hf_json() to `path` atomically.
+  /// Writes to_hf_json() to `path` through kmamba::write_output_file (atomically for a regular file).
   void save(const std::string& path) const;
 };
 

@@ -5,9 +5,11 @@
 //
 // The reader validates everything before it trusts it: header length, JSON, dtypes, shapes,
 // offsets inside the file, sizes that match dtype x shape, overlapping ranges and duplicate names
-// each give a kmamba::UserError naming the file and the tensor. The writer writes to a temporary
-// file beside the target, flushes it, and renames it over the target, so a reader sees either the
-// old file or the new one, never half of one.
+// each give a kmamba::UserError naming the file and the tensor; so do a header nested too deep
+// and a file that is not a regular one (a FIFO). The writer writes through kmamba::OutputFile
+// (kmamba/core/Files.hpp): a regular file is replaced atomically (temporary file, flush, rename),
+// so a reader sees either the old file or the new one, never half of one; symbolic links are
+// followed and a device or a FIFO is written in place, never replaced.
 #ifndef KMAMBA_MODELS_SAFETENSORS_HPP
 #define KMAMBA_MODELS_SAFETENSORS_HPP
 
@@ -84,8 +86,8 @@ class SafeTensorsWriter {
                const std::vector<std::int64_t>& values);
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
-  /// Writes the file atomically (temporary file, flush, rename). Throws kmamba::UserError if the
-  /// directory is not writable or the disk is full; the previous file, if any, is then untouched.
+  /// Writes the file through kmamba::OutputFile. Throws kmamba::UserError if the directory is not
+  /// writable or the disk is full; the previous file, if any, is then untouched.
   void write(const std::string& path) const;
 
  private:

@@ -53,7 +53,7 @@ struct TrainConfig {
   std::int64_t batch_size = 32;            ///< sequences per micro-batch
   std::int64_t grad_accum = 1;             ///< micro-batches per optimizer step
   std::uint64_t seed = 1234;               ///< model initialisation and data order
-  std::int64_t eval_interval = 100;        ///< steps between held-out evaluations (0: none)
+  std::int64_t eval_interval = 100;        ///< steps between held-out evaluations (0: none; > 0 needs a held-out split)
   std::int64_t eval_batches = 8;           ///< held-out batches of batch_size per evaluation
   std::int64_t checkpoint_interval = 500;  ///< steps between checkpoints (0: only at the end)
   /// Consecutive steps with a non-finite loss or gradient that are skipped (parameters and
@@ -96,7 +96,7 @@ class Trainer {
 
   /// Takes over `model` (initialised or loaded) and fresh AdamW state. `data` (may be null when only
   /// the explicit-batch overloads are used) supplies step() and evaluate(); its vocabulary must fit
-  /// the model's. Validates `config`.
+  /// the model's, and config.eval_interval > 0 needs a held-out split. Validates `config`.
   Trainer(LanguageModel<ExecutionSpace> model, const TrainConfig& config, std::shared_ptr<const Dataset> data,
           const ExecutionSpace& exec = ExecutionSpace());
 
@@ -113,8 +113,8 @@ class Trainer {
   StepResult step(const std::vector<TokenBatch>& micro_batches);
 
   /// Mean loss and accuracy over config().eval_batches held-out batches (validation batches
-  /// 0, 1, ..., the same every time), or over the training split's first batches when the data has
-  /// no held-out split.
+  /// 0, 1, ..., the same every time). Data without a held-out split (validation fraction 0) has no
+  /// held-out loss: a UserError (a loss over training batches would pass for one).
   LossResult evaluate();
   /// Mean loss and accuracy over `batches` (weighted by their predicted tokens).
   LossResult evaluate(const std::vector<TokenBatch>& batches);
