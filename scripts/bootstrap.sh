@@ -73,7 +73,7 @@ deps_dir="$(cd "$deps_dir" && pwd)"
 # 1. Debian packages
 # ---------------------------------------------------------------------------------------------
 debian_packages=(build-essential cmake git libgtest-dev libgmock-dev
-                 libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
+                 libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev libcli11-dev libpng-dev
                  ca-certificates xz-utils dpkg-dev
                  clang libclang-rt-14-dev)   # clang + libFuzzer for scripts/fuzz.sh
 if [ "$use_apt" = 1 ]; then

@@ -1,5 +1,5 @@
-// The double-precision reference of the Mamba-2 SSD, written from docs/algorithms.md §2.4, §2.9
-// and §2.10: token by token, every state kept; its backward is the adjoint of that recurrence.
+// The double-precision reference of the Mamba-2 SSD (docs/algorithms.md §2.4, §2.9, §2.10), token
+// by token, every state kept; its backward is the adjoint of that recurrence.
 #ifndef KMAMBA_TESTS_REFERENCE_SSDREFERENCE_HPP
 #define KMAMBA_TESTS_REFERENCE_SSDREFERENCE_HPP
 
