@@ -238,7 +238,10 @@ struct SsdFusedBackwardFunctor {
   /// Phase 4 of warp w: its 16 × NC blocks of dC (and <dC_state, C>) and of dB.
   KOKKOS_INLINE_FUNCTION void state_blocks(const Tiles& sm, int w, int lane, const SsdChunkBlock& blk) const {
     const int rb = w / 2, n0 = NC * (w % 2);
-    if (n0 >= N) return;
+    if (n0 >= N) {  // N = 16: no second half of the state columns, so its row dots are zero
+      for (int r = lane; r < R; r += tensor_cores ? warp_tile_lanes : 1) sm.prev[Q + R * rb + r] = 0.0f;
+      return;
+    }
     StateAccum A;
     warp_fill(A, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, P, false>(A, lane, sm.g.offset(R * rb, 0), sm.hin.offset(0, n0), NC);

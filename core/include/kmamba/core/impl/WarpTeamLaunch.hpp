@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace kmamba {
@@ -46,9 +47,14 @@ struct WarpTeamLauncher {
   struct Wrapper {
     Body body;
     std::size_t bytes;
+    // The scratch starts as NaN in every team: a value read before the body wrote it reaches the
+    // results, so the host tests catch what a GPU would read as another team's stale data (a few
+    // microseconds per team against milliseconds of portable warp-tile work).
     KOKKOS_INLINE_FUNCTION void operator()(const typename Kokkos::TeamPolicy<ExecSpace>::member_type& team) const {
-      body(WarpTeamContext{team.league_rank(), team.team_rank(),
-                           static_cast<char*>(team.team_scratch(0).get_shmem(bytes))});
+      char* scratch = static_cast<char*>(team.team_scratch(0).get_shmem(bytes));
+      float* words = reinterpret_cast<float*>(scratch);
+      for (std::size_t i = 0; i < bytes / sizeof(float); ++i) words[i] = std::numeric_limits<float>::quiet_NaN();
+      body(WarpTeamContext{team.league_rank(), team.team_rank(), scratch});
     }
   };
 
