@@ -2,9 +2,10 @@
 #  - a loss curve that cannot be written (loss.png is a directory) is a warning, after the final
 #    checkpoint is saved, and the run ends with 0;
 #  - two runs started on one directory at once: one trains, the other stops at once with exit 2,
-#    naming the process that holds the directory.
+#    naming the process that holds the directory; the loss.png of the run that trained reads back
+#    with libpng (kmamba_png_check: at least the 900 × 640 kmamba-train draws, not one flat colour).
 #
-#   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckRunDirectory.cmake
+#   cmake -DTRAIN=<kmamba-train> -DPNG_CHECK=<kmamba_png_check> -DOUT=<dir> -P CheckRunDirectory.cmake
 set(small --steps 3 --eval-interval 0 --checkpoint-interval 0 --d-model 16 --n-layer 1 --seqlen 32)
 
 file(REMOVE_RECURSE "${OUT}")
@@ -32,4 +33,9 @@ endif()
 if(NOT err MATCHES "kmamba-train: '[^']*shared' is in use by another process \\(process id [0-9]+")
   message(FATAL_ERROR "CheckRunDirectory: the second run did not name the first:\n${err}")
 endif()
-message(STATUS "CheckRunDirectory: a failed plot is a warning after the checkpoint; a second run is refused")
+execute_process(COMMAND "${PNG_CHECK}" "${OUT}/shared/loss.png" 900 640 RESULT_VARIABLE rc)
+if(NOT rc STREQUAL "0")
+  message(FATAL_ERROR "CheckRunDirectory: the loss curve '${OUT}/shared/loss.png' did not read back (exit '${rc}')")
+endif()
+message(STATUS "CheckRunDirectory: a failed plot is a warning after the checkpoint; a second run is refused; "
+               "the loss curve reads back")
