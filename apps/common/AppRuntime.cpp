@@ -123,12 +123,15 @@ bool start_kokkos(const std::string& app, std::vector<std::string>& args) {
   }
 }
 
-// The body's status, or the exit status of its exception with the message printed.
-int run_body(const std::string& app, Runtime& runtime, const std::function<int(Runtime&)>& body) {
+// The exit status of the exception being handled, its message printed. A bad command line, a
+// kmamba::UserError and a file system error (a path that cannot be examined, named in the message)
+// are the user's; anything else is internal. Every phase of run_app ends its exceptions here, so
+// none escapes main (which would abort).
+int status_of_exception(const std::string& app) {
   try {
-    return body(runtime);
+    throw;
   } catch (const CLI::ParseError& e) {
-    print_error(app, e.what());
+    print_error(app, std::string(e.what()) + " (see --help)");
     return exit_user_error;
   } catch (const kmamba::UserError& e) {
     print_error(app, e.what());
@@ -139,6 +142,18 @@ int run_body(const std::string& app, Runtime& runtime, const std::function<int(R
   } catch (const std::exception& e) {
     print_error(app, e.what());
     return exit_failed;
+  } catch (...) {
+    print_error(app, "an internal error: an exception that is not a std::exception");
+    return exit_failed;
+  }
+}
+
+// The body's status, or the exit status of its exception.
+int run_body(const std::string& app, Runtime& runtime, const std::function<int(Runtime&)>& body) {
+  try {
+    return body(runtime);
+  } catch (...) {
+    return status_of_exception(app);
   }
 }
 
@@ -212,19 +227,14 @@ int run_app(int argc, char** argv, CLI::App& cli, const std::function<Launch()>&
   } catch (const CLI::Success&) {
     std::fputs(cli.help().c_str(), stdout);
     return exit_done;
-  } catch (const CLI::ParseError& e) {
-    print_error(app, std::string(e.what()) + " (see --help)");
-    return exit_user_error;
-  } catch (const kmamba::UserError& e) {
-    print_error(app, e.what());
-    return exit_user_error;
+  } catch (...) {
+    return status_of_exception(app);
   }
   Runtime runtime(false, 0, 1);
   try {
     runtime = start_mpi(how, argc, argv, args.kokkos);
-  } catch (const kmamba::Error& e) {
-    print_error(app, e.what());
-    return finish_mpi(runtime, exit_failed);
+  } catch (...) {
+    return finish_mpi(runtime, status_of_exception(app));
   }
   if (!start_kokkos(app, args.kokkos)) return finish_mpi(runtime, exit_user_error);
   const int status = run_body(app, runtime, body);

@@ -71,8 +71,9 @@ void configure(CLI::App& cli, const std::string& footer = "");
 /// Runs an app: parses the command line into `cli` (--help prints the help and returns
 /// exit_done), calls `launch` (it may validate the parsed options and throw kmamba::UserError),
 /// starts MPI if asked and Kokkos, runs `body` and ends both. Returns the body's status, or
-/// exit_user_error for a bad command line, a failed Kokkos start-up (e.g. --kokkos-threads=abc)
-/// and kmamba::UserError, exit_failed for any other exception; prints one line on stderr for each.
+/// exit_user_error for a bad command line, a failed Kokkos start-up (e.g. --kokkos-threads=abc),
+/// kmamba::UserError and std::filesystem::filesystem_error, exit_failed for any other exception,
+/// whichever step throws it; prints one line on stderr for each. No exception escapes.
 int run_app(int argc, char** argv, CLI::App& cli, const std::function<Launch()>& launch,
             const std::function<int(Runtime&)>& body);
 
