@@ -9,6 +9,8 @@
 #include "ScalingModel.hpp"
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
 
 #include "AppRuntime.hpp"
 #include "Plot.hpp"
@@ -19,7 +21,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -87,22 +88,22 @@ void validate(const Options& o) {
                  "kmamba-perf-model: --headdim " << o.shape.headdim << " must divide d_inner " << o.shape.d_inner());
 }
 
+// A kmamba-perf-comm sweep. A file that is not one (not JSON, a missing key, a value of another
+// type) is the user's error, naming the file and what it must hold.
 std::vector<kmamba::perf::Sample> read_sweep(const std::string& path) {
-  std::ifstream file(path);
-  KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot read '" << path << "'");
-  nlohmann::json doc;
-  try {
-    file >> doc;
-  } catch (const std::exception& e) {
-    KMAMBA_USER_ERROR("kmamba-perf-model: '" << path << "' is not JSON: " << e.what());
-  }
-  KMAMBA_REQUIRE(doc.contains("ranks") && doc.contains("results") && doc["results"].is_array(),
-                 "kmamba-perf-model: '" << path << "' is not a kmamba-perf-comm result (needs \"ranks\" and \"results\")");
-  const int ranks = doc["ranks"].get<int>();
+  const std::string text = kmamba::read_input_file(path, kmamba::JsonLimits().max_bytes, "kmamba-perf-model");
+  const nlohmann::json doc = kmamba::parse_json(text, "kmamba-perf-model: '" + path + "'");
   std::vector<kmamba::perf::Sample> samples;
-  for (const auto& r : doc["results"]) {
-    samples.push_back({r.at("collective").get<std::string>(), ranks, r.at("bytes").get<double>(),
-                       r.at("time_us").get<double>() * 1e-6});
+  try {
+    const int ranks = doc.at("ranks").get<int>();
+    for (const auto& r : doc.at("results").get<std::vector<nlohmann::json>>()) {
+      samples.push_back({r.at("collective").get<std::string>(), ranks, r.at("bytes").get<double>(),
+                         r.at("time_us").get<double>() * 1e-6});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    KMAMBA_USER_ERROR("kmamba-perf-model: '" << path << "' is not a kmamba-perf-comm result ({\"ranks\": N, "
+                                             << "\"results\": [{\"collective\": NAME, \"bytes\": B, \"time_us\": T}, "
+                                             << "...]}): " << e.what());
   }
   return samples;
 }
