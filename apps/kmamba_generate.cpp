@@ -2,6 +2,7 @@
 // prompt with the chunked forward, then one decode step per token). One prompt streams its tokens
 // to stdout as they are produced; --batch-file generates many prompts as batches. See print_help().
 #include <kmamba/KMamba.hpp>
+#include <kmamba/core/Files.hpp>
 
 #include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
@@ -190,11 +191,10 @@ int run(const Options& o) {
   options.stop_tokens = o.stop_ids;
   if (!o.ignore_eos && tokenizer->eos_id() >= 0) options.stop_tokens.push_back(tokenizer->eos_id());
 
-  std::FILE* json_out = nullptr;
-  if (!o.output.empty()) {
-    json_out = std::fopen(o.output.c_str(), "w");
-    KMAMBA_REQUIRE(json_out, "kmamba-generate: cannot write --output '" << o.output << "'");
-  }
+  // A regular file is replaced when every prompt is done (a failed run leaves the old one); a
+  // FIFO or a device receives each line as it comes.
+  std::unique_ptr<kmamba::OutputFile> json_out;
+  if (!o.output.empty()) json_out = std::make_unique<kmamba::OutputFile>(o.output, "kmamba-generate: --output");
   if (!o.quiet) {
     std::fprintf(stderr, "kmamba-generate: %s, %s mixer, %d layers, d_model %d, vocab %d, %zu prompt(s), device %s\n",
                  o.model.c_str(), kmamba::mixer_name(config.mixer), config.n_layer, config.d_model, config.vocab_size,
@@ -263,7 +263,7 @@ int run(const Options& o) {
                                      {"completion", completion},
                                      {"ids", tokens}};
         // Invalid UTF-8 (a model's byte output) becomes U+FFFD instead of an exception.
-        std::fprintf(json_out, "%s\n", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+        json_out->write(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + '\n');
       }
     }
     std::fflush(stdout);
@@ -274,9 +274,7 @@ int run(const Options& o) {
     total.generated_tokens += result.stats.generated_tokens;
     total.decode_seconds += result.stats.decode_seconds;
   }
-  if (json_out) {
-    KMAMBA_REQUIRE(std::fclose(json_out) == 0, "kmamba-generate: writing --output '" << o.output << "' failed");
-  }
+  if (json_out) json_out->commit();
   if (!o.quiet) {
     std::fprintf(stderr,
                  "kmamba-generate: prefill %lld tokens in %.3f s (%.1f tokens/s); decode %lld steps, %lld tokens in "

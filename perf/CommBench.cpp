@@ -17,6 +17,7 @@
 // × (n−1)/n (reduce-scatter, all-gather), × 1 (broadcast, send/recv). Out-of-place operations on
 // fresh uniform [0.5, 1.5) data (never zeros) per size.
 #include <kmamba/KMamba.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/parallel/Mpi.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
@@ -33,7 +34,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -237,10 +237,7 @@ int sweep(const Options& o, kmamba::Transport transport) {
                                 {"reps", o.reps},
                                 {"warmup", o.warmup},
                                 {"results", points}};
-    std::ofstream file(o.json);
-    KMAMBA_REQUIRE(file.good(), "kmamba-perf-comm: cannot write '" << o.json << "'");
-    file << doc.dump(1) << "\n";
-    KMAMBA_REQUIRE(file.good(), "kmamba-perf-comm: writing '" << o.json << "' failed");
+    kmamba::write_output_file(o.json, doc.dump(1) + "\n", "kmamba-perf-comm: --json");
     std::printf("kmamba-perf-comm: wrote %s\n", o.json.c_str());
   }
   return 0;

@@ -13,6 +13,7 @@
 // rate, at the fused forward's own chunk length. Mamba-3 has no bf16 form.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
+#include <kmamba/core/Files.hpp>
 
 #include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
@@ -26,9 +27,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -473,9 +474,10 @@ void run_space(const Options& o) {
   KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan, gemm_few_rows)");
 }
 
-// The rows as JSON: what was run (space, options, the ceilings of the floor) and per row the
-// measured median with its derived rates, the floor and the ratio to it.
-void write_json(const Options& o, const std::string& space, const std::vector<Measurement>& rows) {
+// The rows as JSON into `file`, committed: what was run (space, options, the ceilings of the floor)
+// and per row the measured median with its derived rates, the floor and the ratio to it.
+void write_json(kmamba::OutputFile& file, const Options& o, const std::string& space,
+                const std::vector<Measurement>& rows) {
   nlohmann::json list = nlohmann::json::array();
   for (const Measurement& m : rows) {
     const double floor_s = floor_seconds(m);
@@ -502,10 +504,8 @@ void write_json(const Options& o, const std::string& space, const std::vector<Me
                                             {"tf32_flop_per_s", tf32_flop_per_s},
                                             {"exp_per_s", exp_per_s}}},
                               {"rows", list}};
-  std::ofstream file(o.json);
-  KMAMBA_REQUIRE(file.good(), "kmamba-perf: cannot write '" << o.json << "'");
-  file << doc.dump(2) << "\n";
-  KMAMBA_REQUIRE(file.good(), "kmamba-perf: writing '" << o.json << "' failed");
+  file.write(doc.dump(2) + "\n");
+  file.commit();
 }
 
 const char* const description =
@@ -537,11 +537,9 @@ void declare(CLI::App& cli, Options& o) {
 }
 
 int run(Options& o) {
-  if (!o.json.empty()) {
-    // Before the benchmarks run, so that an unwritable path costs nothing.
-    std::ofstream probe(o.json);
-    KMAMBA_REQUIRE(probe.good(), "kmamba-perf: cannot write '" << o.json << "'");
-  }
+  // Opened before the benchmarks run, so that an unwritable path costs nothing.
+  std::unique_ptr<kmamba::OutputFile> json;
+  if (!o.json.empty()) json = std::make_unique<kmamba::OutputFile>(o.json, "kmamba-perf: --json");
   kmamba::print_configuration(std::cout);
   std::printf("%-28s %-34s %13s %14s %17s   %s\n", "case", "shape", "median", "bandwidth", "arithmetic",
               "H200 floor and ratio");
@@ -551,7 +549,7 @@ int run(Options& o) {
     run_space<decltype(exec)>(o);
     return std::string(decltype(exec)::name());
   });
-  if (!o.json.empty()) write_json(o, space, rows);
+  if (json) write_json(*json, o, space, rows);
   return kmamba::app::exit_done;
 }
 

@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -185,9 +184,8 @@ void write_json(const std::string& path, const std::vector<kmamba::perf::AlphaBe
                          {"relative_error", f.relative_error}});
   }
   for (const Prediction& p : all) predictions.push_back(to_json(p));
-  std::ofstream file(path);
-  KMAMBA_REQUIRE(file.good(), "kmamba-perf-model: cannot write '" << path << "'");
-  file << nlohmann::json{{"fits", fits_json}, {"predictions", predictions}}.dump(1) << "\n";
+  kmamba::write_output_file(path, nlohmann::json{{"fits", fits_json}, {"predictions", predictions}}.dump(1) + "\n",
+                            "kmamba-perf-model: --json");
   std::printf("kmamba-perf-model: wrote %s\n", path.c_str());
 }
 

@@ -33,6 +33,7 @@
 // calls, bytes and time per step, and the communication share of those steps' time. tokens/s and MFU
 // count the whole mesh (MFU over world-size GPUs).
 #include <kmamba/KMamba.hpp>
+#include <kmamba/core/Files.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #if KMAMBA_ENABLE_MPI
@@ -57,7 +58,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -424,9 +424,7 @@ void run_space(const Options& o) {
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
   if (bench.root() && !o.json.empty()) {
-    std::ofstream file(o.json);
-    KMAMBA_REQUIRE(file.good(), "kmamba-perf-train: cannot write '" << o.json << "'");
-    file << record.dump(1) << "\n";
+    kmamba::write_output_file(o.json, record.dump(1) + "\n", "kmamba-perf-train: --json");
     std::printf("kmamba-perf-train: wrote %s\n", o.json.c_str());
   }
 }
