@@ -6,6 +6,7 @@
 // the checkpoint saved, 2 a bad option or input, 1 an internal error.
 #include <kmamba/KMamba.hpp>
 #include <kmamba/core/Files.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include "AppRuntime.hpp"
@@ -24,12 +25,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace {
@@ -75,6 +77,24 @@ std::string rate(double tokens_per_second) {
 }
 
 
+// A line of metrics.jsonl as a record Metrics::append takes (an object with an integer "step", a
+// string "type", and numbers "loss" and "accuracy" when the type is "train" or "eval"), or null.
+json parse_record(const std::string& line) {
+  json j;
+  try {
+    j = kmamba::parse_json(line, "metrics.jsonl");
+  } catch (const kmamba::UserError&) {
+    return nullptr;
+  }
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() || !j.contains("type") ||
+      !j["type"].is_string()) {
+    return nullptr;
+  }
+  const auto number = [&](const char* key) { return j.contains(key) && j[key].is_number(); };
+  const bool curve = j["type"] == "train" || j["type"] == "eval";
+  return !curve || (number("loss") && number("accuracy")) ? j : json(nullptr);
+}
+
 // The metrics log and the curves drawn from it.
 class Metrics {
  public:
@@ -83,20 +103,13 @@ class Metrics {
       : path_(dir + "/metrics.jsonl"), plot_path_(dir + "/loss.png"), recall_(recall), writes_(writes) {}
 
   // Keeps the records of steps <= `last_step` (those the checkpoint covers) and drops the rest.
+  // A log that cannot be stat'ed or is not a regular file is an error naming it (a FIFO would
+  // block the read forever); a missing log starts empty.
   void resume(std::int64_t last_step) {
     if (!writes_) return;
-    std::ifstream in(path_);
     std::vector<json> kept;
-    for (std::string line; std::getline(in, line);) {
-      if (line.empty()) continue;
-      try {
-        const json j = json::parse(line);
-        if (j.at("step").get<std::int64_t>() <= last_step) kept.push_back(j);
-      } catch (const json::exception&) {
-        continue;  // a line cut short by a crash
-      }
-    }
-    in.close();
+    std::error_code unknown;
+    if (std::filesystem::exists(path_, unknown) || unknown) kept = read_records(last_step);
     start();
     for (const json& j : kept) append(j);
   }
@@ -157,6 +170,32 @@ class Metrics {
                        Series{"held-out", orange, eval_steps_, eval_accuracy_, true}}});
     kmamba::app::write_png(plot_path_, kmamba::app::plot(panels, "step", 900, 640));
   }
+
+  // The records of steps <= `last_step` in the log. Lines that are not records (the last one cut
+  // short when the run was killed, text written by hand) are dropped with a warning.
+  std::vector<json> read_records(std::int64_t last_step) const {
+    const std::string text = kmamba::read_input_file(path_, max_log_bytes, "kmamba-train: --resume");
+    std::vector<json> kept;
+    std::size_t dropped = 0;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.empty()) continue;
+      const json j = parse_record(line);
+      if (j.is_null()) {
+        ++dropped;
+      } else if (j["step"].get<std::int64_t>() <= last_step) {
+        kept.push_back(j);
+      }
+    }
+    if (dropped > 0) {
+      std::fprintf(stderr, "kmamba-train: warning: --resume dropped %zu line(s) of '%s' that are not metrics records\n",
+                   dropped, path_.c_str());
+    }
+    return kept;
+  }
+
+  // The largest log read back: about five million steps of records.
+  static constexpr std::uint64_t max_log_bytes = 1ull << 30;
 
   std::string path_, plot_path_;
   bool recall_;

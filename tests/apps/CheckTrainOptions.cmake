@@ -2,7 +2,8 @@
 # - a bad value in --config fails with 2, naming the file, the option, the value and the range;
 # - --resume with an architecture option that differs from the checkpoint's fails with 2 naming it;
 # - --resume without run.json fails with 2 instead of continuing on default options;
-# - --resume with run.json continues the run to its --steps.
+# - --resume with run.json continues the run to its --steps;
+# - --resume reads metrics.jsonl as a regular file of records.
 #   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckTrainOptions.cmake
 file(REMOVE_RECURSE ${OUT})
 file(MAKE_DIRECTORY ${OUT})
@@ -28,5 +29,17 @@ train(0 "done: 3 steps" --config ${OUT}/small.json ${small} --out ${OUT}/run)
 train(2 "--resume: --d-model differs from the checkpoint's architecture" --resume --out ${OUT}/run --d-model 32)
 train(2 "--resume: --dt-min sets the initialisation" --resume --out ${OUT}/run --dt-min 0.01)
 train(0 "resumed at step 3.*done: 5 steps" --resume --out ${OUT}/run --steps 5 --d-model 16)
+# metrics.jsonl is read back as a regular file through the bounded JSON reader: a FIFO there is an
+# error naming it (it hung), and lines that are not records are dropped with a warning (a line
+# with a step but no type was an internal error).
+file(RENAME ${OUT}/run/metrics.jsonl ${OUT}/metrics.jsonl.saved)
+execute_process(COMMAND mkfifo ${OUT}/run/metrics.jsonl)
+train(2 "metrics.jsonl' is a FIFO, expected a regular file" --resume --out ${OUT}/run --steps 6)
+file(REMOVE ${OUT}/run/metrics.jsonl)
+file(READ ${OUT}/metrics.jsonl.saved log)
+string(REPEAT "[" 100000 deep)
+file(WRITE ${OUT}/run/metrics.jsonl "${log}{\"step\": 1}\n${deep}\n{\"step\": 5, \"type\": \"tra")
+train(0 "dropped 3 line\\(s\\) of '[^']*metrics.jsonl' that are not metrics records"
+      --resume --out ${OUT}/run --steps 6)
 file(RENAME ${OUT}/run/run.json ${OUT}/run.json.saved)
 train(2 "run.json' is missing; it holds the run's options" --resume --out ${OUT}/run --steps 7)
