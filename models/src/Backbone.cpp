@@ -11,9 +11,29 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <string>
 
 namespace kmamba {
 namespace impl {
+
+void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file,
+                               const std::string& config_path, const char* function) {
+  const std::string prefix = "backbone.layers.";
+  long long layers = 0;
+  std::string last;  // a tensor of the last layer
+  for (const std::string& name : file.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::size_t end = name.find_first_not_of("0123456789", prefix.size());
+    const std::string digits = name.substr(prefix.size(), end - prefix.size());
+    if (digits.empty() || digits.size() > 9 || std::stoll(digits) + 1 <= layers) continue;
+    layers = std::stoll(digits) + 1;
+    last = name;
+  }
+  KMAMBA_REQUIRE(layers == config.n_layer,
+                 function << ": '" << config_path << "' gives num_hidden_layers (n_layer) " << config.n_layer << ", but '"
+                          << file.path() << "' holds " << layers << " layers (the last tensor of the last layer: '"
+                          << last << "')");
+}
 
 template <class ExecutionSpace>
 std::string Backbone<ExecutionSpace>::layer_prefix(int layer) {

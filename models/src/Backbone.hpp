@@ -25,6 +25,7 @@
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/SafeTensors.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -36,6 +37,12 @@
 
 namespace kmamba {
 namespace impl {
+
+/// Throws kmamba::UserError from `function` unless `file` holds config.n_layer blocks (one more
+/// than the highest L of its "backbone.layers.L." tensors), naming num_hidden_layers of
+/// `config_path`. Called before a Backbone is built: it makes one mixer per layer.
+void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file,
+                               const std::string& config_path, const char* function);
 
 template <class ExecutionSpace>
 class Backbone {

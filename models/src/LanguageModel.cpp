@@ -536,21 +536,6 @@ std::string stored_name(const SafeTensorsReader& file, const std::string& name) 
   return name;
 }
 
-// Layers of the file: one more than the highest L of its "backbone.layers.L." tensors, and one
-// tensor of layer L (empty without layers).
-std::pair<long long, std::string> layers_in(const SafeTensorsReader& file) {
-  const std::string prefix = "backbone.layers.";
-  std::pair<long long, std::string> layers{0, ""};
-  for (const std::string& name : file.names()) {
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::size_t end = name.find_first_not_of("0123456789", prefix.size());
-    const std::string digits = name.substr(prefix.size(), end - prefix.size());
-    if (digits.empty() || digits.size() > 9 || std::stoll(digits) + 1 <= layers.first) continue;
-    layers = {std::stoll(digits) + 1, name};
-  }
-  return layers;
-}
-
 // The sizes config.json states against the tensors of model.safetensors, before anything sized by
 // them is allocated: a num_hidden_layers of 20000 or a vocab_size of 2e9 beside a small checkpoint
 // is an error naming the field, not gigabytes of memory.
@@ -567,10 +552,7 @@ void check_sizes_against_file(const ModelConfig& c, const SafeTensorsReader& fil
   KMAMBA_REQUIRE(shape[1] == c.d_model, function << ": '" << config_path << "' gives hidden_size (d_model) " << c.d_model
                                                  << ", but the embedding '" << embedding << "' of '" << file.path()
                                                  << "' has shape " << Shape(shape).to_string());
-  const auto [layers, last] = layers_in(file);
-  KMAMBA_REQUIRE(layers == c.n_layer, function << ": '" << config_path << "' gives num_hidden_layers (n_layer) "
-                                               << c.n_layer << ", but '" << file.path() << "' holds " << layers
-                                               << " layers (the last tensor of the last layer: '" << last << "')");
+  impl::check_layers_against_file(c, file, config_path, function);
 }
 
 }  // namespace

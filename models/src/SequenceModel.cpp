@@ -81,6 +81,31 @@ void make_directories(const std::string& dir) {
   }
 }
 
+// Throws unless tensor `name` of `file` has the shape `expected` that config.json's `sizes` give.
+void check_end(const SafeTensorsReader& file, const char* name, const std::vector<std::int64_t>& expected,
+               const std::string& sizes, const std::string& config_path) {
+  constexpr const char* function = "kmamba::SequenceModel::load";
+  KMAMBA_REQUIRE(file.contains(name), function << ": '" << file.path() << "' has no tensor '" << name << "'");
+  const std::vector<std::int64_t>& shape = file.info(name).shape;
+  KMAMBA_REQUIRE(shape == expected, function << ": '" << config_path << "' gives " << sizes << ", but '" << name
+                                             << "' of '" << file.path() << "' has shape " << Shape(shape).to_string()
+                                             << ", not " << Shape(expected).to_string());
+}
+
+// The sizes config.json states against the tensors of model.safetensors, before anything sized by
+// them is allocated: an input_size of 2e9 or a num_hidden_layers of 20000 beside a small
+// checkpoint is an error naming the field, not gigabytes of memory.
+void check_sizes_against_file(const SequenceModelConfig& c, const SafeTensorsReader& file,
+                              const std::string& config_path) {
+  const std::int64_t dm = c.backbone.d_model;
+  const std::string hidden = "hidden_size " + std::to_string(dm);
+  check_end(file, input_weight, {dm, c.input_size}, hidden + " and input_size " + std::to_string(c.input_size),
+            config_path);
+  check_end(file, head_weight, {c.output_size, dm}, "output_size " + std::to_string(c.output_size) + " and " + hidden,
+            config_path);
+  check_layers_against_file(c.backbone, file, config_path, "kmamba::SequenceModel::load");
+}
+
 }  // namespace seq
 }  // namespace impl
 
@@ -144,13 +169,19 @@ struct SequenceModel<ExecutionSpace>::State {
 
   explicit State(const SequenceModelConfig& c)
       : config(validated(c)), backbone(config.backbone, ModelParallel(), "kmamba::sequence_model") {
+    declare_parameters(config, backbone, slab);
+    slab.finalize("kmamba::sequence_model");
+  }
+
+  // The parameters' names and shapes, in declaration order; allocates nothing.
+  static void declare_parameters(const SequenceModelConfig& config, const impl::Backbone<ExecutionSpace>& backbone,
+                                 Slab& slab) {
     const std::int64_t dm = config.backbone.d_model;
     slab.add(impl::seq::input_weight, {dm, config.input_size}, WeightDecay::Yes);
     slab.add(impl::seq::input_bias, {dm}, WeightDecay::No);
     backbone.declare_parameters(slab);
     slab.add(impl::seq::head_weight, {config.output_size, dm}, WeightDecay::Yes);
     slab.add(impl::seq::head_bias, {config.output_size}, WeightDecay::No);
-    slab.finalize("kmamba::sequence_model");
   }
 
   void ensure_buffers(const ExecutionSpace& exec, std::int64_t b, std::int64_t l) {
@@ -471,15 +502,26 @@ SequenceModel<ExecutionSpace> SequenceModel<ExecutionSpace>::load(const std::str
                                                         << "' is not a directory (expected a checkpoint directory "
                                                            "with config.json and model.safetensors)");
   const std::string config_path = dir + "/config.json";
-  SequenceModel model(SequenceModelConfig::from_json(read_input_file(config_path, 16u << 20, function), config_path));
+  const SequenceModelConfig config =
+      SequenceModelConfig::from_json(read_input_file(config_path, 16u << 20, function), config_path);
   const SafeTensorsReader file(dir + "/model.safetensors");
+  impl::seq::check_sizes_against_file(config, file, config_path);
+  {
+    // Every parameter's shape against the file's header, still before any allocation.
+    const impl::Backbone<ExecutionSpace> backbone(config.backbone, ModelParallel(), "kmamba::sequence_model");
+    Slab declared;
+    State::declare_parameters(config, backbone, declared);
+    for (const auto& entry : declared.entries()) {
+      KMAMBA_REQUIRE(file.contains(entry.name), function << ": '" << file.path() << "' has no tensor '" << entry.name
+                                                         << "' (shape " << Shape(entry.shape).to_string()
+                                                         << ") required by config.json");
+      file.check_shape(entry.name, entry.shape);
+    }
+  }
+  SequenceModel model(config);
   State& s = *model.state_;
   std::set<std::string> used;
   for (const auto& entry : s.slab.entries()) {
-    KMAMBA_REQUIRE(file.contains(entry.name), function << ": '" << file.path() << "' has no tensor '" << entry.name
-                                                       << "' (shape " << Shape(entry.shape).to_string()
-                                                       << ") required by config.json");
-    file.check_shape(entry.name, entry.shape);
     const std::vector<float> values = file.read_f32(entry.name);
     const Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(values.data(),
                                                                                                       values.size());

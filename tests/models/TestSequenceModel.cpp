@@ -7,7 +7,8 @@
 //   inputs; two sessions stepped in turn ≡ each alone;
 // - unmanaged views over application memory give the managed views' results;
 // - a view of the wrong rank, extent, layout or memory space is a UserError naming it;
-// - save/load round trip; train_step lowers the loss;
+// - save/load round trip; config.json's sizes are checked against model.safetensors before
+//   anything is allocated; train_step lowers the loss;
 // - the gradients-ready hook announces every gradient once, block by block from the last.
 //
 // Tolerance between the recurrent and chunked paths: max|Δ| / max|ref| ≤ 5e-5 (they differ only in
@@ -21,10 +22,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <utility>
@@ -360,6 +364,39 @@ TYPED_TEST(SequenceModelTest, SaveThenLoadGivesIdenticalOutputs) {
   EXPECT_EQ(host_floats(y2), host_floats(y));
   const std::string message = error_of([&] { kmamba::Model<Exec>::load(dir + "_missing"); });
   EXPECT_NE(message.find("is not a directory"), std::string::npos) << message;
+}
+
+TYPED_TEST(SequenceModelTest, ConfigSizesAreCheckedAgainstTheFileBeforeAllocating) {
+  // config.json's sizes were allocated before model.safetensors' shapes were read: 20000 layers
+  // beside a 2-layer checkpoint took seconds and gigabytes, an input_size of 2e9 asked for 128 GB.
+  // Each is now an error naming the field, found in the file's header.
+  using Exec = TypeParam;
+  const std::string dir = std::string(::testing::TempDir()) + "kmamba_sequence_model_sizes_" + Exec::name();
+  kmamba::Model<Exec>(tiny_config(kmamba::MixerKind::Mamba2), 12).save(dir);
+  std::ifstream in(dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto load_error = [&](const std::string& from, const std::string& to) {
+    std::string edited = config;
+    EXPECT_NE(edited.find(from), std::string::npos) << from;
+    if (edited.find(from) != std::string::npos) edited.replace(edited.find(from), from.size(), to);
+    std::ofstream(dir + "/config.json") << edited;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string message = error_of([&] { kmamba::Model<Exec>::load(dir); });
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0) << to;
+    return message;
+  };
+  std::string message = load_error("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 20000");
+  EXPECT_NE(message.find("gives num_hidden_layers (n_layer) 20000, but"), std::string::npos) << message;
+  EXPECT_NE(message.find("holds 2 layers"), std::string::npos) << message;
+  message = load_error("\"input_size\": 3", "\"input_size\": 2000000000");
+  EXPECT_NE(message.find("gives hidden_size 16 and input_size 2000000000, but 'input_proj.weight'"), std::string::npos)
+      << message;
+  message = load_error("\"output_size\": 2", "\"output_size\": 2000000000");
+  EXPECT_NE(message.find("gives output_size 2000000000 and hidden_size 16, but 'output_head.weight'"),
+            std::string::npos) << message;
+  // A per-layer size beyond the file: named by the tensor, still before the model is allocated.
+  message = load_error("\"state_size\": 8", "\"state_size\": 4000000");
+  EXPECT_NE(message.find("backbone.layers.0.mixer."), std::string::npos) << message;
 }
 
 TYPED_TEST(SequenceModelTest, TrainStepLowersTheLoss) {
