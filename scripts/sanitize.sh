@@ -5,8 +5,9 @@
 #   scripts/sanitize.sh [--build-dir DIR] [--all] [suite...]
 #
 # Without suites: core (shapes, bf16, random fills), models (safetensors, config.json), data,
-# tokenizer, sampling, trainer and the checkpoint kill test (SANITIZE_SUITES); --all: every suite.
-# Kokkos itself is not instrumented (its own code is not checked, calls into it are).
+# tokenizer, sampling, trainer, the checkpoint kill test and app_common (the app runtime every app
+# starts through: options, exit statuses, the PNG writer) (SANITIZE_SUITES); --all: every suite and
+# app. Kokkos itself is not instrumented (its own code is not checked, calls into it are).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="$root/build-asan"
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
     *) suites+=("$1"); shift ;;
   esac
 done
-SANITIZE_SUITES=(core models data tokenizer sampling trainer checkpoint_kill)
+SANITIZE_SUITES=(core models data tokenizer sampling trainer checkpoint_kill app_common)
 [ ${#suites[@]} -gt 0 ] || suites=("${SANITIZE_SUITES[@]}")
 jobs="$(nproc 2>/dev/null || echo 2)"
 
@@ -32,7 +33,7 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fr
 mkdir -p "$build_dir"
 cmake -S "$root" -B "$build_dir" -DKokkos_ROOT="$kokkos_root" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
-      -DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_BUILD_APPS=OFF -DKMAMBA_BUILD_PERF=OFF \
+      -DKMAMBA_ENABLE_MPI=OFF -DKMAMBA_BUILD_APPS=ON -DKMAMBA_BUILD_PERF=OFF \
       >"$build_dir.configure.log" 2>&1 || { tail -n 30 "$build_dir.configure.log" >&2; die "configuring failed"; }
 
 t0=$(date +%s)
