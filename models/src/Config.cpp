@@ -1,3 +1,4 @@
+#include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Files.hpp>
 #include <kmamba/core/Json.hpp>
@@ -265,7 +266,11 @@ void ModelConfig::validate() const {
                                                        << dt_min << " dt_max=" << dt_max);
   KMAMBA_REQUIRE(dt_limit_min >= 0.0 && dt_limit_min < dt_limit_max,
                  "kmamba::ModelConfig: need 0 <= dt_limit min < max, got [" << dt_limit_min << ", " << dt_limit_max << "]");
-  if (mixer != MixerKind::Mamba3) positive("d_conv", d_conv);
+  if (mixer != MixerKind::Mamba3) {
+    positive("d_conv", d_conv);
+    KMAMBA_REQUIRE(d_conv <= conv1d_max_width, "kmamba::ModelConfig: d_conv (conv_kernel) is " << d_conv
+                                                   << "; the causal conv takes at most " << conv1d_max_width << " taps");
+  }
   if (mixer == MixerKind::Mamba1) {
     positive("dt_rank", resolved_dt_rank());
     KMAMBA_REQUIRE(d_inner() % ngroups == 0, "kmamba::ModelConfig: d_inner " << d_inner() << " is not divisible by ngroups "

@@ -328,11 +328,14 @@ TYPED_TEST(Conv1d, ForwardAndBackwardMatchReferenceOverSweep) {
   }
 }
 
+// Sequences of several backward segments (64 rows each, a partial last one), and widths that take
+// the 8- and 16-tap register windows of the backward, up to the largest width.
 TYPED_TEST(Conv1d, LargerProblemMatchesReference) {
   using Exec = TypeParam;
   for (const Problem& p :
        {Problem{3, 257, 19, 4, true, true, true, true}, Problem{4, 130, 33, 3, false, true, false, true},
-        Problem{1, 64, 8, 1, true, false, false, false}}) {
+        Problem{1, 64, 8, 1, true, false, false, false}, Problem{2, 150, 7, 7, true, true, true, true},
+        Problem{2, 70, 5, kmamba::conv1d_max_width, true, true, true, true}}) {
     SCOPED_TRACE(p.name());
     check_against_reference(DeviceInputs<Exec>(p, 77));
   }
@@ -593,6 +596,12 @@ TYPED_TEST(Conv1d, RejectsBadShapesNamingBothShapes) {
   EXPECT_NE(error_message([&] {
               kmamba::causal_conv1d(exec, x, kmamba::allocate<T2>("kmamba::test::w", 4, 0), bias, T3(), y, T3(), act);
             }).find("at least 1"),
+            std::string::npos);
+  const int too_wide = kmamba::conv1d_max_width + 1;
+  EXPECT_NE(error_message([&] {
+              kmamba::causal_conv1d(exec, x, kmamba::allocate<T2>("kmamba::test::w", 4, too_wide), bias, T3(), y, T3(),
+                                    act);
+            }).find("at most " + std::to_string(kmamba::conv1d_max_width)),
             std::string::npos);
   EXPECT_NE(
       error_message([&] { kmamba::causal_conv1d(exec, x, w, bias, state, x, T3(), act); }).find("y must not be x"),

@@ -32,6 +32,9 @@
 
 namespace kmamba {
 
+/// The largest conv width (taps) causal_conv1d and its backward take.
+constexpr int conv1d_max_width = impl::conv1d_max_width;
+
 /// The activation applied to the conv output.
 enum class Conv1dActivation { none, silu };
 
@@ -52,8 +55,9 @@ Conv1dInput<MemorySpace> make_conv1d_input(const char* function,
   check_shape(function, "weight", weight, Shape({channels, Shape::any}), "(channels, width)");
   check_allocated(function, "weight", weight);
   const auto width = static_cast<std::int64_t>(weight.extent(1));
-  KMAMBA_REQUIRE(width >= 1, function << ": weight has shape " << shape_of(weight).to_string()
-                                      << "; the conv width (its last extent) must be at least 1");
+  KMAMBA_REQUIRE(width >= 1 && width <= conv1d_max_width,
+                 function << ": weight has shape " << shape_of(weight).to_string()
+                          << "; the conv width (its last extent) must be at least 1 and at most " << conv1d_max_width);
   const bool has_bias = conv1d_given(bias);
   if (has_bias) {
     check_shape(function, "bias", bias, Shape({channels}), "(channels)");
@@ -74,6 +78,17 @@ Conv1dInput<MemorySpace> make_conv1d_input(const char* function,
                                   activation == Conv1dActivation::silu,
                                   static_cast<int>(seqlen),
                                   static_cast<int>(width)};
+}
+
+// Rows per backward segment: conv1d_segment_rows, halved (down to conv1d_min_segment_rows) while
+// the batch x segments x channels work items would not fill `exec` twice over.
+template <class ExecutionSpace>
+int conv1d_backward_segment_rows(const ExecutionSpace& exec, std::int64_t batch, std::int64_t seqlen,
+                                 std::int64_t channels) {
+  const std::int64_t wanted = 2 * static_cast<std::int64_t>(exec.concurrency());
+  int rows = conv1d_segment_rows;
+  while (rows > conv1d_min_segment_rows && batch * channels * ((seqlen + rows - 1) / rows) < wanted) rows /= 2;
+  return rows;
 }
 
 }  // namespace impl
@@ -185,57 +200,23 @@ void causal_conv1d_backward(
 
   const impl::Conv1dGradInput<Mem> grad{in, dy, dfinal_state, has_dfinal_state};
   using Policy = Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>;
-  Kokkos::parallel_for("kmamba::conv1d::backward_dx", Policy(exec, 0, static_cast<std::int64_t>(dx.size())),
-                       impl::Conv1dBackwardInputFunctor<Mem>{grad, dx, static_cast<int>(channels)});
   if (has_dinitial_state) {
     Kokkos::parallel_for("kmamba::conv1d::backward_dinitial_state",
                          Policy(exec, 0, static_cast<std::int64_t>(dinitial_state.size())),
                          impl::Conv1dBackwardStateFunctor<Mem>{grad, dinitial_state, static_cast<int>(channels)});
   }
-  if (channels > 0) {
-    using WeightFunctor = impl::Conv1dBackwardWeightFunctor<ExecutionSpace>;
-    using TeamPolicy = typename WeightFunctor::Policy;
-    const int tiles = static_cast<int>((channels + WeightFunctor::channel_tile - 1) / WeightFunctor::channel_tile);
-    const int vector_length = std::min(WeightFunctor::channel_tile, TeamPolicy::vector_length_max());
-    const std::size_t scratch_bytes = WeightFunctor::scratch_bytes(WeightFunctor::preferred_team_size, in.width);
-    const int scratch_level = scratch_bytes <= static_cast<std::size_t>(TeamPolicy::scratch_size_max(0)) ? 0 : 1;
-    WeightFunctor functor{grad,
-                          dweight,
-                          dbias,
-                          Tensor3<float, Mem>(),
-                          has_dbias,
-                          static_cast<int>(batch),
-                          static_cast<int>(channels),
-                          scratch_level,
-                          1};
-    const int team_size = std::min(WeightFunctor::preferred_team_size,
-                                   TeamPolicy(exec, tiles, 1, vector_length)
-                                       .set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes))
-                                       .team_size_recommended(functor, Kokkos::ParallelForTag()));
-    // Row blocks: enough teams for twice what `exec` runs at once (a team is team_size threads of
-    // vector_length lanes on a GPU; a host's vector lanes are a loop), at least 64 rows each.
-    const std::int64_t team_threads =
-        static_cast<std::int64_t>(team_size) * (impl::vector_lanes_are_threads<ExecutionSpace> ? vector_length : 1);
-    const std::int64_t wanted_teams = std::max<std::int64_t>(1, 2 * static_cast<std::int64_t>(exec.concurrency()) / team_threads);
-    const std::int64_t rows = batch * seqlen;
-    functor.row_blocks = static_cast<int>(std::max<std::int64_t>(
-        1, std::min<std::int64_t>((wanted_teams + tiles - 1) / tiles, (rows + 63) / 64)));
-    if (functor.row_blocks > 1) {
-      functor.partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial",
-                                                                    functor.row_blocks, width + 1, channels);
-    }
-    Kokkos::parallel_for("kmamba::conv1d::backward_dweight",
-                         TeamPolicy(exec, tiles * functor.row_blocks, team_size, vector_length)
-                             .set_scratch_size(scratch_level, Kokkos::PerTeam(scratch_bytes)),
-                         functor);
-    if (functor.row_blocks > 1) {
-      Kokkos::parallel_for("kmamba::conv1d::backward_dweight_sum",
-                           Policy(exec, 0, (width + 1) * channels),
-                           impl::Conv1dWeightPartialSumFunctor<Mem>{functor.partial, dweight, dbias, has_dbias,
-                                                                    static_cast<int>(channels),
-                                                                    static_cast<int>(width)});
-    }
-  }
+  const int segment_rows = impl::conv1d_backward_segment_rows(exec, batch, seqlen, channels);
+  const std::int64_t segments = std::max<std::int64_t>(1, (seqlen + segment_rows - 1) / segment_rows);
+  const auto partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial",
+                                                                   batch * segments, width + 1, channels);
+  impl::with_conv1d_window(in.width, [&](auto window) {
+    Kokkos::parallel_for("kmamba::conv1d::backward", Policy(exec, 0, batch * segments * channels),
+                         impl::Conv1dBackwardSegmentFunctor<Mem, decltype(window)::value>{
+                             grad, dx, partial, static_cast<int>(channels), static_cast<int>(segments), segment_rows});
+  });
+  Kokkos::parallel_for("kmamba::conv1d::backward_dweight_sum", Policy(exec, 0, (width + 1) * channels),
+                       impl::Conv1dWeightPartialSumFunctor<Mem>{partial, dweight, dbias, has_dbias,
+                                                                static_cast<int>(channels), static_cast<int>(width)});
 }
 
 template <class XView>

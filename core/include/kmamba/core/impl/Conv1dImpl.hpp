@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace kmamba {
 namespace impl {
@@ -116,22 +117,6 @@ struct Conv1dGradInput {
   }
 };
 
-// dx(b, s, c); flat index i = (b * seqlen + s) * channels + c.
-template <class MemorySpace>
-struct Conv1dBackwardInputFunctor {
-  Conv1dGradInput<MemorySpace> grad;
-  Tensor3<float, MemorySpace> dx;  // (batch, seqlen, channels)
-  int channels;
-
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const int c = static_cast<int>(i % channels);
-    const std::int64_t row = i / channels;
-    const int s = static_cast<int>(row % grad.in.seqlen);
-    const int b = static_cast<int>(row / grad.in.seqlen);
-    dx(b, s, c) = grad.dinput(b, s, c);
-  }
-};
-
 // dinitial_state(b, c, j) = dinput at time j - (width-1); flat index i = (b * channels + c) * (width-1) + j.
 template <class MemorySpace>
 struct Conv1dBackwardStateFunctor {
@@ -149,90 +134,107 @@ struct Conv1dBackwardStateFunctor {
   }
 };
 
-// dweight(c, k) = sum over (b, t) of dpre(b, t, c) * input(b, t-(width-1)+k, c) and
-// dbias(c) = sum over (b, t) of dpre(b, t, c), as a deterministic multi-level reduction without
-// atomics. One team per (tile of `channel_tile` channels, block of rows): the channels on vector
-// lanes (coalesced loads), team thread q sums rows q, q + team_size, ... of its block into its own
-// slice of team scratch, then the slices are added in a fixed order. With one row block the team
-// writes dweight / dbias; with several (so that a long sequence of few channels, such as the B and
-// C segments of a Mamba-2 conv, still fills a GPU) it writes its block's partial sums and
-// Conv1dWeightPartialSumFunctor adds them in block order.
-template <class ExecutionSpace>
-struct Conv1dBackwardWeightFunctor {
-  using MemorySpace = Conv1dMemory<ExecutionSpace>;
-  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
-  using member_type = typename Policy::member_type;
-  // (team_size, width + 1, channel_tile): per team thread, per tap (the last one is the bias), per lane.
-  using ScratchSums = Kokkos::View<float***,
-                                   Kokkos::LayoutRight,
-                                   typename ExecutionSpace::scratch_memory_space,
-                                   Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  static constexpr int channel_tile = 32;
-  static constexpr int preferred_team_size = 16;
+// Rows of a backward segment: long enough that the width - 1 rows read on either side of it stay
+// a small share, and shortened (down to conv1d_min_segment_rows) where batch x channels work items
+// per segment would not fill the device.
+constexpr int conv1d_segment_rows = 64;
+constexpr int conv1d_min_segment_rows = 16;
 
+// The backward of one (batch, segment of rows [t0, t1), channel) work item in one pass over time:
+// each step loads x(t) and dy(t) once, recomputes the pre-activation from a window of the last
+// MaxWidth inputs held in registers, adds dpre(t) * weight(c, k) to the pending gradients of the
+// inputs it read, writes the input gradient that no later output reaches, and (for t < t1) adds
+// dpre(t) * input to the item's partial sums of dweight and dbias. The window and the pending
+// gradients are right-aligned (index MaxWidth - 1 is time t) so that every register index is a
+// compile-time constant; a width below MaxWidth leaves the leading slots unused. The walk reads
+// width - 1 rows before t0 (through Conv1dInput::input, initial state included) and width - 1
+// rows after t1 (for the gradients of the segment's last inputs); the partial sums go to
+// partial(b * segments + segment, k, c) and Conv1dWeightPartialSumFunctor adds them in order.
+template <class MemorySpace, int MaxWidth>
+struct Conv1dBackwardSegmentFunctor {
   Conv1dGradInput<MemorySpace> grad;
-  Tensor2<float, MemorySpace> dweight;  // (channels, width)
-  Tensor1<float, MemorySpace> dbias;    // (channels) if has_dbias
-  Tensor3<float, MemorySpace> partial;  // (row_blocks, width + 1, channels) if row_blocks > 1
-  bool has_dbias;
-  int batch;
+  Tensor3<float, MemorySpace> dx;       // (batch, seqlen, channels)
+  Tensor3<float, MemorySpace> partial;  // (batch * segments, width + 1, channels)
   int channels;
-  int scratch_level;
-  int row_blocks;
+  int segments;
+  int segment_rows;
 
-  static std::size_t scratch_bytes(int team_size, int width) {
-    return ScratchSums::shmem_size(static_cast<std::size_t>(team_size), static_cast<std::size_t>(width) + 1,
-                                   static_cast<std::size_t>(channel_tile));
-  }
-
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int tiles = (channels + channel_tile - 1) / channel_tile;
-    const int tile_index = team.league_rank() % tiles;
-    const int block = team.league_rank() / tiles;
-    const int c0 = tile_index * channel_tile;
-    const int tile = channels - c0 < channel_tile ? channels - c0 : channel_tile;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const int c = static_cast<int>(i % channels);
+    const std::int64_t item = i / channels;
+    const int b = static_cast<int>(item / segments);
     const int width = grad.in.width;
     const int seqlen = grad.in.seqlen;
-    const int rows = batch * seqlen;
-    const int rows_per_block = (rows + row_blocks - 1) / row_blocks;
-    const int row_begin = block * rows_per_block;
-    const int row_end = row_begin + rows_per_block < rows ? row_begin + rows_per_block : rows;
-    const int q = team.team_rank();
-    const int team_size = team.team_size();
-    const ScratchSums sums(team.team_scratch(scratch_level), team_size, width + 1, channel_tile);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, tile), [&](const int lane) {
-      const int c = c0 + lane;
-      for (int k = 0; k <= width; ++k) sums(q, k, lane) = 0.0f;
-      for (int r = row_begin + q; r < row_end; r += team_size) {
-        const int b = r / seqlen;
-        const int t = r % seqlen;
-        const float g = grad.dpre(b, t, c);
-        for (int k = 0; k < width; ++k) sums(q, k, lane) += g * grad.in.input(b, t - (width - 1) + k, c);
-        sums(q, width, lane) += g;
-      }
-    });
-    team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width + 1), [&](const int k) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, tile), [&](const int lane) {
-        float total = 0.0f;
-        for (int p = 0; p < team_size; ++p) total += sums(p, k, lane);
-        if (row_blocks > 1) {
-          partial(block, k, c0 + lane) = total;
-        } else if (k < width) {
-          dweight(c0 + lane, k) = total;
-        } else if (has_dbias) {
-          dbias(c0 + lane) = total;
+    const int first_tap = MaxWidth - width;  // slot of tap 0
+    const int t0 = static_cast<int>(item % segments) * segment_rows;
+    const int t1 = t0 + segment_rows < seqlen ? t0 + segment_rows : seqlen;
+    const int t_end = t1 + width - 1 < seqlen ? t1 + width - 1 : seqlen;
+    float tap[MaxWidth], window[MaxWidth], pending[MaxWidth], sums[MaxWidth];
+    float bias_sum = 0.0f;
+    for (int j = 0; j < MaxWidth; ++j) {
+      tap[j] = j >= first_tap ? grad.in.weight(c, j - first_tap) : 0.0f;
+      // window[j] = the input at time t0 - MaxWidth + j, the one before each step's shift.
+      window[j] = j > first_tap ? grad.in.input(b, t0 - MaxWidth + j, c) : 0.0f;
+      pending[j] = 0.0f;
+      sums[j] = 0.0f;
+    }
+    for (int t = t0; t < t1 + MaxWidth - 1; ++t) {
+      if (t < t_end) {
+        for (int j = 0; j + 1 < MaxWidth; ++j) window[j] = window[j + 1];
+        window[MaxWidth - 1] = grad.in.x(b, t, c);
+        float pre = grad.in.has_bias ? grad.in.bias(c) : 0.0f;
+        for (int j = 0; j < MaxWidth; ++j) {
+          if (j >= first_tap) pre += tap[j] * window[j];
         }
-      });
-    });
+        const float g = grad.dy(b, t, c);
+        const float dpre = grad.in.apply_silu ? g * silu_derivative(pre) : g;
+        for (int j = 0; j < MaxWidth; ++j) {
+          if (j >= first_tap) pending[j] += tap[j] * dpre;
+        }
+        if (t < t1) {
+          for (int j = 0; j < MaxWidth; ++j) {
+            if (j >= first_tap) sums[j] += dpre * window[j];
+          }
+          bias_sum += dpre;
+        }
+      }
+      // pending[0] is the gradient of the input at time s = t - (MaxWidth - 1), which no later
+      // output reads.
+      const int s = t - (MaxWidth - 1);
+      if (s >= t0) {
+        const int j = s - seqlen + width - 1;
+        dx(b, s, c) = pending[0] + (grad.has_dfinal_state && j >= 0 ? grad.dfinal_state(b, c, j) : 0.0f);
+      }
+      for (int j = 0; j + 1 < MaxWidth; ++j) pending[j] = pending[j + 1];
+      pending[MaxWidth - 1] = 0.0f;
+    }
+    for (int j = 0; j < MaxWidth; ++j) {
+      if (j >= first_tap) partial(item, j - first_tap, c) = sums[j];
+    }
+    partial(item, width, c) = bias_sum;
   }
 };
 
-// dweight(c, k) (k < width) or dbias(c) (k = width) as the sum of the row blocks' partial sums in
-// block order; flat index i = k * channels + c.
+// The largest conv width the backward takes (its register window is sized at compile time).
+constexpr int conv1d_max_width = 16;
+
+// Calls f with the smallest of the register window sizes 4, 8, 16 that holds `width` taps.
+template <class F>
+void with_conv1d_window(int width, F&& f) {
+  if (width <= 4) {
+    f(std::integral_constant<int, 4>());
+  } else if (width <= 8) {
+    f(std::integral_constant<int, 8>());
+  } else {
+    f(std::integral_constant<int, conv1d_max_width>());
+  }
+}
+
+// dweight(c, k) (k < width) or dbias(c) (k = width) as the sum of the segments' partial sums in
+// segment order (deterministic, no atomics); flat index i = k * channels + c.
 template <class MemorySpace>
 struct Conv1dWeightPartialSumFunctor {
-  ConstTensor3<float, MemorySpace> partial;  // (row_blocks, width + 1, channels)
+  ConstTensor3<float, MemorySpace> partial;  // (batch * segments, width + 1, channels)
   Tensor2<float, MemorySpace> dweight;       // (channels, width)
   Tensor1<float, MemorySpace> dbias;         // (channels) if has_dbias
   bool has_dbias;
