@@ -21,6 +21,7 @@
 #define KMAMBA_CORE_IMPL_MAMBA3SCANIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/ChunkStateWalk.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -653,7 +654,7 @@ KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Ma
 
 /// Stage 4 (state_passing, one item per (batch, head, p, n)): replaces each chunk's local state by
 /// the state Ĥ entering the chunk (Ĥ_{−1} = initial ssm + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ) and writes the
-/// final ssm state, reading the next local state ahead.
+/// final ssm state (chunk_walk_forward).
 template <class MemorySpace>
 struct Mamba3StatePassingFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -670,13 +671,9 @@ struct Mamba3StatePassingFunctor {
       for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
       s += in.beta_tilde(b, h, 0) * kv;
     }
-    float local = ws.states(b, 0, h, p, n);
-    for (int c = 0; c < plan.nchunks; ++c) {
-      const float next = c + 1 < plan.nchunks ? ws.states(b, c + 1, h, p, n) : 0.0f;
-      ws.states(b, c, h, p, n) = s;
-      s = mamba3_chunk_decay(plan, ws, b, h, c) * s + local;
-      local = next;
-    }
+    s = chunk_walk_forward(
+        plan.nchunks, s, [&](int c) -> float& { return ws.states(b, c, h, p, n); },
+        [&](int c) { return mamba3_chunk_decay(plan, ws, b, h, c); });
     if (final_states.has_ssm) final_states.ssm(b, h, p, n) = s;
   }
 };
@@ -827,7 +824,7 @@ struct Mamba3ChunkDstatesFunctor {
 
 /// Backward B3 (state passing reversed, one item per (batch, head, p, n)): replaces each chunk's
 /// dstates by the gradient of the state leaving the chunk (the last one's is dfinal ssm) and
-/// writes ∂/∂Ĥ_{−1} (= dinitial ssm), reading the previous chunk's dstates ahead.
+/// writes ∂/∂Ĥ_{−1} (= dinitial ssm) (chunk_walk_backward).
 template <class MemorySpace>
 struct Mamba3StatePassingBackwardFunctor {
   Mamba3Workspace<MemorySpace> ws;
@@ -839,14 +836,9 @@ struct Mamba3StatePassingBackwardFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const Mamba3StateItem it = mamba3_state_item(plan, item);
     const int b = it.b, h = it.h, p = it.p, n = it.n;
-    float ds = dfinal.ssm_or_zero(b, h, p, n);
-    float dh = bw.dstates(b, plan.nchunks - 1, h, p, n);
-    for (int c = plan.nchunks - 1; c >= 0; --c) {
-      const float previous = c > 0 ? bw.dstates(b, c - 1, h, p, n) : 0.0f;
-      bw.dstates(b, c, h, p, n) = ds;
-      ds = mamba3_chunk_decay(plan, ws, b, h, c) * ds + dh;
-      dh = previous;
-    }
+    const float ds = chunk_walk_backward(
+        plan.nchunks, dfinal.ssm_or_zero(b, h, p, n), [&](int c) -> float& { return bw.dstates(b, c, h, p, n); },
+        [&](int c) { return mamba3_chunk_decay(plan, ws, b, h, c); });
     bw.dH0(b, h, p, n) = ds;
     if (dinitial.has_ssm) dinitial.ssm(b, h, p, n) = ds;
   }

@@ -23,6 +23,7 @@
 #define KMAMBA_CORE_IMPL_SSDIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/ChunkStateWalk.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/SsdFusedBackward.hpp>
 #include <kmamba/core/impl/SsdFusedForward.hpp>
@@ -227,7 +228,7 @@ KOKKOS_INLINE_FUNCTION SsdStateItem ssd_state_item(const SsdPlan& plan, std::int
 
 /// Stage 3 (state_passing): replaces each chunk's local state by the state entering the chunk
 /// (H_{c+1} = decay_c·H_c + Sloc_c, H_0 = initial_states or 0) and writes the final state. One
-/// work item per (batch, head, p, n) walks the chunks, reading the next local state ahead.
+/// work item per (batch, head, p, n) walks the chunks (chunk_walk_forward).
 template <class MemorySpace>
 struct SsdStatePassingFunctor {
   SsdOperands<MemorySpace> in;
@@ -238,14 +239,10 @@ struct SsdStatePassingFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const SsdStateItem it = ssd_state_item(plan, item);
-    float s = in.has_initial_states ? in.initial_states(it.b, it.h, it.p, it.n) : 0.0f;
-    float local = plan.nchunks > 0 ? ws.states(it.b, 0, it.h, it.p, it.n) : 0.0f;
-    for (int c = 0; c < plan.nchunks; ++c) {
-      const float next = c + 1 < plan.nchunks ? ws.states(it.b, c + 1, it.h, it.p, it.n) : 0.0f;
-      ws.states(it.b, c, it.h, it.p, it.n) = s;
-      s = ssd_chunk_decay(plan, ws, it.b, it.h, c) * s + local;
-      local = next;
-    }
+    const float s0 = in.has_initial_states ? in.initial_states(it.b, it.h, it.p, it.n) : 0.0f;
+    const float s = chunk_walk_forward(
+        plan.nchunks, s0, [&](int c) -> float& { return ws.states(it.b, c, it.h, it.p, it.n); },
+        [&](int c) { return ssd_chunk_decay(plan, ws, it.b, it.h, c); });
     if (write_final) final_states(it.b, it.h, it.p, it.n) = s;
   }
 };
@@ -370,7 +367,8 @@ struct SsdChunkDstatesFunctor {
 };
 
 /// Backward B3 (state passing, reversed): replaces dH_c by dSloc_c, the gradient of the state
-/// leaving chunk c, and writes dinitial_states. One work item per (batch, head, p, n).
+/// leaving chunk c, and writes dinitial_states. One work item per (batch, head, p, n) walks the
+/// chunks from the last (chunk_walk_backward).
 template <class MemorySpace>
 struct SsdStatePassingBackwardFunctor {
   SsdWorkspace<MemorySpace> ws;
@@ -382,14 +380,10 @@ struct SsdStatePassingBackwardFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const SsdStateItem it = ssd_state_item(plan, item);
-    float ds = has_dfinal ? dfinal_states(it.b, it.h, it.p, it.n) : 0.0f;
-    float dh = plan.nchunks > 0 ? dstates(it.b, plan.nchunks - 1, it.h, it.p, it.n) : 0.0f;
-    for (int c = plan.nchunks - 1; c >= 0; --c) {
-      const float previous = c > 0 ? dstates(it.b, c - 1, it.h, it.p, it.n) : 0.0f;
-      dstates(it.b, c, it.h, it.p, it.n) = ds;
-      ds = ssd_chunk_decay(plan, ws, it.b, it.h, c) * ds + dh;
-      dh = previous;
-    }
+    const float ds0 = has_dfinal ? dfinal_states(it.b, it.h, it.p, it.n) : 0.0f;
+    const float ds = chunk_walk_backward(
+        plan.nchunks, ds0, [&](int c) -> float& { return dstates(it.b, c, it.h, it.p, it.n); },
+        [&](int c) { return ssd_chunk_decay(plan, ws, it.b, it.h, c); });
     if (write_dinitial) dinitial_states(it.b, it.h, it.p, it.n) = ds;
   }
 };
