@@ -3,6 +3,9 @@
 // fenced before it starts and after it ends, and the time between is added to its label's total.
 // What runs outside Kokkos kernels (cuBLAS GEMMs, NCCL, copies, allocation, host work) is the
 // difference between the timed span and the kernels' sum, which report() prints as one row.
+// The profiling regions of the public ops (kmamba::ProfilingRegion) are timed the same way, each
+// including the kernels and vendor calls inside it, and printed as a second table: that is where
+// the vendor GEMMs (region kmamba::gemm) show apart from the rest of what runs outside kernels.
 //
 // The fences serialise the execution space, so the profiled span is slower than an unprofiled one
 // by about one launch-and-synchronise latency per kernel (a few µs on CUDA); the shares, not the
@@ -28,12 +31,16 @@ class KernelTimes {
   KernelTimes() : saved_(Kokkos::Tools::Experimental::get_callbacks()) {
     state().totals.clear();
     state().running.clear();
+    state().region_totals.clear();
+    state().regions.clear();
     Kokkos::Tools::Experimental::set_begin_parallel_for_callback(&begin);
     Kokkos::Tools::Experimental::set_begin_parallel_reduce_callback(&begin);
     Kokkos::Tools::Experimental::set_begin_parallel_scan_callback(&begin);
     Kokkos::Tools::Experimental::set_end_parallel_for_callback(&end);
     Kokkos::Tools::Experimental::set_end_parallel_reduce_callback(&end);
     Kokkos::Tools::Experimental::set_end_parallel_scan_callback(&end);
+    Kokkos::Tools::Experimental::set_push_region_callback(&push_region);
+    Kokkos::Tools::Experimental::set_pop_region_callback(&pop_region);
   }
   ~KernelTimes() {
     Kokkos::Tools::Experimental::set_begin_parallel_for_callback(saved_.begin_parallel_for);
@@ -42,6 +49,8 @@ class KernelTimes {
     Kokkos::Tools::Experimental::set_end_parallel_for_callback(saved_.end_parallel_for);
     Kokkos::Tools::Experimental::set_end_parallel_reduce_callback(saved_.end_parallel_reduce);
     Kokkos::Tools::Experimental::set_end_parallel_scan_callback(saved_.end_parallel_scan);
+    Kokkos::Tools::Experimental::set_push_region_callback(saved_.push_region);
+    Kokkos::Tools::Experimental::set_pop_region_callback(saved_.pop_region);
   }
   KernelTimes(const KernelTimes&) = delete;
   KernelTimes& operator=(const KernelTimes&) = delete;
@@ -50,24 +59,20 @@ class KernelTimes {
   /// `span_seconds` (the fenced wall-clock time of the profiled repeats), then the kernels' sum
   /// and the time outside Kokkos kernels.
   void report(std::FILE* out, double span_seconds, int repeats, int top = 30) const {
-    std::vector<std::pair<std::string, Total>> rows(state().totals.begin(), state().totals.end());
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    const auto rows = sorted(state().totals);
     double kernels = 0.0;
     for (const auto& row : rows) kernels += row.second.seconds;
     const double per = 1.0 / std::max(1, repeats);
     std::fprintf(out, "kernel times (fenced, per repeat of %d; %zu labels; %.3f ms per repeat in all)\n", repeats,
                  rows.size(), span_seconds * per * 1e3);
-    std::fprintf(out, "  %10s %8s %7s  %s\n", "ms", "calls", "share", "label");
-    const int shown = std::min<int>(top, static_cast<int>(rows.size()));
-    for (int i = 0; i < shown; ++i) {
-      const Total& t = rows[static_cast<std::size_t>(i)].second;
-      std::fprintf(out, "  %10.3f %8.1f %6.1f%%  %s\n", t.seconds * per * 1e3, static_cast<double>(t.calls) * per,
-                   100.0 * t.seconds / span_seconds, rows[static_cast<std::size_t>(i)].first.c_str());
-    }
+    print_rows(out, rows, span_seconds, per, top);
     std::fprintf(out, "  %10.3f %8s %6.1f%%  (all %zu Kokkos kernels)\n", kernels * per * 1e3, "",
                  100.0 * kernels / span_seconds, rows.size());
     std::fprintf(out, "  %10.3f %8s %6.1f%%  (outside Kokkos kernels: vendor GEMMs and collectives, copies, allocation, host)\n",
                  (span_seconds - kernels) * per * 1e3, "", 100.0 * (span_seconds - kernels) / span_seconds);
+    const auto regions = sorted(state().region_totals);
+    std::fprintf(out, "op regions (fenced, inclusive of the kernels and vendor calls inside; per repeat of %d)\n", repeats);
+    print_rows(out, regions, span_seconds, per, top);
   }
 
  private:
@@ -79,7 +84,25 @@ class KernelTimes {
     std::map<std::string, Total> totals;
     // The running kernels (label, start), innermost last; a kernel's id is its depth.
     std::vector<std::pair<std::string, std::chrono::steady_clock::time_point>> running;
+    std::map<std::string, Total> region_totals;
+    std::vector<std::pair<std::string, std::chrono::steady_clock::time_point>> regions;  // open, innermost last
   };
+  using Rows = std::vector<std::pair<std::string, Total>>;
+
+  static Rows sorted(const std::map<std::string, Total>& totals) {
+    Rows rows(totals.begin(), totals.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    return rows;
+  }
+  static void print_rows(std::FILE* out, const Rows& rows, double span_seconds, double per, int top) {
+    std::fprintf(out, "  %10s %8s %7s  %s\n", "ms", "calls", "share", "label");
+    const int shown = std::min<int>(top, static_cast<int>(rows.size()));
+    for (int i = 0; i < shown; ++i) {
+      const Total& t = rows[static_cast<std::size_t>(i)].second;
+      std::fprintf(out, "  %10.3f %8.1f %6.1f%%  %s\n", t.seconds * per * 1e3, static_cast<double>(t.calls) * per,
+                   100.0 * t.seconds / span_seconds, rows[static_cast<std::size_t>(i)].first.c_str());
+    }
+  }
   static State& state() {
     static State s;
     return s;
@@ -98,6 +121,19 @@ class KernelTimes {
     state().running.resize(id);
   }
 
+  static void push_region(const char* name) {
+    Kokkos::fence();
+    state().regions.emplace_back(name, std::chrono::steady_clock::now());
+  }
+  static void pop_region() {
+    Kokkos::fence();
+    if (state().regions.empty()) return;
+    const auto& [name, start] = state().regions.back();
+    Total& t = state().region_totals[name];
+    t.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++t.calls;
+    state().regions.pop_back();
+  }
   Kokkos::Tools::Experimental::EventSet saved_;
 };
 

@@ -2,6 +2,7 @@
 """kmamba against the official mamba_ssm kernels, on one GPU, in one run.
 
     perf/side_by_side.py --kmamba-perf BUILD/perf/kmamba-perf [--mamba-ssm DIR] [--json FILE]
+                         [--kmamba-perf-train BUILD/perf/kmamba-perf-train [--train-mixers mamba2,mamba3]]
 
 Times the official Triton SSD (`mamba_chunk_scan_combined`: bf16 x, z, B, C; fp32 dt, A, D,
 dt_bias; chunk 256, its default for Mamba-2) with `triton.testing.do_bench` medians, then runs
@@ -9,6 +10,13 @@ dt_bias; chunk 256, its default for Mamba-2) with `triton.testing.do_bench` medi
 case, shape, official time, kmamba time, kmamba / official. --mamba-ssm names a directory holding
 the `mamba_ssm` package (a source checkout or an unpacked copy) when it is not installed. Needs
 PyTorch, Triton and a CUDA GPU; the official package's compiled extensions are not needed.
+
+With --kmamba-perf-train it also times one training step of the 130m shape (d_model 768, 24
+layers, vocabulary 50277, tied head; batch 8 x 2048 tokens) both ways: the official
+`MambaLMHeadModel` (Mamba2 or Mamba3 SISO layers, fp32 weights under bf16 autocast, fused
+add+norm, AdamW with fused=True, gradient clipping at 1.0), median of CUDA-event-timed steps, and
+`kmamba-perf-train --precision bf16` (Mamba-2 at chunk 64, the chunk of its fused bf16 kernels;
+Mamba-3 at its preset's 64).
 """
 import argparse
 import json
@@ -55,6 +63,63 @@ def official_ssd(batch, seqlen):
     return {"fwd": fwd_ms * 1e3, "fwd+bwd": both_ms * 1e3}
 
 
+TRAIN_BATCH, TRAIN_SEQLEN, TRAIN_STEPS = 8, 2048, 10
+
+
+def official_train_step(mixer):
+    import torch
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    torch.manual_seed(0)
+    layer = {"mamba2": {"layer": "Mamba2", "use_mem_eff_path": False},
+             "mamba3": {"layer": "Mamba3"}}[mixer]
+    config = MambaConfig(d_model=768, n_layer=24, vocab_size=50277, ssm_cfg=layer, rms_norm=True,
+                         residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16)
+    model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, 50277, (TRAIN_BATCH, TRAIN_SEQLEN + 1), device="cuda")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(TRAIN_STEPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return times[len(times) // 2] * 1e3
+
+
+def kmamba_train_step(train_binary, mixer):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "train.json")
+        command = [train_binary, "--space", "Cuda", "--mixer", mixer, "--precision", "bf16",
+                   "--batch", str(TRAIN_BATCH), "--seqlen", str(TRAIN_SEQLEN), "--json", path]
+        if mixer == "mamba2":
+            command += ["--chunk", "64"]
+        run = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(run.stdout)
+        if run.returncode != 0:
+            sys.exit(f"side_by_side.py: {train_binary} exited with {run.returncode}")
+        with open(path) as f:
+            return json.load(f)["step_ms"] * 1e3
+
+
 def kmamba_ssd(perf_binary):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kmamba.json")
@@ -80,6 +145,8 @@ def main():
     parser.add_argument("--kmamba-perf", required=True, help="path of the kmamba-perf binary (a CUDA build)")
     parser.add_argument("--mamba-ssm", help="directory that holds the mamba_ssm package, if it is not installed")
     parser.add_argument("--json", help="also write the table to this file")
+    parser.add_argument("--kmamba-perf-train", help="path of kmamba-perf-train: also compare a training step")
+    parser.add_argument("--train-mixers", default="mamba2,mamba3", help="the training steps' mixers (comma-separated)")
     opts = parser.parse_args()
     if opts.mamba_ssm:
         sys.path.insert(0, opts.mamba_ssm)
@@ -97,10 +164,23 @@ def main():
                     continue
                 table.append({"case": f"ssd {case}{precision}", "shape": shape,
                               "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
+    if opts.kmamba_perf_train:
+        for mixer in opts.train_mixers.split(","):
+            try:
+                official_us = official_train_step(mixer)
+            except Exception as error:  # an official module that cannot run here (a missing extension)
+                print(f"side_by_side.py: the official {mixer} training step failed: {error!r}")
+                official_us = float("nan")
+            ours = kmamba_train_step(opts.kmamba_perf_train, mixer)
+            table.append({"case": f"train step {mixer}", "shape": f"130m b{TRAIN_BATCH} L{TRAIN_SEQLEN} bf16",
+                          "official_us": official_us, "kmamba_us": ours, "ratio": ours / official_us})
     print(f"{'case':<20} {'kmamba shape':<40} {'official':>12} {'kmamba':>12} {'kmamba/official':>16}")
     for r in table:
         print(f"{r['case']:<20} {r['shape']:<40} {r['official_us']:>9.1f} us {r['kmamba_us']:>9.1f} us {r['ratio']:>15.2f}x")
     print(f"official: mamba_chunk_scan_combined, chunk {OFFICIAL_CHUNK}, bf16 x/z/B/C, fp32 dt/A; do_bench medians")
+    if opts.kmamba_perf_train:
+        print("official training steps: MambaLMHeadModel under bf16 autocast + fused AdamW; medians of "
+              f"{TRAIN_STEPS} CUDA-event-timed steps")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"official_chunk": OFFICIAL_CHUNK, "rows": table}, f, indent=1)
