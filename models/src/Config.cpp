@@ -1,4 +1,4 @@
-#include <kmamba/core/Conv1d.hpp>
+#include <kmamba/core/Conv1dWidth.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Files.hpp>
 #include <kmamba/core/Json.hpp>

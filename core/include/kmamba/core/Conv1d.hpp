@@ -32,9 +32,6 @@
 
 namespace kmamba {
 
-/// The largest conv width (taps) causal_conv1d and its backward take.
-constexpr int conv1d_max_width = impl::conv1d_max_width;
-
 /// The activation applied to the conv output.
 enum class Conv1dActivation { none, silu };
 

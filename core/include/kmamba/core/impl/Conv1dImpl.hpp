@@ -7,6 +7,7 @@
 #define KMAMBA_CORE_IMPL_CONV1DIMPL_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Conv1dWidth.hpp>
 #include <kmamba/core/Tensor.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -215,9 +216,6 @@ struct Conv1dBackwardSegmentFunctor {
   }
 };
 
-// The largest conv width the backward takes (its register window is sized at compile time).
-constexpr int conv1d_max_width = 16;
-
 // Calls f with the smallest of the register window sizes 4, 8, 16 that holds `width` taps.
 template <class F>
 void with_conv1d_window(int width, F&& f) {
@@ -226,7 +224,8 @@ void with_conv1d_window(int width, F&& f) {
   } else if (width <= 8) {
     f(std::integral_constant<int, 8>());
   } else {
-    f(std::integral_constant<int, conv1d_max_width>());
+    static_assert(conv1d_max_width == 16, "with_conv1d_window: a window for every width up to conv1d_max_width");
+    f(std::integral_constant<int, 16>());
   }
 }
 
