@@ -34,7 +34,9 @@ for t in "${targets[@]}"; do
   [ -d "$root/tests/fuzz/corpus/$t" ] || die "no target '$t' (no tests/fuzz/corpus/$t)"
   work="$build_dir/corpus-$t"        # the seed corpus grows here; the committed seeds stay as they are
   rm -rf "$work"; mkdir -p "$work"; cp "$root/tests/fuzz/corpus/$t"/* "$work/"
-  max_len=4096; [ "$t" = tokenizer ] && max_len=32768
+  # Long enough for the structure-aware seeds (a header of 1000 tensors, values nested 1500 deep)
+  # to be read whole: libFuzzer cuts every input at max_len.
+  case "$t" in safetensors) max_len=131072 ;; tokenizer) max_len=32768 ;; *) max_len=8192 ;; esac
   dict=(); [ "$t" = token_file ] || dict=(-dict="$root/tests/fuzz/json.dict")
   log="$build_dir/fuzz-$t.log"
   t0=$(date +%s)
