@@ -2,10 +2,12 @@
 #include <kmamba/core/Files.hpp>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <thread>
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -191,6 +193,24 @@ void AppendFile::append(const std::string& text) {
   KMAMBA_USER_ERROR(what_ << ": writing '" << path_ << "' failed: " << std::strerror(err));
 }
 
+namespace {
+
+// The process id a lock file's holder wrote, or "" if it wrote none. The holder writes it just
+// after it takes the lock, so a process that finds the lock taken may read the file before the
+// write: it reads again, for up to a second, while the file is empty.
+std::string lock_holder(int fd) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    char holder[32] = {0};
+    const ssize_t n = ::pread(fd, holder, sizeof(holder) - 1, 0);
+    if (n > 0) return std::string(holder, static_cast<std::size_t>(n));
+    if (n < 0) return std::string();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return std::string();
+}
+
+}  // namespace
+
 DirectoryLock::DirectoryLock(const std::string& dir, const char* what) : path_(dir + "/kmamba.lock") {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
@@ -199,13 +219,12 @@ DirectoryLock::DirectoryLock(const std::string& dir, const char* what) : path_(d
   KMAMBA_REQUIRE(fd_ >= 0, what << ": cannot open the lock file '" << path_ << "': " << std::strerror(errno));
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    char holder[32] = {0};
-    const ssize_t n = ::pread(fd_, holder, sizeof(holder) - 1, 0);
+    const std::string holder = err == EWOULDBLOCK ? lock_holder(fd_) : std::string();
     ::close(fd_);
     fd_ = -1;
     KMAMBA_REQUIRE(err != EWOULDBLOCK, what << ": '" << dir << "' is in use by another process (process id "
-                                            << (n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : "unknown")
-                                            << ", holding '" << path_ << "'); wait for it to end or use another directory");
+                                            << (holder.empty() ? "unknown" : holder) << ", holding '" << path_
+                                            << "'); wait for it to end or use another directory");
     KMAMBA_USER_ERROR(what << ": cannot lock '" << path_ << "': " << std::strerror(err));
   }
   const std::string pid = std::to_string(::getpid());
