@@ -1,5 +1,6 @@
 #include <kmamba/KMamba.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Json.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/StagedDirectory.hpp>
@@ -638,14 +639,8 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
 #endif
 }
 
-#if KMAMBA_HAS_SERIAL
-template class Trainer<Kokkos::Serial>;
-#endif
-#if KMAMBA_HAS_OPENMP
-template class Trainer<Kokkos::OpenMP>;
-#endif
-#if KMAMBA_ENABLE_CUDA
-template class Trainer<Kokkos::Cuda>;
-#endif
+#define KMAMBA_INSTANTIATE_TRAINER(Space) template class Trainer<Space>;
+KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_TRAINER)
+#undef KMAMBA_INSTANTIATE_TRAINER
 
 }  // namespace kmamba

@@ -289,8 +289,9 @@ void rms_norm_launch_forward(const ExecutionSpace& exec, const char* label, int 
   if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename ExecutionSpace::memory_space>::accessible) {
     Kokkos::parallel_for(label, light_weight(Policy(exec, league, Kokkos::AUTO)), functor);
   } else {
-    // A device team of about one thread per two channels: the automatic team (64 threads) walks a
-    // 1536-channel row in 24 dependent loads per thread, 22 µs for a decode step's single row.
+    // A device team of about one thread per two channels: the automatic team (64 threads) would
+    // walk a 1536-channel row in 24 dependent loads per thread, which a decode step's single row
+    // waits for in full.
     const int max_team = Policy(exec, league, 1).team_size_max(functor, Kokkos::ParallelForTag());
     const int wanted = std::max(32, (group_size / 2 + 31) / 32 * 32);
     Kokkos::parallel_for(label, light_weight(Policy(exec, league, std::max(1, std::min(max_team, wanted)))), functor);

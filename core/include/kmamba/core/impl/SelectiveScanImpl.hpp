@@ -447,10 +447,9 @@ struct SelectiveScanForwardRegisterFunctor {
   static constexpr int state_threads = 4;
   static constexpr int thread_states = max_states / state_threads;
   /// Channels of a team (the channels_per_team the plan starts from; a GPU team has
-  /// state_threads threads per channel). 16: at Mamba-1's 1536 channels and batch 8, 768 teams
-  /// of 64 threads, about 6 per multiprocessor of an H200, so that the other teams scan while
-  /// one stages its chunk or waits at a barrier (32 gave 2.9 teams per multiprocessor and 18%
-  /// achieved occupancy).
+  /// state_threads threads per channel). Small enough that a multiprocessor holds several teams
+  /// at Mamba-1's shapes (1536 channels, batch 8: about 6 per H200 multiprocessor), so that the
+  /// other teams scan while one stages its chunk or waits at a barrier (perf/RESULTS.md, session 9).
   static constexpr int team_channels = 16;
   /// Loads in flight per thread while a chunk is staged or its outputs leave.
   static constexpr int copy_batch = 8;
@@ -752,11 +751,11 @@ struct SelectiveScanBackwardRegisterFunctor {
   /// Channels of a team (the channels_per_team the plan starts from).
   static constexpr int team_channels = 8;
   /// Tokens per chunk the plan starts from. The states of every token of a chunk wait in scratch,
-  /// so the chunk sets how many one-warp teams a multiprocessor holds: on an H200 (233 KB of
-  /// shared memory per SM) 32 tokens took ~40 KB a team, 5 teams per SM, 2.3 waves for the 1536
-  /// teams of batch 8 × 1536 channels; 16 tokens ~21 KB, 10 per SM, 1.16 waves (a 16% second wave
-  /// as long as the first); 12 tokens ~16 KB, 13 per SM, one wave. A host team is one thread
-  /// with nothing to share the core with, and takes 16 (12 was 15% slower there: more chunks).
+  /// so the chunk sets how many one-warp teams a multiprocessor holds: a GPU takes the chunk at
+  /// which the teams of Mamba-1's training shape (batch 8 × 1536 channels) fit in one wave of an
+  /// H200 (about 16 KB of scratch a team); a host team is one thread with nothing to share the
+  /// core with, and takes the longer chunk, which has fewer chunk boundaries (perf/RESULTS.md,
+  /// session 9, has the sizes and times behind both).
   static constexpr int preferred_chunk =
       Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 12;
 
