@@ -44,21 +44,9 @@ KOKKOS_INLINE_FUNCTION float chunk_walk_forward(int nchunks, float s, const Slot
 /// holds the gradient reaching chunk c's entering state and leaves holding that of its leaving one).
 template <class Slot, class Decay>
 KOKKOS_INLINE_FUNCTION float chunk_walk_backward(int nchunks, float s, const Slot& slot, const Decay& decay) {
-  for (int c1 = nchunks - 1; c1 >= 0; c1 -= chunk_walk_batch) {
-    float value[chunk_walk_batch], factor[chunk_walk_batch];
-    for (int j = 0; j < chunk_walk_batch; ++j) {
-      const int c = c1 - j >= 0 ? c1 - j : 0;
-      value[j] = slot(c);
-      factor[j] = decay(c);
-    }
-    for (int j = 0; j < chunk_walk_batch; ++j) {
-      if (c1 - j >= 0) {
-        slot(c1 - j) = s;
-        s = factor[j] * s + value[j];
-      }
-    }
-  }
-  return s;
+  return chunk_walk_forward(
+      nchunks, s, [&](int c) -> decltype(auto) { return slot(nchunks - 1 - c); },
+      [&](int c) { return decay(nchunks - 1 - c); });
 }
 
 }  // namespace impl

@@ -449,7 +449,7 @@ struct SelectiveScanForwardRegisterFunctor {
   /// Channels of a team (the channels_per_team the plan starts from; a GPU team has
   /// state_threads threads per channel). Small enough that a multiprocessor holds several teams
   /// at Mamba-1's shapes (1536 channels, batch 8: about 6 per H200 multiprocessor), so that the
-  /// other teams scan while one stages its chunk or waits at a barrier (perf/RESULTS.md, session 9).
+  /// other teams scan while one stages its chunk or waits at a barrier.
   static constexpr int team_channels = 16;
   /// Loads in flight per thread while a chunk is staged or its outputs leave.
   static constexpr int copy_batch = 8;
@@ -754,8 +754,7 @@ struct SelectiveScanBackwardRegisterFunctor {
   /// so the chunk sets how many one-warp teams a multiprocessor holds: a GPU takes the chunk at
   /// which the teams of Mamba-1's training shape (batch 8 × 1536 channels) fit in one wave of an
   /// H200 (about 16 KB of scratch a team); a host team is one thread with nothing to share the
-  /// core with, and takes the longer chunk, which has fewer chunk boundaries (perf/RESULTS.md,
-  /// session 9, has the sizes and times behind both).
+  /// core with, and takes the longer chunk, which has fewer chunk boundaries.
   static constexpr int preferred_chunk =
       Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 12;
 
