@@ -4,13 +4,14 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Files.hpp>
 
+#include "Checks.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <sstream>
 #include <string>
 
@@ -23,6 +24,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using kmamba::test::expect_user_error;
 
 // A fresh, empty directory for one test.
 std::string scratch_dir(const std::string& name) {
@@ -39,27 +41,18 @@ std::string contents(const std::string& path) {
   return s.str();
 }
 
-void expect_user_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    FAIL() << "no error (expected one mentioning '" << fragment << "')";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
 TEST(Files, InputsMustBeRegularFiles) {
   const std::string dir = scratch_dir("inputs");
   const std::string fifo = dir + "/fifo";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
-  expect_user_error([&] { kmamba::read_input_file(fifo, 100, "reader"); }, "reader: '" + fifo + "' is a FIFO");
-  expect_user_error([&] { kmamba::require_regular_file(fifo, "reader"); }, "is a FIFO, expected a regular file");
-  expect_user_error([&] { kmamba::read_input_file("/dev/zero", 100, "reader"); }, "is a character device");
-  expect_user_error([&] { kmamba::read_input_file(dir, 100, "reader"); }, "is a directory");
-  expect_user_error([&] { kmamba::read_input_file(dir + "/absent", 100, "reader"); }, "cannot open");
+  expect_user_error([&] { kmamba::read_input_file(fifo, 100, "reader"); }, {"reader: '" + fifo + "' is a FIFO"});
+  expect_user_error([&] { kmamba::require_regular_file(fifo, "reader"); }, {"is a FIFO, expected a regular file"});
+  expect_user_error([&] { kmamba::read_input_file("/dev/zero", 100, "reader"); }, {"is a character device"});
+  expect_user_error([&] { kmamba::read_input_file(dir, 100, "reader"); }, {"is a directory"});
+  expect_user_error([&] { kmamba::read_input_file(dir + "/absent", 100, "reader"); }, {"cannot open"});
   kmamba::write_output_file(dir + "/text", std::string("hello"), "writer");
   EXPECT_EQ(kmamba::read_input_file(dir + "/text", 5, "reader"), "hello");
-  expect_user_error([&] { kmamba::read_input_file(dir + "/text", 4, "reader"); }, "holds 5 bytes, more than the 4");
+  expect_user_error([&] { kmamba::read_input_file(dir + "/text", 4, "reader"); }, {"holds 5 bytes, more than the 4"});
 }
 
 TEST(Files, OutputsFollowSymlinksAndKeepPermissions) {
@@ -110,11 +103,11 @@ TEST(Files, OutputsWriteDevicesAndFifosInPlace) {
   // /dev/null takes anything; /dev/full fails, and stays a device.
   kmamba::write_output_file("/dev/null", std::string("discarded"), "writer");
   expect_user_error([] { kmamba::write_output_file("/dev/full", std::string(100, 'x'), "writer"); },
-                    "writer: writing '/dev/full' failed: No space left on device");
+                    {"writer: writing '/dev/full' failed: No space left on device"});
   ASSERT_EQ(::stat("/dev/full", &st), 0);
   EXPECT_TRUE(S_ISCHR(st.st_mode));
   // A directory is never an output.
-  expect_user_error([&] { kmamba::write_output_file(dir, std::string("x"), "writer"); }, "is a directory");
+  expect_user_error([&] { kmamba::write_output_file(dir, std::string("x"), "writer"); }, {"is a directory"});
 }
 
 TEST(Files, AnUncommittedOutputLeavesThePreviousFile) {
@@ -142,15 +135,17 @@ TEST(Files, AppendFileChecksEveryWrite) {
   }
   EXPECT_EQ(contents(path), "{\"step\": 1}\n{\"step\": 2}\n");
   kmamba::AppendFile full("/dev/full", false, "metrics");
-  expect_user_error([&] { full.append("line\n"); }, "metrics: writing '/dev/full' failed: No space left on device");
+  expect_user_error([&] { full.append("line\n"); }, {"metrics: writing '/dev/full' failed: No space left on device"});
 }
 
 // A full disk: a 64 KiB tmpfs, which needs root (CAP_SYS_ADMIN).
 TEST(Files, AFullDiskIsAnErrorAndNeverHalfALine) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs to fill needs root; this test runs as uid " << ::geteuid();
+  if (::geteuid() != 0)
+    GTEST_SKIP() << "mounting a small tmpfs to fill needs root; this test runs as uid " << ::geteuid();
   const std::string dir = scratch_dir("full");
   if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs at " << dir << " (no CAP_SYS_ADMIN in this container?): " << std::strerror(errno);
+    GTEST_SKIP() << "cannot mount a tmpfs at " << dir
+                 << " (no CAP_SYS_ADMIN in this container?): " << std::strerror(errno);
   }
   const std::string log_path = dir + "/metrics.jsonl", model_path = dir + "/model.bin";
   kmamba::write_output_file(model_path, std::string(8192, 'm'), "writer");
@@ -172,7 +167,7 @@ TEST(Files, AFullDiskIsAnErrorAndNeverHalfALine) {
   EXPECT_EQ(logged.size() % line.size(), 0u) << "the log ends in part of a line";
   // Replacing a file on the full disk fails and leaves the previous one whole.
   expect_user_error([&] { kmamba::write_output_file(model_path, std::string(65536, 'n'), "writer"); },
-                    "No space left on device");
+                    {"No space left on device"});
   EXPECT_EQ(contents(model_path), std::string(8192, 'm'));
   EXPECT_EQ(::umount(dir.c_str()), 0) << std::strerror(errno);
 }
@@ -193,7 +188,7 @@ TEST(Files, DirectoryLockNamesItsHolder) {
   char c = 0;
   ASSERT_EQ(::read(ready[0], &c, 1), 1);
   expect_user_error([&] { kmamba::DirectoryLock second(dir, "kmamba-train"); },
-                    "kmamba-train: '" + dir + "' is in use by another process (process id " + std::to_string(child));
+                    {"kmamba-train: '" + dir + "' is in use by another process (process id " + std::to_string(child)});
   ASSERT_EQ(::write(release[1], &c, 1), 1);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);

@@ -1,3 +1,4 @@
+#include "Checks.hpp"
 #include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/SafeTensors.hpp>
@@ -31,13 +32,10 @@ void write_raw(const std::string& path, const std::string& header, std::size_t d
   for (std::size_t i = 0; i < data_bytes; ++i) out.put(static_cast<char>(i));
 }
 
-void expect_user_error(const std::string& path, const std::string& fragment) {
-  try {
-    kmamba::SafeTensorsReader reader(path);
-    FAIL() << "no error for " << path << " (expected one mentioning '" << fragment << "')";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+// Expects opening `path` to throw a kmamba::UserError mentioning `fragment`.
+void expect_reader_error(const std::string& path, const std::string& fragment) {
+  SCOPED_TRACE(path);
+  kmamba::test::expect_user_error([&] { kmamba::SafeTensorsReader reader(path); }, {fragment});
 }
 
 TEST(SafeTensors, RoundTripsEveryWrittenTensor) {
@@ -92,38 +90,38 @@ TEST(SafeTensors, ReadsTheGoldenFiles) {
 TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {
   const std::string p = scratch("bad.safetensors");
   std::ofstream(p, std::ios::binary) << "abc";
-  expect_user_error(p, "shorter than the 8-byte header length");
+  expect_reader_error(p, "shorter than the 8-byte header length");
   write_raw(p, "{}", 0, 1000);
-  expect_user_error(p, "declares a 1000-byte header");
+  expect_reader_error(p, "declares a 1000-byte header");
   write_raw(p, "{\"a\": ", 0);
-  expect_user_error(p, "not valid JSON");
+  expect_reader_error(p, "not valid JSON");
   write_raw(p, "[1, 2]", 0);
-  expect_user_error(p, "not a JSON object");
+  expect_reader_error(p, "not a JSON object");
   write_raw(p, R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", 4);
-  expect_user_error(p, "unsupported dtype 'Q7'");
+  expect_reader_error(p, "unsupported dtype 'Q7'");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4);
-  expect_user_error(p, "outside the 4-byte data section");
+  expect_reader_error(p, "outside the 4-byte data section");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8);
-  expect_user_error(p, "which needs 12");
+  expect_reader_error(p, "which needs 12");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4);
-  expect_user_error(p, "not a non-negative integer");
+  expect_reader_error(p, "not a non-negative integer");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 4]}})", 4);
-  expect_user_error(p, "larger than the file");
+  expect_reader_error(p, "larger than the file");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})", 0);
-  expect_user_error(p, "extent beyond 2^63 - 1");
+  expect_reader_error(p, "extent beyond 2^63 - 1");
   write_raw(p, "{\"a\xff\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4);
-  expect_user_error(p, "not valid JSON");
+  expect_reader_error(p, "not valid JSON");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
                R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
-  expect_user_error(p, "overlap");
+  expect_reader_error(p, "overlap");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
                R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
-  expect_user_error(p, "names the key \"a\" twice");
+  expect_reader_error(p, "names the key \"a\" twice");
   write_raw(p, R"({"a": {"dtype": "F32", "shape": [1]}})", 4);
-  expect_user_error(p, "needs dtype, shape and data_offsets");
+  expect_reader_error(p, "needs dtype, shape and data_offsets");
   write_raw(p, R"({"__metadata__": {"k": 3}})", 0);
-  expect_user_error(p, "metadata entry 'k' is not a string");
-  expect_user_error(scratch("does_not_exist.safetensors"), "cannot open");
+  expect_reader_error(p, "metadata entry 'k' is not a string");
+  expect_reader_error(scratch("does_not_exist.safetensors"), "cannot open");
 }
 
 TEST(SafeTensors, FailedWriteLeavesThePreviousFile) {
@@ -151,7 +149,7 @@ TEST(SafeTensors, DeeplyNestedHeaderValuesAreRefusedWithoutRecursion) {
     const std::string nested = std::string(depth, '[') + std::string(depth, ']');
     const std::string other = std::string(field) == "shape" ? R"("data_offsets": [0, 0])" : R"("shape": [0])";
     write_raw(p, R"({"a": {"dtype": "F32", )" + other + R"(, ")" + field + "\": " + nested + "}}", 0);
-    expect_user_error(p, "nests arrays and objects deeper than 64 levels");
+    expect_reader_error(p, "nests arrays and objects deeper than 64 levels");
   }
   // Within the limit, a bad value is quoted cut short.
   write_raw(p, R"({"a": {"dtype": "F32", "data_offsets": [0, 0], "shape": [)" + std::string(60, '[') +
@@ -194,14 +192,14 @@ TEST(SafeTensors, EmptyTensorsFitAnyFile) {
   EXPECT_EQ(reader.info("x").shape, (std::vector<std::int64_t>{2, 0}));
   EXPECT_TRUE(reader.read_f32("x").empty());
   write_raw(p, R"({"x": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 0]}})", 0);
-  expect_user_error(p, "shape [3,2] is larger than the file");
+  expect_reader_error(p, "shape [3,2] is larger than the file");
 }
 
 TEST(SafeTensors, RefusesAFifoInsteadOfHanging) {
   const std::string p = scratch("fifo.safetensors");
   std::remove(p.c_str());
   ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0) << "cannot create a FIFO at " << p;
-  expect_user_error(p, "is a FIFO, expected a regular file");
+  expect_reader_error(p, "is a FIFO, expected a regular file");
   std::remove(p.c_str());
 }
 
