@@ -546,16 +546,6 @@ TYPED_TEST(Conv1d, OverloadsWithoutInstance) {
   EXPECT_TRUE(all_close("update state", ref_first.final_state, host_doubles(state)));
 }
 
-template <class F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const kmamba::UserError& e) {
-    return e.what();
-  }
-  return "no kmamba::UserError thrown";
-}
-
 TYPED_TEST(Conv1d, RejectsBadShapesNamingBothShapes) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -570,69 +560,68 @@ TYPED_TEST(Conv1d, RejectsBadShapesNamingBothShapes) {
   const auto y = kmamba::allocate<T3>("kmamba::test::y", 2, 6, 4);
   const auto act = Conv1dActivation::silu;
 
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d(exec, x, w, bias, state, kmamba::allocate<T3>("kmamba::test::y", 2, 5, 4), T3(),
                                     act);
             }),
             "kmamba::causal_conv1d: y has shape (2, 5, 4) but (batch, seqlen, channels) = (2, 6, 4) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d(exec, x, kmamba::allocate<T2>("kmamba::test::w", 5, 3), bias, state, y, T3(), act);
             }),
             "kmamba::causal_conv1d: weight has shape (5, 3) but (channels, width) = (4, *) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d(exec, x, w, kmamba::allocate<T1>("kmamba::test::bias", 3), state, y, T3(), act);
             }),
             "kmamba::causal_conv1d: bias has shape (3,) but (channels) = (4,) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d(exec, x, w, bias, kmamba::allocate<T3>("kmamba::test::s", 2, 4, 3), y, T3(), act);
             }),
             "kmamba::causal_conv1d: initial_state has shape (2, 4, 3) but (batch, channels, width - 1) = (2, 4, 2) was "
             "expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d(exec, x, w, bias, state, y, kmamba::allocate<T3>("kmamba::test::s", 1, 4, 2), act);
             }),
             "kmamba::causal_conv1d: final_state has shape (1, 4, 2) but (batch, channels, width - 1) = (2, 4, 2) was "
             "expected");
-  EXPECT_NE(error_message([&] {
+  EXPECT_NE(user_error([&] {
               kmamba::causal_conv1d(exec, x, kmamba::allocate<T2>("kmamba::test::w", 4, 0), bias, T3(), y, T3(), act);
             }).find("at least 1"),
             std::string::npos);
   const int too_wide = kmamba::conv1d_max_width + 1;
-  EXPECT_NE(error_message([&] {
+  EXPECT_NE(user_error([&] {
               kmamba::causal_conv1d(exec, x, kmamba::allocate<T2>("kmamba::test::w", 4, too_wide), bias, T3(), y, T3(),
                                     act);
             }).find("at most " + std::to_string(kmamba::conv1d_max_width)),
             std::string::npos);
-  EXPECT_NE(
-      error_message([&] { kmamba::causal_conv1d(exec, x, w, bias, state, x, T3(), act); }).find("y must not be x"),
-      std::string::npos);
+  EXPECT_NE(user_error([&] { kmamba::causal_conv1d(exec, x, w, bias, state, x, T3(), act); }).find("y must not be x"),
+            std::string::npos);
 
   const auto dx = kmamba::allocate<T3>("kmamba::test::dx", 2, 6, 4);
   const auto dw = kmamba::allocate<T2>("kmamba::test::dw", 4, 3);
   EXPECT_EQ(
-      error_message([&] {
+      user_error([&] {
         kmamba::causal_conv1d_backward(exec, x, w, bias, state, kmamba::allocate<T3>("kmamba::test::dy", 2, 6, 5), T3(),
                                        dx, dw, T1(), T3(), act);
       }),
       "kmamba::causal_conv1d_backward: dy has shape (2, 6, 5) but (batch, seqlen, channels) = (2, 6, 4) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_backward(exec, x, w, bias, state, y, T3(), dx,
                                              kmamba::allocate<T2>("kmamba::test::dw", 4, 2), T1(), T3(), act);
             }),
             "kmamba::causal_conv1d_backward: dweight has shape (4, 2) but (channels, width) = (4, 3) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_backward(exec, x, w, bias, state, y,
                                              kmamba::allocate<T3>("kmamba::test::df", 2, 2, 4), dx, dw, T1(), T3(),
                                              act);
             }),
             "kmamba::causal_conv1d_backward: dfinal_state has shape (2, 2, 4) but (batch, channels, width - 1) = (2, "
             "4, 2) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_backward(exec, x, w, bias, state, y, T3(), dx, dw,
                                              kmamba::allocate<T1>("kmamba::test::db", 2), T3(), act);
             }),
             "kmamba::causal_conv1d_backward: dbias has shape (2,) but (channels) = (4,) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_backward(exec, x, w, bias, state, y, T3(), dx, dw, T1(),
                                              kmamba::allocate<T3>("kmamba::test::di", 2, 4, 1), act);
             }),
@@ -640,18 +629,18 @@ TYPED_TEST(Conv1d, RejectsBadShapesNamingBothShapes) {
             "4, 2) was expected");
 
   const auto x_t = kmamba::allocate<T2>("kmamba::test::x_t", 2, 4);
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_update(exec, x_t, w, bias, kmamba::allocate<T3>("kmamba::test::s", 2, 4, 3), x_t,
                                            act);
             }),
             "kmamba::causal_conv1d_update: conv_state has shape (2, 4, 3) but (batch, channels, width - 1) = (2, 4, 2) "
             "was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_update(exec, x_t, w, bias, state, kmamba::allocate<T2>("kmamba::test::y", 4, 2),
                                            act);
             }),
             "kmamba::causal_conv1d_update: y has shape (4, 2) but (batch, channels) = (2, 4) was expected");
-  EXPECT_EQ(error_message([&] {
+  EXPECT_EQ(user_error([&] {
               kmamba::causal_conv1d_update(exec, x_t, kmamba::allocate<T2>("kmamba::test::w", 3, 3), bias, state, x_t,
                                            act);
             }),

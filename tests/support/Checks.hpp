@@ -77,6 +77,17 @@ inline void expect_user_error(const std::function<void()>& call, const std::vect
   }
 }
 
+/// The message of the kmamba::UserError `call` throws; a test failure and "" when it throws none.
+inline std::string user_error(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const kmamba::UserError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no kmamba::UserError thrown";
+  return "";
+}
+
 /// Expects every `got` finite and max|got − ref| ≤ tol·max(max|ref|, floor); returns
 /// max|got − ref| / max(max|ref|, floor) (the absolute error where that scale is 0).
 inline double expect_near_rel(const std::string& what, const std::vector<double>& got, const std::vector<double>& ref,
