@@ -1,5 +1,7 @@
 #include <kmamba/models/Data.hpp>
 
+#include "Checks.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -10,6 +12,8 @@
 #include <vector>
 
 namespace {
+
+using kmamba::test::user_error;
 
 using kmamba::Split;
 using kmamba::TokenBatch;
@@ -40,17 +44,6 @@ void write_bytes(const std::string& path, const std::vector<unsigned char>& byte
 std::vector<unsigned char> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::vector<unsigned char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// The message of the UserError `f` throws ("" if it throws none).
-template <class F>
-std::string user_error(F&& f) {
-  try {
-    f();
-  } catch (const kmamba::UserError& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(AssociativeRecall, TargetsAreTheValuesOfTheQueriedKeys) {

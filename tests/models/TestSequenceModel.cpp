@@ -17,6 +17,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -43,14 +44,8 @@ kmamba::SequenceModelConfig tiny_config(kmamba::MixerKind kind) {
   kmamba::SequenceModelConfig c;
   c.input_size = 3;
   c.output_size = 2;
-  kmamba::ModelConfig& m = c.backbone;
-  m.mixer = kind;
-  m.d_model = 16;
-  m.n_layer = 2;
-  m.d_state = 8;
-  m.headdim = 8;
-  m.expand = 2;
-  m.chunk_size = 8;
+  // The vocabulary fields of a backbone are unused: ModelConfig's default stands.
+  c.backbone = kmamba::test::model_config(kind, {16, 2, kmamba::ModelConfig().vocab_size, 8, 8, 8});
   return c;
 }
 
@@ -61,18 +56,6 @@ kmamba::Tensor3<float, typename Exec::memory_space> random3(const std::string& l
   kmamba::fill_normal(Exec(), v, seed, 0.0f, 1.0f);
   Exec().fence();
   return v;
-}
-
-// The message of the UserError `f` throws ("" and a test failure when it throws none).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const kmamba::UserError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no kmamba::UserError was thrown";
-  return "";
 }
 
 const kmamba::MixerKind kinds[] = {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2};
@@ -307,25 +290,25 @@ TYPED_TEST(SequenceModelTest, WrongViewsAreClearErrors) {
   kmamba::fill_normal(exec, x, 61, 0.0f, 1.0f);
   // Rank.
   kmamba::Tensor2<float, Mem> flat("kmamba::test::flat", 10, 3);
-  std::string message = error_of([&] { model.forward(exec, flat, y); });
+  std::string message = user_error([&] { model.forward(exec, flat, y); });
   EXPECT_NE(message.find("kmamba::Model::forward: inputs has rank 2"), std::string::npos) << message;
   EXPECT_NE(message.find("(batch, seqlen, input_size)"), std::string::npos) << message;
   // Extent: input channels, then outputs that disagree with the inputs.
   kmamba::Tensor3<float, Mem> wide("kmamba::test::wide", 2, 5, 4);
-  message = error_of([&] { model.forward(exec, wide, y); });
+  message = user_error([&] { model.forward(exec, wide, y); });
   EXPECT_NE(message.find("inputs has shape (2, 5, 4)"), std::string::npos) << message;
   kmamba::Tensor3<float, Mem> short_y("kmamba::test::short_y", 2, 4, 2);
-  message = error_of([&] { model.train_step(exec, x, short_y); });
+  message = user_error([&] { model.train_step(exec, x, short_y); });
   EXPECT_NE(message.find("kmamba::Model::train_step: targets has shape (2, 4, 2)"), std::string::npos) << message;
   // A session's streams.
   auto session = model.session(3);
   kmamba::Tensor2<float, Mem> x_t("kmamba::test::x_t", 2, 3), y_t("kmamba::test::y_t", 2, 2);
-  message = error_of([&] { session.step(exec, x_t, y_t); });
+  message = user_error([&] { session.step(exec, x_t, y_t); });
   EXPECT_NE(message.find("kmamba::Session::step: inputs has shape (2, 3)"), std::string::npos) << message;
   EXPECT_NE(message.find("(streams, input_size)"), std::string::npos) << message;
   // Layout: column-major is not row-major.
   Kokkos::View<float***, Kokkos::LayoutLeft, Mem> left("kmamba::test::left", 2, 5, 3);
-  message = error_of([&] { model.forward(exec, left, y); });
+  message = user_error([&] { model.forward(exec, left, y); });
   EXPECT_NE(message.find("not row-major and contiguous"), std::string::npos) << message;
 }
 
@@ -337,7 +320,7 @@ TYPED_TEST(SequenceModelTest, ViewsInAnInaccessibleSpaceAreClearErrors) {
     const Exec exec;
     kmamba::Tensor3<float, Mem> y("kmamba::test::y", 2, 5, 2);
     Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace> host_x("kmamba::test::host_x", 2, 5, 3);
-    const std::string message = error_of([&] { model.forward(exec, host_x, y); });
+    const std::string message = user_error([&] { model.forward(exec, host_x, y); });
     EXPECT_NE(message.find(std::string("inputs lives in memory space ") + Kokkos::HostSpace::name()), std::string::npos)
         << message;
     EXPECT_NE(message.find("cannot access"), std::string::npos) << message;
@@ -362,7 +345,7 @@ TYPED_TEST(SequenceModelTest, SaveThenLoadGivesIdenticalOutputs) {
   loaded.forward(exec, x, y2);
   exec.fence();
   EXPECT_EQ(host_floats(y2), host_floats(y));
-  const std::string message = error_of([&] { kmamba::Model<Exec>::load(dir + "_missing"); });
+  const std::string message = user_error([&] { kmamba::Model<Exec>::load(dir + "_missing"); });
   EXPECT_NE(message.find("is not a directory"), std::string::npos) << message;
 }
 
@@ -381,7 +364,7 @@ TYPED_TEST(SequenceModelTest, ConfigSizesAreCheckedAgainstTheFileBeforeAllocatin
     if (edited.find(from) != std::string::npos) edited.replace(edited.find(from), from.size(), to);
     std::ofstream(dir + "/config.json") << edited;
     const auto start = std::chrono::steady_clock::now();
-    const std::string message = error_of([&] { kmamba::Model<Exec>::load(dir); });
+    const std::string message = user_error([&] { kmamba::Model<Exec>::load(dir); });
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0) << to;
     return message;
   };

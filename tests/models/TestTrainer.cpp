@@ -4,6 +4,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <gtest/gtest.h>
 
@@ -27,17 +28,7 @@ TYPED_TEST_SUITE(Trainer, kmamba::test::Backends, kmamba::test::BackendNames);
 
 // A Mamba-2 small enough to train a few steps in a test.
 kmamba::ModelConfig tiny_config() {
-  kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba2;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.vocab_size = 32;
-  c.d_state = 8;
-  c.headdim = 8;
-  c.expand = 2;
-  c.chunk_size = 8;
-  c.validate();
-  return c;
+  return kmamba::test::model_config(kmamba::MixerKind::Mamba2, {16, 2, 32, 8, 8, 8});
 }
 
 kmamba::TrainConfig tiny_train_config() {
@@ -69,16 +60,6 @@ std::string fresh_dir(const std::string& name) {
   const std::string dir = ::testing::TempDir() + "kmamba_test_trainer_" + name;
   std::filesystem::remove_all(dir);
   return dir;
-}
-
-template <class F>
-std::string user_error(F&& f) {
-  try {
-    f();
-  } catch (const kmamba::UserError& e) {
-    return e.what();
-  }
-  return "";
 }
 
 double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {

@@ -6,6 +6,8 @@
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
+#include "Checks.hpp"
+
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -15,17 +17,9 @@
 
 namespace {
 
-using Exec = Kokkos::DefaultHostExecutionSpace;
+using kmamba::test::user_error;
 
-template <class Body>
-std::string error_of(const Body& body) {
-  try {
-    body();
-  } catch (const kmamba::UserError& e) {
-    return e.what();
-  }
-  return "no UserError";
-}
+using Exec = Kokkos::DefaultHostExecutionSpace;
 
 void expect_contains(const std::string& text, const std::string& part) {
   EXPECT_NE(text.find(part), std::string::npos) << text;
@@ -61,14 +55,15 @@ TEST(ProcessMesh, ConfigFromJson) {
   const auto back = kmamba::MeshConfig::from_json(c.to_json(), "round trip");
   EXPECT_EQ(back.tensor_parallel_size, 2);
   EXPECT_EQ(back.sequence_parallel_size, 4);
-  expect_contains(error_of([] { kmamba::MeshConfig::from_json(R"({"pipeline_parallel_size": 2})", "mesh.json"); }),
+  expect_contains(user_error([] { kmamba::MeshConfig::from_json(R"({"pipeline_parallel_size": 2})", "mesh.json"); }),
                   "mesh.json: unknown key 'pipeline_parallel_size'");
-  expect_contains(error_of([] { kmamba::MeshConfig::from_json(R"({"data_parallel_size": -1})", "mesh.json"); }),
+  expect_contains(user_error([] { kmamba::MeshConfig::from_json(R"({"data_parallel_size": -1})", "mesh.json"); }),
                   "'data_parallel_size' must be a non-negative integer, got -1");
-  expect_contains(error_of([] { kmamba::MeshConfig::from_json(R"({"tensor_parallel_size": 1.5})", "m"); }),
+  expect_contains(user_error([] { kmamba::MeshConfig::from_json(R"({"tensor_parallel_size": 1.5})", "m"); }),
                   "'tensor_parallel_size' must be a non-negative integer");
-  expect_contains(error_of([] { kmamba::MeshConfig::from_json("[1, 2]", "m"); }), "must hold a JSON object");
-  expect_contains(error_of([] { kmamba::MeshConfig::from_json("{", "broken.json"); }), "broken.json is not valid JSON");
+  expect_contains(user_error([] { kmamba::MeshConfig::from_json("[1, 2]", "m"); }), "must hold a JSON object");
+  expect_contains(user_error([] { kmamba::MeshConfig::from_json("{", "broken.json"); }),
+                  "broken.json is not valid JSON");
 }
 
 TEST(ProcessMesh, ResolveAgainstTheWorldSize) {
@@ -76,14 +71,14 @@ TEST(ProcessMesh, ResolveAgainstTheWorldSize) {
   c.tensor_parallel_size = 2;
   EXPECT_EQ(c.resolve(8).data_parallel_size, 4);
   expect_contains(
-      error_of([&] { c.resolve(3); }),
+      user_error([&] { c.resolve(3); }),
       "the world has 3 ranks, which is not a multiple of tensor_parallel_size 2 × sequence_parallel_size 1 = 2");
   c.data_parallel_size = 3;
   expect_contains(
-      error_of([&] { c.resolve(8); }),
+      user_error([&] { c.resolve(8); }),
       "data_parallel_size 3 × tensor_parallel_size 2 × sequence_parallel_size 1 = 6 ranks, but the world has 8");
   c.tensor_parallel_size = 0;
-  expect_contains(error_of([&] { c.resolve(8); }), "tensor_parallel_size must be >= 1, got 0");
+  expect_contains(user_error([&] { c.resolve(8); }), "tensor_parallel_size must be >= 1, got 0");
 }
 
 TEST(ProcessMesh, LayoutOrdersTensorFastestThenSequenceThenData) {
@@ -155,15 +150,15 @@ TEST(ProcessMesh, MismatchedMeshFailsOnEveryRankWithoutHanging) {
   const int world = world_size();
   kmamba::MeshConfig too_many;
   too_many.data_parallel_size = world + 1;
-  const std::string error = error_of([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, too_many); });
+  const std::string error = user_error([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, too_many); });
   expect_contains(error, "kmamba::MeshConfig::resolve: data_parallel_size " + std::to_string(world + 1));
   expect_contains(error, "but the world has " + std::to_string(world));
   kmamba::MeshConfig odd;
   odd.tensor_parallel_size = world + 1;
-  expect_contains(error_of([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, odd); }), "is not a multiple of");
+  expect_contains(user_error([&] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, odd); }), "is not a multiple of");
 #if !KMAMBA_ENABLE_NCCL
   expect_contains(
-      error_of([] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig(), kmamba::Transport::Nccl); }),
+      user_error([] { kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig(), kmamba::Transport::Nccl); }),
       "Transport::Nccl needs a build with KMAMBA_ENABLE_NCCL");
 #endif
   // Every rank threw before communicating: they all reach this barrier.
@@ -179,14 +174,14 @@ TEST(ProcessMesh, MeshMustFitTheModel) {
   mesh.tensor_parallel_size = 2;
   kmamba::check_mesh_fits_model(mesh, model);
   mesh.tensor_parallel_size = 3;
-  expect_contains(error_of([&] { kmamba::check_mesh_fits_model(mesh, model); }),
+  expect_contains(user_error([&] { kmamba::check_mesh_fits_model(mesh, model); }),
                   "tensor_parallel_size 3 does not divide the Mamba2 model's 8 heads");
   mesh.tensor_parallel_size = 4;
-  expect_contains(error_of([&] { kmamba::check_mesh_fits_model(mesh, model); }),
+  expect_contains(user_error([&] { kmamba::check_mesh_fits_model(mesh, model); }),
                   "tensor_parallel_size 4 does not divide the Mamba2 model's ngroups 2");
   model.mixer = kmamba::MixerKind::Mamba1;
   mesh.tensor_parallel_size = 3;
-  expect_contains(error_of([&] { kmamba::check_mesh_fits_model(mesh, model); }),
+  expect_contains(user_error([&] { kmamba::check_mesh_fits_model(mesh, model); }),
                   "does not divide the Mamba1 model's d_inner 128");
 }
 
