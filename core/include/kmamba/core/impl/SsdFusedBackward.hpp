@@ -1,9 +1,10 @@
 // The fused chunk backward of the SSD (SsdArgs::matmul_precision = BFloat16): backward stages
 // B4–B9 (docs/algorithms.md §2.6) of one (batch, chunk, head) per team, on the warp tiles of
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere), with every operand of
-// the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdImpl.hpp; the stages before it
-// (entering states, gated dout, dstates and their reverse passing) and the sums after it are the
-// staged ones.
+// the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdImpl.hpp; before it, the
+// chunk states and their gradients come from impl/SsdFusedStates.hpp and are passed along the
+// sequence by the staged state passes, and the sums after it are the staged ones
+// (ssd_fused_backward_stages).
 //
 // A team has 8 warps; warp w works on the row block rb = w / 2 (16 tokens) and the column half
 // cb = w % 2 of each product. Per chunk of Q = 64 tokens (l, s tokens, p channels, n states; Hin
@@ -24,11 +25,12 @@
 // Compiled for headdim 64 and dstate 16, 32, 64 or 128, chunks of 64, no seq_idx
 // (ssd_fused_backward_supported); other inputs take the staged backward.
 //
-// Numerics: every term of a gradient is a product of inputs (x, B, C, g, Hin, dS), δ and decays;
-// the products round at most five of its factors to bf16 (δ·<B·dSᵀ, x> rounds B, dS and x; E
-// rounds C, B, g and x; the dx and dB intra terms round S or M besides their operands), each by at
-// most 2^-9 relative, so each term carries a relative error below 2.5·2^-8 (first order) and the
-// sums are fp32.
+// Numerics: every term of a gradient is a product of inputs (x, B, C, g), δ and decays, through
+// Hin and dS (sums of bf16 products of x and B, g and C: impl/SsdFusedStates.hpp); the products
+// round at most five of its factors to bf16 (δ·<B·dSᵀ, x> rounds B, dS and x, and dS's own g and
+// C; E rounds C, B, g and x; the dx and dB intra terms round S or M besides their operands), each
+// by at most 2^-9 relative, so each term carries a relative error below 2.5·2^-8 (first order) and
+// the sums are fp32.
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDBACKWARD_HPP
 #define KMAMBA_CORE_IMPL_SSDFUSEDBACKWARD_HPP
 

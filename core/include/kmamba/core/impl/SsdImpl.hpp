@@ -11,7 +11,10 @@
 // which a backend may specialise (with the team shape and scratch it wants, see ssd_plan). The
 // functors that multiply take the MatmulPrecision of their products as a template parameter;
 // ssd_forward_impl / ssd_backward_impl instantiate the stages once per precision the backend's
-// TeamGemm distinguishes (with_matmul_precision: twice on Cuda, once elsewhere).
+// TeamGemm distinguishes (with_matmul_precision: twice on Cuda, once elsewhere). With BFloat16
+// products and a shape they are compiled for, the forward is impl/SsdFusedForward.hpp and the
+// backward's chunk stages are impl/SsdFusedStates.hpp and impl/SsdFusedBackward.hpp
+// (ssd_fused_backward_stages), on the warp tiles.
 //
 // seq_idx: a "run" is a maximal stretch of tokens with equal seq_idx. Stage 1 writes, per token,
 // the number of run starts from the beginning of its chunk up to the token (the first token of a
@@ -27,6 +30,7 @@
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/SsdFusedBackward.hpp>
 #include <kmamba/core/impl/SsdFusedForward.hpp>
+#include <kmamba/core/impl/SsdFusedStates.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -721,22 +725,43 @@ struct SsdStepFunctor {
   }
 };
 
-/// Stages 1–4: δ, cumsums and run ids; entering states (and the final state); C·Bᵀ.
-template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
-void ssd_prepare(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                 const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
-  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
-  ssd_launch(exec, "kmamba::ssd::chunk_cumsum", plan, chunk_league,
-             SsdChunkCumsumFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
-  ssd_launch(exec, "kmamba::ssd::chunk_state", plan, chunk_league,
-             SsdChunkStateFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan},
-             SsdScratch<ExecSpace>::bytes(plan.chunk));
+/// Stage 3: each chunk's local state in ws.states becomes the state entering it (and the final
+/// state is written when final_states is allocated).
+template <class ExecSpace, class MemorySpace>
+void ssd_state_passing(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                       const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
   Kokkos::parallel_for("kmamba::ssd::state_passing",
                        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                            exec, 0, ssd_state_items(plan)),
                        SsdStatePassingFunctor<MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()});
+}
+
+/// Stage 4: C·Bᵀ within each chunk (ws.CB).
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void ssd_bmm_chunk(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                   const SsdWorkspace<MemorySpace>& ws) {
   ssd_launch(exec, "kmamba::ssd::bmm_chunk", plan, plan.batch * plan.nchunks * plan.ngroups * plan.ntiles,
              SsdBmmChunkFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan}, TeamGemm<ExecSpace>::scratch_bytes);
+}
+
+/// Stage 1: δ, the chunk cumsums of δ·a and the run ids.
+template <class ExecSpace, class MemorySpace>
+void ssd_chunk_cumsum(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                      const SsdWorkspace<MemorySpace>& ws) {
+  ssd_launch(exec, "kmamba::ssd::chunk_cumsum", plan, plan.batch * plan.nchunks * plan.nheads,
+             SsdChunkCumsumFunctor<ExecSpace, MemorySpace>{in, ws, plan}, 0);
+}
+
+/// Stages 1–4: δ, cumsums and run ids; entering states (and the final state); C·Bᵀ.
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void ssd_prepare(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                 const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
+  ssd_chunk_cumsum(exec, plan, in, ws);
+  ssd_launch(exec, "kmamba::ssd::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
+             SsdChunkStateFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan},
+             SsdScratch<ExecSpace>::bytes(plan.chunk));
+  ssd_state_passing(exec, plan, in, ws, final_states);
+  ssd_bmm_chunk<Precision>(exec, plan, in, ws);
 }
 
 template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
@@ -777,59 +802,115 @@ void ssd_forward_impl(const ExecSpace& exec, const char* function, const SsdDims
   });
 }
 
-/// The backward; `fused`: its chunk stage B4–B9 is the fused tensor-core one where the gated dout
-/// is aligned for it (ssd_fused_backward_supported must hold for plan and in).
+/// The gated dout g = dout·silu(z) and dz (chunk_scan_gate_backward: the forward's output again,
+/// from the entering states in ws.states and ws.CB).
 template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
-void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                         const ConstTensor4<float, MemorySpace>& dout,
-                         const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads,
-                         bool fused) {
-  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk);
-  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
-  const SsdWorkspace<MemorySpace> ws(plan);
-  ssd_prepare<Precision>(exec, plan, in, ws, Tensor4<float, MemorySpace>());
+ConstTensor4<float, MemorySpace> ssd_gate_backward(const ExecSpace& exec, const SsdPlan& plan,
+                                                   const SsdOperands<MemorySpace>& in,
+                                                   const SsdWorkspace<MemorySpace>& ws,
+                                                   const ConstTensor4<float, MemorySpace>& dout,
+                                                   const Tensor4<float, MemorySpace>& dz) {
+  const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+      "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+  ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, plan.batch * plan.nchunks * plan.nheads,
+             SsdChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, gated, dout, dz},
+             SsdScratch<ExecSpace>::bytes(plan.chunk));
+  return gated;
+}
 
-  ConstTensor4<float, MemorySpace> g = dout;
-  if (in.has_z) {
-    const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-        "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
-    ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, chunk_league,
-               SsdChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, gated, dout, grads.dz},
-               scratch);
-    g = gated;
-  }
-
-  const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
-      "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
-  ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
-             SsdChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates}, scratch);
+/// Backward B3 (state passing, reversed): dstates becomes the gradient of each chunk's leaving
+/// state; dinitial_states is written when allocated.
+template <class ExecSpace, class MemorySpace>
+void ssd_state_passing_backward(const ExecSpace& exec, const SsdPlan& plan, const SsdWorkspace<MemorySpace>& ws,
+                                const ConstTensor4<float, MemorySpace>& dfinal_states,
+                                const Tensor5<float, MemorySpace>& dstates, const SsdGrads<MemorySpace>& grads) {
   Kokkos::parallel_for("kmamba::ssd::state_passing_backward",
                        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                            exec, 0, ssd_state_items(plan)),
                        SsdStatePassingBackwardFunctor<MemorySpace>{ws, plan, dfinal_states, dstates,
                                                                    grads.dinitial_states, dfinal_states.is_allocated(),
                                                                    grads.dinitial_states.is_allocated()});
+}
 
-  const auto dB_head = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-      "kmamba::ssd::dB_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
-  const auto dC_head = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-      "kmamba::ssd::dC_per_head", plan.batch, plan.seqlen, plan.nheads, plan.dstate);
-  const auto partial = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-      "kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch, plan.nchunks, plan.nheads, 3);
-  if (fused && ssd_fused_backward_aligned(g.data())) {
-    ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, dB_head, dC_head, partial);
-  } else {
-    ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
-               SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx,
-                                                                          grads.ddt, dB_head, dC_head, partial},
-               scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
-  }
+/// The per-head outputs of the chunk backward, summed into the gradients by ssd_backward_sums.
+template <class MemorySpace>
+struct SsdChunkGrads {
+  Tensor4<float, MemorySpace> dB_head;  // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> dC_head;  // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> partial;  // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
+
+  explicit SsdChunkGrads(const SsdPlan& plan)
+      : dB_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dB_per_head", plan.batch,
+                                                                     plan.seqlen, plan.nheads, plan.dstate)),
+        dC_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dC_per_head", plan.batch,
+                                                                     plan.seqlen, plan.nheads, plan.dstate)),
+        partial(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::partial_dA_dD_ddt_bias",
+                                                                     plan.batch, plan.nchunks, plan.nheads, 3)) {}
+};
+
+/// dB, dC (over the heads of each group) and dA, dD, ddt_bias (over batch and chunks), in a fixed order.
+template <class ExecSpace, class MemorySpace>
+void ssd_backward_sums(const ExecSpace& exec, const SsdPlan& plan, const SsdChunkGrads<MemorySpace>& chunk,
+                       const SsdGrads<MemorySpace>& grads) {
   Kokkos::parallel_for("kmamba::ssd::group_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
-                       SsdGroupSumFunctor<MemorySpace>{dB_head, dC_head, grads.dB, grads.dC});
+                       SsdGroupSumFunctor<MemorySpace>{chunk.dB_head, chunk.dC_head, grads.dB, grads.dC});
   Kokkos::parallel_for("kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
-                       SsdParameterSumFunctor<MemorySpace>{partial, grads.dA, grads.dD, grads.ddt_bias,
+                       SsdParameterSumFunctor<MemorySpace>{chunk.partial, grads.dA, grads.dD, grads.ddt_bias,
                                                            grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
+}
+
+/// The staged backward: every stage a TeamGemm kernel at the plan's chunk length.
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                         const ConstTensor4<float, MemorySpace>& dout,
+                         const ConstTensor4<float, MemorySpace>& dfinal_states, const SsdGrads<MemorySpace>& grads) {
+  const std::size_t scratch = SsdScratch<ExecSpace>::bytes(plan.chunk);
+  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+  const SsdWorkspace<MemorySpace> ws(plan);
+  ssd_prepare<Precision>(exec, plan, in, ws, Tensor4<float, MemorySpace>());
+  const ConstTensor4<float, MemorySpace> g =
+      in.has_z ? ssd_gate_backward<Precision>(exec, plan, in, ws, dout, grads.dz) : dout;
+  const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+      "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+  ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
+             SsdChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates}, scratch);
+  ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
+  const SsdChunkGrads<MemorySpace> chunk(plan);
+  ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
+             SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
+                                                                        chunk.dB_head, chunk.dC_head, chunk.partial},
+             scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
+  ssd_backward_sums(exec, plan, chunk, grads);
+}
+
+/// The fused backward (ssd_fused_backward_supported(plan, in); dout 16-byte aligned where there
+/// is no gate): the chunk states Sloc and dSloc (impl/SsdFusedStates.hpp) and the chunk stage
+/// B4–B9 (impl/SsdFusedBackward.hpp) on the tensor cores, the state passes between them staged.
+/// Without a gate Sloc and dSloc come from one kernel; with one, g needs the entering states
+/// first (and C·Bᵀ, which only the gate's recomputed output uses).
+template <class ExecSpace, class MemorySpace>
+void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                               const ConstTensor4<float, MemorySpace>& dout,
+                               const ConstTensor4<float, MemorySpace>& dfinal_states,
+                               const SsdGrads<MemorySpace>& grads) {
+  const SsdWorkspace<MemorySpace> ws(plan);
+  const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+      "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+  ssd_chunk_cumsum(exec, plan, in, ws);
+  ConstTensor4<float, MemorySpace> g = dout;
+  ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, true, !in.has_z);
+  ssd_state_passing(exec, plan, in, ws, Tensor4<float, MemorySpace>());
+  if (in.has_z) {
+    ssd_bmm_chunk<MatmulPrecision::Float32>(exec, plan, in, ws);
+    g = ssd_gate_backward<MatmulPrecision::Float32>(exec, plan, in, ws, dout, grads.dz);
+    ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, false, true);
+  }
+  ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
+  const SsdChunkGrads<MemorySpace> chunk(plan);
+  ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, chunk.dB_head, chunk.dC_head,
+                           chunk.partial);
+  ssd_backward_sums(exec, plan, chunk, grads);
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -839,16 +920,17 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
   const SsdOperands<MemorySpace> in(args);
   if (args.matmul_precision == MatmulPrecision::BFloat16 && dims.seqlen > 0) {
     const SsdPlan fused = ssd_plan<ExecSpace>(function, dims, ssd_fused_backward_chunk);
-    if (ssd_fused_backward_supported(fused, in)) {
-      ssd_backward_stages<MatmulPrecision::Float32>(exec, fused, in, dout, dfinal_states, grads, true);
+    if (ssd_fused_backward_supported(fused, in) && (in.has_z || ssd_fused_backward_aligned(dout.data()))) {
+      ssd_fused_backward_stages(exec, fused, in, dout, dfinal_states, grads);
       return;
     }
   }
   const SsdPlan plan = ssd_plan<ExecSpace>(function, dims, args.chunk_size);
   with_matmul_precision<ExecSpace>(args.matmul_precision, [&](auto precision) {
-    ssd_backward_stages<decltype(precision)::value>(exec, plan, in, dout, dfinal_states, grads, false);
+    ssd_backward_stages<decltype(precision)::value>(exec, plan, in, dout, dfinal_states, grads);
   });
 }
+
 template <class ExecSpace, class MemorySpace>
 void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs<MemorySpace>& args,
                    const Tensor4<float, MemorySpace>& state, const Tensor3<float, MemorySpace>& out) {
