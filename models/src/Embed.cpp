@@ -6,7 +6,6 @@
 #include <kmamba/core/ForEachBackend.hpp>
 
 #include <cmath>
-#include <exception>
 #include <utility>
 
 namespace kmamba {
@@ -66,20 +65,8 @@ template <class ExecutionSpace>
 void Model<ExecutionSpace>::save(const std::string& dir) const {
 #if KMAMBA_ENABLE_MPI
   if (mesh_) {
-    // Rank 0 writes; its success or failure reaches every rank.
-    const Communicator& world = mesh_->world();
-    std::exception_ptr error;
-    if (world.rank() == 0) {
-      try {
-        model_->save(dir);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    if (world.all_reduce_value(error ? 1 : 0, ReduceOp::Max) != 0) {
-      if (error) std::rethrow_exception(error);
-      KMAMBA_USER_ERROR("kmamba::Model::save: rank 0 failed to write '" << dir << "'");
-    }
+    run_on_rank0(
+        mesh_->world(), [&] { model_->save(dir); }, "kmamba::Model::save: rank 0 failed to write '" + dir + "'");
     return;
   }
 #endif

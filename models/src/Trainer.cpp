@@ -1,131 +1,17 @@
+#include "TrainerCheckpoint.hpp"
+
 #include <kmamba/KMamba.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/ForEachBackend.hpp>
-#include <kmamba/core/Json.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/Trainer.hpp>
 
 #include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <exception>
-#include <limits>
-#include <set>
 #include <sstream>
 
 namespace kmamba {
 namespace {
-
-using json = nlohmann::json;
-
-constexpr const char* state_file = "training_state.safetensors";
-constexpr const char* state_format = "kmamba-training-state";
-constexpr const char* exp_avg_prefix = "optimizer.exp_avg.";
-constexpr const char* exp_avg_sq_prefix = "optimizer.exp_avg_sq.";
-constexpr const char* step_tensor = "trainer.step";
-constexpr const char* position_tensor = "trainer.data_position";
-constexpr const char* no_dataset = "none";
-
-// Visits every TrainConfig field with its JSON name (one list for writing, reading and errors).
-template <class Config, class Visitor>
-void visit_fields(Config& c, Visitor&& v) {
-  v("lr", c.lr);
-  v("min_lr", c.min_lr);
-  v("warmup_steps", c.warmup_steps);
-  v("total_steps", c.total_steps);
-  v("weight_decay", c.weight_decay);
-  v("beta1", c.beta1);
-  v("beta2", c.beta2);
-  v("eps", c.eps);
-  v("grad_clip", c.grad_clip);
-  v("batch_size", c.batch_size);
-  v("grad_accum", c.grad_accum);
-  v("seed", c.seed);
-  v("eval_interval", c.eval_interval);
-  v("eval_batches", c.eval_batches);
-  v("checkpoint_interval", c.checkpoint_interval);
-  v("max_skipped_steps", c.max_skipped_steps);
-}
-
-struct FieldReader {
-  const json& object;
-  const std::string& source;
-  std::set<std::string>& seen;
-
-  std::string where(const char* key) const { return "kmamba::TrainConfig: " + source + ": \"" + key + "\""; }
-
-  void operator()(const char* key, double& value) const {
-    if (!object.contains(key)) return;
-    seen.insert(key);
-    const json& v = object[key];
-    KMAMBA_REQUIRE(v.is_number(), where(key) << " is " << quote_json(v) << ", expected a number");
-    value = v.get<double>();
-  }
-  void operator()(const char* key, std::int64_t& value) const {
-    if (!object.contains(key)) return;
-    seen.insert(key);
-    const json& v = object[key];
-    KMAMBA_REQUIRE(v.is_number_integer(), where(key) << " is " << quote_json(v) << ", expected an integer");
-    KMAMBA_REQUIRE(!v.is_number_unsigned() ||
-                       v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
-                   where(key) << " is " << quote_json(v) << ", out of range");
-    value = v.get<std::int64_t>();
-  }
-  void operator()(const char* key, std::uint64_t& value) const {
-    if (!object.contains(key)) return;
-    seen.insert(key);
-    const json& v = object[key];
-    KMAMBA_REQUIRE(v.is_number_unsigned() || (v.is_number_integer() && v.get<std::int64_t>() >= 0),
-                   where(key) << " is " << quote_json(v) << ", expected a non-negative integer");
-    value = v.get<std::uint64_t>();
-  }
-};
-
-// FNV-1a over the bytes of the parameter slab: ties training_state.safetensors to the
-// model.safetensors written with it.
-template <class MemorySpace>
-std::string parameter_checksum(const Tensor1<float, MemorySpace>& params) {
-  auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params);
-  std::uint64_t hash = 1469598103934665603ull;
-  const auto* bytes = reinterpret_cast<const unsigned char*>(host.data());
-  for (std::size_t i = 0; i < host.extent(0) * sizeof(float); ++i) {
-    hash ^= bytes[i];
-    hash *= 1099511628211ull;
-  }
-  char text[17];
-  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(hash));
-  return text;
-}
-
-// "a, b and c" differ between two config.json texts.
-std::string differing_keys(const std::string& a, const std::string& b) {
-  const json ja = parse_json(a, "config.json"), jb = parse_json(b, "config.json");
-  std::set<std::string> keys;
-  for (auto it = ja.begin(); it != ja.end(); ++it) keys.insert(it.key());
-  for (auto it = jb.begin(); it != jb.end(); ++it) keys.insert(it.key());
-  std::ostringstream s;
-  for (const std::string& k : keys) {
-    const json va = ja.contains(k) ? ja[k] : json(), vb = jb.contains(k) ? jb[k] : json();
-    if (va != vb) s << (s.tellp() > 0 ? ", " : "") << k << " (" << quote_json(va) << " vs " << quote_json(vb) << ")";
-  }
-  return s.str();
-}
-
-std::string metadata(const SafeTensorsReader& file, const std::string& key) {
-  const auto it = file.metadata().find(key);
-  KMAMBA_REQUIRE(it != file.metadata().end(), "kmamba::Trainer: '" << file.path() << "' has no metadata entry \"" << key
-                                                                   << "\" (not a kmamba training state?)");
-  return it->second;
-}
-
-std::int64_t read_counter(const SafeTensorsReader& file, const std::string& name) {
-  file.check_shape(name, {1});
-  const std::int64_t value = file.read_i64(name)[0];
-  KMAMBA_REQUIRE(value >= 0, "kmamba::Trainer: tensor '" << name << "' of '" << file.path() << "' is " << value
-                                                         << ", expected >= 0");
-  return value;
-}
 
 void check_batch(const char* function, const TokenBatch& b, std::size_t i) {
   KMAMBA_REQUIRE(b.ids.is_allocated() && b.targets.is_allocated(), function << ": batch " << i << " is empty");
@@ -165,32 +51,6 @@ void TrainConfig::validate() const {
 }
 
 AdamWConfig TrainConfig::adamw() const { return AdamWConfig{lr, beta1, beta2, eps, weight_decay}; }
-
-std::string TrainConfig::to_json() const {
-  json j = json::object();
-  TrainConfig copy = *this;
-  visit_fields(copy, [&j](const char* key, const auto& value) { j[key] = value; });
-  return j.dump(2);
-}
-
-TrainConfig TrainConfig::from_json(const std::string& json_text, const std::string& source) {
-  const json j = parse_json(json_text, "kmamba::TrainConfig: " + source);
-  KMAMBA_REQUIRE(j.is_object(), "kmamba::TrainConfig: " << source << " must hold a JSON object");
-  TrainConfig c;
-  std::set<std::string> seen;
-  visit_fields(c, FieldReader{j, source, seen});
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    KMAMBA_REQUIRE(seen.count(it.key()) != 0,
-                   "kmamba::TrainConfig: " << source << ": unknown key \"" << it.key() << "\"");
-  }
-  c.validate();
-  return c;
-}
-
-TrainConfig TrainConfig::from_checkpoint(const std::string& dir) {
-  const SafeTensorsReader state(dir + "/" + state_file);
-  return from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Trainer
@@ -489,21 +349,10 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
       m_slab = m_full;
       v_slab = v_full;
     }
-    // World rank 0 writes; its success or failure reaches every rank (no rank waits forever, and
-    // the files exist on every rank's return).
-    const Communicator& world = data_parallel_->mesh().world();
-    std::exception_ptr error;
-    if (world.rank() == 0) {
-      try {
-        write_checkpoint(dir, full ? *full : model_, m_slab, v_slab);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    if (world.all_reduce_value(error ? 1 : 0, ReduceOp::Max) != 0) {
-      if (error) std::rethrow_exception(error);
-      KMAMBA_USER_ERROR("kmamba::Trainer::save_checkpoint: world rank 0 failed to write '" << dir << "'");
-    }
+    // World rank 0 writes; the files exist on every rank's return.
+    run_on_rank0(
+        data_parallel_->mesh().world(), [&] { write_checkpoint(dir, full ? *full : model_, m_slab, v_slab); },
+        "kmamba::Trainer::save_checkpoint: world rank 0 failed to write '" + dir + "'");
     return;
   }
 #endif
@@ -519,84 +368,30 @@ void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const Lan
   const auto& slab = model.parameters();
   auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m_slab);
   auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v_slab);
-  SafeTensorsWriter file;
-  for (const auto& e : slab.entries()) {
-    file.add(exp_avg_prefix + e.name, DType::F32, e.shape, m.data() + e.offset);
-    file.add(exp_avg_sq_prefix + e.name, DType::F32, e.shape, v.data() + e.offset);
-  }
-  file.add_i64(step_tensor, {1}, std::vector<std::int64_t>{steps_taken()});
-  file.add_i64(position_tensor, {1}, std::vector<std::int64_t>{data_position_});
-  file.set_metadata("format", state_format);
-  file.set_metadata("format_version", "1");
-  file.set_metadata("producer", std::string("kmamba ") + version());
-  file.set_metadata("train_config", config_.to_json());
-  file.set_metadata("dataset", data_ ? data_->fingerprint() : no_dataset);
-  file.set_metadata("parameter_checksum", parameter_checksum(slab.params()));
-  file.set_metadata("skipped_steps", std::to_string(skipped_steps_));
-  file.write(staged.path() + "/" + state_file);
+  impl::TrainingState state;
+  state.steps = steps_taken();
+  state.data_position = data_position_;
+  state.skipped_steps = skipped_steps_;
+  state.config = config_;
+  state.dataset = data_ ? data_->fingerprint() : impl::no_dataset;
+  state.parameter_checksum = impl::parameter_checksum(slab.params());
+  impl::write_training_state(staged.path() + "/" + impl::training_state_file, impl::moment_tensors(slab), m.data(),
+                             v.data(), state);
   staged.commit();
 }
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   StagedDirectory::recover(dir);
-  const SafeTensorsReader state(dir + "/" + state_file);
-  KMAMBA_REQUIRE(metadata(state, "format") == state_format,
-                 "kmamba::Trainer::resume: '" << state.path() << "' is not a kmamba training state (format \""
-                                              << metadata(state, "format") << "\")");
-  KMAMBA_REQUIRE(metadata(state, "format_version") == "1", "kmamba::Trainer::resume: '"
-                                                               << state.path() << "' has format version "
-                                                               << metadata(state, "format_version") << ", expected 1");
+  const SafeTensorsReader file = impl::open_training_state(dir);
   LanguageModel<ExecutionSpace> loaded = LanguageModel<ExecutionSpace>::load(dir);
-  const std::string ours = model_.config().to_hf_json(), theirs = loaded.config().to_hf_json();
-  KMAMBA_REQUIRE(ours == theirs, "kmamba::Trainer::resume: the model in '"
-                                     << dir << "' differs from this run's: " << differing_keys(theirs, ours)
-                                     << " (checkpoint vs run)");
-  KMAMBA_REQUIRE(metadata(state, "parameter_checksum") == parameter_checksum(loaded.parameters().params()),
-                 "kmamba::Trainer::resume: model.safetensors in '"
-                     << dir
-                     << "' was not written together with training_state.safetensors (parameter checksums differ; "
-                     << "an interrupted or mixed checkpoint)");
-  const std::string saved_data = metadata(state, "dataset");
-  if (data_ && saved_data != no_dataset) {
-    KMAMBA_REQUIRE(saved_data == data_->fingerprint(), "kmamba::Trainer::resume: '"
-                                                           << dir << "' was trained on " << saved_data
-                                                           << ", this run's data is " << data_->fingerprint());
-  }
-
+  impl::check_checkpoint_matches(file, dir, loaded.config().to_hf_json(), model_.config().to_hf_json(),
+                                 impl::parameter_checksum(loaded.parameters().params()), data_.get());
   const auto& slab = loaded.parameters();
   std::vector<float> m(slab.size()), v(slab.size());
-  std::set<std::string> expected = {step_tensor, position_tensor};
-  for (const auto& e : slab.entries()) {
-    for (const auto& [prefix, moments] : {std::make_pair(exp_avg_prefix, &m), std::make_pair(exp_avg_sq_prefix, &v)}) {
-      const std::string name = prefix + e.name;
-      state.check_shape(name, e.shape);
-      KMAMBA_REQUIRE(state.info(name).dtype == DType::F32,
-                     "kmamba::Trainer::resume: tensor '" << name << "' of '" << state.path() << "' is "
-                                                         << dtype_name(state.info(name).dtype) << ", expected F32");
-      const std::vector<float> values = state.read_f32(name);
-      std::copy(values.begin(), values.end(), moments->begin() + static_cast<std::ptrdiff_t>(e.offset));
-      expected.insert(name);
-    }
-  }
-  for (const std::string& name : state.names()) {
-    KMAMBA_REQUIRE(expected.count(name) != 0, "kmamba::Trainer::resume: '" << state.path()
-                                                                           << "' holds an unexpected tensor '" << name
-                                                                           << "' (from another model?)");
-  }
-  const std::int64_t steps = read_counter(state, step_tensor);
-  const std::int64_t position = read_counter(state, position_tensor);
-  std::int64_t skipped = 0;  // absent from checkpoints written before steps could be skipped
-  if (state.metadata().count("skipped_steps") != 0) {
-    const std::string text = metadata(state, "skipped_steps");
-    KMAMBA_REQUIRE(!text.empty() && text.size() < 19 && text.find_first_not_of("0123456789") == std::string::npos,
-                   "kmamba::Trainer::resume: '" << state.path() << "' has skipped_steps \"" << text
-                                                << "\", expected a non-negative integer");
-    skipped = std::stoll(text);
-  }
-  const TrainConfig saved =
-      TrainConfig::from_json(metadata(state, "train_config"), "'" + state.path() + "' (train_config)");
-  const std::int64_t sequences = position * saved.batch_size;
+  const impl::TrainingState state = impl::read_training_state(file, impl::moment_tensors(slab), m, v);
+  const TrainConfig& saved = state.config;
+  const std::int64_t sequences = state.data_position * saved.batch_size;
   KMAMBA_REQUIRE(sequences % config_.batch_size == 0,
                  "kmamba::Trainer::resume: '" << dir << "' consumed " << sequences
                                               << " training sequences in batches of " << saved.batch_size
@@ -627,13 +422,13 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   }
   model_.set_activation_checkpointing(checkpointing);
   model_.set_matmul_precision(precision);
-  optimizer_.set_steps_taken(steps);
+  optimizer_.set_steps_taken(state.steps);
   data_position_ = sequences / config_.batch_size;
-  skipped_steps_ = skipped;
+  skipped_steps_ = state.skipped_steps;
   consecutive_skips_ = 0;
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {
-    data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), steps);
+    data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), state.steps);
     exec_.fence();
   }
 #endif

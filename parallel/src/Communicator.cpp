@@ -7,43 +7,28 @@
 namespace kmamba {
 
 const char* data_type_name(DataType type) {
-  switch (type) {
-    case DataType::Float32:
-      return "float32";
-    case DataType::Float64:
-      return "float64";
-    case DataType::Int32:
-      return "int32";
-    case DataType::Int64:
-      return "int64";
-  }
-  return "unknown";
+  return impl::enum_table<const char*>(type, {"float32", "float64", "int32", "int64"}, "unknown");
 }
 
-std::size_t data_type_size(DataType type) {
-  switch (type) {
-    case DataType::Float32:
-    case DataType::Int32:
-      return 4;
-    case DataType::Float64:
-    case DataType::Int64:
-      return 8;
-  }
-  return 0;
-}
+std::size_t data_type_size(DataType type) { return impl::enum_table<std::size_t>(type, {4, 8, 4, 8}, 0); }
 
 const char* reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return "sum";
-    case ReduceOp::Average:
-      return "average";
-    case ReduceOp::Max:
-      return "max";
-    case ReduceOp::Min:
-      return "min";
+  return impl::enum_table<const char*>(op, {"sum", "average", "max", "min"}, "unknown");
+}
+
+void run_on_rank0(const Communicator& comm, const std::function<void()>& action, const std::string& failure) {
+  std::exception_ptr error;
+  if (comm.rank() == 0) {
+    try {
+      action();
+    } catch (...) {
+      error = std::current_exception();
+    }
   }
-  return "unknown";
+  if (comm.all_reduce_value(error ? 1 : 0, ReduceOp::Max) != 0) {
+    if (error) std::rethrow_exception(error);
+    KMAMBA_USER_ERROR(failure);
+  }
 }
 
 Communicator::Communicator(int rank, int size, std::string axis) : rank_(rank), size_(size), axis_(std::move(axis)) {

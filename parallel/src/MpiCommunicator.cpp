@@ -11,31 +11,17 @@ namespace impl {
 namespace {
 
 MPI_Datatype mpi_type(DataType type) {
-  switch (type) {
-    case DataType::Float32:
-      return MPI_FLOAT;
-    case DataType::Float64:
-      return MPI_DOUBLE;
-    case DataType::Int32:
-      return MPI_INT32_T;
-    case DataType::Int64:
-      return MPI_INT64_T;
-  }
-  KMAMBA_ASSERT(false, "unknown DataType " << static_cast<int>(type));
+  const MPI_Datatype mpi =
+      enum_table<MPI_Datatype>(type, {MPI_FLOAT, MPI_DOUBLE, MPI_INT32_T, MPI_INT64_T}, MPI_DATATYPE_NULL);
+  KMAMBA_ASSERT(mpi != MPI_DATATYPE_NULL, "unknown DataType " << static_cast<int>(type));
+  return mpi;
 }
 
+// Average is not an MPI operation: the Communicator sums and divides.
 MPI_Op mpi_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return MPI_SUM;
-    case ReduceOp::Max:
-      return MPI_MAX;
-    case ReduceOp::Min:
-      return MPI_MIN;
-    case ReduceOp::Average:
-      break;
-  }
-  KMAMBA_ASSERT(false, "ReduceOp " << reduce_op_name(op) << " reached the MPI transport");
+  const MPI_Op mpi = enum_table<MPI_Op>(op, {MPI_SUM, MPI_OP_NULL, MPI_MAX, MPI_MIN}, MPI_OP_NULL);
+  KMAMBA_ASSERT(mpi != MPI_OP_NULL, "ReduceOp " << reduce_op_name(op) << " reached the MPI transport");
+  return mpi;
 }
 
 int mpi_count(std::size_t count) {

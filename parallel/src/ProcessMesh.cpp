@@ -78,17 +78,7 @@ MeshConfig MeshConfig::resolve(int world_size) const {
 }
 
 const char* mesh_axis_name(MeshAxis axis) {
-  switch (axis) {
-    case MeshAxis::Data:
-      return "dp";
-    case MeshAxis::Tensor:
-      return "tp";
-    case MeshAxis::Sequence:
-      return "sp";
-    case MeshAxis::DataSequence:
-      return "dp_sp";
-  }
-  return "unknown";
+  return impl::enum_table<const char*>(axis, {"dp", "tp", "sp", "dp_sp"}, "unknown");
 }
 
 MeshLayout::MeshLayout(const MeshConfig& config)
@@ -99,19 +89,7 @@ MeshLayout::MeshLayout(const MeshConfig& config)
                      << dp_ << ", tp " << tp_ << ", sp " << sp_);
 }
 
-int MeshLayout::axis_size(MeshAxis axis) const {
-  switch (axis) {
-    case MeshAxis::Data:
-      return dp_;
-    case MeshAxis::Tensor:
-      return tp_;
-    case MeshAxis::Sequence:
-      return sp_;
-    case MeshAxis::DataSequence:
-      return dp_ * sp_;
-  }
-  return 0;
-}
+int MeshLayout::axis_size(MeshAxis axis) const { return impl::enum_table<int>(axis, {dp_, tp_, sp_, dp_ * sp_}, 0); }
 
 int MeshLayout::rank_of(const MeshCoordinates& c) const {
   KMAMBA_REQUIRE(c.dp >= 0 && c.dp < dp_ && c.tp >= 0 && c.tp < tp_ && c.sp >= 0 && c.sp < sp_,

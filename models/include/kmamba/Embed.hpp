@@ -42,6 +42,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace kmamba {
 
@@ -100,6 +101,22 @@ typename View::value_type* embed_view_data(const char* function, const char* nam
     stride *= extent;
   }
   return view.data();
+}
+
+/// The inputs (batch, seqlen, input_size) and targets (batch, seqlen, output_size) of a training
+/// or evaluation call, checked as embed_view_data does.
+template <class ExecutionSpace, class InputView, class TargetView>
+std::pair<ConstTensor3<float, typename ExecutionSpace::memory_space>,
+          ConstTensor3<float, typename ExecutionSpace::memory_space>>
+embed_training_data(const char* function, const SequenceModelConfig& c, const InputView& inputs,
+                    const TargetView& targets) {
+  using Data = ConstTensor3<float, typename ExecutionSpace::memory_space>;
+  const float* x = embed_view_data<ExecutionSpace>(
+      function, "inputs", inputs, Shape{Shape::any, Shape::any, c.input_size}, "(batch, seqlen, input_size)");
+  const std::int64_t b = static_cast<std::int64_t>(inputs.extent(0)), l = static_cast<std::int64_t>(inputs.extent(1));
+  const float* t = embed_view_data<ExecutionSpace>(function, "targets", targets, Shape{b, l, c.output_size},
+                                                   "(batch, seqlen, output_size) with batch, seqlen of inputs");
+  return {Data(x, b, l, c.input_size), Data(t, b, l, c.output_size)};
 }
 
 }  // namespace impl
@@ -269,31 +286,15 @@ template <class ExecutionSpace>
 template <class InputView, class TargetView>
 TrainStepResult Model<ExecutionSpace>::train_step(const ExecutionSpace& exec, const InputView& inputs,
                                                   const TargetView& targets) {
-  constexpr const char* function = "kmamba::Model::train_step";
-  const SequenceModelConfig& c = config();
-  const float* x = impl::embed_view_data<ExecutionSpace>(function, "inputs", inputs,
-                                                         Shape{Shape::any, Shape::any, c.input_size},
-                                                         "(batch, seqlen, input_size)");
-  const std::int64_t b = static_cast<std::int64_t>(inputs.extent(0)), l = static_cast<std::int64_t>(inputs.extent(1));
-  const float* t = impl::embed_view_data<ExecutionSpace>(function, "targets", targets, Shape{b, l, c.output_size},
-                                                         "(batch, seqlen, output_size) with batch, seqlen of inputs");
-  return train_on(exec, ConstTensor3<float, memory_space>(x, b, l, c.input_size),
-                  ConstTensor3<float, memory_space>(t, b, l, c.output_size));
+  const auto data = impl::embed_training_data<ExecutionSpace>("kmamba::Model::train_step", config(), inputs, targets);
+  return train_on(exec, data.first, data.second);
 }
 
 template <class ExecutionSpace>
 template <class InputView, class TargetView>
 double Model<ExecutionSpace>::evaluate(const ExecutionSpace& exec, const InputView& inputs, const TargetView& targets) {
-  constexpr const char* function = "kmamba::Model::evaluate";
-  const SequenceModelConfig& c = config();
-  const float* x = impl::embed_view_data<ExecutionSpace>(function, "inputs", inputs,
-                                                         Shape{Shape::any, Shape::any, c.input_size},
-                                                         "(batch, seqlen, input_size)");
-  const std::int64_t b = static_cast<std::int64_t>(inputs.extent(0)), l = static_cast<std::int64_t>(inputs.extent(1));
-  const float* t = impl::embed_view_data<ExecutionSpace>(function, "targets", targets, Shape{b, l, c.output_size},
-                                                         "(batch, seqlen, output_size) with batch, seqlen of inputs");
-  return evaluate_on(exec, ConstTensor3<float, memory_space>(x, b, l, c.input_size),
-                     ConstTensor3<float, memory_space>(t, b, l, c.output_size));
+  const auto data = impl::embed_training_data<ExecutionSpace>("kmamba::Model::evaluate", config(), inputs, targets);
+  return evaluate_on(exec, data.first, data.second);
 }
 
 }  // namespace kmamba

@@ -43,6 +43,14 @@ const char* data_type_name(DataType type);
 std::size_t data_type_size(DataType type);
 
 namespace impl {
+/// The entry of `table` (one per enumerator, in declaration order) for `value`, an enumerator of an
+/// enum class numbered from 0; `fallback` for any other value.
+template <class T, class Enum, std::size_t N>
+T enum_table(Enum value, const T (&table)[N], T fallback) {
+  const auto i = static_cast<std::size_t>(value);
+  return i < N ? table[i] : fallback;
+}
+
 template <class T>
 struct DataTypeOf;
 template <>
@@ -241,6 +249,11 @@ void Communicator::finish_average(const ExecutionSpace& exec, const View& recv, 
                        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, recv.size()),
                        impl::ScaleBy<View>{recv, Value(1) / static_cast<Value>(size_)});
 }
+
+/// Runs `action` on rank 0 of `comm` and tells every rank whether it succeeded: rank 0 rethrows
+/// its exception, every other rank throws kmamba::UserError(`failure`). Collective over `comm`,
+/// so that no rank waits forever for one whose action failed.
+void run_on_rank0(const Communicator& comm, const std::function<void()>& action, const std::string& failure);
 
 template <class ExecutionSpace, class SendView, class RecvView>
 void Communicator::all_reduce(const ExecutionSpace& exec, const SendView& send, const RecvView& recv,
