@@ -93,6 +93,23 @@ int dt_rank_field(const Fields& f, const char* key) {
   return f.integer(key, 0);
 }
 
+// The keys of the dt initialisation fields in one config.json layout: dt_min, dt_max,
+// dt_init_floor, dt_scale and the scheme ("random" or "constant").
+struct DtInitKeys {
+  const char *min, *max, *floor, *scale, *scheme;
+};
+
+void read_dt_init(const Fields& f, ModelConfig& c, const DtInitKeys& keys) {
+  c.dt_min = f.number(keys.min, 1e-3);
+  c.dt_max = f.number(keys.max, 0.1);
+  c.dt_init_floor = f.number(keys.floor, 1e-4);
+  c.dt_scale = f.number(keys.scale, 1.0);
+  const std::string scheme = f.string(keys.scheme, "random");
+  KMAMBA_REQUIRE(scheme == "random" || scheme == "constant",
+                 f.where(keys.scheme) << " is \"" << scheme << "\", expected \"random\" or \"constant\"");
+  c.dt_init_random = scheme == "random";
+}
+
 json infinity_aware(double value) {
   if (std::isinf(value)) return json{{"__float__", value > 0 ? "Infinity" : "-Infinity"}};
   return value;
@@ -130,14 +147,7 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
   c.dt_rank = dt_rank_field(f, "time_step_rank");
   c.conv_bias = f.boolean("use_conv_bias", true);
   c.bias = f.boolean("use_bias", !mamba2);
-  c.dt_min = f.number("time_step_min", 1e-3);
-  c.dt_max = f.number("time_step_max", 0.1);
-  c.dt_init_floor = f.number("time_step_floor", 1e-4);
-  c.dt_scale = f.number("time_step_scale", 1.0);
-  const std::string scheme = f.string("time_step_init_scheme", "random");
-  KMAMBA_REQUIRE(scheme == "random" || scheme == "constant",
-                 f.where("time_step_init_scheme") << " is \"" << scheme << "\", expected \"random\" or \"constant\"");
-  c.dt_init_random = scheme == "random";
+  read_dt_init(f, c, {"time_step_min", "time_step_max", "time_step_floor", "time_step_scale", "time_step_init_scheme"});
   const std::string act = f.string("hidden_act", "silu");
   KMAMBA_REQUIRE(act == "silu", f.where("hidden_act") << " is \"" << act << "\"; kmamba supports \"silu\" only");
   if (mamba2) {
@@ -198,14 +208,7 @@ void read_mamba_ssm(const Fields& f, ModelConfig& c, const std::string& source) 
   c.conv_bias = s.boolean("conv_bias", true);
   c.bias = s.boolean("bias", false);
   c.norm_before_gate = s.boolean("norm_before_gate", false);
-  c.dt_min = s.number("dt_min", 1e-3);
-  c.dt_max = s.number("dt_max", 0.1);
-  c.dt_init_floor = s.number("dt_init_floor", 1e-4);
-  c.dt_scale = s.number("dt_scale", 1.0);
-  const std::string init = s.string("dt_init", "random");
-  KMAMBA_REQUIRE(init == "random" || init == "constant",
-                 s.where("dt_init") << " is \"" << init << "\", expected \"random\" or \"constant\"");
-  c.dt_init_random = init == "random";
+  read_dt_init(s, c, {"dt_min", "dt_max", "dt_init_floor", "dt_scale", "dt_init"});
   s.pair("dt_limit", c.dt_limit_min, c.dt_limit_max);
   KMAMBA_REQUIRE(s.boolean("rmsnorm", true), s.where("rmsnorm") << " is false; kmamba supports the gated RMSNorm only");
   KMAMBA_REQUIRE(!s.boolean("D_has_hdim", false), s.where("D_has_hdim") << " is true; not supported");

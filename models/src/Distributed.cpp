@@ -35,7 +35,8 @@ void copy_range(const ExecutionSpace& exec, float* dst, std::int64_t dst_offset,
 }
 
 // Checks that the two models and vectors fit together and calls copy(full offset, local offset,
-// local size, shard or null) for every parameter of `local`.
+// count, replicated) for every run of every parameter of `local` (ShardedParameter::Run; a
+// parameter that the split leaves whole is one replicated run).
 template <class ExecutionSpace, class Copy>
 void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace>& full,
                         const LanguageModel<ExecutionSpace>& local, std::size_t full_size, std::size_t local_size,
@@ -51,9 +52,16 @@ void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace
   std::map<std::string, ShardedParameter> shards;
   for (ShardedParameter& p : local.sharded_parameters()) shards[p.name] = std::move(p);
   for (const auto& entry : local.parameters().entries()) {
+    const auto full_offset = static_cast<std::int64_t>(full.parameters().entry(entry.name).offset);
+    const auto local_offset = static_cast<std::int64_t>(entry.offset);
     const auto it = shards.find(entry.name);
-    copy(static_cast<std::int64_t>(full.parameters().entry(entry.name).offset), static_cast<std::int64_t>(entry.offset),
-         static_cast<std::int64_t>(entry.size), it != shards.end() ? &it->second : nullptr);
+    if (it == shards.end()) {
+      copy(full_offset, local_offset, static_cast<std::int64_t>(entry.size), true);
+      continue;
+    }
+    for (const ShardedParameter::Run& run : it->second.runs) {
+      copy(full_offset + run.full_offset, local_offset + run.local_offset, run.count, run.replicated);
+    }
   }
 }
 
@@ -67,16 +75,8 @@ void scatter_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpa
   float* const to = local_values.data();
   const float* const from = full_values.data();
   for_each_parameter("kmamba::scatter_values", full, local, full_values.extent(0), local_values.extent(0),
-                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
-                         const ShardedParameter* shard) {
-                       if (shard == nullptr) {
-                         copy_range(exec, to, local_offset, from, full_offset, size);
-                         return;
-                       }
-                       for (const ShardedParameter::Run& run : shard->runs) {
-                         copy_range(exec, to, local_offset + run.local_offset, from, full_offset + run.full_offset,
-                                    run.count);
-                       }
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t count, bool) {
+                       copy_range(exec, to, local_offset, from, full_offset, count);
                      });
   exec.fence();
 }
@@ -93,17 +93,8 @@ void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpac
   float* const to = full_values.data();
   const float* const from = local_values.data();
   for_each_parameter("kmamba::gather_values", full, local, full_values.extent(0), local_values.extent(0),
-                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t size,
-                         const ShardedParameter* shard) {
-                       if (shard == nullptr) {
-                         if (first) copy_range(exec, to, full_offset, from, local_offset, size);
-                         return;
-                       }
-                       for (const ShardedParameter::Run& run : shard->runs) {
-                         if (run.replicated && !first) continue;
-                         copy_range(exec, to, full_offset + run.full_offset, from, local_offset + run.local_offset,
-                                    run.count);
-                       }
+                     [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t count, bool replicated) {
+                       if (first || !replicated) copy_range(exec, to, full_offset, from, local_offset, count);
                      });
   if (local.parallel().tensor_size() > 1) local.parallel().tensor->all_reduce(exec, full_values);
   exec.fence();

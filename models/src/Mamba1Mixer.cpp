@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -527,22 +528,19 @@ std::array<int, 5> Mamba1Mixer<ExecutionSpace>::shape_key() const {
 
 template <class ExecutionSpace>
 std::unique_ptr<MixerCache<ExecutionSpace>> Mamba1Mixer<ExecutionSpace>::make_cache(int batch) const {
-  KMAMBA_REQUIRE(batch >= 1, "kmamba::Mamba1Mixer::make_cache: batch must be at least 1, got " << batch);
-  return std::unique_ptr<MixerCache<ExecutionSpace>>(new Cache(*this, batch));
+  return impl::new_mixer_cache<Cache, ExecutionSpace>("kmamba::Mamba1Mixer::make_cache", *this, batch);
 }
 
 template <class ExecutionSpace>
 typename Mamba1Mixer<ExecutionSpace>::Cache& Mamba1Mixer<ExecutionSpace>::cache_of(const char* function,
                                                                                     MixerCache<ExecutionSpace>& cache,
                                                                                     std::int64_t batch) const {
-  Cache* const mine = dynamic_cast<Cache*>(&cache);
-  KMAMBA_REQUIRE(mine != nullptr && mine->shape == shape_key(),
-                 function << ": the cache was not made by a Mamba-1 mixer of these dimensions (d_model " << d_model_
-                          << ", d_inner " << d_inner_ << ", d_state " << d_state_ << ", d_conv " << d_conv_
-                          << ", dt_rank " << dt_rank_ << ")");
-  KMAMBA_REQUIRE(mine->batch() == batch,
-                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
-  return *mine;
+  return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
+    std::ostringstream s;
+    s << "a Mamba-1 mixer of these dimensions (d_model " << d_model_ << ", d_inner " << d_inner_ << ", d_state "
+      << d_state_ << ", d_conv " << d_conv_ << ", dt_rank " << dt_rank_ << ")";
+    return s.str();
+  });
 }
 
 template <class ExecutionSpace>

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
 
 namespace kmamba {
@@ -345,8 +346,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const std::string& p = prefix_;
   const bool split_sequence = parallel_.sequence_size() > 1;
   const Communicator* const sequence = parallel_.sequence;
-  const int k = parallel_.sequence_rank();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
 
   impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
@@ -415,13 +415,8 @@ void Mamba2Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba2Mixer::forward";
-  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
-  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
-  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
   const ConstMatrix u2(u.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
@@ -445,37 +440,12 @@ template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Slab& slab,
                                            const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
                                            const Tensor3<float, memory_space>& du) {       // (batch, seqlen, d_model)
-  using Mem = memory_space;
-  using Vector = Tensor1<float, Mem>;
   constexpr const char* function = "kmamba::Mamba2Mixer::backward";
-  KMAMBA_REQUIRE(has_kept_, function << ": no activations were kept: call forward with keep_for_backward = true first");
-  const Activations& a = kept_;
-  const std::int64_t batch = a.batch, seqlen = a.seqlen, rows = batch * seqlen;
-  check_shape(function, "dout", dout, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
-  check_shape(function, "du", du, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
-  check_allocated(function, "dout", dout);
-  check_allocated(function, "du", du);
-  KMAMBA_REQUIRE(dout.span_is_contiguous() && du.span_is_contiguous(), function << ": dout and du must be contiguous");
+  const std::int64_t batch = kept_.batch, seqlen = kept_.seqlen, rows = batch * seqlen;
+  impl::check_backward_arguments(function, has_kept_, batch, seqlen, d_model_, dout, du);
   check_parameters(function, slab);
   const ConstMatrix dout2(dout.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
   const Matrix du2(du.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_));
-  const std::string& p = prefix_;
-  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
-  const auto grad_matrix = [&](const char* name) { return slab.template grad<2>(p + name); };
-  const bool split_sequence = parallel_.sequence_size() > 1;
-  const Communicator* const sequence = parallel_.sequence;
-  const int k = parallel_.sequence_rank();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
-
-  // out = normed · out_projᵀ (+ bias).
-  const Matrix dnormed = allocate_uninitialized<Matrix>("kmamba::mamba2::d_norm_out", rows, d_inner_);
-  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout2,
-                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed, this->matmul_precision());
-  gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout2, a.normed, 1.0f,
-                            grad_matrix("out_proj.weight"), this->matmul_precision());
-  if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dout2, grad("out_proj.bias"), 0);
-
-  // Gated RMSNorm: gradients of the SSD output y and of the z segment.
   std::array<Matrix, segment_count> dpre;  // gradients of the in_proj segments
   std::array<Matrix, segment_count> dact;  // gradients of x, B, C after the conv
   for (int s = 0; s < segment_count; ++s) {
@@ -486,13 +456,50 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
                                                segment_widths_[s]);
     }
   }
+  const Matrix dy = backward_output(exec, slab, dout2, dpre);
+  backward_ssd(exec, slab, dy, dpre, dact);
+  backward_conv(exec, slab, dact, dpre);
+  backward_in_proj(exec, slab, dpre, du2);
+}
+
+template <class ExecutionSpace>
+typename Mamba2Mixer<ExecutionSpace>::Matrix Mamba2Mixer<ExecutionSpace>::backward_output(
+    const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& dout,
+    const std::array<Matrix, segment_count>& dpre) const {
+  using Mem = memory_space;
+  const Activations& a = kept_;
+  const std::string& p = prefix_;
+  const std::int64_t rows = a.batch * a.seqlen;
+  // out = normed · out_projᵀ (+ bias).
+  const Matrix dnormed = allocate_uninitialized<Matrix>("kmamba::mamba2::d_norm_out", rows, d_inner_);
+  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout,
+                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed, this->matmul_precision());
+  gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout, a.normed, 1.0f,
+                            slab.template grad<2>(p + "out_proj.weight"), this->matmul_precision());
+  if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dout, flat(slab.grads(), slab, p + "out_proj.bias"), 0);
+  // Gated RMSNorm: gradients of the SSD output y and of the z segment.
   const Matrix dy = allocate_uninitialized<Matrix>("kmamba::mamba2::d_ssd_out", rows, d_inner_);
-  const Vector dnorm_weight = allocate_uninitialized<Vector>("kmamba::mamba2::d_norm_weight", d_inner_);
+  const auto dnorm_weight = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba2::d_norm_weight", d_inner_);
   gated_rms_norm_backward(exec, dnormed, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), a.rstd,
                           d_inner_ / ngroups_, config_.norm_before_gate, dy, dpre[z_segment], dnorm_weight);
-  accumulate(exec, dnorm_weight, grad("norm.weight"));
+  accumulate(exec, dnorm_weight, flat(slab.grads(), slab, p + "norm.weight"));
+  return dy;
+}
 
-  // SSD: gradients of x, B, C (after the conv), of the dt segment, A, D and dt_bias.
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const Slab& slab, const Matrix& dy,
+                                               const std::array<Matrix, segment_count>& dpre,
+                                               const std::array<Matrix, segment_count>& dact) const {
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  const Activations& a = kept_;
+  const std::string& p = prefix_;
+  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
+  const std::int64_t batch = a.batch, seqlen = a.seqlen;
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+  // Gradients of x, B, C (after the conv), of the dt segment, A, D and dt_bias.
   const Vector dA = allocate_uninitialized<Vector>("kmamba::mamba2::d_A", nheads_);
   const Vector dD = allocate_uninitialized<Vector>("kmamba::mamba2::d_D", nheads_);
   const Vector ddt_bias = allocate_uninitialized<Vector>("kmamba::mamba2::d_dt_bias", nheads_);
@@ -528,10 +535,21 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   accumulate(exec, ddt_bias, grad("dt_bias"));
   Kokkos::parallel_for("kmamba::mamba2::A_log_grad", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),
                        impl::Mamba2ALogGradFunctor<Mem>{dA, a.A, grad("A_log")});
+}
 
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::backward_conv(const ExecutionSpace& exec, const Slab& slab,
+                                                const std::array<Matrix, segment_count>& dact,
+                                                const std::array<Matrix, segment_count>& dpre) const {
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  const std::int64_t batch = kept_.batch, seqlen = kept_.seqlen;
+  // Sequence parallel: each segment's halo gradient comes back from the next rank and goes to the
+  // previous one (no_peer without the split).
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
   // Conv + SiLU backward per segment into the in_proj segment gradients.
-  float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
-  float* const conv_b = config_.conv_bias ? slab.template param<1>(p + "conv1d.bias").data() : nullptr;
+  float* const conv_w = slab.template param<3>(prefix_ + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
+  float* const conv_b = config_.conv_bias ? slab.template param<1>(prefix_ + "conv1d.bias").data() : nullptr;
   const Matrix dconv_weight = allocate_uninitialized<Matrix>("kmamba::mamba2::d_conv_weight", conv_dim_, d_conv_);
   const Vector dconv_bias =
       config_.conv_bias ? allocate_uninitialized<Vector>("kmamba::mamba2::d_conv_bias", conv_dim_) : Vector();
@@ -541,40 +559,50 @@ void Mamba2Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     const ConstTensor1<float, Mem> bias =
         conv_b != nullptr ? ConstTensor1<float, Mem>(conv_b + channel, width) : ConstTensor1<float, Mem>();
     const Vector dbias = conv_b != nullptr ? Vector(dconv_bias.data() + channel, width) : Vector();
-    // Sequence parallel: the halo's gradient comes back from the next rank and goes to the previous one.
     Tensor3<float, Mem> dfinal_state, dinitial_state;
-    if (split_sequence && next != no_peer) {
+    if (next != no_peer) {
       dfinal_state = allocate_uninitialized<Tensor3<float, Mem>>(
           std::string("kmamba::mamba2::d_conv_final_") + segment_names[s], batch, width, d_conv_ - 1);
-      sequence->recv(exec, dfinal_state, next);
+      parallel_.sequence->recv(exec, dfinal_state, next);
     }
-    if (split_sequence && previous != no_peer) {
+    if (previous != no_peer) {
       dinitial_state = allocate_uninitialized<Tensor3<float, Mem>>(
           std::string("kmamba::mamba2::d_conv_initial_") + segment_names[s], batch, width, d_conv_ - 1);
     }
-    causal_conv1d_backward(exec, as_sequence(a.pre[s], batch, seqlen),
-                           rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, a.conv_initial[s],
+    causal_conv1d_backward(exec, as_sequence(kept_.pre[s], batch, seqlen),
+                           rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, kept_.conv_initial[s],
                            as_sequence(dact[s], batch, seqlen), dfinal_state, as_sequence(dpre[s], batch, seqlen),
                            rows_of<Mem>(dconv_weight.data(), channel, segment_widths_[s], d_conv_), dbias,
                            dinitial_state, Conv1dActivation::silu);
-    if (split_sequence && previous != no_peer) sequence->send(exec, dinitial_state, previous);
+    if (previous != no_peer) parallel_.sequence->send(exec, dinitial_state, previous);
   }
-  accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()), grad("conv1d.weight"));
-  if (config_.conv_bias) accumulate(exec, dconv_bias, grad("conv1d.bias"));
+  accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()),
+             flat(slab.grads(), slab, prefix_ + "conv1d.weight"));
+  if (config_.conv_bias) accumulate(exec, dconv_bias, flat(slab.grads(), slab, prefix_ + "conv1d.bias"));
+}
 
-  // in_proj: weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows.
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, const Slab& slab,
+                                                   const std::array<Matrix, segment_count>& dpre,
+                                                   const Matrix& du) const {
+  using Mem = memory_space;
+  const std::string& p = prefix_;
+  // Weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows.
   float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   for (int s = 0; s < segment_count; ++s) {
-    gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
+    gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 1.0f,
                               rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
                               this->matmul_precision());
     gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
                               rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du2, this->matmul_precision());
-    if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], grad("in_proj.bias"), segment_offsets_[s]);
+                              s == 0 ? 0.0f : 1.0f, du, this->matmul_precision());
+    if (config_.bias) {
+      add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], flat(slab.grads(), slab, p + "in_proj.bias"),
+                                         segment_offsets_[s]);
+    }
   }
-  sum_over_tensor_ranks(exec, du2);
+  sum_over_tensor_ranks(exec, du);
 }
 
 template <class ExecutionSpace>
@@ -590,22 +618,19 @@ std::array<int, 7> Mamba2Mixer<ExecutionSpace>::shape_key() const {
 
 template <class ExecutionSpace>
 std::unique_ptr<MixerCache<ExecutionSpace>> Mamba2Mixer<ExecutionSpace>::make_cache(int batch) const {
-  KMAMBA_REQUIRE(batch >= 1, "kmamba::Mamba2Mixer::make_cache: batch must be at least 1, got " << batch);
-  return std::unique_ptr<MixerCache<ExecutionSpace>>(new Cache(*this, batch));
+  return impl::new_mixer_cache<Cache, ExecutionSpace>("kmamba::Mamba2Mixer::make_cache", *this, batch);
 }
 
 template <class ExecutionSpace>
 typename Mamba2Mixer<ExecutionSpace>::Cache& Mamba2Mixer<ExecutionSpace>::cache_of(const char* function,
                                                                                     MixerCache<ExecutionSpace>& cache,
                                                                                     std::int64_t batch) const {
-  Cache* const mine = dynamic_cast<Cache*>(&cache);
-  KMAMBA_REQUIRE(mine != nullptr && mine->shape == shape_key(),
-                 function << ": the cache was not made by a Mamba-2 mixer of these dimensions (d_model " << d_model_
-                          << ", nheads " << nheads_ << ", headdim " << headdim_ << ", ngroups " << ngroups_
-                          << ", d_state " << d_state_ << ", d_conv " << d_conv_ << ")");
-  KMAMBA_REQUIRE(mine->batch() == batch,
-                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
-  return *mine;
+  return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
+    std::ostringstream s;
+    s << "a Mamba-2 mixer of these dimensions (d_model " << d_model_ << ", nheads " << nheads_ << ", headdim "
+      << headdim_ << ", ngroups " << ngroups_ << ", d_state " << d_state_ << ", d_conv " << d_conv_ << ")";
+    return s.str();
+  });
 }
 
 template <class ExecutionSpace>
@@ -614,20 +639,13 @@ void Mamba2Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba2Mixer::prefill";
-  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
-  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
+  const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
-  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
-                 function << ": a mixer split across " << parallel_.sequence_size()
-                          << " sequence-parallel ranks does not run recurrent inference");
+  impl::check_whole_sequences(function, parallel_);
   release_activations();
   if (seqlen == 0) return;
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
-  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  impl::check_contiguous(function, "u", u, "out", out);
   const std::int64_t rows = batch * seqlen;
   Activations local = make_activations(batch, seqlen, false);
   run_forward(exec, slab, ConstMatrix(u.data(), static_cast<std::size_t>(rows), static_cast<std::size_t>(d_model_)),
@@ -641,16 +659,10 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
                                        MixerCache<ExecutionSpace>& cache) const {
   using Mem = memory_space;
   constexpr const char* function = "kmamba::Mamba2Mixer::step";
-  check_shape(function, "u", u, Shape({Shape::any, d_model_}), "(batch, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  check_shape(function, "out", out, Shape({batch, d_model_}), "(batch, d_model) of u");
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
+  const std::int64_t batch = impl::check_step_arguments(function, u, out, d_model_);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
-  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
-                 function << ": a mixer split across " << parallel_.sequence_size()
-                          << " sequence-parallel ranks does not run recurrent inference");
+  impl::check_whole_sequences(function, parallel_);
   const std::string& p = prefix_;
 
   // in_proj as one product (its segments are consecutive rows of the weight), then the conv of

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
 
 namespace kmamba {
@@ -30,6 +31,13 @@ constexpr const char* segment_names[] = {"z", "x", "B", "C", "dd_dt", "dd_A", "t
 using impl::as_flat;
 using impl::flat;
 using impl::rows_of;
+
+// A view as the (size / last extent, last extent) matrix of its rows.
+template <class View>
+Tensor2<float, typename View::memory_space> as_matrix(const View& v) {
+  const std::size_t last = v.extent(View::rank - 1);
+  return Tensor2<float, typename View::memory_space>(v.data(), v.size() / last, last);
+}
 
 // A (rows, width) matrix as (rows·width / n, n).
 template <class Mem>
@@ -44,56 +52,29 @@ void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor
   impl::accumulate(exec, "kmamba::mamba3::accumulate_grad", value, grad);
 }
 
-// The scan operands of one forward or backward (SISO: rank 1, the q/k views have a rank axis of 1).
-template <class Mem>
-struct ScanOperands {
-  Tensor5<float, Mem> q, k;              // (batch, seqlen, rank, ngroups, dstate)
-  Tensor4<float, Mem> v, z;              // (batch, seqlen, nheads, headdim); z absent with the output norm
-  Tensor3<float, Mem> dt, adt, trap;     // (batch, nheads, seqlen)
-  Tensor4<float, Mem> angles;            // (batch, seqlen, nheads, nangles)
-  Tensor3<float, Mem> q_bias, k_bias;    // (nheads, rank, dstate)
-  Tensor3<float, Mem> mimo_x, mimo_z, mimo_o;  // (nheads, rank, headdim), MIMO only
-  Tensor1<float, Mem> D;                 // (nheads)
-};
-
-template <class Mem>
-Mamba3SisoArgs<Mem> siso_args(const ScanOperands<Mem>& o, int chunk) {
-  Mamba3SisoArgs<Mem> a;
-  const auto& q = o.q;
-  a.q = ConstTensor4<float, Mem>(q.data(), q.extent(0), q.extent(1), q.extent(3), q.extent(4));
-  a.k = ConstTensor4<float, Mem>(o.k.data(), q.extent(0), q.extent(1), q.extent(3), q.extent(4));
-  a.v = o.v;
-  a.adt = o.adt;
-  a.dt = o.dt;
-  a.trap = o.trap;
-  a.q_bias = ConstTensor2<float, Mem>(o.q_bias.data(), o.q_bias.extent(0), o.q_bias.extent(2));
-  a.k_bias = ConstTensor2<float, Mem>(o.k_bias.data(), o.k_bias.extent(0), o.k_bias.extent(2));
-  a.angles = o.angles;
-  a.D = o.D;
-  a.z = o.z;
-  a.chunk_size = chunk;
-  return a;
+// A view of q, k or their biases (or gradients) with a rank axis of extent 1 as the SISO view
+// without it: (batch, seqlen, 1, ngroups, dstate) → (batch, seqlen, ngroups, dstate) and
+// (nheads, 1, dstate) → (nheads, dstate).
+template <class T, class Mem>
+Tensor4<T, Mem> without_rank(const Tensor5<T, Mem>& v) {
+  return Tensor4<T, Mem>(v.data(), v.extent(0), v.extent(1), v.extent(3), v.extent(4));
+}
+template <class T, class Mem>
+Tensor2<T, Mem> without_rank(const Tensor3<T, Mem>& v) {
+  return Tensor2<T, Mem>(v.data(), v.extent(0), v.extent(2));
 }
 
+// The SISO scan's arguments and gradients are the MIMO ones of rank 1 without the rank axis and
+// the rank projections; the initial states are set by the caller.
 template <class Mem>
-Mamba3MimoArgs<Mem> mimo_args(const ScanOperands<Mem>& o, int chunk) {
-  Mamba3MimoArgs<Mem> a;
-  a.q = o.q;
-  a.k = o.k;
-  a.v = o.v;
-  a.adt = o.adt;
-  a.dt = o.dt;
-  a.trap = o.trap;
-  a.q_bias = o.q_bias;
-  a.k_bias = o.k_bias;
-  a.angles = o.angles;
-  a.mimo_v = o.mimo_x;
-  if (o.z.is_allocated()) a.mimo_z = o.mimo_z;
-  a.mimo_o = o.mimo_o;
-  a.D = o.D;
-  a.z = o.z;
-  a.chunk_size = chunk;
-  return a;
+Mamba3SisoArgs<Mem> siso_args(const Mamba3MimoArgs<Mem>& m) {
+  return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap,       without_rank(m.q_bias),
+          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   m.chunk_size, m.matmul_precision};
+}
+template <class Mem>
+Mamba3SisoGrads<Mem> siso_grads(const Mamba3MimoGrads<Mem>& g) {
+  return {without_rank(g.dq),      without_rank(g.dk),      g.dv,      g.dadt, g.ddt, g.dtrap,
+          without_rank(g.dq_bias), without_rank(g.dk_bias), g.dangles, g.dD,   g.dz,  {}};
 }
 
 // The scan's four states with k and v on a rank axis (1 for SISO), as the SISO or MIMO states.
@@ -125,20 +106,28 @@ struct ScanStates {
     return s;
   }
   Mamba3MimoStates<Mem> mimo() const { return {angle, ssm, k, v}; }
+  template <class Exec>
+  void copy_from(const Exec& exec, const ScanStates& other) const {
+    Kokkos::deep_copy(exec, angle, other.angle);
+    Kokkos::deep_copy(exec, ssm, other.ssm);
+    Kokkos::deep_copy(exec, k, other.k);
+    Kokkos::deep_copy(exec, v, other.v);
+  }
   // Sends the four states to (receives them from) rank `peer` of `comm`, in one fixed order.
   template <class Exec>
   void send(const Exec& exec, const Communicator& comm, int peer) const {
-    comm.send(exec, angle, peer);
-    comm.send(exec, ssm, peer);
-    comm.send(exec, k, peer);
-    comm.send(exec, v, peer);
+    for_each([&](const auto& state) { comm.send(exec, state, peer); });
   }
   template <class Exec>
   void recv(const Exec& exec, const Communicator& comm, int peer) const {
-    comm.recv(exec, angle, peer);
-    comm.recv(exec, ssm, peer);
-    comm.recv(exec, k, peer);
-    comm.recv(exec, v, peer);
+    for_each([&](const auto& state) { comm.recv(exec, state, peer); });
+  }
+  template <class F>
+  void for_each(const F& f) const {
+    f(angle);
+    f(ssm);
+    f(k);
+    f(v);
   }
 };
 
@@ -364,24 +353,9 @@ class Mamba3Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
     Kokkos::deep_copy(exec, v[0], 0.0f);
   }
 
-  // State set i as the SISO / MIMO scan's states ([0]: the current states; [1]: a copy of them
-  // taken by prefill, the scan's initial states, since it writes the final ones into [0]).
-  Mamba3SisoStates<Mem> siso(int i) const {
-    Mamba3SisoStates<Mem> s;
-    s.angle = angle[i];
-    s.ssm = ssm[i];
-    s.k = Tensor3<float, Mem>(k[i].data(), k[i].extent(0), k[i].extent(1), k[i].extent(3));
-    s.v = Tensor3<float, Mem>(v[i].data(), v[i].extent(0), v[i].extent(1), v[i].extent(3));
-    return s;
-  }
-  Mamba3MimoStates<Mem> mimo(int i) const {
-    Mamba3MimoStates<Mem> s;
-    s.angle = angle[i];
-    s.ssm = ssm[i];
-    s.k = k[i];
-    s.v = v[i];
-    return s;
-  }
+  // State set i ([0]: the current states; [1]: a copy of them taken by prefill, the scan's initial
+  // states, since it writes the final ones into [0]).
+  ScanStates<Mem> states(int i) const { return {angle[i], ssm[i], k[i], v[i]}; }
 
   std::array<int, 7> shape;                      // the dimensions of the mixer that made it
   std::array<Tensor3<float, Mem>, 2> angle;      // (batch, nheads, nangles)
@@ -407,16 +381,77 @@ void Mamba3Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
 }
 
 template <class ExecutionSpace>
+Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace>::scan_args(
+    const Slab& slab, const Activations& a) const {
+  using Mem = memory_space;
+  const std::string& p = prefix_;
+  const std::size_t b = sz(a.batch), L = sz(a.seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
+  const std::size_t H = sz(nheads_), P = sz(headdim_);
+  Mamba3MimoArgs<Mem> args;
+  args.q = ConstTensor5<float, Mem>(a.Cn.data(), b, L, R, G, N);
+  args.k = ConstTensor5<float, Mem>(a.Bn.data(), b, L, R, G, N);
+  args.v = ConstTensor4<float, Mem>(a.pre[x_segment].data(), b, L, H, P);
+  args.adt = a.adt;
+  args.dt = a.dt;
+  args.trap = a.trap;
+  args.q_bias = slab.template param<3>(p + "C_bias");
+  args.k_bias = slab.template param<3>(p + "B_bias");
+  args.angles = a.angles;
+  if (config_.is_mimo) {
+    args.mimo_v = slab.template param<3>(p + "mimo_x");
+    if (!config_.is_outproj_norm) args.mimo_z = slab.template param<3>(p + "mimo_z");
+    args.mimo_o = slab.template param<3>(p + "mimo_o");
+  }
+  args.D = slab.template param<1>(p + "D");
+  if (!config_.is_outproj_norm) args.z = ConstTensor4<float, Mem>(a.pre[z_segment].data(), b, L, H, P);
+  args.chunk_size = chunk_;
+  args.matmul_precision = this->scan_matmul_precision();
+  return args;
+}
+
+template <class ExecutionSpace>
+void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& a,
+                                               Cache* cache) const {
+  using Mem = memory_space;
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const Communicator* const sequence = parallel_.sequence;
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+  Mamba3MimoArgs<Mem> args = scan_args(slab, a);
+  const Tensor4<float, Mem> y(a.y.data(), sz(a.batch), sz(a.seqlen), sz(nheads_), sz(headdim_));
+  // The scan starts from the cache's states (a copy of them, as it writes the final ones into the
+  // cache) or, under sequence parallelism, from the states the previous rank sends; its final states
+  // go to the next rank.
+  ScanStates<Mem> initial, final_states;
+  if (cache != nullptr) {
+    final_states = cache->states(0);
+    initial = cache->states(1);
+    initial.copy_from(exec, final_states);
+  }
+  if (split_sequence) {
+    initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
+    if (previous != no_peer) initial.recv(exec, *sequence, previous);
+    final_states = next != no_peer
+                       ? ScanStates<Mem>::make("final", a.batch, nheads_, nangles_, headdim_, d_state_, rank_)
+                       : ScanStates<Mem>();
+  }
+  if (config_.is_mimo) {
+    args.initial = initial.mimo();
+    mamba3_mimo_forward(exec, args, y, final_states.mimo());
+  } else {
+    Mamba3SisoArgs<Mem> siso = siso_args(args);
+    siso.initial = initial.siso();
+    mamba3_siso_forward(exec, siso, y, final_states.siso());
+  }
+  if (split_sequence && next != no_peer) final_states.send(exec, *sequence, next);
+}
+
+template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
                                               const Matrix& out, Activations& a, Cache* cache) const {
   using Mem = memory_space;
   const std::int64_t batch = a.batch, seqlen = a.seqlen, rows = batch * seqlen;
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
-  const bool split_sequence = parallel_.sequence_size() > 1;
-  const Communicator* const sequence = parallel_.sequence;
-  const int k = parallel_.sequence_rank();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
 
   for (int s = 0; s < segment_count; ++s) {
     project(exec, slab, p + "in_proj.weight", segment_offsets_[s], segment_widths_[s], u, a.pre[s]);
@@ -425,77 +460,14 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
            a.Brstd);
   rms_norm(exec, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, a.Cn,
            a.Crstd);
-  Kokkos::parallel_for("kmamba::mamba3::preprocess",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
-                       impl::Mamba3PreprocessFunctor<Mem>{a.pre[dt_segment], a.pre[A_segment], a.pre[trap_segment],
-                                                          a.pre[angle_segment], slab.template param<1>(p + "dt_bias"),
-                                                          a.dt, a.adt, a.trap, a.angles,
-                                                          static_cast<float>(config_.A_floor)});
+  Kokkos::parallel_for(
+      "kmamba::mamba3::preprocess",
+      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
+      impl::Mamba3PreprocessFunctor<Mem>{a.pre[dt_segment], a.pre[A_segment], a.pre[trap_segment], a.pre[angle_segment],
+                                         slab.template param<1>(p + "dt_bias"), a.dt, a.adt, a.trap, a.angles,
+                                         static_cast<float>(config_.A_floor)});
 
-  ScanOperands<Mem> o;
-  const std::size_t b = sz(batch), L = sz(seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
-  const std::size_t H = sz(nheads_), P = sz(headdim_);
-  o.q = Tensor5<float, Mem>(a.Cn.data(), b, L, R, G, N);
-  o.k = Tensor5<float, Mem>(a.Bn.data(), b, L, R, G, N);
-  o.v = Tensor4<float, Mem>(a.pre[x_segment].data(), b, L, H, P);
-  if (!config_.is_outproj_norm) o.z = Tensor4<float, Mem>(a.pre[z_segment].data(), b, L, H, P);
-  o.dt = a.dt;
-  o.adt = a.adt;
-  o.trap = a.trap;
-  o.angles = a.angles;
-  o.q_bias = slab.template param<3>(p + "C_bias");
-  o.k_bias = slab.template param<3>(p + "B_bias");
-  o.D = slab.template param<1>(p + "D");
-  const Tensor4<float, Mem> y(a.y.data(), b, L, H, P);
-  // Sequence parallel: the states entering this segment come from the previous rank, the final
-  // states go to the next one.
-  const ScanStates<Mem> sp_initial{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
-  ScanStates<Mem> sp_final;
-  if (split_sequence) {
-    if (previous != no_peer) sp_initial.recv(exec, *sequence, previous);
-    if (next != no_peer) sp_final = ScanStates<Mem>::make("final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-  }
-  if (config_.is_mimo) {
-    o.mimo_x = slab.template param<3>(p + "mimo_x");
-    o.mimo_z = slab.template param<3>(p + "mimo_z");
-    o.mimo_o = slab.template param<3>(p + "mimo_o");
-    Mamba3MimoArgs<Mem> args = mimo_args(o, chunk_);
-    args.matmul_precision = this->scan_matmul_precision();
-    Mamba3MimoStates<Mem> final_states;
-    if (cache != nullptr) {
-      final_states = cache->mimo(0);
-      const Mamba3MimoStates<Mem> initial = cache->mimo(1);
-      Kokkos::deep_copy(exec, initial.angle, final_states.angle);
-      Kokkos::deep_copy(exec, initial.ssm, final_states.ssm);
-      Kokkos::deep_copy(exec, initial.k, final_states.k);
-      Kokkos::deep_copy(exec, initial.v, final_states.v);
-      args.initial = initial;
-    }
-    if (split_sequence) {
-      args.initial = sp_initial.mimo();
-      final_states = sp_final.mimo();
-    }
-    mamba3_mimo_forward(exec, args, y, final_states);
-  } else {
-    Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
-    args.matmul_precision = this->scan_matmul_precision();
-    Mamba3SisoStates<Mem> final_states;
-    if (cache != nullptr) {
-      final_states = cache->siso(0);
-      const Mamba3SisoStates<Mem> initial = cache->siso(1);
-      Kokkos::deep_copy(exec, initial.angle, final_states.angle);
-      Kokkos::deep_copy(exec, initial.ssm, final_states.ssm);
-      Kokkos::deep_copy(exec, initial.k, final_states.k);
-      Kokkos::deep_copy(exec, initial.v, final_states.v);
-      args.initial = initial;
-    }
-    if (split_sequence) {
-      args.initial = sp_initial.siso();
-      final_states = sp_final.siso();
-    }
-    mamba3_siso_forward(exec, args, y, final_states);
-  }
-  if (split_sequence && next != no_peer) sp_final.send(exec, *sequence, next);
+  forward_scan(exec, slab, a, cache);
 
   if (config_.is_outproj_norm) {
     gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), eps, headdim_, true,
@@ -516,13 +488,8 @@ void Mamba3Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba3Mixer::forward";
-  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
-  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
-  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
   const ConstMatrix u2(u.data(), sz(rows), sz(d_model_));
@@ -546,193 +513,192 @@ template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Slab& slab,
                                            const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
                                            const Tensor3<float, memory_space>& du) {       // (batch, seqlen, d_model)
-  using Mem = memory_space;
-  using Vector = Tensor1<float, Mem>;
-  using T3 = Tensor3<float, Mem>;
-  using T4 = Tensor4<float, Mem>;
+  using Vector = Tensor1<float, memory_space>;
   constexpr const char* function = "kmamba::Mamba3Mixer::backward";
-  KMAMBA_REQUIRE(has_kept_, function << ": no activations were kept: call forward with keep_for_backward = true first");
-  const Activations& a = kept_;
-  const std::int64_t batch = a.batch, seqlen = a.seqlen, rows = batch * seqlen;
-  check_shape(function, "dout", dout, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
-  check_shape(function, "du", du, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of the last forward");
-  check_allocated(function, "dout", dout);
-  check_allocated(function, "du", du);
-  KMAMBA_REQUIRE(dout.span_is_contiguous() && du.span_is_contiguous(), function << ": dout and du must be contiguous");
+  const std::int64_t batch = kept_.batch, seqlen = kept_.seqlen, rows = batch * seqlen;
+  impl::check_backward_arguments(function, has_kept_, batch, seqlen, d_model_, dout, du);
   check_parameters(function, slab);
   const ConstMatrix dout2(dout.data(), sz(rows), sz(d_model_));
   const Matrix du2(du.data(), sz(rows), sz(d_model_));
-  const std::string& p = prefix_;
-  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
-  const std::size_t b = sz(batch), L = sz(seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
-  const std::size_t H = sz(nheads_), P = sz(headdim_);
-  const bool split_tensor = parallel_.tensor_size() > 1, split_sequence = parallel_.sequence_size() > 1;
-  const Communicator* const sequence = parallel_.sequence;
-  const int k = parallel_.sequence_rank();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < parallel_.sequence_size() ? k + 1 : no_peer;
   // Tensor parallel: the gradients of the replicated B_norm.weight, C_norm.weight (d_state each) and
   // angle rows of in_proj.weight (nangles, d_model), partial over this rank's heads, summed over the
   // tensor ranks in one all-reduce.
   const Vector replicated_grads =
-      split_tensor ? allocate_uninitialized<Vector>("kmamba::mamba3::d_replicated", 2 * d_state_ + nangles_ * d_model_)
-                   : Vector();
-
-  // out = (normed or y) · out_projᵀ.
-  const Matrix dy_out = allocate_uninitialized<Matrix>("kmamba::mamba3::d_out_proj_in", rows, d_inner_);
-  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout2,
-                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dy_out, this->matmul_precision());
-  gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout2,
-                            config_.is_outproj_norm ? a.normed : a.y, 1.0f,
-                            slab.template grad<2>(p + "out_proj.weight"), this->matmul_precision());
-
-  std::array<Matrix, segment_count> dpre;
+      parallel_.tensor_size() > 1
+          ? allocate_uninitialized<Vector>("kmamba::mamba3::d_replicated", 2 * d_state_ + nangles_ * d_model_)
+          : Vector();
+  std::array<Matrix, segment_count> dpre;  // the gradients of the in_proj segments
   for (int s = 0; s < segment_count; ++s) {
     dpre[s] = allocate_uninitialized<Matrix>(std::string("kmamba::mamba3::d_in_proj_") + segment_names[s], rows,
                                              segment_widths_[s]);
   }
-  Matrix dy = dy_out;
-  if (config_.is_outproj_norm) {
-    dy = allocate_uninitialized<Matrix>("kmamba::mamba3::d_scan_out", rows, d_inner_);
-    const Vector dnorm_weight = allocate_uninitialized<Vector>("kmamba::mamba3::d_norm_weight", d_inner_);
-    gated_rms_norm_backward(exec, dy_out, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), a.rstd,
-                            headdim_, true, dy, dpre[z_segment], dnorm_weight);
-    accumulate(exec, dnorm_weight, grad("norm.weight"));
-  }
+  const Matrix dy = backward_output(exec, slab, dout2, dpre);
+  const Mamba3MimoGrads<memory_space> g = backward_scan(exec, slab, dy, dpre);
+  backward_preprocess(exec, slab, g, dpre, replicated_grads);
+  backward_in_proj(exec, slab, dpre, replicated_grads, du2);
+}
 
-  // The scan.
-  const Matrix dBn = allocate_uninitialized<Matrix>("kmamba::mamba3::d_B_normed", rows * rank_ * ngroups_, d_state_);
-  const Matrix dCn = allocate_uninitialized<Matrix>("kmamba::mamba3::d_C_normed", rows * rank_ * ngroups_, d_state_);
-  const T3 ddt = allocate_uninitialized<T3>("kmamba::mamba3::d_dt", batch, nheads_, seqlen);
-  const T3 dadt = allocate_uninitialized<T3>("kmamba::mamba3::d_adt", batch, nheads_, seqlen);
-  const T3 dtrap = allocate_uninitialized<T3>("kmamba::mamba3::d_trap", batch, nheads_, seqlen);
-  const T4 dangles = allocate_uninitialized<T4>("kmamba::mamba3::d_angles", batch, seqlen, nheads_, nangles_);
-  const T3 dC_bias = allocate_uninitialized<T3>("kmamba::mamba3::d_C_bias", nheads_, rank_, d_state_);
-  const T3 dB_bias = allocate_uninitialized<T3>("kmamba::mamba3::d_B_bias", nheads_, rank_, d_state_);
-  const Vector dD = allocate_uninitialized<Vector>("kmamba::mamba3::d_D", nheads_);
-  const T4 dy4(dy.data(), b, L, H, P);
-  const T4 dz4 = config_.is_outproj_norm ? T4() : T4(dpre[z_segment].data(), b, L, H, P);
-  // Sequence parallel: the gradients of this segment's final states come back from the next rank,
-  // those of its initial states go to the previous one.
-  const ScanStates<Mem> sp_initial{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
-  ScanStates<Mem> sp_dfinal, sp_dinitial;
-  if (split_sequence) {
-    if (next != no_peer) {
-      sp_dfinal = ScanStates<Mem>::make("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-      sp_dfinal.recv(exec, *sequence, next);
-    }
-    if (previous != no_peer) {
-      sp_dinitial = ScanStates<Mem>::make("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-    }
-  }
+template <class ExecutionSpace>
+typename Mamba3Mixer<ExecutionSpace>::Matrix Mamba3Mixer<ExecutionSpace>::backward_output(
+    const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& dout,
+    const std::array<Matrix, segment_count>& dpre) const {
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  const Activations& a = kept_;
+  const std::string& p = prefix_;
+  const std::int64_t rows = a.batch * a.seqlen;
+  // out = (normed or y) · out_projᵀ.
+  const Matrix dy_out = allocate_uninitialized<Matrix>("kmamba::mamba3::d_out_proj_in", rows, d_inner_);
+  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dout,
+                            slab.template param<2>(p + "out_proj.weight"), 0.0f, dy_out, this->matmul_precision());
+  gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout, config_.is_outproj_norm ? a.normed : a.y,
+                            1.0f, slab.template grad<2>(p + "out_proj.weight"), this->matmul_precision());
+  if (!config_.is_outproj_norm) return dy_out;
+  const Matrix dy = allocate_uninitialized<Matrix>("kmamba::mamba3::d_scan_out", rows, d_inner_);
+  const Vector dnorm_weight = allocate_uninitialized<Vector>("kmamba::mamba3::d_norm_weight", d_inner_);
+  gated_rms_norm_backward(exec, dy_out, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"), a.rstd,
+                          headdim_, true, dy, dpre[z_segment], dnorm_weight);
+  accumulate(exec, dnorm_weight, flat(slab.grads(), slab, p + "norm.weight"));
+  return dy;
+}
 
-  ScanOperands<Mem> o;
-  o.q = Tensor5<float, Mem>(a.Cn.data(), b, L, R, G, N);
-  o.k = Tensor5<float, Mem>(a.Bn.data(), b, L, R, G, N);
-  o.v = T4(a.pre[x_segment].data(), b, L, H, P);
-  if (!config_.is_outproj_norm) o.z = T4(a.pre[z_segment].data(), b, L, H, P);
-  o.dt = a.dt;
-  o.adt = a.adt;
-  o.trap = a.trap;
-  o.angles = a.angles;
-  o.q_bias = slab.template param<3>(p + "C_bias");
-  o.k_bias = slab.template param<3>(p + "B_bias");
-  o.D = slab.template param<1>(p + "D");
+template <class ExecutionSpace>
+Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace>::backward_scan(
+    const ExecutionSpace& exec, const Slab& slab, const Matrix& dy,
+    const std::array<Matrix, segment_count>& dpre) const {
+  using Mem = memory_space;
+  using T3 = Tensor3<float, Mem>;
+  using T4 = Tensor4<float, Mem>;
+  const Activations& a = kept_;
+  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, prefix_ + name); };
+  const std::int64_t batch = a.batch, seqlen = a.seqlen;
+  const std::size_t b = sz(batch), L = sz(seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
+  const std::size_t H = sz(nheads_), P = sz(headdim_);
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+
+  // The gradients of the MIMO scan (of rank 1 for the SISO one).
+  Mamba3MimoGrads<Mem> g;
+  g.dq = allocate_uninitialized<Tensor5<float, Mem>>("kmamba::mamba3::d_C_normed", b, L, R, G, N);
+  g.dk = allocate_uninitialized<Tensor5<float, Mem>>("kmamba::mamba3::d_B_normed", b, L, R, G, N);
+  g.dv = T4(dpre[x_segment].data(), b, L, H, P);
+  g.dadt = allocate_uninitialized<T3>("kmamba::mamba3::d_adt", batch, nheads_, seqlen);
+  g.ddt = allocate_uninitialized<T3>("kmamba::mamba3::d_dt", batch, nheads_, seqlen);
+  g.dtrap = allocate_uninitialized<T3>("kmamba::mamba3::d_trap", batch, nheads_, seqlen);
+  g.dq_bias = allocate_uninitialized<T3>("kmamba::mamba3::d_C_bias", nheads_, rank_, d_state_);
+  g.dk_bias = allocate_uninitialized<T3>("kmamba::mamba3::d_B_bias", nheads_, rank_, d_state_);
+  g.dangles = allocate_uninitialized<T4>("kmamba::mamba3::d_angles", batch, seqlen, nheads_, nangles_);
   if (config_.is_mimo) {
-    o.mimo_x = slab.template param<3>(p + "mimo_x");
-    o.mimo_z = slab.template param<3>(p + "mimo_z");
-    o.mimo_o = slab.template param<3>(p + "mimo_o");
-    Mamba3MimoGrads<Mem> g;
-    g.dq = Tensor5<float, Mem>(dCn.data(), b, L, R, G, N);
-    g.dk = Tensor5<float, Mem>(dBn.data(), b, L, R, G, N);
-    g.dv = T4(dpre[x_segment].data(), b, L, H, P);
-    g.dadt = dadt;
-    g.ddt = ddt;
-    g.dtrap = dtrap;
-    g.dq_bias = dC_bias;
-    g.dk_bias = dB_bias;
-    g.dangles = dangles;
     g.dmimo_v = allocate_uninitialized<T3>("kmamba::mamba3::d_mimo_x", nheads_, rank_, headdim_);
     if (!config_.is_outproj_norm) {
       g.dmimo_z = allocate_uninitialized<T3>("kmamba::mamba3::d_mimo_z", nheads_, rank_, headdim_);
     }
     g.dmimo_o = allocate_uninitialized<T3>("kmamba::mamba3::d_mimo_o", nheads_, rank_, headdim_);
-    g.dD = dD;
-    g.dz = dz4;
-    Mamba3MimoArgs<Mem> args = mimo_args(o, chunk_);
-    args.matmul_precision = this->scan_matmul_precision();
-    if (split_sequence) {
-      args.initial = sp_initial.mimo();
-      g.dinitial = sp_dinitial.mimo();
+  }
+  g.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba3::d_D", nheads_);
+  if (!config_.is_outproj_norm) g.dz = T4(dpre[z_segment].data(), b, L, H, P);
+  // Sequence parallel: the gradients of this segment's final states come back from the next rank,
+  // those of its initial states go to the previous one.
+  Mamba3MimoArgs<Mem> args = scan_args(slab, a);
+  ScanStates<Mem> sp_dfinal, sp_dinitial;
+  if (split_sequence) {
+    args.initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}.mimo();
+    if (next != no_peer) {
+      sp_dfinal = ScanStates<Mem>::make("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+      sp_dfinal.recv(exec, *parallel_.sequence, next);
     }
-    mamba3_mimo_backward(exec, args, dy4, split_sequence ? sp_dfinal.mimo() : Mamba3MimoStates<Mem>(), g);
+    if (previous != no_peer) {
+      sp_dinitial = ScanStates<Mem>::make("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+    }
+  }
+  const T4 dy4(dy.data(), b, L, H, P);
+  if (config_.is_mimo) {
+    g.dinitial = sp_dinitial.mimo();
+    mamba3_mimo_backward(exec, args, dy4, sp_dfinal.mimo(), g);
     accumulate(exec, as_flat(g.dmimo_v), grad("mimo_x"));
     if (g.dmimo_z.is_allocated()) accumulate(exec, as_flat(g.dmimo_z), grad("mimo_z"));
     accumulate(exec, as_flat(g.dmimo_o), grad("mimo_o"));
   } else {
-    Mamba3SisoGrads<Mem> g;
-    g.dq = T4(dCn.data(), b, L, G, N);
-    g.dk = T4(dBn.data(), b, L, G, N);
-    g.dv = T4(dpre[x_segment].data(), b, L, H, P);
-    g.dadt = dadt;
-    g.ddt = ddt;
-    g.dtrap = dtrap;
-    g.dq_bias = Tensor2<float, Mem>(dC_bias.data(), H, N);
-    g.dk_bias = Tensor2<float, Mem>(dB_bias.data(), H, N);
-    g.dangles = dangles;
-    g.dD = dD;
-    g.dz = dz4;
-    Mamba3SisoArgs<Mem> args = siso_args(o, chunk_);
-    args.matmul_precision = this->scan_matmul_precision();
+    Mamba3SisoArgs<Mem> siso = siso_args(args);
+    Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
     if (split_sequence) {
-      args.initial = sp_initial.siso();
-      g.dinitial = sp_dinitial.siso();
+      siso.initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}.siso();
+      siso_g.dinitial = sp_dinitial.siso();
     }
-    mamba3_siso_backward(exec, args, dy4, split_sequence ? sp_dfinal.siso() : Mamba3SisoStates<Mem>(), g);
+    mamba3_siso_backward(exec, siso, dy4, sp_dfinal.siso(), siso_g);
   }
-  if (split_sequence && previous != no_peer) sp_dinitial.send(exec, *sequence, previous);
-  accumulate(exec, dD, grad("D"));
-  accumulate(exec, as_flat(dC_bias), grad("C_bias"));
-  accumulate(exec, as_flat(dB_bias), grad("B_bias"));
+  if (split_sequence && previous != no_peer) sp_dinitial.send(exec, *parallel_.sequence, previous);
+  accumulate(exec, g.dD, grad("D"));
+  accumulate(exec, as_flat(g.dq_bias), grad("C_bias"));
+  accumulate(exec, as_flat(g.dk_bias), grad("B_bias"));
+  return g;
+}
 
-  // B and C RMSNorms.
-  const Vector dnorm_weight =
-      split_tensor ? Vector(replicated_grads.data(), sz(d_state_))
-                   : allocate_uninitialized<Vector>("kmamba::mamba3::d_BC_norm_weight", d_state_);
+template <class ExecutionSpace>
+void Mamba3Mixer<ExecutionSpace>::backward_preprocess(const ExecutionSpace& exec, const Slab& slab,
+                                                      const Mamba3MimoGrads<memory_space>& g,
+                                                      const std::array<Matrix, segment_count>& dpre,
+                                                      const Tensor1<float, memory_space>& replicated_grads) const {
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  const Activations& a = kept_;
+  const std::string& p = prefix_;
+  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
+  const std::int64_t rows = a.batch * a.seqlen;
+  const bool split_tensor = parallel_.tensor_size() > 1;
+  // B and C RMSNorms; under tensor parallelism their weight gradients are summed in backward_in_proj.
+  const Vector dnorm_weight = split_tensor
+                                  ? Vector(replicated_grads.data(), sz(d_state_))
+                                  : allocate_uninitialized<Vector>("kmamba::mamba3::d_BC_norm_weight", d_state_);
   const Vector dC_norm_weight = split_tensor ? Vector(replicated_grads.data() + d_state_, sz(d_state_)) : dnorm_weight;
-  rms_norm_backward(exec, dBn, as_vectors(a.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"),
-                    a.Brstd, as_vectors(dpre[B_segment], d_state_), dnorm_weight);
+  rms_norm_backward(exec, as_matrix(g.dk), as_vectors(a.pre[B_segment], d_state_),
+                    slab.template param<1>(p + "B_norm.weight"), a.Brstd, as_vectors(dpre[B_segment], d_state_),
+                    dnorm_weight);
   if (!split_tensor) accumulate(exec, dnorm_weight, grad("B_norm.weight"));
-  rms_norm_backward(exec, dCn, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"),
-                    a.Crstd, as_vectors(dpre[C_segment], d_state_), dC_norm_weight);
+  rms_norm_backward(exec, as_matrix(g.dq), as_vectors(a.pre[C_segment], d_state_),
+                    slab.template param<1>(p + "C_norm.weight"), a.Crstd, as_vectors(dpre[C_segment], d_state_),
+                    dC_norm_weight);
   if (!split_tensor) accumulate(exec, dC_norm_weight, grad("C_norm.weight"));
 
-  // Pre-processing: dd_dt, dd_A, trap, angle and dt_bias.
-  Kokkos::parallel_for("kmamba::mamba3::preprocess_backward",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
-                       impl::Mamba3PreprocessBackwardFunctor<Mem>{
-                           a.pre[dt_segment], a.pre[A_segment], slab.template param<1>(p + "dt_bias"), ddt, dadt, dtrap,
-                           dpre[dt_segment], dpre[A_segment], dpre[trap_segment], static_cast<float>(config_.A_floor)});
+  // dd_dt, dd_A, trap, angle and dt_bias.
+  Kokkos::parallel_for(
+      "kmamba::mamba3::preprocess_backward",
+      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
+      impl::Mamba3PreprocessBackwardFunctor<Mem>{
+          a.pre[dt_segment], a.pre[A_segment], slab.template param<1>(p + "dt_bias"), g.ddt, g.dadt, g.dtrap,
+          dpre[dt_segment], dpre[A_segment], dpre[trap_segment], static_cast<float>(config_.A_floor)});
   Kokkos::parallel_for("kmamba::mamba3::angle_grad",
                        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nangles_),
-                       impl::Mamba3AngleGradFunctor<Mem>{dangles, dpre[angle_segment]});
+                       impl::Mamba3AngleGradFunctor<Mem>{g.dangles, dpre[angle_segment]});
   impl::add_column_sums(exec, "kmamba::mamba3::dt_bias_grad", dpre[dt_segment], grad("dt_bias"), 0);
+}
 
-  // in_proj: weight gradients per segment, and du = Σ_segments dpre · in_proj rows.
+template <class ExecutionSpace>
+void Mamba3Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, const Slab& slab,
+                                                   const std::array<Matrix, segment_count>& dpre,
+                                                   const Tensor1<float, memory_space>& replicated_grads,
+                                                   const Matrix& du) const {
+  using Mem = memory_space;
+  using Vector = Tensor1<float, Mem>;
+  const std::string& p = prefix_;
+  const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
+  const bool split_tensor = parallel_.tensor_size() > 1;
+  // Weight gradients per segment, and du = Σ_segments dpre · in_proj rows.
   float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
   for (int s = 0; s < segment_count; ++s) {
     if (split_tensor && s == angle_segment) {  // replicated rows: summed over the tensor ranks below
-      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 0.0f,
+      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 0.0f,
                                 Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)),
                                 this->matmul_precision());
     } else {
-      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], a.u, 1.0f,
+      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 1.0f,
                                 rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
                                 this->matmul_precision());
     }
     gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
                               rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du2, this->matmul_precision());
+                              s == 0 ? 0.0f : 1.0f, du, this->matmul_precision());
   }
   if (split_tensor) {
     parallel_.tensor->all_reduce(exec, replicated_grads);
@@ -740,7 +706,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
     accumulate(exec, Vector(replicated_grads.data() + d_state_, sz(d_state_)), grad("C_norm.weight"));
     accumulate(exec, Vector(replicated_grads.data() + 2 * d_state_, sz(nangles_ * d_model_)),
                Vector(dw_in + sz(segment_offsets_[angle_segment]) * sz(d_model_), sz(nangles_ * d_model_)));
-    sum_over_tensor_ranks(exec, du2);
+    sum_over_tensor_ranks(exec, du);
   }
 }
 
@@ -757,22 +723,20 @@ std::array<int, 7> Mamba3Mixer<ExecutionSpace>::shape_key() const {
 
 template <class ExecutionSpace>
 std::unique_ptr<MixerCache<ExecutionSpace>> Mamba3Mixer<ExecutionSpace>::make_cache(int batch) const {
-  KMAMBA_REQUIRE(batch >= 1, "kmamba::Mamba3Mixer::make_cache: batch must be at least 1, got " << batch);
-  return std::unique_ptr<MixerCache<ExecutionSpace>>(new Cache(*this, batch));
+  return impl::new_mixer_cache<Cache, ExecutionSpace>("kmamba::Mamba3Mixer::make_cache", *this, batch);
 }
 
 template <class ExecutionSpace>
 typename Mamba3Mixer<ExecutionSpace>::Cache& Mamba3Mixer<ExecutionSpace>::cache_of(const char* function,
                                                                                     MixerCache<ExecutionSpace>& cache,
                                                                                     std::int64_t batch) const {
-  Cache* const mine = dynamic_cast<Cache*>(&cache);
-  KMAMBA_REQUIRE(mine != nullptr && mine->shape == shape_key(),
-                 function << ": the cache was not made by a Mamba-3 mixer of these dimensions (d_model " << d_model_
-                          << ", nheads " << nheads_ << ", headdim " << headdim_ << ", ngroups " << ngroups_
-                          << ", d_state " << d_state_ << ", nangles " << nangles_ << ", rank " << rank_ << ")");
-  KMAMBA_REQUIRE(mine->batch() == batch,
-                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
-  return *mine;
+  return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
+    std::ostringstream s;
+    s << "a Mamba-3 mixer of these dimensions (d_model " << d_model_ << ", nheads " << nheads_ << ", headdim "
+      << headdim_ << ", ngroups " << ngroups_ << ", d_state " << d_state_ << ", nangles " << nangles_ << ", rank "
+      << rank_ << ")";
+    return s.str();
+  });
 }
 
 template <class ExecutionSpace>
@@ -781,20 +745,13 @@ void Mamba3Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba3Mixer::prefill";
-  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model_}), "(batch, seqlen, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  const auto seqlen = static_cast<std::int64_t>(u.extent(1));
-  check_shape(function, "out", out, Shape({batch, seqlen, d_model_}), "(batch, seqlen, d_model) of u");
+  const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
-  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
-                 function << ": a mixer split across " << parallel_.sequence_size()
-                          << " sequence-parallel ranks does not run recurrent inference");
+  impl::check_whole_sequences(function, parallel_);
   release_activations();
   if (seqlen == 0) return;
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
-  KMAMBA_REQUIRE(u.span_is_contiguous() && out.span_is_contiguous(), function << ": u and out must be contiguous");
+  impl::check_contiguous(function, "u", u, "out", out);
   const std::int64_t rows = batch * seqlen;
   Activations local = make_activations(batch, seqlen, false);
   run_forward(exec, slab, ConstMatrix(u.data(), sz(rows), sz(d_model_)), Matrix(out.data(), sz(rows), sz(d_model_)),
@@ -808,16 +765,10 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
                                        MixerCache<ExecutionSpace>& cache) const {
   using Mem = memory_space;
   constexpr const char* function = "kmamba::Mamba3Mixer::step";
-  check_shape(function, "u", u, Shape({Shape::any, d_model_}), "(batch, d_model)");
-  const auto batch = static_cast<std::int64_t>(u.extent(0));
-  check_shape(function, "out", out, Shape({batch, d_model_}), "(batch, d_model) of u");
-  check_allocated(function, "u", u);
-  check_allocated(function, "out", out);
+  const std::int64_t batch = impl::check_step_arguments(function, u, out, d_model_);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
-  KMAMBA_REQUIRE(parallel_.sequence_size() == 1,
-                 function << ": a mixer split across " << parallel_.sequence_size()
-                          << " sequence-parallel ranks does not run recurrent inference");
+  impl::check_whole_sequences(function, parallel_);
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
   const std::size_t b = sz(batch), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_), H = sz(nheads_);
@@ -857,7 +808,7 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
     args.mimo_o = slab.template param<3>(p + "mimo_o");
     args.D = slab.template param<1>(p + "D");
     args.z = z;
-    mamba3_mimo_step(exec, args, c.mimo(0), y);
+    mamba3_mimo_step(exec, args, c.states(0).mimo(), y);
   } else {
     Mamba3SisoStepArgs<Mem> args;
     args.q = ConstTensor3<float, Mem>(c.Cn.data(), b, G, N);
@@ -871,7 +822,7 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
     args.angles = angles;
     args.D = slab.template param<1>(p + "D");
     args.z = z;
-    mamba3_siso_step(exec, args, c.siso(0), y);
+    mamba3_siso_step(exec, args, c.states(0).siso(), y);
   }
   if (config_.is_outproj_norm) {
     gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"), eps, headdim_, true,

@@ -19,8 +19,10 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,6 +71,82 @@ template <class Mem>
 Tensor2<float, Mem> rows_of(float* data, int first, int count, int cols) {
   return Tensor2<float, Mem>(data + static_cast<std::size_t>(first) * static_cast<std::size_t>(cols),
                              static_cast<std::size_t>(count), static_cast<std::size_t>(cols));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks of the Mamba-2 and Mamba-3 mixers' entry points; each throws kmamba::UserError
+// naming `function`.
+
+/// Checks that u is (batch, seqlen, d_model) and out has its shape; returns {batch, seqlen}.
+template <class Mem>
+std::array<std::int64_t, 2> check_sequence_shapes(const char* function,
+                                                  const ConstTensor3<float, Mem>& u,  // (batch, seqlen, d_model)
+                                                  const Tensor3<float, Mem>& out,     // (batch, seqlen, d_model)
+                                                  int d_model) {
+  check_shape(function, "u", u, Shape({Shape::any, Shape::any, d_model}), "(batch, seqlen, d_model)");
+  const auto batch = static_cast<std::int64_t>(u.extent(0)), seqlen = static_cast<std::int64_t>(u.extent(1));
+  check_shape(function, "out", out, Shape({batch, seqlen, d_model}), "(batch, seqlen, d_model) of u");
+  return {batch, seqlen};
+}
+
+/// Checks that `a` and `b` (named `a_name`, `b_name`) are allocated and contiguous.
+template <class A, class B>
+void check_contiguous(const char* function, const char* a_name, const A& a, const char* b_name, const B& b) {
+  check_allocated(function, a_name, a);
+  check_allocated(function, b_name, b);
+  KMAMBA_REQUIRE(a.span_is_contiguous() && b.span_is_contiguous(),
+                 function << ": " << a_name << " and " << b_name << " must be contiguous");
+}
+
+/// The checks of backward: activations were `kept` by a forward of (batch, seqlen), and dout and du
+/// have its shape, allocated and contiguous.
+template <class Mem>
+void check_backward_arguments(const char* function, bool kept, std::int64_t batch, std::int64_t seqlen, int d_model,
+                              const ConstTensor3<float, Mem>& dout,  // (batch, seqlen, d_model)
+                              const Tensor3<float, Mem>& du) {       // (batch, seqlen, d_model)
+  KMAMBA_REQUIRE(kept, function << ": no activations were kept: call forward with keep_for_backward = true first");
+  check_shape(function, "dout", dout, Shape({batch, seqlen, d_model}), "(batch, seqlen, d_model) of the last forward");
+  check_shape(function, "du", du, Shape({batch, seqlen, d_model}), "(batch, seqlen, d_model) of the last forward");
+  check_contiguous(function, "dout", dout, "du", du);
+}
+
+/// The checks of step: u is (batch, d_model) and out has its shape, both allocated; returns batch.
+template <class Mem>
+std::int64_t check_step_arguments(const char* function, const ConstTensor2<float, Mem>& u,  // (batch, d_model)
+                                  const Tensor2<float, Mem>& out,                           // (batch, d_model)
+                                  int d_model) {
+  check_shape(function, "u", u, Shape({Shape::any, d_model}), "(batch, d_model)");
+  const auto batch = static_cast<std::int64_t>(u.extent(0));
+  check_shape(function, "out", out, Shape({batch, d_model}), "(batch, d_model) of u");
+  check_allocated(function, "u", u);
+  check_allocated(function, "out", out);
+  return batch;
+}
+
+/// Recurrent inference (prefill, step) needs whole sequences: no sequence parallelism.
+inline void check_whole_sequences(const char* function, const ModelParallel& parallel) {
+  KMAMBA_REQUIRE(parallel.sequence_size() == 1, function
+                                                    << ": a mixer split across " << parallel.sequence_size()
+                                                    << " sequence-parallel ranks does not run recurrent inference");
+}
+
+/// A new cache of `mixer` for `batch` sequences (at least 1).
+template <class Cache, class Exec, class Mixer>
+std::unique_ptr<MixerCache<Exec>> new_mixer_cache(const char* function, const Mixer& mixer, int batch) {
+  KMAMBA_REQUIRE(batch >= 1, function << ": batch must be at least 1, got " << batch);
+  return std::unique_ptr<MixerCache<Exec>>(new Cache(mixer, batch));
+}
+
+/// `cache` as the mixer's own `Cache`: checks that a mixer whose shape key is `key` made it (else
+/// the message says "the cache was not made by " and `made_by()`) for `batch` sequences.
+template <class Cache, class Exec, class Key, class MadeBy>
+Cache& mixer_cache(const char* function, MixerCache<Exec>& cache, const Key& key, std::int64_t batch,
+                   const MadeBy& made_by) {
+  Cache* const mine = dynamic_cast<Cache*>(&cache);
+  KMAMBA_REQUIRE(mine != nullptr && mine->shape == key, function << ": the cache was not made by " << made_by());
+  KMAMBA_REQUIRE(mine->batch() == batch,
+                 function << ": the cache holds " << mine->batch() << " sequences but u has batch " << batch);
+  return *mine;
 }
 
 // ---------------------------------------------------------------------------------------------

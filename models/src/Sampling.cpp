@@ -47,20 +47,8 @@ double Sampler::select(const float* logits, std::int64_t vocab, const std::int64
     value_[i] = l;
   }
 
-  // 1. Repetition penalty, once per distinct token.
-  if (config_.repetition_penalty != 1.0f) {
-    const double penalty = config_.repetition_penalty;
-    for (std::size_t h = 0; h < history_size; ++h) {
-      const std::int64_t id = history[h];
-      KMAMBA_REQUIRE(id >= 0 && id < vocab,
-                     "kmamba::Sampler: history[" << h << "] = " << id << " is outside [0, " << vocab << ")");
-      const auto i = static_cast<std::size_t>(id);
-      if (mark_[i]) continue;
-      mark_[i] = 1;
-      value_[i] = value_[i] < 0.0 ? value_[i] * penalty : value_[i] / penalty;
-    }
-    for (std::size_t h = 0; h < history_size; ++h) mark_[static_cast<std::size_t>(history[h])] = 0;
-  }
+  // 1. Repetition penalty.
+  if (config_.repetition_penalty != 1.0f) penalize_repetitions(vocab, history, history_size);
 
   std::size_t best = n;
   for (std::size_t i = 0; i < n; ++i) {
@@ -81,40 +69,8 @@ double Sampler::select(const float* logits, std::int64_t vocab, const std::int64
     if (value_[i] != -std::numeric_limits<double>::infinity()) kept_.push_back(static_cast<std::int64_t>(i));
   }
 
-  // Larger value first, lower id on ties.
-  const auto before = [this](std::int64_t a, std::int64_t b) {
-    const double va = value_[static_cast<std::size_t>(a)], vb = value_[static_cast<std::size_t>(b)];
-    return va > vb || (va == vb && a < b);
-  };
-
-  // Top-k and top-p look at the largest values only. To avoid sorting the vocabulary, the
-  // candidates are binned by their distance to the largest value `top` (bin b: top - value in
-  // [b, b + 1), the last bin also everything further), so every token of a bin comes before every
-  // token of a later bin; order_ receives the candidates of the first bins whose `amount` adds up to
-  // `limit` (all of them if it is never reached).
-  const auto leading_bins = [&](double top, double limit, auto amount) {
-    constexpr int bins = 64;
-    const auto bin_of = [&](std::int64_t id) {
-      return static_cast<int>(std::min<double>(bins - 1, top - value_[static_cast<std::size_t>(id)]));
-    };
-    double sums[bins] = {};
-    for (const std::int64_t id : kept_) sums[bin_of(id)] += amount(id);
-    int last = 0;
-    for (double cumulative = sums[0]; cumulative < limit && last < bins - 1;) cumulative += sums[++last];
-    order_.clear();
-    for (const std::int64_t id : kept_) {
-      if (bin_of(id) <= last) order_.push_back(id);
-    }
-  };
-
   // 3. Top-k.
-  if (config_.top_k > 0 && static_cast<std::size_t>(config_.top_k) < kept_.size()) {
-    const auto k = static_cast<std::ptrdiff_t>(config_.top_k);
-    leading_bins(value_[best], static_cast<double>(k), [](std::int64_t) { return 1.0; });
-    std::nth_element(order_.begin(), order_.begin() + (k - 1), order_.end(), before);
-    kept_.assign(order_.begin(), order_.begin() + k);
-    std::sort(kept_.begin(), kept_.end());
-  }
+  if (config_.top_k > 0 && static_cast<std::size_t>(config_.top_k) < kept_.size()) keep_top_k(value_[best]);
 
   // 4. Temperature, and the softmax weights of what is left.
   const double max_value = value_[best] / config_.temperature;
@@ -126,36 +82,8 @@ double Sampler::select(const float* logits, std::int64_t vocab, const std::int64
     total += weight_[i];
   }
 
-  // 5a. Top-p: keep a token while the mass before it (in `before` order) is below top_p.
-  if (config_.top_p > 0.0f && config_.top_p < 1.0f) {
-    const double threshold = static_cast<double>(config_.top_p) * total;
-    leading_bins(max_value, threshold, [this](std::int64_t id) { return weight_[static_cast<std::size_t>(id)]; });
-    // Quickselect-style partitioning finds the kept prefix of order_ without sorting it.
-    // Invariant: order_[0, lo) are the first lo tokens and kept, order_[hi, end) come after all of
-    // order_[lo, hi) and are dropped, `mass` is the weight of order_[0, lo).
-    double mass = 0.0;
-    std::size_t lo = 0, hi = order_.size();
-    while (lo < hi) {
-      const std::int64_t pivot = order_[lo + (hi - lo) / 2];
-      const auto first = order_.begin() + static_cast<std::ptrdiff_t>(lo);
-      const auto last = order_.begin() + static_cast<std::ptrdiff_t>(hi);
-      const auto mid = std::partition(first, last, [&](std::int64_t id) { return before(id, pivot); });
-      double ahead = 0.0;
-      for (auto it = first; it != mid; ++it) ahead += weight_[static_cast<std::size_t>(*it)];
-      if (mass + ahead >= threshold) {
-        hi = static_cast<std::size_t>(mid - order_.begin());  // the pivot and what follows it are dropped
-      } else {
-        // Everything before the pivot is kept, and so is the pivot.
-        std::iter_swap(mid, std::find(mid, last, pivot));
-        mass += ahead + weight_[static_cast<std::size_t>(pivot)];
-        lo = static_cast<std::size_t>(mid - order_.begin()) + 1;
-      }
-    }
-    for (std::size_t i = 0; i < lo; ++i) mark_[static_cast<std::size_t>(order_[i])] = 1;
-    const auto removed = [this](std::int64_t id) { return mark_[static_cast<std::size_t>(id)] == 0; };
-    kept_.erase(std::remove_if(kept_.begin(), kept_.end(), removed), kept_.end());
-    for (const std::int64_t id : kept_) mark_[static_cast<std::size_t>(id)] = 0;
-  }
+  // 5a. Top-p.
+  if (config_.top_p > 0.0f && config_.top_p < 1.0f) keep_top_p(max_value, static_cast<double>(config_.top_p) * total);
 
   // 5b. Min-p: the largest weight is exp(0) = 1, so p_i >= min_p * p_max is weight_i >= min_p.
   if (config_.min_p > 0.0f) {
@@ -167,6 +95,78 @@ double Sampler::select(const float* logits, std::int64_t vocab, const std::int64
   total = 0.0;
   for (const std::int64_t id : kept_) total += weight_[static_cast<std::size_t>(id)];
   return total;
+}
+
+void Sampler::penalize_repetitions(std::int64_t vocab, const std::int64_t* history, std::size_t history_size) {
+  const double penalty = config_.repetition_penalty;
+  for (std::size_t h = 0; h < history_size; ++h) {
+    const std::int64_t id = history[h];
+    KMAMBA_REQUIRE(id >= 0 && id < vocab,
+                   "kmamba::Sampler: history[" << h << "] = " << id << " is outside [0, " << vocab << ")");
+    const auto i = static_cast<std::size_t>(id);
+    if (mark_[i]) continue;
+    mark_[i] = 1;
+    value_[i] = value_[i] < 0.0 ? value_[i] * penalty : value_[i] / penalty;
+  }
+  for (std::size_t h = 0; h < history_size; ++h) mark_[static_cast<std::size_t>(history[h])] = 0;
+}
+
+bool Sampler::before(std::int64_t a, std::int64_t b) const {
+  const double va = value_[static_cast<std::size_t>(a)], vb = value_[static_cast<std::size_t>(b)];
+  return va > vb || (va == vb && a < b);
+}
+
+void Sampler::gather_leading_bins(double top, double limit, bool weighted) {
+  constexpr int bins = 64;
+  const auto bin_of = [&](std::int64_t id) {
+    return static_cast<int>(std::min<double>(bins - 1, top - value_[static_cast<std::size_t>(id)]));
+  };
+  double sums[bins] = {};
+  for (const std::int64_t id : kept_) sums[bin_of(id)] += weighted ? weight_[static_cast<std::size_t>(id)] : 1.0;
+  int last = 0;
+  for (double cumulative = sums[0]; cumulative < limit && last < bins - 1;) cumulative += sums[++last];
+  order_.clear();
+  for (const std::int64_t id : kept_) {
+    if (bin_of(id) <= last) order_.push_back(id);
+  }
+}
+
+void Sampler::keep_top_k(double top) {
+  const auto k = static_cast<std::ptrdiff_t>(config_.top_k);
+  gather_leading_bins(top, static_cast<double>(k), false);
+  std::nth_element(order_.begin(), order_.begin() + (k - 1), order_.end(),
+                   [this](std::int64_t a, std::int64_t b) { return before(a, b); });
+  kept_.assign(order_.begin(), order_.begin() + k);
+  std::sort(kept_.begin(), kept_.end());
+}
+
+void Sampler::keep_top_p(double max_value, double threshold) {
+  gather_leading_bins(max_value, threshold, true);
+  // Quickselect-style partitioning finds the kept prefix of order_ without sorting it.
+  // Invariant: order_[0, lo) are the first lo tokens and kept, order_[hi, end) come after all of
+  // order_[lo, hi) and are dropped, `mass` is the weight of order_[0, lo).
+  double mass = 0.0;
+  std::size_t lo = 0, hi = order_.size();
+  while (lo < hi) {
+    const std::int64_t pivot = order_[lo + (hi - lo) / 2];
+    const auto first = order_.begin() + static_cast<std::ptrdiff_t>(lo);
+    const auto last = order_.begin() + static_cast<std::ptrdiff_t>(hi);
+    const auto mid = std::partition(first, last, [&](std::int64_t id) { return before(id, pivot); });
+    double ahead = 0.0;
+    for (auto it = first; it != mid; ++it) ahead += weight_[static_cast<std::size_t>(*it)];
+    if (mass + ahead >= threshold) {
+      hi = static_cast<std::size_t>(mid - order_.begin());  // the pivot and what follows it are dropped
+    } else {
+      // Everything before the pivot is kept, and so is the pivot.
+      std::iter_swap(mid, std::find(mid, last, pivot));
+      mass += ahead + weight_[static_cast<std::size_t>(pivot)];
+      lo = static_cast<std::size_t>(mid - order_.begin()) + 1;
+    }
+  }
+  for (std::size_t i = 0; i < lo; ++i) mark_[static_cast<std::size_t>(order_[i])] = 1;
+  const auto removed = [this](std::int64_t id) { return mark_[static_cast<std::size_t>(id)] == 0; };
+  kept_.erase(std::remove_if(kept_.begin(), kept_.end(), removed), kept_.end());
+  for (const std::int64_t id : kept_) mark_[static_cast<std::size_t>(id)] = 0;
 }
 
 std::int64_t Sampler::sample(const float* logits, std::int64_t vocab, const std::int64_t* history,

@@ -337,6 +337,20 @@ struct BpeTokenizer::State {
   std::array<std::vector<std::size_t>, 256> added_by_first_byte;  // indices into `added`, longest first
   std::int64_t eos = -1;
 
+  // The steps of BpeTokenizer::from_json, each reading its part of tokenizer.json. The vocabulary
+  // size is one more than the largest id of model.vocab and added_tokens.
+  // model: its type and options, vocab (each id's token also into `id_to_token`), merges, unk_token;
+  // returns the vocabulary size so far.
+  std::int64_t read_model(const JsonSource& src, const json& model,
+                          std::unordered_map<std::int64_t, std::string>& id_to_token);
+  void read_merges(const JsonSource& src, const json& model);
+  // added_tokens, with added_by_first_byte; returns the vocabulary size counting them.
+  std::int64_t read_added_tokens(const JsonSource& src, const json& root, std::int64_t size);
+  // normalizer, pre_tokenizer and decoder.
+  void read_pipeline(const JsonSource& src, const json& root);
+  // id_bytes, id_known, id_special and byte_ids.
+  void build_id_tables(std::int64_t size, const std::unordered_map<std::int64_t, std::string>& id_to_token);
+
   static std::uint64_t pair_key(std::int64_t left, std::int64_t right) {
     return (static_cast<std::uint64_t>(left) << 32) | static_cast<std::uint64_t>(right);
   }
@@ -552,9 +566,17 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
   KMAMBA_REQUIRE(root.is_object(), src.prefix() << "the top level is not a JSON object");
   auto state = std::make_shared<State>();
   state->source = source;
+  std::unordered_map<std::int64_t, std::string> id_to_token;
+  std::int64_t size = state->read_model(src, src.object(root, "model", "model"), id_to_token);
+  size = state->read_added_tokens(src, root, size);
+  state->read_pipeline(src, root);
+  state->build_id_tables(size, id_to_token);
+  state->eos = state->lookup(eos_token);
+  return BpeTokenizer(std::move(state));
+}
 
-  // model
-  const json& model = src.object(root, "model", "model");
+std::int64_t BpeTokenizer::State::read_model(const JsonSource& src, const json& model,
+                                             std::unordered_map<std::int64_t, std::string>& id_to_token) {
   const std::string type = src.string(model, "type", "BPE", "model.type");
   KMAMBA_REQUIRE(type == "BPE", src.prefix() << "model.type is " << in_quotes(type) << ", kmamba supports \"BPE\"");
   KMAMBA_REQUIRE(!model.contains("dropout") || model["dropout"].is_null() ||
@@ -567,57 +589,62 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
   }
   KMAMBA_REQUIRE(!src.boolean(model, "byte_fallback", false, "model.byte_fallback"),
                  src.prefix() << "model.byte_fallback is true; byte-level BPE does not use byte fallback");
-  state->ignore_merges = src.boolean(model, "ignore_merges", false, "model.ignore_merges");
+  ignore_merges = src.boolean(model, "ignore_merges", false, "model.ignore_merges");
 
-  const json& vocab = src.object(model, "vocab", "model.vocab");
+  const json& vocab_json = src.object(model, "vocab", "model.vocab");
   std::int64_t size = 0;
-  std::unordered_map<std::int64_t, std::string> id_to_token;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+  for (auto it = vocab_json.begin(); it != vocab_json.end(); ++it) {
     const std::int64_t id = src.id(it.value(), "model.vocab[\"" + it.key() + "\"]");
     const auto inserted = id_to_token.emplace(id, it.key());
     KMAMBA_REQUIRE(inserted.second, src.prefix() << "model.vocab gives id " << id << " to both "
                                                  << in_quotes(inserted.first->second) << " and " << in_quotes(it.key()));
-    state->vocab.emplace(it.key(), id);
+    vocab.emplace(it.key(), id);
     size = std::max(size, id + 1);
   }
+  read_merges(src, model);
 
+  const std::string unk = src.string(model, "unk_token", "", "model.unk_token");
+  if (!unk.empty()) {
+    const auto it = vocab.find(unk);
+    KMAMBA_REQUIRE(it != vocab.end(), src.prefix() << "model.unk_token " << in_quotes(unk) << " is not in model.vocab");
+    unk_id = it->second;
+  }
+  return size;
+}
+
+void BpeTokenizer::State::read_merges(const JsonSource& src, const json& model) {
   KMAMBA_REQUIRE(model.contains("merges"), src.prefix() << "the field model.merges is missing");
-  const json& merges = model["merges"];
-  KMAMBA_REQUIRE(merges.is_array(), src.prefix() << "model.merges is " << JsonSource::brief(merges)
-                                                 << ", expected an array");
-  KMAMBA_REQUIRE(merges.size() < static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+  const json& list = model["merges"];
+  KMAMBA_REQUIRE(list.is_array(), src.prefix()
+                                      << "model.merges is " << JsonSource::brief(list) << ", expected an array");
+  KMAMBA_REQUIRE(list.size() < static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
                  src.prefix() << "model.merges has too many entries");
-  for (std::size_t i = 0; i < merges.size(); ++i) {
-    const auto pair = merge_pair(src, merges[i], i);
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const auto pair = merge_pair(src, list[i], i);
     const auto token_id = [&](const std::string& token, const char* what) {
-      const auto it = state->vocab.find(token);
-      KMAMBA_REQUIRE(it != state->vocab.end(), src.prefix() << "model.merges[" << i << "]: " << what << " "
-                                                            << in_quotes(token) << " is not in model.vocab");
+      const auto it = vocab.find(token);
+      KMAMBA_REQUIRE(it != vocab.end(), src.prefix() << "model.merges[" << i << "]: " << what << " " << in_quotes(token)
+                                                     << " is not in model.vocab");
       return it->second;
     };
     const std::int64_t left = token_id(pair.first, "the token");
     const std::int64_t right = token_id(pair.second, "the token");
     const std::int64_t merged = token_id(pair.first + pair.second, "the merged token");
-    state->merges.emplace(State::pair_key(left, right), State::Merge{static_cast<std::int32_t>(i), merged});
+    merges.emplace(pair_key(left, right), Merge{static_cast<std::int32_t>(i), merged});
   }
+}
 
-  const std::string unk = src.string(model, "unk_token", "", "model.unk_token");
-  if (!unk.empty()) {
-    const auto it = state->vocab.find(unk);
-    KMAMBA_REQUIRE(it != state->vocab.end(), src.prefix() << "model.unk_token " << in_quotes(unk) << " is not in model.vocab");
-    state->unk_id = it->second;
-  }
-
-  // added_tokens
+std::int64_t BpeTokenizer::State::read_added_tokens(const JsonSource& src, const json& root, std::int64_t size) {
   if (root.contains("added_tokens") && !root["added_tokens"].is_null()) {
-    const json& added = root["added_tokens"];
-    KMAMBA_REQUIRE(added.is_array(), src.prefix() << "added_tokens is " << JsonSource::brief(added) << ", expected an array");
-    for (std::size_t i = 0; i < added.size(); ++i) {
+    const json& list = root["added_tokens"];
+    KMAMBA_REQUIRE(list.is_array(), src.prefix()
+                                        << "added_tokens is " << JsonSource::brief(list) << ", expected an array");
+    for (std::size_t i = 0; i < list.size(); ++i) {
       const std::string field = "added_tokens[" + std::to_string(i) + "]";
-      const json& entry = added[i];
+      const json& entry = list[i];
       KMAMBA_REQUIRE(entry.is_object(), src.prefix() << field << " is " << JsonSource::brief(entry) << ", expected an object");
       KMAMBA_REQUIRE(entry.contains("id"), src.prefix() << "the field " << field << ".id is missing");
-      State::Added token;
+      Added token;
       token.id = src.id(entry["id"], field + ".id");
       token.content = src.string(entry, "content", "", field + ".content");
       KMAMBA_REQUIRE(!token.content.empty(), src.prefix() << field << ".content is missing or empty");
@@ -625,32 +652,32 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
       token.single_word = src.boolean(entry, "single_word", false, field + ".single_word");
       token.lstrip = src.boolean(entry, "lstrip", false, field + ".lstrip");
       token.rstrip = src.boolean(entry, "rstrip", false, field + ".rstrip");
-      for (const State::Added& other : state->added) {
+      for (const Added& other : added) {
         KMAMBA_REQUIRE(other.content != token.content && other.id != token.id,
                        src.prefix() << field << " repeats the " << (other.id == token.id ? "id" : "content")
                                     << " of an earlier added token (id " << other.id << ", "
                                     << in_quotes(other.content) << ")");
       }
-      state->added.push_back(token);
+      added.push_back(token);
       size = std::max(size, token.id + 1);
     }
   }
-  std::sort(state->added.begin(), state->added.end(),
-            [](const State::Added& a, const State::Added& b) { return a.id < b.id; });
-  for (std::size_t i = 0; i < state->added.size(); ++i) {
-    state->added_by_first_byte[static_cast<unsigned char>(state->added[i].content[0])].push_back(i);
+  std::sort(added.begin(), added.end(), [](const Added& a, const Added& b) { return a.id < b.id; });
+  for (std::size_t i = 0; i < added.size(); ++i) {
+    added_by_first_byte[static_cast<unsigned char>(added[i].content[0])].push_back(i);
   }
-  for (auto& bucket : state->added_by_first_byte) {
-    std::stable_sort(bucket.begin(), bucket.end(), [&](std::size_t a, std::size_t b) {
-      return state->added[a].content.size() > state->added[b].content.size();
-    });
+  for (auto& bucket : added_by_first_byte) {
+    std::stable_sort(bucket.begin(), bucket.end(),
+                     [&](std::size_t a, std::size_t b) { return added[a].content.size() > added[b].content.size(); });
   }
+  return size;
+}
 
-  // normalizer, pre_tokenizer, decoder
+void BpeTokenizer::State::read_pipeline(const JsonSource& src, const json& root) {
   check_normalizer(src, root.value("normalizer", json()), "normalizer");
   const json& pre = byte_level_pre_tokenizer(src, root);
-  state->add_prefix_space = src.boolean(pre, "add_prefix_space", true, "pre_tokenizer.add_prefix_space");
-  state->use_regex = src.boolean(pre, "use_regex", true, "pre_tokenizer.use_regex");
+  add_prefix_space = src.boolean(pre, "add_prefix_space", true, "pre_tokenizer.add_prefix_space");
+  use_regex = src.boolean(pre, "use_regex", true, "pre_tokenizer.use_regex");
   if (root.contains("decoder") && !root["decoder"].is_null()) {
     const json& decoder = root["decoder"];
     KMAMBA_REQUIRE(decoder.is_object(), src.prefix() << "decoder is " << JsonSource::brief(decoder) << ", expected an object");
@@ -658,28 +685,28 @@ BpeTokenizer BpeTokenizer::from_json(const std::string& json_text, const std::st
     KMAMBA_REQUIRE(decoder_type == "ByteLevel", src.prefix() << "decoder.type is " << in_quotes(decoder_type)
                                                              << ", kmamba supports \"ByteLevel\"");
   }
+}
 
-  // id tables
-  state->id_bytes.assign(static_cast<std::size_t>(size), std::string());
-  state->id_known.assign(static_cast<std::size_t>(size), 0);
-  state->id_special.assign(static_cast<std::size_t>(size), 0);
+void BpeTokenizer::State::build_id_tables(std::int64_t size,
+                                          const std::unordered_map<std::int64_t, std::string>& id_to_token) {
+  id_bytes.assign(static_cast<std::size_t>(size), std::string());
+  id_known.assign(static_cast<std::size_t>(size), 0);
+  id_special.assign(static_cast<std::size_t>(size), 0);
   for (const auto& entry : id_to_token) {
-    state->id_bytes[static_cast<std::size_t>(entry.first)] = from_byte_level(entry.second);
-    state->id_known[static_cast<std::size_t>(entry.first)] = 1;
+    id_bytes[static_cast<std::size_t>(entry.first)] = from_byte_level(entry.second);
+    id_known[static_cast<std::size_t>(entry.first)] = 1;
   }
-  for (const State::Added& token : state->added) {
+  for (const Added& token : added) {
     const auto id = static_cast<std::size_t>(token.id);
-    state->id_bytes[id] = from_byte_level(token.content);
-    state->id_known[id] = 1;
-    state->id_special[id] = token.special ? 1 : 0;
+    id_bytes[id] = from_byte_level(token.content);
+    id_known[id] = 1;
+    id_special[id] = token.special ? 1 : 0;
   }
   for (int b = 0; b < 256; ++b) {
     const char byte = static_cast<char>(b);
-    const auto it = state->vocab.find(to_byte_level(&byte, 1));
-    state->byte_ids[static_cast<std::size_t>(b)] = it == state->vocab.end() ? -1 : it->second;
+    const auto it = vocab.find(to_byte_level(&byte, 1));
+    byte_ids[static_cast<std::size_t>(b)] = it == vocab.end() ? -1 : it->second;
   }
-  state->eos = state->lookup(eos_token);
-  return BpeTokenizer(std::move(state));
 }
 
 std::vector<std::int64_t> BpeTokenizer::encode(const std::string& text) const {

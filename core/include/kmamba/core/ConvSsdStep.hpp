@@ -90,22 +90,14 @@ struct ConvSsdStepState {
   Tensor2<int, MemorySpace> group_arrivals;
 };
 
-/// One decode token: advances the conv and ssm states of `state` in place and writes `y` and,
-/// with args.norm_weight, `normed` (see the file comment). Equals causal_conv1d_update (silu) on
-/// x, B, C, then ssd_step with A = −exp(A_log), then gated_rms_norm. Non-blocking on `exec`.
-/// Throws kmamba::UserError for a wrong shape (the message names both shapes), a negative
-/// xbc_offset (or one smaller than nheads·headdim with the norm), ngroups that does not divide
-/// nheads, or `normed` given without norm_weight or the reverse.
-template <class ExecutionSpace, class MemorySpace>
-void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace>& args,
-                   const ConvSsdStepState<MemorySpace>& state,
-                   const Tensor3<float, MemorySpace>& y,        // (batch, nheads, headdim)
-                   const Tensor2<float, MemorySpace>& normed =  // (batch, nheads·headdim), with norm_weight
-                   Tensor2<float, MemorySpace>()) {
-  const ProfilingRegion region("kmamba::conv_ssd_step");
-  static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
-                "kmamba::conv_ssd_step: the execution space cannot access the tensors' memory space");
-  constexpr const char* function = "kmamba::conv_ssd_step";
+namespace impl {
+
+// The argument checks of conv_ssd_step; returns its dimensions (seqlen 1).
+template <class MemorySpace>
+SsdDims conv_ssd_step_check_args(const char* function, const ConvSsdStepArgs<MemorySpace>& args,
+                                 const ConvSsdStepState<MemorySpace>& state,
+                                 const Tensor3<float, MemorySpace>& y,         // (batch, nheads, headdim)
+                                 const Tensor2<float, MemorySpace>& normed) {  // (batch, nheads·headdim)
   KMAMBA_REQUIRE(args.xbcdt.is_allocated() && args.conv_weight.is_allocated() && args.A_log.is_allocated(),
                  function << ": xbcdt, conv_weight and A_log are required");
   check_allocated(function, "ssm", state.ssm);
@@ -159,15 +151,42 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
                      batch * (args.xbc_offset + conv_dim + nheads) < std::numeric_limits<int>::max(),
                  function << ": ssm has shape " << shape_of(state.ssm).to_string()
                           << ": too many elements for 32-bit indexing");
-  if (batch == 0) return;
-
-  impl::SsdDims dims;
+  SsdDims dims;
   dims.batch = batch;
   dims.seqlen = 1;
   dims.nheads = nheads;
   dims.headdim = headdim;
   dims.ngroups = ngroups;
   dims.dstate = dstate;
+  return dims;
+}
+
+}  // namespace impl
+
+/// One decode token: advances the conv and ssm states of `state` in place and writes `y` and,
+/// with args.norm_weight, `normed` (see the file comment). Equals causal_conv1d_update (silu) on
+/// x, B, C, then ssd_step with A = −exp(A_log), then gated_rms_norm. Non-blocking on `exec`.
+/// Throws kmamba::UserError for a wrong shape (the message names both shapes), a negative
+/// xbc_offset (or one smaller than nheads·headdim with the norm), ngroups that does not divide
+/// nheads, or `normed` given without norm_weight or the reverse.
+template <class ExecutionSpace, class MemorySpace>
+void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace>& args,
+                   const ConvSsdStepState<MemorySpace>& state,
+                   const Tensor3<float, MemorySpace>& y,        // (batch, nheads, headdim)
+                   const Tensor2<float, MemorySpace>& normed =  // (batch, nheads·headdim), with norm_weight
+                   Tensor2<float, MemorySpace>()) {
+  const ProfilingRegion region("kmamba::conv_ssd_step");
+  static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
+                "kmamba::conv_ssd_step: the execution space cannot access the tensors' memory space");
+  constexpr const char* function = "kmamba::conv_ssd_step";
+  const impl::SsdDims dims = impl::conv_ssd_step_check_args(function, args, state, y, normed);
+  const std::int64_t batch = dims.batch, nheads = dims.nheads, headdim = dims.headdim, dstate = dims.dstate;
+  const std::int64_t ngroups = dims.ngroups, inner = nheads * headdim, group_width = ngroups * dstate;
+  const std::int64_t conv_dim = inner + 2 * group_width;
+  const std::int64_t width = static_cast<std::int64_t>(args.conv_weight.extent(1));
+  const bool has_norm = args.norm_weight.is_allocated();
+  if (batch == 0) return;
+
   const impl::SsdPlan plan = impl::ssd_plan<ExecutionSpace>(function, dims, 1);
   const impl::ConvSsdStepFunctor<ExecutionSpace, MemorySpace> functor{
       args.xbcdt,

@@ -172,6 +172,19 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
                    const ConstMatrix& u,   // (batch·seqlen, d_model)
                    const Matrix& out,      // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
+  // The steps of backward over the kept activations, from the output back to the input. `dpre`
+  // receives the gradients of the in_proj segments and `dact` those of x, B and C after the conv,
+  // (rows, width) each.
+  Matrix backward_output(const ExecutionSpace& exec, const Slab& slab,
+                         const ConstMatrix& dout,                               // (rows, d_model)
+                         const std::array<Matrix, segment_count>& dpre) const;  // returns (rows, d_inner)
+  void backward_ssd(const ExecutionSpace& exec, const Slab& slab,
+                    const Matrix& dy,  // (rows, d_inner)
+                    const std::array<Matrix, segment_count>& dpre, const std::array<Matrix, segment_count>& dact) const;
+  void backward_conv(const ExecutionSpace& exec, const Slab& slab, const std::array<Matrix, segment_count>& dact,
+                     const std::array<Matrix, segment_count>& dpre) const;
+  void backward_in_proj(const ExecutionSpace& exec, const Slab& slab, const std::array<Matrix, segment_count>& dpre,
+                        const Matrix& du) const;  // (rows, d_model)
   // d_model, d_inner, nheads, headdim, ngroups, d_state, d_conv: what a cache must have been made for.
   std::array<int, 7> shape_key() const;
   // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch

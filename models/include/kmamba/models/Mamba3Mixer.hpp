@@ -72,6 +72,11 @@
 
 namespace kmamba {
 
+template <class MemorySpace>
+struct Mamba3MimoArgs;
+template <class MemorySpace>
+struct Mamba3MimoGrads;
+
 template <class ExecutionSpace>
 class Mamba3Mixer : public Mixer<ExecutionSpace> {
  public:
@@ -184,6 +189,25 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
                    const ConstMatrix& u,   // (batch·seqlen, d_model)
                    const Matrix& out,      // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
+  // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
+  Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
+  // The scan of run_forward, from and into the cache's states or those of the neighbouring sequence ranks.
+  void forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& acts, Cache* cache) const;
+  // The steps of backward over the kept activations, from the output back to the input. `dpre`
+  // receives the gradients of the in_proj segments, (rows, width) each; `replicated_grads` those of
+  // the parameters tensor ranks replicate (see backward).
+  Matrix backward_output(const ExecutionSpace& exec, const Slab& slab,
+                         const ConstMatrix& dout,                               // (rows, d_model)
+                         const std::array<Matrix, segment_count>& dpre) const;  // returns (rows, d_inner)
+  Mamba3MimoGrads<memory_space> backward_scan(const ExecutionSpace& exec, const Slab& slab,
+                                              const Matrix& dy,  // (rows, d_inner)
+                                              const std::array<Matrix, segment_count>& dpre) const;
+  void backward_preprocess(const ExecutionSpace& exec, const Slab& slab, const Mamba3MimoGrads<memory_space>& grads,
+                           const std::array<Matrix, segment_count>& dpre,
+                           const Tensor1<float, memory_space>& replicated_grads) const;
+  void backward_in_proj(const ExecutionSpace& exec, const Slab& slab, const std::array<Matrix, segment_count>& dpre,
+                        const Tensor1<float, memory_space>& replicated_grads,
+                        const Matrix& du) const;  // (rows, d_model)
   // d_model, nheads, headdim, ngroups, d_state, nangles, rank: what a cache must have been made for.
   std::array<int, 7> shape_key() const;
   Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;

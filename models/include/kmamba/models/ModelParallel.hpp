@@ -31,6 +31,9 @@ struct ModelParallel {
   int tensor_size() const { return tensor != nullptr ? tensor->size() : 1; }
   int sequence_rank() const { return sequence != nullptr ? sequence->rank() : 0; }
   int sequence_size() const { return sequence != nullptr ? sequence->size() : 1; }
+  /// The sequence ranks holding the segments before and after this rank's; no_peer at the ends.
+  int previous_segment_rank() const { return sequence_rank() > 0 ? sequence_rank() - 1 : no_peer; }
+  int next_segment_rank() const { return sequence_rank() + 1 < sequence_size() ? sequence_rank() + 1 : no_peer; }
 };
 
 /// Where this rank's part of one tensor-parallel parameter lies in the unsplit tensor: the

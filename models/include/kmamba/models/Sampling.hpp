@@ -77,6 +77,22 @@ class Sampler {
   // Runs steps 1-5, leaving the kept tokens in kept_ (ascending ids) with their unnormalised
   // weights in weight_; returns the sum of those weights.
   double select(const float* logits, std::int64_t vocab, const std::int64_t* history, std::size_t history_size);
+  // Step 1: divides a positive value (multiplies a negative one) by the penalty once per distinct
+  // token of the history.
+  void penalize_repetitions(std::int64_t vocab, const std::int64_t* history, std::size_t history_size);
+  // The order of the filters: larger value first, lower id on ties.
+  bool before(std::int64_t a, std::int64_t b) const;
+  // Top-k and top-p look at the largest values only. To avoid sorting the vocabulary, the kept
+  // tokens are binned by their distance to the largest value `top` (bin b: top - value in [b, b + 1),
+  // the last bin also everything further), so every token of a bin comes before every token of a
+  // later bin; order_ receives the tokens of the first bins whose count (or weight, when `weighted`)
+  // adds up to `limit` (all of them if it is never reached).
+  void gather_leading_bins(double top, double limit, bool weighted);
+  // Step 3: keeps the top_k tokens in `before` order; `top` is the largest value.
+  void keep_top_k(double top);
+  // Step 5a: keeps a token while the weight before it (in `before` order) is below `threshold`
+  // (top_p times the total weight); `max_value` is the largest scaled value.
+  void keep_top_p(double max_value, double threshold);
 
   SamplingConfig config_;
   std::vector<double> value_;   // per token: logit after the penalty, then scaled by the temperature
