@@ -11,6 +11,7 @@
 #include <kmamba/models/SequenceModel.hpp>
 
 #include "Backends.hpp"
+#include "ModelConfigs.hpp"
 
 #include <gtest/gtest.h>
 #include <Kokkos_Core.hpp>
@@ -56,17 +57,7 @@ class ActivationCheckpointingTest : public ::testing::Test {};
 TYPED_TEST_SUITE(ActivationCheckpointingTest, kmamba::test::Backends, kmamba::test::BackendNames);
 
 kmamba::ModelConfig small_config(kmamba::MixerKind mixer) {
-  kmamba::ModelConfig c;
-  c.mixer = mixer;
-  c.d_model = 64;
-  c.n_layer = 6;
-  c.vocab_size = 96;
-  c.d_state = 16;
-  c.headdim = 16;
-  c.ngroups = 2;
-  c.chunk_size = 32;
-  c.validate();
-  return c;
+  return kmamba::test::model_config(mixer, {64, 6, 96, 16, 16, 32, 2});
 }
 
 struct Run {

@@ -1,6 +1,7 @@
-#include "TestData.hpp"
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Config.hpp>
+#include "Checks.hpp"
+#include "TestData.hpp"
 
 #include <gtest/gtest.h>
 
@@ -9,14 +10,9 @@
 
 namespace {
 
+// Expects parsing `text` as test.json to throw a kmamba::UserError naming the file and `fragment`.
 void expect_config_error(const std::string& text, const std::string& fragment) {
-  try {
-    kmamba::ModelConfig::from_json(text, "test.json");
-    FAIL() << "no error for " << text;
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("test.json"), std::string::npos) << e.what();
-  }
+  kmamba::test::expect_user_error([&] { kmamba::ModelConfig::from_json(text, "test.json"); }, {fragment, "test.json"});
 }
 
 TEST(Config, ReadsTheGoldenMamba2Checkpoint) {
@@ -102,12 +98,7 @@ TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
   small_bias.bc_bias_init = 0.1;
   EXPECT_EQ(small_bias.to_hf_json(), m3.to_hf_json());
   small_bias.bc_bias_init = std::nan("");
-  try {
-    small_bias.validate();
-    FAIL() << "a NaN bc_bias_init was accepted";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("bc_bias_init must be finite"), std::string::npos) << e.what();
-  }
+  kmamba::test::expect_user_error([&] { small_bias.validate(); }, {"bc_bias_init must be finite"});
 }
 
 TEST(Config, AcceptsEveryInfinitySpelling) {

@@ -24,6 +24,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -96,17 +97,7 @@ std::vector<float> uniform_values(std::size_t n, std::uint64_t seed) {
 // Mixer level.
 
 kmamba::ModelConfig small_mamba2_config(bool bias, bool norm_before_gate) {
-  kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba2;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.vocab_size = 40;
-  c.expand = 2;
-  c.headdim = 8;
-  c.ngroups = 2;
-  c.d_state = 8;
-  c.d_conv = 4;
-  c.chunk_size = 4;
+  kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba2, {16, 2, 40, 8, 8, 4, 2});
   c.bias = bias;
   c.norm_before_gate = norm_before_gate;
   c.validate();
@@ -129,16 +120,7 @@ kmamba::ModelConfig small_mamba1_config(bool bias) {
 }
 
 kmamba::ModelConfig small_mamba3_config(bool mimo, bool outproj_norm) {
-  kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba3;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.vocab_size = 40;
-  c.expand = 2;
-  c.headdim = 8;
-  c.ngroups = 2;
-  c.d_state = 8;
-  c.chunk_size = 4;
+  kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba3, {16, 2, 40, 8, 8, 4, 2});
   c.is_mimo = mimo;
   c.mimo_rank = 2;
   c.is_outproj_norm = outproj_norm;

@@ -8,6 +8,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -215,16 +216,10 @@ TYPED_TEST(LanguageModelTest, Mamba3GradientsMatchFiniteDifferences) {
   const Exec exec;
   for (const bool mimo : {false, true}) {
     SCOPED_TRACE(mimo ? "MIMO" : "SISO");
-    kmamba::ModelConfig config;
-    config.mixer = kmamba::MixerKind::Mamba3;
+    // Chunks of 8: 37 tokens are five chunks (SISO), ten (MIMO), the last partial.
+    kmamba::ModelConfig config = kmamba::test::model_config(kmamba::MixerKind::Mamba3, {16, 2, 24, 8, 8, 8});
     config.is_mimo = mimo;
     config.mimo_rank = 2;
-    config.d_model = 16;
-    config.n_layer = 2;
-    config.vocab_size = 24;
-    config.d_state = 8;
-    config.headdim = 8;
-    config.chunk_size = 8;  // 37 tokens: five chunks (SISO), ten (MIMO), the last partial
     kmamba::LanguageModel<Exec> model(config);
     model.initialize(21);
     kmamba::Tensor2<std::int64_t, Mem> ids("ids", 2, 37);

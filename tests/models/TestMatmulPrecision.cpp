@@ -22,6 +22,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -44,19 +45,7 @@ template <class ExecSpace>
 class MatmulPrecisionTest : public ::testing::Test {};
 TYPED_TEST_SUITE(MatmulPrecisionTest, kmamba::test::Backends, kmamba::test::BackendNames);
 
-kmamba::ModelConfig small_config(kmamba::MixerKind mixer) {
-  kmamba::ModelConfig c;
-  c.mixer = mixer;
-  c.d_model = 32;
-  c.n_layer = 2;
-  c.vocab_size = 48;
-  c.d_state = 8;
-  c.headdim = 8;
-  c.expand = 2;
-  c.chunk_size = 8;
-  c.validate();
-  return c;
-}
+kmamba::ModelConfig small_config(kmamba::MixerKind mixer) { return model_config(mixer, {32, 2, 48, 8, 8, 8}); }
 
 const kmamba::MixerKind all_mixers[] = {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2,
                                         kmamba::MixerKind::Mamba3};
@@ -162,14 +151,10 @@ TYPED_TEST(MatmulPrecisionTest, Bf16TrainingFollowsTheFp32LossCurve) {
   using Exec = TypeParam;
   for (const kmamba::MixerKind mixer : all_mixers) {
     SCOPED_TRACE(kmamba::mixer_name(mixer));
-    kmamba::TrainConfig t;
-    t.lr = 1e-2;
-    t.min_lr = 1e-3;
-    t.warmup_steps = 4;
-    t.total_steps = 40;
-    t.batch_size = 8;
-    t.eval_interval = 0;
-    t.grad_clip = 1.0;
+    const kmamba::TrainConfig t = kmamba::TrainConfig::from_json(
+        R"({"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 4, "total_steps": 40, "batch_size": 8, "eval_interval": 0,
+            "grad_clip": 1.0})",
+        "the training of both precisions");
     const auto curve = [&](MatmulPrecision p) {
       kmamba::LanguageModel<Exec> model(small_config(mixer));
       model.initialize(77);

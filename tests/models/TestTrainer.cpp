@@ -32,16 +32,9 @@ kmamba::ModelConfig tiny_config() {
 }
 
 kmamba::TrainConfig tiny_train_config() {
-  kmamba::TrainConfig t;
-  t.lr = 1e-2;
-  t.min_lr = 1e-3;
-  t.warmup_steps = 2;
-  t.total_steps = 6;
-  t.batch_size = 4;
-  t.grad_accum = 2;
-  t.eval_batches = 2;
-  t.grad_clip = 1.0;
-  return t;
+  return kmamba::TrainConfig::from_json(R"({"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "total_steps": 6,
+                                            "batch_size": 4, "grad_accum": 2, "eval_batches": 2, "grad_clip": 1.0})",
+                                        "tiny_train_config");
 }
 
 std::shared_ptr<const kmamba::Dataset> tiny_task(std::uint64_t seed = 5) {
@@ -216,22 +209,12 @@ TYPED_TEST(Trainer, WithoutAHeldOutSplitThereIsNoHeldOutLoss) {
   ASSERT_FALSE(data->has_validation());
   kmamba::TrainConfig t = tiny_train_config();
   t.eval_interval = 10;
-  try {
-    make_trainer<Exec>(t, data);
-    FAIL() << "eval_interval 10 was accepted without a held-out split";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("eval_interval is 10 but the data set has no held-out split"), std::string::npos)
-        << e.what();
-  }
+  expect_user_error([&] { make_trainer<Exec>(t, data); },
+                    {"eval_interval is 10 but the data set has no held-out split"});
   t.eval_interval = 0;
   auto trainer = make_trainer<Exec>(t, data);
   trainer.step();
-  try {
-    trainer.evaluate();
-    FAIL() << "evaluate() gave a held-out loss without a held-out split";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("no held-out split (validation fraction 0)"), std::string::npos) << e.what();
-  }
+  expect_user_error([&] { trainer.evaluate(); }, {"no held-out split (validation fraction 0)"});
 }
 
 TYPED_TEST(Trainer, BadCheckpointsAndInputsAreUserErrors) {

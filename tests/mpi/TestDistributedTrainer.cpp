@@ -9,6 +9,7 @@
 // 1.1e3 at 1 to 4 ranks: τ ≈ 1.4e-5 to 1.6e-5), gradient norms within ‖δ‖₂ of the gradients' bounds δ (τ times the largest gradient
 // of each tensor at the first step, of the slab after), parameters within AdamWDifferenceBound
 // carried along the reference run, element by element. np 1 is bitwise identical.
+#include "ModelConfigs.hpp"
 #include "RoundingBounds.hpp"
 
 #include <kmamba/models/Data.hpp>
@@ -35,16 +36,7 @@ using Mem = Exec::memory_space;
 constexpr std::int64_t seqlen = 24, batch_size = 4;
 
 kmamba::ModelConfig tiny_config() {
-  kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba2;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.vocab_size = 32;
-  c.d_state = 8;
-  c.headdim = 8;
-  c.chunk_size = 8;
-  c.validate();
-  return c;
+  return kmamba::test::model_config(kmamba::MixerKind::Mamba2, {16, 2, 32, 8, 8, 8});
 }
 
 int world_size() {

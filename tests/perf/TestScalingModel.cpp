@@ -1,6 +1,7 @@
 // kmamba-perf-model's alpha-beta fit and scaling prediction (perf/ScalingModel.hpp): the fit must
 // recover known α and β from synthetic sweeps with noise, and the predictions must equal the
 // formulas evaluated by hand.
+#include "ModelConfigs.hpp"
 #include "ScalingModel.hpp"
 
 #include <kmamba/KMamba.hpp>
@@ -126,16 +127,8 @@ TEST(ScalingModel, HierarchicalAllReduceByHand) {
 }
 
 TEST(ScalingModel, ParameterCountMatchesTheLanguageModel) {
-  kmamba::ModelConfig config;
-  config.mixer = kmamba::MixerKind::Mamba2;
-  config.d_model = 64;
-  config.n_layer = 3;
-  config.vocab_size = 101;
+  kmamba::ModelConfig config = kmamba::test::model_config(kmamba::MixerKind::Mamba2, {64, 3, 101, 16, 16, 16, 2});
   config.pad_vocab_size_multiple = 8;
-  config.d_state = 16;
-  config.headdim = 16;
-  config.ngroups = 2;
-  config.chunk_size = 16;
   config.validate();
   const kmamba::LanguageModel<Kokkos::DefaultHostExecutionSpace> model(config);
   kmamba::perf::Shape shape;
