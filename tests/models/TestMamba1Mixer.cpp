@@ -23,6 +23,7 @@
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "MixerChecks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -34,6 +35,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -59,14 +61,9 @@ struct Problem {
   kmamba::ModelConfig config() const {
     kmamba::ModelConfig c;
     c.mixer = kmamba::MixerKind::Mamba1;
-    c.d_model = d_model;
     c.n_layer = 2;
-    c.expand = expand;
-    c.d_state = d_state;
-    c.d_conv = d_conv;
-    c.dt_rank = dt_rank;
-    c.conv_bias = conv_bias;
-    c.bias = bias;
+    std::tie(c.d_model, c.expand, c.d_state, c.d_conv, c.dt_rank, c.conv_bias, c.bias) =
+        std::tie(d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias);
     return c;
   }
 };
@@ -340,15 +337,8 @@ void expect_close(const std::string& what, const std::vector<double>& ref, const
 }
 
 TEST(Mamba1Reference, BackwardMatchesFiniteDifferences) {
-  Problem p;
-  p.batch = 2;
-  p.seqlen = 5;
-  p.d_model = 4;
-  p.d_state = 3;
-  p.d_conv = 3;
-  p.dt_rank = 2;
-  p.conv_bias = true;
-  p.bias = true;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
+  const Problem p{2, 5, 4, 2, 3, 3, 2, true, true};
   Reference r = make_reference(p, 7);
   const Tensors analytic = r.backward();
   const double step = 1e-6;
@@ -384,16 +374,15 @@ TEST(Mamba1Reference, LanguageModelReproducesGoldenLogits) {
     const std::vector<float> v = model.read_f32(name);
     return std::vector<double>(v.begin(), v.end());
   };
-  Problem p;
-  p.batch = static_cast<int>(io.info("input_ids").shape[0]);
-  p.seqlen = static_cast<int>(io.info("input_ids").shape[1]);
-  p.d_model = config.d_model;
-  p.expand = config.expand;
-  p.d_state = config.d_state;
-  p.d_conv = config.d_conv;
-  p.dt_rank = config.resolved_dt_rank();
-  p.conv_bias = config.conv_bias;
-  p.bias = config.bias;
+  const Problem p{static_cast<int>(io.info("input_ids").shape[0]),
+                  static_cast<int>(io.info("input_ids").shape[1]),
+                  config.d_model,
+                  config.expand,
+                  config.d_state,
+                  config.d_conv,
+                  config.resolved_dt_rank(),
+                  config.conv_bias,
+                  config.bias};
   const int dm = p.d_model, vocab = config.vocab_size;
   const std::size_t tokens = static_cast<std::size_t>(p.batch) * p.seqlen;
   const auto rms_norm = [&](const std::vector<double>& x, const std::vector<double>& w) {
@@ -487,17 +476,43 @@ kmamba::Tensor3<float, Mem> poisoned(const char* label, const Problem& p) {
   return kmamba::test::poisoned<kmamba::Tensor3<float, Mem>>(label, p.batch, p.seqlen, p.d_model);
 }
 
+/// A mixer of `p` in a slab of its own (declare()) holding the parameters of make_reference(p,
+/// seed), with the reference's u and dout uploaded and NaN-poisoned outputs.
+template <class Exec>
+struct Fixture {
+  using Mem = typename Exec::memory_space;
+  Reference r;
+  kmamba::Mamba1Mixer<Exec> mixer;
+  kmamba::ParameterSlab<Mem> slab;
+  kmamba::Tensor3<float, Mem> u, dout, out, du;  // (batch, seqlen, d_model)
+
+  Fixture(const Problem& p, std::uint64_t seed)
+      : r(make_reference(p, seed)),
+        mixer(p.config(), test_prefix),
+        slab(declare(mixer)),
+        u(device_tensor<Mem>("kmamba::test::u", p, r.u)),
+        dout(device_tensor<Mem>("kmamba::test::dout", p, r.dout)),
+        out(poisoned<Mem>("kmamba::test::out", p)),
+        du(poisoned<Mem>("kmamba::test::du", p)) {
+    upload_parameters(slab, r.w);
+  }
+
+  /// A forward keeping its activations, then a backward of the cotangent `d_out`.
+  void forward_backward(const kmamba::Tensor3<float, Mem>& d_out) {
+    const Exec exec;
+    mixer.forward(exec, slab, u, out, true);
+    mixer.backward(exec, slab, d_out, du);
+    exec.fence();
+  }
+};
+
 template <class Exec>
 void check_against_reference(const Problem& p, std::uint64_t seed) {
   using Mem = typename Exec::memory_space;
   SCOPED_TRACE(p.describe());
-  const Reference r = make_reference(p, seed);
-  const RefForward ref = r.forward();
-  const Tensors ref_grads = r.backward();
-
-  kmamba::Mamba1Mixer<Exec> mixer(p.config(), test_prefix);
-  auto slab = declare(mixer);
-  upload_parameters(slab, r.w);
+  Fixture<Exec> f(p, seed);
+  const RefForward ref = f.r.forward();
+  const Tensors ref_grads = f.r.backward();
   const Exec exec;
   {
     // A forward of another shape first, so that the one checked below reallocates its buffers.
@@ -509,122 +524,73 @@ void check_against_reference(const Problem& p, std::uint64_t seed) {
                                                                               other.seqlen * other.d_model,
                                                                           0.25));
     const auto out = poisoned<Mem>("kmamba::test::out_other", other);
-    mixer.forward(exec, slab, u, out, true);
+    f.mixer.forward(exec, f.slab, u, out, true);
   }
-  const auto u = device_tensor<Mem>("kmamba::test::u", p, r.u);
-  const auto dout = device_tensor<Mem>("kmamba::test::dout", p, r.dout);
-  const auto out = poisoned<Mem>("kmamba::test::out", p);
-  const auto du = poisoned<Mem>("kmamba::test::du", p);
-  mixer.forward(exec, slab, u, out, true);
-  mixer.backward(exec, slab, dout, du);
-  exec.fence();
+  f.forward_backward(f.dout);
 
   const double tol = 1e-4;
-  expect_close("out", ref.out, host_doubles(out), tol);
-  expect_close("du", ref_grads.at("u"), host_doubles(du), tol);
-  const Tensors grads = download_gradients(slab, r.w);
+  expect_close("out", ref.out, host_doubles(f.out), tol);
+  expect_close("du", ref_grads.at("u"), host_doubles(f.du), tol);
+  const Tensors grads = download_gradients(f.slab, f.r.w);
   for (const auto& kv : grads) expect_close("grad " + kv.first, ref_grads.at(kv.first), kv.second, tol);
   // The unrelated parameter's gradient is untouched.
-  const auto all = kmamba::test::to_host(slab.grads());
-  const auto& norm = slab.entry("backbone.norm_f.weight");
+  const auto all = kmamba::test::to_host(f.slab.grads());
+  const auto& norm = f.slab.entry("backbone.norm_f.weight");
   for (std::size_t i = 0; i < norm.size; ++i) EXPECT_EQ(all(norm.offset + i), 0.0f);
 }
 
 TYPED_TEST(Mamba1Mixer, MatchesReferenceSmall) {
-  Problem p;
-  p.batch = 2;
-  p.seqlen = 37;
-  p.d_model = 16;
-  p.d_state = 8;
-  p.dt_rank = 3;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank
+  const Problem p{2, 37, 16, 2, 8, 4, 3};
   check_against_reference<TypeParam>(p, 11);
 }
 
 TYPED_TEST(Mamba1Mixer, MatchesReferenceOneTokenWithoutConvBias) {
-  Problem p;
-  p.batch = 1;
-  p.seqlen = 1;
-  p.d_model = 8;
-  p.d_state = 4;
-  p.dt_rank = 1;
-  p.conv_bias = false;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias
+  const Problem p{1, 1, 8, 2, 4, 4, 1, false};
   check_against_reference<TypeParam>(p, 12);
 }
 
 TYPED_TEST(Mamba1Mixer, MatchesReferenceLongWithBiases) {
-  Problem p;
-  p.batch = 2;
-  p.seqlen = 300;
-  p.d_model = 16;
-  p.d_state = 16;
-  p.dt_rank = 2;
-  p.bias = true;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
+  const Problem p{2, 300, 16, 2, 16, 4, 2, true, true};
   check_against_reference<TypeParam>(p, 13);
 }
 
 TYPED_TEST(Mamba1Mixer, MatchesReferencePartialTiles) {
-  Problem p;
-  p.batch = 3;
-  p.seqlen = 45;
-  p.d_model = 24;
-  p.expand = 2;
-  p.d_state = 5;
-  p.d_conv = 2;
-  p.dt_rank = 4;
-  p.conv_bias = false;
-  p.bias = true;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
+  const Problem p{3, 45, 24, 2, 5, 2, 4, false, true};
   check_against_reference<TypeParam>(p, 14);
 }
 
 TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {
   using Exec = TypeParam;
-  using Mem = typename Exec::memory_space;
   Problem p;
   p.seqlen = 19;
   p.bias = true;
-  const Reference r = make_reference(p, 21);
-  kmamba::Mamba1Mixer<Exec> mixer(p.config(), test_prefix);
-  auto slab = declare(mixer);
-  upload_parameters(slab, r.w);
+  Fixture<Exec> f(p, 21);
+  f.forward_backward(f.dout);
+  const Tensors once = download_gradients(f.slab, f.r.w);
+  const std::vector<double> du_once = host_doubles(f.du);
   const Exec exec;
-  const auto u = device_tensor<Mem>("kmamba::test::u", p, r.u);
-  const auto dout = device_tensor<Mem>("kmamba::test::dout", p, r.dout);
-  const auto out = poisoned<Mem>("kmamba::test::out", p);
-  const auto du = poisoned<Mem>("kmamba::test::du", p);
-  mixer.forward(exec, slab, u, out, true);
-  mixer.backward(exec, slab, dout, du);
+  f.mixer.backward(exec, f.slab, f.dout, f.du);
   exec.fence();
-  const Tensors once = download_gradients(slab, r.w);
-  const std::vector<double> du_once = host_doubles(du);
-  mixer.backward(exec, slab, dout, du);
-  exec.fence();
-  const Tensors twice = download_gradients(slab, r.w);
+  const Tensors twice = download_gradients(f.slab, f.r.w);
   for (const auto& kv : once) {
     std::vector<double> doubled = kv.second;
     for (double& v : doubled) v *= 2.0;
     expect_close("twice " + kv.first, doubled, twice.at(kv.first), 1e-5);
   }
-  expect_close("du", du_once, host_doubles(du), 1e-5);
+  expect_close("du", du_once, host_doubles(f.du), 1e-5);
 }
 
 TYPED_TEST(Mamba1Mixer, EmptySequencesLeaveGradientsUnchanged) {
   using Exec = TypeParam;
-  using Mem = typename Exec::memory_space;
-  Problem p;
-  p.seqlen = 0;
-  p.bias = true;
-  const Reference r = make_reference(p, 5);
-  kmamba::Mamba1Mixer<Exec> mixer(p.config(), test_prefix);
-  auto slab = declare(mixer);
-  upload_parameters(slab, r.w);
-  const Exec exec;
-  const auto u = device_tensor<Mem>("kmamba::test::u", p, r.u);
-  const auto out = poisoned<Mem>("kmamba::test::out", p);
-  const auto du = poisoned<Mem>("kmamba::test::du", p);
-  mixer.forward(exec, slab, u, out, true);
-  mixer.backward(exec, slab, u, du);
-  exec.fence();
-  for (const auto& kv : download_gradients(slab, r.w))
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
+  const Problem p{2, 0, 8, 2, 4, 4, 2, true, true};
+  Fixture<Exec> f(p, 5);
+  f.forward_backward(f.u);
+  for (const auto& kv : download_gradients(f.slab, f.r.w))
     for (const double g : kv.second) EXPECT_EQ(g, 0.0) << kv.first;
 }
 
@@ -708,12 +674,8 @@ TYPED_TEST(Mamba1Mixer, DeclaresHuggingFaceNamesWithWeightDecayOnWeights) {
 TYPED_TEST(Mamba1Mixer, InitializesAsTheReference) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  Problem p;
-  p.d_model = 64;
-  p.expand = 2;
-  p.d_state = 16;
-  p.dt_rank = 4;
-  p.bias = true;
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
+  const Problem p{2, 7, 64, 2, 16, 4, 4, true, true};
   kmamba::ModelConfig config = p.config();
   config.n_layer = 4;
   config.rescale_prenorm_residual = true;
@@ -815,14 +777,7 @@ TEST(Mamba1MixerGolden, DeclaresTheCheckpointTensors) {
   kmamba::ParameterSlab<Exec::memory_space> slab;
   mixer.declare_parameters(slab);
   const kmamba::SafeTensorsReader file(dir + "model.safetensors");
-  std::size_t in_file = 0;
-  for (const std::string& name : file.names()) {
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    ++in_file;
-    ASSERT_TRUE(slab.contains(name)) << name << " is in the checkpoint but not declared";
-    EXPECT_EQ(slab.entry(name).shape, file.info(name).shape) << name;
-  }
-  EXPECT_EQ(in_file, slab.entries().size());
+  EXPECT_EQ(expect_declared_as_in_file(slab, file, prefix), slab.entries().size());
   for (const auto& entry : slab.entries()) EXPECT_TRUE(file.contains(entry.name)) << entry.name;
 }
 

@@ -21,6 +21,8 @@
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "MixerChecks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <gtest/gtest.h>
 
@@ -28,12 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <limits>
-#include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -53,23 +54,9 @@ struct Case {
   std::uint64_t seed = 1;
 
   kmamba::ModelConfig config() const {
-    kmamba::ModelConfig c;
-    c.mixer = kmamba::MixerKind::Mamba2;
-    c.d_model = d_model;
-    c.n_layer = 3;
-    c.vocab_size = 16;
-    c.expand = expand;
-    c.headdim = headdim;
-    c.nheads = 0;
-    c.ngroups = ngroups;
-    c.d_state = d_state;
-    c.d_conv = d_conv;
-    c.chunk_size = chunk;
-    c.conv_bias = conv_bias;
-    c.bias = bias;
-    c.norm_before_gate = norm_before_gate;
-    c.dt_limit_min = dt_limit_min;
-    c.dt_limit_max = dt_limit_max;
+    kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba2, {d_model, 3, 16, d_state, headdim, chunk, ngroups});
+    std::tie(c.expand, c.d_conv, c.conv_bias, c.bias, c.norm_before_gate, c.dt_limit_min, c.dt_limit_max) =
+        std::tie(expand, d_conv, conv_bias, bias, norm_before_gate, dt_limit_min, dt_limit_max);
     c.validate();
     return c;
   }
@@ -85,7 +72,7 @@ struct Case {
   }
 };
 
-using Params = std::map<std::string, std::vector<double>>;  // HF names without the prefix
+using Params = NamedTensors;  // HF names without the prefix
 
 struct Problem {
   Case c;
@@ -215,112 +202,20 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
   return out;
 }
 
-double ref_loss(const Problem& P, const Params& w, const std::vector<double>& u) {
-  const std::vector<double> out = ref_forward(P, w, u);
-  double loss = 0.0;
-  for (std::size_t i = 0; i < out.size(); ++i) loss += out[i] * P.dout[i];
-  return loss;
-}
-
-// d(Σ out·dout)/d(every element) by central differences of the reference, keyed by parameter
-// name, and "u".
+// d(Σ out·dout)/d(every parameter, and "u") by central differences of the reference.
 Params ref_gradients(const Problem& P, double step) {
-  Params grads;
-  Params w = P.params;
-  std::vector<double> u = P.u;
-  const auto central = [&](double& value) {
-    const double saved = value;
-    value = saved + step;
-    const double plus = ref_loss(P, w, u);
-    value = saved - step;
-    const double minus = ref_loss(P, w, u);
-    value = saved;
-    return (plus - minus) / (2.0 * step);
-  };
-  for (auto& entry : w) {
-    std::vector<double>& g = grads[entry.first];
-    for (double& value : entry.second) g.push_back(central(value));
-  }
-  std::vector<double>& gu = grads["u"];
-  for (double& value : u) gu.push_back(central(value));
-  return grads;
+  return central_differences([&](const Params& w, const std::vector<double>& u) { return ref_forward(P, w, u); },
+                             P.params, P.u, P.dout, step);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Running the kernel mixer.
 
-template <class Mem>
-std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
-                                const std::string& name) {
-  const auto& e = slab.entry(name);
-  const std::vector<double> all = host_doubles(storage);
-  return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
-                             all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
-}
-
 template <class Exec>
-struct Harness {
-  using Mem = typename Exec::memory_space;
-  using T3 = kmamba::Tensor3<float, Mem>;
-
-  const Problem& P;
-  kmamba::Mamba2Mixer<Exec> mixer;
-  kmamba::ParameterSlab<Mem> slab;
-  T3 u, out, dout, du;
-
-  explicit Harness(const Problem& problem) : P(problem), mixer(problem.cfg, prefix) {
-    mixer.declare_parameters(slab);
-    slab.finalize("kmamba::test::mamba2");
-    auto host = Kokkos::create_mirror_view(slab.params());
-    for (const auto& entry : P.params) {
-      const auto& e = slab.entry(prefix + entry.first);
-      EXPECT_EQ(e.size, entry.second.size()) << entry.first;
-      for (std::size_t i = 0; i < e.size; ++i) host(e.offset + i) = static_cast<float>(entry.second[i]);
-    }
-    EXPECT_EQ(slab.entries().size(), P.params.size());
-    Kokkos::deep_copy(slab.params(), host);
-    const Case& c = P.c;
-    u = kmamba::allocate_uninitialized<T3>("kmamba::test::u", c.batch, c.seqlen, c.d_model);
-    out = kmamba::allocate_uninitialized<T3>("kmamba::test::out", c.batch, c.seqlen, c.d_model);
-    dout = kmamba::allocate_uninitialized<T3>("kmamba::test::dout", c.batch, c.seqlen, c.d_model);
-    du = kmamba::allocate_uninitialized<T3>("kmamba::test::du", c.batch, c.seqlen, c.d_model);
-    upload(u, P.u);
-    upload(dout, P.dout);
-  }
-
-  std::vector<double> forward(bool keep) {
-    Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
-    mixer.forward(Exec(), slab, u, out, keep);
-    Kokkos::fence();
-    return host_doubles(out);
-  }
-
-  std::vector<double> backward() {
-    Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
-    mixer.backward(Exec(), slab, dout, du);
-    Kokkos::fence();
-    return host_doubles(du);
-  }
-
-  std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
+struct Harness : MixerHarness<Exec, kmamba::Mamba2Mixer<Exec>> {
+  explicit Harness(const Problem& P)
+      : MixerHarness<Exec, kmamba::Mamba2Mixer<Exec>>(P.cfg, prefix, P.params, P.c.batch, P.c.seqlen, P.u, P.dout) {}
 };
-
-// max|kernel − ref| ≤ tol·max|ref| with every kernel value finite; returns the relative error.
-double expect_close(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
-                    double tol) {
-  EXPECT_EQ(kernel.size(), ref.size()) << what;
-  double max_diff = 0.0, max_ref = 0.0;
-  bool finite = true;
-  for (std::size_t i = 0; i < std::min(kernel.size(), ref.size()); ++i) {
-    finite = finite && std::isfinite(kernel[i]);
-    max_diff = std::max(max_diff, std::abs(kernel[i] - ref[i]));
-    max_ref = std::max(max_ref, std::abs(ref[i]));
-  }
-  EXPECT_TRUE(finite) << what << ": the kernel wrote a non-finite value";
-  EXPECT_GT(max_ref, 0.0) << what << ": the reference is zero, the comparison proves nothing";
-  EXPECT_LE(max_diff, tol * max_ref) << what << ": max|Δ| = " << max_diff << ", max|ref| = " << max_ref;
-  return max_ref > 0.0 ? max_diff / max_ref : max_diff;
-}
 
 std::vector<Case> forward_cases() {
   std::vector<Case> cases;
@@ -411,16 +306,7 @@ TEST(Mamba2MixerReference, FiniteDifferencesAreConverged) {
   for (const Case& c : gradient_cases()) {
     SCOPED_TRACE(c.describe());
     const Problem P = make_problem(c);
-    const Params coarse = ref_gradients(P, 1e-5);
-    const Params fine = ref_gradients(P, 2.5e-6);
-    for (const auto& entry : coarse) {
-      const std::vector<double>& f = fine.at(entry.first);
-      double worst = 0.0;
-      for (std::size_t i = 0; i < f.size(); ++i) {
-        worst = std::max(worst, std::abs(entry.second[i] - f[i]) / (1.0 + std::abs(f[i])));
-      }
-      EXPECT_LE(worst, 1e-7) << entry.first;
-    }
+    expect_converged(ref_gradients(P, 1e-5), ref_gradients(P, 2.5e-6));
   }
 }
 
@@ -528,53 +414,16 @@ TYPED_TEST(Mamba2Mixer, BackwardAddsIntoTheGradients) {
   c.seed = 41;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  h.forward(true);
-  const std::vector<double> du1 = h.backward();
-  Params once;
-  for (const auto& entry : P.params) once[entry.first] = h.grad(entry.first);
-  const std::vector<double> du2 = h.backward();
-  expect_close("du (second backward)", du2, du1, 1e-6);
-  for (const auto& entry : P.params) {
-    std::vector<double> doubled = once.at(entry.first);
-    for (double& v : doubled) v *= 2.0;
-    expect_close(entry.first + " after two backwards", h.grad(entry.first), doubled, 1e-5);
-  }
+  expect_backward_adds_into_gradients(h, P.params);
 }
 
 TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
   using Exec = TypeParam;
-  using Mem = typename Exec::memory_space;
-  using T3 = kmamba::Tensor3<float, Mem>;
   Case c;
   c.seed = 51;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  // backward before any forward, and after an inference forward.
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba2Mixer::backward", "keep_for_backward"});
-  h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
-  // Wrong d_model, wrong out shape.
-  const T3 u_wide("kmamba::test::u_wide", c.batch, c.seqlen, c.d_model + 1);
-  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, u_wide, h.out, true); },
-                    {"Mamba2Mixer::forward", "u", "(batch, seqlen, d_model)", "(2, 7, 9)", "(*, *, 8)"});
-  const T3 out_short("kmamba::test::out_short", c.batch, c.seqlen - 1, c.d_model);
-  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, h.u, out_short, true); }, {"out", "(2, 6, 8)", "(2, 7, 8)"});
-  // dout / du differing from the kept forward.
-  h.mixer.forward(Exec(), h.slab, h.u, h.out, true);
-  const T3 d_short("kmamba::test::d_short", c.batch, c.seqlen - 1, c.d_model);
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, d_short, h.du); }, {"dout", "of the last forward", "(2, 7, 8)"});
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, d_short); }, {"du", "(2, 6, 8)"});
-  h.mixer.backward(Exec(), h.slab, h.dout, h.du);
-  h.mixer.release_activations();
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
-  // A slab without this mixer's parameters, or with a wrong shape.
-  kmamba::ParameterSlab<Mem> other;
-  other.add(prefix + "in_proj.weight", {4, 4}, kmamba::WeightDecay::Yes);
-  other.finalize("kmamba::test::other");
-  expect_user_error([&] { h.mixer.forward(Exec(), other, h.u, h.out, true); }, {"in_proj.weight", "(4, 4)"});
-  kmamba::ParameterSlab<Mem> empty;
-  empty.finalize("kmamba::test::empty");
-  expect_user_error([&] { h.mixer.initialize(Exec(), empty, 1); }, {"no '" + prefix + "in_proj.weight'"});
+  expect_mixer_shape_errors<Exec>(h, "Mamba2Mixer");
   // A config of another mixer kind.
   kmamba::ModelConfig mamba1 = P.cfg;
   mamba1.mixer = kmamba::MixerKind::Mamba1;
@@ -583,7 +432,6 @@ TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
 
 TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
   using Exec = TypeParam;
-  using Mem = typename Exec::memory_space;
   Case c;
   c.d_model = 32;
   c.headdim = 8;
@@ -592,32 +440,9 @@ TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
   kmamba::ModelConfig cfg = c.config();
   cfg.n_layer = 4;
   const auto init = [&](const std::string& p, std::uint64_t seed) {
-    kmamba::Mamba2Mixer<Exec> mixer(cfg, p);
-    kmamba::ParameterSlab<Mem> slab;
-    mixer.declare_parameters(slab);
-    slab.finalize("kmamba::test::init");
-    Kokkos::deep_copy(slab.params(), std::numeric_limits<float>::quiet_NaN());
-    mixer.initialize(Exec(), slab, seed);
-    Kokkos::fence();
-    Params values;
-    for (const auto& e : slab.entries()) values[e.name.substr(p.size())] = slab_values(slab, slab.params(), e.name);
-    return values;
+    return initialized_parameters<Exec, kmamba::Mamba2Mixer<Exec>>(cfg, p, seed);
   };
   const Params w = init(prefix, 7);
-  const auto expect_uniform = [](const std::string& name, const std::vector<double>& v, double bound) {
-    double lo = 1e30, hi = -1e30, mean = 0.0;
-    for (double x : v) {
-      lo = std::min(lo, x);
-      hi = std::max(hi, x);
-      mean += x / static_cast<double>(v.size());
-    }
-    EXPECT_GE(lo, -bound) << name;
-    EXPECT_LE(hi, bound) << name;
-    // Spread over most of the range, centred (loose: a few hundred draws at least).
-    EXPECT_LE(lo, -0.8 * bound) << name;
-    EXPECT_GE(hi, 0.8 * bound) << name;
-    EXPECT_LE(std::abs(mean), 0.15 * bound) << name;
-  };
   const double E = cfg.d_inner();
   expect_uniform("in_proj.weight", w.at("in_proj.weight"), 1.0 / std::sqrt(double(cfg.d_model)));
   expect_uniform("conv1d.weight", w.at("conv1d.weight"), 1.0 / std::sqrt(double(cfg.d_conv)));
@@ -671,16 +496,13 @@ TEST(Mamba2MixerGolden, DeclaresTheCheckpointsParameters) {
     EXPECT_EQ(mixer.prefix(), p);
     kmamba::ParameterSlab<Mem> slab;
     mixer.declare_parameters(slab);
-    std::size_t in_file = 0;
-    for (const std::string& name : file.names()) {
-      if (name.compare(0, p.size(), p) != 0) continue;
-      ++in_file;
-      ASSERT_TRUE(slab.contains(name)) << name << " is in the checkpoint but not declared";
-      EXPECT_EQ(slab.entry(name).shape, file.info(name).shape) << name;
-      const bool decayed = name == p + "in_proj.weight" || name == p + "out_proj.weight" || name == p + "conv1d.weight";
-      EXPECT_EQ(slab.entry(name).decay, decayed ? kmamba::WeightDecay::Yes : kmamba::WeightDecay::No) << name;
-    }
+    const std::size_t in_file = expect_declared_as_in_file(slab, file, p);
     EXPECT_EQ(in_file, slab.entries().size()) << "declared parameters missing from the checkpoint";
+    for (const auto& e : slab.entries()) {
+      const bool decayed =
+          e.name == p + "in_proj.weight" || e.name == p + "out_proj.weight" || e.name == p + "conv1d.weight";
+      EXPECT_EQ(e.decay, decayed ? kmamba::WeightDecay::Yes : kmamba::WeightDecay::No) << e.name;
+    }
     EXPECT_EQ(in_file, 8u);
   }
 }

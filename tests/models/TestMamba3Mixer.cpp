@@ -22,6 +22,8 @@
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "MixerChecks.hpp"
+#include "ModelConfigs.hpp"
 
 #include <gtest/gtest.h>
 
@@ -29,12 +31,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <limits>
-#include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -56,21 +57,9 @@ struct Case {
   std::uint64_t seed = 1;
 
   kmamba::ModelConfig config() const {
-    kmamba::ModelConfig c;
-    c.mixer = kmamba::MixerKind::Mamba3;
-    c.d_model = d_model;
-    c.n_layer = 3;
-    c.vocab_size = 16;
-    c.expand = expand;
-    c.headdim = headdim;
-    c.nheads = 0;
-    c.ngroups = ngroups;
-    c.d_state = d_state;
-    c.chunk_size = chunk;
-    c.rope_fraction = rope_fraction;
-    c.is_mimo = mimo;
-    c.mimo_rank = rank;
-    c.is_outproj_norm = outproj_norm;
+    kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba3, {d_model, 3, 16, d_state, headdim, chunk, ngroups});
+    std::tie(c.expand, c.rope_fraction, c.is_mimo, c.mimo_rank, c.is_outproj_norm) =
+        std::tie(expand, rope_fraction, mimo, rank, outproj_norm);
     c.validate();
     return c;
   }
@@ -84,7 +73,7 @@ struct Case {
   }
 };
 
-using Params = std::map<std::string, std::vector<double>>;  // names without the prefix
+using Params = NamedTensors;  // names without the prefix
 
 struct Problem {
   Case c;
@@ -232,110 +221,22 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
   return out;
 }
 
-double ref_loss(const Problem& P, const Params& w, const std::vector<double>& u) {
-  const std::vector<double> out = ref_forward(P, w, u);
-  double loss = 0.0;
-  for (std::size_t i = 0; i < out.size(); ++i) loss += out[i] * P.dout[i];
-  return loss;
-}
-
+// d(Σ out·dout)/d(every parameter, and "u") by central differences of the reference.
 Params ref_gradients(const Problem& P, double step) {
-  Params grads;
-  Params w = P.params;
-  std::vector<double> u = P.u;
-  const auto central = [&](double& value) {
-    const double saved = value;
-    value = saved + step;
-    const double plus = ref_loss(P, w, u);
-    value = saved - step;
-    const double minus = ref_loss(P, w, u);
-    value = saved;
-    return (plus - minus) / (2.0 * step);
-  };
-  for (auto& entry : w) {
-    std::vector<double>& g = grads[entry.first];
-    for (double& value : entry.second) g.push_back(central(value));
-  }
-  std::vector<double>& gu = grads["u"];
-  for (double& value : u) gu.push_back(central(value));
-  return grads;
+  return central_differences([&](const Params& w, const std::vector<double>& u) { return ref_forward(P, w, u); },
+                             P.params, P.u, P.dout, step);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Device side.
 
-template <class Mem>
-std::vector<double> slab_values(const kmamba::ParameterSlab<Mem>& slab, const kmamba::Tensor1<float, Mem>& storage,
-                                const std::string& name) {
-  const auto& e = slab.entry(name);
-  const std::vector<double> all = host_doubles(storage);
-  return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(e.offset),
-                             all.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
-}
-
 template <class Exec>
-struct Harness {
-  using Mem = typename Exec::memory_space;
-  using T3 = kmamba::Tensor3<float, Mem>;
-
-  kmamba::Mamba3Mixer<Exec> mixer;
-  kmamba::ParameterSlab<Mem> slab;
-  T3 u, out, dout, du;
-
-  Harness(const kmamba::ModelConfig& cfg, const Params& params, int batch, int seqlen, const std::vector<double>& u_values,
-          const std::vector<double>& dout_values)
-      : mixer(cfg, prefix) {
-    mixer.declare_parameters(slab);
-    slab.finalize("kmamba::test::mamba3");
-    auto host = Kokkos::create_mirror_view(slab.params());
-    for (const auto& entry : params) {
-      const auto& e = slab.entry(prefix + entry.first);
-      EXPECT_EQ(e.size, entry.second.size()) << entry.first;
-      for (std::size_t i = 0; i < e.size; ++i) host(e.offset + i) = static_cast<float>(entry.second[i]);
-    }
-    EXPECT_EQ(slab.entries().size(), params.size());
-    Kokkos::deep_copy(slab.params(), host);
-    u = kmamba::allocate_uninitialized<T3>("kmamba::test::u", batch, seqlen, cfg.d_model);
-    out = kmamba::allocate_uninitialized<T3>("kmamba::test::out", batch, seqlen, cfg.d_model);
-    dout = kmamba::allocate_uninitialized<T3>("kmamba::test::dout", batch, seqlen, cfg.d_model);
-    du = kmamba::allocate_uninitialized<T3>("kmamba::test::du", batch, seqlen, cfg.d_model);
-    upload(u, u_values);
-    upload(dout, dout_values);
-  }
+struct Harness : MixerHarness<Exec, kmamba::Mamba3Mixer<Exec>> {
+  Harness(const kmamba::ModelConfig& cfg, const Params& params, int batch, int seqlen, const std::vector<double>& u,
+          const std::vector<double>& dout)
+      : MixerHarness<Exec, kmamba::Mamba3Mixer<Exec>>(cfg, prefix, params, batch, seqlen, u, dout) {}
   explicit Harness(const Problem& P) : Harness(P.cfg, P.params, P.c.batch, P.c.seqlen, P.u, P.dout) {}
-
-  std::vector<double> forward(bool keep) {
-    Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
-    mixer.forward(Exec(), slab, u, out, keep);
-    Kokkos::fence();
-    return host_doubles(out);
-  }
-
-  std::vector<double> backward() {
-    Kokkos::deep_copy(du, std::numeric_limits<float>::quiet_NaN());
-    mixer.backward(Exec(), slab, dout, du);
-    Kokkos::fence();
-    return host_doubles(du);
-  }
-
-  std::vector<double> grad(const std::string& name) const { return slab_values(slab, slab.grads(), prefix + name); }
 };
-
-double expect_close(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
-                    double tol) {
-  EXPECT_EQ(kernel.size(), ref.size()) << what;
-  double max_diff = 0.0, max_ref = 0.0;
-  bool finite = true;
-  for (std::size_t i = 0; i < std::min(kernel.size(), ref.size()); ++i) {
-    finite = finite && std::isfinite(kernel[i]);
-    max_diff = std::max(max_diff, std::abs(kernel[i] - ref[i]));
-    max_ref = std::max(max_ref, std::abs(ref[i]));
-  }
-  EXPECT_TRUE(finite) << what << ": the kernel wrote a non-finite value";
-  EXPECT_GT(max_ref, 0.0) << what << ": the reference is zero, the comparison proves nothing";
-  EXPECT_LE(max_diff, tol * max_ref) << what << ": max|Δ| = " << max_diff << ", max|ref| = " << max_ref;
-  return max_ref > 0.0 ? max_diff / max_ref : max_diff;
-}
 
 // ‖kernel − ref‖ / ‖ref‖ ≤ tol (the golden README's measure).
 double expect_close_norm(const std::string& what, const std::vector<double>& kernel, const std::vector<double>& ref,
@@ -504,16 +405,7 @@ TEST(Mamba3MixerReference, FiniteDifferencesAreConverged) {
   Case c = gradient_cases().front();
   c.seqlen = 5;
   const Problem P = make_problem(c);
-  const Params coarse = ref_gradients(P, 1e-5);
-  const Params fine = ref_gradients(P, 2.5e-6);
-  for (const auto& entry : coarse) {
-    const std::vector<double>& f = fine.at(entry.first);
-    double worst = 0.0;
-    for (std::size_t i = 0; i < f.size(); ++i) {
-      worst = std::max(worst, std::abs(entry.second[i] - f[i]) / (1.0 + std::abs(f[i])));
-    }
-    EXPECT_LE(worst, 1e-7) << entry.first;
-  }
+  expect_converged(ref_gradients(P, 1e-5), ref_gradients(P, 2.5e-6));
 }
 
 TYPED_TEST(Mamba3Mixer, ForwardMatchesReference) {
@@ -555,17 +447,7 @@ TYPED_TEST(Mamba3Mixer, BackwardAddsIntoTheGradients) {
   c.seed = 41;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  h.forward(true);
-  const std::vector<double> du1 = h.backward();
-  Params once;
-  for (const auto& entry : P.params) once[entry.first] = h.grad(entry.first);
-  const std::vector<double> du2 = h.backward();
-  expect_close("du (second backward)", du2, du1, 1e-6);
-  for (const auto& entry : P.params) {
-    std::vector<double> doubled = once.at(entry.first);
-    for (double& v : doubled) v *= 2.0;
-    expect_close(entry.first + " after two backwards", h.grad(entry.first), doubled, 1e-5);
-  }
+  expect_backward_adds_into_gradients(h, P.params);
 }
 
 // prefill of the first tokens, a decode step per token, prefill of the rest: the forward's outputs.
@@ -634,26 +516,11 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   using T2 = kmamba::Tensor2<float, Mem>;
-  using T3 = kmamba::Tensor3<float, Mem>;
   Case c;
   c.seed = 51;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"Mamba3Mixer::backward", "keep_for_backward"});
-  h.mixer.forward(Exec(), h.slab, h.u, h.out, false);
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
-  const T3 u_wide("kmamba::test::u_wide", c.batch, c.seqlen, c.d_model + 1);
-  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, u_wide, h.out, true); },
-                    {"Mamba3Mixer::forward", "u", "(batch, seqlen, d_model)", "(2, 7, 9)", "(*, *, 8)"});
-  const T3 out_short("kmamba::test::out_short", c.batch, c.seqlen - 1, c.d_model);
-  expect_user_error([&] { h.mixer.forward(Exec(), h.slab, h.u, out_short, true); }, {"out", "(2, 6, 8)", "(2, 7, 8)"});
-  h.mixer.forward(Exec(), h.slab, h.u, h.out, true);
-  const T3 d_short("kmamba::test::d_short", c.batch, c.seqlen - 1, c.d_model);
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, d_short, h.du); }, {"dout", "of the last forward", "(2, 7, 8)"});
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, d_short); }, {"du", "(2, 6, 8)"});
-  h.mixer.backward(Exec(), h.slab, h.dout, h.du);
-  h.mixer.release_activations();
-  expect_user_error([&] { h.mixer.backward(Exec(), h.slab, h.dout, h.du); }, {"keep_for_backward"});
+  expect_mixer_shape_errors<Exec>(h, "Mamba3Mixer");
 
   // Caches: another batch, another mixer's dimensions, a step of the wrong width.
   auto cache = h.mixer.make_cache(c.batch + 1);
@@ -670,14 +537,7 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
                     {"Mamba3Mixer::step", "(batch, d_model)"});
   expect_user_error([&] { h.mixer.make_cache(0); }, {"batch must be at least 1"});
 
-  // Parameters and configs.
-  kmamba::ParameterSlab<Mem> wrong;
-  wrong.add(prefix + "in_proj.weight", {4, 4}, kmamba::WeightDecay::Yes);
-  wrong.finalize("kmamba::test::wrong");
-  expect_user_error([&] { h.mixer.forward(Exec(), wrong, h.u, h.out, true); }, {"in_proj.weight", "(4, 4)"});
-  kmamba::ParameterSlab<Mem> empty;
-  empty.finalize("kmamba::test::empty");
-  expect_user_error([&] { h.mixer.initialize(Exec(), empty, 1); }, {"no '" + prefix + "in_proj.weight'"});
+  // Configs.
   kmamba::ModelConfig mamba2 = P.cfg;
   mamba2.mixer = kmamba::MixerKind::Mamba2;
   expect_user_error([&] { kmamba::Mamba3Mixer<Exec> m(mamba2, prefix); }, {"Mamba2"});
@@ -701,37 +561,19 @@ TYPED_TEST(Mamba3Mixer, InitializesAsTheReference) {
   c.rank = 4;
   kmamba::ModelConfig cfg = c.config();
   cfg.n_layer = 4;
+  // Weight decay on the two projections alone.
   const auto init = [&](const std::string& p, std::uint64_t seed) {
     kmamba::Mamba3Mixer<Exec> mixer(cfg, p);
     kmamba::ParameterSlab<Mem> slab;
     mixer.declare_parameters(slab);
-    slab.finalize("kmamba::test::init");
-    Kokkos::deep_copy(slab.params(), std::numeric_limits<float>::quiet_NaN());
-    mixer.initialize(Exec(), slab, seed);
-    Kokkos::fence();
-    Params values;
     for (const auto& e : slab.entries()) {
-      values[e.name.substr(p.size())] = slab_values(slab, slab.params(), e.name);
       const bool decayed = e.name == p + "in_proj.weight" || e.name == p + "out_proj.weight";
       EXPECT_EQ(e.decay, decayed ? kmamba::WeightDecay::Yes : kmamba::WeightDecay::No) << e.name;
     }
-    return values;
+    return initialized_parameters<Exec, kmamba::Mamba3Mixer<Exec>>(cfg, p, seed);
   };
   const Params w = init(prefix, 7);
   EXPECT_EQ(w.size(), 11u);
-  const auto expect_uniform = [](const std::string& name, const std::vector<double>& v, double bound) {
-    double lo = 1e30, hi = -1e30, mean = 0.0;
-    for (double x : v) {
-      lo = std::min(lo, x);
-      hi = std::max(hi, x);
-      mean += x / static_cast<double>(v.size());
-    }
-    EXPECT_GE(lo, -bound) << name;
-    EXPECT_LE(hi, bound) << name;
-    EXPECT_LE(lo, -0.8 * bound) << name;
-    EXPECT_GE(hi, 0.8 * bound) << name;
-    EXPECT_LE(std::abs(mean), 0.15 * bound) << name;
-  };
   const double E = cfg.d_inner();
   expect_uniform("in_proj.weight", w.at("in_proj.weight"), 1.0 / std::sqrt(double(cfg.d_model)));
   expect_uniform("out_proj.weight", w.at("out_proj.weight"), 1.0 / std::sqrt(E) / std::sqrt(double(cfg.n_layer)));
