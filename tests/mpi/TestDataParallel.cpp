@@ -22,6 +22,8 @@
 // δ = τ·max|g|; parameters and moments after AdamW steps within AdamWDifferenceBound, element by
 // element (Adam divides a gradient element by its own size, so a rounding-level one may move by up
 // to lr·δ/ε).
+#include "DistributedBatches.hpp"
+#include "ModelConfigs.hpp"
 #include "RoundingBounds.hpp"
 
 #include <kmamba/models/Distributed.hpp>
@@ -40,7 +42,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -49,71 +50,27 @@ namespace {
 using Exec = Kokkos::DefaultHostExecutionSpace;
 using Mem = Exec::memory_space;
 using Model = kmamba::LanguageModel<Exec>;
-using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+
+using namespace kmamba::test;
 
 constexpr std::uint64_t init_seed = 2024;
 constexpr int batch = 8, seqlen = 12;
 
+// headdim 17: d_inner 68, 4 heads; 4 groups: 27246 parameters, so that at 4 ranks the slab leaves
+// an unsharded tail of 2.
 kmamba::ModelConfig tiny_mamba2() {
-  kmamba::ModelConfig c;
-  c.mixer = kmamba::MixerKind::Mamba2;
-  c.d_model = 34;
-  c.n_layer = 2;
-  c.vocab_size = 64;
-  c.d_state = 16;
-  c.headdim = 17;  // d_inner 68: 4 heads
-  c.ngroups = 4;   // 27246 parameters: at 4 ranks the slab leaves an unsharded tail of 2
-  c.chunk_size = 8;
-  c.validate();
-  return c;
+  return kmamba::test::model_config(kmamba::MixerKind::Mamba2, {34, 2, 64, 16, 17, 8, 4});
 }
 
 /// τ of the file comment.
 const double tolerance = kmamba::test::model_tolerance(tiny_mamba2(), seqlen, batch * seqlen);
 
-struct Batch {
-  Ids ids, targets;  // (rows, seqlen)
-};
+using Batch = kmamba::test::TokenRows;
 
-/// A batch of random tokens; targets are the next tokens, with the first b % 3 positions of row b
-/// also ignored so that the rows (and so the ranks) predict different numbers of tokens.
-Batch make_batch(int step) {
-  std::mt19937_64 rng(1000 + static_cast<std::uint64_t>(step));
-  std::uniform_int_distribution<std::int64_t> token(0, 63);
-  Batch b{Ids("kmamba::test::ids", batch, seqlen), Ids("kmamba::test::targets", batch, seqlen)};
-  for (int r = 0; r < batch; ++r) {
-    for (int t = 0; t < seqlen; ++t) b.ids(r, t) = token(rng);
-  }
-  for (int r = 0; r < batch; ++r) {
-    for (int t = 0; t < seqlen; ++t) {
-      b.targets(r, t) = t + 1 < seqlen && t >= r % 3 ? b.ids(r, t + 1) : kmamba::ignore_index;
-    }
-  }
-  return b;
-}
+/// A batch of random tokens (kmamba::test::random_token_rows), one per step.
+Batch make_batch(int step) { return random_token_rows(batch, seqlen, 1000 + static_cast<std::uint64_t>(step)); }
 
-Batch rows(const Batch& b, int first, int count) {
-  Batch out{Ids("kmamba::test::ids", count, seqlen), Ids("kmamba::test::targets", count, seqlen)};
-  for (int r = 0; r < count; ++r) {
-    for (int t = 0; t < seqlen; ++t) {
-      out.ids(r, t) = b.ids(first + r, t);
-      out.targets(r, t) = b.targets(first + r, t);
-    }
-  }
-  return out;
-}
-
-std::int64_t predicted(const Batch& b) {
-  std::int64_t n = 0;
-  for (std::size_t i = 0; i < b.targets.span(); ++i) n += b.targets.data()[i] != kmamba::ignore_index;
-  return n;
-}
-
-int world_size() {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
+Batch rows(const Batch& b, int first, int count) { return slice(b, first, count, 0, seqlen); }
 
 std::vector<kmamba::MeshConfig> meshes() {
   std::vector<kmamba::MeshConfig> all;
@@ -126,28 +83,12 @@ std::vector<kmamba::MeshConfig> meshes() {
   return all;
 }
 
-std::string name(const kmamba::ProcessMesh& mesh) {
-  return "mesh dp " + std::to_string(mesh.config().data_parallel_size) + " tp " +
-         std::to_string(mesh.config().tensor_parallel_size) + " sp " +
-         std::to_string(mesh.config().sequence_parallel_size);
+/// A mesh of data parallelism alone over MPI_COMM_WORLD whose communicators record every call in `log`.
+kmamba::ProcessMesh counting_mesh(const std::shared_ptr<kmamba::CommunicationLog>& log) {
+  return kmamba::ProcessMesh(
+      std::make_unique<kmamba::CountingCommunicator>(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log),
+      kmamba::MeshConfig());
 }
-
-/// Every parameter's slice of `got` equals `ref`'s within the tolerance; only elements for which
-/// `owned(i)` holds are compared.
-template <class Owned>
-void expect_slab_equal(const Model::Slab& slab, const kmamba::Tensor1<float, Mem>& got,
-                       const kmamba::Tensor1<float, Mem>& ref, const Owned& owned, const std::string& what) {
-  for (const auto& entry : slab.entries()) {
-    double diff = 0.0, scale = 0.0;
-    for (std::size_t i = entry.offset; i < entry.offset + entry.size; ++i) {
-      scale = std::max(scale, std::abs(static_cast<double>(ref(i))));
-      if (owned(i)) diff = std::max(diff, std::abs(static_cast<double>(got(i)) - static_cast<double>(ref(i))));
-    }
-    EXPECT_LE(diff, tolerance * scale) << what << " " << entry.name;
-  }
-}
-
-bool all(std::size_t) { return true; }
 
 /// One data-parallel step's forward and backward: this dp rank's rows of `b`, one row per
 /// micro-batch, each weighted by its tokens over the global count; one reduction at the end.
@@ -158,13 +99,7 @@ double data_parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, cons
   const Batch mine = rows(b, dp.data_rank() * per_rank, per_rank);
   const std::int64_t global = dp.global_tokens(predicted(mine));
   model.zero_grads(exec);
-  double loss_sum = 0.0;
-  for (int r = 0; r < per_rank; ++r) {
-    const Batch micro = rows(mine, r, 1);
-    const kmamba::LossResult result = model.loss_and_backward(
-        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
-    loss_sum += result.loss * static_cast<double>(result.tokens);
-  }
+  const double loss_sum = accumulate_rows(model, mine, global).loss;
   dp.reduce_gradients(exec, model.parameters());
   exec.fence();
   return dp.sum_over_data(loss_sum) / static_cast<double>(global);
@@ -178,18 +113,9 @@ kmamba::LossResult one_rank_backward(Model& model, const Batch& b) {
   const Exec exec;
   const std::int64_t global = predicted(b);
   model.zero_grads(exec);
-  kmamba::LossResult total;
-  double loss_sum = 0.0;
-  for (int r = 0; r < batch; ++r) {
-    const Batch micro = rows(b, r, 1);
-    const kmamba::LossResult result = model.loss_and_backward(
-        exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
-    loss_sum += result.loss * static_cast<double>(result.tokens);
-    total.tokens += result.tokens;
-    total.correct += result.correct;
-  }
+  kmamba::LossResult total = accumulate_rows(model, b, global);
   exec.fence();
-  total.loss = loss_sum / static_cast<double>(global);
+  total.loss /= static_cast<double>(global);
   return total;
 }
 
@@ -216,7 +142,7 @@ TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {
 
   for (const auto& mesh_config : meshes()) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-    SCOPED_TRACE(name(mesh));
+    SCOPED_TRACE(mesh_name(mesh));
     Model model(config);
     model.initialize(init_seed);
     kmamba::DataParallelConfig options;
@@ -224,8 +150,8 @@ TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {
     kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
     const double loss = data_parallel_backward(model, dp, b);
     EXPECT_LE(std::abs(loss - ref.loss), tolerance * std::abs(ref.loss));
-    expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(), all,
-                      "gradient of");
+    expect_slab_equal(model.parameters(), model.parameters().grads(), reference.parameters().grads(), tolerance,
+                      every_element, "gradient of");
   }
 }
 
@@ -234,47 +160,18 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   const kmamba::ModelConfig config = tiny_mamba2();
   constexpr int steps = 3;
   constexpr double lr = 3e-3, max_norm = 0.25;
-  kmamba::AdamWConfig adamw;
-  adamw.weight_decay = 0.1;
-  // Adam divides each gradient element by its own magnitude: an element whose gradient is at the
-  // level of fp32 rounding moves by about ±lr whatever its sign, so two summation orders of the
-  // same gradient (one rank vs a reduction over ranks) can differ there by up to 2·lr. eps limits
-  // that amplification to lr/eps (d update / d g ≤ 1/eps); AdamWDifferenceBound carries it.
-  adamw.eps = 1e-5;
-
-  // The 1-rank run on whole batches, and along it the bounds of the file comment: per step, each
-  // gradient element within δ = τ·max|g| of its tensor, the norm within ‖δ‖₂, the clip factor
-  // within clip_scale_difference, the parameters and moments within AdamWDifferenceBound.
+  const kmamba::AdamWConfig adamw = clipped_steps_adamw();
   Model reference(config);
   reference.initialize(init_seed);
   const Model::Slab& slab = reference.parameters();
-  kmamba::AdamW<Mem> optimizer(slab.size(), adamw);
-  kmamba::test::AdamWDifferenceBound bound(adamw, slab.size(), slab.decay_end());
-  std::vector<double> ref_norms, norm_bounds;
-  std::vector<std::vector<double>> grad_bounds;
-  std::vector<std::vector<float>> ref_grads;
-  for (int step = 0; step < steps; ++step) {
-    const Batch b = make_batch(step);
-    one_rank_backward(reference, b);
-    ref_grads.emplace_back(slab.grads().data(), slab.grads().data() + slab.size());
-    const double norm = kmamba::global_norm(exec, kmamba::ConstTensor1<float, Mem>(slab.grads()));
-    // δ per tensor for the first step (same parameters), slab-wide after (RoundingBounds.hpp, 2).
-    const std::vector<double> delta = step == 0 ? kmamba::test::per_tensor_bounds(slab.entries(), slab.grads(), tolerance)
-                                                : kmamba::test::slab_bounds(slab.grads(), tolerance);
-    ref_norms.push_back(norm);
-    norm_bounds.push_back(kmamba::test::norm_difference_bound(delta, norm));
-    grad_bounds.push_back(delta);
-    optimizer.step(exec, slab.params(), slab.grads(), slab.decay_end(), lr, kmamba::clip_scale(norm, max_norm));
-    exec.fence();
-    bound.step(slab.grads(), delta, kmamba::clip_scale(norm, max_norm),
-               kmamba::test::clip_scale_difference(norm, norm_bounds.back(), max_norm), lr, slab.params());
-  }
-  ASSERT_GT(ref_norms[0], max_norm) << "the test must exercise clipping";
+  ClippedAdamWReference<Exec> one_rank(slab, adamw, steps, lr, max_norm, tolerance,
+                                       [&](int step) { one_rank_backward(reference, make_batch(step)); });
+  ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
   for (const auto& mesh_config : meshes()) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
-      SCOPED_TRACE(name(mesh) + " zero_stage " + std::to_string(stage));
+      SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));
       Model model(config);
       model.initialize(init_seed);
       kmamba::DataParallelConfig options;
@@ -290,14 +187,15 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
           // parameters) stay within the bounds δ it assumes. ZeRO-1 leaves only this rank's shards
           // reduced, so the check runs on DDP.
           const auto s = static_cast<std::size_t>(step);
-          const kmamba::Tensor1<float, Mem> ref_grad(ref_grads[s].data(), slab.size());
-          kmamba::test::expect_within(slab.entries(), model.parameters().grads(), ref_grad,
-                                      [&](std::size_t i) { return grad_bounds[s][i]; },
-                                      "gradient of step " + std::to_string(step) + " of");
+          const kmamba::Tensor1<float, Mem> ref_grad(one_rank.grads[s].data(), slab.size());
+          kmamba::test::expect_within(
+              slab.entries(), model.parameters().grads(), ref_grad,
+              [&](std::size_t i) { return one_rank.grad_bounds[s][i]; },
+              "gradient of step " + std::to_string(step) + " of");
         }
         const double norm = dp.grad_norm(exec, model.parameters());
-        EXPECT_LE(std::abs(norm - ref_norms[static_cast<std::size_t>(step)]),
-                  norm_bounds[static_cast<std::size_t>(step)])
+        EXPECT_LE(std::abs(norm - one_rank.norms[static_cast<std::size_t>(step)]),
+                  one_rank.norm_bounds[static_cast<std::size_t>(step)])
             << "step " << step;
         // The clip factor is bitwise identical on every rank.
         EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
@@ -306,18 +204,21 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
       }
       exec.fence();
       EXPECT_EQ(dp.steps_taken(), steps);
-      kmamba::test::expect_within(slab.entries(), model.parameters().params(), slab.params(),
-                                  [&](std::size_t i) { return bound.parameter(i); }, "parameter");
+      kmamba::test::expect_within(
+          slab.entries(), model.parameters().params(), slab.params(),
+          [&](std::size_t i) { return one_rank.bound.parameter(i); }, "parameter");
       // The moments, gathered into the slab's layout, equal the 1-rank AdamW's; loading them back
       // into a fresh object and gathering again is the identity.
       const std::size_t n = model.parameters().size();
       kmamba::Tensor1<float, Mem> m("kmamba::test::m", n), v("kmamba::test::v", n);
       dp.gather_moments(exec, m, v);
       exec.fence();
-      kmamba::test::expect_within(slab.entries(), m, optimizer.first_moment(),
-                                  [&](std::size_t i) { return bound.first_moment(i); }, "first moment");
-      kmamba::test::expect_within(slab.entries(), v, optimizer.second_moment(),
-                                  [&](std::size_t i) { return bound.second_moment(i); }, "second moment");
+      kmamba::test::expect_within(
+          slab.entries(), m, one_rank.optimizer.first_moment(),
+          [&](std::size_t i) { return one_rank.bound.first_moment(i); }, "first moment");
+      kmamba::test::expect_within(
+          slab.entries(), v, one_rank.optimizer.second_moment(),
+          [&](std::size_t i) { return one_rank.bound.second_moment(i); }, "second moment");
       kmamba::DataParallel<Exec> resumed(mesh, config, model.parameters(), adamw, options);
       resumed.load_moments(exec, m, v, dp.steps_taken());
       EXPECT_EQ(resumed.steps_taken(), steps);
@@ -364,7 +265,7 @@ TEST(DataParallel, Zero1ReducesEachRanksShard) {
   }
   std::fill(owned.begin() + static_cast<std::ptrdiff_t>(layout.tail_begin()), owned.end(), 1);
   expect_slab_equal(
-      model.parameters(), model.parameters().grads(), reference.parameters().grads(),
+      model.parameters(), model.parameters().grads(), reference.parameters().grads(), tolerance,
       [&](std::size_t i) { return owned[i] != 0; }, "owned gradient of");
 }
 
@@ -372,9 +273,7 @@ TEST(DataParallel, MicroStepsDoNotCommunicateAndEachStepReducesOnceInBuckets) {
   const Exec exec;
   const kmamba::ModelConfig config = tiny_mamba2();
   const auto log = std::make_shared<kmamba::CommunicationLog>();
-  const kmamba::ProcessMesh mesh(
-      std::make_unique<kmamba::CountingCommunicator>(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log),
-      kmamba::MeshConfig());
+  const kmamba::ProcessMesh mesh = counting_mesh(log);
   const Batch mine = rows(make_batch(0), mesh.data().rank() * (batch / mesh.data().size()), batch / mesh.data().size());
   for (const int stage : {0, 1}) {
     SCOPED_TRACE("zero_stage " + std::to_string(stage));
@@ -437,9 +336,7 @@ TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReduc
   const Exec exec;
   const kmamba::ModelConfig config = tiny_mamba2();
   const auto log = std::make_shared<kmamba::CommunicationLog>();
-  const kmamba::ProcessMesh mesh(
-      std::make_unique<kmamba::CountingCommunicator>(std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD), log),
-      kmamba::MeshConfig());
+  const kmamba::ProcessMesh mesh = counting_mesh(log);
   const int per_rank = batch / mesh.data().size();
   const Batch mine = rows(make_batch(0), mesh.data().rank() * per_rank, per_rank);
   for (const int stage : {0, 1}) {
@@ -452,12 +349,9 @@ TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReduc
                                     .global_tokens(predicted(mine));
     const auto accumulate = [&](Model& model, kmamba::DataParallel<Exec>* overlapped) {
       model.zero_grads(exec);
-      for (int r = 0; r < per_rank; ++r) {
+      accumulate_rows(model, mine, global, [&](int r) {
         if (overlapped != nullptr && r == per_rank - 1) overlapped->begin_reduction(model.parameters());
-        const Batch micro = rows(mine, r, 1);
-        model.loss_and_backward(exec, micro.ids, micro.targets,
-                                static_cast<double>(predicted(micro)) / static_cast<double>(global));
-      }
+      });
     };
 
     Model after(config);
@@ -515,7 +409,7 @@ TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {
   for (const auto& mesh_config : meshes()) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
-      SCOPED_TRACE(name(mesh) + " zero_stage " + std::to_string(stage));
+      SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));
       Model model(config);
       kmamba::DataParallelConfig options;
       options.zero_stage = stage;
