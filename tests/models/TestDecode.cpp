@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -107,14 +108,7 @@ kmamba::ModelConfig small_mamba2_config(bool bias, bool norm_before_gate) {
 kmamba::ModelConfig small_mamba1_config(bool bias) {
   kmamba::ModelConfig c;
   c.mixer = kmamba::MixerKind::Mamba1;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.vocab_size = 40;
-  c.expand = 2;
-  c.d_state = 8;
-  c.d_conv = 4;
-  c.dt_rank = 3;
-  c.bias = bias;
+  std::tie(c.d_model, c.n_layer, c.vocab_size, c.d_state, c.dt_rank, c.bias) = std::make_tuple(16, 2, 40, 8, 3, bias);
   c.validate();
   return c;
 }

@@ -433,10 +433,7 @@ TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
 TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {
   using Exec = TypeParam;
   Case c;
-  c.d_model = 32;
-  c.headdim = 8;
-  c.d_state = 8;
-  c.bias = true;
+  std::tie(c.d_model, c.headdim, c.d_state, c.bias) = std::make_tuple(32, 8, 8, true);
   kmamba::ModelConfig cfg = c.config();
   cfg.n_layer = 4;
   const auto init = [&](const std::string& p, std::uint64_t seed) {
