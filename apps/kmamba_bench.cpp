@@ -24,12 +24,9 @@ struct Options {
 };
 
 void declare(CLI::App& cli, Options& o) {
-  cli.add_option("--elements", o.elements, "tensor size in elements (default 16777216)")
-      ->type_name("N")
-      ->check(kmamba::app::integer_in(1, 1LL << 36));
-  cli.add_option("--repeats", o.repeats, "timed repetitions; the median is reported (default 5)")
-      ->type_name("R")
-      ->check(kmamba::app::integer_in(1, 1000000));
+  kmamba::app::add_integer(cli, "--elements", o.elements, 1, 1LL << 36, "tensor size in elements (default 16777216)");
+  kmamba::app::add_integer(cli, "--repeats", o.repeats, 1, 1000000,
+                           "timed repetitions; the median is reported (default 5)", "R");
   kmamba::app::add_space_option(cli, o.only_space, "only this execution space (default: every one of this build)");
 }
 

@@ -36,38 +36,50 @@ ViewType optional_input(const kmamba::SafeTensorsReader& in, const std::string& 
   return in.contains(name) ? kmamba::read_view<ViewType>(in, name) : ViewType();
 }
 
+// Reads each (view, name) pair: a required input, or an optional one (unallocated when absent).
+inline void read_inputs(const kmamba::SafeTensorsReader&) {}
+template <class View, class... Rest>
+void read_inputs(const kmamba::SafeTensorsReader& in, View& view, const std::string& name, Rest&&... rest) {
+  view = kmamba::read_view<typename View::non_const_type>(in, name);
+  read_inputs(in, rest...);
+}
+inline void read_optional_inputs(const kmamba::SafeTensorsReader&) {}
+template <class View, class... Rest>
+void read_optional_inputs(const kmamba::SafeTensorsReader& in, View& view, const std::string& name, Rest&&... rest) {
+  view = optional_input<typename View::non_const_type>(in, name);
+  read_optional_inputs(in, rest...);
+}
+
+// For each (gradient, input, name) triple: a zero-filled gradient buffer shaped as its input,
+// labelled kmamba::eval::<name> (none for an absent input).
+inline void allocate_gradients() {}
+template <class Grad, class Input, class... Rest>
+void allocate_gradients(Grad& grad, const Input& input, const char* name, Rest&&... rest) {
+  grad = input.is_allocated() ? Grad(Kokkos::view_alloc(std::string("kmamba::eval::") + name), input.layout()) : Grad();
+  allocate_gradients(rest...);
+}
+
+// Writes grad.<name> for each (name, gradient) pair whose gradient was computed (allocated).
+inline void add_gradients(kmamba::SafeTensorsWriter&) {}
+template <class View, class... Rest>
+void add_gradients(kmamba::SafeTensorsWriter& out_file, const char* name, const View& grad, const Rest&... rest) {
+  if (grad.is_allocated()) kmamba::add_view(out_file, std::string("grad.") + name, grad);
+  add_gradients(out_file, rest...);
+}
+
 void run_selective_scan(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
-  using T1 = kmamba::Tensor1<float, Mem>;
-  using T2 = kmamba::Tensor2<float, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
-  using T4 = kmamba::Tensor4<float, Mem>;
-  const Exec exec;
   kmamba::SelectiveScanArgs<Mem> args;
-  const T3 u = kmamba::read_view<T3>(in, "u");
-  const T3 delta = kmamba::read_view<T3>(in, "delta");
-  const T2 A = kmamba::read_view<T2>(in, "A");
-  const T4 B = kmamba::read_view<T4>(in, "B");
-  const T4 C = kmamba::read_view<T4>(in, "C");
-  const T1 D = optional_input<T1>(in, "D");
-  const T3 z = optional_input<T3>(in, "z");
-  const T1 delta_bias = optional_input<T1>(in, "delta_bias");
-  const T3 initial_state = optional_input<T3>(in, "initial_state");
-  args.u = u;
-  args.delta = delta;
-  args.A = A;
-  args.B = B;
-  args.C = C;
-  args.D = D;
-  args.z = z;
-  args.delta_bias = delta_bias;
-  args.initial_state = initial_state;
+  read_inputs(in, args.u, "u", args.delta, "delta", args.A, "A", args.B, "B", args.C, "C");
+  read_optional_inputs(in, args.D, "D", args.z, "z", args.delta_bias, "delta_bias", args.initial_state,
+                       "initial_state");
   args.delta_softplus = in.config_bool("delta_softplus", false);
   args.chunk_size = o.chunk_size;
 
-  const auto batch = u.extent(0), dim = u.extent(1), seqlen = u.extent(2), dstate = A.extent(1);
+  const auto batch = args.u.extent(0), dim = args.u.extent(1), seqlen = args.u.extent(2), dstate = args.A.extent(1);
   auto out = kmamba::allocate_uninitialized<T3>("kmamba::eval::out", batch, dim, seqlen);
   auto last_state = kmamba::allocate_uninitialized<T3>("kmamba::eval::last_state", batch, dim, dstate);
-  kmamba::selective_scan_forward(exec, args, out, last_state);
+  kmamba::selective_scan_forward(Exec(), args, out, last_state);
   kmamba::add_view(out_file, "out", out);
   kmamba::add_view(out_file, "last_state", last_state);
   if (!in.contains("dout")) return;
@@ -75,56 +87,20 @@ void run_selective_scan(const Options& o, const kmamba::SafeTensorsReader& in, k
   const T3 dout = kmamba::read_view<T3>(in, "dout");
   const T3 dlast_state = optional_input<T3>(in, "dlast_state");
   kmamba::SelectiveScanGrads<Mem> g;
-  g.du = kmamba::allocate<T3>("kmamba::eval::du", batch, dim, seqlen);
-  g.ddelta = kmamba::allocate<T3>("kmamba::eval::ddelta", batch, dim, seqlen);
-  g.dA = kmamba::allocate<T2>("kmamba::eval::dA", dim, dstate);
-  g.dB = kmamba::allocate<T4>("kmamba::eval::dB", B.extent(0), B.extent(1), B.extent(2), B.extent(3));
-  g.dC = kmamba::allocate<T4>("kmamba::eval::dC", C.extent(0), C.extent(1), C.extent(2), C.extent(3));
-  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", dim);
-  if (z.is_allocated()) g.dz = kmamba::allocate<T3>("kmamba::eval::dz", batch, dim, seqlen);
-  if (delta_bias.is_allocated()) g.ddelta_bias = kmamba::allocate<T1>("kmamba::eval::ddelta_bias", dim);
-  if (initial_state.is_allocated()) {
-    g.dinitial_state = kmamba::allocate<T3>("kmamba::eval::dinitial_state", batch, dim, dstate);
-  }
-  kmamba::selective_scan_backward(exec, args, dout, dlast_state, g);
-  kmamba::add_view(out_file, "grad.u", g.du);
-  kmamba::add_view(out_file, "grad.delta", g.ddelta);
-  kmamba::add_view(out_file, "grad.A", g.dA);
-  kmamba::add_view(out_file, "grad.B", g.dB);
-  kmamba::add_view(out_file, "grad.C", g.dC);
-  if (g.dD.is_allocated()) kmamba::add_view(out_file, "grad.D", g.dD);
-  if (g.dz.is_allocated()) kmamba::add_view(out_file, "grad.z", g.dz);
-  if (g.ddelta_bias.is_allocated()) kmamba::add_view(out_file, "grad.delta_bias", g.ddelta_bias);
-  if (g.dinitial_state.is_allocated()) kmamba::add_view(out_file, "grad.initial_state", g.dinitial_state);
+  allocate_gradients(g.du, args.u, "du", g.ddelta, args.delta, "ddelta", g.dA, args.A, "dA", g.dB, args.B, "dB", g.dC,
+                     args.C, "dC", g.dD, args.D, "dD", g.dz, args.z, "dz", g.ddelta_bias, args.delta_bias,
+                     "ddelta_bias", g.dinitial_state, args.initial_state, "dinitial_state");
+  kmamba::selective_scan_backward(Exec(), args, dout, dlast_state, g);
+  add_gradients(out_file, "u", g.du, "delta", g.ddelta, "A", g.dA, "B", g.dB, "C", g.dC, "D", g.dD, "z", g.dz,
+                "delta_bias", g.ddelta_bias, "initial_state", g.dinitial_state);
 }
 
 void run_ssd(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
-  using T1 = kmamba::Tensor1<float, Mem>;
-  using T3 = kmamba::Tensor3<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
-  using I2 = kmamba::Tensor2<std::int64_t, Mem>;
-  const Exec exec;
-  const T4 x = kmamba::read_view<T4>(in, "x");
-  const T3 dt = kmamba::read_view<T3>(in, "dt");
-  const T1 A = kmamba::read_view<T1>(in, "A");
-  const T4 B = kmamba::read_view<T4>(in, "B");
-  const T4 C = kmamba::read_view<T4>(in, "C");
-  const T1 D = optional_input<T1>(in, "D");
-  const T4 z = optional_input<T4>(in, "z");
-  const T1 dt_bias = optional_input<T1>(in, "dt_bias");
-  const T4 initial_states = optional_input<T4>(in, "initial_states");
-  const I2 seq_idx = optional_input<I2>(in, "seq_idx");
   kmamba::SsdArgs<Mem> args;
-  args.x = x;
-  args.dt = dt;
-  args.A = A;
-  args.B = B;
-  args.C = C;
-  args.D = D;
-  args.z = z;
-  args.dt_bias = dt_bias;
-  args.initial_states = initial_states;
-  args.seq_idx = seq_idx;
+  read_inputs(in, args.x, "x", args.dt, "dt", args.A, "A", args.B, "B", args.C, "C");
+  read_optional_inputs(in, args.D, "D", args.z, "z", args.dt_bias, "dt_bias", args.initial_states, "initial_states",
+                       args.seq_idx, "seq_idx");
   args.dt_softplus = in.config_bool("dt_softplus", false);
   const std::vector<double> limit = in.config_numbers("dt_limit", {0.0, HUGE_VAL});
   KMAMBA_REQUIRE(limit.size() == 2, "kmamba-eval: config dt_limit of '" << o.input << "' must have two numbers");
@@ -132,11 +108,11 @@ void run_ssd(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::Safe
   args.dt_max = static_cast<float>(limit[1]);
   args.chunk_size = o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", 256));
 
-  const auto batch = x.extent(0), seqlen = x.extent(1), nheads = x.extent(2), headdim = x.extent(3);
-  const auto dstate = B.extent(3);
-  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, seqlen, nheads, headdim);
-  auto final_states = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_states", batch, nheads, headdim, dstate);
-  kmamba::ssd_forward(exec, args, out, final_states);
+  const auto batch = args.x.extent(0), nheads = args.x.extent(2), headdim = args.x.extent(3);
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, args.x.extent(1), nheads, headdim);
+  auto final_states =
+      kmamba::allocate_uninitialized<T4>("kmamba::eval::final_states", batch, nheads, headdim, args.B.extent(3));
+  kmamba::ssd_forward(Exec(), args, out, final_states);
   kmamba::add_view(out_file, "out", out);
   kmamba::add_view(out_file, "final_states", final_states);
   if (!in.contains("dout")) return;
@@ -144,33 +120,12 @@ void run_ssd(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::Safe
   const T4 dout = kmamba::read_view<T4>(in, "dout");
   const T4 dfinal_states = optional_input<T4>(in, "dfinal_states");
   kmamba::SsdGrads<Mem> g;
-  g.dx = kmamba::allocate<T4>("kmamba::eval::dx", batch, seqlen, nheads, headdim);
-  g.ddt = kmamba::allocate<T3>("kmamba::eval::ddt", batch, seqlen, nheads);
-  g.dA = kmamba::allocate<T1>("kmamba::eval::dA", nheads);
-  g.dB = kmamba::allocate<T4>("kmamba::eval::dB", B.extent(0), B.extent(1), B.extent(2), B.extent(3));
-  g.dC = kmamba::allocate<T4>("kmamba::eval::dC", C.extent(0), C.extent(1), C.extent(2), C.extent(3));
-  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", nheads);
-  if (z.is_allocated()) g.dz = kmamba::allocate<T4>("kmamba::eval::dz", batch, seqlen, nheads, headdim);
-  if (dt_bias.is_allocated()) g.ddt_bias = kmamba::allocate<T1>("kmamba::eval::ddt_bias", nheads);
-  if (initial_states.is_allocated()) {
-    g.dinitial_states = kmamba::allocate<T4>("kmamba::eval::dinitial_states", batch, nheads, headdim, dstate);
-  }
-  kmamba::ssd_backward(exec, args, dout, dfinal_states, g);
-  kmamba::add_view(out_file, "grad.x", g.dx);
-  kmamba::add_view(out_file, "grad.dt", g.ddt);
-  kmamba::add_view(out_file, "grad.A", g.dA);
-  kmamba::add_view(out_file, "grad.B", g.dB);
-  kmamba::add_view(out_file, "grad.C", g.dC);
-  if (g.dD.is_allocated()) kmamba::add_view(out_file, "grad.D", g.dD);
-  if (g.dz.is_allocated()) kmamba::add_view(out_file, "grad.z", g.dz);
-  if (g.ddt_bias.is_allocated()) kmamba::add_view(out_file, "grad.dt_bias", g.ddt_bias);
-  if (g.dinitial_states.is_allocated()) kmamba::add_view(out_file, "grad.initial_states", g.dinitial_states);
-}
-
-// Writes grad.<name> for a gradient that was computed (allocated).
-template <class ViewType>
-void add_gradient(kmamba::SafeTensorsWriter& out_file, const std::string& name, const ViewType& grad) {
-  if (grad.is_allocated()) kmamba::add_view(out_file, "grad." + name, grad);
+  allocate_gradients(g.dx, args.x, "dx", g.ddt, args.dt, "ddt", g.dA, args.A, "dA", g.dB, args.B, "dB", g.dC, args.C,
+                     "dC", g.dD, args.D, "dD", g.dz, args.z, "dz", g.ddt_bias, args.dt_bias, "ddt_bias",
+                     g.dinitial_states, args.initial_states, "dinitial_states");
+  kmamba::ssd_backward(Exec(), args, dout, dfinal_states, g);
+  add_gradients(out_file, "x", g.dx, "dt", g.ddt, "A", g.dA, "B", g.dB, "C", g.dC, "D", g.dD, "z", g.dz, "dt_bias",
+                g.ddt_bias, "initial_states", g.dinitial_states);
 }
 
 // The four Mamba-3 states of either variant under the names `prefix`angle, ...ssm, ...k, ...v.
@@ -182,206 +137,103 @@ void add_mamba3_states(kmamba::SafeTensorsWriter& out_file, const std::string& p
   kmamba::add_view(out_file, prefix + "v", states.v);
 }
 
-// Reads the optional states `prefix`angle, ...ssm, ...k, ...v (KView: the k and v tensor type).
-template <class States, class KView>
+// Reads the optional states `prefix`angle, ...ssm, ...k, ...v.
+template <class States>
 States read_mamba3_states(const kmamba::SafeTensorsReader& in, const std::string& prefix) {
-  using T3 = kmamba::Tensor3<float, Mem>;
-  using T4 = kmamba::Tensor4<float, Mem>;
   States s;
-  s.angle = optional_input<T3>(in, prefix + "angle");
-  s.ssm = optional_input<T4>(in, prefix + "ssm");
-  s.k = optional_input<KView>(in, prefix + "k");
-  s.v = optional_input<KView>(in, prefix + "v");
+  read_optional_inputs(in, s.angle, prefix + "angle", s.ssm, prefix + "ssm", s.k, prefix + "k", s.v, prefix + "v");
   return s;
-}
-
-// A zero-filled buffer shaped as `view` (unallocated if `view` is).
-template <class ViewType>
-ViewType allocate_like(const ViewType& view, const std::string& label) {
-  return view.is_allocated() ? ViewType(Kokkos::view_alloc(label), view.layout()) : ViewType();
 }
 
 // Gradient buffers for the initial states that were given.
 template <class States>
 States mamba3_initial_gradients(const States& initial) {
   States d;
-  d.angle = allocate_like(initial.angle, "kmamba::eval::dinitial_angle");
-  d.ssm = allocate_like(initial.ssm, "kmamba::eval::dinitial_ssm");
-  d.k = allocate_like(initial.k, "kmamba::eval::dinitial_k");
-  d.v = allocate_like(initial.v, "kmamba::eval::dinitial_v");
+  allocate_gradients(d.angle, initial.angle, "dinitial_angle", d.ssm, initial.ssm, "dinitial_ssm", d.k, initial.k,
+                     "dinitial_k", d.v, initial.v, "dinitial_v");
   return d;
 }
 
-void run_mamba3_siso(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
-  using T1 = kmamba::Tensor1<float, Mem>;
-  using T2 = kmamba::Tensor2<float, Mem>;
-  using T3 = kmamba::Tensor3<float, Mem>;
-  using T4 = kmamba::Tensor4<float, Mem>;
+// The argument, gradient and state types of the SISO (`mimo` false) or MIMO Mamba-3 scan.
+template <bool mimo>
+struct Mamba3Scan {
+  using Args = kmamba::Mamba3SisoArgs<Mem>;
+  using Grads = kmamba::Mamba3SisoGrads<Mem>;
   using States = kmamba::Mamba3SisoStates<Mem>;
-  const Exec exec;
-  const T4 Q = kmamba::read_view<T4>(in, "Q");
-  const T4 K = kmamba::read_view<T4>(in, "K");
-  const T4 V = kmamba::read_view<T4>(in, "V");
-  const T3 ADT = kmamba::read_view<T3>(in, "ADT");
-  const T3 DT = kmamba::read_view<T3>(in, "DT");
-  const T3 Trap = kmamba::read_view<T3>(in, "Trap");
-  const T2 Q_bias = kmamba::read_view<T2>(in, "Q_bias");
-  const T2 K_bias = kmamba::read_view<T2>(in, "K_bias");
-  const T4 Angles = kmamba::read_view<T4>(in, "Angles");
-  const T1 D = optional_input<T1>(in, "D");
-  const T4 Z = optional_input<T4>(in, "Z");
-  const States initial = read_mamba3_states<States, T3>(in, "initial_");
-  kmamba::Mamba3SisoArgs<Mem> args;
-  args.q = Q;
-  args.k = K;
-  args.v = V;
-  args.adt = ADT;
-  args.dt = DT;
-  args.trap = Trap;
-  args.q_bias = Q_bias;
-  args.k_bias = K_bias;
-  args.angles = Angles;
-  args.D = D;
-  args.z = Z;
-  args.initial = initial;
-  args.chunk_size = o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", 64));
+  static constexpr double default_chunk = 64;  // chunk_size without --chunk-size or the file's config
+};
+template <>
+struct Mamba3Scan<true> {
+  using Args = kmamba::Mamba3MimoArgs<Mem>;
+  using Grads = kmamba::Mamba3MimoGrads<Mem>;
+  using States = kmamba::Mamba3MimoStates<Mem>;
+  static constexpr double default_chunk = 0;  // 64 / rank
+};
 
-  const auto batch = V.extent(0), seqlen = V.extent(1), nheads = V.extent(2), headdim = V.extent(3);
-  const auto ngroups = Q.extent(2), dstate = Q.extent(3), nangles = Angles.extent(3);
-  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, seqlen, nheads, headdim);
-  States fin;
-  fin.angle = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_angle", batch, nheads, nangles);
-  fin.ssm = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_ssm", batch, nheads, headdim, dstate);
-  fin.k = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_k", batch, nheads, dstate);
-  fin.v = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_v", batch, nheads, headdim);
-  kmamba::mamba3_siso_forward(exec, args, out, fin);
-  kmamba::add_view(out_file, "out", out);
-  add_mamba3_states(out_file, "final_", fin);
-  if (!in.contains("dout")) return;
-
+template <bool mimo>
+void run_mamba3_scan_backward(const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file,
+                              const typename Mamba3Scan<mimo>::Args& args,
+                              const typename Mamba3Scan<mimo>::States& initial) {
+  using S = Mamba3Scan<mimo>;
+  using T4 = kmamba::Tensor4<float, Mem>;
   const T4 dout = kmamba::read_view<T4>(in, "dout");
-  const States dfinal = read_mamba3_states<States, T3>(in, "dfinal_");
-  kmamba::Mamba3SisoGrads<Mem> g;
-  g.dq = kmamba::allocate<T4>("kmamba::eval::dQ", batch, seqlen, ngroups, dstate);
-  g.dk = kmamba::allocate<T4>("kmamba::eval::dK", batch, seqlen, ngroups, dstate);
-  g.dv = kmamba::allocate<T4>("kmamba::eval::dV", batch, seqlen, nheads, headdim);
-  g.dadt = kmamba::allocate<T3>("kmamba::eval::dADT", batch, nheads, seqlen);
-  g.ddt = kmamba::allocate<T3>("kmamba::eval::dDT", batch, nheads, seqlen);
-  g.dtrap = kmamba::allocate<T3>("kmamba::eval::dTrap", batch, nheads, seqlen);
-  g.dq_bias = kmamba::allocate<T2>("kmamba::eval::dQ_bias", nheads, dstate);
-  g.dk_bias = kmamba::allocate<T2>("kmamba::eval::dK_bias", nheads, dstate);
-  g.dangles = kmamba::allocate<T4>("kmamba::eval::dAngles", batch, seqlen, nheads, nangles);
-  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", nheads);
-  if (Z.is_allocated()) g.dz = kmamba::allocate<T4>("kmamba::eval::dZ", batch, seqlen, nheads, headdim);
+  const typename S::States dfinal = read_mamba3_states<typename S::States>(in, "dfinal_");
+  typename S::Grads g;
+  allocate_gradients(g.dq, args.q, "dQ", g.dk, args.k, "dK", g.dv, args.v, "dV", g.dadt, args.adt, "dADT", g.ddt,
+                     args.dt, "dDT", g.dtrap, args.trap, "dTrap", g.dq_bias, args.q_bias, "dQ_bias", g.dk_bias,
+                     args.k_bias, "dK_bias", g.dangles, args.angles, "dAngles", g.dD, args.D, "dD", g.dz, args.z, "dZ");
   g.dinitial = mamba3_initial_gradients(initial);
-  kmamba::mamba3_siso_backward(exec, args, dout, dfinal, g);
-  add_gradient(out_file, "Q", g.dq);
-  add_gradient(out_file, "K", g.dk);
-  add_gradient(out_file, "V", g.dv);
-  add_gradient(out_file, "ADT", g.dadt);
-  add_gradient(out_file, "DT", g.ddt);
-  add_gradient(out_file, "Trap", g.dtrap);
-  add_gradient(out_file, "Q_bias", g.dq_bias);
-  add_gradient(out_file, "K_bias", g.dk_bias);
-  add_gradient(out_file, "Angles", g.dangles);
-  add_gradient(out_file, "D", g.dD);
-  add_gradient(out_file, "Z", g.dz);
-  add_gradient(out_file, "initial_angle", g.dinitial.angle);
-  add_gradient(out_file, "initial_ssm", g.dinitial.ssm);
-  add_gradient(out_file, "initial_k", g.dinitial.k);
-  add_gradient(out_file, "initial_v", g.dinitial.v);
+  if constexpr (mimo) {
+    allocate_gradients(g.dmimo_v, args.mimo_v, "dMIMO_V", g.dmimo_o, args.mimo_o, "dMIMO_O", g.dmimo_z, args.mimo_z,
+                       "dMIMO_Z");
+    kmamba::mamba3_mimo_backward(Exec(), args, dout, dfinal, g);
+  } else {
+    kmamba::mamba3_siso_backward(Exec(), args, dout, dfinal, g);
+  }
+  add_gradients(out_file, "Q", g.dq, "K", g.dk, "V", g.dv, "ADT", g.dadt, "DT", g.ddt, "Trap", g.dtrap, "Q_bias",
+                g.dq_bias, "K_bias", g.dk_bias, "Angles", g.dangles);
+  if constexpr (mimo) add_gradients(out_file, "MIMO_V", g.dmimo_v, "MIMO_Z", g.dmimo_z, "MIMO_O", g.dmimo_o);
+  add_gradients(out_file, "D", g.dD, "Z", g.dz, "initial_angle", g.dinitial.angle, "initial_ssm", g.dinitial.ssm,
+                "initial_k", g.dinitial.k, "initial_v", g.dinitial.v);
 }
 
-void run_mamba3_mimo(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
-  using T1 = kmamba::Tensor1<float, Mem>;
+template <bool mimo>
+void run_mamba3_scan(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
+  using S = Mamba3Scan<mimo>;
   using T3 = kmamba::Tensor3<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
-  using T5 = kmamba::Tensor5<float, Mem>;
-  using States = kmamba::Mamba3MimoStates<Mem>;
   const Exec exec;
-  const T5 Q = kmamba::read_view<T5>(in, "Q");
-  const T5 K = kmamba::read_view<T5>(in, "K");
-  const T4 V = kmamba::read_view<T4>(in, "V");
-  const T3 ADT = kmamba::read_view<T3>(in, "ADT");
-  const T3 DT = kmamba::read_view<T3>(in, "DT");
-  const T3 Trap = kmamba::read_view<T3>(in, "Trap");
-  const T3 Q_bias = kmamba::read_view<T3>(in, "Q_bias");
-  const T3 K_bias = kmamba::read_view<T3>(in, "K_bias");
-  const T4 Angles = kmamba::read_view<T4>(in, "Angles");
-  const T3 MIMO_V = kmamba::read_view<T3>(in, "MIMO_V");
-  const T3 MIMO_O = kmamba::read_view<T3>(in, "MIMO_O");
-  const T3 MIMO_Z = optional_input<T3>(in, "MIMO_Z");
-  const T1 D = optional_input<T1>(in, "D");
-  const T4 Z = optional_input<T4>(in, "Z");
-  const States initial = read_mamba3_states<States, T4>(in, "initial_");
-  kmamba::Mamba3MimoArgs<Mem> args;
-  args.q = Q;
-  args.k = K;
-  args.v = V;
-  args.adt = ADT;
-  args.dt = DT;
-  args.trap = Trap;
-  args.q_bias = Q_bias;
-  args.k_bias = K_bias;
-  args.angles = Angles;
-  args.mimo_v = MIMO_V;
-  args.mimo_z = MIMO_Z;
-  args.mimo_o = MIMO_O;
-  args.D = D;
-  args.z = Z;
+  typename S::Args args;
+  read_inputs(in, args.q, "Q", args.k, "K", args.v, "V", args.adt, "ADT", args.dt, "DT", args.trap, "Trap", args.q_bias,
+              "Q_bias", args.k_bias, "K_bias", args.angles, "Angles");
+  if constexpr (mimo) {
+    read_inputs(in, args.mimo_v, "MIMO_V", args.mimo_o, "MIMO_O");
+    read_optional_inputs(in, args.mimo_z, "MIMO_Z");
+  }
+  read_optional_inputs(in, args.D, "D", args.z, "Z");
+  const typename S::States initial = read_mamba3_states<typename S::States>(in, "initial_");
   args.initial = initial;
-  args.chunk_size = o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", 0));
+  args.chunk_size =
+      o.chunk_size > 0 ? o.chunk_size : static_cast<int>(in.config_number("chunk_size", S::default_chunk));
 
-  const auto batch = V.extent(0), seqlen = V.extent(1), nheads = V.extent(2), headdim = V.extent(3);
-  const auto rank = Q.extent(2), ngroups = Q.extent(3), dstate = Q.extent(4), nangles = Angles.extent(3);
-  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, seqlen, nheads, headdim);
-  States fin;
-  fin.angle = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_angle", batch, nheads, nangles);
+  const auto batch = args.v.extent(0), nheads = args.v.extent(2), headdim = args.v.extent(3);
+  const auto dstate = args.q.extent(mimo ? 4 : 3), rank = mimo ? args.q.extent(2) : 1;
+  auto out = kmamba::allocate_uninitialized<T4>("kmamba::eval::out", batch, args.v.extent(1), nheads, headdim);
+  typename S::States fin;
+  fin.angle = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_angle", batch, nheads, args.angles.extent(3));
   fin.ssm = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_ssm", batch, nheads, headdim, dstate);
-  fin.k = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_k", batch, nheads, rank, dstate);
-  fin.v = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_v", batch, nheads, rank, headdim);
-  kmamba::mamba3_mimo_forward(exec, args, out, fin);
+  if constexpr (mimo) {
+    fin.k = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_k", batch, nheads, rank, dstate);
+    fin.v = kmamba::allocate_uninitialized<T4>("kmamba::eval::final_v", batch, nheads, rank, headdim);
+    kmamba::mamba3_mimo_forward(exec, args, out, fin);
+  } else {
+    fin.k = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_k", batch, nheads, dstate);
+    fin.v = kmamba::allocate_uninitialized<T3>("kmamba::eval::final_v", batch, nheads, headdim);
+    kmamba::mamba3_siso_forward(exec, args, out, fin);
+  }
   kmamba::add_view(out_file, "out", out);
   add_mamba3_states(out_file, "final_", fin);
-  if (!in.contains("dout")) return;
-
-  const T4 dout = kmamba::read_view<T4>(in, "dout");
-  const States dfinal = read_mamba3_states<States, T4>(in, "dfinal_");
-  kmamba::Mamba3MimoGrads<Mem> g;
-  g.dq = kmamba::allocate<T5>("kmamba::eval::dQ", batch, seqlen, rank, ngroups, dstate);
-  g.dk = kmamba::allocate<T5>("kmamba::eval::dK", batch, seqlen, rank, ngroups, dstate);
-  g.dv = kmamba::allocate<T4>("kmamba::eval::dV", batch, seqlen, nheads, headdim);
-  g.dadt = kmamba::allocate<T3>("kmamba::eval::dADT", batch, nheads, seqlen);
-  g.ddt = kmamba::allocate<T3>("kmamba::eval::dDT", batch, nheads, seqlen);
-  g.dtrap = kmamba::allocate<T3>("kmamba::eval::dTrap", batch, nheads, seqlen);
-  g.dq_bias = kmamba::allocate<T3>("kmamba::eval::dQ_bias", nheads, rank, dstate);
-  g.dk_bias = kmamba::allocate<T3>("kmamba::eval::dK_bias", nheads, rank, dstate);
-  g.dangles = kmamba::allocate<T4>("kmamba::eval::dAngles", batch, seqlen, nheads, nangles);
-  g.dmimo_v = kmamba::allocate<T3>("kmamba::eval::dMIMO_V", nheads, rank, headdim);
-  g.dmimo_o = kmamba::allocate<T3>("kmamba::eval::dMIMO_O", nheads, rank, headdim);
-  if (MIMO_Z.is_allocated()) g.dmimo_z = kmamba::allocate<T3>("kmamba::eval::dMIMO_Z", nheads, rank, headdim);
-  if (D.is_allocated()) g.dD = kmamba::allocate<T1>("kmamba::eval::dD", nheads);
-  if (Z.is_allocated()) g.dz = kmamba::allocate<T4>("kmamba::eval::dZ", batch, seqlen, nheads, headdim);
-  g.dinitial = mamba3_initial_gradients(initial);
-  kmamba::mamba3_mimo_backward(exec, args, dout, dfinal, g);
-  add_gradient(out_file, "Q", g.dq);
-  add_gradient(out_file, "K", g.dk);
-  add_gradient(out_file, "V", g.dv);
-  add_gradient(out_file, "ADT", g.dadt);
-  add_gradient(out_file, "DT", g.ddt);
-  add_gradient(out_file, "Trap", g.dtrap);
-  add_gradient(out_file, "Q_bias", g.dq_bias);
-  add_gradient(out_file, "K_bias", g.dk_bias);
-  add_gradient(out_file, "Angles", g.dangles);
-  add_gradient(out_file, "MIMO_V", g.dmimo_v);
-  add_gradient(out_file, "MIMO_Z", g.dmimo_z);
-  add_gradient(out_file, "MIMO_O", g.dmimo_o);
-  add_gradient(out_file, "D", g.dD);
-  add_gradient(out_file, "Z", g.dz);
-  add_gradient(out_file, "initial_angle", g.dinitial.angle);
-  add_gradient(out_file, "initial_ssm", g.dinitial.ssm);
-  add_gradient(out_file, "initial_k", g.dinitial.k);
-  add_gradient(out_file, "initial_v", g.dinitial.v);
+  if (in.contains("dout")) run_mamba3_scan_backward<mimo>(in, out_file, args, initial);
 }
 
 void run_mamba3_mixer(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::SafeTensorsWriter& out_file) {
@@ -548,8 +400,8 @@ using OpRunner = std::function<void(const Options&, const kmamba::SafeTensorsRea
 const std::map<std::string, OpRunner>& ops() {
   static const std::map<std::string, OpRunner> table = {{"ssd", run_ssd},
                                                         {"selective_scan", run_selective_scan},
-                                                        {"mamba3_siso", run_mamba3_siso},
-                                                        {"mamba3_mimo", run_mamba3_mimo},
+                                                        {"mamba3_siso", run_mamba3_scan<false>},
+                                                        {"mamba3_mimo", run_mamba3_scan<true>},
                                                         {"mamba3_mixer", run_mamba3_mixer}};
   return table;
 }
@@ -564,17 +416,14 @@ void declare(CLI::App& cli, Options& o) {
   cli.add_option("--input", o.input, "the input tensors (required)")->type_name("IN.safetensors")->group(io);
   cli.add_option("--output", o.output, "where the outputs go (required)")->type_name("OUT.safetensors")->group(io);
   const char* options = "options";
-  cli.add_option("--check", o.check,
-                 "compare every output with the tensor of the same name in IN (if present) and fail unless "
-                 "||out - ref|| / ||ref|| <= TOL for each; TOL in [0, 1]")
-      ->type_name("TOL")
-      ->check(kmamba::app::number_in(0.0, 1.0))
+  kmamba::app::add_number(cli, "--check", o.check, 0.0, 1.0, kmamba::app::Ends::Closed,
+                          "compare every output with the tensor of the same name in IN (if present) and fail unless "
+                          "||out - ref|| / ||ref|| <= TOL for each; TOL in [0, 1]",
+                          "TOL")
       ->group(options);
-  cli.add_option("--chunk-size", o.chunk_size,
-                 "tokens per chunk (default: the file's config for ssd and mamba3_*, chosen by kmamba for "
-                 "selective_scan)")
-      ->type_name("N")
-      ->check(kmamba::app::integer_in(1, int_max))
+  kmamba::app::add_integer(cli, "--chunk-size", o.chunk_size, 1, int_max,
+                           "tokens per chunk (default: the file's config for ssd and mamba3_*, chosen by kmamba for "
+                           "selective_scan)")
       ->group(options);
   cli.add_flag("--grads", o.grads, "(--model) also write the gradient of the loss for every parameter")->group(options);
 }
@@ -621,16 +470,9 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  CLI::App cli{description, "kmamba-eval"};
-  kmamba::app::configure(cli, footer);
   Options o;
-  declare(cli, o);
-  return kmamba::app::run_app(
-      argc, argv, cli,
-      [&] {
-        validate(o);
-        return kmamba::app::Launch{};
-      },
-      [&](kmamba::app::Runtime&) { return run(o); });
+  return kmamba::app::run_tool(
+      argc, argv,
+      {"kmamba-eval", description, [&](CLI::App& cli) { declare(cli, o); }, [&](const CLI::App&) { validate(o); },
+       [&](auto&) { return run(o); }, /*mpi=*/false, footer});
 }

@@ -54,9 +54,8 @@ void declare_input(CLI::App& cli, Options& o) {
                  "and printed in order when each batch is done")
       ->type_name("FILE")
       ->group(input);
-  cli.add_option("--batch-size", o.batch_size, "prompts per batch with --batch-file (default 64)")
-      ->type_name("N")
-      ->check(integer_in(1, 1000000000))
+  kmamba::app::add_integer(cli, "--batch-size", o.batch_size, 1, 1000000000,
+                           "prompts per batch with --batch-file (default 64)")
       ->group(input);
   cli.add_option("--tokenizer", o.tokenizer,
                  "a tokenizer.json to use instead of the model directory's (default: DIR's tokenizer.json if "
@@ -66,47 +65,36 @@ void declare_input(CLI::App& cli, Options& o) {
 }
 
 void declare_sampling(CLI::App& cli, Options& o) {
-  using kmamba::app::integer_in;
-  using kmamba::app::number_in;
   const char* sampling = "sampling (defaults: plain softmax sampling at temperature 1)";
   kmamba::SamplingConfig& c = o.sampling;
-  cli.add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate per prompt at most (default 128)")
-      ->type_name("N")
-      ->check(integer_in(0, 1000000000))
+  kmamba::app::add_integer(cli, "--max-new-tokens", o.max_new_tokens, 0, 1000000000,
+                           "tokens to generate per prompt at most (default 128)")
       ->group(sampling);
   cli.add_flag_callback("--greedy", [&c] { c.temperature = 0.0f; }, "greedy decoding (same as --temperature 0)")
       ->group(sampling);
-  cli.add_option("--temperature", c.temperature, "softmax temperature, 0 = greedy (default 1)")
-      ->type_name("X")
-      ->check(number_in(0.0, 1e6))
+  kmamba::app::add_number(cli, "--temperature", c.temperature, 0.0, 1e6, kmamba::app::Ends::Closed,
+                          "softmax temperature, 0 = greedy (default 1)")
       ->group(sampling);
-  cli.add_option("--top-k", c.top_k, "keep the N most likely tokens, 0 = off (default 0)")
-      ->type_name("N")
-      ->check(integer_in(0, kmamba::app::int_max))
+  kmamba::app::add_integer(cli, "--top-k", c.top_k, 0, kmamba::app::int_max,
+                           "keep the N most likely tokens, 0 = off (default 0)")
       ->group(sampling);
-  cli.add_option("--top-p", c.top_p,
-                 "keep the smallest set of probability mass >= X; X in (0, 1], 1 = off (default 1)")
-      ->type_name("X")
-      ->check(number_in(0.0, 1.0, kmamba::app::Ends::LowOpen))
+  kmamba::app::add_number(cli, "--top-p", c.top_p, 0.0, 1.0, kmamba::app::Ends::LowOpen,
+                          "keep the smallest set of probability mass >= X; X in (0, 1], 1 = off (default 1)")
       ->group(sampling);
-  cli.add_option("--min-p", c.min_p, "keep tokens with probability >= X times the largest, 0 = off (default 0)")
-      ->type_name("X")
-      ->check(number_in(0.0, 1.0))
+  kmamba::app::add_number(cli, "--min-p", c.min_p, 0.0, 1.0, kmamba::app::Ends::Closed,
+                          "keep tokens with probability >= X times the largest, 0 = off (default 0)")
       ->group(sampling);
-  cli.add_option("--repetition-penalty", c.repetition_penalty,
-                 "> 1 discourages tokens already in the sequence; X in (0, 1e6] (default 1)")
-      ->type_name("X")
-      ->check(number_in(0.0, 1e6, kmamba::app::Ends::LowOpen))
+  kmamba::app::add_number(cli, "--repetition-penalty", c.repetition_penalty, 0.0, 1e6, kmamba::app::Ends::LowOpen,
+                          "> 1 discourages tokens already in the sequence; X in (0, 1e6] (default 1)")
       ->group(sampling);
-  cli.add_option("--seed", c.seed, "random seed; a seed reproduces its output exactly (default 0)")
-      ->type_name("N")
-      ->check(integer_in(0, std::numeric_limits<long long>::max()))
+  kmamba::app::add_integer(cli, "--seed", c.seed, 0, std::numeric_limits<long long>::max(),
+                           "random seed; a seed reproduces its output exactly (default 0)")
       ->group(sampling);
-  cli.add_option("--stop-id", o.stop_ids,
-                 "stop a sequence when it generates ID (repeatable; the tokenizer's end-of-text token stops too "
-                 "unless --ignore-eos)")
-      ->type_name("ID")
-      ->check(integer_in(0, std::numeric_limits<std::int64_t>::max()))
+  kmamba::app::add_integer(
+      cli, "--stop-id", o.stop_ids, 0, std::numeric_limits<std::int64_t>::max(),
+      "stop a sequence when it generates ID (repeatable; the tokenizer's end-of-text token stops too "
+      "unless --ignore-eos)",
+      "ID")
       ->group(sampling);
   cli.add_flag("--ignore-eos", o.ignore_eos, "do not stop at the tokenizer's end-of-text token")->group(sampling);
 }
@@ -169,17 +157,91 @@ std::vector<Prompt> read_prompts(const Options& o, const kmamba::Tokenizer& toke
   return prompts;
 }
 
+std::unique_ptr<kmamba::Tokenizer> tokenizer_for(const Options& o) {
+  if (o.tokenizer.empty()) return kmamba::load_tokenizer(o.model);
+  return std::make_unique<kmamba::BpeTokenizer>(kmamba::BpeTokenizer::from_file(o.tokenizer));
+}
+
+void print_ids(const std::vector<std::int64_t>& ids) {
+  for (const std::int64_t id : ids) std::printf("%lld ", static_cast<long long>(id));
+}
+
+// With one prompt: echoes it (unless --no-echo) and returns the callback that prints each token
+// to stdout as it is generated.
+kmamba::TokenCallback stream_to_stdout(const Options& o, const kmamba::Tokenizer& tokenizer,
+                                       const std::vector<std::int64_t>& prompt, kmamba::StreamingDecoder& stream) {
+  if (o.echo) {
+    if (o.ids) {
+      print_ids(prompt);
+    } else {
+      std::fputs(tokenizer.decode(prompt).c_str(), stdout);
+    }
+    std::fflush(stdout);
+  }
+  return [&o, &stream](int, std::int64_t token) {
+    if (o.ids) {
+      std::printf("%lld ", static_cast<long long>(token));
+    } else {
+      std::fputs(stream.push(token).c_str(), stdout);
+    }
+    std::fflush(stdout);
+  };
+}
+
+// The completions of prompts [first, first + result.tokens.size()): printed unless they were
+// streamed, and one JSON line each to `json_out` when given.
+void write_completions(const Options& o, const kmamba::Tokenizer& tokenizer, const std::vector<Prompt>& prompts,
+                       std::size_t first, const kmamba::GenerationResult& result, bool streamed,
+                       kmamba::OutputFile* json_out) {
+  for (std::size_t s = 0; s < result.tokens.size(); ++s) {
+    const Prompt& prompt = prompts[first + s];
+    const std::vector<std::int64_t>& tokens = result.tokens[s];
+    const std::string completion = tokenizer.decode(tokens);
+    if (!streamed) {
+      std::printf("=== prompt %zu\n", first + s);
+      if (o.ids) {
+        print_ids(tokens);
+      } else {
+        std::printf("%s%s", o.echo ? prompt.text.c_str() : "", completion.c_str());
+      }
+      std::printf("\n");
+    }
+    if (json_out != nullptr) {
+      const nlohmann::json line = {
+          {"prompt", prompt.text}, {"prompt_ids", prompt.ids}, {"completion", completion}, {"ids", tokens}};
+      // Invalid UTF-8 (a model's byte output) becomes U+FFFD instead of an exception.
+      json_out->write(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + '\n');
+    }
+  }
+  std::fflush(stdout);
+}
+
+void add_stats(kmamba::GenerationStats& total, const kmamba::GenerationStats& batch) {
+  total.prefill_tokens += batch.prefill_tokens;
+  total.prefill_seconds += batch.prefill_seconds;
+  total.decode_steps += batch.decode_steps;
+  total.decode_tokens += batch.decode_tokens;
+  total.generated_tokens += batch.generated_tokens;
+  total.decode_seconds += batch.decode_seconds;
+}
+
+void report_speed(const kmamba::GenerationStats& total) {
+  std::fprintf(stderr,
+               "kmamba-generate: prefill %lld tokens in %.3f s (%.1f tokens/s); decode %lld steps, %lld tokens in "
+               "%.3f s (%.1f tokens/s, %.2f ms/step); %lld tokens generated\n",
+               static_cast<long long>(total.prefill_tokens), total.prefill_seconds, total.prefill_tokens_per_second(),
+               static_cast<long long>(total.decode_steps), static_cast<long long>(total.decode_tokens),
+               total.decode_seconds, total.decode_tokens_per_second(),
+               total.decode_steps ? 1e3 * total.decode_seconds / static_cast<double>(total.decode_steps) : 0.0,
+               static_cast<long long>(total.generated_tokens));
+}
+
 template <class Exec>
 int run(const Options& o) {
   const Exec exec;
   auto model = kmamba::LanguageModel<Exec>::load(o.model);
   const kmamba::ModelConfig& config = model.config();
-  std::unique_ptr<kmamba::Tokenizer> tokenizer;
-  if (o.tokenizer.empty()) {
-    tokenizer = kmamba::load_tokenizer(o.model);
-  } else {
-    tokenizer = std::make_unique<kmamba::BpeTokenizer>(kmamba::BpeTokenizer::from_file(o.tokenizer));
-  }
+  const std::unique_ptr<kmamba::Tokenizer> tokenizer = tokenizer_for(o);
   const std::int64_t model_vocab = config.vocab_size;
   // Tokens the tokenizer cannot print are never sampled (a model's vocabulary may be padded
   // beyond its tokenizer's).
@@ -219,92 +281,33 @@ int run(const Options& o) {
                             static_cast<std::uint64_t>(history.size() - prompt_length));
     };
     kmamba::StreamingDecoder stream(*tokenizer);
-    kmamba::TokenCallback on_token;
-    if (streaming) {
-      if (o.echo) {
-        if (o.ids) {
-          for (const std::int64_t id : batch[0]) std::printf("%lld ", static_cast<long long>(id));
-        } else {
-          std::fputs(tokenizer->decode(batch[0]).c_str(), stdout);
-        }
-        std::fflush(stdout);
-      }
-      on_token = [&](int, std::int64_t token) {
-        if (o.ids) {
-          std::printf("%lld ", static_cast<long long>(token));
-        } else {
-          std::fputs(stream.push(token).c_str(), stdout);
-        }
-        std::fflush(stdout);
-      };
-    }
+    const kmamba::TokenCallback on_token =
+        streaming ? stream_to_stdout(o, *tokenizer, batch[0], stream) : kmamba::TokenCallback();
     const kmamba::GenerationResult result = kmamba::generate(exec, model, batch, choose, options, on_token);
     if (streaming) {
       if (!o.ids) std::fputs(stream.flush().c_str(), stdout);
       std::printf("\n");
     }
-
-    for (std::size_t s = 0; s < count; ++s) {
-      const Prompt& prompt = prompts[first + s];
-      const std::vector<std::int64_t>& tokens = result.tokens[s];
-      const std::string completion = tokenizer->decode(tokens);
-      if (!streaming) {
-        std::printf("=== prompt %zu\n", first + s);
-        if (o.ids) {
-          for (const std::int64_t id : tokens) std::printf("%lld ", static_cast<long long>(id));
-        } else {
-          std::printf("%s%s", o.echo ? prompt.text.c_str() : "", completion.c_str());
-        }
-        std::printf("\n");
-      }
-      if (json_out) {
-        const nlohmann::json line = {{"prompt", prompt.text},
-                                     {"prompt_ids", prompt.ids},
-                                     {"completion", completion},
-                                     {"ids", tokens}};
-        // Invalid UTF-8 (a model's byte output) becomes U+FFFD instead of an exception.
-        json_out->write(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + '\n');
-      }
-    }
-    std::fflush(stdout);
-    total.prefill_tokens += result.stats.prefill_tokens;
-    total.prefill_seconds += result.stats.prefill_seconds;
-    total.decode_steps += result.stats.decode_steps;
-    total.decode_tokens += result.stats.decode_tokens;
-    total.generated_tokens += result.stats.generated_tokens;
-    total.decode_seconds += result.stats.decode_seconds;
+    write_completions(o, *tokenizer, prompts, first, result, streaming, json_out.get());
+    add_stats(total, result.stats);
   }
   if (json_out) json_out->commit();
-  if (!o.quiet) {
-    std::fprintf(stderr,
-                 "kmamba-generate: prefill %lld tokens in %.3f s (%.1f tokens/s); decode %lld steps, %lld tokens in "
-                 "%.3f s (%.1f tokens/s, %.2f ms/step); %lld tokens generated\n",
-                 static_cast<long long>(total.prefill_tokens), total.prefill_seconds, total.prefill_tokens_per_second(),
-                 static_cast<long long>(total.decode_steps), static_cast<long long>(total.decode_tokens),
-                 total.decode_seconds, total.decode_tokens_per_second(),
-                 total.decode_steps ? 1e3 * total.decode_seconds / static_cast<double>(total.decode_steps) : 0.0,
-                 static_cast<long long>(total.generated_tokens));
-  }
+  if (!o.quiet) report_speed(total);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  CLI::App cli{description, "kmamba-generate"};
-  kmamba::app::configure(cli);
   Options o;
-  declare_input(cli, o);
-  declare_sampling(cli, o);
-  declare_output(cli, o);
-  return kmamba::app::run_app(
-      argc, argv, cli,
-      [&] {
-        validate(cli, o);
-        return kmamba::app::Launch{};
-      },
-      [&](kmamba::app::Runtime&) {
-        return kmamba::app::on_space(o.device, [&](auto exec) { return run<decltype(exec)>(o); });
-      });
+  const auto declare = [&](CLI::App& cli) {
+    declare_input(cli, o);
+    declare_sampling(cli, o);
+    declare_output(cli, o);
+  };
+  const auto body = [&](kmamba::app::Runtime&) {
+    return kmamba::app::on_space(o.device, [&](auto exec) { return run<decltype(exec)>(o); });
+  };
+  return kmamba::app::run_tool(
+      argc, argv, {"kmamba-generate", description, declare, [&](const CLI::App& cli) { validate(cli, o); }, body});
 }

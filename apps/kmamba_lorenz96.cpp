@@ -70,10 +70,9 @@ const char* const description =
     "training). Exit status: 0 done, 1 --check failed, 2 a bad option.";
 
 void declare(CLI::App& cli, Options& o) {
-  using kmamba::app::integer_in;
   using kmamba::app::int_max;
   const auto count = [&](const char* name, int& value, long long low, const char* help) {
-    cli.add_option(name, value, help)->type_name("N")->check(integer_in(low, int_max));
+    kmamba::app::add_integer(cli, name, value, low, int_max, help);
   };
   count("--steps", o.train_steps, 1, "optimizer steps (default 300)");
   count("--batch", o.batch, 1, "training windows per rank and step (default 8)");
@@ -82,17 +81,14 @@ void declare(CLI::App& cli, Options& o) {
   count("--samples", o.samples, 8, "samples per training trajectory, 0.05 time units apart, more than --seqlen (default 2500)");
   count("--forecasts", o.forecasts, 1, "forecasts from new initial conditions (default 16)");
   count("--history", o.history, 1, "observed samples fed before each forecast (default 32)");
-  cli.add_option("--horizon", o.horizon, "forecast length in Lyapunov times, in (0, 1000] (default 5)")
-      ->type_name("T")
-      ->check(kmamba::app::number_in(0, 1000, kmamba::app::Ends::LowOpen));
+  kmamba::app::add_number(cli, "--horizon", o.horizon, 0, 1000, kmamba::app::Ends::LowOpen,
+                          "forecast length in Lyapunov times, in (0, 1000] (default 5)", "T");
   count("--d-model", o.d_model, 8, "model width (default 64)");
   count("--layers", o.n_layer, 1, "Mamba-2 blocks (default 2)");
-  cli.add_option("--lr", o.lr, "peak learning rate, > 0 (default 1e-2)")
-      ->type_name("X")
-      ->check(kmamba::app::number_in(0, kmamba::app::unbounded, kmamba::app::Ends::LowOpen));
-  cli.add_option("--seed", o.seed, "initial conditions and model initialisation (default 1)")
-      ->type_name("N")
-      ->check(integer_in(0, std::numeric_limits<long long>::max()));
+  kmamba::app::add_number(cli, "--lr", o.lr, 0, kmamba::app::unbounded, kmamba::app::Ends::LowOpen,
+                          "peak learning rate, > 0 (default 1e-2)");
+  kmamba::app::add_integer(cli, "--seed", o.seed, 0, std::numeric_limits<long long>::max(),
+                           "initial conditions and model initialisation (default 1)");
   cli.add_option("--out", o.out, "where forecast.png goes (default runs/lorenz96)")->type_name("DIR");
   cli.add_flag("--check", o.check,
                "exit with status 1 unless the surrogate's mean error over the first Lyapunov time is below "
@@ -449,16 +445,9 @@ int run(const Options& o, kmamba::app::Runtime& runtime) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  CLI::App cli{description, "kmamba-lorenz96"};
-  kmamba::app::configure(cli);
   Options o;
-  declare(cli, o);
-  return kmamba::app::run_app(
-      argc, argv, cli,
-      [&] {
-        validate(o);
-        return kmamba::app::Launch{true};
-      },
-      [&](kmamba::app::Runtime& runtime) { return run(o, runtime); });
+  const auto body = [&](kmamba::app::Runtime& runtime) { return run(o, runtime); };
+  return kmamba::app::run_tool(argc, argv,
+                               {"kmamba-lorenz96", description, [&](CLI::App& cli) { declare(cli, o); },
+                                [&](const CLI::App&) { validate(o); }, body, /*mpi=*/true});
 }

@@ -97,12 +97,9 @@ void declare(CLI::App& cli, Options& o) {
   cli.add_option("--factor", o.factor, "size ratio between steps, 2 or 4 (default 4)")
       ->type_name("F")
       ->check(kmamba::app::one_of({"2", "4"}));
-  cli.add_option("--reps", o.reps, "timed repetitions per size; the median is reported (default 20)")
-      ->type_name("R")
-      ->check(kmamba::app::integer_in(1, 1000000));
-  cli.add_option("--warmup", o.warmup, "untimed calls per size first (default 5)")
-      ->type_name("W")
-      ->check(kmamba::app::integer_in(0, 1000000));
+  kmamba::app::add_integer(cli, "--reps", o.reps, 1, 1000000,
+                           "timed repetitions per size; the median is reported (default 20)", "R");
+  kmamba::app::add_integer(cli, "--warmup", o.warmup, 0, 1000000, "untimed calls per size first (default 5)", "W");
   cli.add_option("--collectives", o.collectives,
                  "comma-separated subset of all_reduce,reduce_scatter,all_gather,broadcast,send_recv (default: all)")
       ->type_name("LIST")
@@ -243,26 +240,24 @@ int sweep(const Options& o, kmamba::Transport transport) {
   return 0;
 }
 
+// The sweep on the --device transport: MPI on the host, NCCL on CUDA.
+int run(const Options& o, kmamba::app::Runtime& runtime) {
+  runtime.errors_may_be_local();  // the other ranks may wait in a collective
+  if (o.device == "host") return sweep<Kokkos::DefaultHostExecutionSpace>(o, kmamba::Transport::Mpi);
+#if KMAMBA_ENABLE_NCCL
+  return sweep<Kokkos::Cuda>(o, kmamba::Transport::Nccl);
+#else
+  KMAMBA_USER_ERROR("kmamba-perf-comm: --device cuda needs a CUDA build with NCCL (KMAMBA_ENABLE_NCCL)");
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App cli{description, "kmamba-perf-comm"};
-  kmamba::app::configure(cli);
   Options o;
-  declare(cli, o);
-  return kmamba::app::run_app(
-      argc, argv, cli,
-      [&] {
-        validate(o);
-        return kmamba::app::Launch{true};
-      },
-      [&](kmamba::app::Runtime& runtime) {
-        runtime.errors_may_be_local();  // the other ranks may wait in a collective
-        if (o.device == "host") return sweep<Kokkos::DefaultHostExecutionSpace>(o, kmamba::Transport::Mpi);
-#if KMAMBA_ENABLE_NCCL
-        return sweep<Kokkos::Cuda>(o, kmamba::Transport::Nccl);
-#else
-        KMAMBA_USER_ERROR("kmamba-perf-comm: --device cuda needs a CUDA build with NCCL (KMAMBA_ENABLE_NCCL)");
-#endif
-      });
+  kmamba::app::Tool tool{"kmamba-perf-comm", description, [&](CLI::App& cli) { declare(cli, o); },
+                         [&](const CLI::App&) { validate(o); }, [&](auto& runtime) { return run(o, runtime); }};
+  tool.mpi = true;
+  tool.keep_freed_host_memory = false;
+  return kmamba::app::run_tool(argc, argv, tool);
 }

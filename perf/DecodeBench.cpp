@@ -151,82 +151,82 @@ std::vector<std::vector<std::int64_t>> random_prompts(int batch, int length, int
   return prompts;
 }
 
+// The token ids of `prompts` (each `length` long) as a (batch, length) device tensor.
+template <class Mem>
+kmamba::Tensor2<std::int64_t, Mem> upload_prompts(const char* label,
+                                                  const std::vector<std::vector<std::int64_t>>& prompts, int length) {
+  const int batch = static_cast<int>(prompts.size());
+  auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>(label, batch, length);
+  auto host_ids = Kokkos::create_mirror_view(ids);
+  for (int b = 0; b < batch; ++b) {
+    for (int t = 0; t < length; ++t) host_ids(b, t) = prompts[b][t];
+  }
+  Kokkos::deep_copy(ids, host_ids);
+  return ids;
+}
+
+// A decode state for `prompts`, prefilled, after three warm-up steps (which record the step graph
+// when `graph`), with the logits and the next tokens its steps use.
 template <class Exec>
-void run_space(const Options& o) {
+struct Prefilled {
   using Mem = typename Exec::memory_space;
-  const Exec exec;
-  const Shapes s = shapes_for(o);
-  const kmamba::ModelConfig config = model_config(o.mixer);
-  kmamba::LanguageModel<Exec> model(config);
-  model.initialize(1);
-  const std::size_t parameters = model.parameters().size();
-  const StepCost cost = step_cost(config, parameters);
-  std::printf("model: %s, d_model %d, %d layers, d_state %d, vocab %d (padded %d), %.1f M parameters (fp32 %.0f MB), "
-              "state %.1f MB per sequence (fp32, conv included)\n",
-              kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, config.d_state, config.vocab_size,
-              config.padded_vocab_size(), parameters * 1e-6, parameters * 4e-6, cost.state_bytes_per_sequence / 2 * 1e-6);
-  std::printf("%-22s %-30s %13s %18s %13s %16s   %s\n", "case", "shape", "median", "throughput", "bandwidth",
-              "arithmetic", "H200 floor and ratio");
-  const int vocab = config.vocab_size;
+  kmamba::DecodeState<Exec> state;
+  kmamba::Tensor2<float, Mem> logits;
+  kmamba::Tensor1<std::int64_t, Mem> next;
+
+  Prefilled(const Exec& exec, kmamba::LanguageModel<Exec>& model, const std::vector<std::vector<std::int64_t>>& prompts,
+            int length, bool graph)
+      : state(model.make_decode_state(static_cast<int>(prompts.size()))) {
+    const int batch = static_cast<int>(prompts.size());
+    state.set_step_graph(graph);
+    const auto ids = upload_prompts<Mem>("kmamba::perf::prompt", prompts, length);
+    logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch,
+                                                                         model.config().vocab_size);
+    model.prefill(exec, ids, state, logits);
+    next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
+    Kokkos::deep_copy(next, 11);
+    for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, next, state, logits);
+  }
+};
+
+// --profile-steps: decode steps at --profile-batch between cudaProfilerStart and Stop.
+template <class Exec>
+void profile_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Options& o, const Shapes& s) {
+  Prefilled<Exec> p(exec, model, random_prompts(o.profile_batch, s.prompt, model.config().vocab_size), s.prompt, false);
+  exec.fence();
+#if KMAMBA_ENABLE_CUDA
+  cudaProfilerStart();
+#endif
+  {
+    std::unique_ptr<kmamba_perf::KernelTimes> kernel_times;
+    if (o.kernel_times) kernel_times = std::make_unique<kmamba_perf::KernelTimes>();
+    const auto start = std::chrono::steady_clock::now();
+    for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, p.next, p.state, p.logits);
+    exec.fence();
+    const double span = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (kernel_times) kernel_times->report(stdout, span, o.profile_steps);
+  }
+#if KMAMBA_ENABLE_CUDA
+  cudaProfilerStop();
+#endif
+  std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, o.profile_batch);
+}
+
+// One decode step at batch 1 and at the large batch, after a prefill of the prompt: recorded as one
+// graph (the default; CUDA only) and launched kernel by kernel; then the generation loop, greedy,
+// logits to the host every step.
+template <class Exec>
+void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Options& o, const Shapes& s,
+                  const StepCost& cost) {
   const kmamba::TokenSampler greedy = [](const float* logits, int v, int, const std::vector<std::int64_t>&) {
     return static_cast<std::int64_t>(std::max_element(logits, logits + v) - logits);
   };
-
-  // A decode state for `prompts`, prefilled, after three warm-up steps (which record the step graph
-  // when `graph`), with the logits and the next tokens its steps use.
-  struct Prefilled {
-    kmamba::DecodeState<Exec> state;
-    kmamba::Tensor2<float, Mem> logits;
-    kmamba::Tensor1<std::int64_t, Mem> next;
-  };
-  const auto prefilled = [&](const std::vector<std::vector<std::int64_t>>& prompts, bool graph) {
-    const int batch = static_cast<int>(prompts.size());
-    Prefilled p{model.make_decode_state(batch), {}, {}};
-    p.state.set_step_graph(graph);
-    auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prompt", batch, s.prompt);
-    auto host_ids = Kokkos::create_mirror_view(ids);
-    for (int b = 0; b < batch; ++b) {
-      for (int t = 0; t < s.prompt; ++t) host_ids(b, t) = prompts[b][t];
-    }
-    Kokkos::deep_copy(ids, host_ids);
-    p.logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::logits", batch, vocab);
-    model.prefill(exec, ids, p.state, p.logits);
-    p.next = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::perf::next", batch);
-    Kokkos::deep_copy(p.next, 11);
-    for (int warm = 0; warm < 3; ++warm) model.decode_step(exec, p.next, p.state, p.logits);
-    return p;
-  };
-
-  if (o.profile_steps > 0) {
-    Prefilled p = prefilled(random_prompts(o.profile_batch, s.prompt, vocab), false);
-    exec.fence();
-#if KMAMBA_ENABLE_CUDA
-    cudaProfilerStart();
-#endif
-    {
-      std::unique_ptr<kmamba_perf::KernelTimes> kernel_times;
-      if (o.kernel_times) kernel_times = std::make_unique<kmamba_perf::KernelTimes>();
-      const auto start = std::chrono::steady_clock::now();
-      for (int step = 0; step < o.profile_steps; ++step) model.decode_step(exec, p.next, p.state, p.logits);
-      exec.fence();
-      const double span = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (kernel_times) kernel_times->report(stdout, span, o.profile_steps);
-    }
-#if KMAMBA_ENABLE_CUDA
-    cudaProfilerStop();
-#endif
-    std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, o.profile_batch);
-    return;
-  }
-
   for (const int batch : {1, s.batch_large}) {
-    const auto prompts = random_prompts(batch, s.prompt, vocab);
+    const auto prompts = random_prompts(batch, s.prompt, model.config().vocab_size);
     char shape[96];
-    // One decode step for the batch, after a prefill of the prompt: recorded as one graph (the
-    // default; CUDA only) and launched kernel by kernel.
     for (const bool graph : {true, false}) {
       if (!graph && !kmamba::StepGraph<Exec>::records) continue;
-      Prefilled p = prefilled(prompts, graph);
+      Prefilled<Exec> p(exec, model, prompts, s.prompt, graph);
       const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, p.next, p.state, p.logits); });
       std::snprintf(shape, sizeof shape, "b%d after %d tokens (%s)", batch, s.prompt, Exec::name());
       const std::string name = std::string(batch == 1 ? "decode step b1" : "decode step batch") +
@@ -234,44 +234,64 @@ void run_space(const Options& o) {
       report(name.c_str(), shape, t, batch, cost.bytes(batch), batch * cost.flops_per_sequence);
       if (graph && kmamba::StepGraph<Exec>::records) std::printf("  step graph: %s\n", p.state.step_graph_status().c_str());
     }
-    // The generation loop: greedy, logits to the host every step.
-    {
-      kmamba::GenerationOptions options;
-      options.max_new_tokens = s.new_tokens;
-      const kmamba::GenerationResult r = kmamba::generate(exec, model, prompts, greedy, options);
-      const kmamba::GenerationStats& g = r.stats;
-      std::snprintf(shape, sizeof shape, "b%d L%d +%d (%s)", batch, s.prompt, s.new_tokens, Exec::name());
-      std::printf("%-22s %-30s prefill %.1f tok/s (%.3f s), decode %.1f tok/s (%lld steps, %.3f ms/step)\n",
-                  batch == 1 ? "generate b1" : "generate batch", shape, g.prefill_tokens_per_second(),
-                  g.prefill_seconds, g.decode_tokens_per_second(), static_cast<long long>(g.decode_steps),
-                  g.decode_steps > 0 ? g.decode_seconds / static_cast<double>(g.decode_steps) * 1e3 : 0.0);
-    }
+    kmamba::GenerationOptions options;
+    options.max_new_tokens = s.new_tokens;
+    const kmamba::GenerationResult r = kmamba::generate(exec, model, prompts, greedy, options);
+    const kmamba::GenerationStats& g = r.stats;
+    std::snprintf(shape, sizeof shape, "b%d L%d +%d (%s)", batch, s.prompt, s.new_tokens, Exec::name());
+    std::printf("%-22s %-30s prefill %.1f tok/s (%.3f s), decode %.1f tok/s (%lld steps, %.3f ms/step)\n",
+                batch == 1 ? "generate b1" : "generate batch", shape, g.prefill_tokens_per_second(), g.prefill_seconds,
+                g.decode_tokens_per_second(), static_cast<long long>(g.decode_steps),
+                g.decode_steps > 0 ? g.decode_seconds / static_cast<double>(g.decode_steps) * 1e3 : 0.0);
   }
+}
 
-  // Prefill throughput.
-  {
-    auto state = model.make_decode_state(s.prefill_batch);
-    auto ids = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::perf::prefill_ids",
-                                                                                   s.prefill_batch, s.prefill_seqlen);
-    auto host_ids = Kokkos::create_mirror_view(ids);
-    const auto prompts = random_prompts(s.prefill_batch, s.prefill_seqlen, vocab);
-    for (int b = 0; b < s.prefill_batch; ++b) {
-      for (int t = 0; t < s.prefill_seqlen; ++t) host_ids(b, t) = prompts[b][t];
-    }
-    Kokkos::deep_copy(ids, host_ids);
-    auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::prefill_logits",
-                                                                              s.prefill_batch, vocab);
-    const int repeats = std::max(1, std::min(o.repeats, 5));
-    const double t = median_seconds(exec, repeats, [&] {
-      state.reset(exec);
-      model.prefill(exec, ids, state, logits);
-    });
-    const double tokens = static_cast<double>(s.prefill_batch) * s.prefill_seqlen;
-    char shape[96];
-    std::snprintf(shape, sizeof shape, "b%d L%d (%s)", s.prefill_batch, s.prefill_seqlen, Exec::name());
-    report("prefill", shape, t, tokens, 4.0 * static_cast<double>(parameters),
-           prefill_flops(config, parameters, tokens, s.prefill_batch));
+// Prefill throughput.
+template <class Exec>
+void bench_prefill(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Options& o, const Shapes& s) {
+  using Mem = typename Exec::memory_space;
+  const kmamba::ModelConfig& config = model.config();
+  const std::size_t parameters = model.parameters().size();
+  auto state = model.make_decode_state(s.prefill_batch);
+  const auto ids =
+      upload_prompts<Mem>("kmamba::perf::prefill_ids",
+                          random_prompts(s.prefill_batch, s.prefill_seqlen, config.vocab_size), s.prefill_seqlen);
+  auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::prefill_logits",
+                                                                            s.prefill_batch, config.vocab_size);
+  const int repeats = std::max(1, std::min(o.repeats, 5));
+  const double t = median_seconds(exec, repeats, [&] {
+    state.reset(exec);
+    model.prefill(exec, ids, state, logits);
+  });
+  const double tokens = static_cast<double>(s.prefill_batch) * s.prefill_seqlen;
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "b%d L%d (%s)", s.prefill_batch, s.prefill_seqlen, Exec::name());
+  report("prefill", shape, t, tokens, 4.0 * static_cast<double>(parameters),
+         prefill_flops(config, parameters, tokens, s.prefill_batch));
+}
+
+template <class Exec>
+void run_space(const Options& o) {
+  const Exec exec;
+  const Shapes s = shapes_for(o);
+  const kmamba::ModelConfig config = model_config(o.mixer);
+  kmamba::LanguageModel<Exec> model(config);
+  model.initialize(1);
+  const std::size_t parameters = model.parameters().size();
+  const StepCost cost = step_cost(config, parameters);
+  std::printf(
+      "model: %s, d_model %d, %d layers, d_state %d, vocab %d (padded %d), %.1f M parameters (fp32 %.0f MB), "
+      "state %.1f MB per sequence (fp32, conv included)\n",
+      kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, config.d_state, config.vocab_size,
+      config.padded_vocab_size(), parameters * 1e-6, parameters * 4e-6, cost.state_bytes_per_sequence / 2 * 1e-6);
+  std::printf("%-22s %-30s %13s %18s %13s %16s   %s\n", "case", "shape", "median", "throughput", "bandwidth",
+              "arithmetic", "H200 floor and ratio");
+  if (o.profile_steps > 0) {
+    profile_decode(exec, model, o, s);
+    return;
   }
+  bench_decode(exec, model, o, s, cost);
+  bench_prefill(exec, model, o, s);
 }
 
 const char* const description =
@@ -283,20 +303,17 @@ void declare(CLI::App& cli, Options& o) {
   cli.add_flag("--small", o.small,
                "batch 8 instead of 64, prompt 32, 8 new tokens, prefill 1x256 (a 2-core CPU); default: batch 1 and "
                "64, prompt 128, 64 new tokens, prefill 8x512");
-  cli.add_option("--repeats", o.repeats, "timed decode steps; the median is reported (default 20)")
-      ->type_name("R")
-      ->check(kmamba::app::integer_in(1, 1000000));
+  kmamba::app::add_integer(cli, "--repeats", o.repeats, 1, 1000000,
+                           "timed decode steps; the median is reported (default 20)", "R");
   cli.add_option("--mixer", o.mixer, "mamba2 or mamba1 (default mamba2)")
       ->type_name("NAME")
       ->check(kmamba::app::one_of({"mamba2", "mamba1"}));
-  cli.add_option("--profile-steps", o.profile_steps,
-                 "only N plain decode steps at --profile-batch, inside cudaProfilerStart/Stop on CUDA (for ncu "
-                 "--profile-from-start off)")
-      ->type_name("N")
-      ->check(kmamba::app::integer_in(1, 1000000));
-  cli.add_option("--profile-batch", o.profile_batch, "the batch of --profile-steps (default 1)")
-      ->type_name("B")
-      ->check(kmamba::app::integer_in(1, 1000000));
+  kmamba::app::add_integer(
+      cli, "--profile-steps", o.profile_steps, 1, 1000000,
+      "only N plain decode steps at --profile-batch, inside cudaProfilerStart/Stop on CUDA (for ncu "
+      "--profile-from-start off)");
+  kmamba::app::add_integer(cli, "--profile-batch", o.profile_batch, 1, 1000000,
+                           "the batch of --profile-steps (default 1)", "B");
   cli.add_flag("--kernel-times", o.kernel_times,
                "with --profile-steps: every Kokkos kernel of those steps fenced and timed, a table");
 }
@@ -304,14 +321,12 @@ void declare(CLI::App& cli, Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  kmamba::keep_freed_host_memory();  // steps reuse freed host memory (KMAMBA_HOST_MALLOC_KEEP=0: off)
-  CLI::App cli{description, "kmamba-perf-decode"};
-  kmamba::app::configure(cli);
   Options o;
-  declare(cli, o);
-  return kmamba::app::run_app(argc, argv, cli, {}, [&](kmamba::app::Runtime&) {
+  const auto body = [&](kmamba::app::Runtime&) {
     kmamba::print_configuration(std::cout);
     kmamba::app::on_space(o.space, [&](auto exec) { run_space<decltype(exec)>(o); });
     return kmamba::app::exit_done;
-  });
+  };
+  return kmamba::app::run_tool(argc, argv,
+                               {"kmamba-perf-decode", description, [&](CLI::App& cli) { declare(cli, o); }, {}, body});
 }

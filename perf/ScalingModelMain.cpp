@@ -292,15 +292,9 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App cli{description, "kmamba-perf-model"};
-  kmamba::app::configure(cli);
   Options o;
-  declare(cli, o);
-  return kmamba::app::run_app(
-      argc, argv, cli,
-      [&] {
-        validate(o);
-        return kmamba::app::Launch{};
-      },
-      [&](kmamba::app::Runtime&) { return run(o); });
+  kmamba::app::Tool tool{"kmamba-perf-model", description, [&](CLI::App& cli) { declare(cli, o); },
+                         [&](const CLI::App&) { validate(o); }, [&](auto&) { return run(o); }};
+  tool.keep_freed_host_memory = false;
+  return kmamba::app::run_tool(argc, argv, tool);
 }

@@ -2,6 +2,7 @@
 
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/HostMemory.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -240,6 +241,18 @@ int run_app(int argc, char** argv, CLI::App& cli, const std::function<Launch()>&
   const int status = run_body(app, runtime, body);
   Kokkos::finalize();
   return finish_mpi(runtime, status);
+}
+
+int run_tool(int argc, char** argv, const Tool& tool) {
+  if (tool.keep_freed_host_memory) kmamba::keep_freed_host_memory();  // KMAMBA_HOST_MALLOC_KEEP=0: off
+  CLI::App cli{tool.description, tool.name};
+  configure(cli, tool.footer);
+  tool.declare(cli);
+  const auto launch = [&] {
+    if (tool.validate) tool.validate(cli);
+    return Launch{tool.mpi};
+  };
+  return run_app(argc, argv, cli, launch, tool.body);
 }
 
 void install_stop_handler(const std::string& app) {

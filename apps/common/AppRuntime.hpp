@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kmamba {
@@ -77,6 +78,33 @@ void configure(CLI::App& cli, const std::string& footer = "");
 int run_app(int argc, char** argv, CLI::App& cli, const std::function<Launch()>& launch,
             const std::function<int(Runtime&)>& body);
 
+/// What run_tool runs: a tool's command line, the checks of its parsed options and its body.
+struct Tool {
+  Tool(std::string name, std::string description, std::function<void(CLI::App&)> declare,
+       std::function<void(const CLI::App&)> validate, std::function<int(Runtime&)> body, bool mpi = false,
+       std::string footer = "")
+      : name(std::move(name)),
+        description(std::move(description)),
+        declare(std::move(declare)),
+        validate(std::move(validate)),
+        body(std::move(body)),
+        mpi(mpi),
+        footer(std::move(footer)) {}
+
+  std::string name;                               ///< the program's name in the help and in its messages
+  std::string description;                        ///< the help's opening text
+  std::function<void(CLI::App&)> declare;         ///< adds the tool's options
+  std::function<void(const CLI::App&)> validate;  ///< may throw kmamba::UserError; null: no checks
+  std::function<int(Runtime&)> body;
+  bool mpi;                            ///< Launch::mpi
+  std::string footer;                  ///< the help's closing text (configure)
+  bool keep_freed_host_memory = true;  ///< kmamba::keep_freed_host_memory() first (steps reuse freed host memory)
+};
+
+/// The main() of an app or perf driver: keep_freed_host_memory() if asked, then a CLI::App with
+/// kmamba's conventions (configure) and the tool's options, run by run_app.
+int run_tool(int argc, char** argv, const Tool& tool);
+
 /// SIGINT and SIGTERM set stop_requested() and print that `app` stops after the current step; a
 /// second signal takes the default action.
 void install_stop_handler(const std::string& app);
@@ -87,11 +115,23 @@ bool stop_requested();
 
 /// A decimal integer in [low, high].
 CLI::Validator integer_in(long long low, long long high);
+/// Adds an integer option `name` in [low, high], shown as `type_name` in the help.
+template <class T>
+CLI::Option* add_integer(CLI::App& cli, const std::string& name, T& value, long long low, long long high,
+                         const std::string& help, const std::string& type_name = "N") {
+  return cli.add_option(name, value, help)->type_name(type_name)->check(integer_in(low, high));
+}
 /// Which ends an interval of numbers includes.
 enum class Ends { Closed, LowOpen, HighOpen };
 /// A finite number in [low, high] (or (low, high], [low, high)); high = unbounded: no upper end.
 CLI::Validator number_in(double low, double high, Ends ends = Ends::Closed);
 constexpr double unbounded = std::numeric_limits<double>::infinity();
+/// Adds a number option `name` in [low, high] (or as `ends` says), shown as `type_name` in the help.
+template <class T>
+CLI::Option* add_number(CLI::App& cli, const std::string& name, T& value, double low, double high, Ends ends,
+                        const std::string& help, const std::string& type_name = "X") {
+  return cli.add_option(name, value, help)->type_name(type_name)->check(number_in(low, high, ends));
+}
 /// One of `choices`, exactly.
 CLI::Validator one_of(const std::vector<std::string>& choices);
 
