@@ -25,6 +25,12 @@ Tensor2<T, Mem> token_rows(const Tensor3<T, Mem>& t) {  // (batch, seqlen, featu
   return Tensor2<T, Mem>(t.data(), t.extent(0) * t.extent(1), t.extent(2));
 }
 
+/// Runs f(i) for every i in [0, n) on `exec` with 64-bit indices, as kernel `label`.
+template <class Exec, class Functor>
+void for_each_index(const Exec& exec, const char* label, std::int64_t n, const Functor& f) {
+  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(exec, 0, n), f);
+}
+
 /// out(i) = a(i) + b(i).
 template <class Mem>
 struct AddFunctor {
@@ -61,10 +67,8 @@ void add(const Exec& exec, const char* label,
          const ConstTensor1<float, typename Exec::memory_space>& a,  // (n)
          const ConstTensor1<float, typename Exec::memory_space>& b,  // (n)
          const Tensor1<float, typename Exec::memory_space>& out) {   // (n)
-  Kokkos::parallel_for(label,
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(out.extent(0))),
-                       AddFunctor<typename Exec::memory_space>{out, a, b});
+  for_each_index(exec, label, static_cast<std::int64_t>(out.extent(0)),
+                 AddFunctor<typename Exec::memory_space>{out, a, b});
 }
 
 /// grad += value.
@@ -72,10 +76,8 @@ template <class Exec>
 void accumulate(const Exec& exec, const char* label,
                 const ConstTensor1<float, typename Exec::memory_space>& value,  // (n)
                 const Tensor1<float, typename Exec::memory_space>& grad) {      // (n)
-  Kokkos::parallel_for(label,
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(value.extent(0))),
-                       AccumulateFunctor<typename Exec::memory_space>{value, grad});
+  for_each_index(exec, label, static_cast<std::int64_t>(value.extent(0)),
+                 AccumulateFunctor<typename Exec::memory_space>{value, grad});
 }
 
 /// grad(offset : offset + width) += the column sums of g (a bias's gradient).

@@ -219,18 +219,20 @@ void mamba1_relayout(const ExecutionSpace& exec, const char* label,
   Kokkos::parallel_for(label, policy, functor);
 }
 
-/// The selective scan's operands of a forward or backward: the channel-major xc, delta, z, B, C
-/// and A of `a` (the mixer's Activations), D and delta_bias = dt_proj.bias, softplus on.
-template <class Activations, class Mem>
-SelectiveScanArgs<Mem> mamba1_scan_args(const Activations& a, const Mamba1Tensors<Mem>& p) {
-  SelectiveScanArgs<Mem> scan;
-  scan.u = a.xc_channels;
-  scan.delta = a.delta_channels;
-  scan.A = a.A;
-  scan.B = a.B;
-  scan.C = a.C;
+/// The selective scan's operands (Args: SelectiveScanArgs for a forward or backward, with the
+/// channel-major views of the mixer's Activations; SelectiveScanStepArgs for a decode step): u = xc,
+/// delta, A, B, C, z, and D and delta_bias = dt_proj.bias of `p`, softplus on.
+template <class Args, class Mem, class U, class Delta, class AView, class BC, class Z>
+Args mamba1_scan_args(const Mamba1Tensors<Mem>& p, const U& u, const Delta& delta, const AView& A, const BC& B,
+                      const BC& C, const Z& z) {
+  Args scan;
+  scan.u = u;
+  scan.delta = delta;
+  scan.A = A;
+  scan.B = B;
+  scan.C = C;
   scan.D = p.D;
-  scan.z = a.z_channels;
+  scan.z = z;
   scan.delta_bias = p.dt_bias;
   scan.delta_softplus = true;
   return scan;
@@ -510,7 +512,8 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::C_to_channels", a.bc, d_state_,
                               impl::mamba1_group_squeezed(a.C));
   impl::negative_exp(exec, "kmamba::mamba1::A", impl::as_flat(p.A_log), impl::as_flat(a.A));
-  SelectiveScanArgs<Mem> scan = impl::mamba1_scan_args(a, p);
+  SelectiveScanArgs<Mem> scan =
+      impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
   const Tensor3<float, Mem> ssm_state = cache != nullptr ? cache->ssm : Tensor3<float, Mem>();
   scan.initial_state = ssm_state;
   selective_scan_forward(exec, scan, a.y_channels, ssm_state);
@@ -603,17 +606,8 @@ void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
                        impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(
                            exec, 0, static_cast<std::int64_t>(c.A.size()))),
                        impl::NegativeExpFunctor<Mem>{impl::as_flat(p.A_log), impl::as_flat(c.A)});
-  SelectiveScanStepArgs<Mem> scan;
-  scan.u = c.xc;
-  scan.delta = c.delta;
-  scan.A = c.A;
-  scan.B = c.B;
-  scan.C = c.C;
-  scan.D = p.D;
-  scan.z = c.z;
-  scan.delta_bias = p.dt_bias;
-  scan.delta_softplus = true;
-  selective_scan_step(exec, scan, c.ssm, c.y);
+  selective_scan_step(exec, impl::mamba1_scan_args<SelectiveScanStepArgs<Mem>>(p, c.xc, c.delta, c.A, c.B, c.C, c.z),
+                      c.ssm, c.y);
   // out = y·out_projᵀ (+ bias)
   gemm(c.y, p.out_weight, out);
   if (dims.bias) impl::mamba1_add_bias(exec, out, p.out_bias, 0);
@@ -654,7 +648,8 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   // The selective scan, channel-major.
   const Tensor3<float, Mem> dy_channels = channels("kmamba::mamba1::dy_channels");
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::dy_to_channels", dy, 0, dy_channels);
-  const SelectiveScanArgs<Mem> scan = impl::mamba1_scan_args(a, p);
+  const SelectiveScanArgs<Mem> scan =
+      impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
   SelectiveScanGrads<Mem> sg;
   sg.du = channels("kmamba::mamba1::dxc_channels");
   sg.ddelta = channels("kmamba::mamba1::ddelta_channels");

@@ -60,6 +60,10 @@ Tensor4<T, Mem> without_rank(const Tensor5<T, Mem>& v) {
   return Tensor4<T, Mem>(v.data(), v.extent(0), v.extent(1), v.extent(3), v.extent(4));
 }
 template <class T, class Mem>
+Tensor3<T, Mem> without_rank(const Tensor4<T, Mem>& v) {  // the k and v states: (batch, nheads, 1, n)
+  return Tensor3<T, Mem>(v.data(), v.extent(0), v.extent(1), v.extent(3));
+}
+template <class T, class Mem>
 Tensor2<T, Mem> without_rank(const Tensor3<T, Mem>& v) {
   return Tensor2<T, Mem>(v.data(), v.extent(0), v.extent(2));
 }
@@ -77,59 +81,51 @@ Mamba3SisoGrads<Mem> siso_grads(const Mamba3MimoGrads<Mem>& g) {
           without_rank(g.dq_bias), without_rank(g.dk_bias), g.dangles, g.dD,   g.dz,  {}};
 }
 
-// The scan's four states with k and v on a rank axis (1 for SISO), as the SISO or MIMO states.
+// The scan's four states have k and v on a rank axis (1 for SISO): they are the MIMO states, and
+// the SISO ones are their views without that axis.
 template <class Mem>
-struct ScanStates {
-  Tensor3<float, Mem> angle;  // (batch, nheads, nangles)
-  Tensor4<float, Mem> ssm;    // (batch, nheads, headdim, d_state)
-  Tensor4<float, Mem> k;      // (batch, nheads, rank, d_state)
-  Tensor4<float, Mem> v;      // (batch, nheads, rank, headdim)
+Mamba3MimoStates<Mem> allocate_states(const std::string& what, std::int64_t batch, int nheads, int nangles, int headdim,
+                                      int d_state, int rank) {
+  const std::string label = "kmamba::mamba3::" + what;
+  return {allocate_uninitialized<Tensor3<float, Mem>>(label + "_angle", batch, nheads, nangles),
+          allocate_uninitialized<Tensor4<float, Mem>>(label + "_ssm", batch, nheads, headdim, d_state),
+          allocate_uninitialized<Tensor4<float, Mem>>(label + "_k", batch, nheads, rank, d_state),
+          allocate_uninitialized<Tensor4<float, Mem>>(label + "_v", batch, nheads, rank, headdim)};
+}
 
-  static ScanStates make(const std::string& what, std::int64_t batch, int nheads, int nangles, int headdim,
-                         int d_state, int rank) {
-    ScanStates s;
-    s.angle = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba3::" + what + "_angle", batch, nheads, nangles);
-    s.ssm = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_ssm", batch, nheads, headdim,
-                                                        d_state);
-    s.k = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_k", batch, nheads, rank, d_state);
-    s.v = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::" + what + "_v", batch, nheads, rank, headdim);
-    return s;
-  }
-  bool allocated() const { return ssm.is_allocated(); }
-  Mamba3SisoStates<Mem> siso() const {
-    Mamba3SisoStates<Mem> s;
-    if (!allocated()) return s;
-    s.angle = angle;
-    s.ssm = ssm;
-    s.k = Tensor3<float, Mem>(k.data(), k.extent(0), k.extent(1), k.extent(3));
-    s.v = Tensor3<float, Mem>(v.data(), v.extent(0), v.extent(1), v.extent(3));
-    return s;
-  }
-  Mamba3MimoStates<Mem> mimo() const { return {angle, ssm, k, v}; }
-  template <class Exec>
-  void copy_from(const Exec& exec, const ScanStates& other) const {
-    Kokkos::deep_copy(exec, angle, other.angle);
-    Kokkos::deep_copy(exec, ssm, other.ssm);
-    Kokkos::deep_copy(exec, k, other.k);
-    Kokkos::deep_copy(exec, v, other.v);
-  }
-  // Sends the four states to (receives them from) rank `peer` of `comm`, in one fixed order.
-  template <class Exec>
-  void send(const Exec& exec, const Communicator& comm, int peer) const {
-    for_each([&](const auto& state) { comm.send(exec, state, peer); });
-  }
-  template <class Exec>
-  void recv(const Exec& exec, const Communicator& comm, int peer) const {
-    for_each([&](const auto& state) { comm.recv(exec, state, peer); });
-  }
-  template <class F>
-  void for_each(const F& f) const {
-    f(angle);
-    f(ssm);
-    f(k);
-    f(v);
-  }
-};
+// The SISO view of states of rank 1 (none where they are absent).
+template <class Mem>
+Mamba3SisoStates<Mem> siso_states(const Mamba3MimoStates<Mem>& s) {
+  if (!s.ssm.is_allocated()) return {};
+  return {s.angle, s.ssm, without_rank(s.k), without_rank(s.v)};
+}
+
+template <class Exec, class Mem>
+void copy_states(const Exec& exec, const Mamba3MimoStates<Mem>& to, const Mamba3MimoStates<Mem>& from) {
+  Kokkos::deep_copy(exec, to.angle, from.angle);
+  Kokkos::deep_copy(exec, to.ssm, from.ssm);
+  Kokkos::deep_copy(exec, to.k, from.k);
+  Kokkos::deep_copy(exec, to.v, from.v);
+}
+
+// f(state) for each of the four states, in one fixed order.
+template <class Mem, class F>
+void for_each_state(const Mamba3MimoStates<Mem>& s, const F& f) {
+  f(s.angle);
+  f(s.ssm);
+  f(s.k);
+  f(s.v);
+}
+
+// Sends the four states to (receives them from) rank `peer` of `comm`.
+template <class Exec, class Mem>
+void send_states(const Exec& exec, const Communicator& comm, const Mamba3MimoStates<Mem>& s, int peer) {
+  for_each_state(s, [&](const auto& state) { comm.send(exec, state, peer); });
+}
+template <class Exec, class Mem>
+void recv_states(const Exec& exec, const Communicator& comm, const Mamba3MimoStates<Mem>& s, int peer) {
+  for_each_state(s, [&](const auto& state) { comm.recv(exec, state, peer); });
+}
 
 }  // namespace
 
@@ -355,7 +351,7 @@ class Mamba3Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
 
   // State set i ([0]: the current states; [1]: a copy of them taken by prefill, the scan's initial
   // states, since it writes the final ones into [0]).
-  ScanStates<Mem> states(int i) const { return {angle[i], ssm[i], k[i], v[i]}; }
+  Mamba3MimoStates<Mem> states(int i) const { return {angle[i], ssm[i], k[i], v[i]}; }
 
   std::array<int, 7> shape;                      // the dimensions of the mixer that made it
   std::array<Tensor3<float, Mem>, 2> angle;      // (batch, nheads, nangles)
@@ -421,28 +417,28 @@ void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const
   // The scan starts from the cache's states (a copy of them, as it writes the final ones into the
   // cache) or, under sequence parallelism, from the states the previous rank sends; its final states
   // go to the next rank.
-  ScanStates<Mem> initial, final_states;
+  Mamba3MimoStates<Mem> initial, final_states;
   if (cache != nullptr) {
     final_states = cache->states(0);
     initial = cache->states(1);
-    initial.copy_from(exec, final_states);
+    copy_states(exec, initial, final_states);
   }
   if (split_sequence) {
-    initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
-    if (previous != no_peer) initial.recv(exec, *sequence, previous);
+    initial = {a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
+    if (previous != no_peer) recv_states(exec, *sequence, initial, previous);
     final_states = next != no_peer
-                       ? ScanStates<Mem>::make("final", a.batch, nheads_, nangles_, headdim_, d_state_, rank_)
-                       : ScanStates<Mem>();
+                       ? allocate_states<Mem>("final", a.batch, nheads_, nangles_, headdim_, d_state_, rank_)
+                       : Mamba3MimoStates<Mem>();
   }
   if (config_.is_mimo) {
-    args.initial = initial.mimo();
-    mamba3_mimo_forward(exec, args, y, final_states.mimo());
+    args.initial = initial;
+    mamba3_mimo_forward(exec, args, y, final_states);
   } else {
     Mamba3SisoArgs<Mem> siso = siso_args(args);
-    siso.initial = initial.siso();
-    mamba3_siso_forward(exec, siso, y, final_states.siso());
+    siso.initial = siso_states(initial);
+    mamba3_siso_forward(exec, siso, y, siso_states(final_states));
   }
-  if (split_sequence && next != no_peer) final_states.send(exec, *sequence, next);
+  if (split_sequence && next != no_peer) send_states(exec, *sequence, final_states, next);
 }
 
 template <class ExecutionSpace>
@@ -460,9 +456,8 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
            a.Brstd);
   rms_norm(exec, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, a.Cn,
            a.Crstd);
-  Kokkos::parallel_for(
-      "kmamba::mamba3::preprocess",
-      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
+  impl::for_each_index(
+      exec, "kmamba::mamba3::preprocess", rows * nheads_,
       impl::Mamba3PreprocessFunctor<Mem>{a.pre[dt_segment], a.pre[A_segment], a.pre[trap_segment], a.pre[angle_segment],
                                          slab.template param<1>(p + "dt_bias"), a.dt, a.adt, a.trap, a.angles,
                                          static_cast<float>(config_.A_floor)});
@@ -600,21 +595,21 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   // Sequence parallel: the gradients of this segment's final states come back from the next rank,
   // those of its initial states go to the previous one.
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
-  ScanStates<Mem> sp_dfinal, sp_dinitial;
+  Mamba3MimoStates<Mem> sp_dfinal, sp_dinitial;
   if (split_sequence) {
-    args.initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}.mimo();
+    args.initial = Mamba3MimoStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
     if (next != no_peer) {
-      sp_dfinal = ScanStates<Mem>::make("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-      sp_dfinal.recv(exec, *parallel_.sequence, next);
+      sp_dfinal = allocate_states<Mem>("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+      recv_states(exec, *parallel_.sequence, sp_dfinal, next);
     }
     if (previous != no_peer) {
-      sp_dinitial = ScanStates<Mem>::make("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
+      sp_dinitial = allocate_states<Mem>("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
     }
   }
   const T4 dy4(dy.data(), b, L, H, P);
   if (config_.is_mimo) {
-    g.dinitial = sp_dinitial.mimo();
-    mamba3_mimo_backward(exec, args, dy4, sp_dfinal.mimo(), g);
+    g.dinitial = sp_dinitial;
+    mamba3_mimo_backward(exec, args, dy4, sp_dfinal, g);
     accumulate(exec, as_flat(g.dmimo_v), grad("mimo_x"));
     if (g.dmimo_z.is_allocated()) accumulate(exec, as_flat(g.dmimo_z), grad("mimo_z"));
     accumulate(exec, as_flat(g.dmimo_o), grad("mimo_o"));
@@ -622,12 +617,12 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
     Mamba3SisoArgs<Mem> siso = siso_args(args);
     Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
     if (split_sequence) {
-      siso.initial = ScanStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}.siso();
-      siso_g.dinitial = sp_dinitial.siso();
+      siso.initial = siso_states(Mamba3MimoStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial});
+      siso_g.dinitial = siso_states(sp_dinitial);
     }
-    mamba3_siso_backward(exec, siso, dy4, sp_dfinal.siso(), siso_g);
+    mamba3_siso_backward(exec, siso, dy4, siso_states(sp_dfinal), siso_g);
   }
-  if (split_sequence && previous != no_peer) sp_dinitial.send(exec, *parallel_.sequence, previous);
+  if (split_sequence && previous != no_peer) send_states(exec, *parallel_.sequence, sp_dinitial, previous);
   accumulate(exec, g.dD, grad("D"));
   accumulate(exec, as_flat(g.dq_bias), grad("C_bias"));
   accumulate(exec, as_flat(g.dk_bias), grad("B_bias"));
@@ -661,14 +656,12 @@ void Mamba3Mixer<ExecutionSpace>::backward_preprocess(const ExecutionSpace& exec
   if (!split_tensor) accumulate(exec, dC_norm_weight, grad("C_norm.weight"));
 
   // dd_dt, dd_A, trap, angle and dt_bias.
-  Kokkos::parallel_for(
-      "kmamba::mamba3::preprocess_backward",
-      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nheads_),
+  impl::for_each_index(
+      exec, "kmamba::mamba3::preprocess_backward", rows * nheads_,
       impl::Mamba3PreprocessBackwardFunctor<Mem>{
           a.pre[dt_segment], a.pre[A_segment], slab.template param<1>(p + "dt_bias"), g.ddt, g.dadt, g.dtrap,
           dpre[dt_segment], dpre[A_segment], dpre[trap_segment], static_cast<float>(config_.A_floor)});
-  Kokkos::parallel_for("kmamba::mamba3::angle_grad",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows * nangles_),
+  impl::for_each_index(exec, "kmamba::mamba3::angle_grad", rows * nangles_,
                        impl::Mamba3AngleGradFunctor<Mem>{g.dangles, dpre[angle_segment]});
   impl::add_column_sums(exec, "kmamba::mamba3::dt_bias_grad", dpre[dt_segment], grad("dt_bias"), 0);
 }
@@ -808,7 +801,7 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
     args.mimo_o = slab.template param<3>(p + "mimo_o");
     args.D = slab.template param<1>(p + "D");
     args.z = z;
-    mamba3_mimo_step(exec, args, c.states(0).mimo(), y);
+    mamba3_mimo_step(exec, args, c.states(0), y);
   } else {
     Mamba3SisoStepArgs<Mem> args;
     args.q = ConstTensor3<float, Mem>(c.Cn.data(), b, G, N);
@@ -822,7 +815,7 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
     args.angles = angles;
     args.D = slab.template param<1>(p + "D");
     args.z = z;
-    mamba3_siso_step(exec, args, c.states(0).siso(), y);
+    mamba3_siso_step(exec, args, siso_states(c.states(0)), y);
   }
   if (config_.is_outproj_norm) {
     gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"), eps, headdim_, true,

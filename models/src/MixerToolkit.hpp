@@ -252,10 +252,8 @@ template <class Exec>
 void negative_exp(const Exec& exec, const char* label,
                   const ConstTensor1<float, typename Exec::memory_space>& A_log,  // (n)
                   const Tensor1<float, typename Exec::memory_space>& A) {         // (n)
-  Kokkos::parallel_for(label,
-                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(A.extent(0))),
-                       NegativeExpFunctor<typename Exec::memory_space>{A_log, A});
+  for_each_index(exec, label, static_cast<std::int64_t>(A.extent(0)),
+                 NegativeExpFunctor<typename Exec::memory_space>{A_log, A});
 }
 
 }  // namespace impl
