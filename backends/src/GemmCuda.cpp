@@ -3,6 +3,9 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <cuda_bf16.h>
+
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 
@@ -25,6 +28,75 @@ cublasHandle_t cublas_handle() {
     });
   }
   return handle;
+}
+
+// The bf16 copies of a BFloat16 GEMM's operands: one device buffer for the process (the handle's
+// mutex guards it), grown to the largest pair asked for and released when Kokkos finalizes. A
+// GEMM's conversions and product are ordered on its stream, so the next GEMM on that stream may
+// overwrite the buffer; a GEMM on another stream first waits for the last user's work.
+struct Bf16Operands {
+  __nv_bfloat16* data = nullptr;
+  std::size_t elements = 0;
+  cudaStream_t last_stream = nullptr;
+  cudaEvent_t last_use = nullptr;
+};
+Bf16Operands bf16_operands;
+
+// At least `elements` bf16 values for work on `stream` (handle_mutex held).
+__nv_bfloat16* bf16_operand_space(cudaStream_t stream, std::size_t elements) {
+  Bf16Operands& buffer = bf16_operands;
+  if (buffer.last_use == nullptr) {
+    KMAMBA_CUDA_CHECK(cudaEventCreateWithFlags(&buffer.last_use, cudaEventDisableTiming));
+    Kokkos::push_finalize_hook([] {
+      cudaFree(bf16_operands.data);
+      cudaEventDestroy(bf16_operands.last_use);
+      bf16_operands = Bf16Operands();
+    });
+  }
+  if (buffer.data != nullptr && buffer.last_stream != stream) {
+    KMAMBA_CUDA_CHECK(cudaEventRecord(buffer.last_use, buffer.last_stream));
+    KMAMBA_CUDA_CHECK(cudaStreamWaitEvent(stream, buffer.last_use, 0));
+  }
+  if (buffer.elements < elements) {
+    KMAMBA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KMAMBA_CUDA_CHECK(cudaFree(buffer.data));
+    buffer.data = nullptr;
+    buffer.elements = 0;
+    KMAMBA_CUDA_CHECK(cudaMalloc(&buffer.data, elements * sizeof(__nv_bfloat16)));
+    buffer.elements = elements;
+  }
+  buffer.last_stream = stream;
+  return buffer.data;
+}
+
+constexpr int bf16_convert_threads = 256;
+
+// out[i] = in[i] rounded to bf16 (to nearest even) for i < count; four elements a thread, read as
+// one float4 and written as 8 bytes where `vectorised` (in 16-byte and out 8-byte aligned).
+__global__ void __launch_bounds__(bf16_convert_threads)
+    convert_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, std::size_t count,
+                           bool vectorised) {
+  const std::size_t i = (static_cast<std::size_t>(blockIdx.x) * bf16_convert_threads + threadIdx.x) * 4;
+  if (vectorised && i + 4 <= count) {
+    const float4 v = *reinterpret_cast<const float4*>(in + i);
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const unsigned int*>(&lo);
+    packed.y = *reinterpret_cast<const unsigned int*>(&hi);
+    *reinterpret_cast<uint2*>(out + i) = packed;
+    return;
+  }
+  for (std::size_t e = i; e < i + 4 && e < count; ++e) out[e] = __float2bfloat16_rn(in[e]);
+}
+
+void convert_to_bf16(cudaStream_t stream, const float* in, __nv_bfloat16* out, std::size_t count) {
+  if (count == 0) return;
+  const bool vectorised =
+      reinterpret_cast<std::uintptr_t>(in) % 16 == 0 && reinterpret_cast<std::uintptr_t>(out) % 8 == 0;
+  const std::size_t blocks = (count + 4 * bf16_convert_threads - 1) / (4 * bf16_convert_threads);
+  convert_to_bf16_kernel<<<static_cast<unsigned int>(blocks), bf16_convert_threads, 0, stream>>>(in, out, count,
+                                                                                                 vectorised);
+  KMAMBA_CUDA_CHECK(cudaGetLastError());
 }
 
 constexpr int few_rows_warps_per_block = 8;
@@ -152,10 +224,23 @@ void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int 
     KMAMBA_CUBLAS_CHECK(cublasSgemm(h, op_b, op_a, n, m, k, &alpha, B, ldb, A, lda, &beta, C, ldc));
     return;
   }
-  const cublasComputeType_t compute =
-      precision == MatmulPrecision::BFloat16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32;
-  KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, B, CUDA_R_32F, ldb, A, CUDA_R_32F, lda, &beta, C,
-                                   CUDA_R_32F, ldc, compute, CUBLAS_GEMM_DEFAULT));
+  if (precision == MatmulPrecision::TensorFloat32) {
+    KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, B, CUDA_R_32F, ldb, A, CUDA_R_32F, lda, &beta, C,
+                                     CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
+  // BFloat16: both operands rounded to bf16 into the shared buffer (A first, B from a 16-byte
+  // boundary), then a bf16 × bf16 product with fp32 sums and an fp32 C.
+  // (k = 0: both operands are empty, and their leading dimensions are placeholders.)
+  const std::size_t a_count = k == 0 ? 0 : static_cast<std::size_t>(trans_a ? k : m) * lda;
+  const std::size_t b_count = k == 0 ? 0 : static_cast<std::size_t>(trans_b ? n : k) * ldb;
+  const std::size_t b_offset = (a_count + 7) / 8 * 8;
+  __nv_bfloat16* const operands = bf16_operand_space(stream, b_offset + b_count);
+  convert_to_bf16(stream, A, operands, a_count);
+  convert_to_bf16(stream, B, operands + b_offset, b_count);
+  KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, operands + b_offset, CUDA_R_16BF, ldb, operands,
+                                   CUDA_R_16BF, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace impl

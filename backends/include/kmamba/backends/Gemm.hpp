@@ -8,12 +8,15 @@
 // matrices stay fp32 in memory and the products and sums are fp32 in every mode; TensorFloat32
 // and BFloat16 round each operand element to TF32 / bf16 before it is multiplied, so C is the
 // fp32 sum of exact products of rounded operands, except where cuBLAS chooses (below):
-// - Cuda: cublasGemmEx on the fp32 matrices with compute type CUBLAS_COMPUTE_32F_FAST_TF32 /
-//   CUBLAS_COMPUTE_32F_FAST_16BF; Float32 stays cublasSgemm. These compute types permit cuBLAS
-//   to convert the operands and multiply on the tensor cores, they do not prescribe it: on the
-//   H200 some shapes (a single row) ran in full fp32 and others converted the operands otherwise
-//   than by rounding each to nearest, so on this path the mode guarantees only its error bound,
-//   |C − exact| ≤ (2u + u²)·Σ|α·a·b| + fp32 summation error (u = 2⁻⁸ bf16, 2⁻¹¹ tf32). The few-row kernel rounds each operand as it loads it
+// - Cuda: Float32 is cublasSgemm. BFloat16 rounds both operands to bf16 (to nearest even) into a
+//   device buffer kept between calls (grown to the largest pair, released at Kokkos::finalize) and
+//   multiplies them with cublasGemmEx (bf16 operands, CUBLAS_COMPUTE_32F, fp32 C): the mode's
+//   numerics up to the order of the fp32 sums, at half the operand bytes of the product.
+//   TensorFloat32 is cublasGemmEx on the fp32 matrices with compute type
+//   CUBLAS_COMPUTE_32F_FAST_TF32, which permits cuBLAS to convert the operands and multiply on the
+//   tensor cores without prescribing it (on the H200 a single row ran in full fp32), so on that
+//   path the mode guarantees only its error bound, |C − exact| ≤ (2u + u²)·Σ|α·a·b| + fp32
+//   summation error (u = 2⁻¹¹). The few-row kernel rounds each operand as it loads it
 //   (round_operand) and still multiplies on the CUDA cores: it is memory bound (it streams an
 //   fp32 weight matrix for a few rows), so the rounding only keeps its numerics those of the mode.
 // - Host backends emulate the mode exactly: a kernel ("kmamba::gemm::round_operands") writes

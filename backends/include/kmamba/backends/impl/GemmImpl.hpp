@@ -160,9 +160,9 @@ void gemm_few_rows_cuda(cudaStream_t stream, int m, int n, int k, float alpha, c
 constexpr int gemm_few_rows_cuda_max = 4;
 
 // C = alpha op(A) op(B) + beta C in row-major is Cᵀ = alpha op(B)ᵀ op(A)ᵀ + beta Cᵀ in cuBLAS's
-// column-major view of the same memory. Float32: cublasSgemm; TensorFloat32 / BFloat16:
-// cublasGemmEx on the fp32 matrices with compute type CUBLAS_COMPUTE_32F_FAST_TF32 /
-// CUBLAS_COMPUTE_32F_FAST_16BF (the tensor cores, fp32 accumulation).
+// column-major view of the same memory. Float32: cublasSgemm; TensorFloat32: cublasGemmEx on the
+// fp32 matrices with compute type CUBLAS_COMPUTE_32F_FAST_TF32; BFloat16: the operands rounded to
+// bf16 in a buffer kept between calls, then cublasGemmEx on them (tensor cores, fp32 sums).
 void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                            const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc,
                            MatmulPrecision precision = MatmulPrecision::Float32);
