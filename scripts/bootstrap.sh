@@ -12,7 +12,7 @@ set -euo pipefail
 
 KOKKOS_VERSION=3.4.01
 TRILINOS_VERSION=13.2.0
-STAMP_VERSION=5   # bump when the build recipe below changes
+STAMP_VERSION=4   # bump when the build recipe below changes
 
 flavour=host
 deps_dir="${KMAMBA_DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kmamba}"
@@ -339,92 +339,60 @@ CUDA_TPL
   # cudaMalloc and every release a cudaFree, which maps and unmaps pages each time: a training step
   # of mamba2-130m at batch 8 × 2048 makes 1106 of them (41.5 GB). The pool keeps released memory
   # for the next allocation instead (release threshold: everything is kept; on a failed allocation
-  # the pool is trimmed and the allocation tried once more). Allocations and releases are ordered on
-  # the legacy default stream, and a View may be used on any stream, so:
-  # - a release first waits for the device (work on any stream may still use the memory), then
-  #   returns the memory to the pool; no later work can touch it, so nothing waits after;
-  # - an allocation that the pool serves from memory it holds needs no wait: that memory was
-  #   released after a device synchronisation, so no pending work uses it; an allocation that grows
-  #   the pool waits for the device, since the new memory is usable only once the default stream
-  #   reaches the allocation.
-  # Upstream synchronises the device after every allocation and on both sides of every release;
-  # KMAMBA_CUDA_MALLOC_ASYNC=sync does the same (for comparison, or to rule out a stream-ordering
-  # fault), KMAMBA_CUDA_MALLOC_ASYNC=0 keeps cudaMalloc / cudaFree (read once, at the first
-  # allocation), as does a device without memory pools.
+  # the pool is trimmed and the allocation tried once more). The synchronisation is upstream's, so
+  # nothing changes for streams: a device synchronisation after each allocation and on both sides
+  # of each release, as cudaFree implies. KMAMBA_CUDA_MALLOC_ASYNC=0 in the environment (read
+  # once, at the first allocation) or a device without memory pools keeps cudaMalloc / cudaFree.
   pool_code='
 // kmamba fix 9: device allocations from the stream-ordered memory pool (see scripts/bootstrap.sh).
 namespace {
-enum class KmambaPoolMode { none, minimal_sync, upstream_sync };
-
-cudaMemPool_t kmamba_default_pool() {
-  int device = 0;
-  cudaMemPool_t pool = nullptr;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  return pool;
-}
-
-KmambaPoolMode kmamba_pool_mode() {
-  static const KmambaPoolMode mode = [] {
+bool kmamba_use_memory_pool() {
+  static const bool use = [] {
     const char *opt = std::getenv("KMAMBA_CUDA_MALLOC_ASYNC");
-    const std::string choice = opt == nullptr ? "" : opt;
-    if (choice == "0") return KmambaPoolMode::none;
+    if (opt != nullptr && opt[0] == '"'"'0'"'"' && opt[1] == '"'"'\\0'"'"') return false;
     int device = 0, pools = 0;
+    cudaMemPool_t pool;
     if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0) {
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0 ||
+        cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
       cudaGetLastError();
-      return KmambaPoolMode::none;
+      return false;
     }
-    cudaMemPool_t pool = kmamba_default_pool();
     unsigned long long keep_everything = ~0ull;
-    if (pool == nullptr || cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything) != cudaSuccess) {
+    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything) != cudaSuccess) {
       cudaGetLastError();
-      return KmambaPoolMode::none;
+      return false;
     }
-    return choice == "sync" ? KmambaPoolMode::upstream_sync : KmambaPoolMode::minimal_sync;
+    return true;
   }();
-  return mode;
-}
-
-unsigned long long kmamba_pool_reserved(cudaMemPool_t pool) {
-  unsigned long long reserved = 0;
-  if (pool == nullptr || cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) != cudaSuccess) {
-    cudaGetLastError();
-    return ~0ull;
-  }
-  return reserved;
+  return use;
 }
 
 cudaError_t kmamba_device_allocate(void **ptr, size_t size) {
-  const KmambaPoolMode mode = kmamba_pool_mode();
-  if (size == 0 || mode == KmambaPoolMode::none) return cudaMalloc(ptr, size);
-  cudaMemPool_t pool = kmamba_default_pool();
-  const unsigned long long reserved = kmamba_pool_reserved(pool);
+  if (size == 0 || !kmamba_use_memory_pool()) return cudaMalloc(ptr, size);
   cudaError_t error = cudaMallocAsync(ptr, size, 0);
   if (error == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    if (cudaDeviceSynchronize() == cudaSuccess && pool != nullptr && cudaMemPoolTrimTo(pool, 0) == cudaSuccess) {
+    int device = 0;
+    cudaMemPool_t pool;
+    if (cudaDeviceSynchronize() == cudaSuccess && cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess && cudaMemPoolTrimTo(pool, 0) == cudaSuccess) {
       error = cudaMallocAsync(ptr, size, 0);
     }
   }
-  const unsigned long long after = kmamba_pool_reserved(pool);
-  const bool grew = reserved == ~0ull || after == ~0ull || after != reserved;  // unknown counts as grown
-  if (error == cudaSuccess && (grew || mode == KmambaPoolMode::upstream_sync)) error = cudaDeviceSynchronize();
+  if (error == cudaSuccess) error = cudaDeviceSynchronize();
   return error;
 }
 
 void kmamba_device_free(void *ptr) {
   if (ptr == nullptr) return;
-  const KmambaPoolMode mode = kmamba_pool_mode();
-  if (mode == KmambaPoolMode::none) {
+  if (!kmamba_use_memory_pool()) {
     CUDA_SAFE_CALL(cudaFree(ptr));
     return;
   }
   CUDA_SAFE_CALL(cudaDeviceSynchronize());
   CUDA_SAFE_CALL(cudaFreeAsync(ptr, 0));
-  if (mode == KmambaPoolMode::upstream_sync) CUDA_SAFE_CALL(cudaDeviceSynchronize());
+  CUDA_SAFE_CALL(cudaDeviceSynchronize());
 }
 }  // namespace
 '
