@@ -1,12 +1,12 @@
-#include "Checks.hpp"
-#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include "Checks.hpp"
+#include "TestData.hpp"
 
 #include <gtest/gtest.h>
 
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <limits>
@@ -18,9 +18,7 @@
 
 namespace {
 
-std::string scratch(const std::string& name) {
-  return ::testing::TempDir() + "kmamba_safetensors_" + name;
-}
+std::string scratch(const std::string& name) { return ::testing::TempDir() + "kmamba_safetensors_" + name; }
 
 // Writes a raw file: 8-byte length, the given header text, then `data_bytes` bytes of payload.
 void write_raw(const std::string& path, const std::string& header, std::size_t data_bytes,
@@ -87,40 +85,47 @@ TEST(SafeTensors, ReadsTheGoldenFiles) {
   EXPECT_THROW(reader.config_numbers("chunk_size", {}), kmamba::UserError);
 }
 
+/// A file whose header (declared `declared_length` bytes long, UINT64_MAX: its own length) is followed
+/// by `data_bytes` bytes, and the fragment of the reader's error about it.
+struct MalformedFile {
+  std::string header;
+  std::size_t data_bytes;
+  std::uint64_t declared_length;
+  std::string error;
+};
+
 TEST(SafeTensors, RejectsMalformedFilesWithClearErrors) {
   const std::string p = scratch("bad.safetensors");
   std::ofstream(p, std::ios::binary) << "abc";
   expect_reader_error(p, "shorter than the 8-byte header length");
-  write_raw(p, "{}", 0, 1000);
-  expect_reader_error(p, "declares a 1000-byte header");
-  write_raw(p, "{\"a\": ", 0);
-  expect_reader_error(p, "not valid JSON");
-  write_raw(p, "[1, 2]", 0);
-  expect_reader_error(p, "not a JSON object");
-  write_raw(p, R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", 4);
-  expect_reader_error(p, "unsupported dtype 'Q7'");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4);
-  expect_reader_error(p, "outside the 4-byte data section");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8);
-  expect_reader_error(p, "which needs 12");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4);
-  expect_reader_error(p, "not a non-negative integer");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 4]}})", 4);
-  expect_reader_error(p, "larger than the file");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})", 0);
-  expect_reader_error(p, "extent beyond 2^63 - 1");
-  write_raw(p, "{\"a\xff\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4);
-  expect_reader_error(p, "not valid JSON");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
-               R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
-  expect_reader_error(p, "overlap");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
-               R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
-  expect_reader_error(p, "names the key \"a\" twice");
-  write_raw(p, R"({"a": {"dtype": "F32", "shape": [1]}})", 4);
-  expect_reader_error(p, "needs dtype, shape and data_offsets");
-  write_raw(p, R"({"__metadata__": {"k": 3}})", 0);
-  expect_reader_error(p, "metadata entry 'k' is not a string");
+  const std::vector<MalformedFile> files = {
+      {"{}", 0, 1000, "declares a 1000-byte header"},
+      {"{\"a\": ", 0, UINT64_MAX, "not valid JSON"},
+      {"[1, 2]", 0, UINT64_MAX, "not a JSON object"},
+      {R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", 4, UINT64_MAX, "unsupported dtype 'Q7'"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4, UINT64_MAX,
+       "outside the 4-byte data section"},
+      {R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8, UINT64_MAX, "which needs 12"},
+      {R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4, UINT64_MAX,
+       "not a non-negative integer"},
+      {R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 4]}})", 4, UINT64_MAX,
+       "larger than the file"},
+      {R"({"a": {"dtype": "F32", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})", 0, UINT64_MAX,
+       "extent beyond 2^63 - 1"},
+      {"{\"a\xff\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}", 4, UINT64_MAX, "not valid JSON"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+       R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+       12, UINT64_MAX, "overlap"},
+      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+       R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+       8, UINT64_MAX, "names the key \"a\" twice"},
+      {R"({"a": {"dtype": "F32", "shape": [1]}})", 4, UINT64_MAX, "needs dtype, shape and data_offsets"},
+      {R"({"__metadata__": {"k": 3}})", 0, UINT64_MAX, "metadata entry 'k' is not a string"},
+  };
+  for (const MalformedFile& file : files) {
+    write_raw(p, file.header, file.data_bytes, file.declared_length);
+    expect_reader_error(p, file.error);
+  }
   expect_reader_error(scratch("does_not_exist.safetensors"), "cannot open");
 }
 
@@ -152,8 +157,10 @@ TEST(SafeTensors, DeeplyNestedHeaderValuesAreRefusedWithoutRecursion) {
     expect_reader_error(p, "nests arrays and objects deeper than 64 levels");
   }
   // Within the limit, a bad value is quoted cut short.
-  write_raw(p, R"({"a": {"dtype": "F32", "data_offsets": [0, 0], "shape": [)" + std::string(60, '[') +
-                   std::string(60, ']') + "]}}", 0);
+  write_raw(p,
+            R"({"a": {"dtype": "F32", "data_offsets": [0, 0], "shape": [)" + std::string(60, '[') +
+                std::string(60, ']') + "]}}",
+            0);
   try {
     kmamba::SafeTensorsReader reader(p);
     FAIL() << "a nested shape was accepted";

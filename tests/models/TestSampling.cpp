@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -103,24 +105,20 @@ TEST(Sampling, ConfigValidationNamesTheField) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
   };
-  kmamba::SamplingConfig c;
-  c.temperature = -0.5f;
-  expect_error(c, "temperature");
-  c = {};
-  c.temperature = std::numeric_limits<float>::quiet_NaN();
-  expect_error(c, "temperature");
-  c = {};
-  c.top_k = -1;
-  expect_error(c, "top_k");
-  c = {};
-  c.top_p = 1.5f;
-  expect_error(c, "top_p");
-  c = {};
-  c.min_p = -0.1f;
-  expect_error(c, "min_p");
-  c = {};
-  c.repetition_penalty = 0.0f;
-  expect_error(c, "repetition_penalty");
+  // Each case sets one field of the defaults out of its range.
+  const std::vector<std::pair<std::function<void(kmamba::SamplingConfig&)>, std::string>> cases = {
+      {[](kmamba::SamplingConfig& c) { c.temperature = -0.5f; }, "temperature"},
+      {[](kmamba::SamplingConfig& c) { c.temperature = std::numeric_limits<float>::quiet_NaN(); }, "temperature"},
+      {[](kmamba::SamplingConfig& c) { c.top_k = -1; }, "top_k"},
+      {[](kmamba::SamplingConfig& c) { c.top_p = 1.5f; }, "top_p"},
+      {[](kmamba::SamplingConfig& c) { c.min_p = -0.1f; }, "min_p"},
+      {[](kmamba::SamplingConfig& c) { c.repetition_penalty = 0.0f; }, "repetition_penalty"},
+  };
+  for (const auto& [set, field] : cases) {
+    kmamba::SamplingConfig c;
+    set(c);
+    expect_error(c, field);
+  }
   EXPECT_NO_THROW(kmamba::Sampler(kmamba::SamplingConfig{}));
 }
 
@@ -170,9 +168,8 @@ TEST(Sampling, SeededSamplingIsReproducibleAndIndependentOfBatchOrder) {
     for (int step = 0; step < steps; ++step) {
       for (int k = 0; k < sequences; ++k) {
         const int s = reversed ? sequences - 1 - k : k;
-        out[static_cast<std::size_t>(s)][static_cast<std::size_t>(step)] =
-            sampler.sample(rows[static_cast<std::size_t>(s)], {}, static_cast<std::uint64_t>(s),
-                           static_cast<std::uint64_t>(step));
+        out[static_cast<std::size_t>(s)][static_cast<std::size_t>(step)] = sampler.sample(
+            rows[static_cast<std::size_t>(s)], {}, static_cast<std::uint64_t>(s), static_cast<std::uint64_t>(step));
       }
     }
     return out;
