@@ -14,20 +14,20 @@
 // Tolerances, max|Δ| / max|ref| over the compared outputs: 5e-5 between the recurrent and the
 // chunked paths of kmamba (they differ only in summation order; ~1e-6 observed on Serial and
 // OpenMP), and ‖Δ‖/‖ref‖ ≤ 2e-4 against the golden logits (the golden README's tolerance).
-#include "TestData.hpp"
 #include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/TensorIO.hpp>
+#include "TestData.hpp"
 
 #include "Backends.hpp"
 #include "Checks.hpp"
 #include "ModelConfigs.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -260,6 +260,16 @@ kmamba::LanguageModel<Exec> random_model(kmamba::MixerKind kind, bool mimo = fal
   return model;
 }
 
+/// Calls body(model) for a random model (random_model) of each mixer kind, under a trace naming it.
+template <class Exec, class Body>
+void for_each_random_model(const Body& body) {
+  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    auto model = random_model<Exec>(kind);
+    body(model);
+  }
+}
+
 std::vector<std::int64_t> random_ids(std::size_t n, int vocab, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<std::int64_t> d(0, vocab - 1);
@@ -273,8 +283,8 @@ std::vector<std::int64_t> random_ids(std::size_t n, int vocab, std::uint64_t see
 // `graph_status`, when given, receives the state's step_graph_status() after the last step.
 template <class Exec>
 std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
-                                      std::size_t batch, std::size_t seqlen, std::size_t prefix,
-                                      bool step_graph = true, std::string* graph_status = nullptr) {
+                                      std::size_t batch, std::size_t seqlen, std::size_t prefix, bool step_graph = true,
+                                      std::string* graph_status = nullptr) {
   using Mem = typename Exec::memory_space;
   const Exec exec;
   const std::size_t V = static_cast<std::size_t>(model.config().vocab_size), n = seqlen - prefix + 1;
@@ -282,11 +292,13 @@ std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const 
   state.set_step_graph(step_graph);
   kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, V);
   std::vector<float> all(batch * n * V);
-  model.prefill(exec, to_device<kmamba::Tensor2<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, 0, prefix), batch, prefix),
-                state, logits);
+  model.prefill(
+      exec, to_device<kmamba::Tensor2<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, 0, prefix), batch, prefix),
+      state, logits);
   put_positions(all, to_vector(logits), batch, n, V, 0);
   for (std::size_t t = prefix; t < seqlen; ++t) {
-    model.decode_step(exec, to_device<kmamba::Tensor1<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, t, t + 1), batch),
+    model.decode_step(exec,
+                      to_device<kmamba::Tensor1<std::int64_t, Mem>>(positions(ids, batch, seqlen, 1, t, t + 1), batch),
                       state, logits);
     put_positions(all, to_vector(logits), batch, n, V, t - prefix + 1);
   }
@@ -314,9 +326,10 @@ void check_golden_incremental(const std::string& name) {
   const std::vector<std::int64_t> ids(ids_view.data(), ids_view.data() + ids_view.span());
   const std::size_t batch = ids_view.extent(0), seqlen = ids_view.extent(1), V = 96, prefix = 13;
   const std::vector<float> got = incremental_logits(model, ids, batch, seqlen, prefix);
-  const double vs_forward = max_relative_error(got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V,
-                                                              prefix - 1, seqlen));
-  const double vs_golden = l2_relative_error(got, positions(io.read_f32("logits"), batch, seqlen, V, prefix - 1, seqlen));
+  const double vs_forward = max_relative_error(
+      got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V, prefix - 1, seqlen));
+  const double vs_golden =
+      l2_relative_error(got, positions(io.read_f32("logits"), batch, seqlen, V, prefix - 1, seqlen));
   EXPECT_LE(vs_forward, recurrent_tolerance);
   EXPECT_LE(vs_golden, 2e-4);
   std::printf("[ decode   ] %s, %s: prefill %zu + %zu steps vs forward %.2e, vs golden %.2e\n", name.c_str(),
@@ -331,9 +344,9 @@ TYPED_TEST(DecodeTest, GoldenPrefillThenStepsMatchForward) {
 TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
   using Exec = TypeParam;
   const std::vector<std::pair<kmamba::MixerKind, bool>> models = {{kmamba::MixerKind::Mamba1, false},
-                                                                    {kmamba::MixerKind::Mamba2, false},
-                                                                    {kmamba::MixerKind::Mamba3, false},
-                                                                    {kmamba::MixerKind::Mamba3, true}};
+                                                                  {kmamba::MixerKind::Mamba2, false},
+                                                                  {kmamba::MixerKind::Mamba3, false},
+                                                                  {kmamba::MixerKind::Mamba3, true}};
   for (const auto& entry : models) {
     const kmamba::MixerKind kind = entry.first;
     const bool mimo = entry.second;
@@ -343,8 +356,8 @@ TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
     const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 3);
     for (const std::size_t prefix : {std::size_t(1), std::size_t(6), std::size_t(17)}) {
       const std::vector<float> got = incremental_logits(model, ids, batch, seqlen, prefix);
-      EXPECT_LE(max_relative_error(got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V, prefix - 1,
-                                                  seqlen)),
+      EXPECT_LE(max_relative_error(
+                    got, positions(forward_logits(model, ids, batch, seqlen), batch, seqlen, V, prefix - 1, seqlen)),
                 recurrent_tolerance)
           << "prefix " << prefix;
     }
@@ -355,9 +368,7 @@ TYPED_TEST(DecodeTest, RandomModelPrefillThenStepsMatchForward) {
 // the steps launched one by one compute, across many replays with changing tokens.
 TYPED_TEST(DecodeTest, RecordedStepGraphMatchesPlainSteps) {
   using Exec = TypeParam;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
-    SCOPED_TRACE(kmamba::mixer_name(kind));
-    auto model = random_model<Exec>(kind);
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
     const std::size_t batch = 2, seqlen = 24, prefix = 3;
     const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 11);
     std::string with_status, without_status;
@@ -371,7 +382,7 @@ TYPED_TEST(DecodeTest, RecordedStepGraphMatchesPlainSteps) {
       EXPECT_EQ(with_status, "recorded");
       EXPECT_EQ(without_status, "not recorded: disabled by the caller");
     }
-  }
+  });
 }
 
 TYPED_TEST(DecodeTest, PrefillInTwoSegmentsEqualsOnePrefill) {
@@ -379,9 +390,7 @@ TYPED_TEST(DecodeTest, PrefillInTwoSegmentsEqualsOnePrefill) {
   using Mem = typename Exec::memory_space;
   using Ids = kmamba::Tensor2<std::int64_t, Mem>;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
-    SCOPED_TRACE(kmamba::mixer_name(kind));
-    auto model = random_model<Exec>(kind);
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
     const std::size_t batch = 2, seqlen = 13, cut = 5;
     const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 9);
     kmamba::Tensor2<float, Mem> one("kmamba::test::one", batch, 50), two("kmamba::test::two", batch, 50);
@@ -397,7 +406,7 @@ TYPED_TEST(DecodeTest, PrefillInTwoSegmentsEqualsOnePrefill) {
     model.decode_step(exec, next, whole, one);
     model.decode_step(exec, next, split, two);
     EXPECT_LE(max_relative_error(to_vector(two), to_vector(one)), recurrent_tolerance);
-  }
+  });
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -420,9 +429,7 @@ struct RecordingGreedy {
 TYPED_TEST(DecodeTest, PromptsOfDifferentLengthsMatchEachPromptAlone) {
   using Exec = TypeParam;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
-    SCOPED_TRACE(kmamba::mixer_name(kind));
-    auto model = random_model<Exec>(kind);
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
     const std::vector<std::vector<std::int64_t>> prompts = {random_ids(9, 50, 1), random_ids(3, 50, 2),
                                                             random_ids(14, 50, 3), random_ids(3, 50, 4)};
     kmamba::GenerationOptions options;
@@ -440,15 +447,13 @@ TYPED_TEST(DecodeTest, PromptsOfDifferentLengthsMatchEachPromptAlone) {
       EXPECT_EQ(batched.tokens[s], alone.tokens[0]) << "sequence " << s;
       EXPECT_LE(max_relative_error(batched_rows[s], alone_rows[0]), recurrent_tolerance) << "sequence " << s;
     }
-  }
+  });
 }
 
 TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
   using Exec = TypeParam;
   const Exec exec;
-  for (const auto kind : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2, kmamba::MixerKind::Mamba3}) {
-    SCOPED_TRACE(kmamba::mixer_name(kind));
-    auto model = random_model<Exec>(kind);
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
     const std::vector<std::vector<std::int64_t>> prompts = {random_ids(6, 50, 11), random_ids(10, 50, 12)};
     const kmamba::TokenSampler greedy = [](const float* logits, int vocab, int, const std::vector<std::int64_t>&) {
       return argmax(logits, vocab);
@@ -484,8 +489,9 @@ TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
     EXPECT_EQ(stopped.tokens[0], std::vector<std::int64_t>(first.tokens[0].begin(), stop_at + 1));
     for (std::size_t s = 1; s < prompts.size(); ++s) {
       const auto own_stop = std::find(first.tokens[s].begin(), first.tokens[s].end(), first.tokens[0][3]);
-      EXPECT_EQ(stopped.tokens[s], std::vector<std::int64_t>(first.tokens[s].begin(),
-                                                              own_stop == first.tokens[s].end() ? own_stop : own_stop + 1));
+      EXPECT_EQ(stopped.tokens[s],
+                std::vector<std::int64_t>(first.tokens[s].begin(),
+                                          own_stop == first.tokens[s].end() ? own_stop : own_stop + 1));
     }
     kmamba::GenerationOptions none = options;
     none.max_new_tokens = 0;
@@ -493,8 +499,9 @@ TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
     EXPECT_TRUE(empty.tokens[0].empty() && empty.tokens[1].empty());
     EXPECT_GT(first.stats.prefill_tokens_per_second(), 0.0);
     EXPECT_GT(first.stats.decode_tokens_per_second(), 0.0);
-    EXPECT_EQ(first.stats.decode_tokens, 2 * 8 + 4);  // 8 steps after the prefill for both, + 4 prompt tokens of the longer
-  }
+    EXPECT_EQ(first.stats.decode_tokens,
+              2 * 8 + 4);  // 8 steps after the prefill for both, + 4 prompt tokens of the longer
+  });
 }
 
 // ----------------------------------------------------------------------------------------------
