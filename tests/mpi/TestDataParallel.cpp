@@ -34,9 +34,9 @@
 #include <kmamba/parallel/MpiCommunicator.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -46,10 +46,6 @@
 #include <vector>
 
 namespace {
-
-using Exec = Kokkos::DefaultHostExecutionSpace;
-using Mem = Exec::memory_space;
-using Model = kmamba::LanguageModel<Exec>;
 
 using namespace kmamba::test;
 
@@ -63,7 +59,7 @@ kmamba::ModelConfig tiny_mamba2() {
 }
 
 /// τ of the file comment.
-const double tolerance = kmamba::test::model_tolerance(tiny_mamba2(), seqlen, batch * seqlen);
+const double tolerance = kmamba::test::model_tolerance(tiny_mamba2(), seqlen, batch* seqlen);
 
 using Batch = kmamba::test::TokenRows;
 
@@ -71,17 +67,6 @@ using Batch = kmamba::test::TokenRows;
 Batch make_batch(int step) { return random_token_rows(batch, seqlen, 1000 + static_cast<std::uint64_t>(step)); }
 
 Batch rows(const Batch& b, int first, int count) { return slice(b, first, count, 0, seqlen); }
-
-std::vector<kmamba::MeshConfig> meshes() {
-  std::vector<kmamba::MeshConfig> all;
-  const int world = world_size();
-  for (int tp = 1; tp <= world; tp *= 2) {
-    kmamba::MeshConfig c;
-    c.tensor_parallel_size = tp;
-    all.push_back(c);
-  }
-  return all;
-}
 
 /// A mesh of data parallelism alone over MPI_COMM_WORLD whose communicators record every call in `log`.
 kmamba::ProcessMesh counting_mesh(const std::shared_ptr<kmamba::CommunicationLog>& log) {
@@ -140,7 +125,7 @@ TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {
   reference.initialize(init_seed);
   const kmamba::LossResult ref = one_rank_backward(reference, b);
 
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(false)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     SCOPED_TRACE(mesh_name(mesh));
     Model model(config);
@@ -164,11 +149,11 @@ TEST(DataParallel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   Model reference(config);
   reference.initialize(init_seed);
   const Model::Slab& slab = reference.parameters();
-  ClippedAdamWReference<Exec> one_rank(slab, adamw, steps, lr, max_norm, tolerance,
-                                       [&](int step) { one_rank_backward(reference, make_batch(step)); });
+  ClippedAdamWReference one_rank(slab, adamw, steps, lr, max_norm, tolerance,
+                                 [&](int step) { one_rank_backward(reference, make_batch(step)); });
   ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(false)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
       SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));
@@ -344,9 +329,9 @@ TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReduc
     kmamba::DataParallelConfig options;
     options.zero_stage = stage;
     options.bucket_elements = 1000;
-    const std::int64_t global = kmamba::DataParallel<Exec>(mesh, config, Model(config).parameters(),
-                                                           kmamba::AdamWConfig(), options)
-                                    .global_tokens(predicted(mine));
+    const std::int64_t global =
+        kmamba::DataParallel<Exec>(mesh, config, Model(config).parameters(), kmamba::AdamWConfig(), options)
+            .global_tokens(predicted(mine));
     const auto accumulate = [&](Model& model, kmamba::DataParallel<Exec>* overlapped) {
       model.zero_grads(exec);
       accumulate_rows(model, mine, global, [&](int r) {
@@ -406,7 +391,7 @@ TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReduc
 TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {
   const Exec exec;
   const kmamba::ModelConfig config = tiny_mamba2();
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(false)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
       SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));

@@ -1,10 +1,9 @@
 // Tensor and sequence parallelism of small Mamba-2 and Mamba-3 (SISO with the output norm, and
-// MIMO of rank 2) language models (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank reference on the whole batch, so no reference
-// data is communicated. On every dp × tp × sp factorisation of the world (tp splits the 8 heads and
-// 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter than
-// the Mamba-2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes
-// its four scan states instead):
-// M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
+// MIMO of rank 2) language models (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank reference on
+// the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world (tp splits
+// the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter than the
+// Mamba-2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes its four scan states
+// instead): M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
 //    1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's within the
 //    AdamW propagation of τ, and the mesh-wide gradient norm equals the 1-rank norm within ‖δ‖₂;
@@ -43,10 +42,6 @@
 #include <vector>
 
 namespace {
-
-using Exec = Kokkos::DefaultHostExecutionSpace;
-using Mem = Exec::memory_space;
-using Model = kmamba::LanguageModel<Exec>;
 
 using namespace kmamba::test;
 
@@ -96,28 +91,13 @@ Batch make_batch(int step, int length = seqlen) {
   return random_token_rows(batch, length, 500 + static_cast<std::uint64_t>(step));
 }
 
-/// Every (tp, sp) with tp · sp dividing the world; dp is the rest.
-std::vector<kmamba::MeshConfig> meshes() {
-  std::vector<kmamba::MeshConfig> all;
-  const int world = world_size();
-  for (int tp = 1; tp <= world; tp *= 2) {
-    for (int sp = 1; tp * sp <= world; sp *= 2) {
-      kmamba::MeshConfig c;
-      c.tensor_parallel_size = tp;
-      c.sequence_parallel_size = sp;
-      all.push_back(c);
-    }
-  }
-  return all;
-}
-
 kmamba::ModelParallel split_of(const kmamba::ProcessMesh& mesh) { return {&mesh.tensor(), &mesh.sequence()}; }
 
-/// Calls check(mesh, local) for every mesh of meshes(), `local` the model of `config` split over the
+/// Calls check(mesh, local) for every mesh of mesh_configs(true), `local` the model of `config` split over the
 /// mesh and initialised with init_seed, under a trace naming the mesh.
 template <class Check>
 void for_each_split(const kmamba::ModelConfig& config, const Check& check) {
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(true)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     SCOPED_TRACE(mesh_name(mesh));
     Model local(config, split_of(mesh));
@@ -125,7 +105,6 @@ void for_each_split(const kmamba::ModelConfig& config, const Check& check) {
     check(mesh, local);
   }
 }
-
 
 /// The 1-rank reference: the whole batch, one row per micro-batch, weighted by tokens.
 double one_rank_backward(Model& model, const Batch& b) {
@@ -206,7 +185,7 @@ TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   Model reference(config);
   reference.initialize(init_seed);
   const double ref_loss = one_rank_backward(reference, b);
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(true)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const bool checkpointing : {false, true}) {
       SCOPED_TRACE(mesh_name(mesh) + (checkpointing ? " with activation checkpointing" : ""));
@@ -263,11 +242,11 @@ TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   Model reference(config);
   reference.initialize(init_seed);
   const Model::Slab& slab = reference.parameters();
-  ClippedAdamWReference<Exec> one_rank(slab, adamw, steps, lr, max_norm, tolerance(),
-                                       [&](int step) { one_rank_backward(reference, make_batch(step)); });
+  ClippedAdamWReference one_rank(slab, adamw, steps, lr, max_norm, tolerance(),
+                                 [&](int step) { one_rank_backward(reference, make_batch(step)); });
   ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
-  for (const auto& mesh_config : meshes()) {
+  for (const auto& mesh_config : mesh_configs(true)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
       SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));

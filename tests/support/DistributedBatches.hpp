@@ -39,6 +39,27 @@ inline int world_rank() {
   return rank;
 }
 
+/// The distributed tests run on the host backend.
+using Exec = Kokkos::DefaultHostExecutionSpace;
+using Mem = Exec::memory_space;
+using Model = LanguageModel<Exec>;
+
+/// Every mesh of powers of two with tp · sp dividing the world (sp = 1 unless `split_sequences`);
+/// dp is the rest.
+inline std::vector<MeshConfig> mesh_configs(bool split_sequences) {
+  std::vector<MeshConfig> all;
+  const int world = world_size();
+  for (int tp = 1; tp <= world; tp *= 2) {
+    for (int sp = 1; tp * sp <= world && (split_sequences || sp == 1); sp *= 2) {
+      MeshConfig c;
+      c.tensor_parallel_size = tp;
+      c.sequence_parallel_size = sp;
+      all.push_back(c);
+    }
+  }
+  return all;
+}
+
 /// "mesh dp D tp T sp S".
 inline std::string mesh_name(const ProcessMesh& mesh) {
   return "mesh dp " + std::to_string(mesh.config().data_parallel_size) + " tp " +
@@ -94,9 +115,8 @@ inline std::int64_t predicted(const TokenRows& b) {
 /// tokens over `global` (gradient accumulation into the model's gradients, which the caller zeroes);
 /// `before_row(r)`, when given, runs before row r. Returns the rows' results summed, with loss the
 /// sum over rows of loss·tokens.
-template <class Exec>
-LossResult accumulate_rows(LanguageModel<Exec>& model, const TokenRows& b, std::int64_t global,
-                           const std::function<void(int)>& before_row = {}) {
+inline LossResult accumulate_rows(Model& model, const TokenRows& b, std::int64_t global,
+                                  const std::function<void(int)>& before_row = {}) {
   const Exec exec;
   const int rows = static_cast<int>(b.ids.extent(0));
   LossResult total;
@@ -114,7 +134,7 @@ LossResult accumulate_rows(LanguageModel<Exec>& model, const TokenRows& b, std::
 
 /// Every parameter's slice of `got` (slab storage) equals `ref`'s within tolerance·max|ref|, only
 /// the elements i for which `owned(i)` holds compared; returns the largest max|got − ref| / max|ref|.
-template <class Mem, class Owned>
+template <class Owned>
 double expect_slab_equal(const ParameterSlab<Mem>& slab, const Tensor1<float, Mem>& got, const Tensor1<float, Mem>& ref,
                          double tolerance, const Owned& owned, const std::string& what) {
   double worst = 0.0;
@@ -150,9 +170,7 @@ inline AdamWConfig clipped_steps_adamw() {
 /// each gradient element within δ = tolerance·max|g| of its tensor (per tensor on the first step,
 /// whose parameters every run shares; slab-wide after), the norm within ‖δ‖₂, hence the clip factor
 /// within clip_scale_difference, and the parameters and moments within AdamWDifferenceBound.
-template <class Exec>
 struct ClippedAdamWReference {
-  using Mem = typename Exec::memory_space;
   AdamW<Mem> optimizer;
   AdamWDifferenceBound bound;
   std::vector<double> norms, norm_bounds;        // per step
