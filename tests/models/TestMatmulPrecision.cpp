@@ -13,8 +13,8 @@
 // - training: 40 AdamW steps of the associative-recall task from the same initialisation, in fp32
 //   and in bf16: the mean loss of the last 5 steps lies within 2% of fp32's, while the
 //   fp32 loss itself fell by more than 10% over the run (the comparison is of curves that move).
-#include <kmamba/core/Random.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
+#include <kmamba/core/Random.hpp>
 #include <kmamba/core/Ssd.hpp>
 #include <kmamba/models/Data.hpp>
 #include <kmamba/models/LanguageModel.hpp>
@@ -24,8 +24,8 @@
 #include "Checks.hpp"
 #include "ModelConfigs.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -58,9 +58,23 @@ kmamba::Tensor2<std::int64_t, Mem> random_ids(std::int64_t batch, std::int64_t s
   const auto hu = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), u);
   auto hi = Kokkos::create_mirror_view(ids);
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t t = 0; t < seqlen; ++t) hi(b, t) = std::min<std::int64_t>(vocab - 1, static_cast<std::int64_t>(hu(b, t)));
+    for (std::int64_t t = 0; t < seqlen; ++t)
+      hi(b, t) = std::min<std::int64_t>(vocab - 1, static_cast<std::int64_t>(hu(b, t)));
   Kokkos::deep_copy(ids, hi);
   return ids;
+}
+
+/// Expects the results of run(precision) at bf16 to differ from those at fp32 (run first) by an L2
+/// relative error in (1e-5, upper): the switch reached the GEMMs, which stay accurate. Prints the
+/// error of `what`.
+template <class Run>
+void expect_bf16_off_fp32(kmamba::MixerKind mixer, const char* what, const Run& run, double upper) {
+  const std::vector<float> fp32 = run(MatmulPrecision::Float32);
+  const std::vector<float> bf16 = run(MatmulPrecision::BFloat16);
+  const double d = l2_relative_error(bf16, fp32);
+  std::printf("[ info ] %s %s: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), what, d);
+  EXPECT_GT(d, 1e-5);
+  EXPECT_LT(d, upper);
 }
 
 TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
@@ -91,7 +105,8 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
     const std::vector<float> tf32 = forward(MatmulPrecision::TensorFloat32);
     const std::vector<float> fp32_again = forward(MatmulPrecision::Float32);
     const double d_bf16 = l2_relative_error(bf16, fp32), d_tf32 = l2_relative_error(tf32, fp32);
-    std::printf("[ info ] %s logits: bf16 vs fp32 %.3e, tf32 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_bf16, d_tf32);
+    std::printf("[ info ] %s logits: bf16 vs fp32 %.3e, tf32 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_bf16,
+                d_tf32);
     EXPECT_GT(d_bf16, 1e-5) << "bf16 logits equal fp32's: the switch did not reach the GEMMs";
     EXPECT_LT(d_bf16, 3e-2);
     EXPECT_GT(d_tf32, 1e-6) << "tf32 logits equal fp32's";
@@ -116,12 +131,7 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
       exec.fence();
       return host_floats(model.parameters().grads());
     };
-    const std::vector<float> g32 = gradients(MatmulPrecision::Float32);
-    const std::vector<float> g16 = gradients(MatmulPrecision::BFloat16);
-    const double d_grad = l2_relative_error(g16, g32);
-    std::printf("[ info ] %s gradients: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_grad);
-    EXPECT_GT(d_grad, 1e-5);
-    EXPECT_LT(d_grad, 5e-2);
+    expect_bf16_off_fp32(mixer, "gradients", gradients, 5e-2);
 
     // Recurrent inference: prefill all but the last token, then one decode step.
     const auto decode = [&](MatmulPrecision p) {
@@ -138,12 +148,7 @@ TYPED_TEST(MatmulPrecisionTest, TheSwitchReachesForwardBackwardAndDecodeGemms) {
       exec.fence();
       return host_floats(step_logits);
     };
-    const std::vector<float> s32 = decode(MatmulPrecision::Float32);
-    const std::vector<float> s16 = decode(MatmulPrecision::BFloat16);
-    const double d_step = l2_relative_error(s16, s32);
-    std::printf("[ info ] %s decode logits: bf16 vs fp32 %.3e\n", kmamba::mixer_name(mixer), d_step);
-    EXPECT_GT(d_step, 1e-5);
-    EXPECT_LT(d_step, 3e-2);
+    expect_bf16_off_fp32(mixer, "decode logits", decode, 3e-2);
   }
 }
 
@@ -159,9 +164,9 @@ TYPED_TEST(MatmulPrecisionTest, Bf16TrainingFollowsTheFp32LossCurve) {
       kmamba::LanguageModel<Exec> model(small_config(mixer));
       model.initialize(77);
       model.set_matmul_precision(p);
-      kmamba::Trainer<Exec> trainer(std::move(model), t,
-                                    std::make_shared<kmamba::AssociativeRecallTask>(
-                                        kmamba::AssociativeRecallConfig{48, 32, 6, 9}));
+      kmamba::Trainer<Exec> trainer(
+          std::move(model), t,
+          std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{48, 32, 6, 9}));
       EXPECT_EQ(trainer.model().matmul_precision(), p);
       std::vector<double> losses;
       while (trainer.steps_taken() < t.total_steps) losses.push_back(trainer.step().loss);
