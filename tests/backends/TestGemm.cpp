@@ -23,8 +23,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -87,18 +87,32 @@ struct GemmProblem {
   }
 };
 
+/// C (m × n) = alpha·op(A)·op(B) + beta·C with an inner dimension k.
+struct GemmCase {
+  int m, n, k;
+  float alpha, beta;
+};
+
 TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  struct Case { int m, n, k; float alpha, beta; };
-  const Case cases[] = {{1, 1, 1, 1.0f, 0.0f}, {7, 5, 3, 1.0f, 0.0f}, {64, 33, 17, 0.5f, 2.0f},
-                        {3, 130, 65, -1.0f, 1.0f}, {4, 6, 0, 1.0f, 0.5f}, {4, 6, 0, 1.0f, 0.0f},
-                        {1, 300, 771, 1.0f, 0.5f}, {16, 40, 100, 2.0f, 0.0f}, {17, 40, 100, 1.0f, 1.0f},
-                        // Few rows with k a multiple of 4 (the CUDA path's 16-byte loads), each row bucket.
-                        {1, 70, 256, 1.0f, 0.0f}, {2, 9, 64, 0.5f, 1.0f}, {3, 33, 768, 1.0f, 0.0f},
-                        {8, 17, 128, -1.0f, 0.5f}, {13, 50, 1536, 1.0f, 0.0f}};
+  const GemmCase cases[] = {{1, 1, 1, 1.0f, 0.0f},
+                            {7, 5, 3, 1.0f, 0.0f},
+                            {64, 33, 17, 0.5f, 2.0f},
+                            {3, 130, 65, -1.0f, 1.0f},
+                            {4, 6, 0, 1.0f, 0.5f},
+                            {4, 6, 0, 1.0f, 0.0f},
+                            {1, 300, 771, 1.0f, 0.5f},
+                            {16, 40, 100, 2.0f, 0.0f},
+                            {17, 40, 100, 1.0f, 1.0f},
+                            // Few rows with k a multiple of 4 (the CUDA path's 16-byte loads), each row bucket.
+                            {1, 70, 256, 1.0f, 0.0f},
+                            {2, 9, 64, 0.5f, 1.0f},
+                            {3, 33, 768, 1.0f, 0.0f},
+                            {8, 17, 128, -1.0f, 0.5f},
+                            {13, 50, 1536, 1.0f, 0.0f}};
   std::uint64_t seed = 100;
-  for (const Case& c : cases) {
+  for (const GemmCase& c : cases) {
     for (int t = 0; t < 4; ++t) {
       const bool ta = t & 1, tb = t & 2;
       SCOPED_TRACE("m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
@@ -163,13 +177,17 @@ TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
   const float one = 1.0f;
   // Ties: bf16 to even (1 + 2^-8 lies between 1 and 1 + 2^-7), tf32 away from zero.
   EXPECT_EQ(kmamba::round_operand(MatmulPrecision::BFloat16, one + std::ldexp(1.0f, -8)), one);
-  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::BFloat16, one + 3 * std::ldexp(1.0f, -8)), one + std::ldexp(1.0f, -6));
-  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::TensorFloat32, one + std::ldexp(1.0f, -11)), one + std::ldexp(1.0f, -10));
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::BFloat16, one + 3 * std::ldexp(1.0f, -8)),
+            one + std::ldexp(1.0f, -6));
+  EXPECT_EQ(kmamba::round_operand(MatmulPrecision::TensorFloat32, one + std::ldexp(1.0f, -11)),
+            one + std::ldexp(1.0f, -10));
   EXPECT_EQ(kmamba::round_operand(MatmulPrecision::TensorFloat32, -(one + std::ldexp(1.0f, -11))),
             -(one + std::ldexp(1.0f, -10)));
-  EXPECT_TRUE(std::isinf(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::infinity())));
+  EXPECT_TRUE(
+      std::isinf(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::infinity())));
   EXPECT_TRUE(std::isnan(kmamba::round_operand(MatmulPrecision::BFloat16, std::numeric_limits<float>::quiet_NaN())));
-  EXPECT_TRUE(std::isnan(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_TRUE(
+      std::isnan(kmamba::round_operand(MatmulPrecision::TensorFloat32, std::numeric_limits<float>::quiet_NaN())));
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 3.0f);
   for (int t = 0; t < 1000; ++t) {
@@ -191,7 +209,8 @@ TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
   hv(2) = -std::numeric_limits<float>::infinity();
   hv(3) = std::numeric_limits<float>::quiet_NaN();
   Kokkos::deep_copy(values, hv);
-  for (const MatmulPrecision p : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+  for (const MatmulPrecision p :
+       {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     auto out = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::rounded", 1024);
     Kokkos::parallel_for("kmamba::test::round_operand", Kokkos::RangePolicy<Exec>(0, 1024),
                          RoundEach<Mem>{out, values, p});
@@ -207,7 +226,8 @@ TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
   EXPECT_EQ(kmamba::parse_matmul_precision("bf16"), MatmulPrecision::BFloat16);
   EXPECT_EQ(kmamba::parse_matmul_precision("tf32"), MatmulPrecision::TensorFloat32);
   EXPECT_EQ(kmamba::parse_matmul_precision("fp32"), MatmulPrecision::Float32);
-  for (const MatmulPrecision p : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+  for (const MatmulPrecision p :
+       {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     EXPECT_EQ(kmamba::parse_matmul_precision(kmamba::matmul_precision_name(p)), p);
   }
   try {
@@ -221,14 +241,13 @@ TYPED_TEST(Gemm, RoundOperandRoundsToTheFormatsAsDocumented) {
 TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  struct Case { int m, n, k; float alpha, beta; };
   // The few-row paths (m = 1..4, and up to 16 on host backends) and the BLAS / cuBLAS path.
-  const Case cases[] = {{1, 70, 256, 1.0f, 0.0f}, {2, 9, 64, 0.5f, 1.0f}, {3, 33, 300, 1.0f, 0.0f},
-                        {4, 40, 128, -1.0f, 0.5f}, {13, 50, 200, 1.0f, 0.0f}, {64, 33, 96, 0.5f, 2.0f},
-                        {37, 130, 257, -1.0f, 1.0f}, {100, 64, 300, 1.0f, 0.0f}, {5, 7, 3, 1.0f, 0.0f}};
+  const GemmCase cases[] = {{1, 70, 256, 1.0f, 0.0f},    {2, 9, 64, 0.5f, 1.0f},     {3, 33, 300, 1.0f, 0.0f},
+                            {4, 40, 128, -1.0f, 0.5f},   {13, 50, 200, 1.0f, 0.0f},  {64, 33, 96, 0.5f, 2.0f},
+                            {37, 130, 257, -1.0f, 1.0f}, {100, 64, 300, 1.0f, 0.0f}, {5, 7, 3, 1.0f, 0.0f}};
   std::uint64_t seed = 500;
   for (const MatmulPrecision precision : {MatmulPrecision::BFloat16, MatmulPrecision::TensorFloat32}) {
-    for (const Case& c : cases) {
+    for (const GemmCase& c : cases) {
       for (int t = 0; t < 4; ++t) {
         const bool ta = t & 1, tb = t & 2;
         const std::string ctx = std::string(kmamba::matmul_precision_name(precision)) + " m=" + std::to_string(c.m) +
@@ -262,17 +281,17 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
             }
           return worst;
         };
-        const double worst = worst_against(reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision),
-                                                     rounded(b, precision), c.beta, c0));
+        const double worst = worst_against(
+            reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision), rounded(b, precision), c.beta, c0));
         if (vendor) {
           // cuBLAS's fast compute type permits the conversion, it does not prescribe it: on the H200
           // some shapes ran in full fp32 (m = 1), others on the tensor cores with a conversion that
           // is neither rounding to nearest nor toward zero of each operand. Its contract is the
           // bound against the exact products below; which arithmetic it chose is reported.
           std::printf("[ info ] cuBLAS %s: %s\n", ctx.c_str(),
-                      worst <= 1.0                    ? "operands rounded to nearest"
+                      worst <= 1.0                  ? "operands rounded to nearest"
                       : worst_against(exact) <= 1.0 ? "fp32 products"
-                                                      : "another conversion");
+                                                    : "another conversion");
         } else {
           EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag";
           // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
