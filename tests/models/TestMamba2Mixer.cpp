@@ -11,16 +11,17 @@
 //   observed on Serial/OpenMP);
 // - the finite differences themselves: steps 1e-5 and 2.5e-6 agree to 1e-7·(1 + |g|);
 // - a second backward adds the same gradients again: 1e-5.
-#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include "TestData.hpp"
 
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "Linear.hpp"
 #include "MixerChecks.hpp"
 #include "ModelConfigs.hpp"
 
@@ -126,13 +127,7 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
   const std::vector<double>& conv_w = w.at("conv1d.weight");
   const std::vector<double>& w_out = w.at("out_proj.weight");
   // in_proj: zxbcdt (rows, F) = [z (E) | xBC (E + 2GN) | dt (H)].
-  std::vector<double> zxbcdt(std::size_t(rows) * F);
-  for (int r = 0; r < rows; ++r)
-    for (int f = 0; f < F; ++f) {
-      double s = c.bias ? w.at("in_proj.bias")[f] : 0.0;
-      for (int k = 0; k < Dm; ++k) s += u[std::size_t(r) * Dm + k] * w_in[std::size_t(f) * Dm + k];
-      zxbcdt[std::size_t(r) * F + f] = s;
-    }
+  const std::vector<double> zxbcdt = linear(u, rows, Dm, w_in, F, c.bias ? &w.at("in_proj.bias") : nullptr);
   const auto at = [&](int b, int t, int f) { return zxbcdt[(std::size_t(b) * c.seqlen + t) * F + f]; };
   // Causal depthwise conv over the conv_dim channels of xBC, then SiLU.
   std::vector<double> xbc(std::size_t(rows) * CD);
@@ -192,14 +187,7 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
       }
     }
   // out_proj.
-  std::vector<double> out(std::size_t(rows) * Dm);
-  for (int r = 0; r < rows; ++r)
-    for (int m = 0; m < Dm; ++m) {
-      double s = c.bias ? w.at("out_proj.bias")[m] : 0.0;
-      for (int i = 0; i < E; ++i) s += normed[std::size_t(r) * E + i] * w_out[std::size_t(m) * E + i];
-      out[std::size_t(r) * Dm + m] = s;
-    }
-  return out;
+  return linear(normed, rows, E, w_out, Dm, c.bias ? &w.at("out_proj.bias") : nullptr);
 }
 
 // d(Σ out·dout)/d(every parameter, and "u") by central differences of the reference.
@@ -218,81 +206,35 @@ struct Harness : MixerHarness<Exec, kmamba::Mamba2Mixer<Exec>> {
 };
 
 std::vector<Case> forward_cases() {
-  std::vector<Case> cases;
   Case a;  // one group, seqlen not a multiple of the chunk
-  a.ngroups = 1;
-  a.seqlen = 13;
-  a.chunk = 4;
-  a.seed = 11;
-  cases.push_back(a);
+  std::tie(a.ngroups, a.seqlen, a.chunk, a.seed) = std::make_tuple(1, 13, 4, 11);
   Case b;  // two groups, norm before gate, no conv bias, linear biases
-  b.seqlen = 9;
-  b.chunk = 8;
-  b.conv_bias = false;
-  b.bias = true;
-  b.norm_before_gate = true;
-  b.seed = 12;
-  cases.push_back(b);
+  std::tie(b.seqlen, b.chunk, b.conv_bias, b.bias, b.norm_before_gate, b.seed) =
+      std::make_tuple(9, 8, false, true, true, 12);
   Case c;  // dt limits that clamp some tokens, a single short chunk
-  c.batch = 3;
-  c.seqlen = 5;
-  c.chunk = 16;
-  c.dt_limit_min = 0.1;
-  c.dt_limit_max = 0.4;
-  c.seed = 13;
-  cases.push_back(c);
+  std::tie(c.batch, c.seqlen, c.chunk, c.dt_limit_min, c.dt_limit_max, c.seed) =
+      std::make_tuple(3, 5, 16, 0.1, 0.4, 13);
   Case d;  // the golden model's mixer shape: 8 heads × 16, d_state 16, 2 groups, 37 tokens in chunks of 8
-  d.d_model = 64;
-  d.headdim = 16;
-  d.d_state = 16;
-  d.seqlen = 37;
-  d.chunk = 8;
-  d.seed = 14;
-  cases.push_back(d);
+  std::tie(d.d_model, d.headdim, d.d_state, d.seqlen, d.chunk, d.seed) = std::make_tuple(64, 16, 16, 37, 8, 14);
   Case e;  // one group, norm before gate, a width-2 conv, batch 1
-  e.ngroups = 1;
-  e.d_conv = 2;
-  e.norm_before_gate = true;
-  e.batch = 1;
-  e.seqlen = 6;
-  e.chunk = 4;
-  e.seed = 15;
-  cases.push_back(e);
-  Case f;  // the configuration's chunk (Mamba-2's 256) above ssd_preferred_chunk_size: computed in
-           // chunks of 64, three of them, the last partial
-  f.batch = 1;
-  f.seqlen = 150;
-  f.chunk = 256;
-  f.seed = 16;
-  cases.push_back(f);
-  return cases;
+  std::tie(e.ngroups, e.d_conv, e.norm_before_gate, e.batch, e.seqlen, e.chunk, e.seed) =
+      std::make_tuple(1, 2, true, 1, 6, 4, 15);
+  // The configuration's chunk (Mamba-2's 256) above ssd_preferred_chunk_size: computed in chunks of
+  // 64, three of them, the last partial.
+  Case f;
+  std::tie(f.batch, f.seqlen, f.chunk, f.seed) = std::make_tuple(1, 150, 256, 16);
+  return {a, b, c, d, e, f};
 }
 
 std::vector<Case> gradient_cases() {
-  std::vector<Case> cases;
   Case a;  // two groups, biases everywhere, three chunks (the last partial)
-  a.seqlen = 11;
-  a.chunk = 4;
-  a.bias = true;
-  a.seed = 21;
-  cases.push_back(a);
+  std::tie(a.seqlen, a.chunk, a.bias, a.seed) = std::make_tuple(11, 4, true, 21);
   Case b;  // one group, norm before gate, no conv bias, dt limits
-  b.ngroups = 1;
-  b.seqlen = 9;
-  b.chunk = 4;
-  b.conv_bias = false;
-  b.norm_before_gate = true;
-  b.dt_limit_min = 0.1;
-  b.dt_limit_max = 0.5;
-  b.seed = 22;
-  cases.push_back(b);
+  std::tie(b.ngroups, b.seqlen, b.chunk, b.conv_bias, b.norm_before_gate, b.dt_limit_min, b.dt_limit_max, b.seed) =
+      std::make_tuple(1, 9, 4, false, true, 0.1, 0.5, 22);
   Case c;  // a configured chunk of 256 computed in chunks of 64 (ssd_preferred_chunk_size)
-  c.batch = 1;
-  c.seqlen = 70;
-  c.chunk = 256;
-  c.seed = 23;
-  cases.push_back(c);
-  return cases;
+  std::tie(c.batch, c.seqlen, c.chunk, c.seed) = std::make_tuple(1, 70, 256, 23);
+  return {a, b, c};
 }
 
 template <class ExecSpace>
@@ -303,45 +245,19 @@ TYPED_TEST_SUITE(Mamba2Mixer, kmamba::test::Backends, kmamba::test::BackendNames
 // The reference itself.
 
 TEST(Mamba2MixerReference, FiniteDifferencesAreConverged) {
-  for (const Case& c : gradient_cases()) {
-    SCOPED_TRACE(c.describe());
-    const Problem P = make_problem(c);
-    expect_converged(ref_gradients(P, 1e-5), ref_gradients(P, 2.5e-6));
-  }
+  for_each_problem(gradient_cases(), make_problem,
+                   [&](const Problem& P) { expect_converged(ref_gradients(P, 1e-5), ref_gradients(P, 2.5e-6)); });
 }
 
 // ----------------------------------------------------------------------------------------------
 // Kernel against the reference.
 
 TYPED_TEST(Mamba2Mixer, ForwardMatchesReference) {
-  using Exec = TypeParam;
-  double worst = 0.0;
-  for (const Case& c : forward_cases()) {
-    SCOPED_TRACE(c.describe());
-    const Problem P = make_problem(c);
-    Harness<Exec> h(P);
-    const std::vector<double> ref = ref_forward(P, P.params, P.u);
-    worst = std::max(worst, expect_close("out", h.forward(true), ref, 1e-4));
-    worst = std::max(worst, expect_close("out (inference)", h.forward(false), ref, 1e-4));
-  }
-  std::printf("largest forward error relative to max|ref|: %.3g\n", worst);
+  expect_forward_matches_reference<Harness<TypeParam>>(forward_cases(), make_problem, ref_forward, 1e-4);
 }
 
 TYPED_TEST(Mamba2Mixer, BackwardMatchesReferenceGradients) {
-  using Exec = TypeParam;
-  double worst = 0.0;
-  for (const Case& c : gradient_cases()) {
-    SCOPED_TRACE(c.describe());
-    const Problem P = make_problem(c);
-    const Params ref = ref_gradients(P, 1e-5);
-    Harness<Exec> h(P);
-    h.forward(true);
-    worst = std::max(worst, expect_close("du", h.backward(), ref.at("u"), 1e-4));
-    for (const auto& entry : P.params) {
-      worst = std::max(worst, expect_close(entry.first, h.grad(entry.first), ref.at(entry.first), 1e-4));
-    }
-  }
-  std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
+  expect_backward_matches_reference<Harness<TypeParam>>(gradient_cases(), make_problem, ref_gradients, 1e-4);
 }
 
 // With bf16 matmul precision the mixer's SSD forward is the fused tensor-core one when its shape

@@ -11,13 +11,13 @@
 // - forward against the double reference: max|Δ| ≤ 1e-4·max|ref| [2.9e-7];
 // - gradients against central differences of the double reference (step 1e-5): 2e-4·max|ref| [2.9e-6];
 // - prefill/step against the forward: 1e-4·max|ref|; a second backward doubles the gradients: 1e-5.
-#include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba3Mixer.hpp>
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include "TestData.hpp"
 
 #include "Activations.hpp"
 #include "Backends.hpp"
@@ -179,7 +179,8 @@ std::vector<double> ref_forward(const Problem& P, const Params& w, const std::ve
           };
           normed(Bp + (r * G + g) * N, "B_norm.weight", "B_bias", k[r]);
           normed(Cp + (r * G + g) * N, "C_norm.weight", "C_bias", q[r]);
-          for (int p = 0; p < hd; ++p) vr[r][p] = x[h * hd + p] * (c.mimo ? param("mimo_x", (h * R + r) * hd + p) : 1.0);
+          for (int p = 0; p < hd; ++p)
+            vr[r][p] = x[h * hd + p] * (c.mimo ? param("mimo_x", (h * R + r) * hd + p) : 1.0);
         }
         for (int p = 0; p < hd; ++p)
           for (int n = 0; n < N; ++n) {
@@ -254,68 +255,29 @@ double expect_close_norm(const std::string& what, const std::vector<double>& ker
 }
 
 std::vector<Case> forward_cases() {
-  std::vector<Case> cases;
   Case a;  // SISO, one group, seqlen not a multiple of the chunk
-  a.ngroups = 1;
-  a.seqlen = 13;
-  a.seed = 11;
-  cases.push_back(a);
+  std::tie(a.ngroups, a.seqlen, a.seed) = std::make_tuple(1, 13, 11);
   Case b;  // SISO, two groups, rope_fraction 1, output norm, one partial chunk
-  b.rope_fraction = 1.0;
-  b.outproj_norm = true;
-  b.seqlen = 9;
-  b.chunk = 16;
-  b.seed = 12;
-  cases.push_back(b);
+  std::tie(b.rope_fraction, b.outproj_norm, b.seqlen, b.chunk, b.seed) = std::make_tuple(1.0, true, 9, 16, 12);
   Case c;  // MIMO rank 2, two groups, chunk 8 / 2
-  c.mimo = true;
-  c.seqlen = 11;
-  c.chunk = 8;
-  c.seed = 13;
-  cases.push_back(c);
+  std::tie(c.mimo, c.seqlen, c.chunk, c.seed) = std::make_tuple(true, 11, 8, 13);
   Case d;  // MIMO rank 4, rope_fraction 1, seqlen 1
-  d.mimo = true;
-  d.rank = 4;
-  d.rope_fraction = 1.0;
-  d.seqlen = 1;
-  d.batch = 3;
-  d.seed = 14;
-  cases.push_back(d);
+  std::tie(d.mimo, d.rank, d.rope_fraction, d.seqlen, d.batch, d.seed) = std::make_tuple(true, 4, 1.0, 1, 3, 14);
   Case e;  // MIMO rank 1, one group, batch 1
-  e.mimo = true;
-  e.rank = 1;
-  e.ngroups = 1;
-  e.batch = 1;
-  e.seqlen = 10;
-  e.seed = 15;
-  cases.push_back(e);
+  std::tie(e.mimo, e.rank, e.ngroups, e.batch, e.seqlen, e.seed) = std::make_tuple(true, 1, 1, 1, 10, 15);
   Case f;  // SISO seqlen 1, wider state
-  f.seqlen = 1;
-  f.d_state = 16;
-  f.seed = 16;
-  cases.push_back(f);
-  return cases;
+  std::tie(f.seqlen, f.d_state, f.seed) = std::make_tuple(1, 16, 16);
+  return {a, b, c, d, e, f};
 }
 
 std::vector<Case> gradient_cases() {
-  std::vector<Case> cases;
   Case a;  // SISO, two groups, output norm, three chunks (the last partial)
-  a.seqlen = 10;
-  a.outproj_norm = true;
-  a.seed = 21;
-  cases.push_back(a);
+  std::tie(a.seqlen, a.outproj_norm, a.seed) = std::make_tuple(10, true, 21);
   Case b;  // SISO, one group, rope_fraction 1, z gate
-  b.ngroups = 1;
-  b.rope_fraction = 1.0;
-  b.seqlen = 6;
-  b.seed = 22;
-  cases.push_back(b);
+  std::tie(b.ngroups, b.rope_fraction, b.seqlen, b.seed) = std::make_tuple(1, 1.0, 6, 22);
   Case c;  // MIMO rank 2, two groups
-  c.mimo = true;
-  c.seqlen = 7;
-  c.seed = 23;
-  cases.push_back(c);
-  return cases;
+  std::tie(c.mimo, c.seqlen, c.seed) = std::make_tuple(true, 7, 23);
+  return {a, b, c};
 }
 
 template <class ExecSpace>
@@ -393,7 +355,8 @@ TYPED_TEST(Mamba3Mixer, MatchesTheGoldenBlock) {
   double worst = expect_close_norm("out", h.forward(true), g.out, 1e-3);
   worst = std::max(worst, expect_close_norm("grad.u", h.backward(), g.grads.at("u"), 1e-3));
   for (const auto& entry : g.params) {
-    worst = std::max(worst, expect_close_norm("grad." + entry.first, h.grad(entry.first), g.grads.at(entry.first), 1e-3));
+    worst =
+        std::max(worst, expect_close_norm("grad." + entry.first, h.grad(entry.first), g.grads.at(entry.first), 1e-3));
   }
   std::printf("largest golden error ‖Δ‖/‖ref‖: %.3g\n", worst);
 }
@@ -409,34 +372,11 @@ TEST(Mamba3MixerReference, FiniteDifferencesAreConverged) {
 }
 
 TYPED_TEST(Mamba3Mixer, ForwardMatchesReference) {
-  using Exec = TypeParam;
-  double worst = 0.0;
-  for (const Case& c : forward_cases()) {
-    SCOPED_TRACE(c.describe());
-    const Problem P = make_problem(c);
-    Harness<Exec> h(P);
-    const std::vector<double> ref = ref_forward(P, P.params, P.u);
-    worst = std::max(worst, expect_close("out", h.forward(true), ref, 1e-4));
-    worst = std::max(worst, expect_close("out (inference)", h.forward(false), ref, 1e-4));
-  }
-  std::printf("largest forward error relative to max|ref|: %.3g\n", worst);
+  expect_forward_matches_reference<Harness<TypeParam>>(forward_cases(), make_problem, ref_forward, 1e-4);
 }
 
 TYPED_TEST(Mamba3Mixer, BackwardMatchesReferenceGradients) {
-  using Exec = TypeParam;
-  double worst = 0.0;
-  for (const Case& c : gradient_cases()) {
-    SCOPED_TRACE(c.describe());
-    const Problem P = make_problem(c);
-    const Params ref = ref_gradients(P, 1e-5);
-    Harness<Exec> h(P);
-    h.forward(true);
-    worst = std::max(worst, expect_close("du", h.backward(), ref.at("u"), 2e-4));
-    for (const auto& entry : P.params) {
-      worst = std::max(worst, expect_close(entry.first, h.grad(entry.first), ref.at(entry.first), 2e-4));
-    }
-  }
-  std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
+  expect_backward_matches_reference<Harness<TypeParam>>(gradient_cases(), make_problem, ref_gradients, 2e-4);
 }
 
 TYPED_TEST(Mamba3Mixer, BackwardAddsIntoTheGradients) {
@@ -478,7 +418,8 @@ TYPED_TEST(Mamba3Mixer, PrefillAndStepMatchTheForward) {
     std::vector<double> pieced(full.size(), std::numeric_limits<double>::quiet_NaN());
     auto cache = h.mixer.make_cache(c.batch);
     const auto run_prefill = [&](int begin, int end) {
-      const T3 u("kmamba::test::u_part", c.batch, end - begin, Dm), out("kmamba::test::out_part", c.batch, end - begin, Dm);
+      const T3 u("kmamba::test::u_part", c.batch, end - begin, Dm),
+          out("kmamba::test::out_part", c.batch, end - begin, Dm);
       auto uh = Kokkos::create_mirror_view(u);
       for (int b = 0; b < c.batch; ++b)
         for (int t = begin; t < end; ++t)
@@ -524,15 +465,18 @@ TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
 
   // Caches: another batch, another mixer's dimensions, a step of the wrong width.
   auto cache = h.mixer.make_cache(c.batch + 1);
-  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *cache); }, {"Mamba3Mixer::prefill", "3 sequences"});
+  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *cache); },
+                    {"Mamba3Mixer::prefill", "3 sequences"});
   Case mimo = c;
   mimo.mimo = true;
   const Problem Q = make_problem(mimo);
   kmamba::Mamba3Mixer<Exec> other(Q.cfg, prefix);
   auto other_cache = other.make_cache(c.batch);
-  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *other_cache); }, {"not made by a Mamba-3 mixer"});
+  expect_user_error([&] { h.mixer.prefill(Exec(), h.slab, h.u, h.out, *other_cache); },
+                    {"not made by a Mamba-3 mixer"});
   auto good_cache = h.mixer.make_cache(c.batch);
-  const T2 tok_wide("kmamba::test::tok_wide", c.batch, c.d_model + 1), tok_out("kmamba::test::tok_out", c.batch, c.d_model);
+  const T2 tok_wide("kmamba::test::tok_wide", c.batch, c.d_model + 1),
+      tok_out("kmamba::test::tok_out", c.batch, c.d_model);
   expect_user_error([&] { h.mixer.step(Exec(), h.slab, tok_wide, tok_out, *good_cache); },
                     {"Mamba3Mixer::step", "(batch, d_model)"});
   expect_user_error([&] { h.mixer.make_cache(0); }, {"batch must be at least 1"});

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <map>
@@ -65,6 +66,16 @@ inline NamedTensors central_differences(const ReferenceForward& forward, NamedTe
   return grads;
 }
 
+/// Calls check(make(c)) for each case c of `cases` (a struct with describe()), under a trace
+/// describing c.
+template <class Case, class Make, class Check>
+void for_each_problem(const std::vector<Case>& cases, const Make& make, const Check& check) {
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.describe());
+    check(make(c));
+  }
+}
+
 /// Expects two finite-difference gradients (steps h and h/4) to agree to 1e-7·(1 + |fine|) per value.
 inline void expect_converged(const NamedTensors& coarse, const NamedTensors& fine) {
   for (const auto& entry : coarse) {
@@ -93,6 +104,40 @@ inline double expect_close(const std::string& what, const std::vector<double>& k
   EXPECT_GT(max_ref, 0.0) << what << ": the reference is zero, the comparison proves nothing";
   EXPECT_LE(max_diff, tol * max_ref) << what << ": max|Δ| = " << max_diff << ", max|ref| = " << max_ref;
   return max_ref > 0.0 ? max_diff / max_ref : max_diff;
+}
+
+/// The forward of a mixer (Harness, built from each problem of `cases`), training and inference,
+/// within tol·max|ref| of ref_forward(P, P.params, P.u); prints the largest relative error.
+template <class Harness, class Case, class Make, class RefForward>
+void expect_forward_matches_reference(const std::vector<Case>& cases, const Make& make, const RefForward& ref_forward,
+                                      double tol) {
+  double worst = 0.0;
+  for_each_problem(cases, make, [&](const auto& P) {
+    Harness h(P);
+    const std::vector<double> ref = ref_forward(P, P.params, P.u);
+    worst = std::max(worst, expect_close("out", h.forward(true), ref, tol));
+    worst = std::max(worst, expect_close("out (inference)", h.forward(false), ref, tol));
+  });
+  std::printf("largest forward error relative to max|ref|: %.3g\n", worst);
+}
+
+/// The gradients of a mixer (Harness, after a training forward of each problem of `cases`), "u"
+/// and every parameter, within tol·max|ref| of ref_gradients(P, 1e-5); prints the largest relative
+/// error.
+template <class Harness, class Case, class Make, class RefGradients>
+void expect_backward_matches_reference(const std::vector<Case>& cases, const Make& make,
+                                       const RefGradients& ref_gradients, double tol) {
+  double worst = 0.0;
+  for_each_problem(cases, make, [&](const auto& P) {
+    const NamedTensors ref = ref_gradients(P, 1e-5);
+    Harness h(P);
+    h.forward(true);
+    worst = std::max(worst, expect_close("du", h.backward(), ref.at("u"), tol));
+    for (const auto& entry : P.params) {
+      worst = std::max(worst, expect_close(entry.first, h.grad(entry.first), ref.at(entry.first), tol));
+    }
+  });
+  std::printf("largest gradient error relative to max|ref|: %.3g\n", worst);
 }
 
 /// The values of the slab entry `name` in `storage` (the slab's parameters or gradients).
