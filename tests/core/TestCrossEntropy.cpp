@@ -2,6 +2,7 @@
 #include <kmamba/core/CrossEntropy.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -37,7 +38,9 @@ TYPED_TEST(CrossEntropy, LossAndGradientMatchDoubleReference) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   const std::int64_t ignore = -100;
-  struct Case { int rows, vocab; };
+  struct Case {
+    int rows, vocab;
+  };
   for (const Case c : {Case{1, 1}, Case{5, 7}, Case{37, 96}, Case{9, 1000}}) {
     SCOPED_TRACE("rows=" + std::to_string(c.rows) + " vocab=" + std::to_string(c.vocab));
     auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::logits", c.rows, c.vocab);
@@ -46,7 +49,8 @@ TYPED_TEST(CrossEntropy, LossAndGradientMatchDoubleReference) {
     auto targets_h = Kokkos::create_mirror_view(targets);
     std::vector<std::int64_t> t(static_cast<std::size_t>(c.rows));
     for (int r = 0; r < c.rows; ++r) {
-      t[static_cast<std::size_t>(r)] = (r % 4 == 3) ? ignore : static_cast<std::int64_t>(kmamba::uniform_at(9, r) * c.vocab);
+      t[static_cast<std::size_t>(r)] =
+          (r % 4 == 3) ? ignore : static_cast<std::int64_t>(kmamba::uniform_at(9, r) * c.vocab);
       targets_h(r) = t[static_cast<std::size_t>(r)];
     }
     Kokkos::deep_copy(targets, targets_h);
@@ -63,7 +67,8 @@ TYPED_TEST(CrossEntropy, LossAndGradientMatchDoubleReference) {
     EXPECT_NEAR(sum.mean(), ref, 1e-5 * (1.0 + std::fabs(ref)));
 
     // Gradient of the mean loss, checked by central differences of the double reference.
-    auto dlogits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dlogits", c.rows, c.vocab);
+    auto dlogits =
+        kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dlogits", c.rows, c.vocab);
     Kokkos::deep_copy(dlogits, std::numeric_limits<float>::quiet_NaN());
     const float scale = count ? 1.0f / static_cast<float>(count) : 0.0f;
     kmamba::cross_entropy_backward(Exec(), kmamba::ConstTensor2<float, Mem>(logits),
@@ -77,7 +82,8 @@ TYPED_TEST(CrossEntropy, LossAndGradientMatchDoubleReference) {
         lp[static_cast<std::size_t>(r) * c.vocab + v] += h;
         lm[static_cast<std::size_t>(r) * c.vocab + v] -= h;
         std::int64_t n1 = 0, n2 = 0;
-        const double fd = (reference_loss(lp, t, c.vocab, ignore, n1) - reference_loss(lm, t, c.vocab, ignore, n2)) / (2 * h);
+        const double fd =
+            (reference_loss(lp, t, c.vocab, ignore, n1) - reference_loss(lm, t, c.vocab, ignore, n2)) / (2 * h);
         ASSERT_NEAR(dh(r, v), fd, 1e-5 + 1e-4 * std::fabs(fd)) << "(" << r << ", " << v << ")";
       }
   }
@@ -87,23 +93,14 @@ TYPED_TEST(CrossEntropy, RejectsTargetsOutsideTheVocabulary) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   auto logits = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::logits", 4, 10);
-  auto targets = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::test::targets", 4);
-  auto th = Kokkos::create_mirror_view(targets);
-  th(0) = 3;
-  th(1) = -100;
-  th(2) = 10;
-  th(3) = -1;
-  Kokkos::deep_copy(targets, th);
+  const auto targets = kmamba::test::device_ids<Mem>("kmamba::test::targets", {3, -100, 10, -1});
   auto lse = kmamba::allocate<kmamba::Tensor1<float, Mem>>("kmamba::test::lse", 4);
-  try {
-    kmamba::cross_entropy_forward(Exec(), kmamba::ConstTensor2<float, Mem>(logits),
-                                  kmamba::ConstTensor1<std::int64_t, Mem>(targets), -100, lse);
-    FAIL() << "no exception";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "kmamba::cross_entropy_forward: 2 target id(s) are outside [0, 10) and not the ignore index -100; "
-              "the first is 10 at row 2");
-  }
+  EXPECT_EQ(kmamba::test::user_error([&] {
+              kmamba::cross_entropy_forward(Exec(), kmamba::ConstTensor2<float, Mem>(logits),
+                                            kmamba::ConstTensor1<std::int64_t, Mem>(targets), -100, lse);
+            }),
+            "kmamba::cross_entropy_forward: 2 target id(s) are outside [0, 10) and not the ignore index -100; "
+            "the first is 10 at row 2");
   auto short_lse = kmamba::allocate<kmamba::Tensor1<float, Mem>>("kmamba::test::lse3", 3);
   EXPECT_THROW(kmamba::cross_entropy_forward(Exec(), kmamba::ConstTensor2<float, Mem>(logits),
                                              kmamba::ConstTensor1<std::int64_t, Mem>(targets), -100, short_lse),

@@ -2,6 +2,7 @@
 #include <kmamba/core/Embedding.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -27,7 +28,8 @@ TYPED_TEST(Embedding, GathersRowsAndScatterAddsGradients) {
   Kokkos::deep_copy(ids, ids_h);
   auto out = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::out", tokens, dim);
   Kokkos::deep_copy(out, std::numeric_limits<float>::quiet_NaN());
-  kmamba::embedding_forward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids), kmamba::ConstTensor2<float, Mem>(table), out);
+  kmamba::embedding_forward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
+                            kmamba::ConstTensor2<float, Mem>(table), out);
   auto th = kmamba::test::to_host(table);
   auto oh = kmamba::test::to_host(out);
   for (int t = 0; t < tokens; ++t)
@@ -36,7 +38,8 @@ TYPED_TEST(Embedding, GathersRowsAndScatterAddsGradients) {
   auto dout = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dout", tokens, dim);
   kmamba::fill_normal(Exec(), dout, 4, 0.0f, 1.0f);
   auto dtable = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::dtable", vocab, dim);
-  kmamba::embedding_backward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids), kmamba::ConstTensor2<float, Mem>(dout), dtable);
+  kmamba::embedding_backward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
+                             kmamba::ConstTensor2<float, Mem>(dout), dtable);
   auto dh = kmamba::test::to_host(dout);
   auto gh = kmamba::test::to_host(dtable);
   std::vector<double> ref(static_cast<std::size_t>(vocab) * dim, 0.0);
@@ -51,19 +54,14 @@ TYPED_TEST(Embedding, RejectsIdsOutsideTheTable) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
   auto table = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::table", 10, 4);
-  auto ids = kmamba::allocate<kmamba::Tensor1<std::int64_t, Mem>>("kmamba::test::ids", 5);
-  auto ids_h = Kokkos::create_mirror_view(ids);
-  const std::int64_t values[] = {1, 9, -1, 10, 3};
-  for (int i = 0; i < 5; ++i) ids_h(i) = values[i];
-  Kokkos::deep_copy(ids, ids_h);
+  const auto ids = kmamba::test::device_ids<Mem>("kmamba::test::ids", {1, 9, -1, 10, 3});
   auto out = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::out", 5, 4);
-  try {
-    kmamba::embedding_forward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids), kmamba::ConstTensor2<float, Mem>(table), out);
-    FAIL() << "no exception";
-  } catch (const kmamba::UserError& e) {
-    EXPECT_EQ(std::string(e.what()), "kmamba::embedding_forward: 2 token id(s) are outside [0, 10), the rows of the "
-                                     "embedding table; the first is -1 at position 2");
-  }
+  EXPECT_EQ(kmamba::test::user_error([&] {
+              kmamba::embedding_forward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
+                                        kmamba::ConstTensor2<float, Mem>(table), out);
+            }),
+            "kmamba::embedding_forward: 2 token id(s) are outside [0, 10), the rows of the embedding table; the first "
+            "is -1 at position 2");
   auto wrong = kmamba::allocate<kmamba::Tensor2<float, Mem>>("kmamba::test::wrong", 5, 3);
   EXPECT_THROW(kmamba::embedding_forward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
                                          kmamba::ConstTensor2<float, Mem>(table), wrong),

@@ -9,12 +9,13 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
@@ -49,12 +50,22 @@ void upload(const View& view, const std::vector<double>& values) {
   Kokkos::deep_copy(view, h);
 }
 
+/// A new tensor (n) in `Mem` holding the token ids (or targets) `values`, in order.
+template <class Mem>
+kmamba::Tensor1<std::int64_t, Mem> device_ids(const std::string& label, const std::vector<std::int64_t>& values) {
+  auto ids = kmamba::allocate_uninitialized<kmamba::Tensor1<std::int64_t, Mem>>(label, values.size());
+  auto h = Kokkos::create_mirror_view(ids);
+  for (std::size_t i = 0; i < values.size(); ++i) h(i) = values[i];
+  Kokkos::deep_copy(ids, h);
+  return ids;
+}
+
 /// Fills an allocated view with NaN, so that an element a kernel fails to write fails the comparison.
 template <class View>
 void poison(const View& view) {
   if (view.is_allocated())
-    Kokkos::deep_copy(
-        view, kmamba::from_float<typename View::non_const_value_type>(std::numeric_limits<float>::quiet_NaN()));
+    Kokkos::deep_copy(view,
+                      kmamba::from_float<typename View::non_const_value_type>(std::numeric_limits<float>::quiet_NaN()));
 }
 
 /// A new view of the given extents, filled with NaN (poison).
