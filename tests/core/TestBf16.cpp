@@ -28,7 +28,7 @@ std::uint16_t reference_bf16(float value) {
   const std::uint32_t bits = to_bits(value);
   const std::uint16_t down = static_cast<std::uint16_t>(bits >> 16);  // truncation (toward zero)
   if ((bits & 0xffffu) == 0u) return down;
-  const std::uint16_t up = static_cast<std::uint16_t>(down + 1);      // next magnitude
+  const std::uint16_t up = static_cast<std::uint16_t>(down + 1);  // next magnitude
   const double dv = value;
   const double d_down = std::fabs(dv - static_cast<double>(kmamba::bf16_bits_to_float(down)));
   const double d_up_value = static_cast<double>(kmamba::bf16_bits_to_float(up));
@@ -91,9 +91,7 @@ struct ConvertOnDevice {
   }
 };
 
-template <class ExecSpace>
-class Bf16Backend : public ::testing::Test {};
-TYPED_TEST_SUITE(Bf16Backend, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Bf16Backend);
 
 TYPED_TEST(Bf16Backend, DeviceConversionEqualsHost) {
   using Exec = TypeParam;

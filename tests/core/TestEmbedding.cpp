@@ -12,9 +12,7 @@
 
 namespace {
 
-template <class ExecSpace>
-class Embedding : public ::testing::Test {};
-TYPED_TEST_SUITE(Embedding, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Embedding);
 
 TYPED_TEST(Embedding, GathersRowsAndScatterAddsGradients) {
   using Exec = TypeParam;

@@ -28,9 +28,7 @@ TEST(Philox, KnownAnswers) {
   EXPECT_EQ(r[3], 0x24126ea1u);
 }
 
-template <class ExecSpace>
-class RandomFill : public ::testing::Test {};
-TYPED_TEST_SUITE(RandomFill, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(RandomFill);
 
 TYPED_TEST(RandomFill, UniformDependsOnlyOnSeedAndFlatIndex) {
   using Exec = TypeParam;

@@ -1,7 +1,6 @@
 // One test body, instantiated per enabled backend:
 //
-//   template <class ExecSpace> class RandomTest : public ::testing::Test {};
-//   TYPED_TEST_SUITE(RandomTest, kmamba::test::Backends, kmamba::test::BackendNames);
+//   KMAMBA_BACKEND_TEST_SUITE(RandomTest);
 //   TYPED_TEST(RandomTest, FillsEveryElement) { using Exec = TypeParam; ... }
 //
 // Test names become RandomTest/Serial.FillsEveryElement, RandomTest/OpenMP..., RandomTest/Cuda...;
@@ -11,15 +10,14 @@
 
 #include <kmamba/Config.hpp>
 
-#include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
+#include <Kokkos_Core.hpp>
 
 #include <string>
 #include <type_traits>
 
 namespace kmamba {
 namespace test {
-
 
 using Backends = ::testing::Types<
 #if KMAMBA_HAS_SERIAL
@@ -57,6 +55,12 @@ constexpr double libm_relative_tolerance() {
   return 0.0;
 #endif
 }
+
+/// Declares the test suite `Suite` typed over the enabled backends (TypeParam: the execution space).
+#define KMAMBA_BACKEND_TEST_SUITE(Suite)   \
+  template <class ExecSpace>               \
+  class Suite : public ::testing::Test {}; \
+  TYPED_TEST_SUITE(Suite, kmamba::test::Backends, kmamba::test::BackendNames)
 
 /// Copies any view to a host mirror (for checking results).
 template <class ViewType>
