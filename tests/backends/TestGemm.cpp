@@ -34,9 +34,7 @@
 
 namespace {
 
-template <class ExecSpace>
-class Gemm : public ::testing::Test {};
-TYPED_TEST_SUITE(Gemm, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Gemm);
 
 // Reference in double: C = alpha · op(A) · op(B) + beta · C0 (C0 ignored when beta = 0).
 std::vector<double> reference(bool ta, bool tb, int m, int n, int k, double alpha, const std::vector<float>& A,

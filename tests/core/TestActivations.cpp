@@ -59,9 +59,7 @@ TEST(Activations, DerivativesMatchFiniteDifferences) {
   }
 }
 
-template <class ExecSpace>
-class Activations : public ::testing::Test {};
-TYPED_TEST_SUITE(Activations, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Activations);
 
 template <class Exec, class ViewType>
 void check_silu_ops(const ViewType& x, const ViewType& dy, const ViewType& y, const ViewType& dx) {

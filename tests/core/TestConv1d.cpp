@@ -233,9 +233,7 @@ TEST(Conv1dReference, GradientsMatchFiniteDifferences) {
 // ----------------------------------------------------------------------------------------------
 // Kernels against the reference, per backend.
 
-template <class ExecSpace>
-class Conv1d : public ::testing::Test {};
-TYPED_TEST_SUITE(Conv1d, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Conv1d);
 
 template <class Exec>
 struct DeviceInputs {

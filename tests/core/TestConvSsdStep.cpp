@@ -324,9 +324,7 @@ std::vector<Config> sweep() {
   return configs;
 }
 
-template <class ExecSpace>
-class ConvSsdStep : public ::testing::Test {};
-TYPED_TEST_SUITE(ConvSsdStep, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(ConvSsdStep);
 
 TYPED_TEST(ConvSsdStep, MatchesSequentialReference) {
   double worst = 0.0;

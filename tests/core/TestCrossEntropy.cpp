@@ -13,9 +13,7 @@
 
 namespace {
 
-template <class ExecSpace>
-class CrossEntropy : public ::testing::Test {};
-TYPED_TEST_SUITE(CrossEntropy, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(CrossEntropy);
 
 // Double reference: mean over counted rows of lse - logit[target].
 double reference_loss(const std::vector<double>& logits, const std::vector<std::int64_t>& targets, int vocab,

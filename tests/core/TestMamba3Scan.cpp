@@ -539,9 +539,7 @@ std::vector<Config> mimo_sweep() {
   return list;
 }
 
-template <class ExecSpace>
-class Mamba3Scan : public ::testing::Test {};
-TYPED_TEST_SUITE(Mamba3Scan, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Mamba3Scan);
 
 TYPED_TEST(Mamba3Scan, SisoMatchesReference) {
   worst() = Worst();

@@ -392,9 +392,7 @@ std::vector<Problem> sweep(Mode mode) {
   return problems;
 }
 
-template <class ExecSpace>
-class RmsNorm : public ::testing::Test {};
-TYPED_TEST_SUITE(RmsNorm, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(RmsNorm);
 
 TYPED_TEST(RmsNorm, PlainMatchesReference) {
   std::uint64_t seed = 1;

@@ -395,9 +395,7 @@ TEST(SelectiveScanReference, BackwardMatchesFiniteDifferences) {
 // ----------------------------------------------------------------------------------------------
 // Kernels, per backend.
 
-template <class ExecSpace>
-class SelectiveScan : public ::testing::Test {};
-TYPED_TEST_SUITE(SelectiveScan, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(SelectiveScan);
 
 TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
   using Exec = TypeParam;

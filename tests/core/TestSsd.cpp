@@ -381,9 +381,7 @@ TEST(SsdReference, BackwardMatchesFiniteDifferences) {
 // ----------------------------------------------------------------------------------------------
 // Kernels.
 
-template <class ExecSpace>
-class Ssd : public ::testing::Test {};
-TYPED_TEST_SUITE(Ssd, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Ssd);
 
 TYPED_TEST(Ssd, ForwardAndBackwardMatchReference) {
   for (const Config& cfg : sweep()) check_against_reference<TypeParam>(cfg);

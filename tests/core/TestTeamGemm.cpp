@@ -152,9 +152,7 @@ void check_product(int m, int n, int k, bool plan_shape) {
   EXPECT_EQ(wrong_values, 0) << ctx << ": outputs off the reference";
 }
 
-template <class ExecSpace>
-class TeamGemmTest : public ::testing::Test {};
-TYPED_TEST_SUITE(TeamGemmTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(TeamGemmTest);
 
 constexpr int shapes[][3] = {{1, 1, 1},   {3, 5, 7},     {64, 64, 16},  {64, 128, 256}, {65, 129, 17},
                              {130, 257, 33}, {17, 64, 300}, {64, 65, 1}, {5, 3, 0},     {200, 40, 48}};

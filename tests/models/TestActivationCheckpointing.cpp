@@ -52,9 +52,7 @@ class PeakMemory {
   std::int64_t peak() const { return peak_bytes; }
 };
 
-template <class Exec>
-class ActivationCheckpointingTest : public ::testing::Test {};
-TYPED_TEST_SUITE(ActivationCheckpointingTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(ActivationCheckpointingTest);
 
 kmamba::ModelConfig small_config(kmamba::MixerKind mixer) {
   return kmamba::test::model_config(mixer, {64, 6, 96, 16, 16, 32, 2});

@@ -181,9 +181,7 @@ void check_mixer_recurrence(const kmamba::ModelConfig& config, int batch, int se
               kmamba::mixer_name(config.mixer), Exec::name(), prefill_then_steps, two_segments, steps_only);
 }
 
-template <class Exec>
-class DecodeTest : public ::testing::Test {};
-TYPED_TEST_SUITE(DecodeTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(DecodeTest);
 
 TYPED_TEST(DecodeTest, Mamba2MixerStepsMatchForward) {
   check_mixer_recurrence<TypeParam>(small_mamba2_config(false, false), 2, 11, 5);

@@ -76,9 +76,7 @@ void check_golden(const std::string& model_name) {
   EXPECT_NEAR(model.loss(exec, ids, targets).loss, loss.loss, 1e-6 * std::abs(loss.loss));
 }
 
-template <class Exec>
-class LanguageModelTest : public ::testing::Test {};
-TYPED_TEST_SUITE(LanguageModelTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(LanguageModelTest);
 
 TYPED_TEST(LanguageModelTest, ReproducesGoldenMamba1) { check_golden<TypeParam>("tiny_mamba1"); }
 

@@ -426,9 +426,7 @@ TEST(Mamba1Reference, LanguageModelReproducesGoldenLogits) {
 // ----------------------------------------------------------------------------------------------
 // The kernels.
 
-template <class ExecSpace>
-class Mamba1Mixer : public ::testing::Test {};
-TYPED_TEST_SUITE(Mamba1Mixer, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Mamba1Mixer);
 
 const std::string test_prefix = "backbone.layers.3.mixer.";
 

@@ -237,9 +237,7 @@ std::vector<Case> gradient_cases() {
   return {a, b, c};
 }
 
-template <class ExecSpace>
-class Mamba2Mixer : public ::testing::Test {};
-TYPED_TEST_SUITE(Mamba2Mixer, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Mamba2Mixer);
 
 // ----------------------------------------------------------------------------------------------
 // The reference itself.

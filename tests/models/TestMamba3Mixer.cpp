@@ -280,9 +280,7 @@ std::vector<Case> gradient_cases() {
   return {a, b, c};
 }
 
-template <class ExecSpace>
-class Mamba3Mixer : public ::testing::Test {};
-TYPED_TEST_SUITE(Mamba3Mixer, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Mamba3Mixer);
 
 // ----------------------------------------------------------------------------------------------
 // The golden file.

@@ -41,9 +41,7 @@ namespace {
 using namespace kmamba::test;
 using kmamba::MatmulPrecision;
 
-template <class ExecSpace>
-class MatmulPrecisionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(MatmulPrecisionTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(MatmulPrecisionTest);
 
 kmamba::ModelConfig small_config(kmamba::MixerKind mixer) { return model_config(mixer, {32, 2, 48, 8, 8, 8}); }
 

@@ -11,9 +11,7 @@
 
 namespace {
 
-template <class ExecSpace>
-class Optimizer : public ::testing::Test {};
-TYPED_TEST_SUITE(Optimizer, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Optimizer);
 
 TYPED_TEST(Optimizer, SlabPutsDecayedParametersFirstAndViewsAliasIt) {
   using Mem = typename TypeParam::memory_space;

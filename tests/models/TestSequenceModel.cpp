@@ -62,9 +62,7 @@ const kmamba::MixerKind kinds[] = {kmamba::MixerKind::Mamba1, kmamba::MixerKind:
 
 }  // namespace
 
-template <class ExecSpace>
-class SequenceModelTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SequenceModelTest, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(SequenceModelTest);
 
 TYPED_TEST(SequenceModelTest, GradientsMatchFiniteDifferences) {
   using Exec = TypeParam;

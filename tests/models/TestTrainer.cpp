@@ -22,9 +22,7 @@
 namespace {
 
 using namespace kmamba::test;
-template <class ExecSpace>
-class Trainer : public ::testing::Test {};
-TYPED_TEST_SUITE(Trainer, kmamba::test::Backends, kmamba::test::BackendNames);
+KMAMBA_BACKEND_TEST_SUITE(Trainer);
 
 // A Mamba-2 small enough to train a few steps in a test.
 kmamba::ModelConfig tiny_config() {
