@@ -2,6 +2,7 @@
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Json.hpp>
+#include <kmamba/parallel/Communicator.hpp>
 
 #include <climits>
 #include <utility>
