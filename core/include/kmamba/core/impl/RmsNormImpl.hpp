@@ -74,6 +74,9 @@ KOKKOS_INLINE_FUNCTION typename RstdView::reference_type rms_norm_rstd_at(const 
 /// Rows a backward team works on at once (one per team thread).
 constexpr int rms_norm_backward_threads = 4;
 
+/// Threads of a device forward team when there are more rows than the device holds teams at once.
+constexpr int rms_norm_forward_rows_team = 128;
+
 /// Rows each backward team handles: at least `min_rows`, and at most `max_blocks` blocks in all
 /// (which bounds the atomic additions into dweight to max_blocks per element).
 inline int rms_norm_rows_per_block(int rows, std::int64_t max_blocks) {
@@ -289,11 +292,15 @@ void rms_norm_launch_forward(const ExecutionSpace& exec, const char* label, int 
   if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename ExecutionSpace::memory_space>::accessible) {
     Kokkos::parallel_for(label, light_weight(Policy(exec, league, Kokkos::AUTO)), functor);
   } else {
-    // A device team of about one thread per two channels: the automatic team (64 threads) would
-    // walk a 1536-channel row in 24 dependent loads per thread, which a decode step's single row
-    // waits for in full.
+    // Few rows (a decode step's): a team of about one thread per two channels, since the
+    // automatic team (64 threads) would walk a 1536-channel row in 24 dependent loads per thread,
+    // which the single row waits for in full. More rows than the device holds teams of
+    // rms_norm_forward_rows_team threads: teams of that size, whose reduction over a few warps
+    // costs little beside the row's loads (a team of hundreds of threads spends most of its
+    // instructions in the reduction's barriers, and the device runs out of work to overlap).
     const int max_team = Policy(exec, league, 1).team_size_max(functor, Kokkos::ParallelForTag());
-    const int wanted = std::max(32, (group_size / 2 + 31) / 32 * 32);
+    const bool many_rows = league >= exec.concurrency() / rms_norm_forward_rows_team;
+    const int wanted = many_rows ? rms_norm_forward_rows_team : std::max(32, (group_size / 2 + 31) / 32 * 32);
     Kokkos::parallel_for(label, light_weight(Policy(exec, league, std::max(1, std::min(max_team, wanted)))), functor);
   }
 }
