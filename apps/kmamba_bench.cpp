@@ -102,10 +102,11 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App cli{"Runs kmamba's kernels on each execution space of this build (Cuda, OpenMP, Serial), checks\n"
-               "their results against the host and prints time, bandwidth and the check. Exit status: 0 all\n"
-               "checks passed, 1 a check failed, 2 a bad option.",
-               "kmamba-bench"};
+  CLI::App cli{
+      "Runs kmamba's kernels on each execution space of this build (Cuda, OpenMP, Serial), checks\n"
+      "their results against the host and prints time, bandwidth and the check. Exit status: 0 all\n"
+      "checks passed, 1 a check failed, 2 a bad option.",
+      "kmamba-bench"};
   kmamba::app::configure(cli);
   Options o;
   declare(cli, o);

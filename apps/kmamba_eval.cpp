@@ -2,7 +2,8 @@
 // against the reference implementation.
 //
 //   kmamba-eval --model DIR --input IN.safetensors --output OUT.safetensors [--grads] [--check TOL]
-//   kmamba-eval --op ssd|selective_scan|mamba3_siso|mamba3_mimo|mamba3_mixer --input IN.safetensors --output OUT.safetensors
+//   kmamba-eval --op ssd|selective_scan|mamba3_siso|mamba3_mimo|mamba3_mixer --input IN.safetensors --output
+//   OUT.safetensors
 //               [--check TOL]
 #include <kmamba/KMamba.hpp>
 #include <kmamba/models/Mamba3Mixer.hpp>
@@ -242,7 +243,9 @@ void run_mamba3_mixer(const Options& o, const kmamba::SafeTensorsReader& in, kma
   kmamba::ModelConfig c;
   c.mixer = kmamba::MixerKind::Mamba3;
   c.n_layer = 1;
-  const auto integer = [&](const char* key, double fallback) { return static_cast<int>(in.config_number(key, fallback)); };
+  const auto integer = [&](const char* key, double fallback) {
+    return static_cast<int>(in.config_number(key, fallback));
+  };
   c.d_model = integer("d_model", 0);
   c.d_state = integer("d_state", 128);
   c.expand = integer("expand", 2);
@@ -294,7 +297,9 @@ void require_finite_parameters(const Model& model, const std::string& dir) {
   for (const auto& entry : slab.entries()) {
     std::size_t count = 0;
     for (std::size_t i = 0; i < entry.size; ++i) count += std::isfinite(params(entry.offset + i)) ? 0 : 1;
-    if (count > 0) bad += (bad.empty() ? "" : ", ") + entry.name + " (" + std::to_string(count) + " of " + std::to_string(entry.size) + ")";
+    if (count > 0)
+      bad += (bad.empty() ? "" : ", ") + entry.name + " (" + std::to_string(count) + " of " +
+             std::to_string(entry.size) + ")";
   }
   KMAMBA_REQUIRE(bad.empty(), "kmamba-eval: the checkpoint '" << dir << "' holds non-finite parameters: " << bad);
 }
@@ -306,9 +311,9 @@ void run_model(const Options& o, const kmamba::SafeTensorsReader& in, kmamba::Sa
   auto model = kmamba::LanguageModel<Exec>::load(o.model);
   require_finite_parameters(model, o.model);
   const I2 ids = kmamba::read_view<I2>(in, "input_ids");
-  KMAMBA_REQUIRE(ids.extent(1) >= 2, "kmamba-eval: input_ids of '" << o.input << "' has shape "
-                                                                   << kmamba::shape_of(ids).to_string()
-                                                                   << "; (batch, seqlen) with seqlen >= 2 is needed for a loss");
+  KMAMBA_REQUIRE(ids.extent(1) >= 2, "kmamba-eval: input_ids of '"
+                                         << o.input << "' has shape " << kmamba::shape_of(ids).to_string()
+                                         << "; (batch, seqlen) with seqlen >= 2 is needed for a loss");
   const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids));
   auto logits = kmamba::allocate_uninitialized<T3>("kmamba::eval::logits", ids.extent(0), ids.extent(1),
                                                    model.config().vocab_size);
@@ -412,7 +417,10 @@ void declare(CLI::App& cli, Options& o) {
   for (const auto& op : ops()) op_names.push_back(op.first);
   const char* io = "what to run";
   cli.add_option("--model", o.model, "the checkpoint directory to evaluate")->type_name("DIR")->group(io);
-  cli.add_option("--op", o.op, "the op to run (see ops below)")->type_name("NAME")->check(kmamba::app::one_of(op_names))->group(io);
+  cli.add_option("--op", o.op, "the op to run (see ops below)")
+      ->type_name("NAME")
+      ->check(kmamba::app::one_of(op_names))
+      ->group(io);
   cli.add_option("--input", o.input, "the input tensors (required)")->type_name("IN.safetensors")->group(io);
   cli.add_option("--output", o.output, "where the outputs go (required)")->type_name("OUT.safetensors")->group(io);
   const char* options = "options";
@@ -429,7 +437,8 @@ void declare(CLI::App& cli, Options& o) {
 }
 
 void validate(const Options& o) {
-  KMAMBA_REQUIRE(o.op.empty() != o.model.empty(), "kmamba-eval: give exactly one of --model DIR and --op NAME (see --help)");
+  KMAMBA_REQUIRE(o.op.empty() != o.model.empty(),
+                 "kmamba-eval: give exactly one of --model DIR and --op NAME (see --help)");
   KMAMBA_REQUIRE(!o.input.empty() && !o.output.empty(), "kmamba-eval: --input and --output are required (see --help)");
   KMAMBA_REQUIRE(!o.grads || !o.model.empty(), "kmamba-eval: --grads applies to --model only");
 }
@@ -441,7 +450,9 @@ std::string non_finite_outputs(const kmamba::SafeTensorsReader& written) {
     if (written.info(name).dtype != kmamba::DType::F32) continue;
     const std::vector<float> values = written.read_f32(name);
     const auto count = std::count_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
-    if (count > 0) bad += (bad.empty() ? "" : ", ") + name + " (" + std::to_string(count) + " of " + std::to_string(values.size()) + ")";
+    if (count > 0)
+      bad += (bad.empty() ? "" : ", ") + name + " (" + std::to_string(count) + " of " + std::to_string(values.size()) +
+             ")";
   }
   return bad;
 }

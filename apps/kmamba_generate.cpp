@@ -70,7 +70,8 @@ void declare_sampling(CLI::App& cli, Options& o) {
   kmamba::app::add_integer(cli, "--max-new-tokens", o.max_new_tokens, 0, 1000000000,
                            "tokens to generate per prompt at most (default 128)")
       ->group(sampling);
-  cli.add_flag_callback("--greedy", [&c] { c.temperature = 0.0f; }, "greedy decoding (same as --temperature 0)")
+  cli.add_flag_callback(
+         "--greedy", [&c] { c.temperature = 0.0f; }, "greedy decoding (same as --temperature 0)")
       ->group(sampling);
   kmamba::app::add_number(cli, "--temperature", c.temperature, 0.0, 1e6, kmamba::app::Ends::Closed,
                           "softmax temperature, 0 = greedy (default 1)")
@@ -102,7 +103,8 @@ void declare_sampling(CLI::App& cli, Options& o) {
 void declare_output(CLI::App& cli, Options& o) {
   const char* output = "output";
   cli.add_flag("--ids", o.ids, "print token ids instead of text")->group(output);
-  cli.add_flag_callback("--no-echo", [&o] { o.echo = false; }, "do not print the prompt before its continuation")
+  cli.add_flag_callback(
+         "--no-echo", [&o] { o.echo = false; }, "do not print the prompt before its continuation")
       ->group(output);
   cli.add_option("--output", o.output, "also write one JSON object per prompt (prompt, completion, token ids)")
       ->type_name("FILE")
@@ -113,7 +115,8 @@ void declare_output(CLI::App& cli, Options& o) {
 
 void validate(const CLI::App& cli, const Options& o) {
   KMAMBA_REQUIRE(!o.model.empty(), "kmamba-generate: --model DIR is required (see --help)");
-  const int sources = int(cli.count("--prompt") > 0) + int(cli.count("--prompt-ids") > 0) + int(cli.count("--batch-file") > 0);
+  const int sources =
+      int(cli.count("--prompt") > 0) + int(cli.count("--prompt-ids") > 0) + int(cli.count("--batch-file") > 0);
   KMAMBA_REQUIRE(sources == 1, "kmamba-generate: give exactly one of --prompt, --prompt-ids and --batch-file (got "
                                    << sources << ")");
   o.sampling.validate();
@@ -146,12 +149,11 @@ std::vector<Prompt> read_prompts(const Options& o, const kmamba::Tokenizer& toke
     KMAMBA_REQUIRE(!prompts[p].ids.empty(), "kmamba-generate: prompt " << p << " is empty after tokenization");
     for (const std::int64_t id : prompts[p].ids) {
       KMAMBA_REQUIRE(id >= 0 && id < vocab,
-                     "kmamba-generate: prompt " << p << " has token id " << id << ", outside the model's vocabulary [0, "
-                                                << vocab << ")"
-                                                << (prompts[p].text.empty()
-                                                        ? ""
-                                                        : "; the tokenizer does not match the model: pass --tokenizer "
-                                                          "or --prompt-ids"));
+                     "kmamba-generate: prompt "
+                         << p << " has token id " << id << ", outside the model's vocabulary [0, " << vocab << ")"
+                         << (prompts[p].text.empty() ? ""
+                                                     : "; the tokenizer does not match the model: pass --tokenizer "
+                                                       "or --prompt-ids"));
     }
   }
   return prompts;

@@ -39,23 +39,23 @@ namespace {
 using Exec = Kokkos::DefaultExecutionSpace;
 using Mem = Exec::memory_space;
 
-constexpr int variables = 40;             // Lorenz-96 state size
+constexpr int variables = 40;  // Lorenz-96 state size
 constexpr double forcing = 8.0;
-constexpr double dt = 0.01;               // RK4 step
-constexpr int substeps = 5;               // RK4 steps per sample
+constexpr double dt = 0.01;  // RK4 step
+constexpr int substeps = 5;  // RK4 steps per sample
 constexpr double sample_interval = dt * substeps;
 constexpr double lyapunov_exponent = 1.68;  // leading exponent of Lorenz-96, N = 40, F = 8
 const double lyapunov_time = 1.0 / lyapunov_exponent;
 
 struct Options {
   int train_steps = 300;
-  int batch = 8;               // windows per rank and step
+  int batch = 8;  // windows per rank and step
   int seqlen = 64;
-  int trajectories = 8;        // training trajectories
-  int samples = 2500;          // samples per training trajectory
-  int forecasts = 16;          // new initial conditions
-  int history = 32;            // observed samples before each forecast
-  double horizon = 5.0;        // forecast length in Lyapunov times
+  int trajectories = 8;  // training trajectories
+  int samples = 2500;    // samples per training trajectory
+  int forecasts = 16;    // new initial conditions
+  int history = 32;      // observed samples before each forecast
+  double horizon = 5.0;  // forecast length in Lyapunov times
   int d_model = 64;
   int n_layer = 2;
   double lr = 1e-2;
@@ -78,7 +78,8 @@ void declare(CLI::App& cli, Options& o) {
   count("--batch", o.batch, 1, "training windows per rank and step (default 8)");
   count("--seqlen", o.seqlen, 2, "samples per training window (default 64)");
   count("--trajectories", o.trajectories, 1, "training trajectories (default 8)");
-  count("--samples", o.samples, 8, "samples per training trajectory, 0.05 time units apart, more than --seqlen (default 2500)");
+  count("--samples", o.samples, 8,
+        "samples per training trajectory, 0.05 time units apart, more than --seqlen (default 2500)");
   count("--forecasts", o.forecasts, 1, "forecasts from new initial conditions (default 16)");
   count("--history", o.history, 1, "observed samples fed before each forecast (default 32)");
   kmamba::app::add_number(cli, "--horizon", o.horizon, 0, 1000, kmamba::app::Ends::LowOpen,
@@ -96,8 +97,8 @@ void declare(CLI::App& cli, Options& o) {
 }
 
 void validate(const Options& o) {
-  KMAMBA_REQUIRE(o.samples > o.seqlen, "kmamba-lorenz96: --samples (" << o.samples << ") must exceed --seqlen ("
-                                                                     << o.seqlen << ")");
+  KMAMBA_REQUIRE(o.samples > o.seqlen,
+                 "kmamba-lorenz96: --samples (" << o.samples << ") must exceed --seqlen (" << o.seqlen << ")");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -163,9 +164,9 @@ Kokkos::View<double***, Kokkos::LayoutRight, Mem> integrate(const Exec& exec, in
 /// Training windows: inputs(b, s, :) = normalised state at offsets(b) + s of trajectory
 /// members(b), targets(b, s, :) = normalised increment to the next sample.
 struct MakeWindows {
-  Kokkos::View<float***, Kokkos::LayoutRight, Mem> inputs, targets;         // (batch, seqlen, variables)
-  Kokkos::View<const double***, Kokkos::LayoutRight, Mem> trajectories;     // (members, samples, variables)
-  Kokkos::View<const int**, Kokkos::LayoutRight, Mem> starts;               // (batch, 2): member, offset
+  Kokkos::View<float***, Kokkos::LayoutRight, Mem> inputs, targets;      // (batch, seqlen, variables)
+  Kokkos::View<const double***, Kokkos::LayoutRight, Mem> trajectories;  // (members, samples, variables)
+  Kokkos::View<const int**, Kokkos::LayoutRight, Mem> starts;            // (batch, 2): member, offset
   double mean, scale, increment_scale;
   KOKKOS_INLINE_FUNCTION void operator()(const int b, const int s, const int i) const {
     const int m = starts(b, 0), t = starts(b, 1) + s;
@@ -228,10 +229,11 @@ Simulation simulate(const Exec& exec, const Options& o, bool root) {
   if (root) {
     std::printf("Lorenz-96: %d variables, F = %g, RK4 dt = %g, sampled every %g (Lyapunov time %.3f = %.1f samples)\n",
                 variables, forcing, dt, sample_interval, lyapunov_time, lyapunov_time / sample_interval);
-    std::printf("simulated %d training trajectories x %d samples and %d forecast cases in %.2f s "
-                "(mean %.3f, std %.3f, increment std %.3f)\n",
-                o.trajectories, o.samples, o.forecasts, seconds_since(start), sim.stats.mean, sim.stats.scale,
-                sim.stats.increment_scale);
+    std::printf(
+        "simulated %d training trajectories x %d samples and %d forecast cases in %.2f s "
+        "(mean %.3f, std %.3f, increment std %.3f)\n",
+        o.trajectories, o.samples, o.forecasts, seconds_since(start), sim.stats.mean, sim.stats.scale,
+        sim.stats.increment_scale);
   }
   return sim;
 }
@@ -261,8 +263,9 @@ kmamba::Model<Exec> make_surrogate(const Options& o, const kmamba::app::Runtime&
 #endif
   if (runtime.root()) {
     const auto parameters = static_cast<long long>(model.sequence_model().parameters().size());
-    std::printf("surrogate: Mamba-2, d_model %d, %d layers, %lld parameters; %d steps of %d x %d windows on %d rank(s)\n",
-                o.d_model, o.n_layer, parameters, o.train_steps, o.batch * runtime.size(), o.seqlen, runtime.size());
+    std::printf(
+        "surrogate: Mamba-2, d_model %d, %d layers, %lld parameters; %d steps of %d x %d windows on %d rank(s)\n",
+        o.d_model, o.n_layer, parameters, o.train_steps, o.batch * runtime.size(), o.seqlen, runtime.size());
   }
   return model;
 }
@@ -322,7 +325,7 @@ Forecasts forecast(const Exec& exec, const Options& o, const Simulation& sim, km
   kmamba::Session<Exec> session = model.session(streams);
   Kokkos::View<float***, Kokkos::LayoutRight, Mem> history("kmamba::lorenz96::history", streams, o.history, variables);
   Kokkos::View<float***, Kokkos::LayoutRight, Mem> history_out("kmamba::lorenz96::history_out", streams, o.history,
-                                                                variables);
+                                                               variables);
   auto host_history = Kokkos::create_mirror_view(history);
   for (int s = 0; s < streams; ++s)
     for (int t = 0; t < o.history; ++t)
@@ -358,7 +361,8 @@ Forecasts forecast(const Exec& exec, const Options& o, const Simulation& sim, km
     f.sample_forecast.push_back(state[0]);
     if (k == sim.lead_steps) break;
     for (int s = 0; s < streams; ++s)
-      for (int i = 0; i < variables; ++i) host_x(s, i) = static_cast<float>((state[at(s, i)] - stats.mean) / stats.scale);
+      for (int i = 0; i < variables; ++i)
+        host_x(s, i) = static_cast<float>((state[at(s, i)] - stats.mean) / stats.scale);
     Kokkos::deep_copy(exec, x_t, host_x);
     session.step(exec, x_t, y_t);
     Kokkos::deep_copy(exec, host_y, y_t);
@@ -395,7 +399,8 @@ void print_table(const Options& o, const Forecasts& f) {
   for (int k = 1; k <= lead_steps; ++k) {
     if (k > 1 && lead_in_lyapunov(k) + 1e-9 < next_row && k != lead_steps) continue;
     std::printf("  %21.2f  %11.2f  %9.3f  %11.3f\n", lead_in_lyapunov(k), k * sample_interval,
-                f.surrogate_error[static_cast<std::size_t>(k - 1)], f.persistence_error[static_cast<std::size_t>(k - 1)]);
+                f.surrogate_error[static_cast<std::size_t>(k - 1)],
+                f.persistence_error[static_cast<std::size_t>(k - 1)]);
     while (next_row <= lead_in_lyapunov(k) + 1e-9) next_row += 0.25;
   }
   std::printf("\nmean error per Lyapunov time:\n  window          surrogate  persistence\n");
@@ -409,7 +414,8 @@ void plot(const Options& o, const Forecasts& f) {
   std::filesystem::create_directories(o.out);
   std::vector<double> leads;
   for (int k = 1; k <= static_cast<int>(f.surrogate_error.size()); ++k) leads.push_back(lead_in_lyapunov(k));
-  kmamba::app::Panel error{"forecast error rmse / std", false,
+  kmamba::app::Panel error{"forecast error rmse / std",
+                           false,
                            {{"surrogate", {31, 119, 180}, leads, f.surrogate_error, false},
                             {"persistence", {214, 39, 40}, leads, f.persistence_error, false}}};
   kmamba::app::Panel sample{"forecast 0 variable 0",

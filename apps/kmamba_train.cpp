@@ -76,7 +76,6 @@ std::string rate(double tokens_per_second) {
   return format("%.0f", tokens_per_second);
 }
 
-
 // A line of metrics.jsonl as a record Metrics::append takes (an object with an integer "step", a
 // string "type", and numbers "loss" and "accuracy" when the type is "train" or "eval"), or null.
 json parse_record(const std::string& line) {
@@ -205,10 +204,8 @@ class Metrics {
   std::vector<double> train_steps_, train_loss_, train_ema_, train_accuracy_, eval_steps_, eval_loss_, eval_accuracy_;
 };
 
-
 // ---------------------------------------------------------------------------------------------
 // The run.
-
 
 std::shared_ptr<const kmamba::Dataset> make_data(Run& r) {
   if (r.kind == Run::Kind::Recall) return std::make_shared<kmamba::AssociativeRecallTask>(r.recall);
@@ -267,7 +264,6 @@ class Console {
   bool progress_line_open = false;  // a \r-updated line is on the terminal without its newline
 };
 
-
 // The model's architecture: the checkpoint's when resuming (options given now must agree with it),
 // else --model's, else the options'.
 kmamba::ModelConfig architecture(const Run& r) {
@@ -286,7 +282,7 @@ struct Parallel {
 #if KMAMBA_ENABLE_MPI
   std::unique_ptr<kmamba::ProcessMesh> mesh;
 #endif
-  bool root = true;   // world rank 0: prints and writes
+  bool root = true;    // world rank 0: prints and writes
   bool split = false;  // the model is sharded over tensor or sequence ranks
 };
 
@@ -312,9 +308,9 @@ Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const km
 #else
   (void)config;
   (void)runtime;
-  KMAMBA_REQUIRE(r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 &&
-                     r.mesh.data_parallel_size <= 1,
-                 "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
+  KMAMBA_REQUIRE(
+      r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 && r.mesh.data_parallel_size <= 1,
+      "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
 #endif
   return p;
 }
@@ -421,9 +417,10 @@ class TrainingLoop {
   void print_end(bool interrupted) const {
     const long long steps = static_cast<long long>(trainer_.steps_taken());
     if (interrupted) {
-      std::printf("kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: "
-                  "kmamba-train --resume --out %s\n",
-                  steps, static_cast<long long>(r_.train.total_steps), r_.checkpoint().c_str(), r_.out.c_str());
+      std::printf(
+          "kmamba-train: interrupted at step %lld of %lld; checkpoint saved to %s; continue with: "
+          "kmamba-train --resume --out %s\n",
+          steps, static_cast<long long>(r_.train.total_steps), r_.checkpoint().c_str(), r_.out.c_str());
     } else {
       std::printf("kmamba-train: done: %lld steps in %s (%s tok/s); held-out loss %.4f%s\n", steps,
                   duration(seconds_since(started_)).c_str(), rate(tokens_per_second()).c_str(), last_eval_.loss,
@@ -433,8 +430,8 @@ class TrainingLoop {
       std::printf("kmamba-train: %lld steps were skipped for a non-finite loss or gradient (see \"skipped\" in %s)\n",
                   static_cast<long long>(trainer_.skipped_steps()), metrics_.path().c_str());
     }
-    std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", r_.checkpoint().c_str(),
-                metrics_.path().c_str(), metrics_.plot_path().c_str());
+    std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", r_.checkpoint().c_str(), metrics_.path().c_str(),
+                metrics_.plot_path().c_str());
   }
 
  private:

@@ -69,8 +69,11 @@ std::size_t parse_bytes(const std::string& text) {
   const unsigned long long value = std::strtoull(text.c_str(), &end, 10);
   if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0])) || errno != 0 || value == 0) return 0;
   const std::string suffix(end);
-  const int shift = suffix.empty() ? 0 : suffix == "K" || suffix == "k" ? 10 : suffix == "M" || suffix == "m" ? 20
-                                     : suffix == "G" || suffix == "g" ? 30 : -1;
+  const int shift = suffix.empty()                   ? 0
+                    : suffix == "K" || suffix == "k" ? 10
+                    : suffix == "M" || suffix == "m" ? 20
+                    : suffix == "G" || suffix == "g" ? 30
+                                                     : -1;
   if (shift < 0 || value > (~0ull >> shift)) return 0;
   return static_cast<std::size_t>(value << shift);
 }
@@ -78,10 +81,13 @@ std::size_t parse_bytes(const std::string& text) {
 CLI::Option* add_bytes_option(CLI::App& cli, const char* name, std::size_t& bytes, const char* help) {
   const CLI::Validator byte_count(
       [](std::string& text) -> std::string {
-        return parse_bytes(text) > 0 ? std::string() : "got '" + text + "', expected a positive byte count (e.g. 1024, 64K, 1G)";
+        return parse_bytes(text) > 0 ? std::string()
+                                     : "got '" + text + "', expected a positive byte count (e.g. 1024, 64K, 1G)";
       },
       "");
-  return cli.add_option_function<std::string>(name, [&bytes](const std::string& text) { bytes = parse_bytes(text); }, help)
+  return cli
+      .add_option_function<std::string>(
+          name, [&bytes](const std::string& text) { bytes = parse_bytes(text); }, help)
       ->type_name("B")
       ->check(byte_count);
 }
@@ -151,11 +157,16 @@ class Bench {
     exec_.fence();
     const int next = (r + 1) % n, previous = (r + n - 1) % n;
     auto call = [&]() {
-      if (collective == "all_reduce") comm_.all_reduce(exec_, send, recv, kmamba::ReduceOp::Sum);
-      else if (collective == "reduce_scatter") comm_.reduce_scatter(exec_, send, recv, kmamba::ReduceOp::Sum);
-      else if (collective == "all_gather") comm_.all_gather(exec_, send, recv);
-      else if (collective == "broadcast") comm_.broadcast(exec_, send, 0);
-      else comm_.send_recv(exec_, send, next, recv, previous);
+      if (collective == "all_reduce")
+        comm_.all_reduce(exec_, send, recv, kmamba::ReduceOp::Sum);
+      else if (collective == "reduce_scatter")
+        comm_.reduce_scatter(exec_, send, recv, kmamba::ReduceOp::Sum);
+      else if (collective == "all_gather")
+        comm_.all_gather(exec_, send, recv);
+      else if (collective == "broadcast")
+        comm_.broadcast(exec_, send, 0);
+      else
+        comm_.send_recv(exec_, send, next, recv, previous);
     };
     for (int i = 0; i < o_.warmup; ++i) call();
     exec_.fence();
@@ -194,8 +205,8 @@ int sweep(const Options& o, kmamba::Transport transport) {
   const bool root = comm.rank() == 0;
   const int n = comm.size();
   if (root) {
-    std::printf("kmamba-perf-comm: %d ranks, %s transport, %s memory (%s), float32; median of %d after %d warm-up\n",
-                n, comm.transport(), o.device == "cuda" ? "device" : "host", Exec::name(), o.reps, o.warmup);
+    std::printf("kmamba-perf-comm: %d ranks, %s transport, %s memory (%s), float32; median of %d after %d warm-up\n", n,
+                comm.transport(), o.device == "cuda" ? "device" : "host", Exec::name(), o.reps, o.warmup);
     std::printf("%-15s %14s %12s %12s %12s %10s %10s\n", "collective", "bytes", "time_us", "min_us", "max_us",
                 "algbw_GB/s", "busbw_GB/s");
   }
@@ -207,8 +218,8 @@ int sweep(const Options& o, kmamba::Transport transport) {
       results.push_back(r);
       const double algbw = static_cast<double>(r.bytes) / r.median_s * 1e-9;
       if (root) {
-        std::printf("%-15s %14zu %12.1f %12.1f %12.1f %10.3f %10.3f\n", r.collective.c_str(), r.bytes,
-                    r.median_s * 1e6, r.min_s * 1e6, r.max_s * 1e6, algbw, algbw * bus_factor(collective, n));
+        std::printf("%-15s %14zu %12.1f %12.1f %12.1f %10.3f %10.3f\n", r.collective.c_str(), r.bytes, r.median_s * 1e6,
+                    r.min_s * 1e6, r.max_s * 1e6, algbw, algbw * bus_factor(collective, n));
         std::fflush(stdout);
       }
     }

@@ -62,9 +62,7 @@ struct Shapes {
   int batch_large, prompt, new_tokens, prefill_batch, prefill_seqlen;
 };
 
-Shapes shapes_for(const Options& o) {
-  return o.small ? Shapes{8, 32, 8, 1, 256} : Shapes{64, 128, 64, 8, 512};
-}
+Shapes shapes_for(const Options& o) { return o.small ? Shapes{8, 32, 8, 1, 256} : Shapes{64, 128, 64, 8, 512}; }
 
 kmamba::ModelConfig model_config(const std::string& mixer) {
   kmamba::ModelConfig c;
@@ -104,7 +102,8 @@ StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters) {
   // The SSM state is E·N per layer for both (Mamba-2: nheads·headdim·N), read and written.
   cost.state_bytes_per_sequence = c.n_layer * 2.0 * 4.0 * (E * N + conv_channels * (W - 1));
   const double matmul = read - V * dm;  // the layers' weights; the head below
-  cost.flops_per_sequence = 2.0 * matmul + 2.0 * V * dm + c.n_layer * (5.0 * E * N + 2.0 * W * conv_channels + 10.0 * E);
+  cost.flops_per_sequence =
+      2.0 * matmul + 2.0 * V * dm + c.n_layer * (5.0 * E * N + 2.0 * W * conv_channels + 10.0 * E);
   return cost;
 }
 
@@ -232,7 +231,8 @@ void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Op
       const std::string name = std::string(batch == 1 ? "decode step b1" : "decode step batch") +
                                (kmamba::StepGraph<Exec>::records ? (graph ? " graph" : " kernels") : "");
       report(name.c_str(), shape, t, batch, cost.bytes(batch), batch * cost.flops_per_sequence);
-      if (graph && kmamba::StepGraph<Exec>::records) std::printf("  step graph: %s\n", p.state.step_graph_status().c_str());
+      if (graph && kmamba::StepGraph<Exec>::records)
+        std::printf("  step graph: %s\n", p.state.step_graph_status().c_str());
     }
     kmamba::GenerationOptions options;
     options.max_new_tokens = s.new_tokens;

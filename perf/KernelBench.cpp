@@ -140,11 +140,12 @@ void bench_selective_scan(const Options& o) {
   Measurement fwd{"selective_scan fwd", shape};
   fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::selective_scan_forward(exec, args, out, last); });
   fwd.bytes = 4.0 * (4 * elems + 2.0 * batch * dstate * seqlen);  // u, delta, z, out + B, C
-  fwd.flops = 8.0 * elems * dstate;                                  // per state update: exp arg, decay, B·u, C·h
+  fwd.flops = 8.0 * elems * dstate;                               // per state update: exp arg, decay, B·u, C·h
   fwd.exps = elems * dstate;
   report(o, fwd);
 
-  kmamba::Tensor3<float, Mem> dout = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::perf::dout", batch, dim, seqlen);
+  kmamba::Tensor3<float, Mem> dout =
+      kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::perf::dout", batch, dim, seqlen);
   kmamba::fill_normal(exec, dout, 9, 0.0f, 1.0f);
   kmamba::SelectiveScanGrads<Mem> g;
   g.du = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::perf::du", batch, dim, seqlen);
@@ -159,9 +160,10 @@ void bench_selective_scan(const Options& o) {
   bwd.seconds = median_seconds(exec, o.repeats, [&] {
     kmamba::selective_scan_backward(exec, args, dout, kmamba::ConstTensor3<float, Mem>(), g);
   });
-  bwd.bytes = 4.0 * (9 * elems + 4.0 * batch * dstate * seqlen);  // read u, delta, z, dout (+ recompute); write du, ddelta, dz
+  bwd.bytes =
+      4.0 * (9 * elems + 4.0 * batch * dstate * seqlen);  // read u, delta, z, dout (+ recompute); write du, ddelta, dz
   bwd.flops = 20.0 * elems * dstate;
-  bwd.exps = 2.0 * elems * dstate;                                   // recompute + backward
+  bwd.exps = 2.0 * elems * dstate;  // recompute + backward
   report(o, bwd);
 }
 
@@ -225,7 +227,8 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
   auto dx_fp32 = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
   bool have_fp32 = false;
   using kmamba::MatmulPrecision;
-  for (const MatmulPrecision precision : {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
+  for (const MatmulPrecision precision :
+       {MatmulPrecision::Float32, MatmulPrecision::TensorFloat32, MatmulPrecision::BFloat16}) {
     const bool tf32 = precision == MatmulPrecision::TensorFloat32, bf16 = precision == MatmulPrecision::BFloat16;
     if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
     // The fused bf16 forward chunks on its own (the backward keeps the configured chunk).
@@ -243,7 +246,8 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
       continue;
     }
     args.matmul_precision = precision;
-    const std::string suffix = precision == MatmulPrecision::Float32 ? "" : std::string(" ") + kmamba::matmul_precision_name(precision);
+    const std::string suffix =
+        precision == MatmulPrecision::Float32 ? "" : std::string(" ") + kmamba::matmul_precision_name(precision);
     const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
     Measurement fwd{"ssd fwd" + suffix, shape};
@@ -257,9 +261,8 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
 
     Measurement bwd{"ssd bwd" + suffix, shape};
     bwd.flop_per_s = bf16 ? fp32_flop_per_s : flop_per_s;
-    bwd.seconds = median_seconds(exec, o.repeats, [&] {
-      kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g);
-    });
+    bwd.seconds = median_seconds(
+        exec, o.repeats, [&] { kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g); });
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / chunk * 4;  // inputs + dout, every gradient, states recomputed
     bwd.flops = tokens * (10 * E * N + 3 * chunk * E + 6 * chunk * G * N);
     bwd.exps = 3.0 * tokens * nheads * chunk / 2;
@@ -282,9 +285,9 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
       auto dx_other = Kokkos::create_mirror(Kokkos::HostSpace(), g.dx);
       Kokkos::deep_copy(out_other, out);
       Kokkos::deep_copy(dx_other, g.dx);
-      std::printf("%-28s %-34s   max|%s - fp32| / max|fp32|: out %.2e, dx %.2e\n", ("ssd" + suffix + " accuracy").c_str(),
-                  shape, kmamba::matmul_precision_name(precision), relative_difference(out_other, out_fp32),
-                  relative_difference(dx_other, dx_fp32));
+      std::printf("%-28s %-34s   max|%s - fp32| / max|fp32|: out %.2e, dx %.2e\n",
+                  ("ssd" + suffix + " accuracy").c_str(), shape, kmamba::matmul_precision_name(precision),
+                  relative_difference(out_other, out_fp32), relative_difference(dx_other, dx_fp32));
     }
   }
 }
@@ -378,7 +381,8 @@ void bench_mamba3_siso(const Options& o) {
   // q, k, v, z, out, adt, dt, trap, angles (fp32)
   const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + 3 * nheads + nheads * nangles);
 
-  for (const kmamba::MatmulPrecision precision : {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
+  for (const kmamba::MatmulPrecision precision :
+       {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
     const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
     if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
     if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
@@ -425,7 +429,10 @@ template <class Exec>
 void bench_gemm_few_rows(const Options& o) {
   using Mem = typename Exec::memory_space;
   const Exec exec;
-  struct Shape { const char* name; int n, k; };
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
   const Shape shapes[] = {{"in_proj", 3352, 768}, {"out_proj", 768, 1536}, {"head", 50288, 768}};
   std::uint64_t seed = 40;
   for (const int m : {1, 4, 16}) {
@@ -463,7 +470,9 @@ void bench_gemm_few_rows(const Options& o) {
 template <class Exec>
 void run_space(const Options& o) {
   const std::vector<std::pair<std::string, std::function<void(const Options&)>>> cases = {
-      {"ssd", bench_ssd<Exec>}, {"mamba3_siso", bench_mamba3_siso<Exec>}, {"selective_scan", bench_selective_scan<Exec>},
+      {"ssd", bench_ssd<Exec>},
+      {"mamba3_siso", bench_mamba3_siso<Exec>},
+      {"selective_scan", bench_selective_scan<Exec>},
       {"gemm_few_rows", bench_gemm_few_rows<Exec>}};
   bool ran = false;
   for (const auto& c : cases) {
@@ -471,7 +480,8 @@ void run_space(const Options& o) {
     c.second(o);
     ran = true;
   }
-  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case << "' (cases: ssd, mamba3_siso, selective_scan, gemm_few_rows)");
+  KMAMBA_REQUIRE(ran, "kmamba-perf: unknown --case '" << o.only_case
+                                                      << "' (cases: ssd, mamba3_siso, selective_scan, gemm_few_rows)");
 }
 
 // The rows as JSON into `file`, committed: what was run (space, options, the ceilings of the floor)
@@ -499,10 +509,11 @@ void write_json(kmamba::OutputFile& file, const Options& o, const std::string& s
                               {"repeats", o.repeats},
                               {"chunk", o.chunk},
                               {"precision", o.precision},
-                              {"ceilings", {{"bytes_per_s", hbm_bytes_per_s},
-                                            {"fp32_flop_per_s", fp32_flop_per_s},
-                                            {"tf32_flop_per_s", tf32_flop_per_s},
-                                            {"exp_per_s", exp_per_s}}},
+                              {"ceilings",
+                               {{"bytes_per_s", hbm_bytes_per_s},
+                                {"fp32_flop_per_s", fp32_flop_per_s},
+                                {"tf32_flop_per_s", tf32_flop_per_s},
+                                {"exp_per_s", exp_per_s}}},
                               {"rows", list}};
   file.write(doc.dump(2) + "\n");
   file.commit();
@@ -531,8 +542,9 @@ void declare(CLI::App& cli, Options& o) {
                  "is the same function of the inputs, the work is not")
       ->type_name("Q")
       ->check(kmamba::app::integer_in(1, kmamba::app::int_max));
-  cli.add_option("--json", o.json, "also write the rows to FILE as JSON (an object with the configuration and a "
-                                   "\"rows\" array)")
+  cli.add_option("--json", o.json,
+                 "also write the rows to FILE as JSON (an object with the configuration and a "
+                 "\"rows\" array)")
       ->type_name("FILE");
 }
 

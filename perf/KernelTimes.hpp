@@ -68,10 +68,12 @@ class KernelTimes {
     print_rows(out, rows, span_seconds, per, top);
     std::fprintf(out, "  %10.3f %8s %6.1f%%  (all %zu Kokkos kernels)\n", kernels * per * 1e3, "",
                  100.0 * kernels / span_seconds, rows.size());
-    std::fprintf(out, "  %10.3f %8s %6.1f%%  (outside Kokkos kernels: vendor GEMMs and collectives, copies, allocation, host)\n",
-                 (span_seconds - kernels) * per * 1e3, "", 100.0 * (span_seconds - kernels) / span_seconds);
+    std::fprintf(
+        out, "  %10.3f %8s %6.1f%%  (outside Kokkos kernels: vendor GEMMs and collectives, copies, allocation, host)\n",
+        (span_seconds - kernels) * per * 1e3, "", 100.0 * (span_seconds - kernels) / span_seconds);
     const auto regions = sorted(state().region_totals);
-    std::fprintf(out, "op regions (fenced, inclusive of the kernels and vendor calls inside; per repeat of %d)\n", repeats);
+    std::fprintf(out, "op regions (fenced, inclusive of the kernels and vendor calls inside; per repeat of %d)\n",
+                 repeats);
     print_rows(out, regions, span_seconds, per, top);
   }
 
@@ -91,7 +93,8 @@ class KernelTimes {
 
   static Rows sorted(const std::map<std::string, Total>& totals) {
     Rows rows(totals.begin(), totals.end());
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
     return rows;
   }
   static void print_rows(std::FILE* out, const Rows& rows, double span_seconds, double per, int top) {

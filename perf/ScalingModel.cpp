@@ -33,16 +33,17 @@ AlphaBeta fit_alpha_beta(const std::vector<Sample>& samples) {
   fit.ranks = samples.front().ranks;
   const double factor = ring_factor(fit.collective, fit.ranks);
   KMAMBA_REQUIRE(factor > 0.0, "kmamba::perf::fit_alpha_beta: " << fit.collective << " on " << fit.ranks
-                                                                 << " rank moves no bytes; nothing to fit");
+                                                                << " rank moves no bytes; nothing to fit");
   // Weighted least squares with weights 1/t²: minimises Σ ((α + β·x − t) / t)².
   double sw = 0, swx = 0, swxx = 0, swt = 0, swxt = 0;
   for (const Sample& s : samples) {
     KMAMBA_REQUIRE(s.collective == fit.collective && s.ranks == fit.ranks,
-                   "kmamba::perf::fit_alpha_beta: mixed samples (" << s.collective << " on " << s.ranks << " ranks with "
-                                                                   << fit.collective << " on " << fit.ranks << ")");
+                   "kmamba::perf::fit_alpha_beta: mixed samples ("
+                       << s.collective << " on " << s.ranks << " ranks with " << fit.collective << " on " << fit.ranks
+                       << ")");
     KMAMBA_REQUIRE(s.seconds > 0.0 && s.bytes > 0.0, "kmamba::perf::fit_alpha_beta: " << s.collective << " of "
-                                                                                       << s.bytes << " bytes took "
-                                                                                       << s.seconds << " s");
+                                                                                      << s.bytes << " bytes took "
+                                                                                      << s.seconds << " s");
     const double x = s.bytes * factor, w = 1.0 / (s.seconds * s.seconds);
     sw += w;
     swx += w * x;
@@ -114,9 +115,9 @@ double CommModel::inter(const std::string& collective, int k, double bytes) cons
 }
 
 double CommModel::all_reduce(int group, int per_node, double bytes) const {
-  KMAMBA_REQUIRE(per_node >= 1 && group % per_node == 0,
-                 "kmamba::perf::CommModel::all_reduce: " << per_node << " ranks per node do not divide a group of "
-                                                         << group);
+  KMAMBA_REQUIRE(
+      per_node >= 1 && group % per_node == 0,
+      "kmamba::perf::CommModel::all_reduce: " << per_node << " ranks per node do not divide a group of " << group);
   if (group == per_node) return intra("all_reduce", group, bytes);
   const int nodes = group / per_node;
   return intra("reduce_scatter", per_node, bytes) + inter("all_reduce", nodes, bytes / per_node) +
@@ -151,8 +152,7 @@ void check_layout(const CommModel& comm, const Workload& work, int gpus, int spl
   KMAMBA_REQUIRE(split >= 1 && gpus % split == 0,
                  "kmamba::perf: " << what << " " << split << " does not divide " << gpus << " GPUs");
   KMAMBA_REQUIRE(gpus <= comm.gpus_per_node() || gpus % comm.gpus_per_node() == 0,
-                 "kmamba::perf: " << gpus << " GPUs is not a whole number of " << comm.gpus_per_node()
-                                  << "-GPU nodes");
+                 "kmamba::perf: " << gpus << " GPUs is not a whole number of " << comm.gpus_per_node() << "-GPU nodes");
 }
 
 // The DDP gradient all-reduce of `values` fp32 gradients per rank over `group` ranks, `per_node` of
@@ -184,17 +184,16 @@ Prediction predict_dp(const CommModel& comm, const Workload& work, int gpus) {
   p.gpus = p.dp = gpus;
   p.tokens_per_step = gpus * work.tokens_per_gpu;
   p.compute = work.compute_s;
-  p.dp_comm = gradient_all_reduce(comm, work, parameter_count(work.shape), gpus,
-                                  std::min(gpus, comm.gpus_per_node()));
+  p.dp_comm = gradient_all_reduce(comm, work, parameter_count(work.shape), gpus, std::min(gpus, comm.gpus_per_node()));
   finish(p, work);
   return p;
 }
 
 Prediction predict_tp(const CommModel& comm, const Workload& work, int gpus, int tp) {
   check_layout(comm, work, gpus, tp, "tp");
-  KMAMBA_REQUIRE(tp <= comm.gpus_per_node() && comm.gpus_per_node() % tp == 0,
-                 "kmamba::perf::predict_tp: tp " << tp << " must divide the " << comm.gpus_per_node()
-                                                 << " GPUs of a node");
+  KMAMBA_REQUIRE(
+      tp <= comm.gpus_per_node() && comm.gpus_per_node() % tp == 0,
+      "kmamba::perf::predict_tp: tp " << tp << " must divide the " << comm.gpus_per_node() << " GPUs of a node");
   const Shape& s = work.shape;
   Prediction p;
   p.layout = "tp" + std::to_string(tp);

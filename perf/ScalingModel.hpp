@@ -31,11 +31,11 @@ double ring_factor(const std::string& collective, int ranks);
 struct AlphaBeta {
   std::string collective;
   int ranks = 0;
-  double alpha = 0.0;  ///< latency, s
-  double beta = 0.0;   ///< s per bus byte (1/β: bus bandwidth)
-  bool alpha_clamped = false;           ///< the free fit gave α < 0; refitted with α = 0
-  std::vector<double> bytes;            ///< the points fitted
-  std::vector<double> relative_error;   ///< (model − measured) / measured, per point
+  double alpha = 0.0;                  ///< latency, s
+  double beta = 0.0;                   ///< s per bus byte (1/β: bus bandwidth)
+  bool alpha_clamped = false;          ///< the free fit gave α < 0; refitted with α = 0
+  std::vector<double> bytes;           ///< the points fitted
+  std::vector<double> relative_error;  ///< (model − measured) / measured, per point
   /// α + bytes · ring_factor(collective, ranks) · β.
   double time(double logical_bytes) const;
 };
@@ -102,7 +102,8 @@ struct Workload {
   double tokens_per_gpu = 0.0;  ///< tokens of that measured step
   double peak_flops = 989e12;   ///< per GPU, for MFU (H200 dense bf16, docs/performance.md §2)
   double bytes_per_value = 4;   ///< gradient and activation element bytes (fp32 in this build)
-  double serial_fraction = 0.1; ///< share of the compute in the conv + SSD scan that a sequence-parallel chain serialises
+  double serial_fraction =
+      0.1;  ///< share of the compute in the conv + SSD scan that a sequence-parallel chain serialises
   double backward_fraction = 2.0 / 3.0;  ///< share of the compute that DP bucket reductions can hide behind
 };
 
@@ -112,10 +113,10 @@ struct Prediction {
   int gpus = 0, dp = 1, tp = 1, sp = 1;
   double seqlen = 0.0, tokens_per_step = 0.0;
   double compute = 0.0, dp_comm = 0.0, tp_comm = 0.0;
-  double sp_comm = 0.0;       ///< the sequence chain: its hops plus the serialised scans waited for
-  double step = 0.0;          ///< compute + every communication exposed
-  double step_overlap = 0.0;  ///< DP reduction hidden behind the backward (backward_fraction · compute)
-  double tokens_per_s = 0.0, mfu = 0.0;                  ///< of step
+  double sp_comm = 0.0;                  ///< the sequence chain: its hops plus the serialised scans waited for
+  double step = 0.0;                     ///< compute + every communication exposed
+  double step_overlap = 0.0;             ///< DP reduction hidden behind the backward (backward_fraction · compute)
+  double tokens_per_s = 0.0, mfu = 0.0;  ///< of step
   double tokens_per_s_overlap = 0.0, mfu_overlap = 0.0;  ///< of step_overlap
   double comm_share() const { return (dp_comm + tp_comm + sp_comm) / step; }
 };

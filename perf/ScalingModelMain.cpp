@@ -54,25 +54,52 @@ void declare(CLI::App& cli, Options& o) {
   const auto positive = number_in(0, unbounded, kmamba::app::Ends::LowOpen);
   const auto count = integer_in(1, kmamba::app::int_max);
   cli.add_option("sweeps", o.sweeps, "kmamba-perf-comm JSON files (at least one)")->type_name("SWEEP.json")->required();
-  cli.add_option("--compute-ms", o.compute_ms, "measured step time of one GPU (no parallelism) on --tokens-per-gpu tokens (required)")
-      ->type_name("T")->check(positive)->required();
-  cli.add_option("--tokens-per-gpu", o.tokens_per_gpu, "tokens of that step (default 16384 = 8 x 2048)")->type_name("N")->check(positive);
-  cli.add_option("--gpus", o.gpus, "GPU counts to predict (default 16,32,64,128,256,512,1024)")->type_name("LIST")->delimiter(',')->check(count);
-  cli.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node; the sweeps describe one node (default 8)")->type_name("G")->check(count);
-  cli.add_option("--inter-bw", o.inter_bw_gbps, "inter-node bandwidth per GPU, GB/s (assumed; default 50)")->type_name("GBPS")->check(positive);
-  cli.add_option("--inter-alpha", o.inter_alpha_us, "inter-node latency per message step, us (assumed; default 15)")->type_name("US")->check(number_in(0, unbounded));
+  cli.add_option("--compute-ms", o.compute_ms,
+                 "measured step time of one GPU (no parallelism) on --tokens-per-gpu tokens (required)")
+      ->type_name("T")
+      ->check(positive)
+      ->required();
+  cli.add_option("--tokens-per-gpu", o.tokens_per_gpu, "tokens of that step (default 16384 = 8 x 2048)")
+      ->type_name("N")
+      ->check(positive);
+  cli.add_option("--gpus", o.gpus, "GPU counts to predict (default 16,32,64,128,256,512,1024)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(count);
+  cli.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node; the sweeps describe one node (default 8)")
+      ->type_name("G")
+      ->check(count);
+  cli.add_option("--inter-bw", o.inter_bw_gbps, "inter-node bandwidth per GPU, GB/s (assumed; default 50)")
+      ->type_name("GBPS")
+      ->check(positive);
+  cli.add_option("--inter-alpha", o.inter_alpha_us, "inter-node latency per message step, us (assumed; default 15)")
+      ->type_name("US")
+      ->check(number_in(0, unbounded));
   cli.add_option("--tp", o.tp, "tensor-parallel sizes (default 2,4)")->type_name("LIST")->delimiter(',')->check(count);
   cli.add_option("--sp", o.sp, "sequence-parallel size (default 8)")->type_name("C")->check(count);
-  cli.add_option("--seqlens", o.seqlens, "sequence lengths of the sp layouts (default 8192,16384,32768,65536)")->type_name("LIST")->delimiter(',')->check(positive);
-  cli.add_option("--serial-fraction", o.serial_fraction, "share of the compute in the conv + SSD scan that the sp chain serialises, in [0, 1] (default 0.1; calibrate from a one-GPU profile)")
-      ->type_name("X")->check(number_in(0, 1));
-  cli.add_option("--peak-tflops", o.peak_tflops, "per-GPU peak for MFU (default 989, H200 dense bf16)")->type_name("X")->check(positive);
-  cli.add_option("--bytes-per-value", o.bytes_per_value, "gradient / activation element bytes (default 4, fp32)")->type_name("B")->check(positive);
+  cli.add_option("--seqlens", o.seqlens, "sequence lengths of the sp layouts (default 8192,16384,32768,65536)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(positive);
+  cli.add_option("--serial-fraction", o.serial_fraction,
+                 "share of the compute in the conv + SSD scan that the sp chain serialises, in [0, 1] (default 0.1; "
+                 "calibrate from a one-GPU profile)")
+      ->type_name("X")
+      ->check(number_in(0, 1));
+  cli.add_option("--peak-tflops", o.peak_tflops, "per-GPU peak for MFU (default 989, H200 dense bf16)")
+      ->type_name("X")
+      ->check(positive);
+  cli.add_option("--bytes-per-value", o.bytes_per_value, "gradient / activation element bytes (default 4, fp32)")
+      ->type_name("B")
+      ->check(positive);
   const char* shape = "model shape (default mamba2-370m)";
   cli.add_option("--d-model", o.shape.d_model, "default 1024")->type_name("N")->check(count)->group(shape);
   cli.add_option("--n-layer", o.shape.n_layer, "default 48")->type_name("N")->check(count)->group(shape);
   cli.add_option("--vocab-size", o.shape.vocab_size, "default 50277")->type_name("N")->check(count)->group(shape);
-  cli.add_option("--pad-vocab-multiple", o.shape.pad_vocab_size_multiple, "default 8")->type_name("N")->check(count)->group(shape);
+  cli.add_option("--pad-vocab-multiple", o.shape.pad_vocab_size_multiple, "default 8")
+      ->type_name("N")
+      ->check(count)
+      ->group(shape);
   cli.add_option("--d-state", o.shape.d_state, "default 128")->type_name("N")->check(count)->group(shape);
   cli.add_option("--headdim", o.shape.headdim, "default 64")->type_name("N")->check(count)->group(shape);
   cli.add_option("--expand", o.shape.expand, "default 2")->type_name("N")->check(count)->group(shape);
@@ -121,9 +148,12 @@ void print_prediction(const Prediction& p) {
 }
 
 nlohmann::json to_json(const Prediction& p) {
-  return {{"layout", p.layout},     {"gpus", p.gpus},
-          {"dp", p.dp},             {"tp", p.tp},
-          {"sp", p.sp},             {"seqlen", p.seqlen},
+  return {{"layout", p.layout},
+          {"gpus", p.gpus},
+          {"dp", p.dp},
+          {"tp", p.tp},
+          {"sp", p.sp},
+          {"seqlen", p.seqlen},
           {"tokens_per_step", p.tokens_per_step},
           {"compute_ms", p.compute * 1e3},
           {"dp_comm_ms", p.dp_comm * 1e3},
@@ -143,7 +173,7 @@ void plot_predictions(const std::string& path, const std::vector<Prediction>& al
   using kmamba::app::Panel;
   using kmamba::app::Rgb;
   using kmamba::app::Series;
-  const std::vector<Rgb> palette = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40},
+  const std::vector<Rgb> palette = {{31, 119, 180},  {255, 127, 14}, {44, 160, 44},   {214, 39, 40},
                                     {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127}};
   Panel rate{"predicted tokens/s (no overlap)", true, {}};
   Panel mfu{"predicted mfu % (no overlap)", false, {}};
@@ -172,7 +202,8 @@ void plot_predictions(const std::string& path, const std::vector<Prediction>& al
 }
 
 // The fits and the predictions as JSON.
-void write_json(const std::string& path, const std::vector<kmamba::perf::AlphaBeta>& fits, const std::vector<Prediction>& all) {
+void write_json(const std::string& path, const std::vector<kmamba::perf::AlphaBeta>& fits,
+                const std::vector<Prediction>& all) {
   nlohmann::json fits_json = nlohmann::json::array(), predictions = nlohmann::json::array();
   for (const auto& f : fits) {
     fits_json.push_back({{"collective", f.collective},
@@ -275,9 +306,12 @@ int run(const Options& o) {
       for (double a : alphas) {
         const kmamba::perf::CommModel c(fits, a * 1e-6, bw * 1e9, o.gpus_per_node);
         Prediction p;
-        if (base.layout == "dp") p = kmamba::perf::predict_dp(c, work, largest);
-        else if (base.tp > 1) p = kmamba::perf::predict_tp(c, work, largest, base.tp);
-        else p = kmamba::perf::predict_sp(c, work, largest, base.sp, base.seqlen);
+        if (base.layout == "dp")
+          p = kmamba::perf::predict_dp(c, work, largest);
+        else if (base.tp > 1)
+          p = kmamba::perf::predict_tp(c, work, largest, base.tp);
+        else
+          p = kmamba::perf::predict_sp(c, work, largest, base.sp, base.seqlen);
         std::printf(" %12.2f", p.step * 1e3);
       }
     }

@@ -1,13 +1,14 @@
 // kmamba-perf-train: training throughput of a mamba2-130m-shaped language model (random weights:
 // d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, chunk 256, vocab 50277 padded to
 // 50288, tied head; --mixer mamba3: the Mamba-3 SISO layers of that shape with chunk 64, --mixer
-// mamba1: mamba-130m's Mamba-1 layers, d_state 16) on random tokens: optimizer steps (forward, backward, global-norm clipping,
-// AdamW) of batch × seqlen tokens through kmamba::Trainer, with the projection GEMMs in the
-// precision of --precision (LanguageModel::set_matmul_precision: fp32 by default; bf16 / tf32
-// multiply rounded operands on the tensor cores on CUDA, and tf32 runs the SSD chunk products in
-// TF32 too; host backends emulate the rounding, no faster).
+// mamba1: mamba-130m's Mamba-1 layers, d_state 16) on random tokens: optimizer steps (forward, backward, global-norm
+// clipping, AdamW) of batch × seqlen tokens through kmamba::Trainer, with the projection GEMMs in the precision of
+// --precision (LanguageModel::set_matmul_precision: fp32 by default; bf16 / tf32 multiply rounded operands on the
+// tensor cores on CUDA, and tf32 runs the SSD chunk products in TF32 too; host backends emulate the rounding, no
+// faster).
 //
-//   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m] [--small] [--batch B] [--seqlen L]
+//   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m] [--small]
+//   [--batch B] [--seqlen L]
 //                     [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing] [--json FILE]
 //                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
@@ -213,11 +214,12 @@ class Bench {
   }
 
   void print_model() const {
-    std::printf("model: %s, d_model %d, %d layers, d_state %d, headdim %d, ngroups %d, chunk %d, vocab %d (padded "
-                "%d), %.1f M parameters; batch %d x seqlen %d per data-parallel group, %s, %s projections\n",
-                kmamba::mixer_name(config_.mixer), config_.d_model, config_.n_layer, config_.d_state, config_.headdim,
-                config_.ngroups, config_.chunk_size, config_.vocab_size, config_.padded_vocab_size(),
-                parameters_ * 1e-6, batch_, seqlen_, Exec::name(), kmamba::matmul_precision_name(o_.precision));
+    std::printf(
+        "model: %s, d_model %d, %d layers, d_state %d, headdim %d, ngroups %d, chunk %d, vocab %d (padded "
+        "%d), %.1f M parameters; batch %d x seqlen %d per data-parallel group, %s, %s projections\n",
+        kmamba::mixer_name(config_.mixer), config_.d_model, config_.n_layer, config_.d_state, config_.headdim,
+        config_.ngroups, config_.chunk_size, config_.vocab_size, config_.padded_vocab_size(), parameters_ * 1e-6,
+        batch_, seqlen_, Exec::name(), kmamba::matmul_precision_name(o_.precision));
     std::printf("model FLOPs per token: 6N = %.3g + SSD %.3g = %.3g\n", 6.0 * parameters_, ssd_flops_per_token(config_),
                 flops_per_token());
 #if KMAMBA_ENABLE_MPI
@@ -319,9 +321,10 @@ class Bench {
                             {"ms_per_step", ms}});
     }
     if (root_) {
-      std::printf("communication share: %.1f ms of %.1f ms per step with fenced collectives (%.1f%%); the unfenced "
-                  "step took %.1f ms\n",
-                  comm_per_step * 1e3, fenced_step * 1e3, 100.0 * comm_per_step / fenced_step, median * 1e3);
+      std::printf(
+          "communication share: %.1f ms of %.1f ms per step with fenced collectives (%.1f%%); the unfenced "
+          "step took %.1f ms\n",
+          comm_per_step * 1e3, fenced_step * 1e3, 100.0 * comm_per_step / fenced_step, median * 1e3);
     }
     record["communication"] = operations;
     record["comm_ms_per_step"] = comm_per_step * 1e3;
@@ -347,8 +350,8 @@ class Bench {
 #endif
     if (!world) world = std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD);
     log_ = std::make_shared<kmamba::CommunicationLog>();
-    mesh_ = std::make_unique<kmamba::ProcessMesh>(std::make_unique<kmamba::CountingCommunicator>(std::move(world), log_),
-                                                  resolved);
+    mesh_ = std::make_unique<kmamba::ProcessMesh>(
+        std::make_unique<kmamba::CountingCommunicator>(std::move(world), log_), resolved);
     root_ = mesh_->world().rank() == 0;
     data_rank_ = mesh_->coordinates().dp;
     data_size_ = mesh_->config().data_parallel_size;
@@ -377,7 +380,7 @@ void print_allocations(int steps) {
   std::printf("allocations per step: %.1f (%.3f GB) in %s\n", static_cast<double>(allocations) / steps,
               static_cast<double>(allocated_bytes) / steps * 1e-9, tracked_space.c_str());
   std::vector<std::pair<std::string, std::pair<std::int64_t, std::int64_t>>> labels(allocations_by_label.begin(),
-                                                                                   allocations_by_label.end());
+                                                                                    allocations_by_label.end());
   std::sort(labels.begin(), labels.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
   std::printf("  %10s %10s  label (the %zu most frequent of %zu)\n", "per step", "GB/step",
               std::min<std::size_t>(labels.size(), 20), labels.size());
@@ -399,14 +402,15 @@ void run_space(const Options& o) {
   const double peak_memory = bench.slowest(static_cast<double>(peak_bytes));
   const double mfu = rate / (bench.world_size() * bf16_peak_flop_per_s);
   if (bench.root()) {
-    std::printf("%-14s %-30s %10.1f ms/step %12.0f tok/s %10.2f TFLOP/s   MFU %.2f%% (bf16 peak), %.1f%% of fp32 peak"
-                "   peak memory %.3f GB   last loss %.4f\n",
-                "train step",
-                (std::to_string(bench.batch()) + "x" + std::to_string(bench.seqlen()) + " (" + Exec::name() + ", " +
-                 kmamba::matmul_precision_name(o.precision) + ")")
-                    .c_str(),
-                median * 1e3, bench.global_tokens() / median, rate * 1e-12, 100.0 * mfu,
-                100.0 * rate / (bench.world_size() * fp32_peak_flop_per_s), peak_memory * 1e-9, bench.loss());
+    std::printf(
+        "%-14s %-30s %10.1f ms/step %12.0f tok/s %10.2f TFLOP/s   MFU %.2f%% (bf16 peak), %.1f%% of fp32 peak"
+        "   peak memory %.3f GB   last loss %.4f\n",
+        "train step",
+        (std::to_string(bench.batch()) + "x" + std::to_string(bench.seqlen()) + " (" + Exec::name() + ", " +
+         kmamba::matmul_precision_name(o.precision) + ")")
+            .c_str(),
+        median * 1e3, bench.global_tokens() / median, rate * 1e-12, 100.0 * mfu,
+        100.0 * rate / (bench.world_size() * fp32_peak_flop_per_s), peak_memory * 1e-9, bench.loss());
     print_allocations(bench.steps());
   }
   nlohmann::json record = bench.record(median, mfu, peak_memory);
@@ -442,7 +446,7 @@ void declare(CLI::App& cli, Options& o) {
   cli.add_option_function<std::string>(
          "--mixer",
          [&o](const std::string& m) {
-           o.mixer = m == "mamba1" ? kmamba::MixerKind::Mamba1
+           o.mixer = m == "mamba1"   ? kmamba::MixerKind::Mamba1
                      : m == "mamba2" ? kmamba::MixerKind::Mamba2
                                      : kmamba::MixerKind::Mamba3;
          },
@@ -454,12 +458,15 @@ void declare(CLI::App& cli, Options& o) {
       ->check(one_of({"130m", "370m"}));
   cli.add_flag("--small", o.small, "d_model 256, 4 layers, chunk 64, batch 2 x 256, 3 steps (a 2-core CPU)");
   cli.add_option("--batch", o.batch, "sequences per data-parallel group")->type_name("B")->check(count);
-  cli.add_option("--seqlen", o.seqlen, "tokens per sequence")->type_name("L")->check(integer_in(2, kmamba::app::int_max));
+  cli.add_option("--seqlen", o.seqlen, "tokens per sequence")
+      ->type_name("L")
+      ->check(integer_in(2, kmamba::app::int_max));
   cli.add_option("--steps", o.steps, "timed steps")->type_name("S")->check(count);
   cli.add_option("--ngroups", o.ngroups, "B/C groups (default 1; tensor parallelism needs tp to divide it)")
       ->type_name("G")
       ->check(count);
-  cli.add_option("--chunk", o.chunk, "the SSD's chunk length (default 256, --small 64); the model computes the same function")
+  cli.add_option("--chunk", o.chunk,
+                 "the SSD's chunk length (default 256, --small 64); the model computes the same function")
       ->type_name("Q")
       ->check(count);
   cli.add_flag("--activation-checkpointing", o.activation_checkpointing,
@@ -477,15 +484,28 @@ void declare(CLI::App& cli, Options& o) {
       ->check(count);
   const char* mesh = "process mesh (under mpirun -np N)";
   cli.add_option("--dp", o.mesh.data_parallel_size, "data-parallel ranks (default: N / (tp * sp))")
-      ->type_name("D")->check(count)->group(mesh);
-  cli.add_option("--tp", o.mesh.tensor_parallel_size, "tensor-parallel ranks (default 1)")->type_name("T")->check(count)->group(mesh);
-  cli.add_option("--sp", o.mesh.sequence_parallel_size, "sequence-parallel ranks (default 1); batch x seqlen is per "
+      ->type_name("D")
+      ->check(count)
+      ->group(mesh);
+  cli.add_option("--tp", o.mesh.tensor_parallel_size, "tensor-parallel ranks (default 1)")
+      ->type_name("T")
+      ->check(count)
+      ->group(mesh);
+  cli.add_option("--sp", o.mesh.sequence_parallel_size,
+                 "sequence-parallel ranks (default 1); batch x seqlen is per "
                  "data-parallel group (its tensor ranks share it, its sequence ranks split it)")
-      ->type_name("C")->check(count)->group(mesh);
+      ->type_name("C")
+      ->check(count)
+      ->group(mesh);
   cli.add_option("--zero", o.zero_stage, "1: ZeRO-1 (AdamW moments sharded over dp x sp); default 0")
-      ->type_name("Z")->check(integer_in(0, 1))->group(mesh);
-  cli.add_option("--comm-steps", o.comm_steps, "steps after the timed ones with every collective fenced and timed (default 2)")
-      ->type_name("K")->check(count)->group(mesh);
+      ->type_name("Z")
+      ->check(integer_in(0, 1))
+      ->group(mesh);
+  cli.add_option("--comm-steps", o.comm_steps,
+                 "steps after the timed ones with every collective fenced and timed (default 2)")
+      ->type_name("K")
+      ->check(count)
+      ->group(mesh);
 }
 
 }  // namespace
@@ -501,7 +521,8 @@ int main(int argc, char** argv) {
       [&] {
         o.mesh_given = cli.count("--dp") + cli.count("--tp") + cli.count("--sp") > 0;
 #if !KMAMBA_ENABLE_MPI
-        KMAMBA_REQUIRE(!o.mesh_given, "kmamba-perf-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
+        KMAMBA_REQUIRE(!o.mesh_given,
+                       "kmamba-perf-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
 #endif
         // MPI when a launcher started this process or a mesh option asks for ranks, as kmamba-train.
         return kmamba::app::Launch{kmamba::app::launched_by_mpi() || o.mesh_given};

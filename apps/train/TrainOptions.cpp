@@ -83,7 +83,8 @@ void declare_data(CLI::App& cli) {
 
 void declare_model(CLI::App& cli) {
   const char* g = "model (new models; --model takes them from its config.json)";
-  option(cli, g, "--mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)", one_of({"mamba1", "mamba2", "mamba3"}));
+  option(cli, g, "--mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)",
+         one_of({"mamba1", "mamba2", "mamba3"}));
   option(cli, g, "--d-model", "N", "model width (default 64 for recall, 128 otherwise)", count_from(1));
   option(cli, g, "--n-layer", "N", "residual blocks (default 2 for recall, 4 otherwise)", count_from(1));
   option(cli, g, "--d-state", "N", "state size per channel (default 16)", count_from(1));
@@ -137,9 +138,10 @@ std::string long_name(const CLI::Option& o) { return o.get_lnames().empty() ? o.
 
 // Gives the options of the JSON object in `path` that no earlier source set (keys with '-' or
 // '_'), checked as on the command line; keys in `disallowed` are errors. Returns the names set.
-std::set<std::string> apply_json_options(CLI::App& cli, const std::string& path, const std::set<std::string>& disallowed) {
+std::set<std::string> apply_json_options(CLI::App& cli, const std::string& path,
+                                         const std::set<std::string>& disallowed) {
   const json j = kmamba::parse_json(kmamba::read_input_file(path, 16u << 20, "kmamba-train: the options file"),
-                                   "kmamba-train: '" + path + "'");
+                                    "kmamba-train: '" + path + "'");
   KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
   std::set<std::string> set;
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -224,8 +226,8 @@ void resolve_data(const TrainOptions& o, Run& r) {
   }
 }
 
-const char* const architecture_options[] = {"mixer",   "d-model",    "n-layer", "d-state", "headdim", "ngroups",
-                                            "expand",  "chunk-size", "dt-min",  "dt-max",  "bc-bias-init"};
+const char* const architecture_options[] = {"mixer",  "d-model",    "n-layer", "d-state", "headdim",     "ngroups",
+                                            "expand", "chunk-size", "dt-min",  "dt-max",  "bc-bias-init"};
 
 void resolve_model(const TrainOptions& o, Run& r) {
   const bool recall = r.recall_task();
@@ -326,7 +328,8 @@ Run configure_run(CLI::App& cli) {
 }
 
 bool asks_for_ranks(const CLI::App& cli) {
-  for (const char* name : {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--zero-stage"}) {
+  for (const char* name :
+       {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--zero-stage"}) {
     if (cli.count(name) > 0) return true;
   }
   return false;
@@ -334,19 +337,23 @@ bool asks_for_ranks(const CLI::App& cli) {
 
 void check_resumed_architecture(const Run& run, const ModelConfig& saved) {
   const ModelConfig& m = run.model;
-  const std::vector<std::pair<const char*, bool>> same = {
-      {"mixer", m.mixer == saved.mixer},          {"d-model", m.d_model == saved.d_model},
-      {"n-layer", m.n_layer == saved.n_layer},    {"d-state", m.d_state == saved.d_state},
-      {"headdim", m.headdim == saved.headdim},    {"ngroups", m.ngroups == saved.ngroups},
-      {"expand", m.expand == saved.expand},       {"chunk-size", m.chunk_size == saved.chunk_size},
-      {"vocab-size", m.vocab_size == saved.vocab_size}};
+  const std::vector<std::pair<const char*, bool>> same = {{"mixer", m.mixer == saved.mixer},
+                                                          {"d-model", m.d_model == saved.d_model},
+                                                          {"n-layer", m.n_layer == saved.n_layer},
+                                                          {"d-state", m.d_state == saved.d_state},
+                                                          {"headdim", m.headdim == saved.headdim},
+                                                          {"ngroups", m.ngroups == saved.ngroups},
+                                                          {"expand", m.expand == saved.expand},
+                                                          {"chunk-size", m.chunk_size == saved.chunk_size},
+                                                          {"vocab-size", m.vocab_size == saved.vocab_size}};
   for (const auto& [name, equal] : same) {
     KMAMBA_REQUIRE(run.given.count(name) == 0 || equal,
                    "kmamba-train: --resume: --" << name << " differs from the checkpoint's architecture in '"
                                                 << run.checkpoint() << "/config.json' (a resumed run keeps it)");
   }
   for (const char* name : {"dt-min", "dt-max", "bc-bias-init"}) {
-    KMAMBA_REQUIRE(run.given.count(name) == 0, "kmamba-train: --resume: --" << name
+    KMAMBA_REQUIRE(run.given.count(name) == 0, "kmamba-train: --resume: --"
+                                                   << name
                                                    << " sets the initialisation, which a resumed run does not redo");
   }
 }

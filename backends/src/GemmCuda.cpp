@@ -169,11 +169,11 @@ __global__ void __launch_bounds__(32 * few_rows_warps_per_block)
 template <int M, MatmulPrecision P>
 void launch_few_rows(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
                      float* C) {
-  const bool vectorised = k % 4 == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 &&
-                          reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
+  const bool vectorised =
+      k % 4 == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 && reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
   const int blocks = (n + few_rows_warps_per_block - 1) / few_rows_warps_per_block;
-  gemm_few_rows_kernel<M, P><<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C,
-                                                                                  vectorised);
+  gemm_few_rows_kernel<M, P>
+      <<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C, vectorised);
   KMAMBA_CUDA_CHECK(cudaGetLastError());
 }
 

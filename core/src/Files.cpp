@@ -74,8 +74,8 @@ std::string reason(int err) { return std::strerror(err); }
 void require_regular_file(const std::string& path, const char* what) {
   struct stat st;
   KMAMBA_REQUIRE(::stat(path.c_str(), &st) == 0, what << ": cannot open '" << path << "': " << std::strerror(errno));
-  KMAMBA_REQUIRE(S_ISREG(st.st_mode), what << ": '" << path << "' is " << kind_of(st.st_mode)
-                                           << ", expected a regular file");
+  KMAMBA_REQUIRE(S_ISREG(st.st_mode),
+                 what << ": '" << path << "' is " << kind_of(st.st_mode) << ", expected a regular file");
 }
 
 std::string read_input_file(const std::string& path, std::uint64_t max_bytes, const char* what) {
@@ -119,8 +119,9 @@ OutputFile::OutputFile(const std::string& path, const char* what) : what_(what),
     KMAMBA_REQUIRE(fd_ >= 0, what_ << ": cannot open '" << target_ << "': " << std::strerror(errno));
     return;
   }
-  KMAMBA_REQUIRE(!exists || S_ISREG(st.st_mode), what_ << ": '" << target_ << "' is " << kind_of(st.st_mode)
-                                                       << "; an output must be a regular file, a character device or a FIFO");
+  KMAMBA_REQUIRE(!exists || S_ISREG(st.st_mode),
+                 what_ << ": '" << target_ << "' is " << kind_of(st.st_mode)
+                       << "; an output must be a regular file, a character device or a FIFO");
   temporary_ = target_ + ".tmp." + std::to_string(::getpid());
   ::unlink(temporary_.c_str());  // left by a killed process that had this process id
   fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
@@ -155,8 +156,8 @@ void OutputFile::commit() {
   const bool synced = ::fsync(fd) == 0;
   const int sync_err = errno;
   const bool closed = ::close(fd) == 0;
-  KMAMBA_REQUIRE(synced && closed, what_ << ": writing '" << temporary_ << "' failed: "
-                                         << std::strerror(synced ? errno : sync_err) << "; '" << target_
+  KMAMBA_REQUIRE(synced && closed, what_ << ": writing '" << temporary_
+                                         << "' failed: " << std::strerror(synced ? errno : sync_err) << "; '" << target_
                                          << "' was left unchanged");
   KMAMBA_REQUIRE(::rename(temporary_.c_str(), target_.c_str()) == 0,
                  what_ << ": cannot rename '" << temporary_ << "' to '" << target_ << "': " << std::strerror(errno));
@@ -228,8 +229,8 @@ DirectoryLock::DirectoryLock(const std::string& dir, const char* what) : path_(d
     KMAMBA_USER_ERROR(what << ": cannot lock '" << path_ << "': " << std::strerror(err));
   }
   const std::string pid = std::to_string(::getpid());
-  const bool recorded = ::ftruncate(fd_, 0) == 0 && ::pwrite(fd_, pid.data(), pid.size(), 0) ==
-                                                         static_cast<ssize_t>(pid.size());
+  const bool recorded =
+      ::ftruncate(fd_, 0) == 0 && ::pwrite(fd_, pid.data(), pid.size(), 0) == static_cast<ssize_t>(pid.size());
   if (!recorded) {
     const int err = errno;
     ::close(fd_);

@@ -16,8 +16,8 @@
 namespace kmamba {
 namespace impl {
 
-void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file,
-                               const std::string& config_path, const char* function) {
+void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file, const std::string& config_path,
+                               const char* function) {
   const std::string prefix = "backbone.layers.";
   long long layers = 0;
   std::string last;  // a tensor of the last layer
@@ -29,10 +29,10 @@ void check_layers_against_file(const ModelConfig& config, const SafeTensorsReade
     layers = std::stoll(digits) + 1;
     last = name;
   }
-  KMAMBA_REQUIRE(layers == config.n_layer,
-                 function << ": '" << config_path << "' gives num_hidden_layers (n_layer) " << config.n_layer << ", but '"
-                          << file.path() << "' holds " << layers << " layers (the last tensor of the last layer: '"
-                          << last << "')");
+  KMAMBA_REQUIRE(layers == config.n_layer, function << ": '" << config_path << "' gives num_hidden_layers (n_layer) "
+                                                    << config.n_layer << ", but '" << file.path() << "' holds "
+                                                    << layers << " layers (the last tensor of the last layer: '" << last
+                                                    << "')");
 }
 
 template <class ExecutionSpace>
@@ -248,7 +248,7 @@ void Backbone<ExecutionSpace>::RecurrentState::reset(const ExecutionSpace& exec)
 
 template <class ExecutionSpace>
 typename Backbone<ExecutionSpace>::RecurrentState Backbone<ExecutionSpace>::make_state(int batch,
-                                                                                      const std::string& label) const {
+                                                                                       const std::string& label) const {
   RecurrentState state;
   for (const auto& mixer : mixers_) state.caches.push_back(mixer->make_cache(batch));
   const int dm = config_.d_model;
@@ -259,9 +259,11 @@ typename Backbone<ExecutionSpace>::RecurrentState Backbone<ExecutionSpace>::make
 }
 
 template <class ExecutionSpace>
-typename Backbone<ExecutionSpace>::Segment Backbone<ExecutionSpace>::prefill(
-    const ExecutionSpace& exec, const Slab& slab, std::int64_t batch, std::int64_t seqlen, const InputEnd& input,
-    RecurrentState& state, const std::string& label) const {
+typename Backbone<ExecutionSpace>::Segment Backbone<ExecutionSpace>::prefill(const ExecutionSpace& exec,
+                                                                             const Slab& slab, std::int64_t batch,
+                                                                             std::int64_t seqlen, const InputEnd& input,
+                                                                             RecurrentState& state,
+                                                                             const std::string& label) const {
   const std::int64_t dm = config_.d_model;
   const float eps = static_cast<float>(config_.norm_epsilon);
   const auto sequence = [&](const char* what) {
@@ -275,8 +277,7 @@ typename Backbone<ExecutionSpace>::Segment Backbone<ExecutionSpace>::prefill(
     if (i == 0) {
       kmamba::rms_norm(exec, token_rows(s.residual), norm_weight, eps, token_rows(s.normed));
     } else {
-      kmamba::add_rms_norm(exec, token_rows(s.residual), token_rows(s.mixed), norm_weight, eps,
-                           token_rows(s.normed));
+      kmamba::add_rms_norm(exec, token_rows(s.residual), token_rows(s.mixed), norm_weight, eps, token_rows(s.normed));
     }
     const std::size_t layer = static_cast<std::size_t>(i);
     mixers_[layer]->prefill(exec, slab, s.normed, s.mixed, *state.caches[layer]);
@@ -298,8 +299,7 @@ void Backbone<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& slab
     const std::size_t layer = static_cast<std::size_t>(i);
     mixers_[layer]->step(exec, slab, state.normed, state.mixed, *state.caches[layer]);
   }
-  kmamba::add_rms_norm(exec, state.residual, state.mixed, slab.template param<1>(final_norm_name), eps,
-                       state.normed);
+  kmamba::add_rms_norm(exec, state.residual, state.mixed, slab.template param<1>(final_norm_name), eps, state.normed);
 }
 
 #define KMAMBA_INSTANTIATE(Exec) template class Backbone<Exec>;

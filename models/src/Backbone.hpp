@@ -41,8 +41,8 @@ namespace impl {
 /// Throws kmamba::UserError from `function` unless `file` holds config.n_layer blocks (one more
 /// than the highest L of its "backbone.layers.L." tensors), naming num_hidden_layers of
 /// `config_path`. Called before a Backbone is built: it makes one mixer per layer.
-void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file,
-                               const std::string& config_path, const char* function);
+void check_layers_against_file(const ModelConfig& config, const SafeTensorsReader& file, const std::string& config_path,
+                               const char* function);
 
 template <class ExecutionSpace>
 class Backbone {
@@ -150,13 +150,13 @@ class Backbone {
 
   // The buffers of the last forward (batch, seqlen fixed by it).
   std::int64_t batch_ = 0, seqlen_ = 0;
-  std::vector<Tensor3<float, Mem>> residuals_;  // n_layer (training) or 1 × (batch, seqlen, d_model): r_i
-  std::vector<Tensor1<float, Mem>> rstds_;      // as residuals_, (batch·seqlen): norm i's rstd
-  Tensor3<float, Mem> final_input_;             // (batch, seqlen, d_model): h_n; backward's scratch
-  Tensor1<float, Mem> final_rstd_;              // (batch·seqlen)
-  Tensor3<float, Mem> normed_;                  // (batch, seqlen, d_model): a norm's output; output()
-  Tensor3<float, Mem> mixed_;                   // (batch, seqlen, d_model): a mixer's output; backward's dres
-  Tensor1<float, Mem> norm_grad_;               // (d_model): one norm's weight gradient
+  std::vector<Tensor3<float, Mem>> residuals_;        // n_layer (training) or 1 × (batch, seqlen, d_model): r_i
+  std::vector<Tensor1<float, Mem>> rstds_;            // as residuals_, (batch·seqlen): norm i's rstd
+  Tensor3<float, Mem> final_input_;                   // (batch, seqlen, d_model): h_n; backward's scratch
+  Tensor1<float, Mem> final_rstd_;                    // (batch·seqlen)
+  Tensor3<float, Mem> normed_;                        // (batch, seqlen, d_model): a norm's output; output()
+  Tensor3<float, Mem> mixed_;                         // (batch, seqlen, d_model): a mixer's output; backward's dres
+  Tensor1<float, Mem> norm_grad_;                     // (d_model): one norm's weight gradient
   Tensor3<float, Mem> recompute_in_, recompute_out_;  // (batch, seqlen, d_model), with checkpointing
 };
 

@@ -46,7 +46,8 @@ class Fields {
 
   bool boolean(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
-    KMAMBA_REQUIRE(object_[key].is_boolean(), where(key) << " is " << quote_json(object_[key]) << ", expected true or false");
+    KMAMBA_REQUIRE(object_[key].is_boolean(), where(key)
+                                                  << " is " << quote_json(object_[key]) << ", expected true or false");
     return object_[key].get<bool>();
   }
 
@@ -73,7 +74,8 @@ class Fields {
     if (v.is_number()) return v.get<double>();
     std::string text;
     if (v.is_string()) text = v.get<std::string>();
-    if (v.is_object() && v.contains("__float__") && v["__float__"].is_string()) text = v["__float__"].get<std::string>();
+    if (v.is_object() && v.contains("__float__") && v["__float__"].is_string())
+      text = v["__float__"].get<std::string>();
     if (text == "Infinity" || text == "inf" || text == "+inf") return std::numeric_limits<double>::infinity();
     if (text == "-Infinity" || text == "-inf") return -std::numeric_limits<double>::infinity();
     KMAMBA_USER_ERROR(where(key) << " is " << quote_json(v) << ", expected a number");
@@ -87,7 +89,8 @@ int dt_rank_field(const Fields& f, const char* key) {
   if (!f.has(key)) return 0;
   const json& v = f.raw(key);
   if (v.is_string()) {
-    KMAMBA_REQUIRE(v.get<std::string>() == "auto", f.where(key) << " is " << quote_json(v) << ", expected an integer or \"auto\"");
+    KMAMBA_REQUIRE(v.get<std::string>() == "auto",
+                   f.where(key) << " is " << quote_json(v) << ", expected an integer or \"auto\"");
     return 0;
   }
   return f.integer(key, 0);
@@ -129,8 +132,9 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
     c.vocab_size = f.integer("unpadded_vocab_size", padded);
     c.pad_vocab_size_multiple = f.integer("pad_vocab_size_multiple", 1);
     KMAMBA_REQUIRE(c.vocab_size > 0 && c.pad_vocab_size_multiple > 0 && c.padded_vocab_size() == padded,
-                   f.where("unpadded_vocab_size") << " = " << c.vocab_size << " padded to a multiple of "
-                                                  << c.pad_vocab_size_multiple << " does not give vocab_size = " << padded);
+                   f.where("unpadded_vocab_size")
+                       << " = " << c.vocab_size << " padded to a multiple of " << c.pad_vocab_size_multiple
+                       << " does not give vocab_size = " << padded);
   }
   c.tie_embeddings = f.boolean("tie_word_embeddings", !mamba2);
   c.rms_norm = f.boolean("rms_norm", true);
@@ -159,9 +163,9 @@ void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
     f.pair("time_step_limit", c.dt_limit_min, c.dt_limit_max);
   } else if (f.has("intermediate_size")) {
     const long long d_inner = static_cast<long long>(c.expand) * c.d_model;
-    KMAMBA_REQUIRE(f.integer("intermediate_size", 0) == d_inner,
-                   f.where("intermediate_size") << " is " << f.integer("intermediate_size", 0)
-                                                << " but expand * hidden_size = " << d_inner);
+    KMAMBA_REQUIRE(f.integer("intermediate_size", 0) == d_inner, f.where("intermediate_size")
+                                                                     << " is " << f.integer("intermediate_size", 0)
+                                                                     << " but expand * hidden_size = " << d_inner);
   }
 }
 
@@ -223,9 +227,12 @@ void read_mamba_ssm(const Fields& f, ModelConfig& c, const std::string& source) 
 
 const char* mixer_name(MixerKind kind) {
   switch (kind) {
-    case MixerKind::Mamba1: return "Mamba1";
-    case MixerKind::Mamba2: return "Mamba2";
-    case MixerKind::Mamba3: return "Mamba3";
+    case MixerKind::Mamba1:
+      return "Mamba1";
+    case MixerKind::Mamba2:
+      return "Mamba2";
+    case MixerKind::Mamba3:
+      return "Mamba3";
   }
   return "unknown";
 }
@@ -253,47 +260,47 @@ void ModelConfig::validate() const {
   constexpr long long int_max = std::numeric_limits<int>::max();
   KMAMBA_REQUIRE(d_model <= int_max - 15, "kmamba::ModelConfig: d_model " << d_model << " is too large");
   const long long d_inner_wide = static_cast<long long>(expand) * d_model;
-  KMAMBA_REQUIRE(d_inner_wide <= int_max, "kmamba::ModelConfig: d_inner = expand * d_model = " << expand << " * "
-                                                                                             << d_model
-                                                                                             << " is too large");
+  KMAMBA_REQUIRE(d_inner_wide <= int_max,
+                 "kmamba::ModelConfig: d_inner = expand * d_model = " << expand << " * " << d_model << " is too large");
   KMAMBA_REQUIRE(static_cast<long long>(vocab_size) + pad_vocab_size_multiple - 1 <= int_max,
                  "kmamba::ModelConfig: vocab_size " << vocab_size << " padded to a multiple of "
                                                     << pad_vocab_size_multiple << " is too large");
   KMAMBA_REQUIRE(nheads <= 0 || static_cast<long long>(nheads) * headdim <= int_max,
                  "kmamba::ModelConfig: num_heads * headdim = " << nheads << " * " << headdim << " is too large");
   KMAMBA_REQUIRE(rms_norm, "kmamba::ModelConfig: rms_norm is false; kmamba supports RMSNorm models only");
-  KMAMBA_REQUIRE(d_intermediate == 0, "kmamba::ModelConfig: d_intermediate is " << d_intermediate
-                                                                                << "; the GatedMLP blocks are not supported");
+  KMAMBA_REQUIRE(d_intermediate == 0, "kmamba::ModelConfig: d_intermediate is "
+                                          << d_intermediate << "; the GatedMLP blocks are not supported");
   KMAMBA_REQUIRE(norm_epsilon > 0.0, "kmamba::ModelConfig: norm_epsilon must be positive, got " << norm_epsilon);
-  KMAMBA_REQUIRE(dt_min > 0.0 && dt_min <= dt_max, "kmamba::ModelConfig: need 0 < dt_min <= dt_max, got dt_min="
-                                                       << dt_min << " dt_max=" << dt_max);
-  KMAMBA_REQUIRE(dt_limit_min >= 0.0 && dt_limit_min < dt_limit_max,
-                 "kmamba::ModelConfig: need 0 <= dt_limit min < max, got [" << dt_limit_min << ", " << dt_limit_max << "]");
+  KMAMBA_REQUIRE(dt_min > 0.0 && dt_min <= dt_max,
+                 "kmamba::ModelConfig: need 0 < dt_min <= dt_max, got dt_min=" << dt_min << " dt_max=" << dt_max);
+  KMAMBA_REQUIRE(
+      dt_limit_min >= 0.0 && dt_limit_min < dt_limit_max,
+      "kmamba::ModelConfig: need 0 <= dt_limit min < max, got [" << dt_limit_min << ", " << dt_limit_max << "]");
   if (mixer != MixerKind::Mamba3) {
     positive("d_conv", d_conv);
-    KMAMBA_REQUIRE(d_conv <= conv1d_max_width, "kmamba::ModelConfig: d_conv (conv_kernel) is " << d_conv
-                                                   << "; the causal conv takes at most " << conv1d_max_width << " taps");
+    KMAMBA_REQUIRE(d_conv <= conv1d_max_width, "kmamba::ModelConfig: d_conv (conv_kernel) is "
+                                                   << d_conv << "; the causal conv takes at most " << conv1d_max_width
+                                                   << " taps");
   }
   if (mixer == MixerKind::Mamba1) {
     positive("dt_rank", resolved_dt_rank());
-    KMAMBA_REQUIRE(d_inner() % ngroups == 0, "kmamba::ModelConfig: d_inner " << d_inner() << " is not divisible by ngroups "
-                                                                            << ngroups);
+    KMAMBA_REQUIRE(d_inner() % ngroups == 0,
+                   "kmamba::ModelConfig: d_inner " << d_inner() << " is not divisible by ngroups " << ngroups);
     return;
   }
-  KMAMBA_REQUIRE(d_inner() % headdim == 0, "kmamba::ModelConfig: d_inner = expand * d_model = " << d_inner()
-                                                                                             << " is not divisible by headdim "
-                                                                                             << headdim);
-  KMAMBA_REQUIRE(static_cast<long long>(num_heads()) * headdim == d_inner(), "kmamba::ModelConfig: num_heads " << num_heads() << " * headdim "
-                                                                                      << headdim << " = "
-                                                                                      << num_heads() * headdim
-                                                                                      << " but d_inner = " << d_inner());
-  KMAMBA_REQUIRE(num_heads() % ngroups == 0, "kmamba::ModelConfig: num_heads " << num_heads()
-                                                                              << " is not divisible by ngroups " << ngroups);
+  KMAMBA_REQUIRE(d_inner() % headdim == 0, "kmamba::ModelConfig: d_inner = expand * d_model = "
+                                               << d_inner() << " is not divisible by headdim " << headdim);
+  KMAMBA_REQUIRE(static_cast<long long>(num_heads()) * headdim == d_inner(),
+                 "kmamba::ModelConfig: num_heads " << num_heads() << " * headdim " << headdim << " = "
+                                                   << num_heads() * headdim << " but d_inner = " << d_inner());
+  KMAMBA_REQUIRE(num_heads() % ngroups == 0,
+                 "kmamba::ModelConfig: num_heads " << num_heads() << " is not divisible by ngroups " << ngroups);
   if (mixer == MixerKind::Mamba3) {
     KMAMBA_REQUIRE(rope_fraction == 0.5 || rope_fraction == 1.0,
                    "kmamba::ModelConfig: rope_fraction must be 0.5 or 1.0, got " << rope_fraction);
     KMAMBA_REQUIRE(A_floor > 0.0, "kmamba::ModelConfig: A_floor must be positive, got " << A_floor);
-    KMAMBA_REQUIRE(std::isfinite(bc_bias_init), "kmamba::ModelConfig: bc_bias_init must be finite, got " << bc_bias_init);
+    KMAMBA_REQUIRE(std::isfinite(bc_bias_init),
+                   "kmamba::ModelConfig: bc_bias_init must be finite, got " << bc_bias_init);
     if (is_mimo) positive("mimo_rank", mimo_rank);
   }
 }
@@ -313,8 +320,9 @@ ModelConfig ModelConfig::from_json(const std::string& json_text, const std::stri
   } else if (model_type == "mamba3" || model_type == "kmamba") {
     read_mamba_ssm(f, c, source);
   } else {
-    KMAMBA_USER_ERROR("config '" << source << "': model_type \"" << model_type
-                                 << "\" is not a Mamba model (expected \"mamba\", \"mamba2\", or a mamba_ssm config with d_model)");
+    KMAMBA_USER_ERROR(
+        "config '" << source << "': model_type \"" << model_type
+                   << "\" is not a Mamba model (expected \"mamba\", \"mamba2\", or a mamba_ssm config with d_model)");
   }
   try {
     c.validate();
@@ -342,11 +350,20 @@ std::string ModelConfig::to_hf_json() const {
     j["rms_norm"] = rms_norm;
     j["residual_in_fp32"] = residual_in_fp32;
     j["norm_epsilon"] = norm_epsilon;
-    j["ssm_cfg"] = {{"layer", "Mamba3"},     {"d_state", d_state},       {"expand", expand},
-                    {"headdim", headdim},     {"ngroups", ngroups},       {"chunk_size", chunk_size},
-                    {"dt_min", dt_min},       {"dt_max", dt_max},         {"dt_init_floor", dt_init_floor},
-                    {"rope_fraction", rope_fraction}, {"A_floor", A_floor}, {"is_mimo", is_mimo},
-                    {"mimo_rank", mimo_rank}, {"is_outproj_norm", is_outproj_norm}};
+    j["ssm_cfg"] = {{"layer", "Mamba3"},
+                    {"d_state", d_state},
+                    {"expand", expand},
+                    {"headdim", headdim},
+                    {"ngroups", ngroups},
+                    {"chunk_size", chunk_size},
+                    {"dt_min", dt_min},
+                    {"dt_max", dt_max},
+                    {"dt_init_floor", dt_init_floor},
+                    {"rope_fraction", rope_fraction},
+                    {"A_floor", A_floor},
+                    {"is_mimo", is_mimo},
+                    {"mimo_rank", mimo_rank},
+                    {"is_outproj_norm", is_outproj_norm}};
     return j.dump(2) + "\n";
   }
   j["architectures"] = json::array({m2 ? "Mamba2ForCausalLM" : "MambaForCausalLM"});

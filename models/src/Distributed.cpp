@@ -47,8 +47,8 @@ void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace
                  function << ": the unsplit model must not be split itself");
   KMAMBA_REQUIRE(full_size == full.parameters().size() && local_size == local.parameters().size(),
                  function << ": the vectors have " << full_size << " and " << local_size
-                          << " elements; the slabs of the unsplit and the local model have "
-                          << full.parameters().size() << " and " << local.parameters().size());
+                          << " elements; the slabs of the unsplit and the local model have " << full.parameters().size()
+                          << " and " << local.parameters().size());
   std::map<std::string, ShardedParameter> shards;
   for (ShardedParameter& p : local.sharded_parameters()) shards[p.name] = std::move(p);
   for (const auto& entry : local.parameters().entries()) {
@@ -114,14 +114,14 @@ void gather_parameters(const ExecutionSpace& exec, const LanguageModel<Execution
                 full, full.parameters().params());
 }
 
-#define KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Exec)                                                                  \
-  template void scatter_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                   \
-                                     const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&,  \
-                                     const Tensor1<float, Exec::memory_space>&);                                  \
-  template void gather_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                    \
-                                    const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&,   \
-                                    const Tensor1<float, Exec::memory_space>&);                                   \
-  template void scatter_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);        \
+#define KMAMBA_INSTANTIATE_TENSOR_PARALLEL(Exec)                                                                 \
+  template void scatter_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                    \
+                                     const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&, \
+                                     const Tensor1<float, Exec::memory_space>&);                                 \
+  template void gather_values<Exec>(const Exec&, const LanguageModel<Exec>&,                                     \
+                                    const ConstTensor1<float, Exec::memory_space>&, const LanguageModel<Exec>&,  \
+                                    const Tensor1<float, Exec::memory_space>&);                                  \
+  template void scatter_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);         \
   template void gather_parameters<Exec>(const Exec&, const LanguageModel<Exec>&, LanguageModel<Exec>&);
 KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_TENSOR_PARALLEL)
 #undef KMAMBA_INSTANTIATE_TENSOR_PARALLEL
@@ -171,8 +171,8 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
   } else {
     for (const ShardedParameter& p : tensor_sharded) {
       const auto& e = slab.entry(p.name);
-      const bool has_replicated_run = std::any_of(p.runs.begin(), p.runs.end(),
-                                                  [](const ShardedParameter::Run& run) { return run.replicated; });
+      const bool has_replicated_run =
+          std::any_of(p.runs.begin(), p.runs.end(), [](const ShardedParameter::Run& run) { return run.replicated; });
       if (!has_replicated_run) {
         counted_.emplace_back(e.offset, e.offset + e.size);
         continue;
@@ -232,9 +232,8 @@ template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) {
   check_slab("attach", model.parameters());
   reducer_.set_ready_sequence(model.gradients_ready_sequence());
-  model.set_gradients_ready_hook([this](const ExecutionSpace& exec, std::size_t begin, std::size_t end) {
-    gradients_ready(exec, begin, end);
-  });
+  model.set_gradients_ready_hook(
+      [this](const ExecutionSpace& exec, std::size_t begin, std::size_t end) { gradients_ready(exec, begin, end); });
 }
 
 template <class ExecutionSpace>

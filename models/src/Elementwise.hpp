@@ -34,8 +34,8 @@ void for_each_index(const Exec& exec, const char* label, std::int64_t n, const F
 /// out(i) = a(i) + b(i).
 template <class Mem>
 struct AddFunctor {
-  Tensor1<float, Mem> out;         // (n)
-  ConstTensor1<float, Mem> a, b;   // (n)
+  Tensor1<float, Mem> out;        // (n)
+  ConstTensor1<float, Mem> a, b;  // (n)
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { out(i) = a(i) + b(i); }
 };
 
@@ -63,10 +63,9 @@ struct AddColumnSumsFunctor {
 
 /// out = a + b; `out` may be `a` or `b`.
 template <class Exec>
-void add(const Exec& exec, const char* label,
-         const ConstTensor1<float, typename Exec::memory_space>& a,  // (n)
-         const ConstTensor1<float, typename Exec::memory_space>& b,  // (n)
-         const Tensor1<float, typename Exec::memory_space>& out) {   // (n)
+void add(const Exec& exec, const char* label, const ConstTensor1<float, typename Exec::memory_space>& a,  // (n)
+         const ConstTensor1<float, typename Exec::memory_space>& b,                                       // (n)
+         const Tensor1<float, typename Exec::memory_space>& out) {                                        // (n)
   for_each_index(exec, label, static_cast<std::int64_t>(out.extent(0)),
                  AddFunctor<typename Exec::memory_space>{out, a, b});
 }

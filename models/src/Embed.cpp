@@ -31,9 +31,9 @@ template <class ExecutionSpace>
 Model<ExecutionSpace>::Model(std::unique_ptr<SequenceModel<ExecutionSpace>> model, const TrainOptions& options)
     : model_(std::move(model)), options_(options) {
   options_.validate();
-  optimizer_.reset(new AdamW<memory_space>(model_->parameters().size(),
-                                           AdamWConfig{options_.lr, options_.beta1, options_.beta2, options_.eps,
-                                                       options_.weight_decay}));
+  optimizer_.reset(new AdamW<memory_space>(
+      model_->parameters().size(),
+      AdamWConfig{options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay}));
 }
 
 template <class ExecutionSpace>
@@ -100,9 +100,9 @@ int Model<ExecutionSpace>::data_size() const {
 #endif
 
 template <class ExecutionSpace>
-TrainStepResult Model<ExecutionSpace>::train_on(const ExecutionSpace& exec,
-                                                const ConstTensor3<float, memory_space>& inputs,     // (batch, seqlen, input_size)
-                                                const ConstTensor3<float, memory_space>& targets) {  // (batch, seqlen, output_size)
+TrainStepResult Model<ExecutionSpace>::train_on(
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    const ConstTensor3<float, memory_space>& targets) {                           // (batch, seqlen, output_size)
   constexpr const char* function = "kmamba::Model::train_step";
   auto& slab = model_->parameters();
   const std::int64_t local = static_cast<std::int64_t>(targets.span());
@@ -146,9 +146,9 @@ TrainStepResult Model<ExecutionSpace>::train_on(const ExecutionSpace& exec,
 }
 
 template <class ExecutionSpace>
-double Model<ExecutionSpace>::evaluate_on(const ExecutionSpace& exec,
-                                          const ConstTensor3<float, memory_space>& inputs,     // (batch, seqlen, input_size)
-                                          const ConstTensor3<float, memory_space>& targets) {  // (batch, seqlen, output_size)
+double Model<ExecutionSpace>::evaluate_on(
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    const ConstTensor3<float, memory_space>& targets) {                           // (batch, seqlen, output_size)
   return model_->loss(exec, inputs, targets).loss;
 }
 

@@ -87,8 +87,8 @@ GenerationResult generate(const ExecutionSpace& exec, LanguageModel<ExecutionSpa
   const auto prefill_start = std::chrono::steady_clock::now();
   state.reset(exec);
   {
-    const auto prompt_ids = allocate_uninitialized<Tensor2<std::int64_t, Mem>>(
-        "kmamba::decode::prompt_ids", batch, shortest);
+    const auto prompt_ids =
+        allocate_uninitialized<Tensor2<std::int64_t, Mem>>("kmamba::decode::prompt_ids", batch, shortest);
     const auto host_prompt_ids = Kokkos::create_mirror_view(prompt_ids);
     for (int s = 0; s < batch; ++s) {
       for (std::size_t t = 0; t < shortest; ++t) host_prompt_ids(s, t) = prompts[s][t];
@@ -113,7 +113,8 @@ GenerationResult generate(const ExecutionSpace& exec, LanguageModel<ExecutionSpa
       } else {
         next = sampler(&host_logits(s, 0), vocab, s, history[s]);
         KMAMBA_REQUIRE(next >= 0 && next < vocab, function << ": the sampler returned token " << next
-                                                           << " for sequence " << s << ", outside [0, " << vocab << ")");
+                                                           << " for sequence " << s << ", outside [0, " << vocab
+                                                           << ")");
         history[s].push_back(next);
         result.tokens[s].push_back(next);
         ++result.stats.generated_tokens;
@@ -139,11 +140,11 @@ GenerationResult generate(const ExecutionSpace& exec, LanguageModel<ExecutionSpa
   return result;
 }
 
-#define KMAMBA_INSTANTIATE_GENERATE(Space)                                                                       \
-  template GenerationResult generate<Space>(const Space&, LanguageModel<Space>&,                               \
+#define KMAMBA_INSTANTIATE_GENERATE(Space)                                                                      \
+  template GenerationResult generate<Space>(const Space&, LanguageModel<Space>&,                                \
                                             const std::vector<std::vector<std::int64_t>>&, const TokenSampler&, \
                                             const GenerationOptions&, const TokenCallback&);                    \
-  template GenerationResult generate<Space>(const Space&, LanguageModel<Space>&, DecodeState<Space>&,          \
+  template GenerationResult generate<Space>(const Space&, LanguageModel<Space>&, DecodeState<Space>&,           \
                                             const std::vector<std::vector<std::int64_t>>&, const TokenSampler&, \
                                             const GenerationOptions&, const TokenCallback&);
 

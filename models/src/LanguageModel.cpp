@@ -34,16 +34,16 @@ namespace impl {
 /// logits(r, v) = padded(r, v) for the real vocabulary columns.
 template <class MemorySpace>
 struct DropPaddedColumns {
-  Tensor2<float, MemorySpace> logits;         // (rows, vocab)
-  ConstTensor2<float, MemorySpace> padded;    // (rows, padded_vocab)
+  Tensor2<float, MemorySpace> logits;       // (rows, vocab)
+  ConstTensor2<float, MemorySpace> padded;  // (rows, padded_vocab)
   KOKKOS_INLINE_FUNCTION void operator()(const int r, const int v) const { logits(r, v) = padded(r, v); }
 };
 
 /// Counts the rows whose arg-max logit is their target (ignored rows excluded).
 template <class MemorySpace>
 struct CountCorrect {
-  ConstTensor2<float, MemorySpace> logits;            // (rows, vocab)
-  ConstTensor1<std::int64_t, MemorySpace> targets;    // (rows)
+  ConstTensor2<float, MemorySpace> logits;          // (rows, vocab)
+  ConstTensor1<std::int64_t, MemorySpace> targets;  // (rows)
   std::int64_t ignore;
   KOKKOS_INLINE_FUNCTION void operator()(const int r, std::int64_t& correct) const {
     const std::int64_t target = targets(r);
@@ -64,9 +64,9 @@ struct CountCorrect {
 /// last position, the input of the final norm.
 template <class MemorySpace>
 struct LastPositionSum {
-  Tensor2<float, MemorySpace> out;             // (batch, d_model)
-  ConstTensor3<float, MemorySpace> residual;   // (batch, seqlen, d_model)
-  ConstTensor3<float, MemorySpace> mixed;      // (batch, seqlen, d_model)
+  Tensor2<float, MemorySpace> out;            // (batch, d_model)
+  ConstTensor3<float, MemorySpace> residual;  // (batch, seqlen, d_model)
+  ConstTensor3<float, MemorySpace> mixed;     // (batch, seqlen, d_model)
   int last;
   KOKKOS_INLINE_FUNCTION void operator()(const int b, const int d) const {
     out(b, d) = mixed(b, last, d) + residual(b, last, d);
@@ -121,7 +121,8 @@ struct LanguageModel<ExecutionSpace>::State {
     if (batch == b && seqlen == l && padded_logits.is_allocated()) return;
     batch = b;
     seqlen = l;
-    padded_logits = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::lm::logits", b * l, config.padded_vocab_size());
+    padded_logits =
+        allocate_uninitialized<Tensor2<float, Mem>>("kmamba::lm::logits", b * l, config.padded_vocab_size());
     lse = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::lm::lse", b * l);
   }
 
@@ -166,7 +167,7 @@ struct LanguageModel<ExecutionSpace>::State {
   // logits = normed · headᵀ over the vocabulary's rows of the head.
   void decode_logits(const ExecutionSpace& exec, const Tensor2<float, Mem>& normed,  // (batch, d_model)
                      const Tensor2<float, Mem>& logits) const {                      // (batch, vocab_size)
-    const ConstTensor2<float, Mem> head = head_weight();  // (padded_vocab, d_model)
+    const ConstTensor2<float, Mem> head = head_weight();                             // (padded_vocab, d_model)
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(normed),
          ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
          logits, precision);
@@ -182,8 +183,8 @@ struct LanguageModel<ExecutionSpace>::State {
 
   LossResult loss_of(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& targets) {
     const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
-    const CrossEntropySum sum = cross_entropy_forward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets,
-                                                      ignore_index, lse);
+    const CrossEntropySum sum =
+        cross_entropy_forward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets, ignore_index, lse);
     LossResult result;
     result.loss = sum.mean();
     result.tokens = sum.count;
@@ -204,8 +205,8 @@ struct LanguageModel<ExecutionSpace>::State {
     const Tensor2<float, Mem> normed = impl::token_rows(backbone.output());
     gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits),
          ConstTensor2<float, Mem>(normed), 1.0f, head_grad(), precision);
-    gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f,
-         normed, precision);
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f, normed,
+         precision);
     const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
     const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
     embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),
@@ -225,8 +226,8 @@ struct DecodeState<ExecutionSpace>::Impl {
   // its ids from and writes its logits to these fixed buffers, copied from and to the caller's.
   StepGraph<ExecutionSpace> graph;
   MatmulPrecision graph_precision = MatmulPrecision::Float32;  // the model's when the graph was recorded
-  Tensor1<std::int64_t, Mem> step_ids;  // (batch)
-  Tensor2<float, Mem> step_logits;      // (batch, vocab_size)
+  Tensor1<std::int64_t, Mem> step_ids;                         // (batch)
+  Tensor2<float, Mem> step_logits;                             // (batch, vocab_size)
 };
 
 template <class ExecutionSpace>
@@ -342,7 +343,8 @@ void LanguageModel<ExecutionSpace>::initialize(std::uint64_t seed) {
   const std::uint64_t stride = std::uint64_t(1) << 40;
   const float std_dev = static_cast<float>(s.config.initializer_range);
   fill_normal(exec, s.slab.template param<2>(impl::embedding_name), seed, 0.0f, std_dev, 0);
-  if (!s.config.tie_embeddings) fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
+  if (!s.config.tie_embeddings)
+    fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
   s.backbone.initialize(exec, s.slab, seed);
   exec.fence();
 }
@@ -353,22 +355,23 @@ void LanguageModel<ExecutionSpace>::zero_grads(const ExecutionSpace& exec) {
 }
 
 template <class ExecutionSpace>
-void LanguageModel<ExecutionSpace>::forward(const ExecutionSpace& exec,
-                                            const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
-                                            const Tensor3<float, memory_space>& logits) {         // (batch, seqlen, vocab_size)
+void LanguageModel<ExecutionSpace>::forward(
+    const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+    const Tensor3<float, memory_space>& logits) {                                     // (batch, seqlen, vocab_size)
   constexpr const char* function = "kmamba::LanguageModel::forward";
   State& s = *state_;
   s.check_ids(function, ids, "input id", false);
-  check_shape(function, "logits", logits, {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
+  check_shape(function, "logits", logits,
+              {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
               "(batch, seqlen, vocab_size) with batch, seqlen from ids");
   s.run_forward(exec, ids, false);
   s.copy_logits(exec, logits);
 }
 
 template <class ExecutionSpace>
-LossResult LanguageModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
-                                               const ConstTensor2<std::int64_t, memory_space>& ids,        // (batch, seqlen)
-                                               const ConstTensor2<std::int64_t, memory_space>& targets) {  // (batch, seqlen)
+LossResult LanguageModel<ExecutionSpace>::loss(
+    const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+    const ConstTensor2<std::int64_t, memory_space>& targets) {                        // (batch, seqlen)
   constexpr const char* function = "kmamba::LanguageModel::loss";
   State& s = *state_;
   s.check_ids(function, ids, "input id", false);
@@ -379,19 +382,20 @@ LossResult LanguageModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
 }
 
 template <class ExecutionSpace>
-LossResult LanguageModel<ExecutionSpace>::loss_and_backward(const ExecutionSpace& exec,
-                                                            const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
-                                                            const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen)
-                                                            double weight,
-                                                            const Tensor3<float, memory_space>& logits) {  // (batch, seqlen, vocab_size)
+LossResult LanguageModel<ExecutionSpace>::loss_and_backward(
+    const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+    const ConstTensor2<std::int64_t, memory_space>& targets,                          // (batch, seqlen)
+    double weight, const Tensor3<float, memory_space>& logits) {                      // (batch, seqlen, vocab_size)
   constexpr const char* function = "kmamba::LanguageModel::loss_and_backward";
   State& s = *state_;
   s.check_ids(function, ids, "input id", false);
   check_same_shape(function, "targets", targets, "ids", ids);
   s.check_ids(function, targets, "target", true);
   if (logits.is_allocated()) {
-    check_shape(function, "logits", logits, {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
-                "(batch, seqlen, vocab_size) with batch, seqlen from ids");
+    check_shape(
+        function, "logits", logits,
+        {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
+        "(batch, seqlen, vocab_size) with batch, seqlen from ids");
   }
   s.run_forward(exec, ids, true);
   if (logits.is_allocated()) s.copy_logits(exec, logits);
@@ -436,7 +440,7 @@ template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
                                             const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
                                             DecodeState<ExecutionSpace>& decode,
-                                            const Tensor2<float, memory_space>& last_logits) {    // (batch, vocab_size)
+                                            const Tensor2<float, memory_space>& last_logits) {  // (batch, vocab_size)
   using Mem = memory_space;
   constexpr const char* function = "kmamba::LanguageModel::prefill";
   State& s = *state_;
@@ -457,18 +461,17 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
       d.stream, "kmamba::decode");
   d.position += l;
   if (!last_logits.is_allocated()) return;
-  Kokkos::parallel_for("kmamba::decode::prefill_last_position",
-                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, s.config.d_model}),
-                       impl::LastPositionSum<Mem>{d.stream.residual, segment.residual, segment.mixed,
-                                                  static_cast<int>(l - 1)});
+  Kokkos::parallel_for(
+      "kmamba::decode::prefill_last_position",
+      Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, s.config.d_model}),
+      impl::LastPositionSum<Mem>{d.stream.residual, segment.residual, segment.mixed, static_cast<int>(l - 1)});
   s.decode_head(exec, d.stream.residual, d.stream.normed, last_logits);
 }
 
 template <class ExecutionSpace>
-void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
-                                                const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
-                                                DecodeState<ExecutionSpace>& decode,
-                                                const Tensor2<float, memory_space>& logits) const {   // (batch, vocab_size)
+void LanguageModel<ExecutionSpace>::decode_step(
+    const ExecutionSpace& exec, const ConstTensor1<std::int64_t, memory_space>& ids,          // (batch)
+    DecodeState<ExecutionSpace>& decode, const Tensor2<float, memory_space>& logits) const {  // (batch, vocab_size)
   using Mem = memory_space;
   constexpr const char* function = "kmamba::LanguageModel::decode_step";
   const State& s = *state_;
@@ -546,12 +549,12 @@ void check_sizes_against_file(const ModelConfig& c, const SafeTensorsReader& fil
                                                     << impl::embedding_name << "' (the embedding)");
   const std::vector<std::int64_t>& shape = file.info(embedding).shape;
   KMAMBA_REQUIRE(shape.size() == 2 && shape[0] == c.padded_vocab_size(),
-                 function << ": '" << config_path << "' gives vocab_size " << c.vocab_size << " (" << c.padded_vocab_size()
-                          << " embedding rows), but the embedding '" << embedding << "' of '" << file.path()
-                          << "' has shape " << Shape(shape).to_string());
-  KMAMBA_REQUIRE(shape[1] == c.d_model, function << ": '" << config_path << "' gives hidden_size (d_model) " << c.d_model
-                                                 << ", but the embedding '" << embedding << "' of '" << file.path()
-                                                 << "' has shape " << Shape(shape).to_string());
+                 function << ": '" << config_path << "' gives vocab_size " << c.vocab_size << " ("
+                          << c.padded_vocab_size() << " embedding rows), but the embedding '" << embedding << "' of '"
+                          << file.path() << "' has shape " << Shape(shape).to_string());
+  KMAMBA_REQUIRE(shape[1] == c.d_model, function << ": '" << config_path << "' gives hidden_size (d_model) "
+                                                 << c.d_model << ", but the embedding '" << embedding << "' of '"
+                                                 << file.path() << "' has shape " << Shape(shape).to_string());
   impl::check_layers_against_file(c, file, config_path, function);
 }
 
@@ -559,8 +562,10 @@ void check_sizes_against_file(const ModelConfig& c, const SafeTensorsReader& fil
 
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::string& dir) {
-  KMAMBA_REQUIRE(is_directory(dir), "kmamba::LanguageModel::load: '" << dir << "' is not a directory (expected a "
-                                                                      "checkpoint directory with config.json and model.safetensors)");
+  KMAMBA_REQUIRE(is_directory(dir), "kmamba::LanguageModel::load: '"
+                                        << dir
+                                        << "' is not a directory (expected a "
+                                           "checkpoint directory with config.json and model.safetensors)");
   const std::string config_path = dir + "/config.json";
   const ModelConfig config = ModelConfig::load(config_path);
   const SafeTensorsReader file(dir + "/model.safetensors");
@@ -593,8 +598,8 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
     // mamba_ssm files carry the tied head although it is the embedding.
     KMAMBA_REQUIRE(name == impl::lm_head_name && s.config.tie_embeddings,
                    "kmamba::LanguageModel::load: '" << file.path() << "' has tensor '" << name
-                                                    << "', which this config.json (" << mixer_name(s.config.mixer) << ", "
-                                                    << s.config.n_layer << " layers) does not use");
+                                                    << "', which this config.json (" << mixer_name(s.config.mixer)
+                                                    << ", " << s.config.n_layer << " layers) does not use");
   }
   return model;
 }
@@ -604,7 +609,8 @@ void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
   const State& s = *state_;
   KMAMBA_REQUIRE(s.parallel.tensor_size() == 1,
                  "kmamba::LanguageModel::save: this model holds one tensor-parallel shard of "
-                     << s.parallel.tensor_size() << "; gather it into an unsplit model first (kmamba::gather_parameters)");
+                     << s.parallel.tensor_size()
+                     << "; gather it into an unsplit model first (kmamba::gather_parameters)");
   make_directories(dir);
   SafeTensorsWriter file;
   const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s.slab.params());
@@ -616,7 +622,7 @@ void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
   s.config.save(dir + "/config.json");
 }
 
-#define KMAMBA_INSTANTIATE(Exec) \
+#define KMAMBA_INSTANTIATE(Exec)    \
   template class DecodeState<Exec>; \
   template class LanguageModel<Exec>;
 KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)

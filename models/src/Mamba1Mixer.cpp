@@ -132,8 +132,8 @@ void mamba1_check_activation(const char* function, const char* name,
                              std::int64_t batch, std::int64_t seqlen, std::int64_t d_model) {
   check_shape(function, name, view, {batch, seqlen, d_model}, "(batch, seqlen, d_model)");
   check_allocated(function, name, view);
-  KMAMBA_REQUIRE(view.span_is_contiguous(), function << ": " << name << " (shape " << shape_of(view).to_string()
-                                                     << ") must be contiguous");
+  KMAMBA_REQUIRE(view.span_is_contiguous(),
+                 function << ": " << name << " (shape " << shape_of(view).to_string() << ") must be contiguous");
 }
 
 /// Moves `channels` columns between the token-major layout of the projections,
@@ -188,10 +188,11 @@ struct Mamba1Relayout {
 };
 
 template <bool ToChannelMajor, class ExecutionSpace>
-void mamba1_relayout(const ExecutionSpace& exec, const char* label,
-                     const Tensor2<float, typename ExecutionSpace::memory_space>& rows,  // (batch·seqlen, columns)
-                     int column0,
-                     const Tensor3<float, typename ExecutionSpace::memory_space>& channel_major) {  // (batch, channels, seqlen)
+void mamba1_relayout(
+    const ExecutionSpace& exec, const char* label,
+    const Tensor2<float, typename ExecutionSpace::memory_space>& rows,  // (batch·seqlen, columns)
+    int column0,
+    const Tensor3<float, typename ExecutionSpace::memory_space>& channel_major) {  // (batch, channels, seqlen)
   using Functor = Mamba1Relayout<ExecutionSpace, ToChannelMajor>;
   using Policy = typename Functor::Policy;
   const int batch = static_cast<int>(channel_major.extent(0)), channels = static_cast<int>(channel_major.extent(1)),
@@ -244,7 +245,7 @@ Args mamba1_scan_args(const Mamba1Tensors<Mem>& p, const U& u, const Delta& delt
 /// rows(m, j) += bias(bias0 + j) for the columns of `rows`.
 template <class Mem>
 struct Mamba1AddBias {
-  Tensor2<float, Mem> rows;     // (batch·seqlen, columns)
+  Tensor2<float, Mem> rows;       // (batch·seqlen, columns)
   ConstTensor1<float, Mem> bias;  // (≥ bias0 + columns)
   int bias0;
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
@@ -257,7 +258,7 @@ struct Mamba1AddBias {
 
 template <class ExecutionSpace>
 void mamba1_add_bias(const ExecutionSpace& exec,
-                     const Tensor2<float, typename ExecutionSpace::memory_space>& rows,       // (batch·seqlen, columns)
+                     const Tensor2<float, typename ExecutionSpace::memory_space>& rows,  // (batch·seqlen, columns)
                      const ConstTensor1<float, typename ExecutionSpace::memory_space>& bias,  // (≥ bias0 + columns)
                      int bias0) {
   Kokkos::parallel_for("kmamba::mamba1::add_bias",
@@ -268,10 +269,11 @@ void mamba1_add_bias(const ExecutionSpace& exec,
 
 /// grad(grad0 + j) += Σ_m rows(m, j), summed in row order (deterministic).
 template <class ExecutionSpace>
-void mamba1_add_column_sums(const ExecutionSpace& exec,
-                            const ConstTensor2<float, typename ExecutionSpace::memory_space>& rows,  // (batch·seqlen, columns)
-                            const Tensor1<float, typename ExecutionSpace::memory_space>& grad,  // (≥ grad0 + columns)
-                            int grad0) {
+void mamba1_add_column_sums(
+    const ExecutionSpace& exec,
+    const ConstTensor2<float, typename ExecutionSpace::memory_space>& rows,  // (batch·seqlen, columns)
+    const Tensor1<float, typename ExecutionSpace::memory_space>& grad,       // (≥ grad0 + columns)
+    int grad0) {
   add_column_sums(exec, "kmamba::mamba1::bias_gradient", rows, grad, grad0);
 }
 
@@ -279,10 +281,10 @@ void mamba1_add_column_sums(const ExecutionSpace& exec,
 /// dD, d(dt_proj.bias) = d(delta_bias).
 template <class Mem>
 struct Mamba1AddScanGradients {
-  ConstTensor2<float, Mem> A, dA;                 // (d_inner, d_state)
-  ConstTensor1<float, Mem> dD, ddelta_bias;       // (d_inner)
-  Tensor2<float, Mem> grad_A_log;                 // (d_inner, d_state)
-  Tensor1<float, Mem> grad_D, grad_dt_bias;       // (d_inner)
+  ConstTensor2<float, Mem> A, dA;            // (d_inner, d_state)
+  ConstTensor1<float, Mem> dD, ddelta_bias;  // (d_inner)
+  Tensor2<float, Mem> grad_A_log;            // (d_inner, d_state)
+  Tensor1<float, Mem> grad_D, grad_dt_bias;  // (d_inner)
   KOKKOS_INLINE_FUNCTION void operator()(const int d) const {
     for (std::size_t n = 0; n < A.extent(1); ++n) grad_A_log(d, n) += dA(d, n) * A(d, n);
     grad_D(d) += dD(d);
@@ -326,8 +328,8 @@ struct Mamba1ALogInit {
 template <class ExecutionSpace>
 Mamba1Mixer<ExecutionSpace>::Mamba1Mixer(const ModelConfig& config, std::string prefix)
     : config_(config), prefix_(std::move(prefix)) {
-  KMAMBA_REQUIRE(config.mixer == MixerKind::Mamba1, "kmamba::Mamba1Mixer: the config's mixer is "
-                                                        << mixer_name(config.mixer) << ", not Mamba1");
+  KMAMBA_REQUIRE(config.mixer == MixerKind::Mamba1,
+                 "kmamba::Mamba1Mixer: the config's mixer is " << mixer_name(config.mixer) << ", not Mamba1");
   config.validate();
   d_model_ = config.d_model;
   d_inner_ = config.d_inner();
@@ -447,14 +449,14 @@ class Mamba1Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
     Kokkos::deep_copy(exec, ssm, 0.0f);
   }
 
-  std::array<int, 5> shape;     // the dimensions of the mixer that made it
-  Tensor3<float, Mem> conv;     // (batch, d_inner, d_conv − 1)
-  Tensor3<float, Mem> ssm;      // (batch, d_inner, d_state)
-  Tensor2<float, Mem> x, z, xc; // (batch, d_inner)
-  Tensor2<float, Mem> dt;       // (batch, dt_rank)
-  Tensor2<float, Mem> delta, y; // (batch, d_inner)
-  Tensor3<float, Mem> B, C;     // (batch, 1, d_state)
-  Tensor2<float, Mem> A;        // (d_inner, d_state), −exp(A_log)
+  std::array<int, 5> shape;      // the dimensions of the mixer that made it
+  Tensor3<float, Mem> conv;      // (batch, d_inner, d_conv − 1)
+  Tensor3<float, Mem> ssm;       // (batch, d_inner, d_state)
+  Tensor2<float, Mem> x, z, xc;  // (batch, d_inner)
+  Tensor2<float, Mem> dt;        // (batch, dt_rank)
+  Tensor2<float, Mem> delta, y;  // (batch, d_inner)
+  Tensor3<float, Mem> B, C;      // (batch, 1, d_state)
+  Tensor2<float, Mem> A;         // (d_inner, d_state), −exp(A_log)
 };
 
 template <class ExecutionSpace>
@@ -509,8 +511,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::delta_to_channels", a.delta, 0, a.delta_channels);
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::z_to_channels", a.z, 0, a.z_channels);
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::B_to_channels", a.bc, 0, impl::mamba1_group_squeezed(a.B));
-  impl::mamba1_relayout<true>(exec, "kmamba::mamba1::C_to_channels", a.bc, d_state_,
-                              impl::mamba1_group_squeezed(a.C));
+  impl::mamba1_relayout<true>(exec, "kmamba::mamba1::C_to_channels", a.bc, d_state_, impl::mamba1_group_squeezed(a.C));
   impl::negative_exp(exec, "kmamba::mamba1::A", impl::as_flat(p.A_log), impl::as_flat(a.A));
   SelectiveScanArgs<Mem> scan =
       impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
@@ -536,8 +537,8 @@ std::unique_ptr<MixerCache<ExecutionSpace>> Mamba1Mixer<ExecutionSpace>::make_ca
 
 template <class ExecutionSpace>
 typename Mamba1Mixer<ExecutionSpace>::Cache& Mamba1Mixer<ExecutionSpace>::cache_of(const char* function,
-                                                                                    MixerCache<ExecutionSpace>& cache,
-                                                                                    std::int64_t batch) const {
+                                                                                   MixerCache<ExecutionSpace>& cache,
+                                                                                   std::int64_t batch) const {
   return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
     std::ostringstream s;
     s << "a Mamba-1 mixer of these dimensions (d_model " << d_model_ << ", d_inner " << d_inner_ << ", d_state "
@@ -660,7 +661,8 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   sg.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::dD", d_inner_);
   sg.ddelta_bias = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::ddelta_bias", d_inner_);
   selective_scan_backward(exec, scan, dy_channels, ConstTensor3<float, Mem>(), sg);
-  Kokkos::parallel_for("kmamba::mamba1::scan_parameter_gradients", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
+  Kokkos::parallel_for("kmamba::mamba1::scan_parameter_gradients",
+                       Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
                        impl::Mamba1AddScanGradients<Mem>{a.A, sg.dA, sg.dD, sg.ddelta_bias, g.A_log, g.D, g.dt_bias});
 
   // Back to token-major. dy is dead once packed; its buffer takes dxc.
@@ -672,8 +674,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::ddelta_to_tokens", ddelta, 0, sg.ddelta);
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::dz_to_tokens", dz, 0, sg.dz);
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::dB_to_tokens", dbc, 0, impl::mamba1_group_squeezed(sg.dB));
-  impl::mamba1_relayout<false>(exec, "kmamba::mamba1::dC_to_tokens", dbc, d_state_,
-                               impl::mamba1_group_squeezed(sg.dC));
+  impl::mamba1_relayout<false>(exec, "kmamba::mamba1::dC_to_tokens", dbc, d_state_, impl::mamba1_group_squeezed(sg.dC));
 
   // delta = dt·dt_projᵀ
   const Tensor2<float, Mem> ddt = rows("kmamba::mamba1::ddt", dt_rank_);
@@ -687,7 +688,8 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
 
   // xc = silu(conv(x) + bias). ddelta is dead after the x_proj products; its buffer takes dx.
   const Tensor2<float, Mem> dx = ddelta;
-  const auto dconv_weight = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::dconv_weight", d_inner_, d_conv_);
+  const auto dconv_weight =
+      allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::dconv_weight", d_inner_, d_conv_);
   const Tensor1<float, Mem> dconv_bias =
       dims.conv_bias ? allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::dconv_bias", d_inner_)
                      : Tensor1<float, Mem>();

@@ -111,8 +111,8 @@ Mamba2Mixer<ExecutionSpace>::Mamba2Mixer(const ModelConfig& config, const std::s
                                          const ModelParallel& parallel)
     : config_(config), prefix_(prefix), parallel_(parallel) {
   config_.validate();
-  KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba2, "kmamba::Mamba2Mixer: the config's mixer is "
-                                                         << mixer_name(config_.mixer) << ", not Mamba2");
+  KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba2,
+                 "kmamba::Mamba2Mixer: the config's mixer is " << mixer_name(config_.mixer) << ", not Mamba2");
   const int t = parallel_.tensor_size();
   KMAMBA_REQUIRE(config_.num_heads() % t == 0 && config_.ngroups % t == 0,
                  "kmamba::Mamba2Mixer: tensor_parallel_size " << t << " must divide nheads " << config_.num_heads()
@@ -255,8 +255,8 @@ typename Mamba2Mixer<ExecutionSpace>::Activations Mamba2Mixer<ExecutionSpace>::m
       a.conv_initial[s] = allocate<Tensor3<float, memory_space>>(
           std::string("kmamba::mamba2::conv_initial_") + segment_names[s], batch, segment_widths_[s], d_conv_ - 1);
     }
-    a.ssm_initial = allocate<Tensor4<float, memory_space>>("kmamba::mamba2::ssm_initial", batch, nheads_, headdim_,
-                                                           d_state_);
+    a.ssm_initial =
+        allocate<Tensor4<float, memory_space>>("kmamba::mamba2::ssm_initial", batch, nheads_, headdim_, d_state_);
   }
   return a;
 }
@@ -313,13 +313,13 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
     Kokkos::deep_copy(exec, ssm, 0.0f);
   }
 
-  std::array<int, 7> shape;                      // the dimensions of the mixer that made it
+  std::array<int, 7> shape;                             // the dimensions of the mixer that made it
   std::array<Tensor3<float, Mem>, segment_count> conv;  // x, B, C: (batch, width, d_conv − 1)
-  Tensor4<float, Mem> ssm;                       // (batch, nheads, headdim, d_state)
-  Tensor2<int, Mem> group_arrivals;              // (batch, ngroups): conv_ssd_step's tickets, zero between steps
-  Matrix projected;                              // (batch, in_proj_rows): the whole in_proj output
-  Matrix y;                                      // (batch, d_inner)
-  Matrix normed;                                 // (batch, d_inner)
+  Tensor4<float, Mem> ssm;                              // (batch, nheads, headdim, d_state)
+  Tensor2<int, Mem> group_arrivals;                     // (batch, ngroups): conv_ssd_step's tickets, zero between steps
+  Matrix projected;                                     // (batch, in_proj_rows): the whole in_proj output
+  Matrix y;                                             // (batch, d_inner)
+  Matrix normed;                                        // (batch, d_inner)
 };
 
 template <class ExecutionSpace>
@@ -369,10 +369,10 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     if (split_sequence) {  // the halo: the previous rank's last d_conv − 1 inputs
       initial = a.conv_initial[s];
       if (previous != no_peer) sequence->recv(exec, initial, previous);
-      final_state = next != no_peer ? allocate_uninitialized<Tensor3<float, Mem>>(
-                                          std::string("kmamba::mamba2::conv_final_") + segment_names[s], batch, width,
-                                          d_conv_ - 1)
-                                    : Tensor3<float, Mem>();
+      final_state = next != no_peer
+                        ? allocate_uninitialized<Tensor3<float, Mem>>(
+                              std::string("kmamba::mamba2::conv_final_") + segment_names[s], batch, width, d_conv_ - 1)
+                        : Tensor3<float, Mem>();
     }
     causal_conv1d(exec, as_sequence(a.pre[s], batch, seqlen), rows_of<Mem>(conv_w, channel, width, d_conv_), bias,
                   initial, as_sequence(a.act[s], batch, seqlen), final_state, Conv1dActivation::silu);
@@ -623,8 +623,8 @@ std::unique_ptr<MixerCache<ExecutionSpace>> Mamba2Mixer<ExecutionSpace>::make_ca
 
 template <class ExecutionSpace>
 typename Mamba2Mixer<ExecutionSpace>::Cache& Mamba2Mixer<ExecutionSpace>::cache_of(const char* function,
-                                                                                    MixerCache<ExecutionSpace>& cache,
-                                                                                    std::int64_t batch) const {
+                                                                                   MixerCache<ExecutionSpace>& cache,
+                                                                                   std::int64_t batch) const {
   return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
     std::ostringstream s;
     s << "a Mamba-2 mixer of these dimensions (d_model " << d_model_ << ", nheads " << nheads_ << ", headdim "
@@ -682,10 +682,11 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   args.norm_eps = static_cast<float>(config_.norm_epsilon);
   args.norm_before_gate = config_.norm_before_gate;
   const std::size_t b = static_cast<std::size_t>(batch);
-  conv_ssd_step(exec, args,
-                ConvSsdStepState<Mem>{c.conv[x_segment], c.conv[B_segment], c.conv[C_segment], c.ssm, c.group_arrivals},
-                Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)),
-                c.normed);
+  conv_ssd_step(
+      exec, args,
+      ConvSsdStepState<Mem>{c.conv[x_segment], c.conv[B_segment], c.conv[C_segment], c.ssm, c.group_arrivals},
+      Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)),
+      c.normed);
   project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
           d_model_, c.normed, out);
   sum_over_tensor_ranks(exec, out);

@@ -138,8 +138,8 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
                                          const ModelParallel& parallel)
     : config_(config), prefix_(prefix), parallel_(parallel) {
   config_.validate();
-  KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba3, "kmamba::Mamba3Mixer: the config's mixer is "
-                                                         << mixer_name(config_.mixer) << ", not Mamba3");
+  KMAMBA_REQUIRE(config_.mixer == MixerKind::Mamba3,
+                 "kmamba::Mamba3Mixer: the config's mixer is " << mixer_name(config_.mixer) << ", not Mamba3");
   KMAMBA_REQUIRE(!config_.bias, "kmamba::Mamba3Mixer: bias is true, but the Mamba-3 projections have no bias");
   KMAMBA_REQUIRE(!(config_.is_mimo && config_.is_outproj_norm),
                  "kmamba::Mamba3Mixer: is_outproj_norm with is_mimo is not supported (the per-rank output norm "
@@ -157,9 +157,9 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
   d_state_ = config_.d_state;
   const int split = static_cast<int>(std::floor(d_state_ * config_.rope_fraction));
   nangles_ = (split - split % 2) / 2;
-  KMAMBA_REQUIRE(nangles_ >= 1, "kmamba::Mamba3Mixer: d_state " << d_state_ << " with rope_fraction "
-                                                                << config_.rope_fraction
-                                                                << " leaves no rotary angle (need d_state·rope_fraction >= 2)");
+  KMAMBA_REQUIRE(nangles_ >= 1, "kmamba::Mamba3Mixer: d_state "
+                                    << d_state_ << " with rope_fraction " << config_.rope_fraction
+                                    << " leaves no rotary angle (need d_state·rope_fraction >= 2)");
   rank_ = config_.is_mimo ? config_.mimo_rank : 1;
   chunk_ = config_.is_mimo ? std::max(1, config_.chunk_size / rank_) : config_.chunk_size;
   const int rgn = rank_ * ngroups_ * d_state_;
@@ -321,8 +321,8 @@ class Mamba3Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
     for (int i = 0; i < 2; ++i) {
       const std::string which = i == 0 ? "" : "_before_prefill";
       angle[i] = allocate<Tensor3<float, Mem>>("kmamba::decode::mamba3::angle_state" + which, batch, H, m.nangles_);
-      ssm[i] = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba3::ssm_state" + which, batch, H, m.headdim_,
-                                            m.d_state_);
+      ssm[i] =
+          allocate<Tensor4<float, Mem>>("kmamba::decode::mamba3::ssm_state" + which, batch, H, m.headdim_, m.d_state_);
       k[i] = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba3::k_state" + which, batch, H, R, m.d_state_);
       v[i] = allocate<Tensor4<float, Mem>>("kmamba::decode::mamba3::v_state" + which, batch, H, R, m.headdim_);
     }
@@ -353,17 +353,17 @@ class Mamba3Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
   // states, since it writes the final ones into [0]).
   Mamba3MimoStates<Mem> states(int i) const { return {angle[i], ssm[i], k[i], v[i]}; }
 
-  std::array<int, 7> shape;                      // the dimensions of the mixer that made it
-  std::array<Tensor3<float, Mem>, 2> angle;      // (batch, nheads, nangles)
-  std::array<Tensor4<float, Mem>, 2> ssm;        // (batch, nheads, headdim, d_state)
-  std::array<Tensor4<float, Mem>, 2> k;          // (batch, nheads, rank, d_state)
-  std::array<Tensor4<float, Mem>, 2> v;          // (batch, nheads, rank, headdim)
-  std::array<Matrix, segment_count> pre;         // (batch, width) per in_proj segment
-  Matrix Bn, Cn;                                 // (batch·rank·ngroups, d_state)
-  Tensor3<float, Mem> dt, adt, trap;             // (batch, nheads, 1)
-  Tensor4<float, Mem> angles;                    // (batch, 1, nheads, nangles)
-  Matrix y;                                      // (batch, d_inner)
-  Matrix normed;                                 // (batch, d_inner), with the output norm
+  std::array<int, 7> shape;                  // the dimensions of the mixer that made it
+  std::array<Tensor3<float, Mem>, 2> angle;  // (batch, nheads, nangles)
+  std::array<Tensor4<float, Mem>, 2> ssm;    // (batch, nheads, headdim, d_state)
+  std::array<Tensor4<float, Mem>, 2> k;      // (batch, nheads, rank, d_state)
+  std::array<Tensor4<float, Mem>, 2> v;      // (batch, nheads, rank, headdim)
+  std::array<Matrix, segment_count> pre;     // (batch, width) per in_proj segment
+  Matrix Bn, Cn;                             // (batch·rank·ngroups, d_state)
+  Tensor3<float, Mem> dt, adt, trap;         // (batch, nheads, 1)
+  Tensor4<float, Mem> angles;                // (batch, 1, nheads, nangles)
+  Matrix y;                                  // (batch, d_inner)
+  Matrix normed;                             // (batch, d_inner), with the output norm
 };
 
 template <class ExecutionSpace>
@@ -721,8 +721,8 @@ std::unique_ptr<MixerCache<ExecutionSpace>> Mamba3Mixer<ExecutionSpace>::make_ca
 
 template <class ExecutionSpace>
 typename Mamba3Mixer<ExecutionSpace>::Cache& Mamba3Mixer<ExecutionSpace>::cache_of(const char* function,
-                                                                                    MixerCache<ExecutionSpace>& cache,
-                                                                                    std::int64_t batch) const {
+                                                                                   MixerCache<ExecutionSpace>& cache,
+                                                                                   std::int64_t batch) const {
   return impl::mixer_cache<Cache>(function, cache, shape_key(), batch, [&] {
     std::ostringstream s;
     s << "a Mamba-3 mixer of these dimensions (d_model " << d_model_ << ", nheads " << nheads_ << ", headdim "
@@ -772,13 +772,13 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   }
   rms_norm(exec, as_vectors(c.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"), eps, c.Bn);
   rms_norm(exec, as_vectors(c.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, c.Cn);
-  Kokkos::parallel_for("kmamba::decode::mamba3::preprocess",
-                       impl::light_weight(
-                           Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * nheads_)),
-                       impl::Mamba3PreprocessFunctor<Mem>{c.pre[dt_segment], c.pre[A_segment], c.pre[trap_segment],
-                                                          c.pre[angle_segment], slab.template param<1>(p + "dt_bias"),
-                                                          c.dt, c.adt, c.trap, c.angles,
-                                                          static_cast<float>(config_.A_floor)});
+  Kokkos::parallel_for(
+      "kmamba::decode::mamba3::preprocess",
+      impl::light_weight(
+          Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * nheads_)),
+      impl::Mamba3PreprocessFunctor<Mem>{c.pre[dt_segment], c.pre[A_segment], c.pre[trap_segment], c.pre[angle_segment],
+                                         slab.template param<1>(p + "dt_bias"), c.dt, c.adt, c.trap, c.angles,
+                                         static_cast<float>(config_.A_floor)});
   const ConstTensor2<float, Mem> dt(c.dt.data(), b, H), adt(c.adt.data(), b, H), trap(c.trap.data(), b, H);
   const ConstTensor3<float, Mem> angles(c.angles.data(), b, H, S);
   const ConstTensor3<float, Mem> x(c.pre[x_segment].data(), b, H, P);

@@ -36,17 +36,15 @@ std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, con
     case MixerKind::Mamba1:
       break;
   }
-  KMAMBA_USER_ERROR("kmamba::make_mixer: tensor_parallel_size " << parallel.tensor_size() << " and sequence_parallel_size "
-                                                                << parallel.sequence_size()
-                                                                << " need a Mamba2 or Mamba3 mixer; the "
-                                                                << mixer_name(config.mixer)
-                                                                << " mixer is not split across ranks in this version");
+  KMAMBA_USER_ERROR("kmamba::make_mixer: tensor_parallel_size "
+                    << parallel.tensor_size() << " and sequence_parallel_size " << parallel.sequence_size()
+                    << " need a Mamba2 or Mamba3 mixer; the " << mixer_name(config.mixer)
+                    << " mixer is not split across ranks in this version");
 }
 
-#define KMAMBA_INSTANTIATE_MAKE_MIXER(Exec)                                                                   \
-  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&);             \
-  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&, \
-                                                         const ModelParallel&);
+#define KMAMBA_INSTANTIATE_MAKE_MIXER(Exec)                                                       \
+  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&); \
+  template std::unique_ptr<Mixer<Exec>> make_mixer<Exec>(const ModelConfig&, const std::string&, const ModelParallel&);
 KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE_MAKE_MIXER)
 #undef KMAMBA_INSTANTIATE_MAKE_MIXER
 

@@ -221,8 +221,8 @@ void initialize_shard(const Exec& exec, const Mixer<Exec>& full, const Mixer<Exe
   for (const auto& entry : unsplit.entries()) {
     const Tensor1<float, Mem> local = flat(slab.params(), slab, entry.name);
     const Tensor1<float, Mem> source = flat(unsplit.params(), unsplit, entry.name);
-    const auto split = std::find_if(shards.begin(), shards.end(),
-                                    [&](const ShardedParameter& p) { return p.name == entry.name; });
+    const auto split =
+        std::find_if(shards.begin(), shards.end(), [&](const ShardedParameter& p) { return p.name == entry.name; });
     if (split == shards.end()) {
       Kokkos::deep_copy(exec, local, source);
       continue;

@@ -77,8 +77,8 @@ std::uint64_t parse_shape(const nlohmann::json& shape, const std::string& where,
   KMAMBA_REQUIRE(shape.is_array(), where << ": shape is " << quote_json(shape) << ", not an array");
   bool empty = false;
   for (const nlohmann::json& d : shape) {
-    KMAMBA_REQUIRE(d.is_number_unsigned(), where << ": shape holds " << quote_json(d)
-                                                 << ", not a non-negative integer");
+    KMAMBA_REQUIRE(d.is_number_unsigned(),
+                   where << ": shape holds " << quote_json(d) << ", not a non-negative integer");
     const std::uint64_t extent = d.get<std::uint64_t>();
     KMAMBA_REQUIRE(extent <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
                    where << ": shape " << quote_json(shape) << " has an extent beyond 2^63 - 1");
@@ -99,9 +99,9 @@ std::uint64_t parse_shape(const nlohmann::json& shape, const std::string& where,
 TensorInfo parse_tensor(const std::string& name, const nlohmann::json& value, const std::string& path,
                         std::uint64_t data_size) {
   const std::string where = "safetensors: '" + path + "', tensor '" + name + "'";
-  KMAMBA_REQUIRE(value.is_object() && value.contains("dtype") && value.contains("shape") &&
-                     value.contains("data_offsets"),
-                 where << ": needs dtype, shape and data_offsets");
+  KMAMBA_REQUIRE(
+      value.is_object() && value.contains("dtype") && value.contains("shape") && value.contains("data_offsets"),
+      where << ": needs dtype, shape and data_offsets");
   TensorInfo info;
   info.name = name;
   KMAMBA_REQUIRE(value["dtype"].is_string(), where << ": dtype is " << quote_json(value["dtype"]) << ", not a string");
@@ -116,14 +116,14 @@ TensorInfo parse_tensor(const std::string& name, const nlohmann::json& value, co
   KMAMBA_REQUIRE(known, where << ": unsupported dtype '" << dtype.substr(0, 32) << (dtype.size() > 32 ? "...'" : "'"));
   const std::uint64_t numel = parse_shape(value["shape"], where, data_size, info.shape);
   const nlohmann::json& offsets = value["data_offsets"];
-  KMAMBA_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
-                     offsets[1].is_number_unsigned(),
-                 where << ": data_offsets must be two non-negative integers, got " << quote_json(offsets));
+  KMAMBA_REQUIRE(
+      offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() && offsets[1].is_number_unsigned(),
+      where << ": data_offsets must be two non-negative integers, got " << quote_json(offsets));
   info.begin = offsets[0].get<std::uint64_t>();
   info.end = offsets[1].get<std::uint64_t>();
-  KMAMBA_REQUIRE(info.begin <= info.end && info.end <= data_size,
-                 where << ": data_offsets [" << info.begin << ", " << info.end << "] lie outside the " << data_size
-                       << "-byte data section");
+  KMAMBA_REQUIRE(info.begin <= info.end && info.end <= data_size, where << ": data_offsets [" << info.begin << ", "
+                                                                        << info.end << "] lie outside the " << data_size
+                                                                        << "-byte data section");
   KMAMBA_REQUIRE(info.end - info.begin == numel * dtype_size(info.dtype),
                  where << ": " << info.end - info.begin << " bytes for " << dtype << " " << shape_string(info.shape)
                        << ", which needs " << numel * dtype_size(info.dtype));
@@ -143,15 +143,19 @@ const char* dtype_name(DType dtype) {
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::F64:
-    case DType::I64: return 8;
+    case DType::I64:
+      return 8;
     case DType::F32:
-    case DType::I32: return 4;
+    case DType::I32:
+      return 4;
     case DType::F16:
     case DType::BF16:
-    case DType::I16: return 2;
+    case DType::I16:
+      return 2;
     case DType::I8:
     case DType::U8:
-    case DType::Bool: return 1;
+    case DType::Bool:
+      return 1;
   }
   KMAMBA_ASSERT(false, "dtype_size: unknown dtype " << static_cast<int>(dtype));
   return 0;
@@ -170,17 +174,17 @@ SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
   in.seekg(0, std::ios::end);
   const std::uint64_t file_size = static_cast<std::uint64_t>(in.tellg());
   in.seekg(0, std::ios::beg);
-  KMAMBA_REQUIRE(file_size >= 8, "safetensors: '" << path << "' is " << file_size
-                                                  << " bytes, shorter than the 8-byte header length");
+  KMAMBA_REQUIRE(file_size >= 8,
+                 "safetensors: '" << path << "' is " << file_size << " bytes, shorter than the 8-byte header length");
   unsigned char length_bytes[8];
   in.read(reinterpret_cast<char*>(length_bytes), 8);
   std::uint64_t header_length = 0;
   for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | length_bytes[i];
-  KMAMBA_REQUIRE(header_length <= file_size - 8,
-                 "safetensors: '" << path << "' declares a " << header_length << "-byte header but holds only "
-                                  << file_size - 8 << " bytes after the length");
-  KMAMBA_REQUIRE(header_length <= max_header_bytes, "safetensors: '" << path << "' declares a " << header_length
-                                                                     << "-byte header (more than 100 MB)");
+  KMAMBA_REQUIRE(header_length <= file_size - 8, "safetensors: '" << path << "' declares a " << header_length
+                                                                  << "-byte header but holds only " << file_size - 8
+                                                                  << " bytes after the length");
+  KMAMBA_REQUIRE(header_length <= max_header_bytes,
+                 "safetensors: '" << path << "' declares a " << header_length << "-byte header (more than 100 MB)");
   std::string header(static_cast<std::size_t>(header_length), '\0');
   in.read(&header[0], static_cast<std::streamsize>(header_length));
   KMAMBA_REQUIRE(in.good(), "safetensors: reading the header of '" << path << "' failed");
@@ -197,8 +201,8 @@ SafeTensorsReader::SafeTensorsReader(const std::string& path) : path_(path) {
     if (name == "__metadata__") {
       KMAMBA_REQUIRE(value.is_object(), "safetensors: '" << path << "': __metadata__ is not an object");
       for (auto m = value.begin(); m != value.end(); ++m) {
-        KMAMBA_REQUIRE(m.value().is_string(), "safetensors: '" << path << "': metadata entry '" << m.key()
-                                                               << "' is not a string");
+        KMAMBA_REQUIRE(m.value().is_string(),
+                       "safetensors: '" << path << "': metadata entry '" << m.key() << "' is not a string");
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -241,8 +245,8 @@ std::vector<unsigned char> SafeTensorsReader::read_bytes(const std::string& name
   in.seekg(static_cast<std::streamoff>(data_start_ + t.begin));
   std::vector<unsigned char> bytes(static_cast<std::size_t>(t.end - t.begin));
   in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  KMAMBA_REQUIRE(in.good() || bytes.empty(), "safetensors: reading tensor '" << name << "' of '" << path_
-                                                                             << "' failed (file changed?)");
+  KMAMBA_REQUIRE(in.good() || bytes.empty(),
+                 "safetensors: reading tensor '" << name << "' of '" << path_ << "' failed (file changed?)");
   return bytes;
 }
 
@@ -314,15 +318,25 @@ std::vector<std::int64_t> SafeTensorsReader::read_i64(const std::string& name) c
   std::vector<std::int64_t> out(n);
   for (std::size_t i = 0; i < n; ++i) {
     switch (t.dtype) {
-      case DType::I64: out[i] = load_le<std::int64_t>(&bytes[8 * i]); break;
-      case DType::I32: out[i] = load_le<std::int32_t>(&bytes[4 * i]); break;
-      case DType::I16: out[i] = load_le<std::int16_t>(&bytes[2 * i]); break;
-      case DType::I8: out[i] = static_cast<std::int8_t>(bytes[i]); break;
+      case DType::I64:
+        out[i] = load_le<std::int64_t>(&bytes[8 * i]);
+        break;
+      case DType::I32:
+        out[i] = load_le<std::int32_t>(&bytes[4 * i]);
+        break;
+      case DType::I16:
+        out[i] = load_le<std::int16_t>(&bytes[2 * i]);
+        break;
+      case DType::I8:
+        out[i] = static_cast<std::int8_t>(bytes[i]);
+        break;
       case DType::U8:
-      case DType::Bool: out[i] = bytes[i]; break;
+      case DType::Bool:
+        out[i] = bytes[i];
+        break;
       default:
-        KMAMBA_USER_ERROR("safetensors: tensor '" << name << "' of '" << path_ << "' has dtype "
-                                                  << dtype_name(t.dtype) << ", expected an integer dtype");
+        KMAMBA_USER_ERROR("safetensors: tensor '" << name << "' of '" << path_ << "' has dtype " << dtype_name(t.dtype)
+                                                  << ", expected an integer dtype");
     }
   }
   return out;
@@ -373,9 +387,8 @@ void SafeTensorsWriter::write(const std::string& path) const {
   std::uint64_t offset = 0;
   for (const std::string& name : order_) {
     const Pending& p = tensors_.at(name);
-    header[name] = {{"dtype", dtype_name(p.dtype)},
-                    {"shape", p.shape},
-                    {"data_offsets", {offset, offset + p.bytes.size()}}};
+    header[name] = {
+        {"dtype", dtype_name(p.dtype)}, {"shape", p.shape}, {"data_offsets", {offset, offset + p.bytes.size()}}};
     offset += p.bytes.size();
   }
   if (!metadata_.empty()) header["__metadata__"] = metadata_;

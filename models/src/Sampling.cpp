@@ -31,8 +31,7 @@ double sampling_uniform(std::uint64_t seed, std::uint64_t sequence, std::uint64_
 
 Sampler::Sampler(const SamplingConfig& config) : config_(config) { config_.validate(); }
 
-double Sampler::select(const float* logits, std::int64_t vocab, const std::int64_t* history,
-                       std::size_t history_size) {
+double Sampler::select(const float* logits, std::int64_t vocab, const std::int64_t* history, std::size_t history_size) {
   KMAMBA_REQUIRE(vocab > 0, "kmamba::Sampler: the vocabulary must not be empty, got " << vocab);
   KMAMBA_REQUIRE(logits != nullptr, "kmamba::Sampler: logits is null");
   KMAMBA_REQUIRE(history != nullptr || history_size == 0, "kmamba::Sampler: history is null");

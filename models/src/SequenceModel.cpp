@@ -41,7 +41,7 @@ constexpr const char* format = "kmamba-sequence-model";
 /// y(r, c) += bias(c).
 template <class MemorySpace>
 struct AddBias {
-  Tensor2<float, MemorySpace> y;        // (rows, channels)
+  Tensor2<float, MemorySpace> y;          // (rows, channels)
   ConstTensor1<float, MemorySpace> bias;  // (channels)
   KOKKOS_INLINE_FUNCTION void operator()(const int r, const int c) const { y(r, c) += bias(c); }
 };
@@ -76,8 +76,9 @@ void make_directories(const std::string& dir) {
     pos = dir.find('/', pos + 1);
     const std::string partial = dir.substr(0, pos);
     if (partial.empty() || is_directory(partial)) continue;
-    KMAMBA_REQUIRE(::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST,
-                   "kmamba::SequenceModel::save: cannot create directory '" << partial << "': " << std::strerror(errno));
+    KMAMBA_REQUIRE(
+        ::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST,
+        "kmamba::SequenceModel::save: cannot create directory '" << partial << "': " << std::strerror(errno));
   }
 }
 
@@ -197,16 +198,16 @@ struct SequenceModel<ExecutionSpace>::State {
   void ensure_prediction(const ExecutionSpace& exec, std::int64_t b, std::int64_t l) {
     ensure_buffers(exec, b, l);
     if (!prediction.is_allocated()) {
-      prediction = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::prediction", b, l,
-                                                               config.output_size);
+      prediction =
+          allocate_uninitialized<Tensor3<float, Mem>>("kmamba::sequence_model::prediction", b, l, config.output_size);
     }
   }
 
   /// y = x · Wᵀ + bias over rows.
-  void linear(const ExecutionSpace& exec, const ConstTensor2<float, Mem>& x,  // (rows, in)
-              const char* weight, const char* bias,
-              const Tensor2<float, Mem>& y) const {                           // (rows, out)
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, x, ConstTensor2<float, Mem>(slab.template param<2>(weight)), 0.0f, y);
+  void linear(const ExecutionSpace& exec, const ConstTensor2<float, Mem>& x,               // (rows, in)
+              const char* weight, const char* bias, const Tensor2<float, Mem>& y) const {  // (rows, out)
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, x, ConstTensor2<float, Mem>(slab.template param<2>(weight)), 0.0f,
+         y);
     Kokkos::parallel_for("kmamba::sequence_model::add_bias",
                          Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
                              exec, {0, 0}, {static_cast<int>(y.extent(0)), static_cast<int>(y.extent(1))}),
@@ -218,13 +219,12 @@ struct SequenceModel<ExecutionSpace>::State {
     KMAMBA_REQUIRE(inputs.extent(0) > 0 && inputs.extent(1) > 0,
                    function << ": inputs must be a non-empty (batch, seqlen, input_size) tensor, got shape "
                             << shape_of(inputs).to_string());
-    check_shape(function, "inputs", inputs, {Shape::any, Shape::any, config.input_size},
-                "(batch, seqlen, input_size)");
+    check_shape(function, "inputs", inputs, {Shape::any, Shape::any, config.input_size}, "(batch, seqlen, input_size)");
     check_allocated(function, "inputs", inputs);
-    check_shape(function, out_name, outputs,
-                {static_cast<std::int64_t>(inputs.extent(0)), static_cast<std::int64_t>(inputs.extent(1)),
-                 config.output_size},
-                "(batch, seqlen, output_size) with batch, seqlen from inputs");
+    check_shape(
+        function, out_name, outputs,
+        {static_cast<std::int64_t>(inputs.extent(0)), static_cast<std::int64_t>(inputs.extent(1)), config.output_size},
+        "(batch, seqlen, output_size) with batch, seqlen from inputs");
     check_allocated(function, out_name, outputs);
   }
 
@@ -375,18 +375,18 @@ void SequenceModel<ExecutionSpace>::zero_grads(const ExecutionSpace& exec) {
 }
 
 template <class ExecutionSpace>
-void SequenceModel<ExecutionSpace>::forward(const ExecutionSpace& exec,
-                                            const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
-                                            const Tensor3<float, memory_space>& outputs) {    // (batch, seqlen, output_size)
+void SequenceModel<ExecutionSpace>::forward(
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    const Tensor3<float, memory_space>& outputs) {                                // (batch, seqlen, output_size)
   State& s = *state_;
   s.check_io("kmamba::SequenceModel::forward", inputs, "outputs", outputs);
   s.run_forward(exec, inputs, outputs, false);
 }
 
 template <class ExecutionSpace>
-RegressionLoss SequenceModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
-                                                   const ConstTensor3<float, memory_space>& inputs,     // (batch, seqlen, input_size)
-                                                   const ConstTensor3<float, memory_space>& targets) {  // (batch, seqlen, output_size)
+RegressionLoss SequenceModel<ExecutionSpace>::loss(
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    const ConstTensor3<float, memory_space>& targets) {                           // (batch, seqlen, output_size)
   State& s = *state_;
   s.check_io("kmamba::SequenceModel::loss", inputs, "targets", targets);
   s.ensure_prediction(exec, inputs.extent(0), inputs.extent(1));
@@ -396,10 +396,9 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss(const ExecutionSpace& exec,
 
 template <class ExecutionSpace>
 RegressionLoss SequenceModel<ExecutionSpace>::loss_and_backward(
-    const ExecutionSpace& exec,
-    const ConstTensor3<float, memory_space>& inputs,   // (batch, seqlen, input_size)
-    const ConstTensor3<float, memory_space>& targets,  // (batch, seqlen, output_size)
-    double weight, const Tensor3<float, memory_space>& outputs) {  // (batch, seqlen, output_size)
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    const ConstTensor3<float, memory_space>& targets,                             // (batch, seqlen, output_size)
+    double weight, const Tensor3<float, memory_space>& outputs) {                 // (batch, seqlen, output_size)
   constexpr const char* function = "kmamba::SequenceModel::loss_and_backward";
   using Mem = memory_space;
   State& s = *state_;
@@ -410,10 +409,10 @@ RegressionLoss SequenceModel<ExecutionSpace>::loss_and_backward(
   if (outputs.is_allocated()) Kokkos::deep_copy(exec, outputs, s.prediction);
   const RegressionLoss result = s.squared_error(exec, s.prediction, targets);
   const float scale = static_cast<float>(weight / static_cast<double>(result.values));
-  Kokkos::parallel_for("kmamba::sequence_model::squared_error_grad",
-                       typename State::Range(exec, 0, s.prediction.span()),
-                       impl::seq::SquaredErrorGrad<Mem>{impl::as_flat(s.prediction),
-                                                        ConstTensor1<float, Mem>(targets.data(), targets.span()), scale});
+  Kokkos::parallel_for(
+      "kmamba::sequence_model::squared_error_grad", typename State::Range(exec, 0, s.prediction.span()),
+      impl::seq::SquaredErrorGrad<Mem>{impl::as_flat(s.prediction),
+                                       ConstTensor1<float, Mem>(targets.data(), targets.span()), scale});
   s.run_backward(exec, inputs);
   exec.fence();
   return result;
@@ -423,7 +422,8 @@ template <class ExecutionSpace>
 SequenceState<ExecutionSpace> SequenceModel<ExecutionSpace>::make_state(int batch) const {
   KMAMBA_REQUIRE(batch >= 1, "kmamba::SequenceModel::make_state: batch must be at least 1, got " << batch);
   const State& s = *state_;
-  std::unique_ptr<typename SequenceState<ExecutionSpace>::Impl> impl(new typename SequenceState<ExecutionSpace>::Impl());
+  std::unique_ptr<typename SequenceState<ExecutionSpace>::Impl> impl(new
+                                                                     typename SequenceState<ExecutionSpace>::Impl());
   impl->owner = &s;
   impl->batch = batch;
   impl->stream = s.backbone.make_state(batch, "kmamba::sequence_state");
@@ -442,10 +442,10 @@ Impl& state_impl(const char* function, const std::unique_ptr<Impl>& impl, const 
 }  // namespace
 
 template <class ExecutionSpace>
-void SequenceModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
-                                            const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
-                                            SequenceState<ExecutionSpace>& state,
-                                            const Tensor3<float, memory_space>& outputs) const {  // (batch, seqlen, output_size)
+void SequenceModel<ExecutionSpace>::prefill(
+    const ExecutionSpace& exec, const ConstTensor3<float, memory_space>& inputs,  // (batch, seqlen, input_size)
+    SequenceState<ExecutionSpace>& state,
+    const Tensor3<float, memory_space>& outputs) const {  // (batch, seqlen, output_size)
   using Mem = memory_space;
   constexpr const char* function = "kmamba::SequenceModel::prefill";
   const State& s = *state_;
@@ -529,8 +529,8 @@ SequenceModel<ExecutionSpace> SequenceModel<ExecutionSpace>::load(const std::str
     used.insert(entry.name);
   }
   for (const std::string& name : file.names()) {
-    KMAMBA_REQUIRE(used.count(name) != 0, function << ": '" << file.path() << "' has tensor '" << name
-                                                   << "', which config.json does not use");
+    KMAMBA_REQUIRE(used.count(name) != 0,
+                   function << ": '" << file.path() << "' has tensor '" << name << "', which config.json does not use");
   }
   return model;
 }
@@ -547,7 +547,7 @@ void SequenceModel<ExecutionSpace>::save(const std::string& dir) const {
   write_output_file(dir + "/config.json", s.config.to_json(), "kmamba::SequenceModel::save");
 }
 
-#define KMAMBA_INSTANTIATE(Exec) \
+#define KMAMBA_INSTANTIATE(Exec)      \
   template class SequenceState<Exec>; \
   template class SequenceModel<Exec>;
 KMAMBA_FOR_EACH_BACKEND(KMAMBA_INSTANTIATE)

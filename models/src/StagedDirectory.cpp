@@ -23,7 +23,8 @@ std::string without_trailing_slash(std::string path) {
 
 void fsync_path(const std::string& path, int flags) {
   const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
-  KMAMBA_REQUIRE(fd >= 0, "kmamba::StagedDirectory: cannot open '" << path << "' to flush it: " << std::strerror(errno));
+  KMAMBA_REQUIRE(fd >= 0,
+                 "kmamba::StagedDirectory: cannot open '" << path << "' to flush it: " << std::strerror(errno));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
@@ -103,9 +104,9 @@ void StagedDirectory::recover(const std::string& target) {
   const std::string previous = dir + ".previous";
   std::error_code error;
   if (fs::is_directory(previous, error) && !fs::exists(dir, error)) {
-    KMAMBA_REQUIRE(std::rename(previous.c_str(), dir.c_str()) == 0,
-                   "kmamba::StagedDirectory: cannot restore '" << previous << "' as '" << dir
-                                                               << "': " << std::strerror(errno));
+    KMAMBA_REQUIRE(std::rename(previous.c_str(), dir.c_str()) == 0, "kmamba::StagedDirectory: cannot restore '"
+                                                                        << previous << "' as '" << dir
+                                                                        << "': " << std::strerror(errno));
   }
 }
 

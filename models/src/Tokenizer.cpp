@@ -49,8 +49,7 @@ bool is_number(char32_t c) {
 // \s: the Unicode White_Space property.
 bool is_whitespace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
-         c == 0x3000;
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 bool is_word_character(char32_t c) { return is_letter(c) || is_number(c) || c == '_'; }
@@ -252,7 +251,8 @@ class JsonSource {
 
   bool boolean(const json& parent, const char* key, bool fallback, const std::string& field) const {
     if (!parent.contains(key) || parent[key].is_null()) return fallback;
-    KMAMBA_REQUIRE(parent[key].is_boolean(), prefix_ << field << " is " << brief(parent[key]) << ", expected true or false");
+    KMAMBA_REQUIRE(parent[key].is_boolean(),
+                   prefix_ << field << " is " << brief(parent[key]) << ", expected true or false");
     return parent[key].get<bool>();
   }
 
@@ -327,13 +327,13 @@ struct BpeTokenizer::State {
   std::vector<std::string> id_bytes;                    // the bytes each id stands for
   std::vector<char> id_known;                           // whether an id is a token
   std::vector<char> id_special;
-  std::unordered_map<std::uint64_t, Merge> merges;      // (left id, right id) -> rank, result
-  std::array<std::int64_t, 256> byte_ids{};             // the token of each single byte, -1 if none
+  std::unordered_map<std::uint64_t, Merge> merges;  // (left id, right id) -> rank, result
+  std::array<std::int64_t, 256> byte_ids{};         // the token of each single byte, -1 if none
   std::int64_t unk_id = -1;
   bool ignore_merges = false;
   bool add_prefix_space = false;
   bool use_regex = true;
-  std::vector<Added> added;                             // in id order
+  std::vector<Added> added;                                       // in id order
   std::array<std::vector<std::size_t>, 256> added_by_first_byte;  // indices into `added`, longest first
   std::int64_t eos = -1;
 
@@ -370,8 +370,8 @@ struct BpeTokenizer::State {
     std::vector<std::size_t> offsets;
     std::size_t bad = 0;
     KMAMBA_REQUIRE(decode_utf8(text, cps, offsets, bad),
-                   "kmamba::BpeTokenizer::encode: the text is not valid UTF-8 (byte " << bad << " of "
-                       << text.size() << ", value 0x" << std::hex
+                   "kmamba::BpeTokenizer::encode: the text is not valid UTF-8 (byte "
+                       << bad << " of " << text.size() << ", value 0x" << std::hex
                        << static_cast<int>(static_cast<unsigned char>(text[bad])) << ")");
     std::size_t piece_begin = 0;  // code point index where the text before the next added token starts
     std::size_t c = 0;
@@ -406,8 +406,8 @@ struct BpeTokenizer::State {
       if (text.compare(at, a.content.size(), a.content) != 0) continue;
       std::size_t e = c;
       while (offsets[e] < at + a.content.size()) ++e;
-      if (a.single_word && ((c > 0 && is_word_character(cps[c - 1])) ||
-                            (e < cps.size() && is_word_character(cps[e])))) {
+      if (a.single_word &&
+          ((c > 0 && is_word_character(cps[c - 1])) || (e < cps.size() && is_word_character(cps[e])))) {
         continue;
       }
       end = e;
@@ -454,9 +454,9 @@ struct BpeTokenizer::State {
       const unsigned char b = static_cast<unsigned char>(bytes[i]);
       std::int64_t id = byte_ids[b];
       if (id < 0) {
-        KMAMBA_REQUIRE(unk_id >= 0, "kmamba::BpeTokenizer::encode: byte 0x" << std::hex << static_cast<int>(b)
-                                        << " has no token in model.vocab of " << in_quotes(source)
-                                        << " and there is no model.unk_token");
+        KMAMBA_REQUIRE(unk_id >= 0, "kmamba::BpeTokenizer::encode: byte 0x"
+                                        << std::hex << static_cast<int>(b) << " has no token in model.vocab of "
+                                        << in_quotes(source) << " and there is no model.unk_token");
         id = unk_id;
       }
       symbols[i] = {id, i == 0 ? none : i - 1, i + 1 == n ? none : i + 1, true};
@@ -495,8 +495,9 @@ namespace {
 // Accepts the normalizers kmamba can honour: none, or NFC (not applied; see the header).
 void check_normalizer(const JsonSource& src, const json& normalizer, const std::string& field) {
   if (normalizer.is_null()) return;
-  KMAMBA_REQUIRE(normalizer.is_object() && normalizer.contains("type") && normalizer["type"].is_string(),
-                 src.prefix() << field << " is " << JsonSource::brief(normalizer) << ", expected an object with a \"type\"");
+  KMAMBA_REQUIRE(
+      normalizer.is_object() && normalizer.contains("type") && normalizer["type"].is_string(),
+      src.prefix() << field << " is " << JsonSource::brief(normalizer) << ", expected an object with a \"type\"");
   const std::string type = normalizer["type"].get<std::string>();
   if (type == "NFC") return;
   if (type == "Sequence") {
@@ -539,10 +540,10 @@ std::pair<std::string, std::string> merge_pair(const JsonSource& src, const json
   if (entry.is_string()) {
     const std::string text = entry.get<std::string>();
     const std::size_t space = text.find(' ');
-    KMAMBA_REQUIRE(space != std::string::npos && space > 0 && space + 1 < text.size() &&
-                       text.find(' ', space + 1) == std::string::npos,
-                   src.prefix() << field << " is " << JsonSource::brief(entry)
-                                << ", expected two tokens separated by one space");
+    KMAMBA_REQUIRE(
+        space != std::string::npos && space > 0 && space + 1 < text.size() &&
+            text.find(' ', space + 1) == std::string::npos,
+        src.prefix() << field << " is " << JsonSource::brief(entry) << ", expected two tokens separated by one space");
     return {text.substr(0, space), text.substr(space + 1)};
   }
   KMAMBA_REQUIRE(entry.is_array() && entry.size() == 2 && entry[0].is_string() && entry[1].is_string(),
@@ -596,8 +597,9 @@ std::int64_t BpeTokenizer::State::read_model(const JsonSource& src, const json& 
   for (auto it = vocab_json.begin(); it != vocab_json.end(); ++it) {
     const std::int64_t id = src.id(it.value(), "model.vocab[\"" + it.key() + "\"]");
     const auto inserted = id_to_token.emplace(id, it.key());
-    KMAMBA_REQUIRE(inserted.second, src.prefix() << "model.vocab gives id " << id << " to both "
-                                                 << in_quotes(inserted.first->second) << " and " << in_quotes(it.key()));
+    KMAMBA_REQUIRE(inserted.second, src.prefix()
+                                        << "model.vocab gives id " << id << " to both "
+                                        << in_quotes(inserted.first->second) << " and " << in_quotes(it.key()));
     vocab.emplace(it.key(), id);
     size = std::max(size, id + 1);
   }
@@ -642,7 +644,8 @@ std::int64_t BpeTokenizer::State::read_added_tokens(const JsonSource& src, const
     for (std::size_t i = 0; i < list.size(); ++i) {
       const std::string field = "added_tokens[" + std::to_string(i) + "]";
       const json& entry = list[i];
-      KMAMBA_REQUIRE(entry.is_object(), src.prefix() << field << " is " << JsonSource::brief(entry) << ", expected an object");
+      KMAMBA_REQUIRE(entry.is_object(), src.prefix()
+                                            << field << " is " << JsonSource::brief(entry) << ", expected an object");
       KMAMBA_REQUIRE(entry.contains("id"), src.prefix() << "the field " << field << ".id is missing");
       Added token;
       token.id = src.id(entry["id"], field + ".id");
@@ -655,8 +658,8 @@ std::int64_t BpeTokenizer::State::read_added_tokens(const JsonSource& src, const
       for (const Added& other : added) {
         KMAMBA_REQUIRE(other.content != token.content && other.id != token.id,
                        src.prefix() << field << " repeats the " << (other.id == token.id ? "id" : "content")
-                                    << " of an earlier added token (id " << other.id << ", "
-                                    << in_quotes(other.content) << ")");
+                                    << " of an earlier added token (id " << other.id << ", " << in_quotes(other.content)
+                                    << ")");
       }
       added.push_back(token);
       size = std::max(size, token.id + 1);
@@ -680,10 +683,11 @@ void BpeTokenizer::State::read_pipeline(const JsonSource& src, const json& root)
   use_regex = src.boolean(pre, "use_regex", true, "pre_tokenizer.use_regex");
   if (root.contains("decoder") && !root["decoder"].is_null()) {
     const json& decoder = root["decoder"];
-    KMAMBA_REQUIRE(decoder.is_object(), src.prefix() << "decoder is " << JsonSource::brief(decoder) << ", expected an object");
+    KMAMBA_REQUIRE(decoder.is_object(), src.prefix()
+                                            << "decoder is " << JsonSource::brief(decoder) << ", expected an object");
     const std::string decoder_type = src.string(decoder, "type", "", "decoder.type");
-    KMAMBA_REQUIRE(decoder_type == "ByteLevel", src.prefix() << "decoder.type is " << in_quotes(decoder_type)
-                                                             << ", kmamba supports \"ByteLevel\"");
+    KMAMBA_REQUIRE(decoder_type == "ByteLevel",
+                   src.prefix() << "decoder.type is " << in_quotes(decoder_type) << ", kmamba supports \"ByteLevel\"");
   }
 }
 
@@ -719,8 +723,8 @@ std::int64_t BpeTokenizer::vocab_size() const { return state_->size(); }
 
 const std::string& BpeTokenizer::token_bytes(std::int64_t id) const {
   KMAMBA_REQUIRE(id >= 0 && id < state_->size() && state_->id_known[static_cast<std::size_t>(id)],
-                 "kmamba::BpeTokenizer: token id " << id << " is not in the vocabulary of "
-                                                   << in_quotes(state_->source) << " (size " << state_->size() << ")");
+                 "kmamba::BpeTokenizer: token id " << id << " is not in the vocabulary of " << in_quotes(state_->source)
+                                                   << " (size " << state_->size() << ")");
   return state_->id_bytes[static_cast<std::size_t>(id)];
 }
 

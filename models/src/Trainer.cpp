@@ -45,9 +45,9 @@ void TrainConfig::validate() const {
   KMAMBA_REQUIRE(eval_batches >= 1, f << ": eval_batches must be >= 1, got " << eval_batches);
   KMAMBA_REQUIRE(checkpoint_interval >= 0,
                  f << ": checkpoint_interval must be >= 0 (0: at the end only), got " << checkpoint_interval);
-  KMAMBA_REQUIRE(max_skipped_steps >= 0,
-                 f << ": max_skipped_steps must be >= 0 (0: stop at the first non-finite step), got "
-                   << max_skipped_steps);
+  KMAMBA_REQUIRE(
+      max_skipped_steps >= 0,
+      f << ": max_skipped_steps must be >= 0 (0: stop at the first non-finite step), got " << max_skipped_steps);
 }
 
 AdamWConfig TrainConfig::adamw() const { return AdamWConfig{lr, beta1, beta2, eps, weight_decay}; }
@@ -76,9 +76,10 @@ Trainer<ExecutionSpace>::Trainer(LanguageModel<ExecutionSpace> model, const Trai
                                                                           << " tokens) exceeds the model's vocab_size "
                                                                           << model_.config().vocab_size);
     KMAMBA_REQUIRE(config_.eval_interval == 0 || data_->has_validation(),
-                   "kmamba::Trainer: eval_interval is " << config_.eval_interval
-                                                        << " but the data set has no held-out split (validation fraction 0): set "
-                                                           "eval_interval to 0, or a validation fraction above 0");
+                   "kmamba::Trainer: eval_interval is "
+                       << config_.eval_interval
+                       << " but the data set has no held-out split (validation fraction 0): set "
+                          "eval_interval to 0, or a validation fraction above 0");
   }
 }
 
@@ -172,9 +173,8 @@ void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
 #if KMAMBA_ENABLE_MPI
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
-  auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(mesh, model_.config(), model_.parameters(),
-                                                                      config_.adamw(), options,
-                                                                      model_.sharded_parameters());
+  auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(
+      mesh, model_.config(), model_.parameters(), config_.adamw(), options, model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
   data_parallel->attach(model_);  // the last micro-batch's gradients are reduced as its backward runs
   exec_.fence();
@@ -266,11 +266,11 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     result.non_finite = non_finite_report(result.loss, result.grad_norm);
     KMAMBA_REQUIRE(consecutive_skips_ < config_.max_skipped_steps,
                    function << ": step " << steps_taken() + 1 << ": " << result.non_finite << "; "
-                            << (config_.max_skipped_steps == 0
-                                    ? std::string("max_skipped_steps is 0")
-                                    : std::to_string(consecutive_skips_ + 1) + " non-finite steps in a row, more than "
-                                                                               "max_skipped_steps = " +
-                                          std::to_string(config_.max_skipped_steps))
+                            << (config_.max_skipped_steps == 0 ? std::string("max_skipped_steps is 0")
+                                                               : std::to_string(consecutive_skips_ + 1) +
+                                                                     " non-finite steps in a row, more than "
+                                                                     "max_skipped_steps = " +
+                                                                     std::to_string(config_.max_skipped_steps))
                             << ": training diverged (try a lower learning rate or gradient clipping)");
     ++consecutive_skips_;
     ++skipped_steps_;
@@ -289,8 +289,9 @@ template <class ExecutionSpace>
 LossResult Trainer<ExecutionSpace>::evaluate() {
   const Dataset& data = dataset("kmamba::Trainer::evaluate");
   // A loss over training batches is no held-out loss: without a held-out split there is none.
-  KMAMBA_REQUIRE(data.has_validation(), "kmamba::Trainer::evaluate: the data set has no held-out split "
-                                        "(validation fraction 0), so there is no held-out loss to compute");
+  KMAMBA_REQUIRE(data.has_validation(),
+                 "kmamba::Trainer::evaluate: the data set has no held-out split "
+                 "(validation fraction 0), so there is no held-out loss to compute");
   std::vector<TokenBatch> batches;
   for (std::int64_t i = 0; i < config_.eval_batches; ++i) {
     batches.push_back(data.batch(Split::Validation, i, config_.batch_size));

@@ -5,7 +5,7 @@
 int main(int argc, char** argv) {
   Kokkos::ScopeGuard kokkos(argc, argv);
   using Exec = Kokkos::DefaultExecutionSpace;
-  using Mem = Exec::memory_space;  // views are row-major: LayoutRight (a GPU space defaults to LayoutLeft)
+  using Mem = Exec::memory_space;      // views are row-major: LayoutRight (a GPU space defaults to LayoutLeft)
   kmamba::SequenceModelConfig config;  // continuous values in and out; Mamba-2 blocks
   config.input_size = config.output_size = 3;
   config.backbone.d_model = 32;
@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   const double after = model.evaluate(Exec(), x, y);
   auto session = model.session(8);  // recurrent state of 8 streams, advanced one step at a time
   Kokkos::View<float**, Kokkos::LayoutRight, Mem> x_t("x_t", 8, 3), y_t("y_t", 8, 3);
-  session.step(Exec(), x_t, y_t);   // non-blocking on the instance
+  session.step(Exec(), x_t, y_t);     // non-blocking on the instance
   model.save("embed_example_model");  // kmamba::Model<Exec>::load("embed_example_model")
   std::printf("embed example: loss %.4f -> %.4f\n", before, after);
   return after < 0.5 * before ? 0 : 1;

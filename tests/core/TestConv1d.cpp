@@ -297,7 +297,8 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
     EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
   }
 
-  const RefGrads g = ref_backward(in, host_doubles(d.dy), p.final_state ? host_doubles(d.dfinal) : std::vector<double>{});
+  const RefGrads g =
+      ref_backward(in, host_doubles(d.dy), p.final_state ? host_doubles(d.dfinal) : std::vector<double>{});
   auto dx = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
   auto dw = poisoned<kmamba::Tensor2<float, Mem>>("kmamba::test::dw", p.channels, p.width);
   kmamba::Tensor1<float, Mem> dbias;

@@ -85,7 +85,8 @@ std::vector<double> reference_norm(const Config& c, const std::vector<double>& y
       for (int ch = 0; ch < size; ++ch) sumsq += input(ch) * input(ch);
       const double r = 1.0 / std::sqrt(sumsq / size + static_cast<double>(c.eps));
       for (int ch = 0; ch < size; ++ch) {
-        out[at(ch)] = input(ch) * r * w[static_cast<std::size_t>(g * size + ch)] * (c.norm_before_gate ? gate(ch) : 1.0);
+        out[at(ch)] =
+            input(ch) * r * w[static_cast<std::size_t>(g * size + ch)] * (c.norm_before_gate ? gate(ch) : 1.0);
       }
     }
   }
@@ -172,8 +173,8 @@ double check_against_reference(const Config& c) {
   const std::size_t B = static_cast<std::size_t>(c.batch), H = static_cast<std::size_t>(c.nheads),
                     P = static_cast<std::size_t>(c.headdim), N = static_cast<std::size_t>(c.dstate),
                     E = static_cast<std::size_t>(c.inner()), GN = static_cast<std::size_t>(c.group_width()),
-                    CD = static_cast<std::size_t>(c.conv_dim()), W = static_cast<std::size_t>(c.width),
-                    K = W - 1, cols = static_cast<std::size_t>(c.columns());
+                    CD = static_cast<std::size_t>(c.conv_dim()), W = static_cast<std::size_t>(c.width), K = W - 1,
+                    cols = static_cast<std::size_t>(c.columns());
   const std::vector<float> weight = uniform(CD * W, -0.6, 0.6, rng);
   const std::vector<float> bias = uniform(CD, -0.3, 0.3, rng);
   const std::vector<float> A_log = uniform(H, std::log(1.0), std::log(16.0), rng);
@@ -186,8 +187,8 @@ double check_against_reference(const Config& c) {
   // The device state: the x, B, C windows as the three tensors of the op.
   const auto part = [&](int first, std::size_t count) {
     std::vector<float> out;
-    for (const double v : channels(doubles(conv0), c.batch, static_cast<int>(CD), static_cast<int>(K), first,
-                                   static_cast<int>(count)))
+    for (const double v :
+         channels(doubles(conv0), c.batch, static_cast<int>(CD), static_cast<int>(K), first, static_cast<int>(count)))
       out.push_back(static_cast<float>(v));
     return out;
   };
@@ -234,18 +235,20 @@ double check_against_reference(const Config& c) {
     if (c.norm) Kokkos::deep_copy(normed, std::nanf(""));
     kmamba::conv_ssd_step(exec, args, state, y, normed);
     exec.fence();
-    const std::vector<double> want =
-        reference_step(c, doubles(values), doubles(weight), doubles(bias), doubles(A_log), doubles(D), doubles(dt_bias), ref);
+    const std::vector<double> want = reference_step(c, doubles(values), doubles(weight), doubles(bias), doubles(A_log),
+                                                    doubles(D), doubles(dt_bias), ref);
     const std::string at = ctx + " token=" + std::to_string(t);
     worst = std::max(worst, expect_near_rel("y", host_doubles(y), want, 1e-5, at));
     worst = std::max(worst, expect_near_rel("ssm", host_doubles(state.ssm), ref.ssm, 1e-5, at));
     if (c.norm) {
-      worst = std::max(worst, expect_near_rel("normed", host_doubles(normed),
-                                              reference_norm(c, want, doubles(values), doubles(norm_weight)), 1e-5, at));
+      worst =
+          std::max(worst, expect_near_rel("normed", host_doubles(normed),
+                                          reference_norm(c, want, doubles(values), doubles(norm_weight)), 1e-5, at));
     }
     const int cd = static_cast<int>(CD), k = static_cast<int>(K);
     if (K > 0) {
-      expect_near_rel("conv_x", host_doubles(state.conv_x), channels(ref.conv, c.batch, cd, k, 0, static_cast<int>(E)), 0.0, at);
+      expect_near_rel("conv_x", host_doubles(state.conv_x), channels(ref.conv, c.batch, cd, k, 0, static_cast<int>(E)),
+                      0.0, at);
       expect_near_rel("conv_B", host_doubles(state.conv_B),
                       channels(ref.conv, c.batch, cd, k, static_cast<int>(E), static_cast<int>(GN)), 0.0, at);
       expect_near_rel("conv_C", host_doubles(state.conv_C),
@@ -348,9 +351,10 @@ TYPED_TEST(ConvSsdStep, RejectsBadShapes) {
   args.ngroups = 2;
   args.conv_weight = allocate<T2>("kmamba::test::w", 32, 4);
   args.A_log = allocate<T1>("kmamba::test::A_log", 4);
-  kmamba::ConvSsdStepState<Mem> state{allocate<T3>("kmamba::test::cx", 2, 12, 3), allocate<T3>("kmamba::test::cB", 2, 10, 3),
-                                      allocate<T3>("kmamba::test::cC", 2, 10, 3), allocate<T4>("kmamba::test::s", 2, 4, 3, 5),
-                                      allocate<kmamba::Tensor2<int, Mem>>("kmamba::test::arrivals", 2, 2)};
+  kmamba::ConvSsdStepState<Mem> state{
+      allocate<T3>("kmamba::test::cx", 2, 12, 3), allocate<T3>("kmamba::test::cB", 2, 10, 3),
+      allocate<T3>("kmamba::test::cC", 2, 10, 3), allocate<T4>("kmamba::test::s", 2, 4, 3, 5),
+      allocate<kmamba::Tensor2<int, Mem>>("kmamba::test::arrivals", 2, 2)};
   const T3 y = allocate<T3>("kmamba::test::y", 2, 4, 3);
   kmamba::conv_ssd_step(exec, args, state, y);  // the shapes above are consistent
   exec.fence();

@@ -31,7 +31,8 @@ TEST(Json, LimitsDepthWithoutRecursion) {
 }
 
 TEST(Json, LimitsSize) {
-  EXPECT_EQ(parse_error("[1, 2, 3]", kmamba::JsonLimits{64, 8}), "test.json holds 9 bytes of JSON, more than the 8 accepted");
+  EXPECT_EQ(parse_error("[1, 2, 3]", kmamba::JsonLimits{64, 8}),
+            "test.json holds 9 bytes of JSON, more than the 8 accepted");
 }
 
 TEST(Json, RefusesDuplicateKeysAtEveryLevel) {

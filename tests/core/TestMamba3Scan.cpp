@@ -254,10 +254,9 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
   RefGrads g;
   auto out = poisoned<typename DP::T4>("out", B, L, H, Pd);
   if (c.mimo()) {
-    kmamba::Mamba3MimoStates<Mem> fin{poisoned<typename DP::T3>("final_angle", B, H, S),
-                                      poisoned<typename DP::T4>("final_ssm", B, H, Pd, N),
-                                      poisoned<typename DP::T4>("final_k", B, H, R, N),
-                                      poisoned<typename DP::T4>("final_v", B, H, R, Pd)};
+    kmamba::Mamba3MimoStates<Mem> fin{
+        poisoned<typename DP::T3>("final_angle", B, H, S), poisoned<typename DP::T4>("final_ssm", B, H, Pd, N),
+        poisoned<typename DP::T4>("final_k", B, H, R, N), poisoned<typename DP::T4>("final_v", B, H, R, Pd)};
     kmamba::mamba3_mimo_forward(exec, p.mimo_args(), out, fin);
     exec.fence();
     o = {host_doubles(out), host_doubles(fin.angle), host_doubles(fin.ssm), host_doubles(fin.k), host_doubles(fin.v)};
@@ -277,10 +276,8 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
     d.dangles = poisoned<typename DP::T4>("dangles", B, L, H, S);
     d.dD = poisoned<typename DP::T1>("dD", H);
     if (c.z) d.dz = poisoned<typename DP::T4>("dz", B, L, H, Pd);
-    d.dinitial = {poisoned<typename DP::T3>("dangle0", B, H, S),
-                  poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
-                  poisoned<typename DP::T4>("dk0", B, H, R, N),
-                  poisoned<typename DP::T4>("dv0", B, H, R, Pd)};
+    d.dinitial = {poisoned<typename DP::T3>("dangle0", B, H, S), poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
+                  poisoned<typename DP::T4>("dk0", B, H, R, N), poisoned<typename DP::T4>("dv0", B, H, R, Pd)};
     kmamba::mamba3_mimo_backward(exec, p.mimo_args(), p.dout, p.mimo_dfinal, d);
     exec.fence();
     g.dq = host_doubles(d.dq);
@@ -303,10 +300,9 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
     g.dv0 = host_doubles(d.dinitial.v);
     return {o, g};
   }
-  kmamba::Mamba3SisoStates<Mem> fin{poisoned<typename DP::T3>("final_angle", B, H, S),
-                                    poisoned<typename DP::T4>("final_ssm", B, H, Pd, N),
-                                    poisoned<typename DP::T3>("final_k", B, H, N),
-                                    poisoned<typename DP::T3>("final_v", B, H, Pd)};
+  kmamba::Mamba3SisoStates<Mem> fin{
+      poisoned<typename DP::T3>("final_angle", B, H, S), poisoned<typename DP::T4>("final_ssm", B, H, Pd, N),
+      poisoned<typename DP::T3>("final_k", B, H, N), poisoned<typename DP::T3>("final_v", B, H, Pd)};
   kmamba::mamba3_siso_forward(exec, p.siso_args(), out, fin);
   exec.fence();
   o = {host_doubles(out), host_doubles(fin.angle), host_doubles(fin.ssm), host_doubles(fin.k), host_doubles(fin.v)};
@@ -323,9 +319,8 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
   d.dangles = poisoned<typename DP::T4>("dangles", B, L, H, S);
   d.dD = poisoned<typename DP::T1>("dD", H);
   if (c.z) d.dz = poisoned<typename DP::T4>("dz", B, L, H, Pd);
-  d.dinitial = {
-      poisoned<typename DP::T3>("dangle0", B, H, S), poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
-      poisoned<typename DP::T3>("dk0", B, H, N), poisoned<typename DP::T3>("dv0", B, H, Pd)};
+  d.dinitial = {poisoned<typename DP::T3>("dangle0", B, H, S), poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
+                poisoned<typename DP::T3>("dk0", B, H, N), poisoned<typename DP::T3>("dv0", B, H, Pd)};
   kmamba::mamba3_siso_backward(exec, p.siso_args(), p.dout, p.siso_dfinal, d);
   exec.fence();
   g.dq = host_doubles(d.dq);

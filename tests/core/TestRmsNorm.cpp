@@ -5,9 +5,9 @@
 // magnitude is the reference formula evaluated on absolute values (Σ|terms| instead of Σ terms).
 // It equals |ref| wherever nothing cancels (y, rstd) and bounds the rounding error of any fp32
 // evaluation order where something does (dx = (w·go − x̂·mean(x̂·w·go))·rstd, dweight =
-// Σ_rows go·x̂, and silu′(z) = σ(z)(1 + z(1 − σ(z))), whose scale is taken as σ(z)(1 + |z|)). bf16 storage adds 2^-8 relative for outputs rounded to bf16. The
-// double reference backward is checked against central finite differences of the reference
-// forward to 1e-6 relative + 1e-7 absolute.
+// Σ_rows go·x̂, and silu′(z) = σ(z)(1 + z(1 − σ(z))), whose scale is taken as σ(z)(1 + |z|)). bf16 storage adds 2^-8
+// relative for outputs rounded to bf16. The double reference backward is checked against central finite differences of
+// the reference forward to 1e-6 relative + 1e-7 absolute.
 #include <kmamba/core/Core.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 

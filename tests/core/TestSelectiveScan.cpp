@@ -47,10 +47,9 @@ struct Config {
 
   std::string describe() const {
     std::ostringstream s;
-    s << "batch=" << batch << " dim=" << dim << " seqlen=" << seqlen << " dstate=" << dstate
-      << " ngroups=" << ngroups << " chunk=" << chunk << " D=" << D << " z=" << z << " bias=" << bias
-      << " softplus=" << softplus << " initial_state=" << initial_state << " dlast=" << dlast << " delta=["
-      << delta_lo << ", " << delta_hi << ")";
+    s << "batch=" << batch << " dim=" << dim << " seqlen=" << seqlen << " dstate=" << dstate << " ngroups=" << ngroups
+      << " chunk=" << chunk << " D=" << D << " z=" << z << " bias=" << bias << " softplus=" << softplus
+      << " initial_state=" << initial_state << " dlast=" << dlast << " delta=[" << delta_lo << ", " << delta_hi << ")";
     return s.str();
   }
 };
@@ -60,9 +59,7 @@ struct RefProblem {
   Config cfg;
   std::vector<double> u, delta, A, B, C, D, z, bias, h0, dout, dlast;
 
-  std::size_t seq(int b, int d, int t) const {
-    return (static_cast<std::size_t>(b) * cfg.dim + d) * cfg.seqlen + t;
-  }
+  std::size_t seq(int b, int d, int t) const { return (static_cast<std::size_t>(b) * cfg.dim + d) * cfg.seqlen + t; }
   std::size_t bc(int b, int g, int n, int t) const {
     return ((static_cast<std::size_t>(b) * cfg.ngroups + g) * cfg.dstate + n) * cfg.seqlen + t;
   }
@@ -260,8 +257,10 @@ ScanOutputs<typename Exec::memory_space> run_kernel(const ScanProblem<Exec>& p) 
   g.du = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::du", c.batch, c.dim, c.seqlen);
   g.ddelta = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::ddelta", c.batch, c.dim, c.seqlen);
   g.dA = allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dA", c.dim, c.dstate);
-  g.dB = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.ngroups, c.dstate, c.seqlen);
-  g.dC = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.ngroups, c.dstate, c.seqlen);
+  g.dB =
+      allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.ngroups, c.dstate, c.seqlen);
+  g.dC =
+      allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.ngroups, c.dstate, c.seqlen);
   g.dD = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dD", c.dim);
   g.ddelta_bias = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::ddelta_bias", c.dim);
   g.dinitial_state =
@@ -376,8 +375,7 @@ TEST(SelectiveScanReference, BackwardMatchesFiniteDifferences) {
         const double minus = reference_loss(p);
         x[i] = saved;
         const double fd = (plus - minus) / (2 * eps);
-        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::abs(analytic[i])))
-            << name << "[" << i << "] " << c.describe();
+        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::abs(analytic[i]))) << name << "[" << i << "] " << c.describe();
       }
     };
     check("u", p.u, r.du);
@@ -475,7 +473,8 @@ TYPED_TEST(SelectiveScan, LongSequenceWithChosenChunkMatchesReference) {
 TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   using Exec = TypeParam;
   std::uint64_t seed = 4000;
-  for (int dstate : {kmamba::impl::selective_scan_register_states - 1, kmamba::impl::selective_scan_register_states + 1, 40}) {
+  for (int dstate :
+       {kmamba::impl::selective_scan_register_states - 1, kmamba::impl::selective_scan_register_states + 1, 40}) {
     for (int chunk : {0, 5}) {
       Config c;
       c.batch = 2;
@@ -576,14 +575,14 @@ TYPED_TEST(SelectiveScan, ChunkedScanEqualsDecodeSteps) {
 template <class Mem>
 kmamba::Tensor3<float, Mem> slice3(const kmamba::Tensor3<float, Mem>& src, int t0, int len) {
   auto dst = kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::slice", src.extent(0),
-                                                                          src.extent(1), len);
+                                                                         src.extent(1), len);
   Kokkos::deep_copy(dst, Kokkos::subview(src, Kokkos::ALL, Kokkos::ALL, std::make_pair(t0, t0 + len)));
   return dst;
 }
 template <class Mem>
 kmamba::Tensor4<float, Mem> slice4(const kmamba::Tensor4<float, Mem>& src, int t0, int len) {
   auto dst = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::slice", src.extent(0),
-                                                                          src.extent(1), src.extent(2), len);
+                                                                         src.extent(1), src.extent(2), len);
   Kokkos::deep_copy(dst, Kokkos::subview(src, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL, std::make_pair(t0, t0 + len)));
   return dst;
 }
@@ -780,8 +779,8 @@ void expect_golden(const std::string& what, const View& kernel, const std::vecto
     err += (k[i] - ref[i]) * (k[i] - ref[i]);
     norm += double(ref[i]) * ref[i];
   }
-  EXPECT_LE(std::sqrt(err), tol * std::sqrt(norm)) << what << ": ‖Δ‖ = " << std::sqrt(err) << ", ‖ref‖ = "
-                                                  << std::sqrt(norm) << " " << context;
+  EXPECT_LE(std::sqrt(err), tol * std::sqrt(norm))
+      << what << ": ‖Δ‖ = " << std::sqrt(err) << ", ‖ref‖ = " << std::sqrt(norm) << " " << context;
 }
 
 TYPED_TEST(SelectiveScan, MatchesGoldenSelectiveScanSmall) {

@@ -96,7 +96,8 @@ DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefPr
   p.A = allocate_uninitialized<typename DP::T1>("kmamba::test::A", cfg.nheads);
   p.B = allocate_uninitialized<typename DP::T4>("kmamba::test::B", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
   p.C = allocate_uninitialized<typename DP::T4>("kmamba::test::C", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
-  p.dout = allocate_uninitialized<typename DP::T4>("kmamba::test::dout", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  p.dout =
+      allocate_uninitialized<typename DP::T4>("kmamba::test::dout", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
   kmamba::fill_normal(exec, p.x, s + 1, 0.0f, 1.0f);
   if (cfg.softplus) {
     kmamba::fill_uniform(exec, p.dt, s + 2, -2.0f, 0.5f);
@@ -124,13 +125,15 @@ DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefPr
     kmamba::fill_normal(exec, p.h0, s + 10, 0.0f, 0.7f);
   }
   if (cfg.dfinal) {
-    p.dfinal = allocate_uninitialized<typename DP::T4>("kmamba::test::dfinal", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+    p.dfinal =
+        allocate_uninitialized<typename DP::T4>("kmamba::test::dfinal", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
     kmamba::fill_normal(exec, p.dfinal, s + 11, 0.0f, 1.0f);
   }
   ref = RefProblem();
   ref.cfg = cfg;
   if (cfg.seq_idx) {
-    p.seq = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
+    p.seq = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch,
+                                                                               cfg.seqlen);
     auto h = Kokkos::create_mirror_view(p.seq);
     for (int b = 0; b < cfg.batch; ++b) {
       std::int64_t id = b == 0 ? 0 : 5;
@@ -163,25 +166,29 @@ template <class Mem>
 kmamba::SsdGrads<Mem> allocate_grads(const Config& c, bool with_z, bool with_optional) {
   using kmamba::allocate_uninitialized;
   kmamba::SsdGrads<Mem> g;
-  g.dx = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dx", c.batch, c.seqlen, c.nheads, c.headdim);
+  g.dx =
+      allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dx", c.batch, c.seqlen, c.nheads, c.headdim);
   g.ddt = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::ddt", c.batch, c.seqlen, c.nheads);
   g.dA = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dA", c.nheads);
-  g.dB = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.seqlen, c.ngroups, c.dstate);
-  g.dC = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.seqlen, c.ngroups, c.dstate);
+  g.dB =
+      allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.seqlen, c.ngroups, c.dstate);
+  g.dC =
+      allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.seqlen, c.ngroups, c.dstate);
   poison(g.dx);
   poison(g.ddt);
   poison(g.dA);
   poison(g.dB);
   poison(g.dC);
   if (with_z) {
-    g.dz = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dz", c.batch, c.seqlen, c.nheads, c.headdim);
+    g.dz =
+        allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dz", c.batch, c.seqlen, c.nheads, c.headdim);
     poison(g.dz);
   }
   if (with_optional) {
     g.dD = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dD", c.nheads);
     g.ddt_bias = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::ddt_bias", c.nheads);
-    g.dinitial_states =
-        allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dh0", c.batch, c.nheads, c.headdim, c.dstate);
+    g.dinitial_states = allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dh0", c.batch, c.nheads,
+                                                                            c.headdim, c.dstate);
     poison(g.dD);
     poison(g.ddt_bias);
     poison(g.dinitial_states);
@@ -195,8 +202,7 @@ constexpr double tf32_forward_tol = 1e-2;
 constexpr double tf32_gradient_tol = 1e-2;
 
 template <class Exec>
-void check_against_reference(const Config& cfg,
-                             kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32) {
+void check_against_reference(const Config& cfg, kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32) {
   using Mem = typename Exec::memory_space;
   const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32 &&
                     kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores;
@@ -363,7 +369,8 @@ TEST(SsdReference, BackwardMatchesFiniteDifferences) {
         const double down = ref_loss(P);
         input[i] = saved;
         const double fd = (up - down) / (2 * eps);
-        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i]))) << name << "[" << i << "] " << cfg.describe();
+        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i])))
+            << name << "[" << i << "] " << cfg.describe();
       }
     };
     check("x", P.x, g.dx);
@@ -447,8 +454,8 @@ void expect_within_magnitude(const std::string& what, const std::vector<double>&
       worst = i;
     }
   }
-  EXPECT_EQ(failures, 0u) << what << ": " << failures << " elements outside the bound; worst at " << worst << " (kernel "
-                          << kernel[worst] << ", ref " << ref[worst] << ", |.|_abs " << magnitude[worst]
+  EXPECT_EQ(failures, 0u) << what << ": " << failures << " elements outside the bound; worst at " << worst
+                          << " (kernel " << kernel[worst] << ", ref " << ref[worst] << ", |.|_abs " << magnitude[worst]
                           << ", error/bound " << worst_ratio << ") " << context;
 }
 
@@ -679,12 +686,17 @@ TYPED_TEST(Ssd, ChunkedForwardEqualsDecodeSteps) {
                                                                      cfg.headdim, cfg.dstate);
     Kokkos::deep_copy(state, p.h0);
     kmamba::SsdStepArgs<Mem> step;
-    auto x1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::x1", cfg.batch, cfg.nheads, cfg.headdim);
-    auto z1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::z1", cfg.batch, cfg.nheads, cfg.headdim);
+    auto x1 =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::x1", cfg.batch, cfg.nheads, cfg.headdim);
+    auto z1 =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::z1", cfg.batch, cfg.nheads, cfg.headdim);
     auto dt1 = allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dt1", cfg.batch, cfg.nheads);
-    auto B1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::B1", cfg.batch, cfg.ngroups, cfg.dstate);
-    auto C1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::C1", cfg.batch, cfg.ngroups, cfg.dstate);
-    auto y1 = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::y1", cfg.batch, cfg.nheads, cfg.headdim);
+    auto B1 =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::B1", cfg.batch, cfg.ngroups, cfg.dstate);
+    auto C1 =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::C1", cfg.batch, cfg.ngroups, cfg.dstate);
+    auto y1 =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::y1", cfg.batch, cfg.nheads, cfg.headdim);
     step.x = x1;
     step.dt = dt1;
     step.A = p.A;
@@ -756,7 +768,8 @@ TYPED_TEST(Ssd, FinalStateOfOneSegmentContinuesTheNext) {
   const Exec exec;
   auto out = allocate_uninitialized<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
   auto fin = allocate_uninitialized<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-  auto out_alone = allocate_uninitialized<T4>("kmamba::test::out_alone", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  auto out_alone =
+      allocate_uninitialized<T4>("kmamba::test::out_alone", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
   poison(out);
   poison(fin);
   poison(out_alone);
@@ -766,7 +779,8 @@ TYPED_TEST(Ssd, FinalStateOfOneSegmentContinuesTheNext) {
   const int split = 11;  // inside the second chunk
   // dt has rank 3: slice it through a rank-4 view of extent 1 in the last dimension.
   const auto hdt = kmamba::test::to_host(p.dt);
-  auto segment = [&](int t0, int t1, const kmamba::ConstTensor4<float, Mem>& init, const T4& seg_out, const T4& seg_final) {
+  auto segment = [&](int t0, int t1, const kmamba::ConstTensor4<float, Mem>& init, const T4& seg_out,
+                     const T4& seg_final) {
     kmamba::SsdArgs<Mem> a = p.args();
     a.x = slice_tokens(p.x, t0, t1);
     a.B = slice_tokens(p.B, t0, t1);
@@ -856,9 +870,12 @@ TYPED_TEST(Ssd, RejectsBadShapes) {
   g = allocate_grads<Mem>(cfg, false, true);
   expect_user_error([&] { kmamba::ssd_backward(exec, args, p.dout, kmamba::ConstTensor4<float, Mem>(), g); }, {"dz"});
   g = allocate_grads<Mem>(cfg, true, true);
-  expect_user_error([&] { kmamba::ssd_backward(exec, args, allocate<T4>("kmamba::test::dout", 2, 10, 4, 2),
-                                               kmamba::ConstTensor4<float, Mem>(), g); },
-                    {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
+  expect_user_error(
+      [&] {
+        kmamba::ssd_backward(exec, args, allocate<T4>("kmamba::test::dout", 2, 10, 4, 2),
+                             kmamba::ConstTensor4<float, Mem>(), g);
+      },
+      {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
 
   kmamba::SsdStepArgs<Mem> step;
   step.x = allocate<T3>("kmamba::test::x1", 2, 4, 3);

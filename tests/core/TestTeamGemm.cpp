@@ -154,8 +154,8 @@ void check_product(int m, int n, int k, bool plan_shape) {
 
 KMAMBA_BACKEND_TEST_SUITE(TeamGemmTest);
 
-constexpr int shapes[][3] = {{1, 1, 1},   {3, 5, 7},     {64, 64, 16},  {64, 128, 256}, {65, 129, 17},
-                             {130, 257, 33}, {17, 64, 300}, {64, 65, 1}, {5, 3, 0},     {200, 40, 48}};
+constexpr int shapes[][3] = {{1, 1, 1},      {3, 5, 7},     {64, 64, 16}, {64, 128, 256}, {65, 129, 17},
+                             {130, 257, 33}, {17, 64, 300}, {64, 65, 1},  {5, 3, 0},      {200, 40, 48}};
 
 TYPED_TEST(TeamGemmTest, StoresEveryProductOnceForAnyShape) {
   for (const auto& s : shapes) {

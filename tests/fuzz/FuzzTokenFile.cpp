@@ -20,7 +20,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // re-encodes with 2-byte tokens, so the bytes must match only when the headers' first 16 bytes
   // (magic, version, width) do.
   int vocab_again = 0;
-  const std::vector<std::uint32_t> tokens_again = kmamba::parse_token_file(again.data(), again.size(), "again", vocab_again);
+  const std::vector<std::uint32_t> tokens_again =
+      kmamba::parse_token_file(again.data(), again.size(), "again", vocab_again);
   if (tokens_again != tokens || vocab_again != vocab) std::abort();
   if (again.size() == size && std::memcmp(again.data(), data, 16) == 0 && std::memcmp(again.data(), data, size) != 0) {
     std::abort();

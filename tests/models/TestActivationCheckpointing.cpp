@@ -115,7 +115,8 @@ Run sequence_train_step(const kmamba::ModelConfig& backbone, bool checkpointing,
   model.set_activation_checkpointing(checkpointing);
   EXPECT_EQ(model.activation_checkpointing(), checkpointing);
   exec.fence();
-  return measured_step(model, exec, kmamba::ConstTensor3<float, Mem>(inputs), kmamba::ConstTensor3<float, Mem>(targets));
+  return measured_step(model, exec, kmamba::ConstTensor3<float, Mem>(inputs),
+                       kmamba::ConstTensor3<float, Mem>(targets));
 }
 
 template <class Exec>

@@ -75,11 +75,13 @@ TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
   EXPECT_EQ(hf.vocab_size, 50277);
   EXPECT_EQ(hf.padded_vocab_size(), 50288);
   EXPECT_EQ(hf.to_hf_json(), c.to_hf_json());
-  EXPECT_THROW(kmamba::ModelConfig::from_json(
-                   R"({"model_type": "mamba2", "vocab_size": 50288, "unpadded_vocab_size": 50277, "pad_vocab_size_multiple": 8})",
-                   "inconsistent padding"),
-               kmamba::UserError);
-  const auto m1 = kmamba::ModelConfig::from_json(R"({"d_model": 768, "n_layer": 24, "vocab_size": 50277})", "mamba-130m");
+  EXPECT_THROW(
+      kmamba::ModelConfig::from_json(
+          R"({"model_type": "mamba2", "vocab_size": 50288, "unpadded_vocab_size": 50277, "pad_vocab_size_multiple": 8})",
+          "inconsistent padding"),
+      kmamba::UserError);
+  const auto m1 =
+      kmamba::ModelConfig::from_json(R"({"d_model": 768, "n_layer": 24, "vocab_size": 50277})", "mamba-130m");
   EXPECT_EQ(m1.mixer, kmamba::MixerKind::Mamba1);
   EXPECT_EQ(m1.padded_vocab_size(), 50280);
   EXPECT_EQ(m1.resolved_dt_rank(), 48);
@@ -105,7 +107,8 @@ TEST(Config, AcceptsEveryInfinitySpelling) {
   for (const char* inf : {R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
     const auto c = kmamba::ModelConfig::from_json(
         std::string(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 1,
-                        "num_hidden_layers": 1, "vocab_size": 10, "time_step_limit": [0.0, )") + inf + "]}",
+                        "num_hidden_layers": 1, "vocab_size": 10, "time_step_limit": [0.0, )") +
+            inf + "]}",
         "inf");
     EXPECT_TRUE(std::isinf(c.dt_limit_max)) << inf;
   }
@@ -115,31 +118,42 @@ TEST(Config, RejectsInconsistentConfigsWithClearErrors) {
   expect_config_error("{", "not valid JSON");
   expect_config_error("[1]", "not a JSON object");
   expect_config_error(R"({"model_type": "llama"})", "model_type \"llama\" is not a Mamba model");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": "big", "num_hidden_layers": 2, "vocab_size": 10})", "field 'hidden_size' is \"big\", expected an integer");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 7, "head_dim": 16, "n_groups": 1, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "num_heads 7 * headdim 16 = 112 but d_inner = 128");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 3, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "num_heads 8 is not divisible by ngroups 3");
+  expect_config_error(R"({"model_type": "mamba", "hidden_size": "big", "num_hidden_layers": 2, "vocab_size": 10})",
+                      "field 'hidden_size' is \"big\", expected an integer");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 7, "head_dim": 16, "n_groups": 1, "num_hidden_layers": 2, "vocab_size": 10})",
+      "num_heads 7 * headdim 16 = 112 but d_inner = 128");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 3, "num_hidden_layers": 2, "vocab_size": 10})",
+      "num_heads 8 is not divisible by ngroups 3");
   expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "attn_layer_idx": [1]})",
                       "hybrid attention models are not supported");
   expect_config_error(R"({"d_model": 64, "n_layer": 2, "vocab_size": 10, "ssm_cfg": {"layer": "Mamba9"}})",
                       "expected Mamba1, Mamba2 or Mamba3");
-  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 0, "hidden_size": 64, "vocab_size": 10})", "n_layer must be positive, got 0");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": 64, "intermediate_size": 100, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "intermediate_size' is 100 but expand * hidden_size = 128");
-  expect_config_error(R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "need 0 < dt_min <= dt_max");
-  expect_config_error(R"({"model_type": "mamba", "hidden_act": "gelu", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})", "supports \"silu\" only");
+  expect_config_error(R"({"model_type": "mamba", "num_hidden_layers": 0, "hidden_size": 64, "vocab_size": 10})",
+                      "n_layer must be positive, got 0");
+  expect_config_error(
+      R"({"model_type": "mamba", "hidden_size": 64, "intermediate_size": 100, "num_hidden_layers": 2, "vocab_size": 10})",
+      "intermediate_size' is 100 but expand * hidden_size = 128");
+  expect_config_error(
+      R"({"model_type": "mamba", "time_step_min": 0.5, "time_step_max": 0.1, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})",
+      "need 0 < dt_min <= dt_max");
+  expect_config_error(
+      R"({"model_type": "mamba", "hidden_act": "gelu", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10})",
+      "supports \"silu\" only");
   // Sizes whose products overflow an int (found by tests/fuzz/FuzzConfig.cpp).
-  expect_config_error(R"({"d_model": 2147483640, "ssm_cfg": {"layer": "Mamba2"}, "n_layer": 2, "vocab_size": 10})", "d_model 2147483640 is too large");
+  expect_config_error(R"({"d_model": 2147483640, "ssm_cfg": {"layer": "Mamba2"}, "n_layer": 2, "vocab_size": 10})",
+                      "d_model 2147483640 is too large");
   expect_config_error(R"({"d_model": 1073741824, "ssm_cfg": {"layer": "Mamba2"}, "n_layer": 2, "vocab_size": 10})",
                       "expand * d_model = 2 * 1073741824 is too large");
-  expect_config_error(R"({"model_type": "mamba", "hidden_size": 1073741824, "intermediate_size": 5, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "but expand * hidden_size = 2147483648");
+  expect_config_error(
+      R"({"model_type": "mamba", "hidden_size": 1073741824, "intermediate_size": 5, "num_hidden_layers": 2, "vocab_size": 10})",
+      "but expand * hidden_size = 2147483648");
   expect_config_error(R"({"d_model": 64, "vocab_size": 2147483640, "pad_vocab_size_multiple": 16, "n_layer": 2})",
                       "vocab_size 2147483640 padded to a multiple of 16 is too large");
-  expect_config_error(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 1073741824, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 10})",
-                      "num_heads * headdim = 1073741824 * 64 is too large");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 1073741824, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 10})",
+      "num_heads * headdim = 1073741824 * 64 is too large");
   EXPECT_THROW(kmamba::ModelConfig::load("/nonexistent/config.json"), kmamba::UserError);
 }
 

@@ -70,7 +70,8 @@ void check_golden(const std::string& model_name) {
   EXPECT_EQ(checked + 3, static_cast<int>(io.names().size()));  // every gradient of the file is checked
 
   // The forward-only paths agree with the training forward.
-  kmamba::Tensor3<float, Mem> inference_logits("inference_logits", ids.extent(0), ids.extent(1), model.config().vocab_size);
+  kmamba::Tensor3<float, Mem> inference_logits("inference_logits", ids.extent(0), ids.extent(1),
+                                               model.config().vocab_size);
   model.forward(exec, ids, inference_logits);
   EXPECT_LE(l2_relative_error(host_floats(inference_logits), host_floats(logits)), 1e-6);
   EXPECT_NEAR(model.loss(exec, ids, targets).loss, loss.loss, 1e-6 * std::abs(loss.loss));
@@ -313,11 +314,11 @@ TEST(LanguageModelFiles, BadCheckpointsGiveErrorsNamingTheTensor) {
   EXPECT_NE(message.find("backbone.norm_f.weight"), std::string::npos) << message;
 
   message = load_error("dtype", [&](const std::string& dir) {
-    rewrite_weights(dir, [&](const std::string& name, std::vector<std::int64_t>&, std::vector<float>&,
-                             kmamba::DType& dtype) {
-      if (name == "backbone.layers.0.mixer.D") dtype = kmamba::DType::I64;
-      return true;
-    });
+    rewrite_weights(
+        dir, [&](const std::string& name, std::vector<std::int64_t>&, std::vector<float>&, kmamba::DType& dtype) {
+          if (name == "backbone.layers.0.mixer.D") dtype = kmamba::DType::I64;
+          return true;
+        });
   });
   EXPECT_NE(message.find("backbone.layers.0.mixer.D"), std::string::npos) << message;
 
@@ -359,7 +360,8 @@ TEST(LanguageModelFiles, BadCheckpointsGiveErrorsNamingTheTensor) {
 
 // Writes tiny_mamba2 with its config.json edited by replacing `from` with `to`, and returns the
 // error message of loading it and the seconds it took.
-std::pair<std::string, double> load_with_config(const std::string& name, const std::string& from, const std::string& to) {
+std::pair<std::string, double> load_with_config(const std::string& name, const std::string& from,
+                                                const std::string& to) {
   const std::string dir = scratch_dir(name);
   std::ifstream config_in(golden_dir + "/tiny_mamba2/config.json");
   std::string config((std::istreambuf_iterator<char>(config_in)), std::istreambuf_iterator<char>());
@@ -386,7 +388,8 @@ TEST(LanguageModelFiles, ConfigSizesAreCheckedAgainstTheFileBeforeAllocating) {
   EXPECT_LT(seconds, 5.0);
   std::tie(message, seconds) = load_with_config("vocab", "\"vocab_size\": 96", "\"vocab_size\": 2000000000");
   EXPECT_NE(message.find("gives vocab_size 2000000000 (2000000000 embedding rows), but the embedding"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
   EXPECT_LT(seconds, 5.0);
   // A per-layer size beyond the file: named by the tensor, still before the model is allocated.
   std::tie(message, seconds) = load_with_config("state", "\"state_size\": 16", "\"state_size\": 4000000");

@@ -73,10 +73,14 @@ using Tensors = std::map<std::string, std::vector<double>>;  // name relative to
 // The parameter names and shapes the mixer must declare (docs/algorithms.md §1.1).
 std::map<std::string, std::vector<std::int64_t>> expected_parameters(const Problem& p) {
   const std::int64_t e = p.d_inner(), dm = p.d_model, n = p.d_state, r = p.dt_rank, w = p.d_conv;
-  std::map<std::string, std::vector<std::int64_t>> s{{"in_proj.weight", {2 * e, dm}}, {"conv1d.weight", {e, 1, w}},
-                                                     {"x_proj.weight", {r + 2 * n, e}}, {"dt_proj.weight", {e, r}},
-                                                     {"dt_proj.bias", {e}},             {"A_log", {e, n}},
-                                                     {"D", {e}},                        {"out_proj.weight", {dm, e}}};
+  std::map<std::string, std::vector<std::int64_t>> s{{"in_proj.weight", {2 * e, dm}},
+                                                     {"conv1d.weight", {e, 1, w}},
+                                                     {"x_proj.weight", {r + 2 * n, e}},
+                                                     {"dt_proj.weight", {e, r}},
+                                                     {"dt_proj.bias", {e}},
+                                                     {"A_log", {e, n}},
+                                                     {"D", {e}},
+                                                     {"out_proj.weight", {dm, e}}};
   if (p.conv_bias) s["conv1d.bias"] = {e};
   if (p.bias) {
     s["in_proj.bias"] = {2 * e};
@@ -103,8 +107,8 @@ struct Reference {
   std::size_t tok(int b, int t) const { return static_cast<std::size_t>(b) * p.seqlen + t; }
 
   RefForward forward() const {
-    const int B = p.batch, L = p.seqlen, Dm = p.d_model, E = p.d_inner(), N = p.d_state, W = p.d_conv,
-              R = p.dt_rank, X = R + 2 * N;
+    const int B = p.batch, L = p.seqlen, Dm = p.d_model, E = p.d_inner(), N = p.d_state, W = p.d_conv, R = p.dt_rank,
+              X = R + 2 * N;
     RefForward f;
     const std::size_t T = static_cast<std::size_t>(B) * L;
     f.xz.assign(T * 2 * E, 0.0);
@@ -181,15 +185,15 @@ struct Reference {
 
   // Gradients of loss() = Σ out·dout: every parameter (same names) and "u".
   Tensors backward() const {
-    const int B = p.batch, L = p.seqlen, Dm = p.d_model, E = p.d_inner(), N = p.d_state, W = p.d_conv,
-              R = p.dt_rank, X = R + 2 * N;
+    const int B = p.batch, L = p.seqlen, Dm = p.d_model, E = p.d_inner(), N = p.d_state, W = p.d_conv, R = p.dt_rank,
+              X = R + 2 * N;
     const RefForward f = forward();
     const std::size_t T = static_cast<std::size_t>(B) * L;
     Tensors g;
     for (const auto& kv : w) g[kv.first].assign(kv.second.size(), 0.0);
     g["u"].assign(u.size(), 0.0);
-    std::vector<double> dy(T * E, 0.0), dypre(T * E, 0.0), dxc(T * E, 0.0), ddelta(T * E, 0.0),
-        ddbl(T * X, 0.0), dxz(T * 2 * E, 0.0);
+    std::vector<double> dy(T * E, 0.0), dypre(T * E, 0.0), dxc(T * E, 0.0), ddelta(T * E, 0.0), ddbl(T * X, 0.0),
+        dxz(T * 2 * E, 0.0);
     // out = y·out_projᵀ + bias
     for (std::size_t m = 0; m < T; ++m)
       for (int j = 0; j < Dm; ++j) {
@@ -517,10 +521,9 @@ void check_against_reference(const Problem& p, std::uint64_t seed) {
     Problem other = p;
     other.batch = p.batch + 1;
     other.seqlen = p.seqlen + 3;
-    const auto u = device_tensor<Mem>("kmamba::test::u_other", other, std::vector<double>(
-                                                                          static_cast<std::size_t>(other.batch) *
-                                                                              other.seqlen * other.d_model,
-                                                                          0.25));
+    const auto u = device_tensor<Mem>(
+        "kmamba::test::u_other", other,
+        std::vector<double>(static_cast<std::size_t>(other.batch) * other.seqlen * other.d_model, 0.25));
     const auto out = poisoned<Mem>("kmamba::test::out_other", other);
     f.mixer.forward(exec, f.slab, u, out, true);
   }

@@ -51,7 +51,7 @@ kmamba::SequenceModelConfig tiny_config(kmamba::MixerKind kind) {
 
 template <class Exec>
 kmamba::Tensor3<float, typename Exec::memory_space> random3(const std::string& label, int b, int l, int c,
-                                                          std::uint64_t seed) {
+                                                            std::uint64_t seed) {
   auto v = kmamba::allocate_uninitialized<kmamba::Tensor3<float, typename Exec::memory_space>>(label, b, l, c);
   kmamba::fill_normal(Exec(), v, seed, 0.0f, 1.0f);
   Exec().fence();
@@ -120,7 +120,8 @@ TYPED_TEST(SequenceModelTest, GradientsMatchFiniteDifferences) {
       m[best] = static_cast<float>(theta[best] - step);
       const double actual_step = (static_cast<double>(p[best]) - m[best]) / 2;
       const double element_fd = (loss_at(p) - loss_at(m)) / (2 * actual_step);
-      EXPECT_NEAR(element_fd, grads[best], 3e-2 * std::abs(grads[best]) + 1e-5) << e.name << " element " << best - e.offset;
+      EXPECT_NEAR(element_fd, grads[best], 3e-2 * std::abs(grads[best]) + 1e-5)
+          << e.name << " element " << best - e.offset;
     }
     loss_at(theta);
   }
@@ -135,7 +136,8 @@ TYPED_TEST(SequenceModelTest, LossIsTheMeanSquaredErrorOfTheOutputs) {
   const auto x = random3<Exec>("kmamba::test::x", batch, seqlen, 3, 21);
   const auto t = random3<Exec>("kmamba::test::t", batch, seqlen, 2, 22);
   const Exec exec;
-  kmamba::Tensor3<float, Mem> y("kmamba::test::y", batch, seqlen, 2), y_train("kmamba::test::y_train", batch, seqlen, 2);
+  kmamba::Tensor3<float, Mem> y("kmamba::test::y", batch, seqlen, 2),
+      y_train("kmamba::test::y_train", batch, seqlen, 2);
   model.forward(exec, x, y);
   exec.fence();
   const std::vector<float> out = host_floats(y), target = host_floats(t);
@@ -172,7 +174,8 @@ TYPED_TEST(SequenceModelTest, SessionStepsEqualOneForward) {
       kmamba::Tensor3<float, Mem> got("kmamba::test::got", streams, steps, 2);
       if (prefilled > 0) {
         const auto range = std::make_pair(0, prefilled);
-        kmamba::Tensor3<float, Mem> xw("kmamba::test::xw", streams, prefilled, 3), yw("kmamba::test::yw", streams, prefilled, 2);
+        kmamba::Tensor3<float, Mem> xw("kmamba::test::xw", streams, prefilled, 3),
+            yw("kmamba::test::yw", streams, prefilled, 2);
         Kokkos::deep_copy(exec, xw, Kokkos::subview(x, Kokkos::ALL, range, Kokkos::ALL));
         session.prefill(exec, xw, yw);
         Kokkos::deep_copy(exec, Kokkos::subview(got, Kokkos::ALL, range, Kokkos::ALL), yw);
@@ -267,10 +270,10 @@ TYPED_TEST(SequenceModelTest, UnmanagedViewsOverApplicationMemory) {
   // Host application memory, when the model's execution space can read it.
   if constexpr (Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible) {
     std::vector<float> host_x = host_floats(x), host_y(y.span());
-    const Kokkos::View<const float***, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hx(
-        host_x.data(), batch, seqlen, 3);
+    const Kokkos::View<const float***, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hx(host_x.data(),
+                                                                                                      batch, seqlen, 3);
     const Kokkos::View<float***, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hy(host_y.data(), batch,
-                                                                                                 seqlen, 2);
+                                                                                                seqlen, 2);
     model.forward(exec, hx, hy);
     exec.fence();
     EXPECT_EQ(host_y, host_floats(y));
@@ -374,7 +377,8 @@ TYPED_TEST(SequenceModelTest, ConfigSizesAreCheckedAgainstTheFileBeforeAllocatin
       << message;
   message = load_error("\"output_size\": 2", "\"output_size\": 2000000000");
   EXPECT_NE(message.find("gives output_size 2000000000 and hidden_size 16, but 'output_head.weight'"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
   // A per-layer size beyond the file: named by the tensor, still before the model is allocated.
   message = load_error("\"state_size\": 8", "\"state_size\": 4000000");
   EXPECT_NE(message.find("backbone.layers.0.mixer."), std::string::npos) << message;

@@ -113,7 +113,9 @@ const std::string corpus =
     "Cyrillic: Съешь же ещё этих мягких французских булок. Greek: Ωμέγα.\n"
     "CJK: 東京は日本の首都です。你好，世界！ 한국어 텍스트. Rare: 𠀀𠀁 (U+20000).\n"
     "Thai: สวัสดีครับ Hebrew: שלום עולם Arabic: مرحبا Devanagari: नमस्ते\n"
-    "Emoji: 😀😃😄 🎉🚀 ❤️ 👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵 and 𝄞 (music) 𝔘𝔫𝔦𝔠𝔬𝔡𝔢.\n"
+    "Emoji: 😀😃😄 🎉🚀 ❤️ 👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵 and 𝄞 "
+    "(music) "
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢.\n"
     "Whitespace:\ttab, nbsp\u00a0here, ideographic\u3000space, line\u2028sep,   runs   \n\n\n"
     "Numbers: ١٢٣ ४५६ Ⅻ ½ ²³ 3.14159e-10 €100 ¥1000\n"
     "Specials inline: <|endoftext|> and <|padding|> stay verbatim.   ";
@@ -261,8 +263,7 @@ TEST(BpeTokenizer, AddPrefixSpacePrefixesEveryPieceBetweenAddedTokens) {
   EXPECT_TRUE(prefixed.add_prefix_space());
   EXPECT_EQ(prefixed.encode("Hello world"), fixture().encode(" Hello world"));
   EXPECT_EQ(prefixed.encode(" already"), fixture().encode(" already"));
-  EXPECT_EQ(prefixed.encode("a<|endoftext|>b"),
-            concat({fixture().encode(" a"), Ids({0}), fixture().encode(" b")}));
+  EXPECT_EQ(prefixed.encode("a<|endoftext|>b"), concat({fixture().encode(" a"), Ids({0}), fixture().encode(" b")}));
   // As in Hugging Face, decoding keeps the space that encoding added.
   EXPECT_EQ(prefixed.decode(prefixed.encode("Hello")), " Hello");
 }
@@ -270,8 +271,8 @@ TEST(BpeTokenizer, AddPrefixSpacePrefixesEveryPieceBetweenAddedTokens) {
 TEST(BpeTokenizer, AddedTokenOptionsLstripRstripSingleWord) {
   json j = fixture_json();
   const auto add = [&](std::int64_t id, const std::string& content, const char* option) {
-    json token = {{"id", id}, {"content", content}, {"special", true}, {"single_word", false},
-                  {"lstrip", false}, {"rstrip", false}, {"normalized", false}};
+    json token = {{"id", id},        {"content", content}, {"special", true},    {"single_word", false},
+                  {"lstrip", false}, {"rstrip", false},    {"normalized", false}};
     token[option] = true;
     j["added_tokens"].push_back(token);
   };
@@ -305,9 +306,9 @@ TEST(BpeTokenizer, RejectsTextThatIsNotUtf8) {
     }
   };
   expect_error("abc\xff", "byte 3");
-  expect_error("ok \xe6\x97", "byte 3");         // truncated character
-  expect_error("\xed\xa0\x80", "byte 0");         // surrogate
-  expect_error("x\xc0\xaf", "byte 1");            // overlong
+  expect_error("ok \xe6\x97", "byte 3");   // truncated character
+  expect_error("\xed\xa0\x80", "byte 0");  // surrogate
+  expect_error("x\xc0\xaf", "byte 1");     // overlong
 }
 
 // ---- BpeTokenizer: malformed tokenizer.json ----
@@ -522,14 +523,14 @@ TEST(StreamingDecoder, InvalidBytesBecomeReplacementCharacters) {
   const kmamba::ByteTokenizer bytes;
   const std::string fffd = "\xef\xbf\xbd";
   kmamba::StreamingDecoder stream(bytes);
-  EXPECT_EQ(stream.push(0xFF), fffd);   // never valid
-  EXPECT_EQ(stream.push(0x80), fffd);   // a lone continuation byte
+  EXPECT_EQ(stream.push(0xFF), fffd);  // never valid
+  EXPECT_EQ(stream.push(0x80), fffd);  // a lone continuation byte
   EXPECT_EQ(stream.push(0xE2), "");
   EXPECT_EQ(stream.push('('), fffd + "(");  // the maximal subpart E2, then the ASCII byte
   EXPECT_EQ(stream.push(0xF0), "");
   EXPECT_EQ(stream.push(0x9F), "");
-  EXPECT_EQ(stream.flush(), fffd);      // a truncated character at the end
-  EXPECT_EQ(stream.push('z'), "z");     // the decoder is ready for more
+  EXPECT_EQ(stream.flush(), fffd);   // a truncated character at the end
+  EXPECT_EQ(stream.push('z'), "z");  // the decoder is ready for more
 }
 
 TEST(StreamingDecoder, SkipsSpecialTokensOnRequest) {

@@ -147,7 +147,8 @@ TEST(MpiCommunicator, ReduceScatterEqualsSerial) {
       abs_sum[i] += std::abs(static_cast<double>(data(i)));
     }
   }
-  const auto first = static_cast<std::ptrdiff_t>(block * world.rank()), last = first + static_cast<std::ptrdiff_t>(block);
+  const auto first = static_cast<std::ptrdiff_t>(block * world.rank()),
+             last = first + static_cast<std::ptrdiff_t>(block);
   const std::vector<float> mine_ref(sum.begin() + first, sum.begin() + last);
   const std::vector<double> mine_abs(abs_sum.begin() + first, abs_sum.begin() + last);
   const std::vector<double> sum_bound = sum_bounds<float>(mine_abs, world.size());

@@ -6,9 +6,9 @@
 //
 // "Equal" (support/RoundingBounds.hpp): the ranks sum the micro-batches' gradients in another order
 // than one trainer does. Losses agree within τ = 8·√N·u (N from the model's dimensions, 0.8e3 to
-// 1.1e3 at 1 to 4 ranks: τ ≈ 1.4e-5 to 1.6e-5), gradient norms within ‖δ‖₂ of the gradients' bounds δ (τ times the largest gradient
-// of each tensor at the first step, of the slab after), parameters within AdamWDifferenceBound
-// carried along the reference run, element by element. np 1 is bitwise identical.
+// 1.1e3 at 1 to 4 ranks: τ ≈ 1.4e-5 to 1.6e-5), gradient norms within ‖δ‖₂ of the gradients' bounds δ (τ times the
+// largest gradient of each tensor at the first step, of the slab after), parameters within AdamWDifferenceBound carried
+// along the reference run, element by element. np 1 is bitwise identical.
 #include "ModelConfigs.hpp"
 #include "RoundingBounds.hpp"
 
@@ -95,12 +95,13 @@ struct Reference {
   }
 };
 
-void expect_same_parameters(const kmamba::Trainer<Exec>& got, const kmamba::Trainer<Exec>& ref,
-                            const Reference& bounds, const std::string& what) {
+void expect_same_parameters(const kmamba::Trainer<Exec>& got, const kmamba::Trainer<Exec>& ref, const Reference& bounds,
+                            const std::string& what) {
   const auto& slab = ref.model().parameters();
   const auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got.model().parameters().params());
   const auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
-  kmamba::test::expect_within(slab.entries(), a, b, [&](std::size_t i) { return bounds.bound.parameter(i); }, what);
+  kmamba::test::expect_within(
+      slab.entries(), a, b, [&](std::size_t i) { return bounds.bound.parameter(i); }, what);
 }
 
 void expect_same_step(const kmamba::StepResult& got, const Reference& ref, std::size_t index) {

@@ -41,7 +41,8 @@ kmamba::SequenceModelConfig tiny_config() {
 }
 
 std::vector<float> parameters_of(const kmamba::Model<Exec>& model) {
-  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.sequence_model().parameters().params());
+  const auto host =
+      Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.sequence_model().parameters().params());
   return std::vector<float>(host.data(), host.data() + host.span());
 }
 

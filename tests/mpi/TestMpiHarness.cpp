@@ -75,7 +75,8 @@ TEST(MpiHarness, ShardedRandomFillEqualsOneRankFill) {
   auto shard_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), shard);
 
   std::vector<float> gathered(static_cast<std::size_t>(total));
-  KMAMBA_MPI_CHECK(MPI_Allgather(shard_h.data(), per_rank, MPI_FLOAT, gathered.data(), per_rank, MPI_FLOAT, comm.get()));
+  KMAMBA_MPI_CHECK(
+      MPI_Allgather(shard_h.data(), per_rank, MPI_FLOAT, gathered.data(), per_rank, MPI_FLOAT, comm.get()));
 
   auto whole = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::whole", total);
   kmamba::fill_normal(Exec(), whole, 2026, 0.0f, 1.0f);

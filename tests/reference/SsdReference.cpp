@@ -85,11 +85,13 @@ RefGrads ref_backward(const RefProblem& P, bool magnitude) {
         for (int p = 0; p < c.headdim; ++p)
           for (int n = 0; n < c.dstate; ++n) {
             const double prev = r ? 0.0 : states[t * PN + p * c.dstate + n];
-            states[(t + 1) * PN + p * c.dstate + n] = decay * prev + d * val(P.x[P.xi(b, t, hd, p)]) * val(P.B[P.bi(b, t, grp, n)]);
+            states[(t + 1) * PN + p * c.dstate + n] =
+                decay * prev + d * val(P.x[P.xi(b, t, hd, p)]) * val(P.B[P.bi(b, t, grp, n)]);
           }
       }
       for (int p = 0; p < c.headdim; ++p)
-        for (int n = 0; n < c.dstate; ++n) lam[p * c.dstate + n] = P.dfinal.empty() ? 0.0 : val(P.dfinal[P.si(b, hd, p, n)]);
+        for (int n = 0; n < c.dstate; ++n)
+          lam[p * c.dstate + n] = P.dfinal.empty() ? 0.0 : val(P.dfinal[P.si(b, hd, p, n)]);
       for (int t = c.seqlen - 1; t >= 0; --t) {
         const double pre = P.pre(b, t, hd);
         const double d = P.delta(pre);

@@ -31,8 +31,8 @@ struct Config {
     std::ostringstream s;
     s << "batch=" << batch << " seqlen=" << seqlen << " nheads=" << nheads << " headdim=" << headdim
       << " ngroups=" << ngroups << " dstate=" << dstate << " chunk=" << chunk << " D=" << D << " z=" << z
-      << " bias=" << bias << " softplus=" << softplus << " initial_states=" << initial_states
-      << " dfinal=" << dfinal << " seq_idx=" << seq_idx << " boundaries={";
+      << " bias=" << bias << " softplus=" << softplus << " initial_states=" << initial_states << " dfinal=" << dfinal
+      << " seq_idx=" << seq_idx << " boundaries={";
     for (int t : boundaries) s << t << ",";
     s << "} dt_limit=(" << dt_min << ", " << dt_max << ")";
     return s.str();
@@ -56,14 +56,12 @@ struct RefProblem {
     return ((static_cast<std::size_t>(b) * cfg.nheads + h) * cfg.headdim + p) * cfg.dstate + n;
   }
   bool restart(int b, int t) const {
-    return !seq.empty() && t > 0 && seq[static_cast<std::size_t>(b) * cfg.seqlen + t] !=
-                                         seq[static_cast<std::size_t>(b) * cfg.seqlen + t - 1];
+    return !seq.empty() && t > 0 &&
+           seq[static_cast<std::size_t>(b) * cfg.seqlen + t] != seq[static_cast<std::size_t>(b) * cfg.seqlen + t - 1];
   }
   double pre(int b, int t, int h) const { return dt[ti(b, t, h)] + (bias.empty() ? 0.0 : bias[h]); }
   double unclamped(double p) const { return cfg.softplus ? softplus(p) : p; }
-  double delta(double p) const {
-    return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max));
-  }
+  double delta(double p) const { return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max)); }
 };
 
 struct RefForward {

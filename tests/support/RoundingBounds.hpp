@@ -174,7 +174,8 @@ class AdamWDifferenceBound {
             const Params& params_after) {
     ++t_;
     const double b1 = config_.beta1, b2 = config_.beta2, eps = config_.eps, u = unit_roundoff<float>();
-    const double bias1 = 1.0 - std::pow(b1, static_cast<double>(t_)), bias2 = 1.0 - std::pow(b2, static_cast<double>(t_));
+    const double bias1 = 1.0 - std::pow(b1, static_cast<double>(t_)),
+                 bias2 = 1.0 - std::pow(b2, static_cast<double>(t_));
     for (std::size_t i = 0; i < m_.size(); ++i) {
       const double gi = double(g(i)), gc = clip * gi;
       const double D = clip * delta[i] + clip_error * (std::abs(gi) + delta[i]);
@@ -206,10 +207,10 @@ class AdamWDifferenceBound {
  private:
   AdamWConfig config_;
   std::size_t decay_end_;
-  std::vector<double> m_, v_;      // the reference's moments, in double
-  std::vector<double> dm_, dv_;    // bounds on the stored moments' differences
-  std::vector<double> dq_;         // Σ b·D², for the bound on Δŝ
-  std::vector<double> dtheta_;     // bounds on the parameters' differences
+  std::vector<double> m_, v_;    // the reference's moments, in double
+  std::vector<double> dm_, dv_;  // bounds on the stored moments' differences
+  std::vector<double> dq_;       // Σ b·D², for the bound on Δŝ
+  std::vector<double> dtheta_;   // bounds on the parameters' differences
   std::int64_t t_ = 0;
 };
 
@@ -230,8 +231,8 @@ double expect_within(const Entries& entries, const Got& got, const Ref& ref, con
         at = i;
       }
     }
-    EXPECT_LE(entry_worst, 1.0) << what << " " << entry.name << " element " << at - entry.offset << ": "
-                                << got(at) << " vs " << ref(at) << ", bound " << bound(at);
+    EXPECT_LE(entry_worst, 1.0) << what << " " << entry.name << " element " << at - entry.offset << ": " << got(at)
+                                << " vs " << ref(at) << ", bound " << bound(at);
     worst = std::max(worst, entry_worst);
   }
   return worst;

@@ -48,14 +48,14 @@ namespace kmamba {
 
 /// The optimizer and schedule of Model::train_step.
 struct TrainOptions {
-  double lr = 1e-3;                 ///< peak learning rate
-  double min_lr = 1e-4;             ///< floor of the cosine decay (with total_steps > 0)
-  std::int64_t warmup_steps = 0;    ///< linear warm-up steps
-  std::int64_t total_steps = 0;     ///< end of the cosine decay; 0: constant lr after warm-up
-  double weight_decay = 0.0;        ///< decoupled, on the projection and conv weights only
+  double lr = 1e-3;               ///< peak learning rate
+  double min_lr = 1e-4;           ///< floor of the cosine decay (with total_steps > 0)
+  std::int64_t warmup_steps = 0;  ///< linear warm-up steps
+  std::int64_t total_steps = 0;   ///< end of the cosine decay; 0: constant lr after warm-up
+  double weight_decay = 0.0;      ///< decoupled, on the projection and conv weights only
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double grad_clip = 1.0;           ///< maximum global gradient norm (0: no clipping)
-  int zero_stage = 0;               ///< data parallel: 0 replicates the AdamW moments, 1 shards them
+  double grad_clip = 1.0;  ///< maximum global gradient norm (0: no clipping)
+  int zero_stage = 0;      ///< data parallel: 0 replicates the AdamW moments, 1 shards them
 
   /// Throws kmamba::UserError naming the first invalid field.
   void validate() const;
@@ -65,10 +65,10 @@ struct TrainOptions {
 
 /// What one Model::train_step did.
 struct TrainStepResult {
-  std::int64_t step = 0;     ///< optimizer steps taken, this one included
-  double loss = 0.0;         ///< mean squared error over the step's batch (all data-parallel ranks)
-  double grad_norm = 0.0;    ///< global gradient norm before clipping
-  double lr = 0.0;           ///< learning rate of this step
+  std::int64_t step = 0;   ///< optimizer steps taken, this one included
+  double loss = 0.0;       ///< mean squared error over the step's batch (all data-parallel ranks)
+  double grad_norm = 0.0;  ///< global gradient norm before clipping
+  double lr = 0.0;         ///< learning rate of this step
 };
 
 namespace impl {
@@ -227,7 +227,7 @@ class Session {
   /// nothing.
   template <class InputView, class OutputView>
   void step(const ExecutionSpace& exec,
-            const InputView& inputs,  // (streams, input_size)
+            const InputView& inputs,      // (streams, input_size)
             const OutputView& outputs) {  // (streams, output_size)
     constexpr const char* function = "kmamba::Session::step";
     const SequenceModelConfig& c = model_->config();
@@ -244,14 +244,13 @@ class Session {
   /// before stepping; `outputs` receives every step's output. Equals seqlen calls of step.
   template <class InputView, class OutputView>
   void prefill(const ExecutionSpace& exec,
-               const InputView& inputs,  // (streams, seqlen, input_size)
+               const InputView& inputs,      // (streams, seqlen, input_size)
                const OutputView& outputs) {  // (streams, seqlen, output_size)
     constexpr const char* function = "kmamba::Session::prefill";
     const SequenceModelConfig& c = model_->config();
     const std::int64_t s = streams();
-    const float* x = impl::embed_view_data<ExecutionSpace>(function, "inputs", inputs,
-                                                           Shape{s, Shape::any, c.input_size},
-                                                           "(streams, seqlen, input_size)");
+    const float* x = impl::embed_view_data<ExecutionSpace>(
+        function, "inputs", inputs, Shape{s, Shape::any, c.input_size}, "(streams, seqlen, input_size)");
     const std::int64_t l = static_cast<std::int64_t>(inputs.extent(1));
     float* y = impl::embed_view_data<ExecutionSpace>(function, "outputs", outputs, Shape{s, l, c.output_size},
                                                      "(streams, seqlen, output_size) with seqlen of inputs");
@@ -272,9 +271,8 @@ template <class InputView, class OutputView>
 void Model<ExecutionSpace>::forward(const ExecutionSpace& exec, const InputView& inputs, const OutputView& outputs) {
   constexpr const char* function = "kmamba::Model::forward";
   const SequenceModelConfig& c = config();
-  const float* x = impl::embed_view_data<ExecutionSpace>(function, "inputs", inputs,
-                                                         Shape{Shape::any, Shape::any, c.input_size},
-                                                         "(batch, seqlen, input_size)");
+  const float* x = impl::embed_view_data<ExecutionSpace>(
+      function, "inputs", inputs, Shape{Shape::any, Shape::any, c.input_size}, "(batch, seqlen, input_size)");
   const std::int64_t b = static_cast<std::int64_t>(inputs.extent(0)), l = static_cast<std::int64_t>(inputs.extent(1));
   float* y = impl::embed_view_data<ExecutionSpace>(function, "outputs", outputs, Shape{b, l, c.output_size},
                                                    "(batch, seqlen, output_size) with batch, seqlen of inputs");

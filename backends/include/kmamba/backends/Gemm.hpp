@@ -48,10 +48,9 @@ enum class Transpose { No, Yes };
 /// the shapes if they do not agree.
 template <class ExecutionSpace, class MemorySpace>
 void gemm(const ExecutionSpace& exec, Transpose trans_a, Transpose trans_b, float alpha,
-          const ConstTensor2<float, MemorySpace>& A,  // (m, k), or (k, m) when trans_a
-          const ConstTensor2<float, MemorySpace>& B,  // (k, n), or (n, k) when trans_b
-          float beta,
-          const Tensor2<float, MemorySpace>& C,       // (m, n)
+          const ConstTensor2<float, MemorySpace>& A,         // (m, k), or (k, m) when trans_a
+          const ConstTensor2<float, MemorySpace>& B,         // (k, n), or (n, k) when trans_b
+          float beta, const Tensor2<float, MemorySpace>& C,  // (m, n)
           MatmulPrecision precision = MatmulPrecision::Float32) {
   const ProfilingRegion region("kmamba::gemm");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,

@@ -39,8 +39,7 @@ namespace impl {
 
 // Checks the arguments every conv1d op shares and returns the Conv1dInput the kernels read.
 template <class MemorySpace>
-Conv1dInput<MemorySpace> make_conv1d_input(const char* function,
-                                           const ConstTensor3<float, MemorySpace>& x,
+Conv1dInput<MemorySpace> make_conv1d_input(const char* function, const ConstTensor3<float, MemorySpace>& x,
                                            const ConstTensor2<float, MemorySpace>& weight,
                                            const ConstTensor1<float, MemorySpace>& bias,
                                            const ConstTensor3<float, MemorySpace>& initial_state,
@@ -204,8 +203,8 @@ void causal_conv1d_backward(
   }
   const int segment_rows = impl::conv1d_backward_segment_rows(exec, batch, seqlen, channels);
   const std::int64_t segments = std::max<std::int64_t>(1, (seqlen + segment_rows - 1) / segment_rows);
-  const auto partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial",
-                                                                   batch * segments, width + 1, channels);
+  const auto partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial", batch * segments,
+                                                                   width + 1, channels);
   impl::with_conv1d_window(in.width, [&](auto window) {
     Kokkos::parallel_for("kmamba::conv1d::backward", Policy(exec, 0, batch * segments * channels),
                          impl::Conv1dBackwardSegmentFunctor<Mem, decltype(window)::value>{
@@ -238,12 +237,11 @@ void causal_conv1d_backward(
 /// causal_conv1d over the same tokens. y may be x itself.
 template <class ExecutionSpace>
 void causal_conv1d_update(
-    const ExecutionSpace& exec,
-    const ConstTensor2<float, impl::Conv1dMemory<ExecutionSpace>>& x,       // (batch, channels)
-    const ConstTensor2<float, impl::Conv1dMemory<ExecutionSpace>>& weight,  // (channels, width)
-    const ConstTensor1<float, impl::Conv1dMemory<ExecutionSpace>>& bias,    // (channels) or empty
-    const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& conv_state,   // (batch, channels, width - 1)
-    const Tensor2<float, impl::Conv1dMemory<ExecutionSpace>>& y,            // (batch, channels)
+    const ExecutionSpace& exec, const ConstTensor2<float, impl::Conv1dMemory<ExecutionSpace>>& x,  // (batch, channels)
+    const ConstTensor2<float, impl::Conv1dMemory<ExecutionSpace>>& weight,                         // (channels, width)
+    const ConstTensor1<float, impl::Conv1dMemory<ExecutionSpace>>& bias,   // (channels) or empty
+    const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& conv_state,  // (batch, channels, width - 1)
+    const Tensor2<float, impl::Conv1dMemory<ExecutionSpace>>& y,           // (batch, channels)
     Conv1dActivation activation) {
   const ProfilingRegion region("kmamba::causal_conv1d_update");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
@@ -267,7 +265,8 @@ void causal_conv1d_update(
   check_allocated(function, "y", y);
   Kokkos::parallel_for(
       "kmamba::conv1d::update",
-      impl::light_weight(Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * channels)),
+      impl::light_weight(
+          Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * channels)),
       impl::Conv1dUpdateFunctor<Mem>{x, weight, bias, conv_state, y, has_bias, activation == Conv1dActivation::silu,
                                      static_cast<int>(width), static_cast<int>(channels)});
 }

@@ -62,11 +62,12 @@ struct ConvSsdStepArgs {
   ConstTensor2<float, MemorySpace> xbcdt;
   int xbc_offset = 0;
   int ngroups = 1;
-  ConstTensor2<float, MemorySpace> conv_weight;  // (conv_dim, width), channels x, B, C; conv_dim = nheads·headdim + 2·ngroups·dstate
-  ConstTensor1<float, MemorySpace> conv_bias;    // (conv_dim), optional
-  ConstTensor1<float, MemorySpace> A_log;        // (nheads), A = −exp(A_log)
-  ConstTensor1<float, MemorySpace> D;            // (nheads), optional skip connection
-  ConstTensor1<float, MemorySpace> dt_bias;      // (nheads), optional, added to dt
+  ConstTensor2<float, MemorySpace>
+      conv_weight;  // (conv_dim, width), channels x, B, C; conv_dim = nheads·headdim + 2·ngroups·dstate
+  ConstTensor1<float, MemorySpace> conv_bias;  // (conv_dim), optional
+  ConstTensor1<float, MemorySpace> A_log;      // (nheads), A = −exp(A_log)
+  ConstTensor1<float, MemorySpace> D;          // (nheads), optional skip connection
+  ConstTensor1<float, MemorySpace> dt_bias;    // (nheads), optional, added to dt
   /// Apply softplus (threshold 20) to dt + dt_bias.
   bool dt_softplus = false;
   /// (nheads·headdim), optional: when given, `normed` receives gated_rms_norm(y, z, norm_weight,
@@ -138,8 +139,8 @@ SsdDims conv_ssd_step_check_args(const char* function, const ConvSsdStepArgs<Mem
   const bool has_norm = args.norm_weight.is_allocated();
   KMAMBA_REQUIRE(has_norm == normed.is_allocated(),
                  function << ": normed must be given exactly when norm_weight is (norm_weight "
-                          << (has_norm ? "given" : "absent") << ", normed " << (normed.is_allocated() ? "given" : "absent")
-                          << ")");
+                          << (has_norm ? "given" : "absent") << ", normed "
+                          << (normed.is_allocated() ? "given" : "absent") << ")");
   if (has_norm) {
     check_shape(function, "norm_weight", args.norm_weight, {inner}, "(nheads·headdim)");
     check_shape(function, "normed", normed, {batch, inner}, "(batch, nheads·headdim)");
@@ -147,10 +148,10 @@ SsdDims conv_ssd_step_check_args(const char* function, const ConvSsdStepArgs<Mem
                                                       << " columns before xbc_offset, which is " << args.xbc_offset);
     KMAMBA_REQUIRE(args.norm_eps >= 0.0f, function << ": norm_eps must be >= 0, got " << args.norm_eps);
   }
-  KMAMBA_REQUIRE(batch * nheads * headdim * dstate < std::numeric_limits<int>::max() &&
-                     batch * (args.xbc_offset + conv_dim + nheads) < std::numeric_limits<int>::max(),
-                 function << ": ssm has shape " << shape_of(state.ssm).to_string()
-                          << ": too many elements for 32-bit indexing");
+  KMAMBA_REQUIRE(
+      batch * nheads * headdim * dstate < std::numeric_limits<int>::max() &&
+          batch * (args.xbc_offset + conv_dim + nheads) < std::numeric_limits<int>::max(),
+      function << ": ssm has shape " << shape_of(state.ssm).to_string() << ": too many elements for 32-bit indexing");
   SsdDims dims;
   dims.batch = batch;
   dims.seqlen = 1;
@@ -221,9 +222,9 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
       static_cast<int>(args.xbc_offset + conv_dim),
       static_cast<int>(inner),
       static_cast<int>(inner + group_width),
-      impl::conv_ssd_step_block(exec, batch * ngroups, inner / ngroups, plan.team_size,
-                                  impl::vector_lanes_are_threads<ExecutionSpace> ? plan.team_size * plan.vector_length
-                                                                                : 1)};
+      impl::conv_ssd_step_block(
+          exec, batch * ngroups, inner / ngroups, plan.team_size,
+          impl::vector_lanes_are_threads<ExecutionSpace> ? plan.team_size * plan.vector_length : 1)};
   // Not ssd_launch: its policy carries the chunk products' launch bounds (two 256-thread teams per
   // multiprocessor, for their register blocks), which would cap this latency-bound kernel — a chain
   // of dependent loads per channel — at a quarter of the threads a multiprocessor holds.
@@ -233,10 +234,11 @@ void conv_ssd_step(const ExecutionSpace& exec, const ConvSsdStepArgs<MemorySpace
   const int team_size = std::max(1, std::min(plan.team_size, Policy(exec, league, 1, plan.vector_length)
                                                                  .set_scratch_size(0, Kokkos::PerTeam(scratch))
                                                                  .team_size_max(functor, Kokkos::ParallelForTag())));
-  Kokkos::parallel_for("kmamba::ssd::conv_step",
-                       impl::light_weight(Policy(exec, league, team_size, plan.vector_length)
-                                              .set_scratch_size(0, Kokkos::PerTeam(scratch))),
-                       functor);
+  Kokkos::parallel_for(
+      "kmamba::ssd::conv_step",
+      impl::light_weight(
+          Policy(exec, league, team_size, plan.vector_length).set_scratch_size(0, Kokkos::PerTeam(scratch))),
+      functor);
 }
 
 template <class MemorySpace>

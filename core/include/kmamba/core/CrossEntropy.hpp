@@ -33,18 +33,17 @@ struct CrossEntropySum {
 /// target is neither ignore_index nor in [0, vocab), naming the first offending row and id.
 template <class ExecutionSpace, class MemorySpace>
 CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
-                                      const ConstTensor2<float, MemorySpace>& logits,         // (rows, vocab)
+                                      const ConstTensor2<float, MemorySpace>& logits,          // (rows, vocab)
                                       const ConstTensor1<std::int64_t, MemorySpace>& targets,  // (rows)
-                                      std::int64_t ignore_index,
-                                      const Tensor1<float, MemorySpace>& lse) {               // (rows)
+                                      std::int64_t ignore_index, const Tensor1<float, MemorySpace>& lse) {  // (rows)
   const ProfilingRegion region("kmamba::cross_entropy_forward");
   constexpr const char* function = "kmamba::cross_entropy_forward";
   const std::int64_t rows = static_cast<std::int64_t>(logits.extent(0));
   const std::int64_t vocab = static_cast<std::int64_t>(logits.extent(1));
   check_shape(function, "targets", targets, {rows}, "(rows) with rows from logits");
   check_shape(function, "lse", lse, {rows}, "(rows) with rows from logits");
-  KMAMBA_REQUIRE(vocab > 0 || rows == 0, function << ": logits has an empty vocabulary axis (shape "
-                                                  << shape_of(logits).to_string() << ")");
+  KMAMBA_REQUIRE(vocab > 0 || rows == 0,
+                 function << ": logits has an empty vocabulary axis (shape " << shape_of(logits).to_string() << ")");
   const impl::InvalidIds bad = impl::find_invalid_ids(exec, targets, true, ignore_index, vocab);
   KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " target id(s) are outside [0, " << vocab
                                           << ") and not the ignore index " << ignore_index << "; the first is "
@@ -57,12 +56,11 @@ CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
 /// (scale = dloss / count for a mean loss). Non-blocking on `exec`.
 template <class ExecutionSpace, class MemorySpace>
 void cross_entropy_backward(const ExecutionSpace& exec,
-                            const ConstTensor2<float, MemorySpace>& logits,         // (rows, vocab)
+                            const ConstTensor2<float, MemorySpace>& logits,          // (rows, vocab)
                             const ConstTensor1<std::int64_t, MemorySpace>& targets,  // (rows)
                             std::int64_t ignore_index,
-                            const ConstTensor1<float, MemorySpace>& lse,             // (rows), from the forward
-                            float scale,
-                            const Tensor2<float, MemorySpace>& dlogits) {            // (rows, vocab)
+                            const ConstTensor1<float, MemorySpace>& lse,                // (rows), from the forward
+                            float scale, const Tensor2<float, MemorySpace>& dlogits) {  // (rows, vocab)
   const ProfilingRegion region("kmamba::cross_entropy_backward");
   constexpr const char* function = "kmamba::cross_entropy_backward";
   const std::int64_t rows = static_cast<std::int64_t>(logits.extent(0));

@@ -38,8 +38,7 @@ struct EmbeddingScatterAdd {
 /// Throws kmamba::UserError (from `function`) naming the first id outside [0, vocab) — the rows of
 /// the embedding table — and its position. Blocking.
 template <class ExecutionSpace, class MemorySpace>
-void check_embedding_ids(const ExecutionSpace& exec,
-                         const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+void check_embedding_ids(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                          const std::int64_t vocab, const char* function = "kmamba::embedding_forward") {
   const ProfilingRegion region("kmamba::check_embedding_ids");
   const impl::InvalidIds bad = impl::find_invalid_ids(exec, ids, false, 0, vocab);
@@ -52,10 +51,9 @@ void check_embedding_ids(const ExecutionSpace& exec,
 /// `check_ids` false the caller guarantees the ids are valid (checked before, e.g. outside a
 /// recorded step graph) and the call is non-blocking.
 template <class ExecutionSpace, class MemorySpace>
-void embedding_forward(const ExecutionSpace& exec,
-                       const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
-                       const ConstTensor2<float, MemorySpace>& table,       // (vocab, dim)
-                       const Tensor2<float, MemorySpace>& out,              // (tokens, dim)
+void embedding_forward(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+                       const ConstTensor2<float, MemorySpace>& table,                                   // (vocab, dim)
+                       const Tensor2<float, MemorySpace>& out,                                          // (tokens, dim)
                        const bool check_ids = true) {
   const ProfilingRegion region("kmamba::embedding_forward");
   constexpr const char* function = "kmamba::embedding_forward";
@@ -65,18 +63,18 @@ void embedding_forward(const ExecutionSpace& exec,
   check_shape(function, "out", out, {tokens, dim}, "(tokens, dim) with dim from table");
   if (check_ids) check_embedding_ids(exec, ids, vocab, function);
   if (tokens == 0 || dim == 0) return;
-  Kokkos::parallel_for("kmamba::embedding::forward",
-                       impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim})),
-                       impl::EmbeddingGather<MemorySpace>{ids, table, out});
+  Kokkos::parallel_for(
+      "kmamba::embedding::forward",
+      impl::light_weight(Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim})),
+      impl::EmbeddingGather<MemorySpace>{ids, table, out});
 }
 
 /// dtable[ids[t], :] += dout[t, :] (accumulates: zero dtable first for a plain gradient).
 /// Non-blocking on `exec`; ids must already have passed embedding_forward's check.
 template <class ExecutionSpace, class MemorySpace>
-void embedding_backward(const ExecutionSpace& exec,
-                        const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
-                        const ConstTensor2<float, MemorySpace>& dout,        // (tokens, dim)
-                        const Tensor2<float, MemorySpace>& dtable) {         // (vocab, dim)
+void embedding_backward(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
+                        const ConstTensor2<float, MemorySpace>& dout,  // (tokens, dim)
+                        const Tensor2<float, MemorySpace>& dtable) {   // (vocab, dim)
   const ProfilingRegion region("kmamba::embedding_backward");
   constexpr const char* function = "kmamba::embedding_backward";
   const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));

@@ -55,47 +55,44 @@ class VendorError : public Error {
 namespace impl {
 
 [[noreturn]] void throw_user_error(const std::string& message);
-[[noreturn]] void throw_internal_error(const char* condition, const char* file, int line,
-                                       const std::string& message);
+[[noreturn]] void throw_internal_error(const char* condition, const char* file, int line, const std::string& message);
 [[noreturn]] void throw_vendor_error(const char* library, const char* expression, long long status,
                                      const std::string& description, const char* file, int line);
 
 }  // namespace impl
 }  // namespace kmamba
 
-#define KMAMBA_USER_ERROR(msg)                      \
-  do {                                              \
-    std::ostringstream kmamba_error_stream_;        \
-    kmamba_error_stream_ << msg;                    \
+#define KMAMBA_USER_ERROR(msg)                                    \
+  do {                                                            \
+    std::ostringstream kmamba_error_stream_;                      \
+    kmamba_error_stream_ << msg;                                  \
     ::kmamba::impl::throw_user_error(kmamba_error_stream_.str()); \
   } while (false)
 
-#define KMAMBA_REQUIRE(cond, msg)                   \
-  do {                                              \
-    if (!(cond)) {                                  \
-      KMAMBA_USER_ERROR(msg);                       \
-    }                                               \
+#define KMAMBA_REQUIRE(cond, msg) \
+  do {                            \
+    if (!(cond)) {                \
+      KMAMBA_USER_ERROR(msg);     \
+    }                             \
   } while (false)
 
-#define KMAMBA_ASSERT(cond, msg)                                                        \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      std::ostringstream kmamba_error_stream_;                                          \
-      kmamba_error_stream_ << msg;                                                      \
-      ::kmamba::impl::throw_internal_error(#cond, __FILE__, __LINE__,                   \
-                                           kmamba_error_stream_.str());                 \
-    }                                                                                   \
+#define KMAMBA_ASSERT(cond, msg)                                                                   \
+  do {                                                                                             \
+    if (!(cond)) {                                                                                 \
+      std::ostringstream kmamba_error_stream_;                                                     \
+      kmamba_error_stream_ << msg;                                                                 \
+      ::kmamba::impl::throw_internal_error(#cond, __FILE__, __LINE__, kmamba_error_stream_.str()); \
+    }                                                                                              \
   } while (false)
 
 // `ok` is the success value of the status type; `describe(status)` returns a readable string.
-#define KMAMBA_VENDOR_CHECK(library, expr, ok, describe)                                \
-  do {                                                                                  \
-    const auto kmamba_status_ = (expr);                                                 \
-    if (kmamba_status_ != (ok)) {                                                       \
-      ::kmamba::impl::throw_vendor_error(library, #expr,                                \
-                                         static_cast<long long>(kmamba_status_),        \
-                                         describe(kmamba_status_), __FILE__, __LINE__); \
-    }                                                                                   \
+#define KMAMBA_VENDOR_CHECK(library, expr, ok, describe)                                         \
+  do {                                                                                           \
+    const auto kmamba_status_ = (expr);                                                          \
+    if (kmamba_status_ != (ok)) {                                                                \
+      ::kmamba::impl::throw_vendor_error(library, #expr, static_cast<long long>(kmamba_status_), \
+                                         describe(kmamba_status_), __FILE__, __LINE__);          \
+    }                                                                                            \
   } while (false)
 
 #endif

@@ -27,8 +27,8 @@
 namespace kmamba {
 
 struct JsonLimits {
-  std::size_t max_depth = 64;                  ///< nested arrays and objects (real files need fewer than 10)
-  std::uint64_t max_bytes = 256ull << 20;      ///< the largest tokenizer.json files are tens of MB
+  std::size_t max_depth = 64;              ///< nested arrays and objects (real files need fewer than 10)
+  std::uint64_t max_bytes = 256ull << 20;  ///< the largest tokenizer.json files are tens of MB
 };
 
 namespace impl {

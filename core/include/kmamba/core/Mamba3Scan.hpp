@@ -521,8 +521,8 @@ void mamba3_siso_forward(const ExecutionSpace& exec, const Mamba3SisoArgs<Memory
               "(batch, seqlen, nheads, headdim)");
   check_allocated(function, "out", out);
   impl::mamba3_check_siso_states(function, "final_states", final_states, dims);
-  impl::mamba3_forward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args), out,
-                            impl::mamba3_state_views(final_states));
+  impl::mamba3_forward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args),
+                            out, impl::mamba3_state_views(final_states));
 }
 
 template <class MemorySpace>
@@ -573,8 +573,8 @@ void mamba3_siso_backward(
   g.dz = grads.dz;
   g.dinitial = impl::mamba3_state_views(grads.dinitial);
   g.mimo = false;
-  impl::mamba3_backward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args), dout,
-                             impl::mamba3_state_views(dfinal_states), g);
+  impl::mamba3_backward_impl(exec, function, dims, args.chunk_size, args.matmul_precision, impl::mamba3_operands(args),
+                             dout, impl::mamba3_state_views(dfinal_states), g);
 }
 
 template <class MemorySpace>
@@ -601,7 +601,8 @@ void mamba3_mimo_forward(const ExecutionSpace& exec, const Mamba3MimoArgs<Memory
   check_allocated(function, "out", out);
   impl::mamba3_check_mimo_states(function, "final_states", final_states, dims);
   impl::mamba3_forward_impl(exec, function, dims, impl::mamba3_mimo_chunk_size(args.chunk_size, dims.rank),
-                            args.matmul_precision, impl::mamba3_operands(args), out, impl::mamba3_state_views(final_states));
+                            args.matmul_precision, impl::mamba3_operands(args), out,
+                            impl::mamba3_state_views(final_states));
 }
 
 template <class MemorySpace>
@@ -663,7 +664,8 @@ void mamba3_mimo_backward(
   g.dinitial = impl::mamba3_state_views(grads.dinitial);
   g.mimo = true;
   impl::mamba3_backward_impl(exec, function, dims, impl::mamba3_mimo_chunk_size(args.chunk_size, dims.rank),
-                             args.matmul_precision, impl::mamba3_operands(args), dout, impl::mamba3_state_views(dfinal_states), g);
+                             args.matmul_precision, impl::mamba3_operands(args), dout,
+                             impl::mamba3_state_views(dfinal_states), g);
 }
 
 template <class MemorySpace>

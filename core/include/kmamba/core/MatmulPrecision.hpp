@@ -47,9 +47,12 @@ KOKKOS_INLINE_FUNCTION float round_operand(MatmulPrecision p, float value) {
 /// "fp32", "tf32" or "bf16".
 inline const char* matmul_precision_name(MatmulPrecision p) {
   switch (p) {
-    case MatmulPrecision::Float32: return "fp32";
-    case MatmulPrecision::TensorFloat32: return "tf32";
-    case MatmulPrecision::BFloat16: return "bf16";
+    case MatmulPrecision::Float32:
+      return "fp32";
+    case MatmulPrecision::TensorFloat32:
+      return "tf32";
+    case MatmulPrecision::BFloat16:
+      return "bf16";
   }
   return "unknown";
 }

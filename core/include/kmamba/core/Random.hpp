@@ -32,9 +32,7 @@ KOKKOS_INLINE_FUNCTION float uniform_at(std::uint64_t seed, std::uint64_t index)
 }
 
 /// Standard normal float for stream position `index` of generator `seed` (Box-Muller).
-KOKKOS_INLINE_FUNCTION float normal_at(std::uint64_t seed, std::uint64_t index) {
-  return impl::normal_at(seed, index);
-}
+KOKKOS_INLINE_FUNCTION float normal_at(std::uint64_t seed, std::uint64_t index) { return impl::normal_at(seed, index); }
 
 /// Fills `view` (any rank <= 8, element type float, double or bf16) with values uniform in
 /// [lo, hi). Element with row-major flat index i gets lo + (hi - lo) * uniform_at(seed, offset + i).
@@ -56,8 +54,8 @@ void fill_uniform(const ViewType& view, std::uint64_t seed, float lo, float hi, 
 /// Fills `view` with normal values of the given mean and standard deviation; element with
 /// row-major flat index i gets mean + stddev * normal_at(seed, offset + i). Non-blocking on `exec`.
 template <class ExecutionSpace, class ViewType>
-void fill_normal(const ExecutionSpace& exec, const ViewType& view, std::uint64_t seed, float mean,
-                 float stddev, std::uint64_t offset = 0) {
+void fill_normal(const ExecutionSpace& exec, const ViewType& view, std::uint64_t seed, float mean, float stddev,
+                 std::uint64_t offset = 0) {
   const ProfilingRegion region("kmamba::fill_normal");
   KMAMBA_REQUIRE(stddev >= 0.0f, "kmamba::fill_normal: stddev must be >= 0, got " << stddev);
   check_allocated("kmamba::fill_normal", "view", view);

@@ -36,8 +36,8 @@ namespace kmamba {
 /// Also writes rstd for rms_norm_backward.
 template <class ExecutionSpace, class XView, class WView, class YView, class RstdView>
 void rms_norm(const ExecutionSpace& exec,
-              const XView& x,        // (rows, dim)
-              const WView& weight,   // (dim,)
+              const XView& x,       // (rows, dim)
+              const WView& weight,  // (dim,)
               float eps,
               const YView& y,        // (rows, dim)
               const RstdView& rstd)  // (rows,)
@@ -59,8 +59,7 @@ void rms_norm(const ExecutionSpace& exec,
   check_allocated(fn, "weight", weight);
   check_allocated(fn, "y", y);
   check_allocated(fn, "rstd", rstd);
-  impl::rms_norm_forward(exec, x, XView(), weight, eps, static_cast<int>(dim), impl::RmsNormGate::none, y, rstd,
-                         true);
+  impl::rms_norm_forward(exec, x, XView(), weight, eps, static_cast<int>(dim), impl::RmsNormGate::none, y, rstd, true);
 }
 
 /// Plain RMSNorm without saving rstd (inference).
@@ -69,7 +68,7 @@ void rms_norm(const ExecutionSpace& exec,
               const XView& x,       // (rows, dim)
               const WView& weight,  // (dim,)
               float eps,
-              const YView& y)       // (rows, dim)
+              const YView& y)  // (rows, dim)
 {
   const ProfilingRegion region("kmamba::rms_norm");
   static_assert(XView::rank == 2 && WView::rank == 1 && YView::rank == 2,
@@ -101,7 +100,7 @@ void add_rms_norm(const ExecutionSpace& exec,
                   const DeltaView& delta,        // (rows, dim)
                   const WView& weight,           // (dim,)
                   float eps,
-                  const YView& y)                // (rows, dim)
+                  const YView& y)  // (rows, dim)
 {
   const ProfilingRegion region("kmamba::add_rms_norm");
   static_assert(ResidualView::rank == 2 && DeltaView::rank == 2 && WView::rank == 1 && YView::rank == 2,
@@ -144,19 +143,19 @@ void rms_norm(const XView& x, const WView& weight, float eps, const YView& y) {
 /// Backward of the plain RMSNorm with the rstd saved by rms_norm. With x̂ = x·rstd and g = dy:
 ///   dx = (w ⊙ g − x̂ · mean(x̂ ⊙ w ⊙ g)) · rstd,   dweight = Σ_rows g ⊙ x̂.
 /// dweight is overwritten (not accumulated into).
-template <class ExecutionSpace, class DyView, class XView, class WView, class RstdView, class DxView,
-          class DweightView, impl::rms_norm_if_view<RstdView> = 0>
+template <class ExecutionSpace, class DyView, class XView, class WView, class RstdView, class DxView, class DweightView,
+          impl::rms_norm_if_view<RstdView> = 0>
 void rms_norm_backward(const ExecutionSpace& exec,
-                       const DyView& dy,           // (rows, dim)
-                       const XView& x,             // (rows, dim)
-                       const WView& weight,        // (dim,)
-                       const RstdView& rstd,       // (rows,)
-                       const DxView& dx,           // (rows, dim)
-                       const DweightView& dweight) // (dim,)
+                       const DyView& dy,            // (rows, dim)
+                       const XView& x,              // (rows, dim)
+                       const WView& weight,         // (dim,)
+                       const RstdView& rstd,        // (rows,)
+                       const DxView& dx,            // (rows, dim)
+                       const DweightView& dweight)  // (dim,)
 {
   const ProfilingRegion region("kmamba::rms_norm_backward");
-  static_assert(DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && RstdView::rank == 1 &&
-                    DxView::rank == 2 && DweightView::rank == 1,
+  static_assert(DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && RstdView::rank == 1 && DxView::rank == 2 &&
+                    DweightView::rank == 1,
                 "kmamba::rms_norm_backward: dy, x, dx are (rows, dim), weight and dweight (dim,), rstd (rows,)");
   static_assert(std::is_same<typename RstdView::non_const_value_type, float>::value &&
                     std::is_same<typename DweightView::value_type, float>::value,
@@ -185,17 +184,17 @@ void rms_norm_backward(const ExecutionSpace& exec,
 /// Backward of the plain RMSNorm recomputing rstd from x and eps (same results as with it saved).
 template <class ExecutionSpace, class DyView, class XView, class WView, class DxView, class DweightView>
 void rms_norm_backward(const ExecutionSpace& exec,
-                       const DyView& dy,           // (rows, dim)
-                       const XView& x,             // (rows, dim)
-                       const WView& weight,        // (dim,)
+                       const DyView& dy,     // (rows, dim)
+                       const XView& x,       // (rows, dim)
+                       const WView& weight,  // (dim,)
                        float eps,
-                       const DxView& dx,           // (rows, dim)
-                       const DweightView& dweight) // (dim,)
+                       const DxView& dx,            // (rows, dim)
+                       const DweightView& dweight)  // (dim,)
 {
   const ProfilingRegion region("kmamba::rms_norm_backward");
-  static_assert(DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && DxView::rank == 2 &&
-                    DweightView::rank == 1,
-                "kmamba::rms_norm_backward: dy, x, dx are (rows, dim), weight and dweight (dim,)");
+  static_assert(
+      DyView::rank == 2 && XView::rank == 2 && WView::rank == 1 && DxView::rank == 2 && DweightView::rank == 1,
+      "kmamba::rms_norm_backward: dy, x, dx are (rows, dim), weight and dweight (dim,)");
   static_assert(std::is_same<typename DweightView::value_type, float>::value,
                 "kmamba::rms_norm_backward: dweight is fp32");
   static_assert(impl::rms_norm_accessible<ExecutionSpace, DyView, XView, WView, DxView, DweightView>,
@@ -239,19 +238,17 @@ void rms_norm_backward(const DyView& dy, const XView& x, const WView& weight, fl
 /// per row and group, for gated_rms_norm_backward.
 template <class ExecutionSpace, class XView, class ZView, class WView, class YView, class RstdView>
 void gated_rms_norm(const ExecutionSpace& exec,
-                    const XView& x,        // (rows, dim)
-                    const ZView& z,        // (rows, dim)
-                    const WView& weight,   // (dim,)
+                    const XView& x,       // (rows, dim)
+                    const ZView& z,       // (rows, dim)
+                    const WView& weight,  // (dim,)
                     float eps, int group_size, bool norm_before_gate,
                     const YView& y,        // (rows, dim)
                     const RstdView& rstd)  // (rows, dim / group_size)
 {
   const ProfilingRegion region("kmamba::gated_rms_norm");
-  static_assert(XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && YView::rank == 2 &&
-                    RstdView::rank == 2,
+  static_assert(XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && YView::rank == 2 && RstdView::rank == 2,
                 "kmamba::gated_rms_norm: x, z, y are (rows, dim), weight (dim,), rstd (rows, groups)");
-  static_assert(std::is_same<typename RstdView::value_type, float>::value,
-                "kmamba::gated_rms_norm: rstd is fp32");
+  static_assert(std::is_same<typename RstdView::value_type, float>::value, "kmamba::gated_rms_norm: rstd is fp32");
   static_assert(impl::rms_norm_accessible<ExecutionSpace, XView, ZView, WView, YView, RstdView>,
                 "kmamba::gated_rms_norm: the execution space cannot access every view");
   constexpr const char* fn = "kmamba::gated_rms_norm";
@@ -268,8 +265,7 @@ void gated_rms_norm(const ExecutionSpace& exec,
   check_allocated(fn, "y", y);
   check_allocated(fn, "rstd", rstd);
   impl::rms_norm_forward(exec, x, z, weight, eps, group_size,
-                         norm_before_gate ? impl::RmsNormGate::post_norm : impl::RmsNormGate::pre_norm, y, rstd,
-                         true);
+                         norm_before_gate ? impl::RmsNormGate::post_norm : impl::RmsNormGate::pre_norm, y, rstd, true);
 }
 
 /// Gated RMSNorm without saving rstd (inference).
@@ -279,7 +275,7 @@ void gated_rms_norm(const ExecutionSpace& exec,
                     const ZView& z,       // (rows, dim)
                     const WView& weight,  // (dim,)
                     float eps, int group_size, bool norm_before_gate,
-                    const YView& y)       // (rows, dim)
+                    const YView& y)  // (rows, dim)
 {
   const ProfilingRegion region("kmamba::gated_rms_norm");
   static_assert(XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && YView::rank == 2,
@@ -324,27 +320,27 @@ void gated_rms_norm(const XView& x, const ZView& z, const WView& weight, float e
 template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class RstdView, class DxView,
           class DzView, class DweightView, impl::rms_norm_if_view<RstdView> = 0>
 void gated_rms_norm_backward(const ExecutionSpace& exec,
-                             const DyView& dy,        // (rows, dim)
-                             const XView& x,          // (rows, dim)
-                             const ZView& z,          // (rows, dim)
-                             const WView& weight,     // (dim,)
-                             const RstdView& rstd,    // (rows, dim / group_size)
+                             const DyView& dy,      // (rows, dim)
+                             const XView& x,        // (rows, dim)
+                             const ZView& z,        // (rows, dim)
+                             const WView& weight,   // (dim,)
+                             const RstdView& rstd,  // (rows, dim / group_size)
                              int group_size, bool norm_before_gate,
-                             const DxView& dx,        // (rows, dim)
-                             const DzView& dz,        // (rows, dim)
+                             const DxView& dx,            // (rows, dim)
+                             const DzView& dz,            // (rows, dim)
                              const DweightView& dweight)  // (dim,)
 {
   const ProfilingRegion region("kmamba::gated_rms_norm_backward");
-  static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 &&
-                    RstdView::rank == 2 && DxView::rank == 2 && DzView::rank == 2 && DweightView::rank == 1,
+  static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && RstdView::rank == 2 &&
+                    DxView::rank == 2 && DzView::rank == 2 && DweightView::rank == 1,
                 "kmamba::gated_rms_norm_backward: dy, x, z, dx, dz are (rows, dim), weight and dweight "
                 "(dim,), rstd (rows, groups)");
   static_assert(std::is_same<typename RstdView::non_const_value_type, float>::value &&
                     std::is_same<typename DweightView::value_type, float>::value,
                 "kmamba::gated_rms_norm_backward: rstd and dweight are fp32");
-  static_assert(impl::rms_norm_accessible<ExecutionSpace, DyView, XView, ZView, WView, RstdView, DxView, DzView,
-                                          DweightView>,
-                "kmamba::gated_rms_norm_backward: the execution space cannot access every view");
+  static_assert(
+      impl::rms_norm_accessible<ExecutionSpace, DyView, XView, ZView, WView, RstdView, DxView, DzView, DweightView>,
+      "kmamba::gated_rms_norm_backward: the execution space cannot access every view");
   constexpr const char* fn = "kmamba::gated_rms_norm_backward";
   const std::int64_t rows = static_cast<std::int64_t>(x.extent(0));
   const std::int64_t dim = static_cast<std::int64_t>(x.extent(1));
@@ -373,18 +369,18 @@ void gated_rms_norm_backward(const ExecutionSpace& exec,
 template <class ExecutionSpace, class DyView, class XView, class ZView, class WView, class DxView, class DzView,
           class DweightView>
 void gated_rms_norm_backward(const ExecutionSpace& exec,
-                             const DyView& dy,        // (rows, dim)
-                             const XView& x,          // (rows, dim)
-                             const ZView& z,          // (rows, dim)
-                             const WView& weight,     // (dim,)
+                             const DyView& dy,     // (rows, dim)
+                             const XView& x,       // (rows, dim)
+                             const ZView& z,       // (rows, dim)
+                             const WView& weight,  // (dim,)
                              float eps, int group_size, bool norm_before_gate,
-                             const DxView& dx,        // (rows, dim)
-                             const DzView& dz,        // (rows, dim)
+                             const DxView& dx,            // (rows, dim)
+                             const DzView& dz,            // (rows, dim)
                              const DweightView& dweight)  // (dim,)
 {
   const ProfilingRegion region("kmamba::gated_rms_norm_backward");
-  static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 &&
-                    DxView::rank == 2 && DzView::rank == 2 && DweightView::rank == 1,
+  static_assert(DyView::rank == 2 && XView::rank == 2 && ZView::rank == 2 && WView::rank == 1 && DxView::rank == 2 &&
+                    DzView::rank == 2 && DweightView::rank == 1,
                 "kmamba::gated_rms_norm_backward: dy, x, z, dx, dz are (rows, dim), weight and dweight (dim,)");
   static_assert(std::is_same<typename DweightView::value_type, float>::value,
                 "kmamba::gated_rms_norm_backward: dweight is fp32");
@@ -407,10 +403,9 @@ void gated_rms_norm_backward(const ExecutionSpace& exec,
   check_allocated(fn, "dx", dx);
   check_allocated(fn, "dz", dz);
   check_allocated(fn, "dweight", dweight);
-  impl::rms_norm_backward(fn, exec, dy, x, z, weight, Tensor2<const float, typename ExecutionSpace::memory_space>(),
-                          false, eps, group_size,
-                          norm_before_gate ? impl::RmsNormGate::post_norm : impl::RmsNormGate::pre_norm, dx, dz,
-                          dweight);
+  impl::rms_norm_backward(
+      fn, exec, dy, x, z, weight, Tensor2<const float, typename ExecutionSpace::memory_space>(), false, eps, group_size,
+      norm_before_gate ? impl::RmsNormGate::post_norm : impl::RmsNormGate::pre_norm, dx, dz, dweight);
 }
 
 template <class DyView, class XView, class ZView, class WView, class RstdView, class DxView, class DzView,
@@ -418,8 +413,8 @@ template <class DyView, class XView, class ZView, class WView, class RstdView, c
 void gated_rms_norm_backward(const DyView& dy, const XView& x, const ZView& z, const WView& weight,
                              const RstdView& rstd, int group_size, bool norm_before_gate, const DxView& dx,
                              const DzView& dz, const DweightView& dweight) {
-  gated_rms_norm_backward(typename XView::execution_space(), dy, x, z, weight, rstd, group_size, norm_before_gate,
-                          dx, dz, dweight);
+  gated_rms_norm_backward(typename XView::execution_space(), dy, x, z, weight, rstd, group_size, norm_before_gate, dx,
+                          dz, dweight);
 }
 
 template <class DyView, class XView, class ZView, class WView, class DxView, class DzView, class DweightView>

@@ -101,13 +101,14 @@ SelectiveScanDims selective_scan_check_args(const char* function, const Selectiv
   KMAMBA_REQUIRE(dims.ngroups >= 1 && dims.dim % dims.ngroups == 0,
                  function << ": B has shape " << shape_of(args.B).to_string() << ": ngroups = " << dims.ngroups
                           << " must be positive and divide dim = " << dims.dim);
-  KMAMBA_REQUIRE(dims.dstate >= 1, function << ": A has shape " << shape_of(args.A).to_string()
-                                            << ": dstate must be positive");
+  KMAMBA_REQUIRE(dims.dstate >= 1,
+                 function << ": A has shape " << shape_of(args.A).to_string() << ": dstate must be positive");
   const Shape bc{dims.batch, dims.ngroups, dims.dstate, dims.seqlen};
   check_shape(function, "B", args.B, bc, "(batch, ngroups, dstate, seqlen)");
   check_shape(function, "C", args.C, bc, "(batch, ngroups, dstate, seqlen)");
   if (args.D.is_allocated()) check_shape(function, "D", args.D, {dims.dim}, "(dim)");
-  if (args.z.is_allocated()) check_shape(function, "z", args.z, {dims.batch, dims.dim, dims.seqlen}, "(batch, dim, seqlen)");
+  if (args.z.is_allocated())
+    check_shape(function, "z", args.z, {dims.batch, dims.dim, dims.seqlen}, "(batch, dim, seqlen)");
   if (args.delta_bias.is_allocated()) check_shape(function, "delta_bias", args.delta_bias, {dims.dim}, "(dim)");
   if (args.initial_state.is_allocated()) {
     check_shape(function, "initial_state", args.initial_state, {dims.batch, dims.dim, dims.dstate},
@@ -127,7 +128,7 @@ SelectiveScanDims selective_scan_check_args(const char* function, const Selectiv
 /// the team scratch memory cannot hold.
 template <class ExecutionSpace, class MemorySpace>
 void selective_scan_forward(const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,
-                            const Tensor3<float, MemorySpace>& out,          // (batch, dim, seqlen)
+                            const Tensor3<float, MemorySpace>& out,           // (batch, dim, seqlen)
                             const Tensor3<float, MemorySpace>& last_state) {  // (batch, dim, dstate), optional
   const ProfilingRegion region("kmamba::selective_scan_forward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
@@ -144,7 +145,7 @@ void selective_scan_forward(const ExecutionSpace& exec, const SelectiveScanArgs<
 
 template <class MemorySpace>
 void selective_scan_forward(const SelectiveScanArgs<MemorySpace>& args,
-                            const Tensor3<float, MemorySpace>& out,          // (batch, dim, seqlen)
+                            const Tensor3<float, MemorySpace>& out,           // (batch, dim, seqlen)
                             const Tensor3<float, MemorySpace>& last_state) {  // (batch, dim, dstate), optional
   selective_scan_forward(typename Tensor3<float, MemorySpace>::execution_space(), args, out, last_state);
 }
@@ -159,10 +160,11 @@ void selective_scan_forward(const SelectiveScanArgs<MemorySpace>& args,
 /// partial sums) are released on return, which waits for the device where freeing memory does
 /// (cudaFree).
 template <class ExecutionSpace, class MemorySpace>
-void selective_scan_backward(const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,
-                             const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dout,         // (batch, dim, seqlen)
-                             const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dlast_state,  // (batch, dim, dstate), optional
-                             const SelectiveScanGrads<MemorySpace>& grads) {
+void selective_scan_backward(
+    const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,
+    const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dout,         // (batch, dim, seqlen)
+    const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dlast_state,  // (batch, dim, dstate), optional
+    const SelectiveScanGrads<MemorySpace>& grads) {
   const ProfilingRegion region("kmamba::selective_scan_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::selective_scan_backward: the execution space cannot access the tensors' memory space");
@@ -198,10 +200,11 @@ void selective_scan_backward(const ExecutionSpace& exec, const SelectiveScanArgs
 }
 
 template <class MemorySpace>
-void selective_scan_backward(const SelectiveScanArgs<MemorySpace>& args,
-                             const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dout,         // (batch, dim, seqlen)
-                             const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dlast_state,  // (batch, dim, dstate), optional
-                             const SelectiveScanGrads<MemorySpace>& grads) {
+void selective_scan_backward(
+    const SelectiveScanArgs<MemorySpace>& args,
+    const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dout,         // (batch, dim, seqlen)
+    const ConstTensor3<float, impl::NonDeduced<MemorySpace>>& dlast_state,  // (batch, dim, dstate), optional
+    const SelectiveScanGrads<MemorySpace>& grads) {
   selective_scan_backward(typename Tensor3<float, MemorySpace>::execution_space(), args, dout, dlast_state, grads);
 }
 
@@ -229,8 +232,8 @@ void selective_scan_step(const ExecutionSpace& exec, const SelectiveScanStepArgs
   KMAMBA_REQUIRE(dims.ngroups >= 1 && dims.dim % dims.ngroups == 0,
                  function << ": B has shape " << shape_of(args.B).to_string() << ": ngroups = " << dims.ngroups
                           << " must be positive and divide dim = " << dims.dim);
-  KMAMBA_REQUIRE(dims.dstate >= 1, function << ": A has shape " << shape_of(args.A).to_string()
-                                            << ": dstate must be positive");
+  KMAMBA_REQUIRE(dims.dstate >= 1,
+                 function << ": A has shape " << shape_of(args.A).to_string() << ": dstate must be positive");
   check_shape(function, "B", args.B, {dims.batch, dims.ngroups, dims.dstate}, "(batch, ngroups, dstate)");
   check_shape(function, "C", args.C, {dims.batch, dims.ngroups, dims.dstate}, "(batch, ngroups, dstate)");
   if (args.D.is_allocated()) check_shape(function, "D", args.D, {dims.dim}, "(dim)");

@@ -53,8 +53,8 @@ Shape shape_of(const ViewType& view) {
 namespace impl {
 [[noreturn]] void throw_shape_mismatch(const char* function, const char* name, const Shape& actual,
                                        const Shape& expected, const char* dims);
-[[noreturn]] void throw_shape_disagreement(const char* function, const char* name_a, const Shape& a,
-                                           const char* name_b, const Shape& b);
+[[noreturn]] void throw_shape_disagreement(const char* function, const char* name_a, const Shape& a, const char* name_b,
+                                           const Shape& b);
 }  // namespace impl
 
 /// Throws kmamba::UserError unless `view` has the `expected` shape. The message names the
@@ -71,8 +71,7 @@ void check_shape(const char* function, const char* name, const ViewType& view, c
 
 /// Throws kmamba::UserError unless `a` and `b` have identical shapes.
 template <class ViewA, class ViewB>
-void check_same_shape(const char* function, const char* name_a, const ViewA& a, const char* name_b,
-                      const ViewB& b) {
+void check_same_shape(const char* function, const char* name_a, const ViewA& a, const char* name_b, const ViewB& b) {
   const Shape sa = shape_of(a);
   const Shape sb = shape_of(b);
   if (sa != sb) {
@@ -84,8 +83,7 @@ void check_same_shape(const char* function, const char* name_a, const ViewA& a, 
 template <class ViewType>
 void check_allocated(const char* function, const char* name, const ViewType& view) {
   KMAMBA_REQUIRE(view.size() == 0 || view.data() != nullptr,
-                 function << ": " << name << " (shape " << shape_of(view).to_string()
-                          << ") is not allocated");
+                 function << ": " << name << " (shape " << shape_of(view).to_string() << ") is not allocated");
 }
 
 }  // namespace kmamba

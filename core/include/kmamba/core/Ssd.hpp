@@ -52,15 +52,15 @@ constexpr int ssd_preferred_chunk_size = 64;
 /// "absent" for the optional ones.
 template <class MemorySpace>
 struct SsdArgs {
-  ConstTensor4<float, MemorySpace> x;                // (batch, seqlen, nheads, headdim)
-  ConstTensor3<float, MemorySpace> dt;               // (batch, seqlen, nheads), raw (before bias, softplus, clamp)
-  ConstTensor1<float, MemorySpace> A;                // (nheads), negative
-  ConstTensor4<float, MemorySpace> B;                // (batch, seqlen, ngroups, dstate)
-  ConstTensor4<float, MemorySpace> C;                // (batch, seqlen, ngroups, dstate)
-  ConstTensor1<float, MemorySpace> D;                // (nheads), optional skip connection
-  ConstTensor4<float, MemorySpace> z;                // (batch, seqlen, nheads, headdim), optional gate
-  ConstTensor1<float, MemorySpace> dt_bias;          // (nheads), optional, added to dt
-  ConstTensor4<float, MemorySpace> initial_states;   // (batch, nheads, headdim, dstate), optional (zero if absent)
+  ConstTensor4<float, MemorySpace> x;               // (batch, seqlen, nheads, headdim)
+  ConstTensor3<float, MemorySpace> dt;              // (batch, seqlen, nheads), raw (before bias, softplus, clamp)
+  ConstTensor1<float, MemorySpace> A;               // (nheads), negative
+  ConstTensor4<float, MemorySpace> B;               // (batch, seqlen, ngroups, dstate)
+  ConstTensor4<float, MemorySpace> C;               // (batch, seqlen, ngroups, dstate)
+  ConstTensor1<float, MemorySpace> D;               // (nheads), optional skip connection
+  ConstTensor4<float, MemorySpace> z;               // (batch, seqlen, nheads, headdim), optional gate
+  ConstTensor1<float, MemorySpace> dt_bias;         // (nheads), optional, added to dt
+  ConstTensor4<float, MemorySpace> initial_states;  // (batch, nheads, headdim, dstate), optional (zero if absent)
   /// (batch, seqlen), optional ids of packed sequences: the state restarts from zero wherever the
   /// id changes (padding, e.g. −1, is one more sequence). initial_states belongs to the row's first
   /// sequence whatever its id (the reference kernel applies it only when that id is 0).
@@ -125,14 +125,14 @@ inline void ssd_check_group_dims(const char* function, const char* name, const S
   KMAMBA_REQUIRE(dims.ngroups >= 1 && dims.nheads % dims.ngroups == 0,
                  function << ": " << name << " has shape " << shape.to_string() << ": ngroups = " << dims.ngroups
                           << " must be positive and divide nheads = " << dims.nheads);
-  KMAMBA_REQUIRE(dims.dstate >= 1, function << ": " << name << " has shape " << shape.to_string()
-                                            << ": dstate must be positive");
+  KMAMBA_REQUIRE(dims.dstate >= 1,
+                 function << ": " << name << " has shape " << shape.to_string() << ": dstate must be positive");
 }
 
 template <class MemorySpace>
 SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
-  KMAMBA_REQUIRE(args.x.is_allocated() && args.dt.is_allocated() && args.A.is_allocated() &&
-                     args.B.is_allocated() && args.C.is_allocated(),
+  KMAMBA_REQUIRE(args.x.is_allocated() && args.dt.is_allocated() && args.A.is_allocated() && args.B.is_allocated() &&
+                     args.C.is_allocated(),
                  function << ": x, dt, A, B and C are required");
   SsdDims dims;
   dims.batch = static_cast<std::int64_t>(args.x.extent(0));
@@ -141,9 +141,8 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
   dims.headdim = static_cast<std::int64_t>(args.x.extent(3));
   dims.ngroups = static_cast<std::int64_t>(args.B.extent(2));
   dims.dstate = static_cast<std::int64_t>(args.B.extent(3));
-  KMAMBA_REQUIRE(dims.nheads >= 1 && dims.headdim >= 1,
-                 function << ": x has shape " << shape_of(args.x).to_string()
-                          << ": nheads and headdim must be positive");
+  KMAMBA_REQUIRE(dims.nheads >= 1 && dims.headdim >= 1, function << ": x has shape " << shape_of(args.x).to_string()
+                                                                 << ": nheads and headdim must be positive");
   ssd_check_group_dims(function, "B", shape_of(args.B), dims);
   check_shape(function, "dt", args.dt, {dims.batch, dims.seqlen, dims.nheads}, "(batch, seqlen, nheads)");
   check_shape(function, "A", args.A, {dims.nheads}, "(nheads)");
@@ -164,11 +163,12 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
     check_shape(function, "seq_idx", args.seq_idx, {dims.batch, dims.seqlen}, "(batch, seqlen)");
   }
   KMAMBA_REQUIRE(args.chunk_size >= 1, function << ": chunk_size must be positive, got " << args.chunk_size);
-  KMAMBA_REQUIRE(args.dt_min <= args.dt_max,
-                 function << ": dt_min must not exceed dt_max, got dt_min=" << args.dt_min << " dt_max=" << args.dt_max);
-  KMAMBA_REQUIRE(dims.batch * dims.seqlen * dims.nheads * dims.headdim < std::numeric_limits<int>::max() &&
-                     dims.batch * dims.seqlen * dims.nheads * dims.dstate < std::numeric_limits<int>::max(),
-                 function << ": x has shape " << shape_of(args.x).to_string() << ": too many elements for 32-bit indexing");
+  KMAMBA_REQUIRE(args.dt_min <= args.dt_max, function << ": dt_min must not exceed dt_max, got dt_min=" << args.dt_min
+                                                      << " dt_max=" << args.dt_max);
+  KMAMBA_REQUIRE(
+      dims.batch * dims.seqlen * dims.nheads * dims.headdim < std::numeric_limits<int>::max() &&
+          dims.batch * dims.seqlen * dims.nheads * dims.dstate < std::numeric_limits<int>::max(),
+      function << ": x has shape " << shape_of(args.x).to_string() << ": too many elements for 32-bit indexing");
   return dims;
 }
 
@@ -178,8 +178,8 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
 /// after the last token (the initial state for seqlen 0). `final_states` may be
 /// `args.initial_states` itself: the state is then advanced in place (recurrent prefill; each
 /// element of the initial state is read before the same element of the final state is written).
-/// Non-blocking on `exec` (see the file comment). Throws kmamba::UserError for a wrong shape (the message names both shapes) or a
-/// chunk_size the team scratch memory cannot hold.
+/// Non-blocking on `exec` (see the file comment). Throws kmamba::UserError for a wrong shape (the message names both
+/// shapes) or a chunk_size the team scratch memory cannot hold.
 template <class ExecutionSpace, class MemorySpace>
 void ssd_forward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
                  const Tensor4<float, MemorySpace>& out,             // (batch, seqlen, nheads, headdim)
@@ -214,10 +214,12 @@ void ssd_forward(const SsdArgs<MemorySpace>& args,
 /// partials in a fixed order: no atomics, identical results from run to run. Non-blocking on
 /// `exec` (see the file comment).
 template <class ExecutionSpace, class MemorySpace>
-void ssd_backward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
-                  const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dout,           // (batch, seqlen, nheads, headdim)
-                  const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dfinal_states,  // (batch, nheads, headdim, dstate), optional
-                  const SsdGrads<MemorySpace>& grads) {
+void ssd_backward(
+    const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>&
+        dfinal_states,  // (batch, nheads, headdim, dstate), optional
+    const SsdGrads<MemorySpace>& grads) {
   const ProfilingRegion region("kmamba::ssd_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::ssd_backward: the execution space cannot access the tensors' memory space");
@@ -255,10 +257,12 @@ void ssd_backward(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& args,
 }
 
 template <class MemorySpace>
-void ssd_backward(const SsdArgs<MemorySpace>& args,
-                  const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dout,           // (batch, seqlen, nheads, headdim)
-                  const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dfinal_states,  // (batch, nheads, headdim, dstate), optional
-                  const SsdGrads<MemorySpace>& grads) {
+void ssd_backward(
+    const SsdArgs<MemorySpace>& args,
+    const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>& dout,  // (batch, seqlen, nheads, headdim)
+    const ConstTensor4<float, impl::SsdNonDeduced<MemorySpace>>&
+        dfinal_states,  // (batch, nheads, headdim, dstate), optional
+    const SsdGrads<MemorySpace>& grads) {
   ssd_backward(typename Tensor4<float, MemorySpace>::execution_space(), args, dout, dfinal_states, grads);
 }
 
@@ -283,16 +287,16 @@ void ssd_step(const ExecutionSpace& exec, const SsdStepArgs<MemorySpace>& args,
   dims.headdim = static_cast<std::int64_t>(args.x.extent(2));
   dims.ngroups = static_cast<std::int64_t>(args.B.extent(1));
   dims.dstate = static_cast<std::int64_t>(args.B.extent(2));
-  KMAMBA_REQUIRE(dims.nheads >= 1 && dims.headdim >= 1,
-                 function << ": x has shape " << shape_of(args.x).to_string()
-                          << ": nheads and headdim must be positive");
+  KMAMBA_REQUIRE(dims.nheads >= 1 && dims.headdim >= 1, function << ": x has shape " << shape_of(args.x).to_string()
+                                                                 << ": nheads and headdim must be positive");
   impl::ssd_check_group_dims(function, "B", shape_of(args.B), dims);
   check_shape(function, "dt", args.dt, {dims.batch, dims.nheads}, "(batch, nheads)");
   check_shape(function, "A", args.A, {dims.nheads}, "(nheads)");
   check_shape(function, "B", args.B, {dims.batch, dims.ngroups, dims.dstate}, "(batch, ngroups, dstate)");
   check_shape(function, "C", args.C, {dims.batch, dims.ngroups, dims.dstate}, "(batch, ngroups, dstate)");
   if (args.D.is_allocated()) check_shape(function, "D", args.D, {dims.nheads}, "(nheads)");
-  if (args.z.is_allocated()) check_shape(function, "z", args.z, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
+  if (args.z.is_allocated())
+    check_shape(function, "z", args.z, {dims.batch, dims.nheads, dims.headdim}, "(batch, nheads, headdim)");
   if (args.dt_bias.is_allocated()) check_shape(function, "dt_bias", args.dt_bias, {dims.nheads}, "(nheads)");
   check_shape(function, "state", state, {dims.batch, dims.nheads, dims.headdim, dims.dstate},
               "(batch, nheads, headdim, dstate)");

@@ -63,11 +63,9 @@ ViewType allocate(const std::string& label, Extents... extents) {
 /// Allocates a tensor without initialising it (for outputs that an op writes completely).
 template <class ViewType, class... Extents>
 ViewType allocate_uninitialized(const std::string& label, Extents... extents) {
-  static_assert(sizeof...(Extents) == ViewType::rank,
-                "kmamba::allocate_uninitialized: one extent per dimension");
+  static_assert(sizeof...(Extents) == ViewType::rank, "kmamba::allocate_uninitialized: one extent per dimension");
   impl::check_label(label);
-  return ViewType(Kokkos::view_alloc(Kokkos::WithoutInitializing, label),
-                  static_cast<std::size_t>(extents)...);
+  return ViewType(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), static_cast<std::size_t>(extents)...);
 }
 
 }  // namespace kmamba

@@ -19,33 +19,33 @@ struct ModelConfig {
   MixerKind mixer = MixerKind::Mamba2;
 
   // Language model (mamba_ssm names; HF names in comments).
-  int d_model = 768;                  // hidden_size
-  int n_layer = 24;                   // num_hidden_layers
-  int vocab_size = 50277;             // vocab_size (the real vocabulary)
-  int pad_vocab_size_multiple = 1;    // mamba_ssm pads the embedding rows to a multiple of this
-  bool tie_embeddings = true;         // tie_word_embeddings
+  int d_model = 768;                // hidden_size
+  int n_layer = 24;                 // num_hidden_layers
+  int vocab_size = 50277;           // vocab_size (the real vocabulary)
+  int pad_vocab_size_multiple = 1;  // mamba_ssm pads the embedding rows to a multiple of this
+  bool tie_embeddings = true;       // tie_word_embeddings
   bool rms_norm = true;
   bool residual_in_fp32 = true;
-  double norm_epsilon = 1e-5;         // layer_norm_epsilon
-  int d_intermediate = 0;             // GatedMLP width (0: none; kmamba supports 0 only)
+  double norm_epsilon = 1e-5;  // layer_norm_epsilon
+  int d_intermediate = 0;      // GatedMLP width (0: none; kmamba supports 0 only)
   int pad_token_id = 0, bos_token_id = 0, eos_token_id = 0;
   double initializer_range = 0.1;
   bool rescale_prenorm_residual = true;
 
   // Mixer (Mamba-1/2/3).
-  int d_state = 128;                  // state_size
-  int d_conv = 4;                     // conv_kernel
+  int d_state = 128;  // state_size
+  int d_conv = 4;     // conv_kernel
   int expand = 2;
-  int dt_rank = 0;                    // time_step_rank; 0 = "auto" = ceil(d_model / 16) (Mamba-1)
-  int headdim = 64;                   // head_dim (Mamba-2/3)
-  int nheads = 0;                     // num_heads; 0 = d_inner / headdim
-  int ngroups = 1;                    // n_groups
+  int dt_rank = 0;   // time_step_rank; 0 = "auto" = ceil(d_model / 16) (Mamba-1)
+  int headdim = 64;  // head_dim (Mamba-2/3)
+  int nheads = 0;    // num_heads; 0 = d_inner / headdim
+  int ngroups = 1;   // n_groups
   int chunk_size = 256;
-  bool conv_bias = true;              // use_conv_bias
-  bool bias = false;                  // use_bias
+  bool conv_bias = true;  // use_conv_bias
+  bool bias = false;      // use_bias
   bool norm_before_gate = false;
   double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4, dt_scale = 1.0;
-  bool dt_init_random = true;         // time_step_init_scheme "random" (else "constant")
+  bool dt_init_random = true;  // time_step_init_scheme "random" (else "constant")
   double dt_limit_min = 0.0, dt_limit_max = std::numeric_limits<double>::infinity();  // time_step_limit
   // Mamba-3.
   double rope_fraction = 0.5;

@@ -76,7 +76,7 @@ template <class ExecutionSpace>
 void scatter_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& full,
                     const ConstTensor1<float, typename ExecutionSpace::memory_space>& full_values,  // (full slab)
                     const LanguageModel<ExecutionSpace>& local,
-                    const Tensor1<float, typename ExecutionSpace::memory_space>& local_values);    // (local slab)
+                    const Tensor1<float, typename ExecutionSpace::memory_space>& local_values);  // (local slab)
 
 /// full_values ← the unsplit vector assembled from local_values of every rank of
 /// local.parallel().tensor (the replicated parameters from its rank 0), on every one of them.
@@ -85,7 +85,7 @@ template <class ExecutionSpace>
 void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpace>& local,
                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,  // (local slab)
                    const LanguageModel<ExecutionSpace>& full,
-                   const Tensor1<float, typename ExecutionSpace::memory_space>& full_values);       // (full slab)
+                   const Tensor1<float, typename ExecutionSpace::memory_space>& full_values);  // (full slab)
 
 /// local's parameters ← its part of full's (split on load). No communication. Blocking.
 template <class ExecutionSpace>

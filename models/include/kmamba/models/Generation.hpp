@@ -47,8 +47,8 @@ using TokenCallback = std::function<void(int sequence, std::int64_t token)>;
 
 /// When a sequence is done.
 struct GenerationOptions {
-  int max_new_tokens = 256;                ///< >= 0: tokens generated per sequence at most
-  std::vector<std::int64_t> stop_tokens;   ///< generating one of these ends the sequence (it is kept)
+  int max_new_tokens = 256;               ///< >= 0: tokens generated per sequence at most
+  std::vector<std::int64_t> stop_tokens;  ///< generating one of these ends the sequence (it is kept)
 };
 
 /// Work and time of one generate call. Times are wall-clock on the host, fenced.

@@ -73,9 +73,9 @@ Tensor2<std::int64_t, typename ExecutionSpace::memory_space> next_token_targets(
 
 /// The result of LanguageModel::loss_and_backward.
 struct LossResult {
-  double loss = 0.0;          ///< mean cross-entropy over the predicted positions
-  std::int64_t tokens = 0;    ///< predicted positions (targets != ignore_index)
-  std::int64_t correct = 0;   ///< predicted positions whose arg-max logit is the target
+  double loss = 0.0;         ///< mean cross-entropy over the predicted positions
+  std::int64_t tokens = 0;   ///< predicted positions (targets != ignore_index)
+  std::int64_t correct = 0;  ///< predicted positions whose arg-max logit is the target
 };
 
 template <class ExecutionSpace>
@@ -182,7 +182,7 @@ class LanguageModel {
   /// Non-blocking on `exec`.
   void forward(const ExecutionSpace& exec,
                const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen), each in [0, vocab_size)
-               const Tensor3<float, memory_space>& logits);           // (batch, seqlen, vocab_size)
+               const Tensor3<float, memory_space>& logits);          // (batch, seqlen, vocab_size)
 
   /// Forward, mean next-token cross-entropy against `targets` (ignore_index skips a position), and
   /// backward: ADDS weight · d(loss)/dθ into parameters().grads() (zero them with zero_grads() at
@@ -192,12 +192,11 @@ class LanguageModel {
                                const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
                                const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen)
                                double weight = 1.0,
-                               const Tensor3<float, memory_space>& logits = {});          // (batch, seqlen, vocab_size)
+                               const Tensor3<float, memory_space>& logits = {});  // (batch, seqlen, vocab_size)
 
   /// Forward and loss only (no gradients, no kept activations). Blocking.
-  LossResult loss(const ExecutionSpace& exec,
-                  const ConstTensor2<std::int64_t, memory_space>& ids,       // (batch, seqlen)
-                  const ConstTensor2<std::int64_t, memory_space>& targets);  // (batch, seqlen)
+  LossResult loss(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+                  const ConstTensor2<std::int64_t, memory_space>& targets);                         // (batch, seqlen)
 
   /// Sets every gradient to zero. Non-blocking.
   void zero_grads(const ExecutionSpace& exec);
@@ -215,15 +214,14 @@ class LanguageModel {
   void prefill(const ExecutionSpace& exec,
                const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen), seqlen >= 1
                DecodeState<ExecutionSpace>& state,
-               const Tensor2<float, memory_space>& last_logits);      // (batch, vocab_size) or empty
+               const Tensor2<float, memory_space>& last_logits);  // (batch, vocab_size) or empty
 
   /// One decode step: feeds ids(b) to sequence b and writes the logits that follow over the real
   /// vocabulary. Allocates no tensor. Blocking for the id check only (the rest is ordered on
   /// `exec`). Errors as prefill.
-  void decode_step(const ExecutionSpace& exec,
-                   const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
+  void decode_step(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
                    DecodeState<ExecutionSpace>& state,
-                   const Tensor2<float, memory_space>& logits) const;     // (batch, vocab_size)
+                   const Tensor2<float, memory_space>& logits) const;  // (batch, vocab_size)
 
  private:
   struct State;

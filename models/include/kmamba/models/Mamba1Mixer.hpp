@@ -85,7 +85,7 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
   /// selective scan's backward does the same), which waits for the device where freeing memory
   /// does (cudaFree).
   void backward(const ExecutionSpace& exec, const Slab& slab,
-                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const ConstTensor3<float, memory_space>& dout,     // (batch, seqlen, d_model)
                 const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
 
   void release_activations() override;
@@ -111,14 +111,14 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
   // y_channels are needed by forward only and are kept as reusable workspace.
   struct Activations {
     std::int64_t batch = 0, seqlen = 0;
-    Tensor2<float, memory_space> u;           // (batch·seqlen, d_model), a copy of the input
-    Tensor2<float, memory_space> x;           // (batch·seqlen, d_inner), the conv input
-    Tensor2<float, memory_space> z;           // (batch·seqlen, d_inner), the gate
-    Tensor2<float, memory_space> xc;          // (batch·seqlen, d_inner), silu(conv(x))
-    Tensor2<float, memory_space> dt;          // (batch·seqlen, dt_rank), the low-rank dt
-    Tensor2<float, memory_space> bc;          // (batch·seqlen, 2·d_state), [B | C]
-    Tensor2<float, memory_space> delta;       // (batch·seqlen, d_inner), dt·dt_projᵀ
-    Tensor2<float, memory_space> y;           // (batch·seqlen, d_inner), the gated scan output
+    Tensor2<float, memory_space> u;               // (batch·seqlen, d_model), a copy of the input
+    Tensor2<float, memory_space> x;               // (batch·seqlen, d_inner), the conv input
+    Tensor2<float, memory_space> z;               // (batch·seqlen, d_inner), the gate
+    Tensor2<float, memory_space> xc;              // (batch·seqlen, d_inner), silu(conv(x))
+    Tensor2<float, memory_space> dt;              // (batch·seqlen, dt_rank), the low-rank dt
+    Tensor2<float, memory_space> bc;              // (batch·seqlen, 2·d_state), [B | C]
+    Tensor2<float, memory_space> delta;           // (batch·seqlen, d_inner), dt·dt_projᵀ
+    Tensor2<float, memory_space> y;               // (batch·seqlen, d_inner), the gated scan output
     Tensor3<float, memory_space> xc_channels;     // (batch, d_inner, seqlen)
     Tensor3<float, memory_space> delta_channels;  // (batch, d_inner, seqlen)
     Tensor3<float, memory_space> z_channels;      // (batch, d_inner, seqlen)

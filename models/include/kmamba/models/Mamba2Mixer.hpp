@@ -116,7 +116,7 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   /// See Mixer::backward. Throws kmamba::UserError when no activations are kept or when dout or du
   /// is not the (batch, seqlen, d_model) of the kept forward.
   void backward(const ExecutionSpace& exec, const Slab& slab,
-                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const ConstTensor3<float, memory_space>& dout,     // (batch, seqlen, d_model)
                 const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
 
   void release_activations() override;
@@ -149,16 +149,16 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   // What forward computes, each (batch·seqlen, width) row-major.
   struct Activations {
     std::int64_t batch = 0, seqlen = 0;
-    Matrix u;                                // (rows, d_model), a copy of the input (training only)
-    std::array<Matrix, segment_count> pre;   // (rows, width) per in_proj segment; x, B, C before the conv
-    std::array<Matrix, segment_count> act;   // (rows, width) x, B, C after conv + SiLU (z, dt: empty)
-    Tensor1<float, memory_space> A;          // (nheads), −exp(A_log)
-    Matrix y;                                // (rows, d_inner), the SSD output
-    Matrix rstd;                             // (rows, ngroups), the gated norm's rstd
-    Matrix normed;                           // (rows, d_inner), the gated norm's output
+    Matrix u;                               // (rows, d_model), a copy of the input (training only)
+    std::array<Matrix, segment_count> pre;  // (rows, width) per in_proj segment; x, B, C before the conv
+    std::array<Matrix, segment_count> act;  // (rows, width) x, B, C after conv + SiLU (z, dt: empty)
+    Tensor1<float, memory_space> A;         // (nheads), −exp(A_log)
+    Matrix y;                               // (rows, d_inner), the SSD output
+    Matrix rstd;                            // (rows, ngroups), the gated norm's rstd
+    Matrix normed;                          // (rows, d_inner), the gated norm's output
     // Sequence parallelism: the states entering this rank's segment (zero on the first rank).
     std::array<Tensor3<float, memory_space>, segment_count> conv_initial;  // x, B, C: (batch, width, d_conv − 1)
-    Tensor4<float, memory_space> ssm_initial;  // (batch, nheads, headdim, d_state)
+    Tensor4<float, memory_space> ssm_initial;                              // (batch, nheads, headdim, d_state)
   };
 
   // Every parameter this mixer declares, in declaration order.
@@ -169,8 +169,8 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
   // The forward; with a cache, its states are the initial states and receive the final ones.
   void run_forward(const ExecutionSpace& exec, const Slab& slab,
-                   const ConstMatrix& u,   // (batch·seqlen, d_model)
-                   const Matrix& out,      // (batch·seqlen, d_model)
+                   const ConstMatrix& u,  // (batch·seqlen, d_model)
+                   const Matrix& out,     // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
   // The steps of backward over the kept activations, from the output back to the input. `dpre`
   // receives the gradients of the in_proj segments and `dact` those of x, B and C after the conv,
@@ -193,8 +193,8 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   // out (rows, width) = bias(offset : offset + width) + u · (rows [offset, offset + width) of w)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, const std::string& bias,
                int offset, int width,
-               const ConstMatrix& u,       // (rows, k)
-               const Matrix& out) const;   // (rows, width)
+               const ConstMatrix& u,      // (rows, k)
+               const Matrix& out) const;  // (rows, width)
 
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
   void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)

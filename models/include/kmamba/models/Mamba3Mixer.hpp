@@ -117,7 +117,7 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
 
   /// See Mixer::backward.
   void backward(const ExecutionSpace& exec, const Slab& slab,
-                const ConstTensor3<float, memory_space>& dout,  // (batch, seqlen, d_model)
+                const ConstTensor3<float, memory_space>& dout,     // (batch, seqlen, d_model)
                 const Tensor3<float, memory_space>& du) override;  // (batch, seqlen, d_model)
 
   void release_activations() override;
@@ -164,15 +164,15 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   // What forward computes; matrices are (batch·seqlen, width) row-major.
   struct Activations {
     std::int64_t batch = 0, seqlen = 0;
-    Matrix u;                                // (rows, d_model), a copy of the input (training only)
-    std::array<Matrix, segment_count> pre;   // (rows, width) per in_proj segment
-    Matrix Bn, Cn;                           // (rows·R·G, N) after their RMSNorm
-    Tensor1<float, memory_space> Brstd, Crstd;  // (rows·R·G)
+    Matrix u;                                    // (rows, d_model), a copy of the input (training only)
+    std::array<Matrix, segment_count> pre;       // (rows, width) per in_proj segment
+    Matrix Bn, Cn;                               // (rows·R·G, N) after their RMSNorm
+    Tensor1<float, memory_space> Brstd, Crstd;   // (rows·R·G)
     Tensor3<float, memory_space> dt, adt, trap;  // (batch, nheads, seqlen)
-    Tensor4<float, memory_space> angles;     // (batch, seqlen, nheads, nangles)
-    Matrix y;                                // (rows, d_inner), the scan output
-    Matrix rstd;                             // (rows, nheads), the output norm's rstd (is_outproj_norm)
-    Matrix normed;                           // (rows, d_inner), the output norm's output (is_outproj_norm)
+    Tensor4<float, memory_space> angles;         // (batch, seqlen, nheads, nangles)
+    Matrix y;                                    // (rows, d_inner), the scan output
+    Matrix rstd;                                 // (rows, nheads), the output norm's rstd (is_outproj_norm)
+    Matrix normed;                               // (rows, d_inner), the output norm's output (is_outproj_norm)
     // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank).
     Tensor3<float, memory_space> angle_initial;  // (batch, nheads, nangles)
     Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)
@@ -186,8 +186,8 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
   // The forward; with a cache, its states are the initial states and receive the final ones.
   void run_forward(const ExecutionSpace& exec, const Slab& slab,
-                   const ConstMatrix& u,   // (batch·seqlen, d_model)
-                   const Matrix& out,      // (batch·seqlen, d_model)
+                   const ConstMatrix& u,  // (batch·seqlen, d_model)
+                   const Matrix& out,     // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
   // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
   Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
@@ -213,8 +213,8 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
   // out (rows, width) = u · (rows [offset, offset + width) of in_proj.weight)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
-               const ConstMatrix& u,       // (rows, k)
-               const Matrix& out) const;   // (rows, width)
+               const ConstMatrix& u,      // (rows, k)
+               const Matrix& out) const;  // (rows, width)
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
   void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)
 

@@ -63,7 +63,8 @@ struct SumOfSquares {
 template <class ExecutionSpace, class MemorySpace>
 double global_norm(const ExecutionSpace& exec, const ConstTensor1<float, MemorySpace>& grads) {
   double sum = 0.0;
-  Kokkos::parallel_reduce("kmamba::optimizer::global_norm", Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, grads.extent(0)),
+  Kokkos::parallel_reduce("kmamba::optimizer::global_norm",
+                          Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, grads.extent(0)),
                           impl::SumOfSquares<MemorySpace>{grads}, sum);
   return std::sqrt(sum);
 }
@@ -79,18 +80,19 @@ void adamw_update(const ExecutionSpace& exec, const AdamWConfig& config, std::in
                   const Tensor1<float, MemorySpace>& v,           // (n) second moment
                   const ConstTensor1<float, MemorySpace>& grads,  // (n)
                   std::size_t decay_end, double lr, double grad_scale) {
-  KMAMBA_ASSERT(m.extent(0) == params.extent(0) && v.extent(0) == params.extent(0) && grads.extent(0) == params.extent(0),
-                "adamw_update: params " << params.extent(0) << ", m " << m.extent(0) << ", v " << v.extent(0)
-                                        << ", grads " << grads.extent(0));
+  KMAMBA_ASSERT(
+      m.extent(0) == params.extent(0) && v.extent(0) == params.extent(0) && grads.extent(0) == params.extent(0),
+      "adamw_update: params " << params.extent(0) << ", m " << m.extent(0) << ", v " << v.extent(0) << ", grads "
+                              << grads.extent(0));
   const float bias1 = static_cast<float>(1.0 - std::pow(config.beta1, static_cast<double>(step)));
   const float bias2 = static_cast<float>(1.0 - std::pow(config.beta2, static_cast<double>(step)));
-  Kokkos::parallel_for("kmamba::optimizer::adamw",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, params.extent(0)),
-                       impl::AdamWUpdate<MemorySpace>{params, m, v, grads, std::min(decay_end, params.extent(0)),
-                                                      static_cast<float>(lr), static_cast<float>(config.beta1),
-                                                      static_cast<float>(config.beta2), static_cast<float>(config.eps),
-                                                      static_cast<float>(config.weight_decay),
-                                                      static_cast<float>(grad_scale), bias1, bias2});
+  Kokkos::parallel_for(
+      "kmamba::optimizer::adamw",
+      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, params.extent(0)),
+      impl::AdamWUpdate<MemorySpace>{params, m, v, grads, std::min(decay_end, params.extent(0)), static_cast<float>(lr),
+                                     static_cast<float>(config.beta1), static_cast<float>(config.beta2),
+                                     static_cast<float>(config.eps), static_cast<float>(config.weight_decay),
+                                     static_cast<float>(grad_scale), bias1, bias2});
 }
 
 /// AdamW state: the two moment slabs and the step count.
@@ -111,7 +113,8 @@ class AdamW {
     KMAMBA_REQUIRE(params.extent(0) == m_.extent(0) && grads.extent(0) == m_.extent(0),
                    "kmamba::AdamW::step: params (" << params.extent(0) << ") and grads (" << grads.extent(0)
                                                    << ") must have the optimizer's size " << m_.extent(0));
-    KMAMBA_REQUIRE(decay_end <= params.extent(0), "kmamba::AdamW::step: decay_end " << decay_end << " exceeds the size");
+    KMAMBA_REQUIRE(decay_end <= params.extent(0),
+                   "kmamba::AdamW::step: decay_end " << decay_end << " exceeds the size");
     ++step_;
     adamw_update(exec, config_, step_, params, m_, v_, grads, decay_end, lr, grad_scale);
   }

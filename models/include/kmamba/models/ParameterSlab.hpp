@@ -108,7 +108,7 @@ class ParameterSlab {
  private:
   template <int Rank>
   UnmanagedTensor<typename impl::RankData<Rank>::type, MemorySpace> view(const Tensor1<float, MemorySpace>& slab,
-                                                                   const std::string& name) const {
+                                                                         const std::string& name) const {
     KMAMBA_REQUIRE(finalized_, "kmamba::ParameterSlab: views are available after finalize()");
     const Entry& e = entry(name);
     KMAMBA_REQUIRE(static_cast<int>(e.shape.size()) == Rank, "kmamba::ParameterSlab: parameter '"

@@ -31,11 +31,11 @@ namespace kmamba {
 
 /// How to choose tokens. The defaults sample from the plain softmax at temperature 1.
 struct SamplingConfig {
-  float temperature = 1.0f;        ///< >= 0; 0 selects greedy decoding
-  int top_k = 0;                   ///< >= 0; 0 = off, 1 = greedy
-  float top_p = 1.0f;              ///< in [0, 1]; off at 0 and at 1 (the reference's convention)
-  float min_p = 0.0f;              ///< in [0, 1]; 0 = off
-  float repetition_penalty = 1.0f; ///< > 0; 1 = off, > 1 discourages repeats
+  float temperature = 1.0f;         ///< >= 0; 0 selects greedy decoding
+  int top_k = 0;                    ///< >= 0; 0 = off, 1 = greedy
+  float top_p = 1.0f;               ///< in [0, 1]; off at 0 and at 1 (the reference's convention)
+  float min_p = 0.0f;               ///< in [0, 1]; 0 = off
+  float repetition_penalty = 1.0f;  ///< > 0; 1 = off, > 1 discourages repeats
   std::uint64_t seed = 0;
 
   /// Throws kmamba::UserError naming the first field out of range.
@@ -61,8 +61,8 @@ class Sampler {
   /// modified; `history` (`history_size` ids, each in [0, vocab)) is the sequence so far, read by
   /// the repetition penalty only. Costs a few passes over the vocabulary (no sort): a decode loop
   /// can sample the sequences of a batch in parallel, one Sampler per thread.
-  std::int64_t sample(const float* logits, std::int64_t vocab, const std::int64_t* history,
-                      std::size_t history_size, std::uint64_t sequence, std::uint64_t step);
+  std::int64_t sample(const float* logits, std::int64_t vocab, const std::int64_t* history, std::size_t history_size,
+                      std::uint64_t sequence, std::uint64_t step);
 
   /// The same with vectors (vocab = logits.size()).
   std::int64_t sample(const std::vector<float>& logits, const std::vector<std::int64_t>& history,
@@ -70,8 +70,8 @@ class Sampler {
 
   /// The distribution sample() draws from, written to `probabilities` (resized to `vocab`): zero
   /// for every token the filters remove, one-hot for greedy decoding.
-  void distribution(const float* logits, std::int64_t vocab, const std::int64_t* history,
-                    std::size_t history_size, std::vector<double>& probabilities);
+  void distribution(const float* logits, std::int64_t vocab, const std::int64_t* history, std::size_t history_size,
+                    std::vector<double>& probabilities);
 
  private:
   // Runs steps 1-5, leaving the kept tokens in kept_ (ascending ids) with their unnormalised

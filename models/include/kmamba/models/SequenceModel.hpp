@@ -50,8 +50,8 @@ struct SequenceModelConfig {
 
 /// The result of a regression loss.
 struct RegressionLoss {
-  double loss = 0.0;         ///< mean over every value of (prediction − target)²
-  std::int64_t values = 0;   ///< values averaged over (batch · seqlen · output_size)
+  double loss = 0.0;        ///< mean over every value of (prediction − target)²
+  std::int64_t values = 0;  ///< values averaged over (batch · seqlen · output_size)
 };
 
 template <class ExecutionSpace>
@@ -164,8 +164,7 @@ class SequenceModel {
 
   /// One time step of every stream: outputs(b, :) follows inputs(b, :) and the stream's history.
   /// Allocates no tensor; non-blocking on `exec`.
-  void step(const ExecutionSpace& exec,
-            const ConstTensor2<float, memory_space>& inputs,  // (batch, input_size)
+  void step(const ExecutionSpace& exec, const ConstTensor2<float, memory_space>& inputs,  // (batch, input_size)
             SequenceState<ExecutionSpace>& state,
             const Tensor2<float, memory_space>& outputs) const;  // (batch, output_size)
 

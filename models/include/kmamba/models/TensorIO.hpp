@@ -23,9 +23,9 @@ ViewType read_view(const SafeTensorsReader& file, const std::string& name) {
   static_assert(std::is_same<value_type, float>::value || std::is_same<value_type, std::int64_t>::value,
                 "kmamba::read_view: element type must be float or std::int64_t");
   const TensorInfo& info = file.info(name);
-  KMAMBA_REQUIRE(info.shape.size() == ViewType::rank, "kmamba::read_view: tensor '" << name << "' of '" << file.path()
-                                                                                    << "' has rank " << info.shape.size()
-                                                                                    << ", expected " << ViewType::rank);
+  KMAMBA_REQUIRE(info.shape.size() == ViewType::rank, "kmamba::read_view: tensor '"
+                                                          << name << "' of '" << file.path() << "' has rank "
+                                                          << info.shape.size() << ", expected " << ViewType::rank);
   typename ViewType::array_layout layout;
   for (std::size_t i = 0; i < info.shape.size(); ++i) layout.dimension[i] = static_cast<std::size_t>(info.shape[i]);
   ViewType view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::io::" + name), layout);
@@ -36,12 +36,12 @@ ViewType read_view(const SafeTensorsReader& file, const std::string& name) {
     values = file.read_i64(name);
   }
   Kokkos::View<const value_type*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(values.data(),
-                                                                                                  values.size());
+                                                                                                   values.size());
   auto host = Kokkos::create_mirror_view(view);
   KMAMBA_ASSERT(host.span_is_contiguous() && host.span() == values.size(), "read_view: unexpected host layout");
-  Kokkos::deep_copy(Kokkos::View<value_type*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-                        host.data(), host.span()),
-                    flat);
+  Kokkos::deep_copy(
+      Kokkos::View<value_type*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(host.data(), host.span()),
+      flat);
   Kokkos::deep_copy(view, host);
   return view;
 }

@@ -169,7 +169,7 @@ class Trainer {
   std::string non_finite_report(double loss, double grad_norm) const;
   void optimizer_step(double lr, double grad_scale);
   void write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
-                        const Tensor1<float, memory_space>& m,  // (parameters of model)
+                        const Tensor1<float, memory_space>& m,         // (parameters of model)
                         const Tensor1<float, memory_space>& v) const;  // (parameters of model)
   // Under sequence parallelism: this rank's segment of every sequence of b.
   TokenBatch sequence_segment_of(const TokenBatch& b) const;

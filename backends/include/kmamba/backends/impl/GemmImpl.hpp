@@ -76,9 +76,8 @@ struct GemmRoundingWorkspace {
     if (values.extent(0) < size) {
       if (!values.is_allocated()) Kokkos::push_finalize_hook([] { instance().values = {}; });
       values = {};
-      values = Kokkos::View<float*, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing,
-                                                                    "kmamba::gemm::rounded_operands"),
-                                                 size);
+      values = Kokkos::View<float*, MemorySpace>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::gemm::rounded_operands"), size);
     }
     return values.data();
   }
@@ -117,8 +116,8 @@ struct GemmImpl {
   }
 
   static void run_fp32(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
-                       const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B,
-                       float beta, const Tensor2<float, MemorySpace>& C) {
+                       const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B, float beta,
+                       const Tensor2<float, MemorySpace>& C) {
     const Kokkos::View<const float**, Kokkos::LayoutRight, Device, Unmanaged> a(A.data(), A.extent(0), A.extent(1));
     const Kokkos::View<const float**, Kokkos::LayoutRight, Device, Unmanaged> b(B.data(), B.extent(0), B.extent(1));
     const Kokkos::View<float**, Kokkos::LayoutRight, Device, Unmanaged> c(C.data(), C.extent(0), C.extent(1));
@@ -132,7 +131,8 @@ struct GemmImpl {
       return;
     }
     if (!trans_a && trans_b && a.extent(0) <= gemm_few_rows) {
-      Kokkos::parallel_for("kmamba::gemm::few_rows", Kokkos::RangePolicy<ExecSpace>(exec, 0, static_cast<int>(c.extent(1))),
+      Kokkos::parallel_for("kmamba::gemm::few_rows",
+                           Kokkos::RangePolicy<ExecSpace>(exec, 0, static_cast<int>(c.extent(1))),
                            GemmFewRowsFunctor<MemorySpace>{A, B, C, alpha, beta});
       exec.fence();
       return;

@@ -34,15 +34,14 @@ struct CountInvalidIds {
 
 // Counts the ids outside [0, vocab) (other than ignore_index when has_ignore) and finds the first.
 template <class ExecSpace, class MemorySpace>
-InvalidIds find_invalid_ids(const ExecSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,
-                            bool has_ignore, std::int64_t ignore_index, std::int64_t vocab) {
+InvalidIds find_invalid_ids(const ExecSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids, bool has_ignore,
+                            std::int64_t ignore_index, std::int64_t vocab) {
   InvalidIds out;
   const std::int64_t rows = static_cast<std::int64_t>(ids.extent(0));
   std::int64_t first = rows;
-  Kokkos::parallel_reduce("kmamba::check_ids",
-                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
-                          CountInvalidIds<MemorySpace>{ids, has_ignore, ignore_index, vocab}, out.count,
-                          Kokkos::Min<std::int64_t>(first));
+  Kokkos::parallel_reduce(
+      "kmamba::check_ids", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows),
+      CountInvalidIds<MemorySpace>{ids, has_ignore, ignore_index, vocab}, out.count, Kokkos::Min<std::int64_t>(first));
   if (out.count > 0) {
     out.first_row = first;
     auto value = Kokkos::subview(ids, first);

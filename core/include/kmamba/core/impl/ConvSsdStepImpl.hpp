@@ -58,26 +58,26 @@ struct ConvSsdStepFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   using ScratchVec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
 
-  ConstTensor2<float, MemorySpace> xbcdt;    // (batch, columns)
-  ConstTensor2<float, MemorySpace> weight;   // (conv_dim, width), channels x, B, C
-  ConstTensor1<float, MemorySpace> bias;     // (conv_dim) when has_bias
-  ConstTensor1<float, MemorySpace> A_log;    // (nheads)
-  ConstTensor1<float, MemorySpace> D;        // (nheads) when has_D
-  ConstTensor1<float, MemorySpace> dt_bias;  // (nheads) when has_dt_bias
+  ConstTensor2<float, MemorySpace> xbcdt;        // (batch, columns)
+  ConstTensor2<float, MemorySpace> weight;       // (conv_dim, width), channels x, B, C
+  ConstTensor1<float, MemorySpace> bias;         // (conv_dim) when has_bias
+  ConstTensor1<float, MemorySpace> A_log;        // (nheads)
+  ConstTensor1<float, MemorySpace> D;            // (nheads) when has_D
+  ConstTensor1<float, MemorySpace> dt_bias;      // (nheads) when has_dt_bias
   ConstTensor1<float, MemorySpace> norm_weight;  // (nheads·headdim) when has_norm
-  Tensor3<float, MemorySpace> conv_x;        // (batch, nheads·headdim, width − 1)
-  Tensor3<float, MemorySpace> conv_B;        // (batch, ngroups·dstate, width − 1)
-  Tensor3<float, MemorySpace> conv_C;        // (batch, ngroups·dstate, width − 1)
-  Tensor4<float, MemorySpace> ssm;           // (batch, nheads, headdim, dstate)
-  Tensor2<int, MemorySpace> arrivals;        // (batch, ngroups)
-  Tensor3<float, MemorySpace> y;             // (batch, nheads, headdim)
-  Tensor2<float, MemorySpace> normed;        // (batch, nheads·headdim) when has_norm
+  Tensor3<float, MemorySpace> conv_x;            // (batch, nheads·headdim, width − 1)
+  Tensor3<float, MemorySpace> conv_B;            // (batch, ngroups·dstate, width − 1)
+  Tensor3<float, MemorySpace> conv_C;            // (batch, ngroups·dstate, width − 1)
+  Tensor4<float, MemorySpace> ssm;               // (batch, nheads, headdim, dstate)
+  Tensor2<int, MemorySpace> arrivals;            // (batch, ngroups)
+  Tensor3<float, MemorySpace> y;                 // (batch, nheads, headdim)
+  Tensor2<float, MemorySpace> normed;            // (batch, nheads·headdim) when has_norm
   bool has_bias, has_D, has_dt_bias, dt_softplus, has_norm, norm_before_gate;
   float norm_eps;
   int nheads, headdim, dstate, width, ngroups, heads_per_group;
   int z_column, x_column, dt_column;  // xbcdt columns of z(0) (with the norm), x(0) and dt(0); B and C follow x
-  int B_channel, C_channel;  // conv channels (weight rows) of B(0) and C(0)
-  int channels_per_team;     // x channels (head, row) per block
+  int B_channel, C_channel;           // conv channels (weight rows) of B(0) and C(0)
+  int channels_per_team;              // x channels (head, row) per block
 
   KOKKOS_INLINE_FUNCTION int group_channels() const { return heads_per_group * headdim; }
   KOKKOS_INLINE_FUNCTION int teams_per_group() const {

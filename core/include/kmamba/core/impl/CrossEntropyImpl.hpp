@@ -122,8 +122,9 @@ void cross_entropy_backward_impl(const ExecSpace& exec, const ConstTensor2<float
                                  const Tensor2<float, MemorySpace>& dlogits) {
   const int rows = static_cast<int>(logits.extent(0));
   if (rows == 0) return;
-  Kokkos::parallel_for("kmamba::cross_entropy::backward", Kokkos::TeamPolicy<ExecSpace>(exec, rows, Kokkos::AUTO),
-                       CrossEntropyBackward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse, scale, dlogits});
+  Kokkos::parallel_for(
+      "kmamba::cross_entropy::backward", Kokkos::TeamPolicy<ExecSpace>(exec, rows, Kokkos::AUTO),
+      CrossEntropyBackward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse, scale, dlogits});
 }
 
 }  // namespace impl

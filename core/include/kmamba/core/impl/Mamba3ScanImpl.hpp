@@ -212,8 +212,8 @@ template <class ExecSpace>
 struct Mamba3Scratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
-  using Mat = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
-                           Kokkos::MemoryUnmanaged>;
+  using Mat =
+      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
 
   static constexpr int token_vectors = 8;
 
@@ -259,8 +259,8 @@ Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_s
   const std::size_t limit = static_cast<std::size_t>(Policy::scratch_size_max(0));
   const std::size_t need = S::bytes(plan.chunk, plan.rank, plan.tile);
   KMAMBA_REQUIRE(need <= limit && block_need() <= block_limit,
-                 function << ": chunk_size " << plan.chunk << " with rank " << plan.rank << ", headdim "
-                          << plan.headdim << " and dstate " << plan.dstate << " needs " << need << " bytes of team scratch memory and "
+                 function << ": chunk_size " << plan.chunk << " with rank " << plan.rank << ", headdim " << plan.headdim
+                          << " and dstate " << plan.dstate << " needs " << need << " bytes of team scratch memory and "
                           << block_need() << " of level-1 team scratch memory but " << limit << " and " << block_limit
                           << " are available; pass a smaller chunk_size");
   plan.tile_rows = plan.tile * plan.rank;
@@ -1544,7 +1544,8 @@ void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3O
              Mamba3AnglePassingFunctor<MemorySpace>{in, ws, plan});
   mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
-  mamba3_for(exec, "kmamba::mamba3::rotate", rows * plan.dstate, Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
+  mamba3_for(exec, "kmamba::mamba3::rotate", rows * plan.dstate,
+             Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_for(exec, "kmamba::mamba3::project", rows * plan.headdim,
              Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_launch(exec, "kmamba::mamba3::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
@@ -1561,11 +1562,10 @@ void mamba3_forward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const 
   using S = Mamba3Scratch<ExecSpace>;
   const Mamba3Workspace<MemorySpace> ws(plan);
   mamba3_prepare<Precision>(exec, plan, in, ws, final_states);
-  mamba3_launch(
-      exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
-      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}, {}, {}},
-      S::bytes(plan.chunk, plan.rank, plan.tile),
-      S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
+  mamba3_launch(exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
+                Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}, {}, {}},
+                S::bytes(plan.chunk, plan.rank, plan.tile),
+                S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -1579,9 +1579,8 @@ void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamb
     mamba3_pass_states(exec, in.initial, final_states);
     return;
   }
-  with_matmul_precision<ExecSpace>(precision, [&](auto p) {
-    mamba3_forward_stages<decltype(p)::value>(exec, plan, in, out, final_states);
-  });
+  with_matmul_precision<ExecSpace>(
+      precision, [&](auto p) { mamba3_forward_stages<decltype(p)::value>(exec, plan, in, out, final_states); });
 }
 
 /// The gradients of a sequence of length 0: the states pass through; every parameter gets zero.
@@ -1621,10 +1620,10 @@ void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const
   // rank projections) inside the recomputed chunk scan, or not at all.
   const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.mimo);
   if (in.has_z || in.mimo) {
-    mamba3_launch(exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
-                  Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g,
-                                                                                 grads.dz, bw.y},
-                  scratch, block_scratch);
+    mamba3_launch(
+        exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
+        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g, grads.dz, bw.y},
+        scratch, block_scratch);
   } else {
     mamba3_for(exec, "kmamba::mamba3::gate_backward", tokens * plan.headdim,
                Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.g});
@@ -1681,9 +1680,8 @@ void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mam
     mamba3_backward_empty(exec, in, dfinal, grads);
     return;
   }
-  with_matmul_precision<ExecSpace>(precision, [&](auto p) {
-    mamba3_backward_stages<decltype(p)::value>(exec, plan, in, dout, dfinal, grads);
-  });
+  with_matmul_precision<ExecSpace>(
+      precision, [&](auto p) { mamba3_backward_stages<decltype(p)::value>(exec, plan, in, dout, dfinal, grads); });
 }
 
 template <class ExecSpace, class MemorySpace>

@@ -36,8 +36,7 @@ KOKKOS_INLINE_FUNCTION Kokkos::Array<std::uint32_t, 4> philox4x32_10(Kokkos::Arr
 }
 
 // One Philox block serves two consecutive indices: words (0,1) for even, (2,3) for odd.
-KOKKOS_INLINE_FUNCTION void philox_pair(std::uint64_t seed, std::uint64_t index, std::uint32_t& a,
-                                        std::uint32_t& b) {
+KOKKOS_INLINE_FUNCTION void philox_pair(std::uint64_t seed, std::uint64_t index, std::uint32_t& a, std::uint32_t& b) {
   const std::uint64_t block = index >> 1;
   const Kokkos::Array<std::uint32_t, 4> counter = {
       {static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32), 0x6b6d616du, 0u}};
@@ -109,8 +108,7 @@ struct FillRandomFunctor {
       idx[d] = static_cast<std::size_t>(rest % n);
       rest /= n;
     }
-    view.access(idx[0], idx[1], idx[2], idx[3], idx[4], idx[5], idx[6], idx[7]) =
-        from_float<value_type>(draw(flat));
+    view.access(idx[0], idx[1], idx[2], idx[3], idx[4], idx[5], idx[6], idx[7]) = from_float<value_type>(draw(flat));
   }
 };
 
@@ -119,7 +117,8 @@ void fill_random(const ExecutionSpace& exec, const ViewType& view, const Draw& d
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, typename ViewType::memory_space>::accessible,
                 "kmamba::fill_*: the execution space cannot access the view's memory space");
   if (view.size() == 0) return;
-  Kokkos::parallel_for(label, Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::uint64_t>>(exec, 0, view.size()),
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::uint64_t>>(exec, 0, view.size()),
                        FillRandomFunctor<ViewType, Draw>{view, draw});
 }
 

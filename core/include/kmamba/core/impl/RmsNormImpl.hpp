@@ -179,8 +179,8 @@ template <class ExecutionSpace, class DyView, class XView, class ZView, class WV
           class DzView, class DweightView>
 struct RmsNormBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
-  using scratch_view =
-      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecutionSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using scratch_view = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecutionSpace::scratch_memory_space,
+                                    Kokkos::MemoryUnmanaged>;
   using dx_type = typename DxView::non_const_value_type;
   using dz_type = typename DzView::non_const_value_type;
 
@@ -323,8 +323,8 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
                        int group_size, RmsNormGate gate, const DxView& dx, const DzView& dz,
                        const DweightView& dweight) {
   using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
-  using Functor = RmsNormBackwardFunctor<ExecutionSpace, DyView, XView, ZView, WView, RstdView, DxView, DzView,
-                                         DweightView>;
+  using Functor =
+      RmsNormBackwardFunctor<ExecutionSpace, DyView, XView, ZView, WView, RstdView, DxView, DzView, DweightView>;
   const int rows = static_cast<int>(x.extent(0));
   const int dim = static_cast<int>(x.extent(1));
   const int ngroups = dim / group_size;
@@ -332,9 +332,9 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   // vector of up to 32 lanes over the channels.
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
   Functor functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, 0, 0, have_rstd};
-  const int team_size = std::max(
-      1, std::min(rms_norm_backward_threads,
-                  Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
+  const int team_size =
+      std::max(1, std::min(rms_norm_backward_threads,
+                           Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
   // As many row blocks as teams the device holds at once (at least 64): enough rows in flight to
   // cover the loads' latency, few enough that the atomic additions into dweight stay cheap.
   const std::int64_t threads_per_team =
@@ -355,11 +355,10 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   Kokkos::parallel_for("kmamba::rms_norm::zero_dweight", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, dim),
                        RmsNormZeroFunctor<DweightView>{dweight});
   if (blocks == 0) return;
-  Kokkos::parallel_for(
-      "kmamba::rms_norm::backward",
-      Policy(exec, blocks * ngroups, team_size, vector_length)
-          .set_scratch_size(functor.scratch_level, Kokkos::PerTeam(scratch_bytes)),
-      functor);
+  Kokkos::parallel_for("kmamba::rms_norm::backward",
+                       Policy(exec, blocks * ngroups, team_size, vector_length)
+                           .set_scratch_size(functor.scratch_level, Kokkos::PerTeam(scratch_bytes)),
+                       functor);
 }
 
 }  // namespace impl

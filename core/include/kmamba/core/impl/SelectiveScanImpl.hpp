@@ -94,7 +94,8 @@ struct SelectiveScanTeamBlock {
   int b, g, d0, channels;
 };
 
-KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const SelectiveScanPlan& plan, int league_rank) {
+KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const SelectiveScanPlan& plan,
+                                                                        int league_rank) {
   const int block = league_rank % plan.blocks_per_group;
   const int batch_group = league_rank / plan.blocks_per_group;
   SelectiveScanTeamBlock tb;
@@ -141,10 +142,10 @@ SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanD
                                   << scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate)
                                   << " bytes of team scratch memory but " << limit
                                   << " are available; pass a smaller chunk_size (or 0)");
-  KMAMBA_ASSERT(static_cast<std::int64_t>(plan.chunk) * std::max(plan.channels_per_team, plan.dstate) <=
-                    selective_scan_max_items,
-                "chunk " << plan.chunk << " × max(" << plan.channels_per_team << " channels, " << plan.dstate
-                         << " states) exceeds the team item range");
+  KMAMBA_ASSERT(
+      static_cast<std::int64_t>(plan.chunk) * std::max(plan.channels_per_team, plan.dstate) <= selective_scan_max_items,
+      "chunk " << plan.chunk << " × max(" << plan.channels_per_team << " channels, " << plan.dstate
+               << " states) exceeds the team item range");
   plan.blocks_per_group = (plan.channels_per_group + plan.channels_per_team - 1) / plan.channels_per_team;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   int vector_length = 1;
@@ -156,8 +157,8 @@ SelectiveScanPlan selective_scan_plan(const char* function, const SelectiveScanD
 /// Launches one team per (batch, group, channel block) with `team_threads` threads where the
 /// backend allows (0: one per channel of the block).
 template <class ExecSpace, class Functor>
-void selective_scan_launch(const ExecSpace& exec, const char* label, const SelectiveScanPlan& plan, const Functor& functor,
-                           std::size_t scratch, const int team_threads = 0) {
+void selective_scan_launch(const ExecSpace& exec, const char* label, const SelectiveScanPlan& plan,
+                           const Functor& functor, std::size_t scratch, const int team_threads = 0) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
   const int league = plan.batch * plan.ngroups * plan.blocks_per_group;
   if (league == 0) return;
@@ -168,7 +169,8 @@ void selective_scan_launch(const ExecSpace& exec, const char* label, const Selec
   Policy probe(exec, league, 1, plan.vector_length);
   probe.set_scratch_size(0, Kokkos::PerTeam(scratch));
   const int wanted = team_threads > 0 ? team_threads : plan.channels_per_team;
-  const int team_size = host ? 1 : std::max(1, std::min(wanted, probe.team_size_max(functor, Kokkos::ParallelForTag())));
+  const int team_size =
+      host ? 1 : std::max(1, std::min(wanted, probe.team_size_max(functor, Kokkos::ParallelForTag())));
   Policy policy(exec, league, team_size, plan.vector_length);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
   Kokkos::parallel_for(label, light_weight(policy), functor);
@@ -177,28 +179,36 @@ void selective_scan_launch(const ExecSpace& exec, const char* label, const Selec
 /// The sequence inputs of the scan as the kernels read them.
 template <class MemorySpace>
 struct SelectiveScanOperands {
-  ConstTensor3<float, MemorySpace> u, delta;  // (batch, dim, seqlen)
-  ConstTensor2<float, MemorySpace> A;         // (dim, dstate)
-  ConstTensor4<float, MemorySpace> B, C;      // (batch, ngroups, dstate, seqlen)
-  ConstTensor1<float, MemorySpace> D;         // (dim)
-  ConstTensor3<float, MemorySpace> z;         // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> u, delta;       // (batch, dim, seqlen)
+  ConstTensor2<float, MemorySpace> A;              // (dim, dstate)
+  ConstTensor4<float, MemorySpace> B, C;           // (batch, ngroups, dstate, seqlen)
+  ConstTensor1<float, MemorySpace> D;              // (dim)
+  ConstTensor3<float, MemorySpace> z;              // (batch, dim, seqlen)
   ConstTensor1<float, MemorySpace> delta_bias;     // (dim)
   ConstTensor3<float, MemorySpace> initial_state;  // (batch, dim, dstate)
   bool has_D, has_z, has_delta_bias, has_initial_state, delta_softplus;
 
   explicit SelectiveScanOperands(const SelectiveScanArgs<MemorySpace>& args)
-      : u(args.u), delta(args.delta), A(args.A), B(args.B), C(args.C), D(args.D), z(args.z),
-        delta_bias(args.delta_bias), initial_state(args.initial_state), has_D(args.D.is_allocated()),
-        has_z(args.z.is_allocated()), has_delta_bias(args.delta_bias.is_allocated()),
-        has_initial_state(args.initial_state.is_allocated()), delta_softplus(args.delta_softplus) {}
+      : u(args.u),
+        delta(args.delta),
+        A(args.A),
+        B(args.B),
+        C(args.C),
+        D(args.D),
+        z(args.z),
+        delta_bias(args.delta_bias),
+        initial_state(args.initial_state),
+        has_D(args.D.is_allocated()),
+        has_z(args.z.is_allocated()),
+        has_delta_bias(args.delta_bias.is_allocated()),
+        has_initial_state(args.initial_state.is_allocated()),
+        delta_softplus(args.delta_softplus) {}
 
   /// delta + delta_bias, before the softplus.
   KOKKOS_INLINE_FUNCTION float delta_pre(int b, int d, int t) const {
     return delta(b, d, t) + (has_delta_bias ? delta_bias(d) : 0.0f);
   }
-  KOKKOS_INLINE_FUNCTION float delta_value(float pre) const {
-    return delta_softplus ? kmamba::softplus(pre) : pre;
-  }
+  KOKKOS_INLINE_FUNCTION float delta_value(float pre) const { return delta_softplus ? kmamba::softplus(pre) : pre; }
   KOKKOS_INLINE_FUNCTION float skip(int d) const { return has_D ? D(d) : 0.0f; }
 
   /// Stages tokens [t0, t0 + len) of the team's channels: u, δ (after bias and softplus), B, C.
@@ -440,8 +450,8 @@ KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanForwardRegisterFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  using Rows = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
-                            Kokkos::MemoryUnmanaged>;
+  using Rows =
+      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   static constexpr int max_states = selective_scan_register_states;
   /// Threads over the states of one channel, and the states each of them keeps.
   static constexpr int state_threads = 4;
@@ -525,10 +535,9 @@ struct SelectiveScanForwardRegisterFunctor {
         float a[thread_states], h[thread_states];
         selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
         for (int j = 0; j < thread_states; ++j) h[j] = sh(c, n0 + j);
-        selective_scan_register_chunk(c, n0, len, su, sdelta, sB, sC, a, h,
-                                      [&](const int t, const float(&)[thread_states], const float y) {
-                                        sy(q * cpt + c, t) = y;
-                                      });
+        selective_scan_register_chunk(
+            c, n0, len, su, sdelta, sB, sC, a, h,
+            [&](const int t, const float(&)[thread_states], const float y) { sy(q * cpt + c, t) = y; });
         for (int j = 0; j < thread_states; ++j) sh(c, n0 + j) = h[j];
       });
       team.team_barrier();
@@ -700,8 +709,7 @@ struct SelectiveScanBackwardFunctor {
           ddelta(tb.b, d, t0 + t) = sddelta(c, t);
           if (in.has_z) {
             const float zz = in.z(tb.b, d, t0 + t);
-            dz(tb.b, d, t0 + t) =
-                dout(tb.b, d, t0 + t) * (sy(c, t) + skip * su(c, t)) * kmamba::silu_derivative(zz);
+            dz(tb.b, d, t0 + t) = dout(tb.b, d, t0 + t) * (sy(c, t) + skip * su(c, t)) * kmamba::silu_derivative(zz);
           }
         });
       });
@@ -741,10 +749,10 @@ struct SelectiveScanBackwardFunctor {
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanBackwardRegisterFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  using Rows = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
-                            Kokkos::MemoryUnmanaged>;
-  using States = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
-                              Kokkos::MemoryUnmanaged>;
+  using Rows =
+      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using States =
+      Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   static constexpr int max_states = selective_scan_register_states;
   static constexpr int state_threads = SelectiveScanForwardRegisterFunctor<ExecSpace, MemorySpace>::state_threads;
   static constexpr int thread_states = max_states / state_threads;
@@ -755,8 +763,7 @@ struct SelectiveScanBackwardRegisterFunctor {
   /// which the teams of Mamba-1's training shape (batch 8 × 1536 channels) fit in one wave of an
   /// H200 (about 16 KB of scratch a team); a host team is one thread with nothing to share the
   /// core with, and takes the longer chunk, which has fewer chunk boundaries.
-  static constexpr int preferred_chunk =
-      Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 12;
+  static constexpr int preferred_chunk = Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible ? 16 : 12;
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
@@ -1035,8 +1042,8 @@ int selective_scan_forward_launch(const ExecSpace& exec, const char* function, c
   if (dims.dstate <= selective_scan_register_states) {
     // Teams of Functor::team_channels channels share the staging of B and C.
     using Functor = SelectiveScanForwardRegisterFunctor<ExecSpace, MemorySpace>;
-    const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes,
-                                                                  Functor::team_channels, false);
+    const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(
+        function, dims, requested_chunk, &Functor::scratch_bytes, Functor::team_channels, false);
     const Functor functor{operands,
                           plan,
                           out,
@@ -1045,15 +1052,24 @@ int selective_scan_forward_launch(const ExecSpace& exec, const char* function, c
                           out.is_allocated(),
                           last_state.is_allocated(),
                           checkpoints.is_allocated()};
-    selective_scan_launch(exec, label, plan, functor, Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate),
+    selective_scan_launch(exec, label, plan, functor,
+                          Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate),
                           plan.channels_per_team * Functor::state_threads);
     return plan.chunk;
   }
   using Functor = SelectiveScanForwardFunctor<ExecSpace, MemorySpace>;
-  const SelectiveScanPlan plan = selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes);
-  const Functor functor{operands,           plan, out, last_state, checkpoints, out.is_allocated(),
-                        last_state.is_allocated(), checkpoints.is_allocated()};
-  selective_scan_launch(exec, label, plan, functor, Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+  const SelectiveScanPlan plan =
+      selective_scan_plan<ExecSpace>(function, dims, requested_chunk, &Functor::scratch_bytes);
+  const Functor functor{operands,
+                        plan,
+                        out,
+                        last_state,
+                        checkpoints,
+                        out.is_allocated(),
+                        last_state.is_allocated(),
+                        checkpoints.is_allocated()};
+  selective_scan_launch(exec, label, plan, functor,
+                        Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
   return plan.chunk;
 }
 
@@ -1062,7 +1078,8 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
                                  const SelectiveScanArgs<MemorySpace>& args, const Tensor3<float, MemorySpace>& out,
                                  const Tensor3<float, MemorySpace>& last_state) {
   selective_scan_forward_launch(exec, function, "kmamba::selective_scan::forward", dims, args.chunk_size,
-                                SelectiveScanOperands<MemorySpace>(args), out, last_state, Tensor4<float, MemorySpace>());
+                                SelectiveScanOperands<MemorySpace>(args), out, last_state,
+                                Tensor4<float, MemorySpace>());
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -1076,14 +1093,15 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   // The register form where dstate fits it, as for the forward; the lane form otherwise.
   const bool registers = dims.dstate <= selective_scan_register_states;
   const SelectiveScanPlan plan =
-      registers ? selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &RegisterBackward::scratch_bytes,
-                                                 RegisterBackward::team_channels, false, RegisterBackward::preferred_chunk)
-                : selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
+      registers
+          ? selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &RegisterBackward::scratch_bytes,
+                                           RegisterBackward::team_channels, false, RegisterBackward::preferred_chunk)
+          : selective_scan_plan<ExecSpace>(function, dims, args.chunk_size, &Backward::scratch_bytes);
 
   const auto checkpoints = allocate_uninitialized<Tensor4<float, MemorySpace>>(
       "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, plan.nchunks, dims.dstate);
-  const auto partial_dA = allocate_uninitialized<Tensor3<float, MemorySpace>>(
-      "kmamba::selective_scan::partial_dA", dims.batch, dims.dim, dims.dstate);
+  const auto partial_dA = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::selective_scan::partial_dA",
+                                                                              dims.batch, dims.dim, dims.dstate);
   const auto partial_vectors = allocate_uninitialized<Tensor3<float, MemorySpace>>(
       "kmamba::selective_scan::partial_dD_ddelta_bias", dims.batch, dims.dim, 2);
 
@@ -1092,8 +1110,8 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   const int forward_chunk =
       selective_scan_forward_launch(exec, function, "kmamba::selective_scan::checkpoints", dims, plan.chunk, operands,
                                     Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints);
-  KMAMBA_ASSERT(forward_chunk == plan.chunk, "checkpoint pass chunk " << forward_chunk << " differs from the backward's "
-                                                                      << plan.chunk);
+  KMAMBA_ASSERT(forward_chunk == plan.chunk,
+                "checkpoint pass chunk " << forward_chunk << " differs from the backward's " << plan.chunk);
 
   Kokkos::parallel_for("kmamba::selective_scan::zero_dB_dC",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.batch * dims.ngroups * dims.dstate),
@@ -1101,11 +1119,21 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   // Both forms take the same members; `form` carries the functor type.
   auto launch = [&](auto form, const int team_threads) {
     using Functor = typename decltype(form)::type;
-    const Functor backward{operands,        plan,      dout,           dlast_state,
-                           checkpoints,     grads.du,  grads.ddelta,   grads.dz,
-                           grads.dB,        grads.dC,  grads.dinitial_state,
-                           partial_dA,      partial_vectors,
-                           dlast_state.is_allocated(), grads.dinitial_state.is_allocated()};
+    const Functor backward{operands,
+                           plan,
+                           dout,
+                           dlast_state,
+                           checkpoints,
+                           grads.du,
+                           grads.ddelta,
+                           grads.dz,
+                           grads.dB,
+                           grads.dC,
+                           grads.dinitial_state,
+                           partial_dA,
+                           partial_vectors,
+                           dlast_state.is_allocated(),
+                           grads.dinitial_state.is_allocated()};
     selective_scan_launch(exec, "kmamba::selective_scan::backward", plan, backward,
                           Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate), team_threads);
   };
@@ -1116,12 +1144,12 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   }
 
   const SelectiveScanBatchSumFunctor<MemorySpace> batch_sum{partial_dA,
-                                                           partial_vectors,
-                                                           grads.dA,
-                                                           grads.dD,
-                                                           grads.ddelta_bias,
-                                                           grads.dD.is_allocated(),
-                                                           grads.ddelta_bias.is_allocated()};
+                                                            partial_vectors,
+                                                            grads.dA,
+                                                            grads.dD,
+                                                            grads.ddelta_bias,
+                                                            grads.dD.is_allocated(),
+                                                            grads.ddelta_bias.is_allocated()};
   Kokkos::parallel_for("kmamba::selective_scan::batch_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.dim * dims.dstate), batch_sum);
 }

@@ -66,8 +66,9 @@ struct SsdFusedBackwardLayout {
   static constexpr std::size_t m_offset = s_offset + static_cast<std::size_t>(Q) * ldq;
   static constexpr std::size_t region_offset = m_offset + static_cast<std::size_t>(Q) * ldq;
   static constexpr std::size_t state_tile = static_cast<std::size_t>(P) * ldn;
-  static constexpr std::size_t region_bytes =
-      4 * state_tile > 4 * static_cast<std::size_t>(Q) * Q ? 4 * state_tile : 4 * static_cast<std::size_t>(Q) * Q;
+  static constexpr std::size_t region_bytes = 4 * state_tile > 4 * static_cast<std::size_t>(Q) * Q
+                                                  ? 4 * state_tile
+                                                  : 4 * static_cast<std::size_t>(Q) * Q;
   static constexpr std::size_t vectors_offset_bytes = region_offset * 2 + region_bytes;
   /// Per-token float vectors: δ, cum, exp(cum), exp(cum_last − cum), ddA_intra, two halves each
   /// of three row dot products, the prefix of one and the suffix of another.
@@ -112,13 +113,26 @@ struct SsdFusedBackwardFunctor {
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
     std::uint16_t* region = u16 + Layout::region_offset;
-    Tiles t{ScratchTile{u16 + Layout::x_offset, Layout::ldp}, ScratchTile{u16 + Layout::g_offset, Layout::ldp},
-            ScratchTile{u16 + Layout::b_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldn},
-            ScratchTile{u16 + Layout::s_offset, Layout::ldq}, ScratchTile{u16 + Layout::m_offset, Layout::ldq},
-            ScratchTile{region, Layout::ldn},                 ScratchTile{region + Layout::state_tile, Layout::ldn},
+    Tiles t{ScratchTile{u16 + Layout::x_offset, Layout::ldp},
+            ScratchTile{u16 + Layout::g_offset, Layout::ldp},
+            ScratchTile{u16 + Layout::b_offset, Layout::ldn},
+            ScratchTile{u16 + Layout::c_offset, Layout::ldn},
+            ScratchTile{u16 + Layout::s_offset, Layout::ldq},
+            ScratchTile{u16 + Layout::m_offset, Layout::ldq},
+            ScratchTile{region, Layout::ldn},
+            ScratchTile{region + Layout::state_tile, Layout::ldn},
             reinterpret_cast<float*>(region),
-            vec, vec + Q, vec + 2 * Q, vec + 3 * Q, vec + 4 * Q, vec + 5 * Q, vec + 7 * Q, vec + 9 * Q,
-            vec + 11 * Q, vec + 12 * Q, vec + 13 * Q};
+            vec,
+            vec + Q,
+            vec + 2 * Q,
+            vec + 3 * Q,
+            vec + 4 * Q,
+            vec + 5 * Q,
+            vec + 7 * Q,
+            vec + 9 * Q,
+            vec + 11 * Q,
+            vec + 12 * Q,
+            vec + 13 * Q};
     return t;
   }
 
@@ -248,8 +262,9 @@ struct SsdFusedBackwardFunctor {
     warp_fill(A, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, P, false>(A, lane, sm.g.offset(R * rb, 0), sm.hin.offset(0, n0), NC);
     A.for_each(lane, [&](int r, int, float& v) { v *= sm.se_a[R * rb + r]; });
-    warp_row_sums(A, lane, [&](int r, int c) { return sm.c.value(R * rb + r, n0 + c); },
-                  [&](int r, float v) { sm.prev[(w % 2) * Q + R * rb + r] = v; });
+    warp_row_sums(
+        A, lane, [&](int r, int c) { return sm.c.value(R * rb + r, n0 + c); },
+        [&](int r, float v) { sm.prev[(w % 2) * Q + R * rb + r] = v; });
     warp_mma<ALayout::MK, BLayout::KN, Q, false>(A, lane, sm.m.offset(R * rb, 0), sm.b.offset(0, n0), NC);
     A.for_each(lane, [&](int r, int c, float& v) {
       const int l = R * rb + r;
@@ -363,9 +378,9 @@ bool ssd_fused_backward_supported(const SsdPlan& plan, const SsdOperands<MemoryS
 template <int N, class ExecSpace, class MemorySpace>
 void ssd_fused_backward_launch(const ExecSpace& exec, const SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>& f) {
   using Functor = SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>;
-  WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
-      exec, "kmamba::ssd::fused_chunk_backward", f.plan.batch * f.plan.nchunks * f.plan.nheads,
-      Functor::Layout::bytes, f);
+  WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(exec, "kmamba::ssd::fused_chunk_backward",
+                                                                 f.plan.batch * f.plan.nchunks * f.plan.nheads,
+                                                                 Functor::Layout::bytes, f);
 }
 
 /// The fused chunk backward for the plan's dstate (ssd_fused_backward_supported must hold).
@@ -385,10 +400,18 @@ void ssd_fused_chunk_backward(const ExecSpace& exec, const SsdPlan& plan, const 
                                            in, ws, plan, g, dstates, dx, ddt, dB_head, dC_head, partial});
   };
   switch (plan.dstate) {
-    case 16: run(std::integral_constant<int, 16>()); break;
-    case 32: run(std::integral_constant<int, 32>()); break;
-    case 64: run(std::integral_constant<int, 64>()); break;
-    default: run(std::integral_constant<int, 128>()); break;
+    case 16:
+      run(std::integral_constant<int, 16>());
+      break;
+    case 32:
+      run(std::integral_constant<int, 32>());
+      break;
+    case 64:
+      run(std::integral_constant<int, 64>());
+      break;
+    default:
+      run(std::integral_constant<int, 128>());
+      break;
   }
 }
 

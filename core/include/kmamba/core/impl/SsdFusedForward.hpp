@@ -144,8 +144,8 @@ struct SsdFusedForwardFunctor {
   static constexpr int slots = Team::warps_per_thread;
   static_assert(state_blocks <= ssd_fused_warps && Q == 2 * warp_tile_rows && P == 4 * warp_tile_rows,
                 "SsdFusedForwardFunctor: one state block per warp, 2 × 4 output blocks");
-  using StateAccum = WarpAccum<P, tensor_cores>;   // 16 rows of Hᵀ
-  using ScoreAccum = WarpAccum<Q, tensor_cores>;   // 16 rows of S
+  using StateAccum = WarpAccum<P, tensor_cores>;             // 16 rows of Hᵀ
+  using ScoreAccum = WarpAccum<Q, tensor_cores>;             // 16 rows of S
   using OutAccum = WarpAccum<warp_tile_rows, tensor_cores>;  // a 16 × 16 block of Y
 
   SsdOperands<MemorySpace> in;
@@ -165,9 +165,14 @@ struct SsdFusedForwardFunctor {
     auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(static_cast<std::size_t>(Layout::bytes)));
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
-    return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn}, ScratchTile{u16 + Layout::b_offset, Layout::ldn},
-                 ScratchTile{u16 + Layout::x_offset, Layout::ldp}, ScratchTile{u16 + Layout::h_offset, Layout::ldp},
-                 ScratchTile{u16 + Layout::s_offset, Layout::ldq}, vec, vec + Q, vec + 2 * Q};
+    return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn},
+                 ScratchTile{u16 + Layout::b_offset, Layout::ldn},
+                 ScratchTile{u16 + Layout::x_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::h_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::s_offset, Layout::ldq},
+                 vec,
+                 vec + Q,
+                 vec + 2 * Q};
   }
 
   /// δ, cum and exp(cum_{Q−1} − cum): one token per lane of warp 0 on tensor cores, thread 0 otherwise.
@@ -216,7 +221,7 @@ struct SsdFusedForwardFunctor {
     ScoreAccum S;
     warp_fill(S, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::NK, N, false>(S, lane, sm.c.offset(warp_tile_rows * w, 0), sm.b,
-                                                  warp_tile_rows * (w + 1));
+                                                 warp_tile_rows * (w + 1));
     S.for_each(lane, [&](int r, int s, float& v) {
       const int t = warp_tile_rows * w + r;
       v = s <= t ? v * Kokkos::Experimental::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
@@ -230,10 +235,10 @@ struct SsdFusedForwardFunctor {
     OutAccum Y;
     warp_fill(Y, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, N, false>(Y, lane, sm.c.offset(warp_tile_rows * tb, 0),
-                                                  sm.h.offset(0, warp_tile_rows * pb), warp_tile_rows);
+                                                 sm.h.offset(0, warp_tile_rows * pb), warp_tile_rows);
     Y.for_each(lane, [&](int r, int, float& v) { v *= Kokkos::Experimental::exp(sm.cum[warp_tile_rows * tb + r]); });
     warp_mma<ALayout::MK, BLayout::KN, Q, false>(Y, lane, sm.s.offset(warp_tile_rows * tb, 0),
-                                                  sm.x.offset(0, warp_tile_rows * pb), warp_tile_rows);
+                                                 sm.x.offset(0, warp_tile_rows * pb), warp_tile_rows);
     const float d = in.skip(h);
     Y.for_each(lane, [&](int r, int c, float& v) {
       const int t = warp_tile_rows * tb + r, p = warp_tile_rows * pb + c;
@@ -428,7 +433,7 @@ void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const 
     segments.states = allocate_uninitialized<Tensor5<float, MemorySpace>>(
         "kmamba::ssd::segment_states", plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
     segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::segment_decay", plan.batch,
-                                                                          plan.nheads, segments.count);
+                                                                         plan.nheads, segments.count);
     ssd_fused_launch<N, true>(exec, plan, in, out, final_states, segments);
     Kokkos::parallel_for("kmamba::ssd::fused_segment_passing",
                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
@@ -445,10 +450,18 @@ void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOper
                        const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                        int segment_count) {
   switch (plan.dstate) {
-    case 16: ssd_fused_forward_states<16>(exec, plan, in, out, final_states, segment_count); break;
-    case 32: ssd_fused_forward_states<32>(exec, plan, in, out, final_states, segment_count); break;
-    case 64: ssd_fused_forward_states<64>(exec, plan, in, out, final_states, segment_count); break;
-    default: ssd_fused_forward_states<128>(exec, plan, in, out, final_states, segment_count); break;
+    case 16:
+      ssd_fused_forward_states<16>(exec, plan, in, out, final_states, segment_count);
+      break;
+    case 32:
+      ssd_fused_forward_states<32>(exec, plan, in, out, final_states, segment_count);
+      break;
+    case 64:
+      ssd_fused_forward_states<64>(exec, plan, in, out, final_states, segment_count);
+      break;
+    default:
+      ssd_fused_forward_states<128>(exec, plan, in, out, final_states, segment_count);
+      break;
   }
 }
 

@@ -59,10 +59,10 @@ struct SsdFusedStatesFunctor {
   static_assert(P == 4 * R && ssd_fused_states_warps == 8, "SsdFusedStatesFunctor: 4 row blocks per product");
 
   SsdOperands<MemorySpace> in;
-  SsdWorkspace<MemorySpace> ws;              // dt_out, dA_cs read; states written (Sloc)
+  SsdWorkspace<MemorySpace> ws;  // dt_out, dA_cs read; states written (Sloc)
   SsdPlan plan;
-  ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim), gated dout (with dstates)
-  Tensor5<float, MemorySpace> dstates;       // (batch, nchunks, nheads, headdim, dstate), dSloc out
+  ConstTensor4<float, MemorySpace> g;   // (batch, seqlen, nheads, headdim), gated dout (with dstates)
+  Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc out
   bool want_states, want_dstates;
 
   struct Tiles {
@@ -73,9 +73,12 @@ struct SsdFusedStatesFunctor {
   KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
-    return Tiles{ScratchTile{u16 + Layout::x_offset, Layout::ldp}, ScratchTile{u16 + Layout::g_offset, Layout::ldp},
-                 ScratchTile{u16 + Layout::b_offset, Layout::ldn}, ScratchTile{u16 + Layout::c_offset, Layout::ldn},
-                 vec, vec + Q};
+    return Tiles{ScratchTile{u16 + Layout::x_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::g_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::b_offset, Layout::ldn},
+                 ScratchTile{u16 + Layout::c_offset, Layout::ldn},
+                 vec,
+                 vec + Q};
   }
 
   /// The token weights of x and g (zero past the sequence end).
@@ -124,7 +127,7 @@ struct SsdFusedStatesFunctor {
     StateAccum S;
     warp_fill(S, lane, 0.0f);
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(S, lane, (states ? sm.x : sm.g).offset(0, p0), states ? sm.b : sm.c,
-                                                  N);
+                                                 N);
     const Tensor5<float, MemorySpace>& out = states ? ws.states : dstates;
     S.for_each(lane, [&](int r, int n, float& v) { out(blk.b, blk.c, blk.h, p0 + r, n) = v; });
   }
@@ -155,10 +158,18 @@ void ssd_fused_chunk_states(const ExecSpace& exec, const SsdPlan& plan, const Ss
         Functor{in, ws, plan, g, dstates, want_states, want_dstates});
   };
   switch (plan.dstate) {
-    case 16: run(std::integral_constant<int, 16>()); break;
-    case 32: run(std::integral_constant<int, 32>()); break;
-    case 64: run(std::integral_constant<int, 64>()); break;
-    default: run(std::integral_constant<int, 128>()); break;
+    case 16:
+      run(std::integral_constant<int, 16>());
+      break;
+    case 32:
+      run(std::integral_constant<int, 32>());
+      break;
+    case 64:
+      run(std::integral_constant<int, 64>());
+      break;
+    default:
+      run(std::integral_constant<int, 128>());
+      break;
   }
 }
 

@@ -56,8 +56,8 @@ struct SsdScratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   using IntVec = Kokkos::View<int*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
-  using Mat = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space,
-                           Kokkos::MemoryUnmanaged>;
+  using Mat =
+      Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
 
   static constexpr int vectors = 9;
 
@@ -154,20 +154,23 @@ struct SsdChunkCumsumFunctor {
     const float a = in.A(blk.h);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.h == 0 ? 2 : 1), [&](const int which) {
       if (which == 0) {
-        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk), [&](const int l, float& partial, const bool last) {
-          const float d = l < blk.len ? in.dt_value(in.dt_pre(blk.b, blk.t0 + l, blk.h)) : 0.0f;
-          partial += d * a;
-          if (last) {
-            ws.dt_out(blk.b, blk.h, blk.c, l) = d;
-            ws.dA_cs(blk.b, blk.h, blk.c, l) = partial;
-          }
-        });
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk),
+                              [&](const int l, float& partial, const bool last) {
+                                const float d = l < blk.len ? in.dt_value(in.dt_pre(blk.b, blk.t0 + l, blk.h)) : 0.0f;
+                                partial += d * a;
+                                if (last) {
+                                  ws.dt_out(blk.b, blk.h, blk.c, l) = d;
+                                  ws.dA_cs(blk.b, blk.h, blk.c, l) = partial;
+                                }
+                              });
       } else {
-        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk), [&](const int l, int& partial, const bool last) {
-          const int t = blk.t0 + l;
-          if (in.has_seq_idx && l < blk.len && t > 0 && in.seq_idx(blk.b, t) != in.seq_idx(blk.b, t - 1)) partial += 1;
-          if (last) ws.run(blk.b, blk.c, l) = partial;
-        });
+        Kokkos::parallel_scan(
+            Kokkos::ThreadVectorRange(team, plan.chunk), [&](const int l, int& partial, const bool last) {
+              const int t = blk.t0 + l;
+              if (in.has_seq_idx && l < blk.len && t > 0 && in.seq_idx(blk.b, t) != in.seq_idx(blk.b, t - 1))
+                partial += 1;
+              if (last) ws.run(blk.b, blk.c, l) = partial;
+            });
       }
     });
   }
@@ -303,9 +306,8 @@ struct SsdChunkScanFunctor {
     typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
-      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
-    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len),
+                         [&](const int l) { seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f; });
     team.team_barrier();
     const float skip = in.skip(blk.h);
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
@@ -347,8 +349,8 @@ struct SsdChunkDstatesFunctor {
   SsdOperands<MemorySpace> in;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
-  ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim)
-  Tensor5<float, MemorySpace> dstates;       // (batch, nchunks, nheads, headdim, dstate)
+  ConstTensor4<float, MemorySpace> g;   // (batch, seqlen, nheads, headdim)
+  Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
@@ -358,9 +360,8 @@ struct SsdChunkDstatesFunctor {
     typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
-      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
-    });
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len),
+                         [&](const int l) { seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f; });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.len,
@@ -418,13 +419,13 @@ struct SsdChunkBackwardFunctor {
     const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
     typename S::Vec sdt(team.team_scratch(0), plan.chunk);
     typename S::Vec sA(team.team_scratch(0), plan.chunk);
-    typename S::Vec seA(team.team_scratch(0), plan.chunk);      // exp(dA_cs[l]) where the entering state reaches
-    typename S::Vec seLast(team.team_scratch(0), plan.chunk);   // exp(dA_cs[last] − dA_cs[s]) in the last run
-    typename S::Vec sddt(team.team_scratch(0), plan.chunk);     // ∂/∂δ, direct part
-    typename S::Vec snext(team.team_scratch(0), plan.chunk);    // w_l of B5
-    typename S::Vec sprev(team.team_scratch(0), plan.chunk);    // ddA_prev_raw of B6, then its suffix sums
-    typename S::Vec sintra(team.team_scratch(0), plan.chunk);   // ddA_intra of B8 (iii)
-    typename S::Vec sddA(team.team_scratch(0), plan.chunk);     // total gradient w.r.t. δ_j·a
+    typename S::Vec seA(team.team_scratch(0), plan.chunk);     // exp(dA_cs[l]) where the entering state reaches
+    typename S::Vec seLast(team.team_scratch(0), plan.chunk);  // exp(dA_cs[last] − dA_cs[s]) in the last run
+    typename S::Vec sddt(team.team_scratch(0), plan.chunk);    // ∂/∂δ, direct part
+    typename S::Vec snext(team.team_scratch(0), plan.chunk);   // w_l of B5
+    typename S::Vec sprev(team.team_scratch(0), plan.chunk);   // ddA_prev_raw of B6, then its suffix sums
+    typename S::Vec sintra(team.team_scratch(0), plan.chunk);  // ddA_intra of B8 (iii)
+    typename S::Vec sddA(team.team_scratch(0), plan.chunk);    // total gradient w.r.t. δ_j·a
     typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     typename S::Mat sW(team.team_scratch(1), plan.tile, plan.chunk);
 
@@ -534,11 +535,12 @@ struct SsdChunkBackwardFunctor {
       // (0 for j > l) ...
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const int i) {
         const int l = l0 + i;
-        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, cols), [&](const int j, float& running, const bool final) {
-          const float term = j < l ? sW(i, j) * ws.CB(b, c, gr, l, j) : 0.0f;
-          if (final) sW(i, j) = j <= l ? running : 0.0f;
-          running += term;
-        });
+        Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, cols),
+                              [&](const int j, float& running, const bool final) {
+                                const float term = j < l ? sW(i, j) * ws.CB(b, c, gr, l, j) : 0.0f;
+                                if (final) sW(i, j) = j <= l ? running : 0.0f;
+                                running += term;
+                              });
       });
       team.team_barrier();
       // ... and column j summed over the rows gives this tile's share of ddA_intra[j].
@@ -657,7 +659,7 @@ struct SsdGroupSumFunctor {
 /// dA, dD and ddt_bias: the per-(batch, chunk) partial sums added in a fixed order.
 template <class MemorySpace>
 struct SsdParameterSumFunctor {
-  ConstTensor4<float, MemorySpace> partial;   // (batch, nchunks, nheads, 3)
+  ConstTensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3)
   Tensor1<float, MemorySpace> dA, dD, ddt_bias;  // (nheads)
   bool write_dD, write_ddt_bias;
 
@@ -731,8 +733,7 @@ template <class ExecSpace, class MemorySpace>
 void ssd_state_passing(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                        const SsdWorkspace<MemorySpace>& ws, const Tensor4<float, MemorySpace>& final_states) {
   Kokkos::parallel_for("kmamba::ssd::state_passing",
-                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, ssd_state_items(plan)),
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, ssd_state_items(plan)),
                        SsdStatePassingFunctor<MemorySpace>{in, ws, plan, final_states, final_states.is_allocated()});
 }
 
@@ -810,8 +811,8 @@ ConstTensor4<float, MemorySpace> ssd_gate_backward(const ExecSpace& exec, const 
                                                    const SsdWorkspace<MemorySpace>& ws,
                                                    const ConstTensor4<float, MemorySpace>& dout,
                                                    const Tensor4<float, MemorySpace>& dz) {
-  const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-      "kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+  const auto gated = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::gated_dout", plan.batch,
+                                                                         plan.seqlen, plan.nheads, plan.headdim);
   ssd_launch(exec, "kmamba::ssd::chunk_scan_gate_backward", plan, plan.batch * plan.nchunks * plan.nheads,
              SsdChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, gated, dout, dz},
              SsdScratch<ExecSpace>::bytes(plan.chunk));
@@ -824,12 +825,11 @@ template <class ExecSpace, class MemorySpace>
 void ssd_state_passing_backward(const ExecSpace& exec, const SsdPlan& plan, const SsdWorkspace<MemorySpace>& ws,
                                 const ConstTensor4<float, MemorySpace>& dfinal_states,
                                 const Tensor5<float, MemorySpace>& dstates, const SsdGrads<MemorySpace>& grads) {
-  Kokkos::parallel_for("kmamba::ssd::state_passing_backward",
-                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, ssd_state_items(plan)),
-                       SsdStatePassingBackwardFunctor<MemorySpace>{ws, plan, dfinal_states, dstates,
-                                                                   grads.dinitial_states, dfinal_states.is_allocated(),
-                                                                   grads.dinitial_states.is_allocated()});
+  Kokkos::parallel_for(
+      "kmamba::ssd::state_passing_backward",
+      Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, ssd_state_items(plan)),
+      SsdStatePassingBackwardFunctor<MemorySpace>{ws, plan, dfinal_states, dstates, grads.dinitial_states,
+                                                  dfinal_states.is_allocated(), grads.dinitial_states.is_allocated()});
 }
 
 /// The per-head outputs of the chunk backward, summed into the gradients by ssd_backward_sums.
@@ -840,12 +840,12 @@ struct SsdChunkGrads {
   Tensor4<float, MemorySpace> partial;  // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
 
   explicit SsdChunkGrads(const SsdPlan& plan)
-      : dB_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dB_per_head", plan.batch,
-                                                                     plan.seqlen, plan.nheads, plan.dstate)),
-        dC_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dC_per_head", plan.batch,
-                                                                     plan.seqlen, plan.nheads, plan.dstate)),
-        partial(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::partial_dA_dD_ddt_bias",
-                                                                     plan.batch, plan.nchunks, plan.nheads, 3)) {}
+      : dB_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dB_per_head", plan.batch, plan.seqlen,
+                                                                    plan.nheads, plan.dstate)),
+        dC_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dC_per_head", plan.batch, plan.seqlen,
+                                                                    plan.nheads, plan.dstate)),
+        partial(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch,
+                                                                    plan.nchunks, plan.nheads, 3)) {}
 };
 
 /// dB, dC (over the heads of each group) and dA, dD, ddt_bias (over batch and chunks), in a fixed order.

@@ -53,11 +53,24 @@ struct SsdOperands {
   float dt_min, dt_max;
 
   explicit SsdOperands(const SsdArgs<MemorySpace>& args)
-      : x(args.x), dt(args.dt), A(args.A), B(args.B), C(args.C), D(args.D), z(args.z), dt_bias(args.dt_bias),
-        initial_states(args.initial_states), seq_idx(args.seq_idx), has_D(args.D.is_allocated()),
-        has_z(args.z.is_allocated()), has_dt_bias(args.dt_bias.is_allocated()),
-        has_initial_states(args.initial_states.is_allocated()), has_seq_idx(args.seq_idx.is_allocated()),
-        dt_softplus(args.dt_softplus), dt_min(args.dt_min), dt_max(args.dt_max) {}
+      : x(args.x),
+        dt(args.dt),
+        A(args.A),
+        B(args.B),
+        C(args.C),
+        D(args.D),
+        z(args.z),
+        dt_bias(args.dt_bias),
+        initial_states(args.initial_states),
+        seq_idx(args.seq_idx),
+        has_D(args.D.is_allocated()),
+        has_z(args.z.is_allocated()),
+        has_dt_bias(args.dt_bias.is_allocated()),
+        has_initial_states(args.initial_states.is_allocated()),
+        has_seq_idx(args.seq_idx.is_allocated()),
+        dt_softplus(args.dt_softplus),
+        dt_min(args.dt_min),
+        dt_max(args.dt_max) {}
 
   /// dt + dt_bias, before the softplus.
   KOKKOS_INLINE_FUNCTION float dt_pre(int b, int t, int h) const {
@@ -84,15 +97,15 @@ struct SsdWorkspace {
 
   explicit SsdWorkspace(const SsdPlan& plan)
       : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
-                                                                    plan.nchunks, plan.chunk)),
-        dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch,
-                                                                   plan.nheads, plan.nchunks, plan.chunk)),
+                                                                   plan.nchunks, plan.chunk)),
+        dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch, plan.nheads,
+                                                                  plan.nchunks, plan.chunk)),
         run(allocate_uninitialized<Tensor3<int, MemorySpace>>("kmamba::ssd::run", plan.batch, plan.nchunks,
-                                                               plan.chunk)),
+                                                              plan.chunk)),
         states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::states", plan.batch, plan.nchunks,
-                                                                    plan.nheads, plan.headdim, plan.dstate)),
+                                                                   plan.nheads, plan.headdim, plan.dstate)),
         CB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
-                                                                plan.ngroups, plan.chunk, plan.chunk)) {}
+                                                               plan.ngroups, plan.chunk, plan.chunk)) {}
 };
 
 /// Where a (batch, chunk, head) team works.

@@ -106,8 +106,8 @@ inline void team_gemm_host(const Member& team, const int m, const int n, const i
 /// Host form for deeper products: each team thread owns rows and accumulates `block` columns at
 /// once.
 template <class Member, class AOperand, class BOperand, class Store>
-KOKKOS_INLINE_FUNCTION void team_gemm_rows(const Member& team, const int m, const int n, const int k,
-                                           const AOperand& a, const BOperand& b, const Store& store) {
+KOKKOS_INLINE_FUNCTION void team_gemm_rows(const Member& team, const int m, const int n, const int k, const AOperand& a,
+                                           const BOperand& b, const Store& store) {
   constexpr int block = 64;
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, m), [&](const int i) {
     for (int j0 = 0; j0 < n; j0 += block) {
@@ -145,8 +145,8 @@ struct TeamGemm {
   using launch_bounds = Kokkos::LaunchBounds<>;
 
   template <class Member, class AOperand, class BOperand, class Store>
-  KOKKOS_INLINE_FUNCTION static void apply(const Member& team, const int m, const int n, const int k,
-                                           const AOperand& a, const BOperand& b, const Store& store) {
+  KOKKOS_INLINE_FUNCTION static void apply(const Member& team, const int m, const int n, const int k, const AOperand& a,
+                                           const BOperand& b, const Store& store) {
     if constexpr (std::is_same<typename ExecSpace::memory_space, Kokkos::HostSpace>::value) {
 #ifdef __CUDA_ARCH__
       // A host space's functors never run on a GPU; the device pass of a CUDA build compiles this.
@@ -191,8 +191,8 @@ struct TeamGemm<Kokkos::Cuda, Precision> {
   using launch_bounds = Kokkos::LaunchBounds<team_threads, 2>;
 
   template <class Member, class AOperand, class BOperand, class Store>
-  KOKKOS_INLINE_FUNCTION static void apply(const Member& team, const int m, const int n, const int k,
-                                           const AOperand& a, const BOperand& b, const Store& store) {
+  KOKKOS_INLINE_FUNCTION static void apply(const Member& team, const int m, const int n, const int k, const AOperand& a,
+                                           const BOperand& b, const Store& store) {
 #ifdef __CUDA_ARCH__
     typename Kokkos::Cuda::scratch_memory_space space = team.team_scratch(0);
     float* const stage = static_cast<float*>(space.get_shmem_aligned(scratch_bytes - 32, 32, 0));
@@ -222,9 +222,8 @@ struct TeamGemm<Kokkos::Cuda, Precision> {
   // lines whichever index the operand has contiguous.
   template <class AOperand, class BOperand>
   KOKKOS_FORCEINLINE_FUNCTION static void fetch(const AOperand& a, const BOperand& b, const int m, const int n,
-                                                const int k, const int i0, const int j0, const int l0,
-                                                const int warp, const int lane, float (&ra)[loads],
-                                                float (&rb)[loads]) {
+                                                const int k, const int i0, const int j0, const int l0, const int warp,
+                                                const int lane, float (&ra)[loads], float (&rb)[loads]) {
 #pragma unroll
     for (int r = 0; r < loads; ++r) {
       const int i = i0 + (warp + 8 * (r % 2)) * 4 + ((lane >> 3) & 3), l = l0 + (r / 2) * 8 + (lane & 7);

@@ -84,10 +84,9 @@ struct WarpTeamLauncher<Kokkos::Cuda, Threads, MinTeamsPerSM> {
   static void launch(const Kokkos::Cuda& exec, const char* label, int league, std::size_t bytes, const Body& body) {
     if (league == 0) return;
     const auto kernel = &warp_team_kernel<Body, Threads, MinTeamsPerSM>;
-    KMAMBA_VENDOR_CHECK("CUDA",
-                        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(bytes)),
-                        cudaSuccess, warp_team_cuda_error);
+    KMAMBA_VENDOR_CHECK(
+        "CUDA", cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        cudaSuccess, warp_team_cuda_error);
     std::uint64_t kernel_id = 0;
     if (Kokkos::Tools::profileLibraryLoaded()) Kokkos::Tools::beginParallelFor(label, 0, &kernel_id);
     kernel<<<league, Threads, bytes, exec.cuda_stream()>>>(body);

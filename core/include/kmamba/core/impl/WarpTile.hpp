@@ -180,8 +180,7 @@ KOKKOS_INLINE_FUNCTION void warp_mma(WarpAccum<Cols, false>& acc, int /*lane*/, 
 /// accumulator (Depth columns), rounded to bf16 as the tensor-core form converts it.
 template <BLayout BL, int Depth, int Cols>
 KOKKOS_INLINE_FUNCTION void warp_mma_registers(WarpAccum<Cols, false>& acc, int /*lane*/,
-                                               const WarpAccum<Depth, false>& a_acc, const ScratchTile& b,
-                                               int ncols) {
+                                               const WarpAccum<Depth, false>& a_acc, const ScratchTile& b, int ncols) {
   for (int r = 0; r < warp_tile_rows; ++r) {
     for (int c = 0; c < ncols; ++c) {
       float sum = acc.v[r][c];
@@ -276,14 +275,14 @@ KOKKOS_INLINE_FUNCTION void load_b(std::uint32_t (&b)[4], const ScratchTile& t, 
 }  // namespace warp_tile_cuda
 
 template <ALayout AL, BLayout BL, int Depth, bool Causal, int Cols>
-KOKKOS_INLINE_FUNCTION void warp_mma(WarpAccum<Cols, true>& acc, int lane, const ScratchTile& a,
-                                     const ScratchTile& b, int ncols) {
+KOKKOS_INLINE_FUNCTION void warp_mma(WarpAccum<Cols, true>& acc, int lane, const ScratchTile& a, const ScratchTile& b,
+                                     int ncols) {
   static_assert(Depth % 16 == 0, "warp_mma: Depth must be a multiple of 16");
-KMAMBA_TILE_UNROLL
+  KMAMBA_TILE_UNROLL
   for (int kk = 0; kk < Depth / 16; ++kk) {
     std::uint32_t af[4];
     warp_tile_cuda::load_a<AL>(af, a, kk, lane);
-KMAMBA_TILE_UNROLL
+    KMAMBA_TILE_UNROLL
     for (int jj = 0; jj < Cols / 16; ++jj) {
       if (16 * jj >= ncols || (Causal && kk > jj)) continue;
       std::uint32_t bf[4];
@@ -295,15 +294,15 @@ KMAMBA_TILE_UNROLL
 }
 
 template <BLayout BL, int Depth, int Cols>
-KOKKOS_INLINE_FUNCTION void warp_mma_registers(WarpAccum<Cols, true>& acc, int lane, const WarpAccum<Depth, true>& a_acc,
-                                               const ScratchTile& b, int ncols) {
-KMAMBA_TILE_UNROLL
+KOKKOS_INLINE_FUNCTION void warp_mma_registers(WarpAccum<Cols, true>& acc, int lane,
+                                               const WarpAccum<Depth, true>& a_acc, const ScratchTile& b, int ncols) {
+  KMAMBA_TILE_UNROLL
   for (int kk = 0; kk < Depth / 16; ++kk) {
     const float(&lo)[4] = a_acc.v[2 * kk];
     const float(&hi)[4] = a_acc.v[2 * kk + 1];
     const std::uint32_t af[4] = {pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]), pack_bf16x2(hi[0], hi[1]),
                                  pack_bf16x2(hi[2], hi[3])};
-KMAMBA_TILE_UNROLL
+    KMAMBA_TILE_UNROLL
     for (int jj = 0; jj < Cols / 16; ++jj) {
       if (16 * jj >= ncols) continue;
       std::uint32_t bf[4];
@@ -320,7 +319,7 @@ KMAMBA_TILE_UNROLL
 /// the warp calls it).
 KOKKOS_INLINE_FUNCTION float warp_inclusive_sum(float value, int lane) {
 #if defined(__CUDA_ARCH__)
-KMAMBA_TILE_UNROLL
+  KMAMBA_TILE_UNROLL
   for (int offset = 1; offset < warp_tile_lanes; offset *= 2) {
     const float other = __shfl_up_sync(0xffffffffu, value, offset);
     if (lane >= offset) value += other;
@@ -346,7 +345,7 @@ KOKKOS_INLINE_FUNCTION float warp_broadcast(float value, int source) {
 /// calls it; the portable form's one thread is its own sum).
 KOKKOS_INLINE_FUNCTION float warp_sum(float value) {
 #if defined(__CUDA_ARCH__)
-KMAMBA_TILE_UNROLL
+  KMAMBA_TILE_UNROLL
   for (int offset = warp_tile_lanes / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
 #endif
   return value;
@@ -368,7 +367,7 @@ KOKKOS_INLINE_FUNCTION void warp_row_sums(const WarpAccum<Cols, true>& acc, int 
                                           const Store& store) {
   const int g = lane >> 2, q = lane & 3;
   float lo = 0.0f, hi = 0.0f;
-KMAMBA_TILE_UNROLL
+  KMAMBA_TILE_UNROLL
   for (int j = 0; j < Cols / 8; ++j) {
     const int c = 8 * j + 2 * q;
     lo += acc.v[j][0] * weight(g, c) + acc.v[j][1] * weight(g, c + 1);
