@@ -21,7 +21,7 @@
 // peak (67 TFLOP/s, the ceiling of fp32 GEMMs). --small shrinks the model (4 layers,
 // d_model 256) and the batch for a 2-core CPU; --preset 370m is mamba2-370m's shape (d_model 1024,
 // 48 layers, vocab padded to 50280). Peak memory: the high-water mark of the live Kokkos allocations
-// in the execution space's memory during the timed steps (parameters, gradients, AdamW moments,
+// in the execution space's memory during a step after the timed ones (parameters, gradients, AdamW moments,
 // activations; not the buffers NCCL or cuBLAS keep for themselves).
 //
 // Under mpirun (or with a mesh option) the model trains on a dp × tp × sp process mesh built as
@@ -103,9 +103,13 @@ kmamba::ModelConfig model_config(const Options& o) {
 }
 
 // The high-water mark of the live Kokkos allocations in one memory space, from the tools callbacks.
+// The callbacks are on while the model is built and warmed up (so the lasting allocations count)
+// and for one measuring step after the timed ones, but off during the timed steps: with a tool
+// loaded, Kokkos reads each device allocation's header back at its release (a synchronous copy),
+// which would add a device round trip per allocation to the times.
 std::string tracked_space;
 std::int64_t live_bytes = 0, peak_bytes = 0, allocations = 0, allocated_bytes = 0;
-// Per View label: (allocations, bytes) over the timed steps.
+// Per View label: (allocations, bytes) over the measuring step.
 std::map<std::string, std::pair<std::int64_t, std::int64_t>> allocations_by_label;
 
 extern "C" void on_allocate(Kokkos_Profiling_SpaceHandle space, const char* label, const void*, std::uint64_t size) {
@@ -120,6 +124,11 @@ extern "C" void on_allocate(Kokkos_Profiling_SpaceHandle space, const char* labe
 }
 extern "C" void on_deallocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, std::uint64_t size) {
   if (tracked_space == space.name) live_bytes -= static_cast<std::int64_t>(size);
+}
+
+void track_allocations(bool on) {
+  Kokkos::Tools::Experimental::set_allocate_data_callback(on ? on_allocate : nullptr);
+  Kokkos::Tools::Experimental::set_deallocate_data_callback(on ? on_deallocate : nullptr);
 }
 
 bool mpi_running = false;
@@ -171,7 +180,7 @@ class Bench {
     parameters_ = static_cast<double>(model.parameters().size());
     kmamba::TrainConfig train;
     train.batch_size = batch_;
-    train.total_steps = steps_ + o.comm_steps + o.kernel_time_steps + 1;
+    train.total_steps = steps_ + o.comm_steps + o.kernel_time_steps + 2;
     train.warmup_steps = 0;
 #if KMAMBA_ENABLE_MPI
     if (mpi_running) model = make_mesh(std::move(model));
@@ -236,9 +245,7 @@ class Bench {
     std::vector<double> times;
     for (int s = 0; s <= steps_; ++s) {
       if (s == 1) {
-        peak_bytes = live_bytes;  // the high-water mark of the timed steps
-        allocations = allocated_bytes = 0;
-        allocations_by_label.clear();
+        track_allocations(false);
 #if KMAMBA_ENABLE_MPI
         if (log_) log_->clear();
 #endif
@@ -249,6 +256,17 @@ class Bench {
     }
     std::sort(times.begin(), times.end());
     return times[times.size() / 2];
+  }
+
+  // One more step with the allocations tracked: its peak memory and allocations (index: the step's
+  // data seed).
+  void measure_memory(int index) {
+    track_allocations(true);
+    peak_bytes = live_bytes;
+    allocations = allocated_bytes = 0;
+    allocations_by_label.clear();
+    step(index);
+    track_allocations(false);
   }
 
   nlohmann::json record(double median, double mfu, double peak_memory) const {
@@ -274,7 +292,7 @@ class Bench {
                         {"flops_per_token", flops_per_token()},
                         {"mfu_bf16", mfu},
                         {"peak_memory_bytes", peak_memory},
-                        {"allocations_per_step", static_cast<double>(allocations) / steps_}};
+                        {"allocations_per_step", static_cast<double>(allocations)}};
 #if KMAMBA_ENABLE_MPI
     if (mesh_) {
       r["tp"] = mesh_->config().tensor_parallel_size;
@@ -373,31 +391,32 @@ class Bench {
   std::unique_ptr<kmamba::Trainer<Exec>> trainer_;
 };
 
-// The allocations per step of the timed steps, the 20 most frequent labels first. Device
-// allocations are synchronous (a release waits for the device), so their count per step bounds
-// how often the step drains the launch queue.
-void print_allocations(int steps) {
-  std::printf("allocations per step: %.1f (%.3f GB) in %s\n", static_cast<double>(allocations) / steps,
-              static_cast<double>(allocated_bytes) / steps * 1e-9, tracked_space.c_str());
+// The allocations of the measuring step, the 20 most frequent labels first. Each device
+// allocation writes its header with a synchronous copy, so their count bounds how often the step
+// drains the launch queue.
+void print_allocations() {
+  std::printf("allocations per step: %lld (%.3f GB) in %s\n", static_cast<long long>(allocations),
+              static_cast<double>(allocated_bytes) * 1e-9, tracked_space.c_str());
   std::vector<std::pair<std::string, std::pair<std::int64_t, std::int64_t>>> labels(allocations_by_label.begin(),
                                                                                     allocations_by_label.end());
   std::sort(labels.begin(), labels.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
   std::printf("  %10s %10s  label (the %zu most frequent of %zu)\n", "per step", "GB/step",
               std::min<std::size_t>(labels.size(), 20), labels.size());
   for (std::size_t i = 0; i < labels.size() && i < 20; ++i) {
-    std::printf("  %10.1f %10.3f  %s\n", static_cast<double>(labels[i].second.first) / steps,
-                static_cast<double>(labels[i].second.second) / steps * 1e-9, labels[i].first.c_str());
+    std::printf("  %10lld %10.3f  %s\n", static_cast<long long>(labels[i].second.first),
+                static_cast<double>(labels[i].second.second) * 1e-9, labels[i].first.c_str());
   }
 }
 
 template <class Exec>
 void run_space(const Options& o) {
   tracked_space = Exec::memory_space::name();
-  Kokkos::Tools::Experimental::set_allocate_data_callback(on_allocate);
-  Kokkos::Tools::Experimental::set_deallocate_data_callback(on_deallocate);
+  track_allocations(true);
   Bench<Exec> bench(o);
   if (bench.root()) bench.print_model();
   const double median = bench.timed_steps();
+  int next_step = bench.steps() + 1;  // the index (data seed) of the next untimed step
+  bench.measure_memory(next_step++);
   const double rate = bench.flops_per_token() * bench.global_tokens() / median;
   const double peak_memory = bench.slowest(static_cast<double>(peak_bytes));
   const double mfu = rate / (bench.world_size() * bf16_peak_flop_per_s);
@@ -411,10 +430,9 @@ void run_space(const Options& o) {
             .c_str(),
         median * 1e3, bench.global_tokens() / median, rate * 1e-12, 100.0 * mfu,
         100.0 * rate / (bench.world_size() * fp32_peak_flop_per_s), peak_memory * 1e-9, bench.loss());
-    print_allocations(bench.steps());
+    print_allocations();
   }
   nlohmann::json record = bench.record(median, mfu, peak_memory);
-  int next_step = bench.steps() + 1;  // the index (data seed) of the next untimed step
 #if KMAMBA_ENABLE_MPI
   bench.audit_communication(record, next_step, median);
 #endif
@@ -425,8 +443,6 @@ void run_space(const Options& o) {
     for (int s = 0; s < o.kernel_time_steps; ++s) span += bench.step(next_step++);
     if (bench.root()) kernel_times.report(stdout, span, o.kernel_time_steps);
   }
-  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-  Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
   if (bench.root() && !o.json.empty()) {
     kmamba::write_output_file(o.json, record.dump(1) + "\n", "kmamba-perf-train: --json");
     std::printf("kmamba-perf-train: wrote %s\n", o.json.c_str());
