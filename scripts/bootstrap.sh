@@ -12,7 +12,7 @@ set -euo pipefail
 
 KOKKOS_VERSION=3.4.01
 TRILINOS_VERSION=13.2.0
-STAMP_VERSION=4   # bump when the build recipe below changes
+STAMP_VERSION=5   # bump when the build recipe below changes
 
 flavour=host
 deps_dir="${KMAMBA_DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kmamba}"
@@ -335,64 +335,107 @@ CUDA_TPL
   [ "$(grep -c 'kmamba fix 8' "$parallel_hpp")" = 5 ] || die "Kokkos fix 'result barrier' did not apply to $parallel_hpp"
 
   # Fix 9: device allocations from CUDA's stream-ordered memory pool (a backport of Kokkos 4.0's
-  # KOKKOS_ENABLE_IMPL_CUDA_MALLOC_ASYNC). Every CudaSpace View allocation of Kokkos 3.4 is a
-  # cudaMalloc and every release a cudaFree, which maps and unmaps pages each time: a training step
-  # of mamba2-130m at batch 8 × 2048 makes 1106 of them (41.5 GB). The pool keeps released memory
-  # for the next allocation instead (release threshold: everything is kept; on a failed allocation
-  # the pool is trimmed and the allocation tried once more). The synchronisation is upstream's, so
-  # nothing changes for streams: a device synchronisation after each allocation and on both sides
-  # of each release, as cudaFree implies. KMAMBA_CUDA_MALLOC_ASYNC=0 in the environment (read
-  # once, at the first allocation) or a device without memory pools keeps cudaMalloc / cudaFree.
+  # KOKKOS_ENABLE_IMPL_CUDA_MALLOC_ASYNC), ordered on the legacy default stream without waiting for
+  # the device. Every CudaSpace View allocation of Kokkos 3.4 is a cudaMalloc and every release a
+  # cudaFree, each a device synchronisation, and the allocation then writes its header with a
+  # synchronous copy: a training step of mamba2-130m makes ~990 allocations, so the launch queue
+  # drained ~3000 times a step. Here:
+  # - an allocation is a cudaMallocAsync on the legacy stream and its header a cudaMemcpyAsync from
+  #   pageable memory (staged at once, no wait); work on the legacy stream and on every blocking
+  #   stream (Kokkos' own instances) comes after both. An allocation that grows the pool waits for
+  #   the device, so that work on non-blocking streams cannot get ahead of it (rare: the pool keeps
+  #   everything released);
+  # - a release is a cudaFreeAsync on the legacy stream: the memory is reused only by work that
+  #   comes after the work already queued on the legacy and blocking streams.
+  # The rule this adds, the one of PyTorch's caching allocator: work on a non-blocking stream that
+  # uses a View must be joined (an event the legacy or a blocking stream waits for, or a fence)
+  # before the View's last reference goes. kmamba's communication stream is joined that way.
+  # KMAMBA_CUDA_MALLOC_ASYNC=sync keeps upstream's synchronisation (after every allocation, on both
+  # sides of every release, a synchronous header copy); KMAMBA_CUDA_MALLOC_ASYNC=0 keeps cudaMalloc /
+  # cudaFree (read once, at the first allocation), as does a device without memory pools. On a
+  # failed allocation the pool is trimmed and the allocation tried once more.
   pool_code='
 // kmamba fix 9: device allocations from the stream-ordered memory pool (see scripts/bootstrap.sh).
 namespace {
-bool kmamba_use_memory_pool() {
-  static const bool use = [] {
+enum class KmambaPoolMode { none, stream_ordered, upstream_sync };
+
+cudaMemPool_t kmamba_default_pool() {
+  int device = 0;
+  cudaMemPool_t pool = nullptr;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return pool;
+}
+
+KmambaPoolMode kmamba_pool_mode() {
+  static const KmambaPoolMode mode = [] {
     const char *opt = std::getenv("KMAMBA_CUDA_MALLOC_ASYNC");
-    if (opt != nullptr && opt[0] == '"'"'0'"'"' && opt[1] == '"'"'\\0'"'"') return false;
+    const std::string choice = opt == nullptr ? "" : opt;
+    if (choice == "0") return KmambaPoolMode::none;
     int device = 0, pools = 0;
-    cudaMemPool_t pool;
     if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0 ||
-        cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || pools == 0) {
       cudaGetLastError();
-      return false;
+      return KmambaPoolMode::none;
     }
+    cudaMemPool_t pool = kmamba_default_pool();
     unsigned long long keep_everything = ~0ull;
-    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything) != cudaSuccess) {
+    if (pool == nullptr || cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything) != cudaSuccess) {
       cudaGetLastError();
-      return false;
+      return KmambaPoolMode::none;
     }
-    return true;
+    return choice == "sync" ? KmambaPoolMode::upstream_sync : KmambaPoolMode::stream_ordered;
   }();
-  return use;
+  return mode;
+}
+
+unsigned long long kmamba_pool_reserved(cudaMemPool_t pool) {
+  unsigned long long reserved = 0;
+  if (pool == nullptr || cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved) != cudaSuccess) {
+    cudaGetLastError();
+    return ~0ull;
+  }
+  return reserved;
 }
 
 cudaError_t kmamba_device_allocate(void **ptr, size_t size) {
-  if (size == 0 || !kmamba_use_memory_pool()) return cudaMalloc(ptr, size);
+  const KmambaPoolMode mode = kmamba_pool_mode();
+  if (size == 0 || mode == KmambaPoolMode::none) return cudaMalloc(ptr, size);
+  cudaMemPool_t pool = kmamba_default_pool();
+  const unsigned long long reserved = kmamba_pool_reserved(pool);
   cudaError_t error = cudaMallocAsync(ptr, size, 0);
   if (error == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    int device = 0;
-    cudaMemPool_t pool;
-    if (cudaDeviceSynchronize() == cudaSuccess && cudaGetDevice(&device) == cudaSuccess &&
-        cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess && cudaMemPoolTrimTo(pool, 0) == cudaSuccess) {
+    if (cudaDeviceSynchronize() == cudaSuccess && pool != nullptr && cudaMemPoolTrimTo(pool, 0) == cudaSuccess) {
       error = cudaMallocAsync(ptr, size, 0);
     }
   }
-  if (error == cudaSuccess) error = cudaDeviceSynchronize();
+  const unsigned long long after = kmamba_pool_reserved(pool);
+  const bool grew = reserved == ~0ull || after == ~0ull || after != reserved;  // unknown counts as grown
+  if (error == cudaSuccess && (grew || mode == KmambaPoolMode::upstream_sync)) error = cudaDeviceSynchronize();
   return error;
 }
 
 void kmamba_device_free(void *ptr) {
   if (ptr == nullptr) return;
-  if (!kmamba_use_memory_pool()) {
+  const KmambaPoolMode mode = kmamba_pool_mode();
+  if (mode == KmambaPoolMode::none) {
     CUDA_SAFE_CALL(cudaFree(ptr));
     return;
   }
-  CUDA_SAFE_CALL(cudaDeviceSynchronize());
+  if (mode == KmambaPoolMode::upstream_sync) CUDA_SAFE_CALL(cudaDeviceSynchronize());
   CUDA_SAFE_CALL(cudaFreeAsync(ptr, 0));
-  CUDA_SAFE_CALL(cudaDeviceSynchronize());
+  if (mode == KmambaPoolMode::upstream_sync) CUDA_SAFE_CALL(cudaDeviceSynchronize());
+}
+
+void kmamba_write_header(void *device_header, const void *host_header, size_t bytes) {
+  if (kmamba_pool_mode() != KmambaPoolMode::stream_ordered) {
+    CUDA_SAFE_CALL(cudaMemcpy(device_header, host_header, bytes, cudaMemcpyDefault));
+    return;
+  }
+  CUDA_SAFE_CALL(cudaMemcpyAsync(device_header, host_header, bytes, cudaMemcpyHostToDevice, 0));
 }
 }  // namespace
 '
@@ -405,9 +448,16 @@ void kmamba_device_free(void *ptr) {
     in_free && /^    CUDA_SAFE_CALL\(cudaFree\(arg_alloc_ptr\)\);$/ {
       print "    kmamba_device_free(arg_alloc_ptr);"; in_free = 0; next
     }
+    /^SharedAllocationRecord<Kokkos::CudaSpace, void>::SharedAllocationRecord\($/ { in_record = 1 }
+    in_record && /^  Kokkos::Impl::DeepCopy<CudaSpace, HostSpace>\(RecordBase::m_alloc_ptr, &header,$/ {
+      getline rest
+      print "  kmamba_write_header(RecordBase::m_alloc_ptr, &header, sizeof(SharedAllocationHeader));"
+      in_record = 0; next
+    }
     { print }' "$space_cpp" > "$space_cpp.new" && mv "$space_cpp.new" "$space_cpp"
   [ "$(grep -c 'kmamba_device_allocate(&ptr, arg_alloc_size)' "$space_cpp")" = 1 ] &&
     [ "$(grep -c 'kmamba_device_free(arg_alloc_ptr)' "$space_cpp")" = 1 ] &&
+    [ "$(grep -c 'kmamba_write_header(RecordBase::m_alloc_ptr' "$space_cpp")" = 1 ] &&
     grep -q 'kmamba fix 9' "$space_cpp" || die "Kokkos fix 'memory pool' did not apply to $space_cpp"
 
   cmake_common+=(-DCMAKE_CXX_COMPILER="$kokkos_src/bin/nvcc_wrapper")
