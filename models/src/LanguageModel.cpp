@@ -39,27 +39,6 @@ struct DropPaddedColumns {
   KOKKOS_INLINE_FUNCTION void operator()(const int r, const int v) const { logits(r, v) = padded(r, v); }
 };
 
-/// Counts the rows whose arg-max logit is their target (ignored rows excluded).
-template <class MemorySpace>
-struct CountCorrect {
-  ConstTensor2<float, MemorySpace> logits;          // (rows, vocab)
-  ConstTensor1<std::int64_t, MemorySpace> targets;  // (rows)
-  std::int64_t ignore;
-  KOKKOS_INLINE_FUNCTION void operator()(const int r, std::int64_t& correct) const {
-    const std::int64_t target = targets(r);
-    if (target == ignore) return;
-    int best = 0;
-    float best_value = logits(r, 0);
-    for (int v = 1; v < static_cast<int>(logits.extent(1)); ++v) {
-      if (logits(r, v) > best_value) {
-        best_value = logits(r, v);
-        best = v;
-      }
-    }
-    if (best == target) ++correct;
-  }
-};
-
 /// out(b, d) = residual(b, last, d) + mixed(b, last, d): the final block's sum at each sequence's
 /// last position, the input of the final norm.
 template <class MemorySpace>
@@ -188,9 +167,7 @@ struct LanguageModel<ExecutionSpace>::State {
     LossResult result;
     result.loss = sum.mean();
     result.tokens = sum.count;
-    Kokkos::parallel_reduce("kmamba::lm::count_correct",
-                            Kokkos::RangePolicy<ExecutionSpace>(exec, 0, static_cast<int>(padded_logits.extent(0))),
-                            impl::CountCorrect<Mem>{padded_logits, flat_targets, ignore_index}, result.correct);
+    result.correct = sum.correct;
     return result;
   }
 

@@ -87,6 +87,51 @@ TYPED_TEST(CrossEntropy, LossAndGradientMatchDoubleReference) {
   }
 }
 
+// The forward also counts the counted rows whose first largest logit is the target: rows whose
+// maximum sits at the first, a middle or the last index, rows with the maximum twice (only the
+// first counts), an all-equal row, ignored rows, over vocabularies that span several host blocks
+// and many device threads.
+TYPED_TEST(CrossEntropy, CountsRowsWhoseFirstLargestLogitIsTheTarget) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  const std::int64_t ignore = -100;
+  for (const int vocab : {3, 257, 5000}) {
+    SCOPED_TRACE("vocab=" + std::to_string(vocab));
+    const int rows = 24;
+    auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::logits", rows, vocab);
+    kmamba::fill_normal(Exec(), logits, 7 + vocab, 0.0f, 1.0f);
+    auto lh = kmamba::test::to_host(logits);
+    std::vector<std::int64_t> t(static_cast<std::size_t>(rows));
+    std::int64_t want = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int peak = (r % 3 == 0) ? 0 : (r % 3 == 1 ? vocab / 2 : vocab - 1);
+      if (r == 5) {
+        for (int v = 0; v < vocab; ++v) lh(r, v) = 0.25f;  // all equal: the first index is the arg-max
+      } else {
+        lh(r, peak) = 10.0f;
+        if (r % 4 == 1 && peak > 0) lh(r, peak - 1) = 10.0f;  // an equal maximum just before it
+      }
+      int first = 0;
+      for (int v = 1; v < vocab; ++v)
+        if (lh(r, v) > lh(r, first)) first = v;
+      // Targets: the arg-max on even rows, the tied later index or another one on odd rows.
+      t[static_cast<std::size_t>(r)] =
+          r % 8 == 7 ? ignore : (r % 2 == 0 ? first : (r % 4 == 1 ? peak : (first + 1) % vocab));
+      if (r == 5) t[5] = 0;
+      if (t[static_cast<std::size_t>(r)] != ignore && t[static_cast<std::size_t>(r)] == first) ++want;
+    }
+    Kokkos::deep_copy(logits, lh);
+    const auto targets = kmamba::test::device_ids<Mem>("kmamba::test::targets", t);
+    auto lse = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::lse", rows);
+    const kmamba::CrossEntropySum sum =
+        kmamba::cross_entropy_forward(Exec(), kmamba::ConstTensor2<float, Mem>(logits),
+                                      kmamba::ConstTensor1<std::int64_t, Mem>(targets), ignore, lse);
+    EXPECT_GT(want, 0);
+    EXPECT_EQ(sum.correct, want);
+    EXPECT_EQ(sum.count, rows - rows / 8);
+  }
+}
+
 TYPED_TEST(CrossEntropy, RejectsTargetsOutsideTheVocabulary) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;

@@ -4,7 +4,9 @@
 //   lse_r = log Σ_v exp(logits[r, v]),   count = number of such rows,
 //   dlogits[r, v] = scale · (softmax(logits[r])_v − [v == targets[r]])   (0 on ignored rows).
 //
-// One team per row; the max and the sum of exponentials are team reductions, in fp32.
+// One team per row and one pass over it: each thread keeps the running max, the sum of
+// exponentials scaled to it and the max's index over its entries, and a team reduction merges them,
+// in fp32.
 #ifndef KMAMBA_CORE_CROSSENTROPY_HPP
 #define KMAMBA_CORE_CROSSENTROPY_HPP
 
@@ -20,17 +22,19 @@
 
 namespace kmamba {
 
-/// Sum of the per-row losses and the number of rows that count (targets != ignore_index).
+/// Sum of the per-row losses, the number of rows that count (targets != ignore_index) and, of
+/// those, the rows whose largest logit (the first, on ties) is the target.
 struct CrossEntropySum {
   double loss_sum = 0.0;
   std::int64_t count = 0;
+  std::int64_t correct = 0;
   /// The mean loss (0 when no row counts).
   double mean() const { return count > 0 ? loss_sum / static_cast<double>(count) : 0.0; }
 };
 
 /// Forward: writes lse (the log-sum-exp of each row, needed by the backward) and returns the summed
-/// loss and the counted rows. Blocking (it returns host values). Throws kmamba::UserError if a
-/// target is neither ignore_index nor in [0, vocab), naming the first offending row and id.
+/// loss, the counted rows and the correctly predicted ones. Blocking (it returns host values). Throws kmamba::UserError
+/// if a target is neither ignore_index nor in [0, vocab), naming the first offending row and id.
 template <class ExecutionSpace, class MemorySpace>
 CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
                                       const ConstTensor2<float, MemorySpace>& logits,          // (rows, vocab)
@@ -48,8 +52,8 @@ CrossEntropySum cross_entropy_forward(const ExecutionSpace& exec,
   KMAMBA_REQUIRE(bad.count == 0, function << ": " << bad.count << " target id(s) are outside [0, " << vocab
                                           << ") and not the ignore index " << ignore_index << "; the first is "
                                           << bad.first_value << " at row " << bad.first_row);
-  const auto sum = impl::cross_entropy_forward_impl(exec, logits, targets, ignore_index, lse);
-  return CrossEntropySum{sum.first, sum.second};
+  const impl::CrossEntropyTotals totals = impl::cross_entropy_forward_impl(exec, logits, targets, ignore_index, lse);
+  return CrossEntropySum{totals.loss_sum, totals.count, totals.correct};
 }
 
 /// Backward: dlogits = scale · (softmax − one_hot(target)) on counted rows, 0 on ignored rows

@@ -8,12 +8,67 @@
 #include <Kokkos_Core.hpp>
 
 #include <cfloat>
+#include <climits>
 #include <cstdint>
-#include <utility>
 
 namespace kmamba {
 namespace impl {
 
+/// A row's softmax statistics over the entries seen so far: the largest logit, the sum of
+/// exp(logit − max), and the first index holding the largest logit.
+struct SoftmaxStats {
+  float max;
+  float sum;
+  int arg;
+
+  /// Adds logit x at index v, for indices seen in increasing order (ties keep the first).
+  KOKKOS_INLINE_FUNCTION void add(float x, int v) {
+    if (x > max || arg == INT_MAX) {
+      sum = sum * Kokkos::Experimental::exp(max - x) + 1.0f;
+      max = x;
+      arg = v;
+    } else {
+      sum += Kokkos::Experimental::exp(x - max);
+    }
+  }
+
+  /// Merges the statistics of another set of entries (any order: ties take the smaller index).
+  KOKKOS_INLINE_FUNCTION void merge(float other_max, float other_sum, int other_arg) {
+    const float m = other_max > max ? other_max : max;
+    sum = sum * Kokkos::Experimental::exp(max - m) + other_sum * Kokkos::Experimental::exp(other_max - m);
+    if (other_max > max || (other_max == max && other_arg < arg)) arg = other_arg;
+    max = m;
+  }
+};
+
+/// Kokkos reducer over SoftmaxStats (a team's threads each walk part of a row).
+struct SoftmaxStatsReducer {
+  using reducer = SoftmaxStatsReducer;
+  using value_type = SoftmaxStats;
+  using result_view_type = Kokkos::View<value_type, Kokkos::AnonymousSpace, Kokkos::MemoryUnmanaged>;
+  value_type* result;
+
+  KOKKOS_INLINE_FUNCTION explicit SoftmaxStatsReducer(value_type& value) : result(&value) {}
+  KOKKOS_INLINE_FUNCTION void join(value_type& dest, const value_type& src) const {
+    dest.merge(src.max, src.sum, src.arg);
+  }
+#if KOKKOS_VERSION < 40000
+  KOKKOS_INLINE_FUNCTION void join(volatile value_type& dest, const volatile value_type& src) const {
+    SoftmaxStats merged{dest.max, dest.sum, dest.arg};
+    merged.merge(src.max, src.sum, src.arg);
+    dest.max = merged.max;
+    dest.sum = merged.sum;
+    dest.arg = merged.arg;
+  }
+#endif
+  KOKKOS_INLINE_FUNCTION void init(value_type& value) const { value = SoftmaxStats{-FLT_MAX, 0.0f, INT_MAX}; }
+  KOKKOS_INLINE_FUNCTION value_type& reference() const { return *result; }
+  KOKKOS_INLINE_FUNCTION result_view_type view() const { return result_view_type(result); }
+  KOKKOS_INLINE_FUNCTION bool references_scalar() const { return true; }
+};
+
+/// One pass over each row: its log-sum-exp (kept for the backward), the row's loss and whether its
+/// first largest logit is the target.
 template <class ExecSpace, class MemorySpace>
 struct CrossEntropyForward {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -24,72 +79,61 @@ struct CrossEntropyForward {
   /// Entries of a row per host block.
   static constexpr int host_block = 1024;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team, double& loss_sum, std::int64_t& count) const {
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team, double& loss_sum, std::int64_t& count,
+                                         std::int64_t& correct) const {
     const int r = team.league_rank();
     const int vocab = static_cast<int>(logits.extent(1));
-    float row_max = -FLT_MAX;
-    float sum = 0.0f;
+    SoftmaxStats stats{-FLT_MAX, 0.0f, INT_MAX};
     if constexpr (Kokkos::SpaceAccessibility<ExecSpace, Kokkos::HostSpace>::accessible) {
-      // Host: blocks of the row over the team's threads, each block's max and sum in four
-      // independent registers (a per-element reducer stays in memory, and its chain of dependent
-      // max / add costs a store-to-load latency per element).
+      // Host: blocks of the row over the team's threads, each block in four independent
+      // statistics (one running statistic would chain every element on the previous one).
       const int blocks = (vocab + host_block - 1) / host_block;
       Kokkos::parallel_reduce(
           Kokkos::TeamThreadRange(team, blocks),
-          [&](const int b, float& m) {
-            float part[4] = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX};
+          [&](const int b, SoftmaxStats& acc) {
+            SoftmaxStats part[4];
+            for (int q = 0; q < 4; ++q) part[q] = SoftmaxStats{-FLT_MAX, 0.0f, INT_MAX};
             const int v0 = b * host_block, v1 = vocab - v0 < host_block ? vocab : v0 + host_block;
-            for (int v = v0; v < v1; ++v) part[v % 4] = logits(r, v) > part[v % 4] ? logits(r, v) : part[v % 4];
-            for (int q = 0; q < 4; ++q) m = part[q] > m ? part[q] : m;
+            for (int v = v0; v < v1; ++v) part[v % 4].add(logits(r, v), v);
+            for (int q = 0; q < 4; ++q) acc.merge(part[q].max, part[q].sum, part[q].arg);
           },
-          Kokkos::Max<float>(row_max));
-      Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, blocks),
-          [&](const int b, float& total) {
-            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const int v0 = b * host_block, v1 = vocab - v0 < host_block ? vocab : v0 + host_block;
-            for (int v = v0; v < v1; ++v) part[v % 4] += Kokkos::Experimental::exp(logits(r, v) - row_max);
-            total += (part[0] + part[1]) + (part[2] + part[3]);
-          },
-          sum);
+          SoftmaxStatsReducer(stats));
     } else {
       Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, vocab),
-          [&](const int v, float& m) {
-            if (logits(r, v) > m) m = logits(r, v);
-          },
-          Kokkos::Max<float>(row_max));
-      Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, vocab),
-          [&](const int v, float& total) { total += Kokkos::Experimental::exp(logits(r, v) - row_max); }, sum);
+          Kokkos::TeamThreadRange(team, vocab), [&](const int v, SoftmaxStats& acc) { acc.add(logits(r, v), v); },
+          SoftmaxStatsReducer(stats));
     }
-    const float row_lse = row_max + Kokkos::Experimental::log(sum);
+    const float row_lse = stats.max + Kokkos::Experimental::log(stats.sum);
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       lse(r) = row_lse;
       const std::int64_t t = targets(r);
       if (t != ignore_index) {
         loss_sum += static_cast<double>(row_lse - logits(r, t));
         count += 1;
+        if (stats.arg == t) correct += 1;
       }
     });
   }
 };
 
-// Returns (sum of the counted rows' losses, number of counted rows).
-template <class ExecSpace, class MemorySpace>
-std::pair<double, std::int64_t> cross_entropy_forward_impl(const ExecSpace& exec,
-                                                           const ConstTensor2<float, MemorySpace>& logits,
-                                                           const ConstTensor1<std::int64_t, MemorySpace>& targets,
-                                                           std::int64_t ignore_index,
-                                                           const Tensor1<float, MemorySpace>& lse) {
+/// The summed loss, the counted rows and, of those, the rows whose first largest logit is the target.
+struct CrossEntropyTotals {
   double loss_sum = 0.0;
   std::int64_t count = 0;
+  std::int64_t correct = 0;
+};
+
+template <class ExecSpace, class MemorySpace>
+CrossEntropyTotals cross_entropy_forward_impl(const ExecSpace& exec, const ConstTensor2<float, MemorySpace>& logits,
+                                              const ConstTensor1<std::int64_t, MemorySpace>& targets,
+                                              std::int64_t ignore_index, const Tensor1<float, MemorySpace>& lse) {
+  CrossEntropyTotals totals;
   const int rows = static_cast<int>(logits.extent(0));
-  if (rows == 0) return {0.0, 0};
+  if (rows == 0) return totals;
   Kokkos::parallel_reduce("kmamba::cross_entropy::forward", Kokkos::TeamPolicy<ExecSpace>(exec, rows, Kokkos::AUTO),
-                          CrossEntropyForward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse}, loss_sum,
-                          count);
-  return {loss_sum, count};
+                          CrossEntropyForward<ExecSpace, MemorySpace>{logits, targets, ignore_index, lse},
+                          totals.loss_sum, totals.count, totals.correct);
+  return totals;
 }
 
 template <class ExecSpace, class MemorySpace>
