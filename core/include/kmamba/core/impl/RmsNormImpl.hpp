@@ -197,12 +197,68 @@ struct RmsNormBackwardFunctor {
   int ngroups;
   int rows_per_block;
   int scratch_level;
+  int lanes;  ///< the policy's vector length: a row's channels are spread over this many lanes
   bool have_rstd;
 
   /// The gradient reaching x̂ ⊙ w: dy, or dy ⊙ silu(z) when the gate follows the norm.
   KOKKOS_INLINE_FUNCTION float grad_out(int row, int c) const {
     const float g = to_float(dy(row, c));
     return input.gate == RmsNormGate::post_norm ? g * kmamba::silu(to_float(input.z(row, c))) : g;
+  }
+
+  /// Σ f(c) over the lane's channels c = begin + lane + k·lanes, four at a time in independent
+  /// sums so that their loads are in flight together.
+  template <class F>
+  KOKKOS_INLINE_FUNCTION float lane_sum(int lane, int begin, int end, const F& f) const {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int c = begin + lane;
+    for (; c + 3 * lanes < end; c += 4 * lanes) {
+      s0 += f(c);
+      s1 += f(c + lanes);
+      s2 += f(c + 2 * lanes);
+      s3 += f(c + 3 * lanes);
+    }
+    for (; c < end; c += lanes) s0 += f(c);
+    return (s0 + s1) + (s2 + s3);
+  }
+
+  /// f(c) over the lane's channels, four at a time.
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void lane_for(int lane, int begin, int end, const F& f) const {
+    int c = begin + lane;
+    for (; c + 3 * lanes < end; c += 4 * lanes) {
+      f(c);
+      f(c + lanes);
+      f(c + 2 * lanes);
+      f(c + 3 * lanes);
+    }
+    for (; c < end; c += lanes) f(c);
+  }
+
+  /// Writes dx (and dz) of element (row, c) and adds its share of dweight to `dweight_sum`.
+  KOKKOS_INLINE_FUNCTION void write_gradients(int row, int c, float r, float mean_term, float& dweight_sum) const {
+    const float xhat = input(row, c) * r;
+    const float w = to_float(weight(c));
+    const float go = grad_out(row, c);
+    const float dv = (w * go - xhat * mean_term) * r;
+    switch (input.gate) {
+      case RmsNormGate::none:
+        dx(row, c) = from_float<dx_type>(dv);
+        break;
+      case RmsNormGate::pre_norm: {
+        const float zv = to_float(input.z(row, c));
+        dx(row, c) = from_float<dx_type>(dv * kmamba::silu(zv));
+        dz(row, c) = from_float<dz_type>(dv * to_float(input.x(row, c)) * kmamba::silu_derivative(zv));
+        break;
+      }
+      case RmsNormGate::post_norm: {
+        const float zv = to_float(input.z(row, c));
+        dx(row, c) = from_float<dx_type>(dv);
+        dz(row, c) = from_float<dz_type>(to_float(dy(row, c)) * xhat * w * kmamba::silu_derivative(zv));
+        break;
+      }
+    }
+    dweight_sum += go * xhat;
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
@@ -228,10 +284,12 @@ struct RmsNormBackwardFunctor {
       } else {
         float sumsq = 0.0f;
         Kokkos::parallel_reduce(
-            Kokkos::ThreadVectorRange(team, begin, end),
-            [&](const int c, float& acc) {
-              const float v = input(row, c);
-              acc += v * v;
+            Kokkos::ThreadVectorRange(team, lanes),
+            [&](const int lane, float& acc) {
+              acc += lane_sum(lane, begin, end, [&](const int c) {
+                const float v = input(row, c);
+                return v * v;
+              });
             },
             sumsq);
         r = 1.0f / Kokkos::Experimental::sqrt(sumsq * inv_n + eps);
@@ -240,33 +298,17 @@ struct RmsNormBackwardFunctor {
       // mean over the group of x̂ ⊙ w ⊙ go, with x̂ = v·r.
       float projection = 0.0f;
       Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(team, begin, end),
-          [&](const int c, float& acc) { acc += input(row, c) * to_float(weight(c)) * grad_out(row, c); }, projection);
+          Kokkos::ThreadVectorRange(team, lanes),
+          [&](const int lane, float& acc) {
+            acc += lane_sum(lane, begin, end,
+                            [&](const int c) { return input(row, c) * to_float(weight(c)) * grad_out(row, c); });
+          },
+          projection);
       const float mean_term = projection * r * inv_n;
 
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, begin, end), [&](const int c) {
-        const float xhat = input(row, c) * r;
-        const float w = to_float(weight(c));
-        const float go = grad_out(row, c);
-        const float dv = (w * go - xhat * mean_term) * r;
-        switch (input.gate) {
-          case RmsNormGate::none:
-            dx(row, c) = from_float<dx_type>(dv);
-            break;
-          case RmsNormGate::pre_norm: {
-            const float zv = to_float(input.z(row, c));
-            dx(row, c) = from_float<dx_type>(dv * kmamba::silu(zv));
-            dz(row, c) = from_float<dz_type>(dv * to_float(input.x(row, c)) * kmamba::silu_derivative(zv));
-            break;
-          }
-          case RmsNormGate::post_norm: {
-            const float zv = to_float(input.z(row, c));
-            dx(row, c) = from_float<dx_type>(dv);
-            dz(row, c) = from_float<dz_type>(to_float(dy(row, c)) * xhat * w * kmamba::silu_derivative(zv));
-            break;
-          }
-        }
-        dweight_rows(q, c - begin) += go * xhat;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, lanes), [&](const int lane) {
+        lane_for(lane, begin, end,
+                 [&](const int c) { write_gradients(row, c, r, mean_term, dweight_rows(q, c - begin)); });
       });
     }
     team.team_barrier();
@@ -331,7 +373,8 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   // Teams of rms_norm_backward_threads rows at once (fewer where the backend allows fewer), each a
   // vector of up to 32 lanes over the channels.
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
-  Functor functor{dy, {x, z, gate}, weight, rstd, dx, dz, dweight, eps, rows, group_size, ngroups, 0, 0, have_rstd};
+  Functor functor{dy, {x, z, gate},  weight,   rstd, dx, dz, dweight, eps, rows, group_size, ngroups, 0,
+                  0,  vector_length, have_rstd};
   const int team_size =
       std::max(1, std::min(rms_norm_backward_threads,
                            Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
