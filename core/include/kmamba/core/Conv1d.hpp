@@ -76,11 +76,12 @@ Conv1dInput<MemorySpace> make_conv1d_input(const char* function, const ConstTens
                                   static_cast<int>(width)};
 }
 
-// Rows per backward segment: conv1d_segment_rows, halved (down to conv1d_min_segment_rows) while
-// the batch x segments x channels work items would not fill `exec` twice over.
+// Rows per forward or backward segment: conv1d_segment_rows, halved (down to
+// conv1d_min_segment_rows) while the batch x segments x channels work items would not fill `exec`
+// twice over.
 template <class ExecutionSpace>
-int conv1d_backward_segment_rows(const ExecutionSpace& exec, std::int64_t batch, std::int64_t seqlen,
-                                 std::int64_t channels) {
+int conv1d_segment_rows_for(const ExecutionSpace& exec, std::int64_t batch, std::int64_t seqlen,
+                            std::int64_t channels) {
   const std::int64_t wanted = 2 * static_cast<std::int64_t>(exec.concurrency());
   int rows = conv1d_segment_rows;
   while (rows > conv1d_min_segment_rows && batch * channels * ((seqlen + rows - 1) / rows) < wanted) rows /= 2;
@@ -121,8 +122,14 @@ void causal_conv1d(
     check_allocated(function, "final_state", final_state);
   }
   using Policy = Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>;
-  Kokkos::parallel_for("kmamba::conv1d::forward", Policy(exec, 0, static_cast<std::int64_t>(y.size())),
-                       impl::Conv1dForwardFunctor<Mem>{in, y, static_cast<int>(channels)});
+  const std::int64_t seqlen = in.seqlen;
+  const int segment_rows = impl::conv1d_segment_rows_for(exec, batch, seqlen, channels);
+  const std::int64_t segments = std::max<std::int64_t>(1, (seqlen + segment_rows - 1) / segment_rows);
+  impl::with_conv1d_window(in.width, [&](auto window) {
+    Kokkos::parallel_for("kmamba::conv1d::forward", Policy(exec, 0, batch * segments * channels),
+                         impl::Conv1dForwardSegmentFunctor<Mem, decltype(window)::value>{
+                             in, y, static_cast<int>(channels), static_cast<int>(segments), segment_rows});
+  });
   if (has_final_state) {
     Kokkos::parallel_for("kmamba::conv1d::final_state", Policy(exec, 0, batch * channels),
                          impl::Conv1dFinalStateFunctor<Mem>{in, final_state, static_cast<int>(channels)});
@@ -201,7 +208,7 @@ void causal_conv1d_backward(
                          Policy(exec, 0, static_cast<std::int64_t>(dinitial_state.size())),
                          impl::Conv1dBackwardStateFunctor<Mem>{grad, dinitial_state, static_cast<int>(channels)});
   }
-  const int segment_rows = impl::conv1d_backward_segment_rows(exec, batch, seqlen, channels);
+  const int segment_rows = impl::conv1d_segment_rows_for(exec, batch, seqlen, channels);
   const std::int64_t segments = std::max<std::int64_t>(1, (seqlen + segment_rows - 1) / segment_rows);
   const auto partial = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::conv1d::dweight_partial", batch * segments,
                                                                    width + 1, channels);
@@ -210,9 +217,7 @@ void causal_conv1d_backward(
                          impl::Conv1dBackwardSegmentFunctor<Mem, decltype(window)::value>{
                              grad, dx, partial, static_cast<int>(channels), static_cast<int>(segments), segment_rows});
   });
-  Kokkos::parallel_for("kmamba::conv1d::backward_dweight_sum", Policy(exec, 0, (width + 1) * channels),
-                       impl::Conv1dWeightPartialSumFunctor<Mem>{partial, dweight, dbias, has_dbias,
-                                                                static_cast<int>(channels), static_cast<int>(width)});
+  impl::conv1d_weight_partial_sum(exec, ConstTensor3<float, Mem>(partial), dweight, dbias, has_dbias);
 }
 
 template <class XView>

@@ -9,9 +9,11 @@
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Conv1dWidth.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -55,22 +57,6 @@ struct Conv1dInput {
   }
 
   KOKKOS_INLINE_FUNCTION float activate(float pre) const { return apply_silu ? silu(pre) : pre; }
-};
-
-// y(b, t, c) for every (b, t, c); flat index i = (b * seqlen + t) * channels + c.
-template <class MemorySpace>
-struct Conv1dForwardFunctor {
-  Conv1dInput<MemorySpace> in;
-  Tensor3<float, MemorySpace> y;  // (batch, seqlen, channels)
-  int channels;
-
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const int c = static_cast<int>(i % channels);
-    const std::int64_t row = i / channels;
-    const int t = static_cast<int>(row % in.seqlen);
-    const int b = static_cast<int>(row / in.seqlen);
-    y(b, t, c) = in.activate(in.pre_activation(b, t, c));
-  }
 };
 
 // final_state(b, c, j) = input(seqlen - (width-1) + j), one thread per (b, c), j ascending so
@@ -141,6 +127,59 @@ struct Conv1dBackwardStateFunctor {
 constexpr int conv1d_segment_rows = 64;
 constexpr int conv1d_min_segment_rows = 16;
 
+// The register window of a (batch, segment, channel) work item, right-aligned: slot MaxWidth - 1
+// holds time t after each step's shift, so every register index is a compile-time constant; a
+// width below MaxWidth leaves the leading slots unused (their taps are zero).
+template <class MemorySpace, int MaxWidth>
+struct Conv1dWindow {
+  float tap[MaxWidth];
+  float window[MaxWidth];
+  int first_tap;  // the slot of tap 0; slots before it hold inputs the conv does not read
+
+  // The taps of channel c and the inputs before t0 (initial state included).
+  KOKKOS_INLINE_FUNCTION Conv1dWindow(const Conv1dInput<MemorySpace>& in, int b, int t0, int c)
+      : first_tap(MaxWidth - in.width) {
+    for (int j = 0; j < MaxWidth; ++j) {
+      tap[j] = j >= first_tap ? in.weight(c, j - first_tap) : 0.0f;
+      // window[j] = the input at time t0 - MaxWidth + j, the one before each step's shift.
+      window[j] = j > first_tap ? in.input(b, t0 - MaxWidth + j, c) : 0.0f;
+    }
+  }
+
+  // Shifts in the input at the next time and returns the pre-activation there.
+  KOKKOS_INLINE_FUNCTION float step(const Conv1dInput<MemorySpace>& in, float newest, int c) {
+    for (int j = 0; j + 1 < MaxWidth; ++j) window[j] = window[j + 1];
+    window[MaxWidth - 1] = newest;
+    float pre = in.has_bias ? in.bias(c) : 0.0f;
+    for (int j = 0; j < MaxWidth; ++j) {
+      if (j >= first_tap) pre += tap[j] * window[j];
+    }
+    return pre;
+  }
+};
+
+// The forward of one (batch, segment of rows [t0, t1), channel) work item: each step loads x(t)
+// once into the register window and writes y(t). Consecutive work items are consecutive channels,
+// so every load and store of a warp is contiguous.
+template <class MemorySpace, int MaxWidth>
+struct Conv1dForwardSegmentFunctor {
+  Conv1dInput<MemorySpace> in;
+  Tensor3<float, MemorySpace> y;  // (batch, seqlen, channels)
+  int channels;
+  int segments;
+  int segment_rows;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const int c = static_cast<int>(i % channels);
+    const std::int64_t item = i / channels;
+    const int b = static_cast<int>(item / segments);
+    const int t0 = static_cast<int>(item % segments) * segment_rows;
+    const int t1 = t0 + segment_rows < in.seqlen ? t0 + segment_rows : in.seqlen;
+    Conv1dWindow<MemorySpace, MaxWidth> w(in, b, t0, c);
+    for (int t = t0; t < t1; ++t) y(b, t, c) = in.activate(w.step(in, in.x(b, t, c), c));
+  }
+};
+
 // The backward of one (batch, segment of rows [t0, t1), channel) work item in one pass over time:
 // each step loads x(t) and dy(t) once, recomputes the pre-activation from a window of the last
 // MaxWidth inputs held in registers, adds dpre(t) * weight(c, k) to the pending gradients of the
@@ -170,31 +209,24 @@ struct Conv1dBackwardSegmentFunctor {
     const int t0 = static_cast<int>(item % segments) * segment_rows;
     const int t1 = t0 + segment_rows < seqlen ? t0 + segment_rows : seqlen;
     const int t_end = t1 + width - 1 < seqlen ? t1 + width - 1 : seqlen;
-    float tap[MaxWidth], window[MaxWidth], pending[MaxWidth], sums[MaxWidth];
+    Conv1dWindow<MemorySpace, MaxWidth> w(grad.in, b, t0, c);
+    float pending[MaxWidth], sums[MaxWidth];
     float bias_sum = 0.0f;
     for (int j = 0; j < MaxWidth; ++j) {
-      tap[j] = j >= first_tap ? grad.in.weight(c, j - first_tap) : 0.0f;
-      // window[j] = the input at time t0 - MaxWidth + j, the one before each step's shift.
-      window[j] = j > first_tap ? grad.in.input(b, t0 - MaxWidth + j, c) : 0.0f;
       pending[j] = 0.0f;
       sums[j] = 0.0f;
     }
     for (int t = t0; t < t1 + MaxWidth - 1; ++t) {
       if (t < t_end) {
-        for (int j = 0; j + 1 < MaxWidth; ++j) window[j] = window[j + 1];
-        window[MaxWidth - 1] = grad.in.x(b, t, c);
-        float pre = grad.in.has_bias ? grad.in.bias(c) : 0.0f;
-        for (int j = 0; j < MaxWidth; ++j) {
-          if (j >= first_tap) pre += tap[j] * window[j];
-        }
+        const float pre = w.step(grad.in, grad.in.x(b, t, c), c);
         const float g = grad.dy(b, t, c);
         const float dpre = grad.in.apply_silu ? g * silu_derivative(pre) : g;
         for (int j = 0; j < MaxWidth; ++j) {
-          if (j >= first_tap) pending[j] += tap[j] * dpre;
+          if (j >= first_tap) pending[j] += w.tap[j] * dpre;
         }
         if (t < t1) {
           for (int j = 0; j < MaxWidth; ++j) {
-            if (j >= first_tap) sums[j] += dpre * window[j];
+            if (j >= first_tap) sums[j] += dpre * w.window[j];
           }
           bias_sum += dpre;
         }
@@ -229,27 +261,55 @@ void with_conv1d_window(int width, F&& f) {
   }
 }
 
-// dweight(c, k) (k < width) or dbias(c) (k = width) as the sum of the segments' partial sums in
-// segment order (deterministic, no atomics); flat index i = k * channels + c.
-template <class MemorySpace>
+// dweight(c, k) (k < width) or dbias(c) (k = width) as the sum of the segments' partial sums, in
+// a fixed order (deterministic, no atomics): a team per (k, block of `lanes` channels), whose thread
+// q adds partial blocks q, q + team_size, ... in order, and whose first thread then adds the
+// threads' sums in order. Flat league index = k * channel_blocks + channel block.
+template <class ExecutionSpace>
 struct Conv1dWeightPartialSumFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
+  using MemorySpace = typename ExecutionSpace::memory_space;
+  using scratch_view = Kokkos::View<float**, Kokkos::LayoutRight, typename ExecutionSpace::scratch_memory_space,
+                                    Kokkos::MemoryUnmanaged>;
   ConstTensor3<float, MemorySpace> partial;  // (batch * segments, width + 1, channels)
   Tensor2<float, MemorySpace> dweight;       // (channels, width)
   Tensor1<float, MemorySpace> dbias;         // (channels) if has_dbias
   bool has_dbias;
   int channels;
   int width;
+  int lanes;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const int c = static_cast<int>(i % channels);
-    const int k = static_cast<int>(i / channels);
-    float total = 0.0f;
-    for (std::size_t block = 0; block < partial.extent(0); ++block) total += partial(block, k, c);
-    if (k < width) {
-      dweight(c, k) = total;
-    } else if (has_dbias) {
-      dbias(c) = total;
-    }
+  int channel_blocks() const { return (channels + lanes - 1) / lanes; }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int blocks_per_k = (channels + lanes - 1) / lanes;
+    const int k = team.league_rank() / blocks_per_k;
+    const int c0 = (team.league_rank() % blocks_per_k) * lanes;
+    const int q = team.team_rank();
+    const int threads = team.team_size();
+    const int blocks = static_cast<int>(partial.extent(0));
+    const scratch_view sums(team.team_scratch(0), threads, lanes);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, lanes), [&](const int lane) {
+      const int c = c0 + lane;
+      float total = 0.0f;
+      if (c < channels) {
+        for (int block = q; block < blocks; block += threads) total += partial(block, k, c);
+      }
+      sums(q, lane) = total;
+    });
+    team.team_barrier();
+    if (q != 0) return;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, lanes), [&](const int lane) {
+      const int c = c0 + lane;
+      if (c >= channels) return;
+      float total = 0.0f;
+      for (int p = 0; p < threads; ++p) total += sums(p, lane);
+      if (k < width) {
+        dweight(c, k) = total;
+      } else if (has_dbias) {
+        dbias(c) = total;
+      }
+    });
   }
 };
 
@@ -279,6 +339,29 @@ struct Conv1dUpdateFunctor {
     y(b, c) = apply_silu ? silu(acc) : acc;
   }
 };
+
+// Launches Conv1dWeightPartialSumFunctor: on devices teams of 8 threads of 32 lanes (a warp each),
+// on hosts a thread per team and channel.
+template <class ExecutionSpace, class MemorySpace>
+void conv1d_weight_partial_sum(const ExecutionSpace& exec,
+                               const ConstTensor3<float, MemorySpace>& partial,  // (blocks, width + 1, channels)
+                               const Tensor2<float, MemorySpace>& dweight,       // (channels, width)
+                               const Tensor1<float, MemorySpace>& dbias,         // (channels) if has_dbias
+                               bool has_dbias) {
+  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
+  using Functor = Conv1dWeightPartialSumFunctor<ExecutionSpace>;
+  const int lanes = std::min(32, static_cast<int>(Policy::vector_length_max()));
+  const int threads = vector_lanes_are_threads<ExecutionSpace> ? 8 : 1;
+  const Functor functor{
+      partial, dweight, dbias, has_dbias, static_cast<int>(partial.extent(2)), static_cast<int>(dweight.extent(1)),
+      lanes};
+  const int league = (functor.width + 1) * functor.channel_blocks();
+  if (league == 0) return;
+  Kokkos::parallel_for("kmamba::conv1d::backward_dweight_sum",
+                       Policy(exec, league, threads, lanes)
+                           .set_scratch_size(0, Kokkos::PerTeam(Functor::scratch_view::shmem_size(threads, lanes))),
+                       functor);
+}
 
 }  // namespace impl
 }  // namespace kmamba
