@@ -50,7 +50,7 @@ export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 host=0
 if [ "${1:-}" = "--host" ]; then
   host=1
-  bin="${2:-$root/build-host}"
+  bin="$(cd "${2:-$root/build-host}" && pwd)"  # absolute: the links below point at it
   suites=(kmamba_communicator_tests kmamba_embed_data_parallel_tests)  # the MPI twins
   binaries+=("${suites[@]}")
   for b in "${binaries[@]}"; do
