@@ -294,15 +294,8 @@ Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const km
   const kmamba::MeshConfig resolved = r.mesh.resolve(runtime.size());
   kmamba::check_mesh_fits_model(resolved, config);
   // Device memory travels through NCCL (one GPU per rank); host memory through MPI.
-  constexpr bool device_memory =
-      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
-#if KMAMBA_ENABLE_NCCL
-  const kmamba::Transport transport = device_memory ? kmamba::Transport::Nccl : kmamba::Transport::Mpi;
-#else
-  (void)device_memory;  // a CUDA build without NCCL: the MPI transport says what is missing
-  const kmamba::Transport transport = kmamba::Transport::Mpi;
-#endif
-  p.mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved, transport);
+  p.mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved,
+                                                 kmamba::transport_for<typename Exec::memory_space>());
   p.root = p.mesh->world().rank() == 0;
   p.split = p.mesh->config().tensor_parallel_size > 1 || p.mesh->config().sequence_parallel_size > 1;
 #else

@@ -11,21 +11,24 @@
 # racecheck (default: all the test suites; set but empty: none), GPU_CARRIED_SANITIZER_TIMEOUT
 # bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips the benchmarks (which
 # include per-kernel profiles of a training step and of batch-1 and batch-64 decode steps), GPU_CARRIED_EVAL=0
-# the golden evaluations and the NCCL single-rank run. The sanitizers run last, side by side and
-# alone on the GPU, so that they never share it with a timed benchmark.
+# the golden evaluations and the NCCL single-rank runs (the NCCL communicator and embedding suites,
+# kmamba-train with every parallel option, kmamba-perf-comm on device memory). The sanitizers run
+# last, side by side and alone on the GPU, so that they never share it with a timed benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 suites=(${GPU_CARRIED_SUITES-mamba3_scan mamba3_mixer decode rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
+nccl_suites=(nccl_communicator embed_data_parallel_nccl)  # MPI main, one rank (the NCCL runs below)
 if [ "${1:-}" = "--pack" ]; then
   build="${2:-$root/build-cuda}"
-  targets=(kmamba-perf kmamba-perf-decode kmamba-perf-train kmamba-lorenz96 kmamba-train kmamba-eval)
-  for s in "${suites[@]}"; do targets+=("kmamba_${s}_tests"); done
+  targets=(kmamba-perf kmamba-perf-decode kmamba-perf-train kmamba-perf-comm kmamba-lorenz96 kmamba-train kmamba-eval)
+  for s in "${suites[@]}" "${nccl_suites[@]}"; do targets+=("kmamba_${s}_tests"); done
   cmake --build "$build" -j 2 $(printf -- '--target %s ' "${targets[@]}") || exit 1
   rm -rf "$root/.gl/bin" && mkdir -p "$root/.gl/bin"
   cp "$build"/perf/kmamba-perf "$build"/perf/kmamba-perf-decode "$build"/perf/kmamba-perf-train \
-     "$build"/apps/kmamba-lorenz96 "$build"/apps/kmamba-train "$build"/apps/kmamba-eval "$root/.gl/bin/"
-  for s in "${suites[@]}"; do cp "$build/tests/kmamba_${s}_tests" "$root/.gl/bin/"; done
+     "$build"/perf/kmamba-perf-comm "$build"/apps/kmamba-lorenz96 "$build"/apps/kmamba-train "$build"/apps/kmamba-eval \
+     "$root/.gl/bin/"
+  for s in "${suites[@]}" "${nccl_suites[@]}"; do cp "$build/tests/kmamba_${s}_tests" "$root/.gl/bin/"; done
   strip "$root"/.gl/bin/*
   tar cJf "$root/.gl/bin.tar.xz" -C "$root/.gl" bin && rm -rf "$root/.gl/bin"
   du -h "$root/.gl/bin.tar.xz"
@@ -69,6 +72,14 @@ if [ "${GPU_CARRIED_EVAL:-1}" != 0 ]; then
   step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
     -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
     "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+  # The ctest entries train.mpi_nccl_np1_options, nccl_communicator.np1, embed_data_parallel_nccl.np1
+  # and perf.comm_nccl_np1.
+  step nccl-np1-options cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
+    -DOUT=/tmp/kmamba-nccl-np1-options "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;5;--seqlen;33;--grad-accum;2;--device;cuda" \
+    "-DMESH=--dp;1;--tp;1;--sp;1;--zero-stage;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+  for s in "${nccl_suites[@]}"; do step "test-$s-np1" mpirun -n 1 --allow-run-as-root "$bin/kmamba_${s}_tests"; done
+  step perf-comm-nccl-np1 mpirun -n 1 --allow-run-as-root "$bin/kmamba-perf-comm" --device cuda --max-bytes 64K \
+    --reps 3 --warmup 1 --json "$out/perf-comm-nccl-np1.json"
 fi
 if [ "${GPU_CARRIED_PERF:-1}" != 0 ]; then
   step perf-kernels "$bin/kmamba-perf" --space Cuda

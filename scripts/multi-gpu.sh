@@ -9,14 +9,16 @@
 #       checkpointing on, also on the one-GPU reference); tp strong scaling needs tp to divide the
 #       B/C groups, so the tp runs and their one-GPU reference use ngroups 4 (mamba2-370m has 1);
 #   (d) kmamba-perf-model: alpha-beta fits of (b) and the 16 -> 1024 GPU prediction with (c)'s
-#       one-GPU step time, tables and scaling.png.
+#       one-GPU step time, tables and scaling.png;
+#   (e) suites: the NCCL test suites (every collective of the communicator on device memory, the
+#       embedding API's data parallelism) at n ranks; on the host, their MPI twins.
 #
 # Here:    scripts/multi-gpu.sh --pack [build-dir]   # default build-cuda (NCCL on); writes .gl/multi-gpu.tar.xz
 # There:   scripts/multi-gpu.sh                      # carry .gl; logs and results go to $OUT
 # Plumbing on this CPU machine (no GPU): scripts/multi-gpu.sh --host [build-dir]   # default build-host;
 #          CPU ranks (MPI, Serial), np 2 and 4, small models and messages.
 #
-# MULTI_GPU_PARTS picks the parts (default "equiv comm train sp model"; each writes its own files,
+# MULTI_GPU_PARTS picks the parts (default "suites equiv comm train sp model"; each writes its own files,
 # so a long session can run them in separate calls), MULTI_GPU_NPS the rank counts (default: 2 4 8
 # up to the GPUs present; host: 2 4), MULTI_GPU_COMM_MAX the largest message (default 1G; host 1M),
 # MULTI_GPU_TIMEOUT bounds each command (s, default 600), MULTI_GPU_STEPS the timed training steps
@@ -27,15 +29,17 @@ set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 binaries=(kmamba-train kmamba-perf-comm kmamba-perf-train kmamba-perf-model)
+suites=(kmamba_nccl_communicator_tests kmamba_embed_data_parallel_nccl_tests)  # under tests/ of the build
 
 if [ "${1:-}" = "--pack" ]; then
   build="${2:-$root/build-cuda}"
   grep -q "KMAMBA_ENABLE_NCCL:BOOL=ON" "$build/CMakeCache.txt" 2>/dev/null ||
     { echo "multi-gpu.sh: $build is not a CUDA build with KMAMBA_ENABLE_NCCL=ON" >&2; exit 1; }
-  cmake --build "$build" -j 2 $(printf -- '--target %s ' "${binaries[@]}") || exit 1
+  cmake --build "$build" -j 2 $(printf -- '--target %s ' "${binaries[@]}" "${suites[@]}") || exit 1
   rm -rf "$root/.gl/multi-gpu" && mkdir -p "$root/.gl/multi-gpu"
   cp "$build/apps/kmamba-train" "$build/perf/kmamba-perf-comm" "$build/perf/kmamba-perf-train" \
      "$build/perf/kmamba-perf-model" "$root/.gl/multi-gpu/"
+  for s in "${suites[@]}"; do cp "$build/tests/$s" "$root/.gl/multi-gpu/"; done
   strip "$root"/.gl/multi-gpu/*
   tar cJf "$root/.gl/multi-gpu.tar.xz" -C "$root/.gl" multi-gpu && rm -rf "$root/.gl/multi-gpu"
   du -h "$root/.gl/multi-gpu.tar.xz"
@@ -46,13 +50,17 @@ export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 host=0
 if [ "${1:-}" = "--host" ]; then
   host=1
-  bin="${2:-$root/build-host}"
+  bin="$(cd "${2:-$root/build-host}" && pwd)"  # absolute: the links below point at it
+  suites=(kmamba_communicator_tests kmamba_embed_data_parallel_tests)  # the MPI twins
+  binaries+=("${suites[@]}")
   for b in "${binaries[@]}"; do
-    found=$(ls "$bin/apps/$b" "$bin/perf/$b" 2>/dev/null | head -n 1)
+    found=$(ls "$bin/apps/$b" "$bin/perf/$b" "$bin/tests/$b" 2>/dev/null | head -n 1)
     [ -n "$found" ] || { echo "multi-gpu.sh: $b is not built in $bin (cmake --build $bin --target $b)" >&2; exit 1; }
   done
   mkdir -p "$root/.gl/multi-gpu-host"
-  for b in "${binaries[@]}"; do ln -sf "$(ls "$bin/apps/$b" "$bin/perf/$b" 2>/dev/null | head -n 1)" "$root/.gl/multi-gpu-host/$b"; done
+  for b in "${binaries[@]}"; do
+    ln -sf "$(ls "$bin/apps/$b" "$bin/perf/$b" "$bin/tests/$b" 2>/dev/null | head -n 1)" "$root/.gl/multi-gpu-host/$b"
+  done
   bin="$root/.gl/multi-gpu-host"
   out="${OUT:-$root/multi-gpu-out}"
   export OMP_NUM_THREADS=1 OMP_PROC_BIND=false
@@ -79,7 +87,7 @@ else
   sp_model=(--preset 370m --batch 1)
   [ "${MULTI_GPU_CHECKPOINT:-1}" = 0 ] || sp_model+=(--activation-checkpointing)
 fi
-parts="${MULTI_GPU_PARTS:-equiv comm train sp model}"
+parts="${MULTI_GPU_PARTS:-suites equiv comm train sp model}"
 limit="${MULTI_GPU_TIMEOUT:-600}"
 mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE)
 mkdir -p "$out"
@@ -99,9 +107,16 @@ step() {  # step NAME COMMAND...: runs it bounded by $limit, logs to $OUT/NAME.l
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 0 ] || status=1
-  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'largest loss difference|FATAL|wrote|ms/step|failed' "$out/$name.log" | tail -n 1 | cut -c1-160)" | tee -a "$out/summary.txt"
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'largest loss difference|FATAL|wrote|ms/step|failed|PASSED' "$out/$name.log" | tail -n 1 | cut -c1-160)" | tee -a "$out/summary.txt"
 }
 has_part() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# (e) The NCCL suites (host: their MPI twins) at every rank count.
+if has_part suites; then
+  for np in "${nps[@]}"; do
+    for s in "${suites[@]}"; do step "$s-np$np" "${mpi[@]}" -n "$np" "$bin/$s"; done
+  done
+fi
 
 # (a) One-GPU run vs the mesh over the same global batches (grad-accum = dp on one GPU), ngroups 4
 # and 8 heads so that tp 2 and 4 split them.

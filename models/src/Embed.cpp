@@ -77,7 +77,8 @@ void Model<ExecutionSpace>::save(const std::string& dir) const {
 template <class ExecutionSpace>
 void Model<ExecutionSpace>::enable_data_parallel(MPI_Comm comm) {
   KMAMBA_REQUIRE(!mesh_, "kmamba::Model::enable_data_parallel: already enabled");
-  std::unique_ptr<ProcessMesh> mesh(new ProcessMesh(comm, MeshConfig()));
+  // Device memory travels through NCCL (one GPU per rank), host memory through MPI.
+  std::unique_ptr<ProcessMesh> mesh(new ProcessMesh(comm, MeshConfig(), transport_for<memory_space>()));
   const ExecutionSpace exec;
   mesh->data().broadcast(exec, model_->parameters().params(), 0);
   exec.fence();

@@ -117,10 +117,11 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
 
 bool NcclCommunicator::use_nccl(const StreamContext& stream) const {
   check_async_error();
-  if (stream.device_accessible && stream.cuda_stream != nullptr) return true;
+  if (stream.device_accessible && stream.cuda_instance) return true;
   KMAMBA_REQUIRE(stream.host_accessible,
-                 "device-memory views need a Kokkos::Cuda execution space instance, whose "
-                 "stream orders the NCCL work");
+                 "the views are in device memory but the execution space instance is not a Kokkos::Cuda "
+                 "instance; pass a Kokkos::Cuda instance (the default one or any other), whose stream "
+                 "orders the NCCL work");
   stream.fence();
   return false;
 }

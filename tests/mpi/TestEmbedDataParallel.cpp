@@ -2,7 +2,10 @@
 // rank's shard of a global batch after enable_data_parallel(MPI_COMM_WORLD) equals one Model on
 // the whole batch — losses, gradient norms and parameters after 3 steps, with replicated (stage
 // 0) and sharded (ZeRO-1) AdamW moments — starting from rank 0's parameters whatever each rank
-// initialised; save writes once (rank 0) and every rank loads the same model.
+// initialised; save writes once (rank 0) and every rank loads the same model. Compiled as it is
+// (kmamba_embed_data_parallel_tests), on host memory through MPI; with KMAMBA_TEST_NCCL
+// (kmamba_embed_data_parallel_nccl_tests, labels mpi and cuda; one GPU per rank), the same on
+// device memory through NCCL, on the default Kokkos::Cuda instance.
 //
 // "Equal" (support/RoundingBounds.hpp): the ranks sum the shards' gradients in another order than
 // one model does on the whole batch. Losses agree within τ = 8·√N·u (N from the model's
@@ -24,7 +27,11 @@
 
 namespace {
 
+#if KMAMBA_TEST_NCCL
+using Exec = Kokkos::Cuda;
+#else
 using Exec = Kokkos::DefaultHostExecutionSpace;
+#endif
 using Mem = Exec::memory_space;
 
 kmamba::SequenceModelConfig tiny_config() {
@@ -100,11 +107,13 @@ TEST(EmbedDataParallel, ShardsOfABatchEqualOneModelOnTheWholeBatch) {
       const kmamba::TrainStepResult r = reference.train_step(exec, x, t);
       const kmamba::TrainStepResult p = parallel.train_step(exec, xs, ts);
       exec.fence();
-      const std::vector<double> delta = step == 0 ? kmamba::test::per_tensor_bounds(slab.entries(), slab.grads(), tau)
-                                                  : kmamba::test::slab_bounds(slab.grads(), tau);
+      const auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.grads());
+      const auto params = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), slab.params());
+      const std::vector<double> delta = step == 0 ? kmamba::test::per_tensor_bounds(slab.entries(), grads, tau)
+                                                  : kmamba::test::slab_bounds(grads, tau);
       const double norm_bound = kmamba::test::norm_difference_bound(delta, r.grad_norm);
-      bound.step(slab.grads(), delta, kmamba::clip_scale(r.grad_norm, options.grad_clip),
-                 kmamba::test::clip_scale_difference(r.grad_norm, norm_bound, options.grad_clip), r.lr, slab.params());
+      bound.step(grads, delta, kmamba::clip_scale(r.grad_norm, options.grad_clip),
+                 kmamba::test::clip_scale_difference(r.grad_norm, norm_bound, options.grad_clip), r.lr, params);
       EXPECT_EQ(p.step, r.step);
       EXPECT_NEAR(p.loss, r.loss, tau * r.loss);
       EXPECT_NEAR(p.grad_norm, r.grad_norm, norm_bound);
@@ -115,7 +124,8 @@ TEST(EmbedDataParallel, ShardsOfABatchEqualOneModelOnTheWholeBatch) {
         slab.entries(), [&](std::size_t i) { return got[i]; }, [&](std::size_t i) { return want[i]; },
         [&](std::size_t i) { return bound.parameter(i); }, "parameter");
     // Rank 0 writes; every rank returns once the files exist and loads the same parameters.
-    const std::string dir = std::string(::testing::TempDir()) + "kmamba_embed_dp_np" + std::to_string(size);
+    const std::string dir =
+        std::string(::testing::TempDir()) + "kmamba_embed_dp_" + Exec::name() + "_np" + std::to_string(size);
     parallel.save(dir);
     EXPECT_EQ(parameters_of(kmamba::Model<Exec>::load(dir)), parameters_of(parallel));
     MPI_Barrier(MPI_COMM_WORLD);  // nobody saves the next stage's model while another rank still loads

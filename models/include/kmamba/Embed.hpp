@@ -148,7 +148,8 @@ class Model {
   /// Trains data parallel over the ranks of `comm` (duplicated; the application keeps it) from now
   /// on: rank 0's parameters are broadcast, each rank's train_step batch is its shard of the
   /// global batch, gradients are averaged over all ranks' values and AdamW (moments sharded with
-  /// zero_stage 1) keeps the parameters identical on every rank. Collective over `comm`.
+  /// zero_stage 1) keeps the parameters identical on every rank. Device memory travels through
+  /// NCCL (one GPU per rank; CUDA builds with NCCL), host memory through MPI. Collective over `comm`.
   void enable_data_parallel(MPI_Comm comm);
   /// This rank and the number of ranks (0 and 1 without data parallelism).
   int data_rank() const;

@@ -82,7 +82,12 @@ constexpr int no_peer = -1;
 
 /// What a transport needs to know about the caller's execution space instance and buffers.
 struct StreamContext {
-  void* cuda_stream = nullptr;     ///< the cudaStream_t of a Kokkos::Cuda instance; null otherwise
+  /// The instance is a Kokkos::Cuda instance, whose stream (cuda_stream) orders device work. Every
+  /// instance counts, the default one included.
+  bool cuda_instance = false;
+  /// That instance's cudaStream_t (only with cuda_instance). Null is the legacy default stream, the
+  /// stream of Kokkos 3's default instance: a stream like any other, not "no stream".
+  void* cuda_stream = nullptr;
   bool host_accessible = true;     ///< the buffers can be read and written by the host
   bool device_accessible = false;  ///< the buffers can be read and written by CUDA kernels
   std::function<void()> fence;     ///< waits for the work already submitted to the instance
@@ -95,7 +100,10 @@ StreamContext stream_context(const ExecutionSpace& exec) {
   context.host_accessible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible;
 #if KMAMBA_ENABLE_CUDA
   context.device_accessible = Kokkos::SpaceAccessibility<Kokkos::Cuda, MemorySpace>::accessible;
-  if constexpr (std::is_same<ExecutionSpace, Kokkos::Cuda>::value) context.cuda_stream = exec.cuda_stream();
+  if constexpr (std::is_same<ExecutionSpace, Kokkos::Cuda>::value) {
+    context.cuda_instance = true;
+    context.cuda_stream = exec.cuda_stream();
+  }
 #endif
   context.fence = [exec] { exec.fence(); };
   return context;

@@ -2,8 +2,10 @@
 // with MPI: rank 0 of the group creates the ncclUniqueId, MPI_Bcast shares it, every rank joins with
 // ncclCommInitRank; split() builds one NCCL communicator per mesh axis the same way over the
 // MPI_Comm_split of the group. Views in CUDA-accessible memory go through NCCL, enqueued on the
-// caller's Kokkos::Cuda instance's stream (the call returns at once; later work on that instance is
-// ordered after it). Views in host-only memory go through the group's MPI communicator (blocking).
+// stream of the caller's Kokkos::Cuda instance, whichever it is: the default instance (whose stream
+// is the legacy default stream in Kokkos 3) or one on a stream of the caller's (the call returns at
+// once; later work on that instance is ordered after it). Views in host-only memory go through the
+// group's MPI communicator (blocking).
 // One GPU per rank: the communicator uses the device of Kokkos's default Cuda instance.
 #ifndef KMAMBA_PARALLEL_NCCLCOMMUNICATOR_HPP
 #define KMAMBA_PARALLEL_NCCLCOMMUNICATOR_HPP
@@ -58,8 +60,8 @@ class NcclCommunicator final : public Communicator {
 
  private:
   NcclCommunicator(MpiComm mpi, const std::string& axis);
-  /// True when the buffers go through NCCL on stream.cuda_stream; false for the MPI host path
-  /// (after fencing the caller's instance).
+  /// True when the buffers go through NCCL on stream.cuda_stream (device-accessible buffers and a
+  /// Kokkos::Cuda instance); false for the MPI host path (after fencing the caller's instance).
   bool use_nccl(const StreamContext& stream) const;
   /// Throws the asynchronous error the watchdog found, if any.
   void check_async_error() const;

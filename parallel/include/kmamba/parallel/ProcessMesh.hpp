@@ -90,6 +90,18 @@ enum class Transport {
   Nccl,  ///< NcclCommunicator (device memory; CUDA builds with KMAMBA_ENABLE_NCCL)
 };
 
+/// The transport for Views in `MemorySpace`: NCCL for memory the host cannot access, in a build with
+/// NCCL (one GPU per rank); MPI otherwise (in a CUDA build without NCCL, the MPI transport then
+/// names device memory as the error).
+template <class MemorySpace>
+constexpr Transport transport_for() {
+#if KMAMBA_ENABLE_NCCL
+  return Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible ? Transport::Mpi : Transport::Nccl;
+#else
+  return Transport::Mpi;
+#endif
+}
+
 /// The communicators of this rank, one per axis.
 class ProcessMesh {
  public:
