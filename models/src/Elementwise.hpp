@@ -47,16 +47,36 @@ struct AccumulateFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { grad(i) += value(i); }
 };
 
-/// grad(offset + c) += Σ_r g(r, c), the rows summed in order (deterministic).
+/// Rows a work item of the column sums adds (the first of their two stages).
+constexpr int column_sum_chunk_rows = 64;
+
+/// partial(k, c) = Σ g(r, c) over the rows r of chunk k, in order; flat index i = k · width + c.
 template <class Mem>
-struct AddColumnSumsFunctor {
-  ConstTensor2<float, Mem> g;  // (rows, width)
-  Tensor1<float, Mem> grad;    // (≥ offset + width)
+struct ColumnChunkSumsFunctor {
+  ConstTensor2<float, Mem> g;   // (rows, width)
+  Tensor2<float, Mem> partial;  // (chunks, width)
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const std::int64_t width = static_cast<std::int64_t>(g.extent(1));
+    const std::int64_t c = i % width;
+    const std::int64_t r0 = i / width * column_sum_chunk_rows;
+    const std::int64_t r1 = r0 + column_sum_chunk_rows < static_cast<std::int64_t>(g.extent(0))
+                                ? r0 + column_sum_chunk_rows
+                                : static_cast<std::int64_t>(g.extent(0));
+    float sum = 0.0f;
+    for (std::int64_t r = r0; r < r1; ++r) sum += g(r, c);
+    partial(i / width, c) = sum;
+  }
+};
+
+/// grad(offset + c) += Σ_k partial(k, c), the chunks added in order.
+template <class Mem>
+struct AddChunkSumsFunctor {
+  ConstTensor2<float, Mem> partial;  // (chunks, width)
+  Tensor1<float, Mem> grad;          // (≥ offset + width)
   int offset;
   KOKKOS_INLINE_FUNCTION void operator()(const int c) const {
     float sum = 0.0f;
-    const std::int64_t rows = static_cast<std::int64_t>(g.extent(0));
-    for (std::int64_t r = 0; r < rows; ++r) sum += g(r, c);
+    for (std::size_t k = 0; k < partial.extent(0); ++k) sum += partial(k, c);
     grad(offset + c) += sum;
   }
 };
@@ -79,14 +99,23 @@ void accumulate(const Exec& exec, const char* label,
                  AccumulateFunctor<typename Exec::memory_space>{value, grad});
 }
 
-/// grad(offset : offset + width) += the column sums of g (a bias's gradient).
+/// grad(offset : offset + width) += the column sums of g (a bias's gradient), in two stages so that
+/// few columns over many rows still fill the device: sums over chunks of column_sum_chunk_rows
+/// rows, then the chunks' sums in order (deterministic).
 template <class Exec>
 void add_column_sums(const Exec& exec, const char* label,
                      const ConstTensor2<float, typename Exec::memory_space>& g,  // (rows, width)
                      const Tensor1<float, typename Exec::memory_space>& grad,    // (≥ offset + width)
                      int offset) {
-  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(g.extent(1))),
-                       AddColumnSumsFunctor<typename Exec::memory_space>{g, grad, offset});
+  using Mem = typename Exec::memory_space;
+  const std::int64_t rows = static_cast<std::int64_t>(g.extent(0));
+  const std::int64_t width = static_cast<std::int64_t>(g.extent(1));
+  const std::int64_t chunks = (rows + column_sum_chunk_rows - 1) / column_sum_chunk_rows;
+  if (width == 0) return;
+  const auto partial = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::column_sums::partial", chunks, width);
+  for_each_index(exec, label, chunks * width, ColumnChunkSumsFunctor<Mem>{g, partial});
+  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, static_cast<int>(width)),
+                       AddChunkSumsFunctor<Mem>{partial, grad, offset});
 }
 
 }  // namespace impl
