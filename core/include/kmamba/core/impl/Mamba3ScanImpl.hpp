@@ -540,8 +540,10 @@ struct Mamba3AngleScanFunctor {
   }
 };
 
-/// Stage 2a (rotate, one item per (batch, head, row, state)): the rotated, biased q and k rows;
-/// the final k state at the last token.
+/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token. One
+/// item per (batch, head, row, slot), where the first nangles slots are the rotated pairs of
+/// states (2j, 2j + 1), one angle's cosine and sine for both, and the remaining slots the states
+/// from 2·nangles on, one each.
 template <class MemorySpace>
 struct Mamba3RotateFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -549,34 +551,41 @@ struct Mamba3RotateFunctor {
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
 
+  /// Slots per row: the angles' pairs, then the unrotated states.
+  KOKKOS_INLINE_FUNCTION static int slots(const Mamba3Plan& plan) { return plan.dstate - plan.nangles; }
+
+  KOKKOS_INLINE_FUNCTION void store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
+    ws.q(b, h, row, n) = qv;
+    ws.k(b, h, row, n) = kv;
+    if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
+  }
+
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const int n = static_cast<int>(item % plan.dstate);
-    const std::int64_t rest = item / plan.dstate;
+    const int per_row = slots(plan);
+    const int slot = static_cast<int>(item % per_row);
+    const std::int64_t rest = item / per_row;
     const int nrows = plan.seqlen * plan.rank;
     const int row = static_cast<int>(rest % nrows);
     const int bh = static_cast<int>(rest / nrows);
     const int h = bh % plan.nheads, b = bh / plan.nheads;
     const int t = row / plan.rank, r = row % plan.rank;
     const int g = h / plan.heads_per_group;
-    float qv, kv;
-    if (n < 2 * plan.nangles) {
-      const int n0 = n & ~1, n1 = n0 + 1;
-      const float theta = ws.theta(b, h, t, n0 / 2);
+    if (slot < plan.nangles) {
+      const int n0 = 2 * slot, n1 = n0 + 1;
+      const float theta = ws.theta(b, h, t, slot);
       const float c = Kokkos::Experimental::cos(theta);
       const float s = Kokkos::Experimental::sin(theta);
       const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
       const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
       const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
       const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
-      qv = n == n0 ? q0 * c - q1 * s : q0 * s + q1 * c;
-      kv = n == n0 ? k0 * c - k1 * s : k0 * s + k1 * c;
+      store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
+      store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
     } else {
-      qv = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n);
-      kv = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
+      const int n = slot + plan.nangles;
+      store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
+            in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
     }
-    ws.q(b, h, row, n) = qv;
-    ws.k(b, h, row, n) = kv;
-    if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
   }
 };
 
@@ -1544,7 +1553,7 @@ void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3O
              Mamba3AnglePassingFunctor<MemorySpace>{in, ws, plan});
   mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
-  mamba3_for(exec, "kmamba::mamba3::rotate", rows * plan.dstate,
+  mamba3_for(exec, "kmamba::mamba3::rotate", rows * Mamba3RotateFunctor<MemorySpace>::slots(plan),
              Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_for(exec, "kmamba::mamba3::project", rows * plan.headdim,
              Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states});
