@@ -53,11 +53,14 @@ void check_label(const std::string& label);
 /// Allocates a zero-filled tensor. `label` names the allocation in Kokkos tools and error
 /// messages; kmamba's own labels read "kmamba::<component>::<what>".
 ///   auto x = kmamba::allocate<Tensor3<float, Mem>>("kmamba::conv1d::x", batch, seqlen, channels);
+/// The extents travel as a layout: Kokkos 3's constructors taking extents read the new
+/// allocation's label back from the device for their rank check, a synchronous copy per
+/// allocation.
 template <class ViewType, class... Extents>
 ViewType allocate(const std::string& label, Extents... extents) {
   static_assert(sizeof...(Extents) == ViewType::rank, "kmamba::allocate: one extent per dimension");
   impl::check_label(label);
-  return ViewType(label, static_cast<std::size_t>(extents)...);
+  return ViewType(Kokkos::view_alloc(label), typename ViewType::array_layout(static_cast<std::size_t>(extents)...));
 }
 
 /// Allocates a tensor without initialising it (for outputs that an op writes completely).
@@ -65,7 +68,8 @@ template <class ViewType, class... Extents>
 ViewType allocate_uninitialized(const std::string& label, Extents... extents) {
   static_assert(sizeof...(Extents) == ViewType::rank, "kmamba::allocate_uninitialized: one extent per dimension");
   impl::check_label(label);
-  return ViewType(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), static_cast<std::size_t>(extents)...);
+  return ViewType(Kokkos::view_alloc(Kokkos::WithoutInitializing, label),
+                  typename ViewType::array_layout(static_cast<std::size_t>(extents)...));
 }
 
 }  // namespace kmamba
