@@ -158,6 +158,20 @@ struct Conv1dWindow {
   }
 };
 
+// Work item i of the segmented kernels: channel c of batch b over the segment's rows [t0, t1);
+// consecutive items are consecutive channels. `item` = b * segments + segment.
+struct Conv1dSegmentItem {
+  int c, b, t0, t1;
+  std::int64_t item;
+
+  KOKKOS_INLINE_FUNCTION Conv1dSegmentItem(std::int64_t i, int channels, int segments, int segment_rows, int seqlen)
+      : c(static_cast<int>(i % channels)), b(0), t0(0), t1(0), item(i / channels) {
+    b = static_cast<int>(item / segments);
+    t0 = static_cast<int>(item % segments) * segment_rows;
+    t1 = t0 + segment_rows < seqlen ? t0 + segment_rows : seqlen;
+  }
+};
+
 // The forward of one (batch, segment of rows [t0, t1), channel) work item: each step loads x(t)
 // once into the register window and writes y(t). Consecutive work items are consecutive channels,
 // so every load and store of a warp is contiguous.
@@ -170,13 +184,9 @@ struct Conv1dForwardSegmentFunctor {
   int segment_rows;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const int c = static_cast<int>(i % channels);
-    const std::int64_t item = i / channels;
-    const int b = static_cast<int>(item / segments);
-    const int t0 = static_cast<int>(item % segments) * segment_rows;
-    const int t1 = t0 + segment_rows < in.seqlen ? t0 + segment_rows : in.seqlen;
-    Conv1dWindow<MemorySpace, MaxWidth> w(in, b, t0, c);
-    for (int t = t0; t < t1; ++t) y(b, t, c) = in.activate(w.step(in, in.x(b, t, c), c));
+    const Conv1dSegmentItem seg(i, channels, segments, segment_rows, in.seqlen);
+    Conv1dWindow<MemorySpace, MaxWidth> w(in, seg.b, seg.t0, seg.c);
+    for (int t = seg.t0; t < seg.t1; ++t) y(seg.b, t, seg.c) = in.activate(w.step(in, in.x(seg.b, t, seg.c), seg.c));
   }
 };
 
@@ -200,14 +210,12 @@ struct Conv1dBackwardSegmentFunctor {
   int segment_rows;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const int c = static_cast<int>(i % channels);
-    const std::int64_t item = i / channels;
-    const int b = static_cast<int>(item / segments);
     const int width = grad.in.width;
     const int seqlen = grad.in.seqlen;
+    const Conv1dSegmentItem seg(i, channels, segments, segment_rows, seqlen);
+    const int c = seg.c, b = seg.b, t0 = seg.t0, t1 = seg.t1;
+    const std::int64_t item = seg.item;
     const int first_tap = MaxWidth - width;  // slot of tap 0
-    const int t0 = static_cast<int>(item % segments) * segment_rows;
-    const int t1 = t0 + segment_rows < seqlen ? t0 + segment_rows : seqlen;
     const int t_end = t1 + width - 1 < seqlen ? t1 + width - 1 : seqlen;
     Conv1dWindow<MemorySpace, MaxWidth> w(grad.in, b, t0, c);
     float pending[MaxWidth], sums[MaxWidth];
