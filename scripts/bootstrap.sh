@@ -3,6 +3,8 @@
 #
 # Installs the Debian packages kmamba needs and builds Kokkos 3.4.01 + Kokkos Kernels 3.4.01 from
 # Debian's `trilinos` source package into a cache outside the clone, so that later runs reuse it.
+# With --kokkos-source and --kernels-source it builds another Kokkos release instead (the Kokkos 4
+# line: Debian 12's registry offers only 3.4, so the user supplies its release tarballs).
 # Idempotent: a finished install carries a stamp; an install without its stamp is removed and redone.
 #
 #   scripts/bootstrap.sh [--flavour host|cuda] [options]
@@ -17,6 +19,9 @@ STAMP_VERSION=5   # bump when the build recipe below changes
 flavour=host
 deps_dir="${KMAMBA_DEPS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kmamba}"
 source_arg=""
+kokkos_source_arg=""
+kernels_source_arg=""
+kernels_version=""
 use_apt=1
 jobs="$(nproc 2>/dev/null || echo 2)"
 pack_out=""
@@ -39,11 +44,16 @@ options:
                         that cannot download anything)
   --pack-source FILE    write a small tarball holding only packages/kokkos and packages/kokkos-kernels
                         (about 5 MB) to FILE, for --source on another machine, and exit
+  --kokkos-source PATH  build this Kokkos release instead of ${KOKKOS_VERSION}: its source tarball
+                        (kokkos-X.Y.ZZ.tar.gz, as released) or an unpacked source tree; needs
+                        --kernels-source; host flavour only (the cuda flavour patches Kokkos 3.4)
+  --kernels-source PATH the matching Kokkos Kernels release: tarball or source tree
   --no-apt              do not install Debian packages (non-Debian machines, or no package registry)
   --jobs N              parallel build jobs (default: ${jobs})
   -h, --help            this text
 
-The install goes to DEPS_DIR/kokkos-${KOKKOS_VERSION}-FLAVOUR; pass it to CMake as -DKokkos_ROOT=...
+The install goes to DEPS_DIR/kokkos-VERSION-FLAVOUR (VERSION: ${KOKKOS_VERSION}, or that of
+--kokkos-source); pass it to CMake as -DKokkos_ROOT=...
 USAGE
 }
 
@@ -56,6 +66,8 @@ while [ $# -gt 0 ]; do
     --flavour=*) flavour="${1#*=}"; shift ;;
     --deps-dir) [ $# -ge 2 ] || die "--deps-dir needs a directory"; deps_dir="$2"; shift 2 ;;
     --source) [ $# -ge 2 ] || die "--source needs a path"; source_arg="$2"; shift 2 ;;
+    --kokkos-source) [ $# -ge 2 ] || die "--kokkos-source needs a path"; kokkos_source_arg="$2"; shift 2 ;;
+    --kernels-source) [ $# -ge 2 ] || die "--kernels-source needs a path"; kernels_source_arg="$2"; shift 2 ;;
     --pack-source) [ $# -ge 2 ] || die "--pack-source needs a file name"; pack_out="$2"; shift 2 ;;
     --no-apt) use_apt=0; shift ;;
     --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs="$2"; shift 2 ;;
@@ -65,6 +77,11 @@ while [ $# -gt 0 ]; do
 done
 case "$flavour" in host|cuda) ;; *) die "--flavour must be 'host' or 'cuda', got '$flavour'" ;; esac
 case "$jobs" in ''|*[!0-9]*) die "--jobs must be a positive integer, got '$jobs'" ;; esac
+if [ -n "$kokkos_source_arg$kernels_source_arg" ]; then
+  [ -n "$kokkos_source_arg" ] && [ -n "$kernels_source_arg" ] || die "--kokkos-source and --kernels-source go together"
+  [ -z "$source_arg$pack_out" ] || die "--kokkos-source replaces the trilinos source: no --source or --pack-source with it"
+  [ "$flavour" = host ] || die "--kokkos-source builds the host flavour only (the cuda flavour's fixes are for Kokkos ${KOKKOS_VERSION})"
+fi
 
 mkdir -p "$deps_dir" || die "cannot create the cache directory '$deps_dir'"
 deps_dir="$(cd "$deps_dir" && pwd)"
@@ -122,8 +139,48 @@ check_kokkos_version() {  # $1 = packages dir
     || die "the Kokkos source in '$1/kokkos' is not version ${KOKKOS_VERSION}"
 }
 
+release_version() {  # $1 = source tree, $2 = CMake project prefix (Kokkos, KokkosKernels): prints X.Y.ZZ
+  local v major minor patch
+  v="$(sed -nE "s/^ *[sS][eE][tT] *\($2_VERSION_(MAJOR|MINOR|PATCH) +([0-9]+) *\).*/\1 \2/p" "$1/CMakeLists.txt")"
+  major="$(echo "$v" | sed -n 's/^MAJOR //p' | head -n 1)"
+  minor="$(echo "$v" | sed -n 's/^MINOR //p' | head -n 1)"
+  patch="$(echo "$v" | sed -n 's/^PATCH //p' | head -n 1)"
+  [ -n "$major" ] && [ -n "$minor" ] && [ -n "$patch" ] || die "'$1' names no $2 version in its CMakeLists.txt"
+  printf '%d.%d.%02d\n' "$major" "$minor" "$((10#$patch))"
+}
+
+unpack_release() {  # $1 = tarball or tree, $2 = destination; the tree holds CMakeLists.txt at its top
+  local from="$1" dest="$2" tmp top
+  rm -rf "$dest"
+  if [ -d "$from" ]; then
+    [ -f "$from/CMakeLists.txt" ] || die "'$from' is not a source tree (no CMakeLists.txt)"
+    cp -a "$from" "$dest"
+  elif [ -f "$from" ]; then
+    tmp="$(mktemp -d "$deps_dir/src/extract.XXXXXX")"
+    say "extracting $from"
+    tar -xf "$from" -C "$tmp" || { rm -rf "$tmp"; die "could not extract '$from'"; }
+    top="$(find "$tmp" -maxdepth 2 -name CMakeLists.txt -printf '%h\n' | sort | head -n 1)"
+    [ -n "$top" ] || { rm -rf "$tmp"; die "'$from' holds no source tree (no CMakeLists.txt)"; }
+    mv "$top" "$dest"
+    rm -rf "$tmp"
+  else
+    die "'$from' does not exist"
+  fi
+}
+
 mkdir -p "$deps_dir/src"
-if [ -n "$source_arg" ]; then
+if [ -n "$kokkos_source_arg" ]; then
+  # A Kokkos release given by the user: unpacked into the cache, keyed by its version.
+  unpack_release "$kokkos_source_arg" "$deps_dir/src/kokkos-given"
+  unpack_release "$kernels_source_arg" "$deps_dir/src/kokkos-kernels-given"
+  [ -f "$deps_dir/src/kokkos-given/core/src/Kokkos_Core.hpp" ] || die "'$kokkos_source_arg' is not a Kokkos source"
+  [ -d "$deps_dir/src/kokkos-kernels-given/blas" ] || die "'$kernels_source_arg' is not a Kokkos Kernels source"
+  KOKKOS_VERSION="$(release_version "$deps_dir/src/kokkos-given" Kokkos)"
+  kernels_version="$(release_version "$deps_dir/src/kokkos-kernels-given" KokkosKernels)"
+  say "Kokkos ${KOKKOS_VERSION} and Kokkos Kernels ${kernels_version} from the sources given"
+  kokkos_pkg="$deps_dir/src/kokkos-given"
+  kernels_pkg="$deps_dir/src/kokkos-kernels-given"
+elif [ -n "$source_arg" ]; then
   if [ -d "$source_arg" ]; then
     [ -f "$source_arg/packages/kokkos/CMakeLists.txt" ] || die "'$source_arg' is not a Trilinos source tree (no packages/kokkos/CMakeLists.txt)"
     if [ "$(cd "$source_arg" && pwd)" != "$src_root" ]; then
@@ -158,8 +215,12 @@ SRC
   extract_tarball "$orig"
   rm -rf "$apt_dir/download"
 fi
-check_kokkos_version "$src_root/packages"
-touch "$src_root/.complete"
+if [ -z "$kokkos_source_arg" ]; then
+  check_kokkos_version "$src_root/packages"
+  touch "$src_root/.complete"
+  kokkos_pkg="$src_root/packages/kokkos"
+  kernels_pkg="$src_root/packages/kokkos-kernels"
+fi
 
 if [ -n "$pack_out" ]; then
   tar -C "$src_root" -cJf "$pack_out" packages/kokkos packages/kokkos-kernels || die "could not write '$pack_out'"
@@ -175,6 +236,7 @@ stamp="$prefix/.kmamba-bootstrap"
 want_stamp="kmamba-bootstrap ${STAMP_VERSION} kokkos ${KOKKOS_VERSION} flavour ${flavour} arch ${cuda_arch}"
 # The CUDA flavour carries fixes the host flavour does not need; their count is part of its stamp.
 [ "$flavour" = cuda ] && want_stamp="$want_stamp cuda-fixes 9"
+[ -n "$kokkos_source_arg" ] && want_stamp="$want_stamp kernels ${kernels_version} from given sources"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   say "Kokkos ${KOKKOS_VERSION} (${flavour}) already installed in $prefix"
   echo "Kokkos_ROOT=$prefix"
@@ -186,7 +248,7 @@ work="$deps_dir/build-${flavour}"
 rm -rf "$work"
 mkdir -p "$work"
 kokkos_src="$work/kokkos-src"          # patched copy; the cached source stays pristine
-cp -a "$src_root/packages/kokkos" "$kokkos_src"
+cp -a "$kokkos_pkg" "$kokkos_src"
 
 apply_fix() {  # $1 = description, $2 = file, $3 = check-regex that must match after the edit
   grep -Eq -- "$3" "$2" || die "Kokkos fix '$1' did not apply to $2"
@@ -491,8 +553,8 @@ say "Kokkos done in $((t1 - t0)) s"
 if [ "$flavour" = cuda ]; then
   cmake_common=("${cmake_common[@]/-DCMAKE_CXX_COMPILER=*/-DCMAKE_CXX_COMPILER=$prefix/bin/nvcc_wrapper}")
 fi
-run_step "configuring Kokkos Kernels ${KOKKOS_VERSION} (BATCHED;BLAS, no default ETI)" "$work/kk-configure.log" \
-  cmake -S "$src_root/packages/kokkos-kernels" -B "$work/kokkos-kernels" "${cmake_common[@]}" \
+run_step "configuring Kokkos Kernels ${kernels_version:-${KOKKOS_VERSION}} (BATCHED;BLAS, no default ETI)" "$work/kk-configure.log" \
+  cmake -S "$kernels_pkg" -B "$work/kokkos-kernels" "${cmake_common[@]}" \
         -DKokkos_ROOT="$prefix" "${kk_opts[@]}"
 run_step "building Kokkos Kernels with $jobs jobs" "$work/kk-build.log" cmake --build "$work/kokkos-kernels" -j "$jobs"
 run_step "installing Kokkos Kernels" "$work/kk-install.log" cmake --install "$work/kokkos-kernels"

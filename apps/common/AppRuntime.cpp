@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include <exception>
 #include <filesystem>
 #include <sstream>
+#include <stdexcept>
 
 namespace kmamba {
 namespace app {
@@ -104,17 +106,52 @@ int finish_mpi(const Runtime& runtime, int status) {
   return status;
 }
 
+// Checks the integer-valued Kokkos options and spells the number of threads as the Kokkos in use
+// expects; throws std::invalid_argument naming a bad option. Both are needed for Kokkos 4: there a
+// bad value aborts the process inside Kokkos::initialize (Kokkos 3.4 threw), and --kokkos-threads,
+// which Kokkos 3.7 renamed --kokkos-num-threads, is ignored with a mere warning. Either spelling
+// works on either line.
+void prepare_kokkos_arguments(std::vector<std::string>& args) {
+  struct IntOption {
+    const char* name;
+    long long min;
+  };
+  static const IntOption options[] = {{"--kokkos-threads", 1}, {"--kokkos-num-threads", 1}, {"--kokkos-device-id", 0}};
+  for (std::size_t i = 1; i < args.size(); ++i) {
+    std::string& arg = args[i];
+    for (const IntOption& option : options) {
+      const std::string name = option.name;
+      if (arg != name && !starts_with(arg, (name + "=").c_str())) continue;
+      const std::string value = arg.size() > name.size() ? arg.substr(name.size() + 1) : std::string();
+      bool valid = !value.empty() && value.size() <= 10 && value.find_first_not_of("0123456789") == std::string::npos;
+      if (valid) {
+        const long long number = std::stoll(value);
+        valid = number >= option.min && number <= INT_MAX;
+      }
+      if (!valid) {
+        throw std::invalid_argument(name + ": got '" + value + "', expected an integer in [" +
+                                    std::to_string(option.min) + ", " + std::to_string(INT_MAX) + "]");
+      }
+#if KOKKOS_VERSION >= 30700
+      if (name == "--kokkos-threads") arg = "--kokkos-num-threads=" + value;
+#else
+      if (name == "--kokkos-num-threads") arg = "--kokkos-threads=" + value;
+#endif
+      break;
+    }
+  }
+}
+
 // Kokkos::initialize with `args`; a rejected argument is the user's error.
 bool start_kokkos(const std::string& app, std::vector<std::string>& args) {
-  std::vector<char*> pointers;
   std::string given;
-  for (std::string& a : args) {
-    pointers.push_back(&a[0]);
-    if (pointers.size() > 1) given += (given.empty() ? "" : " ") + a;
-  }
-  int count = static_cast<int>(pointers.size());
-  pointers.push_back(nullptr);
+  for (std::size_t i = 1; i < args.size(); ++i) given += (given.empty() ? "" : " ") + args[i];
   try {
+    prepare_kokkos_arguments(args);
+    std::vector<char*> pointers;
+    for (std::string& a : args) pointers.push_back(&a[0]);
+    int count = static_cast<int>(pointers.size());
+    pointers.push_back(nullptr);
     Kokkos::initialize(count, pointers.data());
     return true;
   } catch (const std::exception& e) {

@@ -14,6 +14,7 @@
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -315,7 +316,7 @@ struct Mamba1ALogInit {
   Tensor2<float, Mem> A_log;  // (d_inner, d_state)
   KOKKOS_INLINE_FUNCTION void operator()(const int d) const {
     for (std::size_t n = 0; n < A_log.extent(1); ++n) {
-      A_log(d, n) = static_cast<float>(Kokkos::Experimental::log(static_cast<double>(n + 1)));
+      A_log(d, n) = static_cast<float>(kmamba::math::log(static_cast<double>(n + 1)));
     }
   }
 };

@@ -14,6 +14,7 @@
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -56,7 +57,7 @@ struct Mamba2ALogInitFunctor {
   std::uint64_t seed;
   float lo, hi;
   KOKKOS_INLINE_FUNCTION void operator()(const int h) const {
-    A_log(h) = Kokkos::Experimental::log(lo + (hi - lo) * uniform_at(seed, static_cast<std::uint64_t>(h)));
+    A_log(h) = kmamba::math::log(lo + (hi - lo) * uniform_at(seed, static_cast<std::uint64_t>(h)));
   }
 };
 

@@ -15,6 +15,7 @@
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -186,9 +187,9 @@ struct DtBiasInitFunctor {
   Real log_dt_min, log_dt_max, dt_floor;
   KOKKOS_INLINE_FUNCTION void operator()(const int i) const {
     const Real u = static_cast<Real>(uniform_at(seed, static_cast<std::uint64_t>(i)));
-    Real dt = Kokkos::Experimental::exp(u * (log_dt_max - log_dt_min) + log_dt_min);
+    Real dt = kmamba::math::exp(u * (log_dt_max - log_dt_min) + log_dt_min);
     dt = dt < dt_floor ? dt_floor : dt;
-    dt_bias(i) = static_cast<float>(dt + Kokkos::Experimental::log(-Kokkos::Experimental::expm1(-dt)));
+    dt_bias(i) = static_cast<float>(dt + kmamba::math::log(-kmamba::math::expm1(-dt)));
   }
 };
 
@@ -244,7 +245,7 @@ template <class Mem>
 struct NegativeExpFunctor {
   ConstTensor1<float, Mem> A_log;  // (n)
   Tensor1<float, Mem> A;           // (n)
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { A(i) = -Kokkos::Experimental::exp(A_log(i)); }
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { A(i) = -kmamba::math::exp(A_log(i)); }
 };
 
 /// A = −exp(A_log) over flat views.

@@ -11,6 +11,7 @@
 
 #include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -22,7 +23,7 @@ namespace kmamba {
 /// Values above this pass through softplus unchanged (and have derivative 1).
 constexpr float softplus_threshold = 20.0f;
 
-KOKKOS_INLINE_FUNCTION float sigmoid(float v) { return 1.0f / (1.0f + Kokkos::Experimental::exp(-v)); }
+KOKKOS_INLINE_FUNCTION float sigmoid(float v) { return 1.0f / (1.0f + kmamba::math::exp(-v)); }
 
 KOKKOS_INLINE_FUNCTION float silu(float v) { return v * sigmoid(v); }
 
@@ -33,7 +34,7 @@ KOKKOS_INLINE_FUNCTION float silu_derivative(float v) {
 }
 
 KOKKOS_INLINE_FUNCTION float softplus(float v) {
-  return v > softplus_threshold ? v : Kokkos::Experimental::log1p(Kokkos::Experimental::exp(v));
+  return v > softplus_threshold ? v : kmamba::math::log1p(kmamba::math::exp(v));
 }
 
 /// d softplus(v) / dv, with the same threshold as softplus.

@@ -5,6 +5,7 @@
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -47,7 +48,7 @@ struct AdamWUpdate {
     const float vi = beta2 * v(i) + (1.0f - beta2) * g * g;
     m(i) = mi;
     v(i) = vi;
-    params(i) = p - lr * (mi / bias1) / (Kokkos::Experimental::sqrt(vi / bias2) + eps);
+    params(i) = p - lr * (mi / bias1) / (kmamba::math::sqrt(vi / bias2) + eps);
   }
 };
 template <class MemorySpace>

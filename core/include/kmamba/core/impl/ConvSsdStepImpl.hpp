@@ -27,6 +27,7 @@
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/SsdImpl.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -129,8 +130,8 @@ struct ConvSsdStepFunctor {
       const int h = c / headdim, p = c % headdim;
       const float pre = xbcdt(b, dt_column + h) + (has_dt_bias ? dt_bias(h) : 0.0f);
       const float d = dt_softplus ? softplus(pre) : pre;
-      const float A = -Kokkos::Experimental::exp(A_log(h));
-      const float decay = Kokkos::Experimental::exp(d * A);
+      const float A = -kmamba::math::exp(A_log(h));
+      const float decay = kmamba::math::exp(d * A);
       float xv = 0.0f;
       Kokkos::single(
           Kokkos::PerThread(team),
@@ -199,7 +200,7 @@ struct ConvSsdStepFunctor {
           acc += v * v;
         },
         sumsq);
-    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(size) + norm_eps);
+    const float r = 1.0f / kmamba::math::sqrt(sumsq / static_cast<float>(size) + norm_eps);
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, begin, begin + size), [&](const int c) {
       float out = input(c) * r * norm_weight(c);
       if (norm_before_gate) out *= silu(xbcdt(b, z_column + c));

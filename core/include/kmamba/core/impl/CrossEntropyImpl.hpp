@@ -4,6 +4,7 @@
 
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -24,18 +25,18 @@ struct SoftmaxStats {
   /// Adds logit x at index v, for indices seen in increasing order (ties keep the first).
   KOKKOS_INLINE_FUNCTION void add(float x, int v) {
     if (x > max || arg == INT_MAX) {
-      sum = sum * Kokkos::Experimental::exp(max - x) + 1.0f;
+      sum = sum * kmamba::math::exp(max - x) + 1.0f;
       max = x;
       arg = v;
     } else {
-      sum += Kokkos::Experimental::exp(x - max);
+      sum += kmamba::math::exp(x - max);
     }
   }
 
   /// Merges the statistics of another set of entries (any order: ties take the smaller index).
   KOKKOS_INLINE_FUNCTION void merge(float other_max, float other_sum, int other_arg) {
     const float m = other_max > max ? other_max : max;
-    sum = sum * Kokkos::Experimental::exp(max - m) + other_sum * Kokkos::Experimental::exp(other_max - m);
+    sum = sum * kmamba::math::exp(max - m) + other_sum * kmamba::math::exp(other_max - m);
     if (other_max > max || (other_max == max && other_arg < arg)) arg = other_arg;
     max = m;
   }
@@ -103,7 +104,7 @@ struct CrossEntropyForward {
           Kokkos::TeamThreadRange(team, vocab), [&](const int v, SoftmaxStats& acc) { acc.add(logits(r, v), v); },
           SoftmaxStatsReducer(stats));
     }
-    const float row_lse = stats.max + Kokkos::Experimental::log(stats.sum);
+    const float row_lse = stats.max + kmamba::math::log(stats.sum);
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       lse(r) = row_lse;
       const std::int64_t t = targets(r);
@@ -153,7 +154,7 @@ struct CrossEntropyBackward {
     const bool counted = t != ignore_index;
     const float row_lse = lse(r);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, vocab), [&](const int v) {
-      const float p = Kokkos::Experimental::exp(logits(r, v) - row_lse);
+      const float p = kmamba::math::exp(logits(r, v) - row_lse);
       dlogits(r, v) = counted ? scale * (p - (v == t ? 1.0f : 0.0f)) : 0.0f;
     });
   }

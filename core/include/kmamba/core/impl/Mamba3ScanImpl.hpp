@@ -26,6 +26,7 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/TeamGemm.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -418,7 +419,7 @@ template <class Vec>
 KOKKOS_INLINE_FUNCTION float mamba3_pair_weight(const Vec& scs, const Vec& sscale, const Vec& sgamma, int t, int s) {
   if (s > t) return 0.0f;
   if (s == t) return sgamma(s);
-  return sscale(s) * Kokkos::Experimental::exp(scs(t) - scs(s));
+  return sscale(s) * kmamba::math::exp(scs(t) - scs(s));
 }
 
 /// Stages the chunk's cumulative adt, scales and γ in scratch.
@@ -436,7 +437,7 @@ KOKKOS_INLINE_FUNCTION void mamba3_stage_tokens(const Member& team, const Mamba3
 /// The increment of angle i at token t: π·tanh(angles)·dt.
 template <class MemorySpace>
 KOKKOS_INLINE_FUNCTION float mamba3_angle_step(const Mamba3Operands<MemorySpace>& in, int b, int t, int h, int i) {
-  return mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, t, h, i)) * in.dt(b, h, t);
+  return mamba3_pi * kmamba::math::tanh(in.angles(b, t, h, i)) * in.dt(b, h, t);
 }
 
 /// Where a (batch, head, chunk, job) work item works (job fastest).
@@ -505,7 +506,7 @@ struct Mamba3AnglePassingFunctor {
       ws.angle_sum(b, h, c, i) = theta;
       ws.angle_turns(b, h, c, i) = turns;
       theta += total;
-      const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      const float wraps = kmamba::math::floor(theta / mamba3_two_pi);
       theta -= mamba3_two_pi * wraps;
       turns += wraps;
     }
@@ -529,7 +530,7 @@ struct Mamba3AngleScanFunctor {
     float turns = ws.angle_turns(b, h, it.c, i);
     for (int l = 0; l < len; ++l) {
       theta += mamba3_angle_step(in, b, t0 + l, h, i);
-      const float wraps = Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      const float wraps = kmamba::math::floor(theta / mamba3_two_pi);
       theta -= mamba3_two_pi * wraps;
       turns += wraps;
       ws.theta(b, h, t0 + l, i) = theta;
@@ -573,8 +574,8 @@ struct Mamba3RotateFunctor {
     if (slot < plan.nangles) {
       const int n0 = 2 * slot, n1 = n0 + 1;
       const float theta = ws.theta(b, h, t, slot);
-      const float c = Kokkos::Experimental::cos(theta);
-      const float s = Kokkos::Experimental::sin(theta);
+      const float c = kmamba::math::cos(theta);
+      const float s = kmamba::math::sin(theta);
       const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
       const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
       const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
@@ -626,7 +627,7 @@ struct Mamba3ChunkStateFunctor {
     const int b = blk.b, h = blk.h, t0 = blk.t0, row0 = blk.row0, last = blk.len - 1;
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows), [&](const int j) {
       const int s = j / plan.rank;
-      sw(j) = ws.scale(b, h, t0 + s) * Kokkos::Experimental::exp(ws.cs(b, h, t0 + last) - ws.cs(b, h, t0 + s));
+      sw(j) = ws.scale(b, h, t0 + s) * kmamba::math::exp(ws.cs(b, h, t0 + last) - ws.cs(b, h, t0 + s));
     });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
@@ -658,7 +659,7 @@ inline std::int64_t mamba3_state_items(const Mamba3Plan& plan) {
 template <class MemorySpace>
 KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Mamba3Workspace<MemorySpace>& ws, int b,
                                                 int h, int c) {
-  return Kokkos::Experimental::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
+  return kmamba::math::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
 }
 
 /// Stage 4 (state_passing, one item per (batch, head, p, n)): replaces each chunk's local state by
@@ -716,7 +717,7 @@ struct Mamba3ChunkScanFunctor {
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, row0 = blk.row0, rows = blk.rows, R = plan.rank;
     mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows),
-                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, t0 + j / R)); });
+                         [&](const int j) { seA(j) = kmamba::math::exp(ws.cs(b, h, t0 + j / R)); });
     const float skip = in.skip(h);
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
       const int tokens = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
@@ -821,7 +822,7 @@ struct Mamba3ChunkDstatesFunctor {
     typename S::Vec seA(team.team_scratch(0), plan.rows);
     const int b = blk.b, h = blk.h, row0 = blk.row0;
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows),
-                         [&](const int j) { seA(j) = Kokkos::Experimental::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
+                         [&](const int j) { seA(j) = kmamba::math::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
@@ -959,7 +960,7 @@ struct Mamba3ChunkBackwardFunctor {
           acc += row;
         },
         chunk_term);
-    chunk_term *= Kokkos::Experimental::exp(cs_last);
+    chunk_term *= kmamba::math::exp(cs_last);
     const float skip = in.skip(h);
 
     // Pass 1: tiles of source tokens s.
@@ -969,7 +970,7 @@ struct Mamba3ChunkBackwardFunctor {
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr), [&](const int jj) {
         const int s = s0 + jj / R;
-        srow(jj) = sscale(s) * Kokkos::Experimental::exp(cs_last - scs(s));
+        srow(jj) = sscale(s) * kmamba::math::exp(cs_last - scs(s));
       });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
@@ -994,13 +995,12 @@ struct Mamba3ChunkBackwardFunctor {
               acc += sacc(ss * R + rr, n) * ws.k(b, h, j0 + ss * R + rr, n);
             },
             dot);
-        Kokkos::single(Kokkos::PerThread(team),
-                       [&]() { snext(s) = Kokkos::Experimental::exp(cs_last - scs(s)) * dot; });
+        Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = kmamba::math::exp(cs_last - scs(s)) * dot; });
         // X(s, t) from the raw products, then the products weighted in place.
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float x = 0.0f;
           if (t >= s) {
-            const float e = Kokkos::Experimental::exp(scs(t) - scs(s));
+            const float e = kmamba::math::exp(scs(t) - scs(s));
             const float w = t > s ? sscale(s) * e : sgamma(s);
             for (int rs = 0; rs < R; ++rs) {
               for (int rt = 0; rt < R; ++rt) {
@@ -1062,7 +1062,7 @@ struct Mamba3ChunkBackwardFunctor {
       const int nr = tokens * R, i0 = row0 + l0 * R;
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr),
-                           [&](const int ii) { srow(ii) = Kokkos::Experimental::exp(scs(l0 + ii / R)); });
+                           [&](const int ii) { srow(ii) = kmamba::math::exp(scs(l0 + ii / R)); });
       team.team_barrier();
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim,
@@ -1163,8 +1163,8 @@ struct Mamba3TokenBackwardFunctor {
     if (n % 2 != 0) return;
     const int i = n / 2, n0 = n, n1 = n + 1;
     const float theta = ws.theta(b, h, t, i);
-    const float c = Kokkos::Experimental::cos(theta);
-    const float s = Kokkos::Experimental::sin(theta);
+    const float c = kmamba::math::cos(theta);
+    const float s = kmamba::math::sin(theta);
     float dtheta = 0.0f;
     for (int r = 0; r < plan.rank; ++r) {
       const int row = t * plan.rank + r;
@@ -1271,7 +1271,7 @@ struct Mamba3AngleBackwardFunctor {
     for (int l = len - 1; l >= 0; --l) {
       const int t = t0 + l;
       G += bw.dtheta(b, h, t, i);
-      const float th = Kokkos::Experimental::tanh(in.angles(b, t, h, i));
+      const float th = kmamba::math::tanh(in.angles(b, t, h, i));
       dangles(b, t, h, i) = G * in.dt(b, h, t) * mamba3_pi * (1.0f - th * th);
       bw.dtheta(b, h, t, i) = G * mamba3_pi * th;
     }
@@ -1453,12 +1453,12 @@ struct Mamba3StepFunctor {
     typename S::Vec stheta(team.team_scratch(0), plan.nangles);
     const float d = in.dt(b, h);
     const float lambda = sigmoid(in.trap(b, h));
-    const float alpha = Kokkos::Experimental::exp(in.adt(b, h));
+    const float alpha = kmamba::math::exp(in.adt(b, h));
     const float beta = sigmoid(-in.trap(b, h)) * d * alpha;
     const float gamma = lambda * d;
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, plan.nangles), [&](const int i) {
-      float theta = states.angle(b, h, i) + mamba3_pi * Kokkos::Experimental::tanh(in.angles(b, h, i)) * d;
-      if (in.wrap_angle) theta -= mamba3_two_pi * Kokkos::Experimental::floor(theta / mamba3_two_pi);
+      float theta = states.angle(b, h, i) + mamba3_pi * kmamba::math::tanh(in.angles(b, h, i)) * d;
+      if (in.wrap_angle) theta -= mamba3_two_pi * kmamba::math::floor(theta / mamba3_two_pi);
       stheta(i) = theta;
     });
     team.team_barrier();
@@ -1466,8 +1466,8 @@ struct Mamba3StepFunctor {
       const int r = rn / N, n = rn % N;
       if (n < 2 * plan.nangles) {
         const int i = n / 2, n0 = 2 * i, n1 = 2 * i + 1;
-        const float c = Kokkos::Experimental::cos(stheta(i));
-        const float s = Kokkos::Experimental::sin(stheta(i));
+        const float c = kmamba::math::cos(stheta(i));
+        const float s = kmamba::math::sin(stheta(i));
         const float q0 = in.q_in(b, r, g, n0) + in.q_bias(h, r, n0), q1 = in.q_in(b, r, g, n1) + in.q_bias(h, r, n1);
         const float k0 = in.k_in(b, r, g, n0) + in.k_bias(h, r, n0), k1 = in.k_in(b, r, g, n1) + in.k_bias(h, r, n1);
         sq(rn) = n == n0 ? q0 * c - q1 * s : q0 * s + q1 * c;

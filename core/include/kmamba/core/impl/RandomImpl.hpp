@@ -3,6 +3,7 @@
 #define KMAMBA_CORE_IMPL_RANDOMIMPL_HPP
 
 #include <kmamba/core/Bf16.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -63,8 +64,8 @@ KOKKOS_INLINE_FUNCTION float normal_at(std::uint64_t seed, std::uint64_t index) 
   philox_pair(seed, index, a, b);
   const float u1 = (static_cast<float>(a >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
   const float u2 = unit_float(b);
-  const float radius = Kokkos::Experimental::sqrt(-2.0f * Kokkos::Experimental::log(u1));
-  return radius * Kokkos::Experimental::cos(6.28318530717958647692f * u2);
+  const float radius = kmamba::math::sqrt(-2.0f * kmamba::math::log(u1));
+  return radius * kmamba::math::cos(6.28318530717958647692f * u2);
 }
 
 // lo + width * u rounded as two separate operations on every backend: nvcc would otherwise

@@ -19,6 +19,7 @@
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -125,7 +126,7 @@ struct RmsNormForwardFunctor {
           acc += v * v;
         },
         sumsq);
-    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(group_size) + eps);
+    const float r = 1.0f / kmamba::math::sqrt(sumsq / static_cast<float>(group_size) + eps);
 
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, begin, end), [&](const int c) {
       float out = input(row, c) * r * to_float(weight(c));
@@ -168,7 +169,7 @@ struct RmsNormAddForwardFunctor {
         },
         sumsq);
     team.team_barrier();
-    const float r = 1.0f / Kokkos::Experimental::sqrt(sumsq / static_cast<float>(dim) + eps);
+    const float r = 1.0f / kmamba::math::sqrt(sumsq / static_cast<float>(dim) + eps);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, dim), [&](const int c) {
       y(row, c) = from_float<y_type>(to_float(residual(row, c)) * r * to_float(weight(c)));
     });
@@ -292,7 +293,7 @@ struct RmsNormBackwardFunctor {
               });
             },
             sumsq);
-        r = 1.0f / Kokkos::Experimental::sqrt(sumsq * inv_n + eps);
+        r = 1.0f / kmamba::math::sqrt(sumsq * inv_n + eps);
       }
 
       // mean over the group of x̂ ⊙ w ⊙ go, with x̂ = v·r.

@@ -21,6 +21,7 @@
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -287,7 +288,7 @@ struct SelectiveScanForwardFunctor {
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, float& acc) {
-                const float h = Kokkos::Experimental::exp(dt * sA(c, n)) * sh(c, n) + dtu * sB(n, t);
+                const float h = kmamba::math::exp(dt * sA(c, n)) * sh(c, n) + dtu * sB(n, t);
                 sh(c, n) = h;
                 acc += sC(n, t) * h;
               },
@@ -378,7 +379,7 @@ KOKKOS_INLINE_FUNCTION float selective_scan_exp2(const float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
-  return Kokkos::Experimental::exp2(x);
+  return kmamba::math::exp2(x);
 #endif
 }
 
@@ -654,7 +655,7 @@ struct SelectiveScanBackwardFunctor {
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, float& acc) {
-                const float h = Kokkos::Experimental::exp(dt * sA(c, n)) * hs(c, n, t) + dtu * sB(n, t);
+                const float h = kmamba::math::exp(dt * sA(c, n)) * hs(c, n, t) + dtu * sB(n, t);
                 hs(c, n, t + 1) = h;
                 acc += sC(n, t) * h;
               },
@@ -681,7 +682,7 @@ struct SelectiveScanBackwardFunctor {
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, SelectiveScanPair& acc) {
-                const float a = Kokkos::Experimental::exp(dt * sA(c, n));
+                const float a = kmamba::math::exp(dt * sA(c, n));
                 const float a_hprev = a * hs(c, n, t);
                 const float lambda = g * sC(n, t) + smu(c, n);
                 hs(c, n, t) = lambda * dt * uu;
@@ -1016,7 +1017,7 @@ struct SelectiveScanStepFunctor {
       Kokkos::parallel_reduce(
           Kokkos::ThreadVectorRange(team, plan.dstate),
           [&](const int n, float& acc) {
-            const float h = Kokkos::Experimental::exp(dt * A(d, n)) * state(tb.b, d, n) + dtu * B(tb.b, tb.g, n);
+            const float h = kmamba::math::exp(dt * A(d, n)) * state(tb.b, d, n) + dtu * B(tb.b, tb.g, n);
             state(tb.b, d, n) = h;
             acc += C(tb.b, tb.g, n) * h;
           },

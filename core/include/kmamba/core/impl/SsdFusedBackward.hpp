@@ -39,6 +39,7 @@
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
 #include <kmamba/core/impl/WarpTile.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -158,7 +159,7 @@ struct SsdFusedBackwardFunctor {
       const float cum = ws.dA_cs(b, h, blk.c, t < len ? t : len - 1);
       sm.delta[t] = t < len ? ws.dt_out(b, h, blk.c, t) : 0.0f;
       sm.cum[t] = cum;
-      sm.se_a[t] = Kokkos::Experimental::exp(cum);
+      sm.se_a[t] = kmamba::math::exp(cum);
       sm.se_last[t] = ssd_decay(last - cum);
     }
     float gx = 0.0f;
@@ -343,7 +344,7 @@ struct SsdFusedBackwardFunctor {
     intra_sums(sm, thread, true);
     ctx.barrier();
     const float hd = stage_states(sm, thread, blk);
-    const float dda_chunk = Kokkos::Experimental::exp(ws.dA_cs(blk.b, blk.h, blk.c, blk.len - 1)) *
+    const float dda_chunk = kmamba::math::exp(ws.dA_cs(blk.b, blk.h, blk.c, blk.len - 1)) *
                             team_sum(ctx, sm, 0, hd);  // its barrier also orders phase 3 before 4
     Team::for_each_warp(thread, [&](int, int w, int lane) {
       dx_block(sm, w, lane, blk);

@@ -29,6 +29,7 @@
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTile.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -184,7 +185,7 @@ struct SsdFusedForwardFunctor {
       const float last = warp_broadcast(cum, warp_tile_lanes - 1);
       sm.delta[thread] = d;
       sm.cum[thread] = cum;
-      sm.decay_to_end[thread] = Kokkos::Experimental::exp(last - cum);
+      sm.decay_to_end[thread] = kmamba::math::exp(last - cum);
     } else {
       float cum = 0.0f;
       for (int t = 0; t < Q; ++t) {
@@ -193,7 +194,7 @@ struct SsdFusedForwardFunctor {
         sm.delta[t] = d;
         sm.cum[t] = cum;
       }
-      for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = Kokkos::Experimental::exp(cum - sm.cum[t]);
+      for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = kmamba::math::exp(cum - sm.cum[t]);
     }
   }
 
@@ -224,7 +225,7 @@ struct SsdFusedForwardFunctor {
                                                  warp_tile_rows * (w + 1));
     S.for_each(lane, [&](int r, int s, float& v) {
       const int t = warp_tile_rows * w + r;
-      v = s <= t ? v * Kokkos::Experimental::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
+      v = s <= t ? v * kmamba::math::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
     });
     warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * w, 0));
   }
@@ -236,7 +237,7 @@ struct SsdFusedForwardFunctor {
     warp_fill(Y, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, N, false>(Y, lane, sm.c.offset(warp_tile_rows * tb, 0),
                                                  sm.h.offset(0, warp_tile_rows * pb), warp_tile_rows);
-    Y.for_each(lane, [&](int r, int, float& v) { v *= Kokkos::Experimental::exp(sm.cum[warp_tile_rows * tb + r]); });
+    Y.for_each(lane, [&](int r, int, float& v) { v *= kmamba::math::exp(sm.cum[warp_tile_rows * tb + r]); });
     warp_mma<ALayout::MK, BLayout::KN, Q, false>(Y, lane, sm.s.offset(warp_tile_rows * tb, 0),
                                                  sm.x.offset(0, warp_tile_rows * pb), warp_tile_rows);
     const float d = in.skip(h);
@@ -264,7 +265,7 @@ struct SsdFusedForwardFunctor {
   /// Phase 3 of a warp with a state block: Hᵀ = exp(cum_{Q−1})·Hᵀ + (decayed B)ᵀ·Xd.
   KOKKOS_INLINE_FUNCTION void update_state(const Tiles& sm, int w, int lane, StateAccum& H) const {
     if (w >= state_blocks) return;
-    const float chunk_decay = Kokkos::Experimental::exp(sm.cum[Q - 1]);
+    const float chunk_decay = kmamba::math::exp(sm.cum[Q - 1]);
     H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.b.offset(0, warp_tile_rows * w), sm.x, P);
   }
@@ -351,7 +352,7 @@ struct SsdFusedForwardFunctor {
       team.team_barrier();
     }
     store_state(thread, b, h, seg, H);
-    if (StatesOnly && thread == 0) segments.decay(b, h, seg) = Kokkos::Experimental::exp(log_decay);
+    if (StatesOnly && thread == 0) segments.decay(b, h, seg) = kmamba::math::exp(log_decay);
   }
 };
 

@@ -24,6 +24,7 @@
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
 #include <kmamba/core/impl/WarpTile.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -88,7 +89,7 @@ struct SsdFusedStatesFunctor {
       const bool inside = t < blk.len;
       const float cum = inside ? ws.dA_cs(blk.b, blk.h, blk.c, t) : last;
       sm.wx[t] = inside ? ws.dt_out(blk.b, blk.h, blk.c, t) * ssd_decay(last - cum) : 0.0f;
-      sm.wg[t] = inside ? Kokkos::Experimental::exp(cum) : 0.0f;
+      sm.wg[t] = inside ? kmamba::math::exp(cum) : 0.0f;
     }
   }
 

@@ -35,6 +35,7 @@
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/TeamGemm.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -213,7 +214,7 @@ template <class MemorySpace>
 KOKKOS_INLINE_FUNCTION float ssd_chunk_decay(const SsdPlan& plan, const SsdWorkspace<MemorySpace>& ws, int b, int h,
                                              int c) {
   const int last = (plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk) - 1;
-  return ws.run(b, c, last) == 0 ? Kokkos::Experimental::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
+  return ws.run(b, c, last) == 0 ? kmamba::math::exp(ws.dA_cs(b, h, c, last)) : 0.0f;
 }
 
 /// Where a (batch, head, p, n) work item of the state passing works.
@@ -307,7 +308,7 @@ struct SsdChunkScanFunctor {
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len),
-                         [&](const int l) { seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f; });
+                         [&](const int l) { seA(l) = srun(l) == 0 ? kmamba::math::exp(sA(l)) : 0.0f; });
     team.team_barrier();
     const float skip = in.skip(blk.h);
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
@@ -361,7 +362,7 @@ struct SsdChunkDstatesFunctor {
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len),
-                         [&](const int l) { seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f; });
+                         [&](const int l) { seA(l) = srun(l) == 0 ? kmamba::math::exp(sA(l)) : 0.0f; });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.len,
@@ -433,7 +434,7 @@ struct SsdChunkBackwardFunctor {
     ssd_stage_vectors(team, ws, blk, sdt, sA, srun);
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int l) {
-      seA(l) = srun(l) == 0 ? Kokkos::Experimental::exp(sA(l)) : 0.0f;
+      seA(l) = srun(l) == 0 ? kmamba::math::exp(sA(l)) : 0.0f;
       seLast(l) = srun(l) == srun(last) ? ssd_decay(sA(last) - sA(l)) : 0.0f;
       sintra(l) = 0.0f;
     });
@@ -450,7 +451,7 @@ struct SsdChunkBackwardFunctor {
             acc += row;
           },
           ddA_chunk);
-      ddA_chunk *= Kokkos::Experimental::exp(sA(last));
+      ddA_chunk *= kmamba::math::exp(sA(last));
     }
     const float skip = in.skip(h);
 
@@ -704,7 +705,7 @@ struct SsdStepFunctor {
     const int g = h / plan.heads_per_group;
     const float pre = dt(b, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
     const float d = dt_softplus ? softplus(pre) : pre;
-    const float decay = Kokkos::Experimental::exp(d * A(h));
+    const float decay = kmamba::math::exp(d * A(h));
     const int p_begin = block * rows_per_team;
     const int p_end = p_begin + rows_per_team < plan.headdim ? p_begin + rows_per_team : plan.headdim;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p_begin, p_end), [&](const int p) {

@@ -5,6 +5,7 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/Math.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -125,7 +126,7 @@ KOKKOS_INLINE_FUNCTION SsdChunkBlock ssd_chunk_block(const SsdPlan& plan, int le
 }
 
 /// exp(min(v, 0)): the decay between two tokens of a chunk (the clamp only guards masked pairs).
-KOKKOS_INLINE_FUNCTION float ssd_decay(float v) { return Kokkos::Experimental::exp(v < 0.0f ? v : 0.0f); }
+KOKKOS_INLINE_FUNCTION float ssd_decay(float v) { return kmamba::math::exp(v < 0.0f ? v : 0.0f); }
 
 }  // namespace impl
 }  // namespace kmamba
