@@ -33,6 +33,7 @@
 #include "AppRuntime.hpp"
 #include "DeviceOption.hpp"
 #include "KernelTimes.hpp"
+#include "Timing.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -114,19 +115,6 @@ double prefill_flops(const kmamba::ModelConfig& c, std::size_t parameters, doubl
   const double layer_weights = static_cast<double>(parameters) - c.padded_vocab_size() * dm;
   const double scan = c.mixer == kmamba::MixerKind::Mamba2 ? 4 * E * N + Q * E + 2 * Q * G * N : 9 * E * N;
   return tokens * (2.0 * layer_weights + c.n_layer * scan) + batch * 2.0 * c.vocab_size * dm;
-}
-
-template <class Exec, class F>
-double median_seconds(const Exec& exec, int repeats, const F& run) {
-  std::vector<double> t;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    run();
-    exec.fence();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 void report(const char* name, const std::string& shape, double seconds, double tokens, double bytes, double flops) {
@@ -226,7 +214,8 @@ void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Op
     for (const bool graph : {true, false}) {
       if (!graph && !kmamba::StepGraph<Exec>::records) continue;
       Prefilled<Exec> p(exec, model, prompts, s.prompt, graph);
-      const double t = median_seconds(exec, o.repeats, [&] { model.decode_step(exec, p.next, p.state, p.logits); });
+      const double t =
+          kmamba_perf::median_seconds(exec, o.repeats, [&] { model.decode_step(exec, p.next, p.state, p.logits); });
       std::snprintf(shape, sizeof shape, "b%d after %d tokens (%s)", batch, s.prompt, Exec::name());
       const std::string name = std::string(batch == 1 ? "decode step b1" : "decode step batch") +
                                (kmamba::StepGraph<Exec>::records ? (graph ? " graph" : " kernels") : "");
@@ -259,7 +248,7 @@ void bench_prefill(const Exec& exec, kmamba::LanguageModel<Exec>& model, const O
   auto logits = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::perf::prefill_logits",
                                                                             s.prefill_batch, config.vocab_size);
   const int repeats = std::max(1, std::min(o.repeats, 5));
-  const double t = median_seconds(exec, repeats, [&] {
+  const double t = kmamba_perf::median_seconds(exec, repeats, [&] {
     state.reset(exec);
     model.prefill(exec, ids, state, logits);
   });

@@ -11,6 +11,7 @@
 // the backend distinguishes: their "tf32" rows (tensor-core chunk products) take the TF32 tensor-core rate as
 // their FLOP ceiling, the SSD's "bf16" rows (the fused forward; its backward computes as fp32) the bf16
 // rate, at the fused forward's own chunk length. Mamba-3 has no bf16 form.
+#include "Timing.hpp"
 #include <kmamba/KMamba.hpp>
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Files.hpp>
@@ -21,7 +22,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -59,19 +59,12 @@ struct Options {
   std::vector<Measurement>* rows = nullptr;  // every reported measurement, for --json
 };
 
+// One untimed warm-up call, then the median of `repeats` timed ones.
 template <class Exec, class F>
-double median_seconds(const Exec& exec, int repeats, const F& run) {
+double warm_median_seconds(const Exec& exec, int repeats, const F& run) {
   run();
   exec.fence();
-  std::vector<double> t;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    run();
-    exec.fence();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return kmamba_perf::median_seconds(exec, repeats, run);
 }
 
 double floor_seconds(const Measurement& m) {
@@ -138,7 +131,7 @@ void bench_selective_scan(const Options& o) {
   std::snprintf(shape, sizeof shape, "b%d L%d D%d N%d (%s)", batch, seqlen, dim, dstate, Exec::name());
 
   Measurement fwd{"selective_scan fwd", shape};
-  fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::selective_scan_forward(exec, args, out, last); });
+  fwd.seconds = warm_median_seconds(exec, o.repeats, [&] { kmamba::selective_scan_forward(exec, args, out, last); });
   fwd.bytes = 4.0 * (4 * elems + 2.0 * batch * dstate * seqlen);  // u, delta, z, out + B, C
   fwd.flops = 8.0 * elems * dstate;                               // per state update: exp arg, decay, B·u, C·h
   fwd.exps = elems * dstate;
@@ -157,7 +150,7 @@ void bench_selective_scan(const Options& o) {
   g.dD = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::perf::dD", dim);
   g.ddelta_bias = kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::perf::ddelta_bias", dim);
   Measurement bwd{"selective_scan bwd", shape};
-  bwd.seconds = median_seconds(exec, o.repeats, [&] {
+  bwd.seconds = warm_median_seconds(exec, o.repeats, [&] {
     kmamba::selective_scan_backward(exec, args, dout, kmamba::ConstTensor3<float, Mem>(), g);
   });
   bwd.bytes =
@@ -252,7 +245,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
 
     Measurement fwd{"ssd fwd" + suffix, shape};
     fwd.flop_per_s = flop_per_s;
-    fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
+    fwd.seconds = warm_median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
     // The staged forward writes and reads the chunk states; the fused one keeps them on chip.
     fwd.bytes = io_bytes + (bf16 ? 0.0 : 4.0 * tokens * E * N / q * 2);
     fwd.flops = tokens * (4 * E * N + q * E + 2 * q * G * N);
@@ -261,7 +254,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
 
     Measurement bwd{"ssd bwd" + suffix, shape};
     bwd.flop_per_s = bf16 ? fp32_flop_per_s : flop_per_s;
-    bwd.seconds = median_seconds(
+    bwd.seconds = warm_median_seconds(
         exec, o.repeats, [&] { kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g); });
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / chunk * 4;  // inputs + dout, every gradient, states recomputed
     bwd.flops = tokens * (10 * E * N + 3 * chunk * E + 6 * chunk * G * N);
@@ -395,7 +388,8 @@ void bench_mamba3_siso(const Options& o) {
 
     Measurement fwd{"mamba3 siso fwd" + suffix, shape};
     fwd.flop_per_s = flop_per_s;
-    fwd.seconds = median_seconds(exec, o.repeats, [&] { kmamba::mamba3_siso_forward(exec, args, out, final_states); });
+    fwd.seconds =
+        warm_median_seconds(exec, o.repeats, [&] { kmamba::mamba3_siso_forward(exec, args, out, final_states); });
     fwd.bytes = io_bytes + 4.0 * tokens * E * N / Q * 2;  // + chunk states written and read
     fwd.flops = tokens * (4 * E * N + Q * E + 2 * Q * G * N);
     fwd.exps = tokens * nheads * Q / 2;
@@ -403,7 +397,7 @@ void bench_mamba3_siso(const Options& o) {
 
     Measurement bwd{"mamba3 siso bwd" + suffix, shape};
     bwd.flop_per_s = flop_per_s;
-    bwd.seconds = median_seconds(exec, o.repeats, [&] {
+    bwd.seconds = warm_median_seconds(exec, o.repeats, [&] {
       kmamba::mamba3_siso_backward(exec, args, dout, kmamba::Mamba3SisoConstStates<Mem>(), g);
     });
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / Q * 4;  // inputs + dout, every gradient, states recomputed
@@ -445,7 +439,7 @@ void bench_gemm_few_rows(const Options& o) {
       char shape[96];
       std::snprintf(shape, sizeof shape, "%s m%d n%d k%d (%s)", sh.name, m, sh.n, sh.k, Exec::name());
       Measurement g{"gemm A*B^T", shape};
-      g.seconds = median_seconds(exec, o.repeats, [&] {
+      g.seconds = warm_median_seconds(exec, o.repeats, [&] {
         kmamba::gemm(exec, kmamba::Transpose::No, kmamba::Transpose::Yes, 1.0f, kmamba::ConstTensor2<float, Mem>(A),
                      kmamba::ConstTensor2<float, Mem>(B), 0.0f, C);
       });
@@ -456,7 +450,7 @@ void bench_gemm_few_rows(const Options& o) {
       if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) {
         Measurement c = g;
         c.name = "gemm A*B^T cublas";
-        c.seconds = median_seconds(exec, o.repeats, [&] {
+        c.seconds = warm_median_seconds(exec, o.repeats, [&] {
           kmamba::impl::cublas_gemm_row_major(exec.cuda_stream(), false, true, m, sh.n, sh.k, 1.0f, A.data(), sh.k,
                                               B.data(), sh.k, 0.0f, C.data(), sh.n);
         });

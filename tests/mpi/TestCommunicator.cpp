@@ -21,6 +21,7 @@
 // roundings per term, (2u + u²)·|x_r|/P, and the sum's bound grows by that relative 2u + u²), which
 // 3u·Σ_r|x_r|/P more covers. Integer sums, maxima, minima, gathers, broadcasts and messages are
 // exact.
+#include "Backends.hpp"
 #include "RoundingBounds.hpp"
 
 #include <kmamba/core/Core.hpp>
@@ -36,6 +37,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -147,30 +149,27 @@ struct OverwriteAfter {
 // ---------------------------------------------------------------------------------------------
 // The transport set-ups: Exec and Mem, the world communicator and the instance the calls go on.
 
+/// A set-up on the default instance of `ExecSpace`: a world communicator of type `Comm`, views in
+/// `MemSpace`; `Premultiplied`: the transport scales each value by 1/P before an average's sum.
+template <class Comm, class ExecSpace, class MemSpace, bool Premultiplied>
+struct DefaultInstanceSetup {
+  using Exec = ExecSpace;
+  using Mem = MemSpace;
+  static constexpr bool premultiplied_average = Premultiplied;
+  std::unique_ptr<kmamba::Communicator> world() const { return std::make_unique<Comm>(MPI_COMM_WORLD); }
+  Exec instance() const { return Exec(); }
+};
+
 /// The MPI transport on host memory, on the default instance of `ExecSpace`.
 template <class ExecSpace>
-struct MpiOn {
-  using Exec = ExecSpace;
-  using Mem = Kokkos::HostSpace;
-  static constexpr bool premultiplied_average = false;
+struct MpiOn : DefaultInstanceSetup<kmamba::MpiCommunicator, ExecSpace, Kokkos::HostSpace, false> {
   static std::string name() { return std::string("Mpi") + ExecSpace::name(); }
-  std::unique_ptr<kmamba::Communicator> world() const {
-    return std::make_unique<kmamba::MpiCommunicator>(MPI_COMM_WORLD);
-  }
-  Exec instance() const { return Exec(); }
 };
 
 #if KMAMBA_TEST_NCCL
 /// NCCL on device memory, on the default Kokkos::Cuda instance.
-struct NcclDefaultInstance {
-  using Exec = Kokkos::Cuda;
-  using Mem = Kokkos::CudaSpace;
-  static constexpr bool premultiplied_average = true;
+struct NcclDefaultInstance : DefaultInstanceSetup<kmamba::NcclCommunicator, Kokkos::Cuda, Kokkos::CudaSpace, true> {
   static std::string name() { return "NcclDefaultInstance"; }
-  std::unique_ptr<kmamba::Communicator> world() const {
-    return std::make_unique<kmamba::NcclCommunicator>(MPI_COMM_WORLD);
-  }
-  Exec instance() const { return Exec(); }
 };
 
 /// NCCL on device memory, on an instance over a non-blocking stream that the set-up owns.
@@ -202,15 +201,8 @@ class NcclOwnInstance {
 };
 
 /// The NCCL communicator on host memory (its MPI path), on the default host instance.
-struct NcclHostMemory {
-  using Exec = HostExec;
-  using Mem = Kokkos::HostSpace;
-  static constexpr bool premultiplied_average = false;
+struct NcclHostMemory : DefaultInstanceSetup<kmamba::NcclCommunicator, HostExec, Kokkos::HostSpace, false> {
   static std::string name() { return "NcclHostMemory"; }
-  std::unique_ptr<kmamba::Communicator> world() const {
-    return std::make_unique<kmamba::NcclCommunicator>(MPI_COMM_WORLD);
-  }
-  Exec instance() const { return Exec(); }
 };
 
 using Configs = ::testing::Types<NcclDefaultInstance, NcclOwnInstance, NcclHostMemory>;
@@ -219,13 +211,6 @@ using Configs = ::testing::Types<MpiOn<Kokkos::OpenMP>, MpiOn<Kokkos::Serial>>;
 #else
 using Configs = ::testing::Types<MpiOn<HostExec>>;
 #endif
-
-struct ConfigNames {
-  template <class Config>
-  static std::string GetName(int) {
-    return Config::name();
-  }
-};
 
 /// The set-up, its world communicator and its instance, and the checks run on them. (The checks
 /// are public members: CUDA kernels may not be launched from private or protected ones.)
@@ -416,48 +401,40 @@ class Collectives : public ::testing::Test {
   }
 };
 
-TYPED_TEST_SUITE(Collectives, Configs, ConfigNames);
+TYPED_TEST_SUITE(Collectives, Configs, kmamba::test::BackendNames);
+
+/// check(T{}, size) for each element type the communicators carry: float, double, int32, int64,
+/// with the sizes given in that order.
+template <class Check>
+void for_each_type(const Check& check, const std::array<int, 4>& sizes) {
+  check(float{}, sizes[0]);
+  check(double{}, sizes[1]);
+  check(std::int32_t{}, sizes[2]);
+  check(std::int64_t{}, sizes[3]);
+}
 
 TYPED_TEST(Collectives, AllReduceEqualsSerial) {
-  this->template check_all_reduce<float>(1001);
-  this->template check_all_reduce<double>(257);
-  this->template check_all_reduce<std::int32_t>(300);
-  this->template check_all_reduce<std::int64_t>(129);
+  for_each_type([&](auto zero, int n) { this->template check_all_reduce<decltype(zero)>(n); }, {1001, 257, 300, 129});
 }
 
 TYPED_TEST(Collectives, AllReduceValueEqualsSerial) {
-  this->template check_all_reduce_value<float>();
-  this->template check_all_reduce_value<double>();
-  this->template check_all_reduce_value<std::int32_t>();
-  this->template check_all_reduce_value<std::int64_t>();
+  for_each_type([&](auto zero, int) { this->template check_all_reduce_value<decltype(zero)>(); }, {0, 0, 0, 0});
 }
 
 TYPED_TEST(Collectives, ReduceScatterEqualsSerial) {
-  this->template check_reduce_scatter<float>(333);
-  this->template check_reduce_scatter<double>(65);
-  this->template check_reduce_scatter<std::int32_t>(77);
-  this->template check_reduce_scatter<std::int64_t>(31);
+  for_each_type([&](auto zero, int n) { this->template check_reduce_scatter<decltype(zero)>(n); }, {333, 65, 77, 31});
 }
 
 TYPED_TEST(Collectives, AllGatherEqualsSerial) {
-  this->template check_all_gather<float>(100);
-  this->template check_all_gather<double>(129);
-  this->template check_all_gather<std::int32_t>(57);
-  this->template check_all_gather<std::int64_t>(33);
+  for_each_type([&](auto zero, int n) { this->template check_all_gather<decltype(zero)>(n); }, {100, 129, 57, 33});
 }
 
 TYPED_TEST(Collectives, BroadcastFromEveryRoot) {
-  this->template check_broadcast<float>(500);
-  this->template check_broadcast<double>(100);
-  this->template check_broadcast<std::int32_t>(70);
-  this->template check_broadcast<std::int64_t>(40);
+  for_each_type([&](auto zero, int n) { this->template check_broadcast<decltype(zero)>(n); }, {500, 100, 70, 40});
 }
 
 TYPED_TEST(Collectives, SendRecvRingAndChain) {
-  this->template check_send_recv<float>(64);
-  this->template check_send_recv<double>(33);
-  this->template check_send_recv<std::int32_t>(17);
-  this->template check_send_recv<std::int64_t>(9);
+  for_each_type([&](auto zero, int n) { this->template check_send_recv<decltype(zero)>(n); }, {64, 33, 17, 9});
 }
 
 TYPED_TEST(Collectives, OrderedWithTheInstancesOtherWork) { this->check_ordering(1 << 16); }

@@ -37,6 +37,8 @@ using Backends = ::testing::Types<
 #endif
     >;
 
+/// GoogleTest's names of a typed suite's instances: the type's static name() (an execution
+/// space's, or any set-up type that has one).
 struct BackendNames {
   template <class ExecSpace>
   static std::string GetName(int) {
