@@ -287,12 +287,11 @@ struct Conv1dWeightPartialSumFunctor {
   int width;
   int lanes;
 
-  int channel_blocks() const { return (channels + lanes - 1) / lanes; }
+  KOKKOS_INLINE_FUNCTION int channel_blocks() const { return (channels + lanes - 1) / lanes; }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int blocks_per_k = (channels + lanes - 1) / lanes;
-    const int k = team.league_rank() / blocks_per_k;
-    const int c0 = (team.league_rank() % blocks_per_k) * lanes;
+    const int k = team.league_rank() / channel_blocks();
+    const int c0 = (team.league_rank() % channel_blocks()) * lanes;
     const int q = team.team_rank();
     const int threads = team.team_size();
     const int blocks = static_cast<int>(partial.extent(0));
