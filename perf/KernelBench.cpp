@@ -374,17 +374,19 @@ void bench_mamba3_siso(const Options& o) {
   // q, k, v, z, out, adt, dt, trap, angles (fp32)
   const double io_bytes = 4.0 * tokens * (3 * E + 2 * G * N + 3 * nheads + nheads * nangles);
 
+  // The SISO scan runs on the SSD: bf16 is its fused tensor-core path (emulated on host backends).
   for (const kmamba::MatmulPrecision precision :
-       {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
+       {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32, kmamba::MatmulPrecision::BFloat16}) {
     const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
+    const bool bf16 = precision == kmamba::MatmulPrecision::BFloat16;
     if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
     if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
       std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "mamba3 siso tf32", shape);
       continue;
     }
     args.matmul_precision = precision;
-    const std::string suffix = tf32 ? " tf32" : "";
-    const double flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
+    const std::string suffix = bf16 ? " bf16" : tf32 ? " tf32" : "";
+    const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
     Measurement fwd{"mamba3 siso fwd" + suffix, shape};
     fwd.flop_per_s = flop_per_s;

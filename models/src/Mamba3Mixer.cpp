@@ -401,7 +401,8 @@ Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace
   args.D = slab.template param<1>(p + "D");
   if (!config_.is_outproj_norm) args.z = ConstTensor4<float, Mem>(a.pre[z_segment].data(), b, L, H, P);
   args.chunk_size = chunk_;
-  args.matmul_precision = this->scan_matmul_precision();
+  // The SISO scan runs on the SSD and takes its precisions (BFloat16 included); MIMO's chunk stages fp32 or TF32.
+  args.matmul_precision = config_.is_mimo ? this->scan_matmul_precision() : this->ssd_matmul_precision();
   return args;
 }
 

@@ -554,6 +554,61 @@ TYPED_TEST(Mamba3Scan, TensorFloat32SisoMatchesReference) {
   print_worst("SISO kernels (TensorFloat32 chunk products) vs reference");
 }
 
+// bf16 (SISO only: the scan runs on the SSD, whose fused kernels take headdim 64 and dstate
+// 16/32/64/128): the chunk products round q, k, v, g and the states to bf16, whose unit roundoff
+// 2^-8 is 8× TF32's 2^-11, along the same chains of products; so the TF32 bounds scaled by 8:
+// 8e-2 of the largest magnitude for outputs and gradients, and the vanishing ∂/∂θ measured against
+// 8 × 5e-2 of the largest gradient. The result must also differ from the reference by more than
+// fp32 rounding (the bf16 path ran).
+constexpr double bf16_tol = 8e-2;
+constexpr double bf16_vanishing = 8 * tf32_vanishing;
+
+std::vector<Config> bf16_siso_sweep() {
+  std::vector<Config> list;
+  Config c;
+  c.batch = 2;
+  c.seqlen = 150;  // two full chunks and a partial one
+  c.chunk = 64;
+  c.nheads = 2;
+  c.ngroups = 1;
+  c.headdim = 64;
+  c.dstate = 32;
+  c.nangles = 8;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.precision = kmamba::MatmulPrecision::BFloat16;
+  c.seed = 41;
+  list.push_back(c);
+  c.batch = 1;  // dstate 128, Mamba-3's shape, no gate nor initial state
+  c.seqlen = 64;
+  c.dstate = 128;
+  c.nangles = 32;
+  c.nheads = 2;
+  c.ngroups = 2;
+  c.z = c.initial = false;
+  c.seed = 42;
+  list.push_back(c);
+  return list;
+}
+
+TYPED_TEST(Mamba3Scan, Bf16SisoMatchesReference) {
+  worst() = Worst();
+  for (const Config& cfg : bf16_siso_sweep()) {
+    const RefProblem P = make_reference_problem(cfg);
+    const DeviceProblem<typename TypeParam::memory_space> p(P);
+    const auto result = run_kernels<TypeParam>(p, true);
+    const RefOutputs ref = ref_forward(P);
+    compare_outputs(result.first, ref, bf16_tol, cfg.describe());
+    compare_grads(result.second, ref_backward(P), bf16_tol, cfg.describe(), bf16_vanishing);
+    double err = 0.0, scale = 0.0;
+    for (std::size_t i = 0; i < ref.out.size(); ++i) {
+      err = std::max(err, std::fabs(result.first.out[i] - ref.out[i]));
+      scale = std::max(scale, std::fabs(ref.out[i]));
+    }
+    EXPECT_GT(err, 1e-5 * scale) << "the bf16 scan agrees with the reference as closely as fp32: " << cfg.describe();
+  }
+  print_worst("SISO kernels (bf16 chunk products) vs reference");
+}
+
 TYPED_TEST(Mamba3Scan, TensorFloat32MimoMatchesReference) {
   worst() = Worst();
   for (const Config& cfg : in_tensor_float32(mimo_sweep())) check_against_reference<TypeParam>(cfg);

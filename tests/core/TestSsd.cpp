@@ -58,7 +58,7 @@ struct DeviceProblem {
   using T4 = kmamba::Tensor4<float, Mem>;
   Config cfg;
   T4 x, B, C, z, h0, dout, dfinal;
-  T3 dt;
+  T3 dt, log_decay;
   T1 A, D, bias;
   kmamba::Tensor2<std::int64_t, Mem> seq;
 
@@ -74,6 +74,7 @@ struct DeviceProblem {
     a.dt_bias = bias;
     a.initial_states = h0;
     a.seq_idx = seq;
+    a.log_decay = log_decay;
     a.dt_softplus = cfg.softplus;
     a.dt_min = cfg.dt_min;
     a.dt_max = cfg.dt_max;
@@ -93,7 +94,11 @@ DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefPr
   const std::uint64_t s = cfg.seed * 1000;
   p.x = allocate_uninitialized<typename DP::T4>("kmamba::test::x", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
   p.dt = allocate_uninitialized<typename DP::T3>("kmamba::test::dt", cfg.batch, cfg.seqlen, cfg.nheads);
-  p.A = allocate_uninitialized<typename DP::T1>("kmamba::test::A", cfg.nheads);
+  if (cfg.log_decay) {
+    p.log_decay = allocate_uninitialized<typename DP::T3>("kmamba::test::log_decay", cfg.batch, cfg.seqlen, cfg.nheads);
+  } else {
+    p.A = allocate_uninitialized<typename DP::T1>("kmamba::test::A", cfg.nheads);
+  }
   p.B = allocate_uninitialized<typename DP::T4>("kmamba::test::B", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
   p.C = allocate_uninitialized<typename DP::T4>("kmamba::test::C", cfg.batch, cfg.seqlen, cfg.ngroups, cfg.dstate);
   p.dout =
@@ -104,7 +109,11 @@ DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefPr
   } else {
     kmamba::fill_uniform(exec, p.dt, s + 2, 0.05f, 0.8f);
   }
-  kmamba::fill_uniform(exec, p.A, s + 3, -1.5f, -0.2f);
+  if (cfg.log_decay) {
+    kmamba::fill_uniform(exec, p.log_decay, s + 3, -1.0f, -0.02f);
+  } else {
+    kmamba::fill_uniform(exec, p.A, s + 3, -1.5f, -0.2f);
+  }
   kmamba::fill_normal(exec, p.B, s + 4, 0.0f, 0.6f);
   kmamba::fill_normal(exec, p.C, s + 5, 0.0f, 0.6f);
   kmamba::fill_normal(exec, p.dout, s + 6, 0.0f, 1.0f);
@@ -150,7 +159,11 @@ DeviceProblem<typename Exec::memory_space> make_problem(const Config& cfg, RefPr
   exec.fence();
   ref.x = host_doubles(p.x);
   ref.dt = host_doubles(p.dt);
-  ref.A = host_doubles(p.A);
+  if (cfg.log_decay) {
+    ref.log_decay = host_doubles(p.log_decay);
+  } else {
+    ref.A = host_doubles(p.A);
+  }
   ref.B = host_doubles(p.B);
   ref.C = host_doubles(p.C);
   ref.dout = host_doubles(p.dout);
@@ -169,14 +182,20 @@ kmamba::SsdGrads<Mem> allocate_grads(const Config& c, bool with_z, bool with_opt
   g.dx =
       allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dx", c.batch, c.seqlen, c.nheads, c.headdim);
   g.ddt = allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::ddt", c.batch, c.seqlen, c.nheads);
-  g.dA = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dA", c.nheads);
+  if (c.log_decay) {
+    g.dlog_decay =
+        allocate_uninitialized<kmamba::Tensor3<float, Mem>>("kmamba::test::dlog_decay", c.batch, c.seqlen, c.nheads);
+    poison(g.dlog_decay);
+  } else {
+    g.dA = allocate_uninitialized<kmamba::Tensor1<float, Mem>>("kmamba::test::dA", c.nheads);
+    poison(g.dA);
+  }
   g.dB =
       allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dB", c.batch, c.seqlen, c.ngroups, c.dstate);
   g.dC =
       allocate_uninitialized<kmamba::Tensor4<float, Mem>>("kmamba::test::dC", c.batch, c.seqlen, c.ngroups, c.dstate);
   poison(g.dx);
   poison(g.ddt);
-  poison(g.dA);
   poison(g.dB);
   poison(g.dC);
   if (with_z) {
@@ -231,7 +250,11 @@ void check_against_reference(const Config& cfg, kmamba::MatmulPrecision precisio
   const RefGrads rg = ref_backward(ref);
   expect_near_rel("dx", host_doubles(g.dx), rg.dx, grad_tol, ctx);
   expect_near_rel("ddt", host_doubles(g.ddt), rg.ddt, grad_tol, ctx);
-  expect_near_rel("dA", host_doubles(g.dA), rg.dA, grad_tol, ctx);
+  if (cfg.log_decay) {
+    expect_near_rel("dlog_decay", host_doubles(g.dlog_decay), rg.dlog_decay, grad_tol, ctx);
+  } else {
+    expect_near_rel("dA", host_doubles(g.dA), rg.dA, grad_tol, ctx);
+  }
   expect_near_rel("dB", host_doubles(g.dB), rg.dB, grad_tol, ctx);
   expect_near_rel("dC", host_doubles(g.dC), rg.dC, grad_tol, ctx);
   expect_near_rel("dD", host_doubles(g.dD), rg.dD, grad_tol, ctx);
@@ -315,6 +338,19 @@ std::vector<Config> sweep() {
   c.boundaries = {256, 270};
   c.seed = 12;
   list.push_back(c);
+  c = Config();  // a log decay per token in place of δ·A, with every option
+  c.seqlen = 29;
+  c.D = c.z = c.bias = c.initial_states = c.dfinal = c.log_decay = true;
+  c.seq_idx = true;
+  c.boundaries = {3, 16};
+  c.seed = 13;
+  list.push_back(c);
+  c.softplus = false;  // δ only scales the input: no softplus, clamped
+  c.seq_idx = false;
+  c.dt_min = 0.2f;
+  c.dt_max = 0.6f;
+  c.seed = 14;
+  list.push_back(c);
   return list;
 }
 
@@ -341,6 +377,9 @@ TEST(SsdReference, BackwardMatchesFiniteDifferences) {
   c.dt_min = 0.2f;
   c.dt_max = 0.6f;
   c.seed = 2;
+  configs.push_back(c);
+  c.log_decay = true;
+  c.seed = 3;
   configs.push_back(c);
   for (const Config& cfg : configs) {
     RefProblem P;
@@ -375,7 +414,11 @@ TEST(SsdReference, BackwardMatchesFiniteDifferences) {
     };
     check("x", P.x, g.dx);
     check("dt", P.dt, g.ddt);
-    check("A", P.A, g.dA);
+    if (cfg.log_decay) {
+      check("log_decay", P.log_decay, g.dlog_decay);
+    } else {
+      check("A", P.A, g.dA);
+    }
     check("B", P.B, g.dB);
     check("C", P.C, g.dC);
     check("D", P.D, g.dD);
@@ -549,6 +592,15 @@ std::vector<Config> bf16_sweep() {
   c.softplus = true;
   c.seed = 29;
   list.push_back(c);
+  c.log_decay = true;  // Mamba-3's form: a log decay per token, one group per head, no D or gate
+  c.nheads = c.ngroups = 3;
+  c.softplus = false;
+  c.dt_min = -std::numeric_limits<float>::infinity();
+  c.dt_max = std::numeric_limits<float>::infinity();
+  c.D = c.bias = false;
+  c.dfinal = true;
+  c.seed = 30;
+  list.push_back(c);
   c = Config();  // shapes the fused form does not take: fp32 stages
   c.seqlen = 29;
   c.D = c.z = c.bias = c.initial_states = true;
@@ -628,7 +680,11 @@ void check_bf16_backward(const Config& cfg) {
   expect_within_magnitude("ddt", host_doubles(g.ddt), rg.ddt, mag.ddt, bound, ctx);
   expect_within_magnitude("dB", host_doubles(g.dB), rg.dB, mag.dB, bound, ctx);
   expect_within_magnitude("dC", host_doubles(g.dC), rg.dC, mag.dC, bound, ctx);
-  expect_within_magnitude("dA", host_doubles(g.dA), rg.dA, mag.dA, bound, ctx);
+  if (cfg.log_decay) {
+    expect_within_magnitude("dlog_decay", host_doubles(g.dlog_decay), rg.dlog_decay, mag.dlog_decay, bound, ctx);
+  } else {
+    expect_within_magnitude("dA", host_doubles(g.dA), rg.dA, mag.dA, bound, ctx);
+  }
   if (cfg.D) expect_within_magnitude("dD", host_doubles(g.dD), rg.dD, mag.dD, bound, ctx);
   if (cfg.bias) expect_within_magnitude("ddt_bias", host_doubles(g.ddt_bias), rg.dbias, mag.dbias, bound, ctx);
   // Not vacuous: bf16 operands must show (the fp32 stages agree to ~1e-6).
@@ -845,6 +901,19 @@ TYPED_TEST(Ssd, RejectsBadShapes) {
   args.initial_states = allocate<T4>("kmamba::test::h0", 2, 4, 5, 3);
   expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); },
                     {"initial_states", "(2, 4, 5, 3)", "(2, 4, 3, 5)"});
+  args = p.args();
+  args.A = T1();
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); },
+                    {"kmamba::ssd_forward", "A is required unless log_decay is given"});
+  args.log_decay = allocate<T3>("kmamba::test::log_decay", 2, 4, 10);
+  expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); },
+                    {"log_decay", "(2, 4, 10)", "(2, 10, 4)", "(batch, seqlen, nheads)"});
+  {
+    args.log_decay = allocate<T3>("kmamba::test::log_decay", 2, 10, 4);
+    kmamba::SsdGrads<Mem> g = allocate_grads<Mem>(cfg, cfg.z, false);  // dA, no dlog_decay
+    expect_user_error([&] { kmamba::ssd_backward(exec, args, p.dout, p.dfinal, g); },
+                      {"kmamba::ssd_backward", "dlog_decay", "(batch, seqlen, nheads)"});
+  }
   args = p.args();
   args.seq_idx = allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", 2, 11);
   expect_user_error([&] { kmamba::ssd_forward(exec, args, out, fin); }, {"seq_idx", "(2, 11)", "(2, 10)"});

@@ -185,27 +185,31 @@ TYPED_TEST(MatmulPrecisionTest, Bf16TrainingFollowsTheFp32LossCurve) {
   }
 }
 
-TYPED_TEST(MatmulPrecisionTest, TheMamba3ScansRejectBf16ChunkProducts) {
+// The SISO scan runs on the SSD and takes bf16 (tests/core/TestMamba3Scan.cpp); MIMO's own chunk
+// stages do not.
+TYPED_TEST(MatmulPrecisionTest, TheMamba3MimoScanRejectsBf16ChunkProducts) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  kmamba::Mamba3SisoArgs<Mem> args;
-  args.q = kmamba::Tensor4<float, Mem>("kmamba::test::q", 1, 8, 1, 4);
-  args.k = kmamba::Tensor4<float, Mem>("kmamba::test::k", 1, 8, 1, 4);
+  kmamba::Mamba3MimoArgs<Mem> args;
+  args.q = kmamba::Tensor5<float, Mem>("kmamba::test::q", 1, 8, 2, 1, 4);
+  args.k = kmamba::Tensor5<float, Mem>("kmamba::test::k", 1, 8, 2, 1, 4);
   args.v = kmamba::Tensor4<float, Mem>("kmamba::test::v", 1, 8, 2, 4);
   args.adt = kmamba::Tensor3<float, Mem>("kmamba::test::adt", 1, 2, 8);
   args.dt = kmamba::Tensor3<float, Mem>("kmamba::test::dt", 1, 2, 8);
   args.trap = kmamba::Tensor3<float, Mem>("kmamba::test::trap", 1, 2, 8);
-  args.q_bias = kmamba::Tensor2<float, Mem>("kmamba::test::q_bias", 2, 4);
-  args.k_bias = kmamba::Tensor2<float, Mem>("kmamba::test::k_bias", 2, 4);
+  args.q_bias = kmamba::Tensor3<float, Mem>("kmamba::test::q_bias", 2, 2, 4);
+  args.k_bias = kmamba::Tensor3<float, Mem>("kmamba::test::k_bias", 2, 2, 4);
   args.angles = kmamba::Tensor4<float, Mem>("kmamba::test::angles", 1, 8, 2, 1);
+  args.mimo_v = kmamba::Tensor3<float, Mem>("kmamba::test::mimo_v", 2, 2, 4);
+  args.mimo_o = kmamba::Tensor3<float, Mem>("kmamba::test::mimo_o", 2, 2, 4);
   args.matmul_precision = MatmulPrecision::BFloat16;
   kmamba::Tensor4<float, Mem> out("kmamba::test::out", 1, 8, 2, 4);
   try {
-    kmamba::mamba3_siso_forward(Exec(), args, out, kmamba::Mamba3SisoStates<Mem>());
+    kmamba::mamba3_mimo_forward(Exec(), args, out, kmamba::Mamba3MimoStates<Mem>());
     FAIL() << "no exception";
   } catch (const kmamba::UserError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "kmamba::mamba3_siso_forward: matmul_precision bf16 is not available for the chunk products of the "
+              "kmamba::mamba3_mimo_forward: matmul_precision bf16 is not available for the chunk products of the "
               "scans (fp32 or tf32)");
   }
 }

@@ -21,7 +21,7 @@ RefForward ref_forward(const RefProblem& P, bool magnitude) {
       for (int t = 0; t < c.seqlen; ++t) {
         if (P.restart(b, t)) std::fill(h.begin(), h.end(), 0.0);
         const double d = P.delta(P.pre(b, t, hd));
-        const double decay = std::exp(d * P.A[hd]);
+        const double decay = std::exp(P.token_log_decay(b, t, hd, d));
         for (int p = 0; p < c.headdim; ++p) {
           const double xv = val(P.x[P.xi(b, t, hd, p)]);
           double y = 0.0;
@@ -62,6 +62,7 @@ RefGrads ref_backward(const RefProblem& P, bool magnitude) {
   gr.dx.assign(P.x.size(), 0.0);
   gr.ddt.assign(P.dt.size(), 0.0);
   gr.dA.assign(c.nheads, 0.0);
+  gr.dlog_decay.assign(P.dt.size(), 0.0);
   gr.dB.assign(P.B.size(), 0.0);
   gr.dC.assign(P.C.size(), 0.0);
   gr.dD.assign(c.nheads, 0.0);
@@ -73,14 +74,14 @@ RefGrads ref_backward(const RefProblem& P, bool magnitude) {
   for (int b = 0; b < c.batch; ++b)
     for (int hd = 0; hd < c.nheads; ++hd) {
       const int grp = hd / (c.nheads / c.ngroups);
-      const double a = P.A[hd];
+      const double a = P.rate(hd);
       const double Dh = P.D.empty() ? 0.0 : val(P.D[hd]);
       // states[(t + 1)·PN ...] = state after token t; states[0 ...] = initial state.
       for (int p = 0; p < c.headdim; ++p)
         for (int n = 0; n < c.dstate; ++n) states[p * c.dstate + n] = P.h0.empty() ? 0.0 : val(P.h0[P.si(b, hd, p, n)]);
       for (int t = 0; t < c.seqlen; ++t) {
         const double d = P.delta(P.pre(b, t, hd));
-        const double decay = std::exp(d * a);
+        const double decay = std::exp(P.token_log_decay(b, t, hd, d));
         const bool r = P.restart(b, t);
         for (int p = 0; p < c.headdim; ++p)
           for (int n = 0; n < c.dstate; ++n) {
@@ -95,7 +96,7 @@ RefGrads ref_backward(const RefProblem& P, bool magnitude) {
       for (int t = c.seqlen - 1; t >= 0; --t) {
         const double pre = P.pre(b, t, hd);
         const double d = P.delta(pre);
-        const double decay = std::exp(d * a);
+        const double decay = std::exp(P.token_log_decay(b, t, hd, d));
         const bool r = P.restart(b, t);
         const double* cur = &states[(t + 1) * PN];
         const double* prev = &states[t * PN];
@@ -124,7 +125,11 @@ RefGrads ref_backward(const RefProblem& P, bool magnitude) {
             gr.dC[P.bi(b, t, grp, n)] += g[p] * cur[p * c.dstate + n];
             const double hp = r ? 0.0 : prev[p * c.dstate + n];
             ddelta += l * (val(a) * decay * hp + xv * Bv);
-            gr.dA[hd] += l * d * decay * hp;
+            if (P.log_decay.empty()) {
+              gr.dA[hd] += l * d * decay * hp;
+            } else {
+              gr.dlog_decay[P.ti(b, t, hd)] += l * decay * hp;
+            }
             gr.dx[P.xi(b, t, hd, p)] += d * l * Bv;
             gr.dB[P.bi(b, t, grp, n)] += d * l * xv;
             l = r ? 0.0 : decay * l;

@@ -21,6 +21,8 @@ struct Config {
   int batch = 2, seqlen = 10, nheads = 4, headdim = 3, ngroups = 2, dstate = 5;
   int chunk = 8;
   bool D = false, z = false, bias = false, softplus = true, initial_states = false, dfinal = false;
+  // A per-token log decay (SsdArgs::log_decay) in place of δ·A.
+  bool log_decay = false;
   // Row 0 starts a new sequence at each of these tokens; row 1 (ids from 5) at seqlen / 2.
   bool seq_idx = false;
   std::vector<int> boundaries;
@@ -32,7 +34,7 @@ struct Config {
     s << "batch=" << batch << " seqlen=" << seqlen << " nheads=" << nheads << " headdim=" << headdim
       << " ngroups=" << ngroups << " dstate=" << dstate << " chunk=" << chunk << " D=" << D << " z=" << z
       << " bias=" << bias << " softplus=" << softplus << " initial_states=" << initial_states << " dfinal=" << dfinal
-      << " seq_idx=" << seq_idx << " boundaries={";
+      << " seq_idx=" << seq_idx << " log_decay=" << log_decay << " boundaries={";
     for (int t : boundaries) s << t << ",";
     s << "} dt_limit=(" << dt_min << ", " << dt_max << ")";
     return s.str();
@@ -42,7 +44,7 @@ struct Config {
 // Row-major host copies of every input, in double (absent optional inputs are empty).
 struct RefProblem {
   Config cfg;
-  std::vector<double> x, dt, A, B, C, D, z, bias, h0, dout, dfinal;
+  std::vector<double> x, dt, A, B, C, D, z, bias, h0, dout, dfinal, log_decay;
   std::vector<std::int64_t> seq;
 
   std::size_t xi(int b, int t, int h, int p) const {
@@ -62,6 +64,11 @@ struct RefProblem {
   double pre(int b, int t, int h) const { return dt[ti(b, t, h)] + (bias.empty() ? 0.0 : bias[h]); }
   double unclamped(double p) const { return cfg.softplus ? softplus(p) : p; }
   double delta(double p) const { return std::min(std::max(unclamped(p), double(cfg.dt_min)), double(cfg.dt_max)); }
+  // a_t = δ·rate, rate = A[h], or the given log decay (rate 0).
+  double rate(int h) const { return log_decay.empty() ? A[h] : 0.0; }
+  double token_log_decay(int b, int t, int h, double d) const {
+    return log_decay.empty() ? d * A[h] : log_decay[ti(b, t, h)];
+  }
 };
 
 struct RefForward {
@@ -76,7 +83,7 @@ RefForward ref_forward(const RefProblem& P, bool magnitude = false);
 double ref_loss(const RefProblem& P);
 
 struct RefGrads {
-  std::vector<double> dx, ddt, dA, dB, dC, dD, dz, dbias, dh0;
+  std::vector<double> dx, ddt, dA, dB, dC, dD, dz, dbias, dh0, dlog_decay;
 };
 
 // The adjoint of the recurrence, token by token backwards (every state kept).

@@ -31,9 +31,11 @@
 // and k; each chunk's own end state; the passing of states across chunks; the chunk scan. The
 // backward runs the same decomposition in reverse (docs/algorithms.md §3.5, rank sums inside the inner
 // products for MIMO); the reduction of angles mod 2π is treated as the identity, as the reference
-// does. All arithmetic and states are fp32 (the per-chunk products optionally with TF32 operands on
-// the tensor cores: matmul_precision). Every op is non-blocking on the execution space
-// instance it is given, except that temporary buffers are released on return (which waits for the
+// does. The SISO scan is computed as an SSD (kmamba/core/Ssd.hpp, with a log decay per token and a
+// correction of each token's own term: impl/Mamba3SisoSsd.hpp), so it takes the SSD's precisions;
+// MIMO runs the chunk stages above. All arithmetic and states are fp32 (the per-chunk products
+// optionally with TF32 or, SISO only, bf16 operands on the tensor cores: matmul_precision). Every op is non-blocking on
+// the execution space instance it is given, except that temporary buffers are released on return (which waits for the
 // device where freeing memory does, as cudaFree).
 //
 //   kmamba::Mamba3SisoArgs<Mem> args;
@@ -50,7 +52,7 @@
 #include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
-#include <kmamba/core/impl/Mamba3ScanImpl.hpp>
+#include <kmamba/core/impl/Mamba3SisoSsd.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -124,9 +126,10 @@ struct Mamba3SisoArgs {
   /// Tokens per chunk (the reference's default 64). A value whose team scratch memory the backend
   /// cannot provide is a UserError.
   int chunk_size = 64;
-  /// The per-chunk products (kmamba/core/MatmulPrecision.hpp, as SsdArgs::matmul_precision):
-  /// Float32 (default) exact; TensorFloat32 on the tensor cores with TF32 operands on Cuda;
-  /// BFloat16 is a UserError.
+  /// The per-chunk products, exactly as SsdArgs::matmul_precision (the scan runs on the SSD):
+  /// Float32 (default) exact; TensorFloat32 with TF32 operands on Cuda's tensor cores; BFloat16
+  /// with bf16 operands in the SSD's fused kernels where they take the shape (headdim 64, dstate
+  /// 16/32/64/128), fp32 otherwise.
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
@@ -171,7 +174,8 @@ struct Mamba3MimoArgs {
   Mamba3MimoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
   /// Tokens per chunk; 0 = the reference's default 64 / rank (at least 1).
   int chunk_size = 0;
-  /// The per-chunk products, as Mamba3SisoArgs::matmul_precision.
+  /// The per-chunk products: Float32 (default) or TensorFloat32 (as Mamba3SisoArgs); BFloat16 is a
+  /// UserError (the MIMO scan runs on its own chunk stages, not the SSD).
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 

@@ -25,8 +25,9 @@ enum class MatmulPrecision {
   TensorFloat32,
   /// Operands rounded to bf16 (7 stored mantissa bits, round to nearest even) and, on Cuda,
   /// multiplied on the tensor cores: each product carries a relative error of at most ≈ 2^-7.
-  /// For kmamba::gemm (host backends emulate the rounding) and the SSD's fused forward
-  /// (SsdArgs::matmul_precision); the Mamba-3 scans reject it (check_scan_matmul_precision).
+  /// For kmamba::gemm (host backends emulate the rounding), the SSD's fused kernels
+  /// (SsdArgs::matmul_precision) and the Mamba-3 SISO scan, which runs on the SSD; the MIMO scan
+  /// rejects it (check_scan_matmul_precision).
   BFloat16
 };
 

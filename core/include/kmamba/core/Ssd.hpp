@@ -5,7 +5,9 @@
 // Per batch b, head h (group g = h / (nheads / ngroups)), token t:
 //
 //   δ_t   = clamp(softplus₂₀(dt[b,t,h] + dt_bias[h]), dt_min, dt_max)     (softplus when dt_softplus)
-//   H_t   = exp(δ_t·A[h])·H_{t−1} + δ_t·x[b,t,h,:] ⊗ B[b,t,g,:]            H ∈ R^{headdim×dstate}
+//   H_t   = exp(a_t)·H_{t−1} + δ_t·x[b,t,h,:] ⊗ B[b,t,g,:]                 H ∈ R^{headdim×dstate}
+//           a_t = δ_t·A[h], or log_decay[b,t,h] where given (a decay of its own per token, as
+//           Mamba-3's data-dependent one; δ then only scales the input)
 //           H_{−1} = initial_states[b,h] (or 0); H_{t−1} is taken as 0 where seq_idx[b,t] ≠ seq_idx[b,t−1]
 //   out   = (H_t·C[b,t,g,:] + D[h]·x[b,t,h,:]) · silu(z[b,t,h,:])
 //   final_states[b,h] = H_{seqlen−1}
@@ -54,7 +56,7 @@ template <class MemorySpace>
 struct SsdArgs {
   ConstTensor4<float, MemorySpace> x;               // (batch, seqlen, nheads, headdim)
   ConstTensor3<float, MemorySpace> dt;              // (batch, seqlen, nheads), raw (before bias, softplus, clamp)
-  ConstTensor1<float, MemorySpace> A;               // (nheads), negative
+  ConstTensor1<float, MemorySpace> A;               // (nheads), negative; required unless log_decay is given
   ConstTensor4<float, MemorySpace> B;               // (batch, seqlen, ngroups, dstate)
   ConstTensor4<float, MemorySpace> C;               // (batch, seqlen, ngroups, dstate)
   ConstTensor1<float, MemorySpace> D;               // (nheads), optional skip connection
@@ -65,6 +67,9 @@ struct SsdArgs {
   /// id changes (padding, e.g. −1, is one more sequence). initial_states belongs to the row's first
   /// sequence whatever its id (the reference kernel applies it only when that id is 0).
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;
+  /// (batch, seqlen, nheads), optional: each token's log decay a_t (≤ 0), in place of δ_t·A[h];
+  /// A is then not read.
+  ConstTensor3<float, MemorySpace> log_decay;
   /// Apply softplus (threshold 20) to dt + dt_bias.
   bool dt_softplus = false;
   /// δ is clamped to [dt_min, dt_max] (the reference's dt_limit).
@@ -88,14 +93,16 @@ struct SsdArgs {
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 
-/// Gradients written by ssd_backward. dx, ddt, dA, dB, dC are required; dD, ddt_bias and
-/// dinitial_states are written when allocated (the gradient at the value given, or at zero for an
-/// absent D / dt_bias / initial state); dz is required exactly when z is given.
+/// Gradients written by ssd_backward. dx, ddt, dB, dC are required, dA without log_decay and
+/// dlog_decay with it; dD, ddt_bias and dinitial_states are written when allocated (the gradient
+/// at the value given, or at zero for an absent D / dt_bias / initial state); dz is required
+/// exactly when z is given.
 template <class MemorySpace>
 struct SsdGrads {
   Tensor4<float, MemorySpace> dx;               // (batch, seqlen, nheads, headdim)
   Tensor3<float, MemorySpace> ddt;              // (batch, seqlen, nheads), w.r.t. the raw dt
-  Tensor1<float, MemorySpace> dA;               // (nheads)
+  Tensor1<float, MemorySpace> dA;               // (nheads), without log_decay
+  Tensor3<float, MemorySpace> dlog_decay;       // (batch, seqlen, nheads), with log_decay
   Tensor4<float, MemorySpace> dB;               // (batch, seqlen, ngroups, dstate)
   Tensor4<float, MemorySpace> dC;               // (batch, seqlen, ngroups, dstate)
   Tensor1<float, MemorySpace> dD;               // (nheads), optional
@@ -131,9 +138,10 @@ inline void ssd_check_group_dims(const char* function, const char* name, const S
 
 template <class MemorySpace>
 SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
-  KMAMBA_REQUIRE(args.x.is_allocated() && args.dt.is_allocated() && args.A.is_allocated() && args.B.is_allocated() &&
-                     args.C.is_allocated(),
-                 function << ": x, dt, A, B and C are required");
+  KMAMBA_REQUIRE(args.x.is_allocated() && args.dt.is_allocated() && args.B.is_allocated() && args.C.is_allocated(),
+                 function << ": x, dt, B and C are required");
+  KMAMBA_REQUIRE(args.A.is_allocated() || args.log_decay.is_allocated(),
+                 function << ": A is required unless log_decay is given");
   SsdDims dims;
   dims.batch = static_cast<std::int64_t>(args.x.extent(0));
   dims.seqlen = static_cast<std::int64_t>(args.x.extent(1));
@@ -145,7 +153,12 @@ SsdDims ssd_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
                                                                  << ": nheads and headdim must be positive");
   ssd_check_group_dims(function, "B", shape_of(args.B), dims);
   check_shape(function, "dt", args.dt, {dims.batch, dims.seqlen, dims.nheads}, "(batch, seqlen, nheads)");
-  check_shape(function, "A", args.A, {dims.nheads}, "(nheads)");
+  if (args.log_decay.is_allocated()) {
+    check_shape(function, "log_decay", args.log_decay, {dims.batch, dims.seqlen, dims.nheads},
+                "(batch, seqlen, nheads)");
+  } else {
+    check_shape(function, "A", args.A, {dims.nheads}, "(nheads)");
+  }
   const Shape bc{dims.batch, dims.seqlen, dims.ngroups, dims.dstate};
   check_shape(function, "B", args.B, bc, "(batch, seqlen, ngroups, dstate)");
   check_shape(function, "C", args.C, bc, "(batch, seqlen, ngroups, dstate)");
@@ -235,12 +248,18 @@ void ssd_backward(
   }
   check_shape(function, "dx", grads.dx, seq, "(batch, seqlen, nheads, headdim)");
   check_shape(function, "ddt", grads.ddt, {dims.batch, dims.seqlen, dims.nheads}, "(batch, seqlen, nheads)");
-  check_shape(function, "dA", grads.dA, {dims.nheads}, "(nheads)");
+  if (args.log_decay.is_allocated()) {
+    check_shape(function, "dlog_decay", grads.dlog_decay, {dims.batch, dims.seqlen, dims.nheads},
+                "(batch, seqlen, nheads)");
+    check_allocated(function, "dlog_decay", grads.dlog_decay);
+  } else {
+    check_shape(function, "dA", grads.dA, {dims.nheads}, "(nheads)");
+    check_allocated(function, "dA", grads.dA);
+  }
   check_shape(function, "dB", grads.dB, bc, "(batch, seqlen, ngroups, dstate)");
   check_shape(function, "dC", grads.dC, bc, "(batch, seqlen, ngroups, dstate)");
   check_allocated(function, "dx", grads.dx);
   check_allocated(function, "ddt", grads.ddt);
-  check_allocated(function, "dA", grads.dA);
   check_allocated(function, "dB", grads.dB);
   check_allocated(function, "dC", grads.dC);
   if (grads.dD.is_allocated()) check_shape(function, "dD", grads.dD, {dims.nheads}, "(nheads)");

@@ -2,7 +2,9 @@
 // launch plan, the workspaces and one functor per stage of the chunked scan
 // (docs/algorithms.md §3.4, §3.5), its backward and the decode step (docs/algorithms.md §3.7).
 //
-// SISO is MIMO with rank 1 and unit rank projections; every stage is written once for rank R.
+// SISO is MIMO with rank 1 and unit rank projections; every stage is written once for rank R. The
+// SISO scan runs its chunk products on the SSD (impl/Mamba3SisoSsd.hpp) with the stages before
+// them (angles, scales, rotated rows) and after them (the tail of the backward) taken from here.
 // Per (batch, head) the tokens × ranks form "rows" (row = t·R + r); the rotate stage writes the
 // rotated, biased q and k and the projected v as rows of per-head workspaces, so that the chunk
 // stages read plain (rows × dstate) and (rows × headdim) blocks.
@@ -306,19 +308,21 @@ void mamba3_for(const ExecSpace& exec, const char* label, std::int64_t items, co
 /// Buffers the forward stages hand to each other (recomputed by the backward).
 template <class MemorySpace>
 struct Mamba3Workspace {
-  Tensor4<float, MemorySpace> theta;   // (batch, nheads, seqlen, nangles): θ_t reduced into [0, 2π)
-  Tensor3<float, MemorySpace> cs;      // (batch, nheads, seqlen): inclusive cumsum of adt within the chunk
-  Tensor3<float, MemorySpace> scale;   // (batch, nheads, seqlen): γ_t + β̃_{t+1}
-  Tensor3<float, MemorySpace> gamma;   // (batch, nheads, seqlen): γ_t
-  Tensor4<float, MemorySpace> q, k;    // (batch, nheads, seqlen·rank, dstate): rotated, biased
-  Tensor4<float, MemorySpace> v;       // (batch, nheads, seqlen·rank, headdim): projected
-  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ
+  Tensor4<float, MemorySpace> theta;  // (batch, nheads, seqlen, nangles): θ_t reduced into [0, 2π)
+  Tensor3<float, MemorySpace> cs;     // (batch, nheads, seqlen): inclusive cumsum of adt within the chunk
+  Tensor3<float, MemorySpace> scale;  // (batch, nheads, seqlen): γ_t + β̃_{t+1}
+  Tensor3<float, MemorySpace> gamma;  // (batch, nheads, seqlen): γ_t
+  Tensor4<float, MemorySpace> q, k;   // (batch, seqlen·rank, nheads, dstate): rotated, biased
+  Tensor4<float, MemorySpace> v;      // (batch, seqlen·rank, nheads, headdim): projected
+  /// (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ (the chunk stages' only: the
+  /// SISO scan on the SSD has none)
+  Tensor5<float, MemorySpace> states;
   /// (batch, nheads, nchunks, nangles): the chunk's sum of angle increments, then θ entering the
   /// chunk (the backward reuses it for the sums of ∂/∂θ and the gradient entering from the right)
   Tensor4<float, MemorySpace> angle_sum;
   Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
 
-  explicit Mamba3Workspace(const Mamba3Plan& plan)
+  Mamba3Workspace(const Mamba3Plan& plan, bool chunk_states)
       : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
                                                                   plan.seqlen, plan.nangles)),
         cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
@@ -327,28 +331,33 @@ struct Mamba3Workspace {
                                                                   plan.seqlen)),
         gamma(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::gamma", plan.batch, plan.nheads,
                                                                   plan.seqlen)),
-        q(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch, plan.nheads,
-                                                              plan.seqlen * plan.rank, plan.dstate)),
-        k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch, plan.nheads,
-                                                              plan.seqlen * plan.rank, plan.dstate)),
-        v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch, plan.nheads,
-                                                              plan.seqlen * plan.rank, plan.headdim)),
-        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
-                                                                   plan.nheads, plan.headdim, plan.dstate)),
+        q(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
+        k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
+        v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.headdim)),
         angle_sum(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_chunk_sum", plan.batch,
                                                                       plan.nheads, plan.nchunks, plan.nangles)),
         angle_turns(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_turns", plan.batch,
-                                                                        plan.nheads, plan.nchunks, plan.nangles)) {}
+                                                                        plan.nheads, plan.nchunks, plan.nangles)) {
+    if (chunk_states) {
+      states = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
+                                                                   plan.nheads, plan.headdim, plan.dstate);
+    }
+  }
 };
 
 /// Buffers of the backward stages.
 template <class MemorySpace>
 struct Mamba3BackwardWorkspace {
-  Tensor4<float, MemorySpace> y;       // (batch, nheads, seqlen·rank, headdim): y_t,r before the gate (MIMO)
-  Tensor4<float, MemorySpace> g;       // (batch, nheads, seqlen·rank, headdim): ∂/∂y_t,r
-  Tensor4<float, MemorySpace> dv;      // (batch, nheads, seqlen·rank, headdim): ∂/∂v_t,r
-  Tensor4<float, MemorySpace> dq, dk;  // (batch, nheads, seqlen·rank, dstate): ∂/∂ rotated, then biased q, k
-  Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate): then ∂/∂ state leaving the chunk
+  Tensor4<float, MemorySpace> y;       // (batch, seqlen·rank, nheads, headdim): y_t,r before the gate (keep_rows)
+  Tensor4<float, MemorySpace> g;       // (batch, seqlen·rank, nheads, headdim): ∂/∂y_t,r
+  Tensor4<float, MemorySpace> dv;      // (batch, seqlen·rank, nheads, headdim): ∂/∂v_t,r
+  Tensor4<float, MemorySpace> dq, dk;  // (batch, seqlen·rank, nheads, dstate): ∂/∂ rotated, then biased q, k
+  /// (batch, nchunks, nheads, headdim, dstate), with chunk_states: ∂/∂ the state entering, then
+  /// leaving, each chunk
+  Tensor5<float, MemorySpace> dstates;
   Tensor4<float, MemorySpace> dH0;      // (batch, nheads, headdim, dstate): ∂/∂Ĥ_{−1}
   Tensor3<float, MemorySpace> off;      // (batch, nheads, seqlen): ∂/∂scale_t
   Tensor3<float, MemorySpace> diag;     // (batch, nheads, seqlen): ∂/∂γ_t through the token's own term
@@ -357,22 +366,18 @@ struct Mamba3BackwardWorkspace {
   Tensor3<float, MemorySpace> partial;  // (batch, nchunks, nheads): the chunk's share of dD
   Tensor4<float, MemorySpace> dq_bias_partial, dk_bias_partial;  // (batch, nchunks, nheads, rank·dstate)
 
-  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_rows) {
+  Mamba3BackwardWorkspace(const Mamba3Plan& plan, bool keep_rows, bool chunk_states) {
     const int rows = plan.seqlen * plan.rank;
-    if (keep_rows) {
-      y = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::y", plan.batch, plan.nheads, rows,
-                                                              plan.headdim);
+    using T4 = Tensor4<float, MemorySpace>;
+    if (keep_rows) y = allocate_uninitialized<T4>("kmamba::mamba3::y", plan.batch, rows, plan.nheads, plan.headdim);
+    g = allocate_uninitialized<T4>("kmamba::mamba3::dy", plan.batch, rows, plan.nheads, plan.headdim);
+    dv = allocate_uninitialized<T4>("kmamba::mamba3::dv_projected", plan.batch, rows, plan.nheads, plan.headdim);
+    dq = allocate_uninitialized<T4>("kmamba::mamba3::dq_rows", plan.batch, rows, plan.nheads, plan.dstate);
+    dk = allocate_uninitialized<T4>("kmamba::mamba3::dk_rows", plan.batch, rows, plan.nheads, plan.dstate);
+    if (chunk_states) {
+      dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::dstates", plan.batch, plan.nchunks,
+                                                                    plan.nheads, plan.headdim, plan.dstate);
     }
-    g = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dy", plan.batch, plan.nheads, rows,
-                                                            plan.headdim);
-    dv = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dv_projected", plan.batch, plan.nheads,
-                                                             rows, plan.headdim);
-    dq = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dq_rows", plan.batch, plan.nheads, rows,
-                                                             plan.dstate);
-    dk = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dk_rows", plan.batch, plan.nheads, rows,
-                                                             plan.dstate);
-    dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::dstates", plan.batch, plan.nchunks,
-                                                                  plan.nheads, plan.headdim, plan.dstate);
     dH0 = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::dinitial_ssm_effective", plan.batch,
                                                               plan.nheads, plan.headdim, plan.dstate);
     off = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::dscale", plan.batch, plan.nheads,
@@ -556,8 +561,8 @@ struct Mamba3RotateFunctor {
   KOKKOS_INLINE_FUNCTION static int slots(const Mamba3Plan& plan) { return plan.dstate - plan.nangles; }
 
   KOKKOS_INLINE_FUNCTION void store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
-    ws.q(b, h, row, n) = qv;
-    ws.k(b, h, row, n) = kv;
+    ws.q(b, row, h, n) = qv;
+    ws.k(b, row, h, n) = kv;
     if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
   }
 
@@ -608,7 +613,7 @@ struct Mamba3ProjectFunctor {
     const int h = bh % plan.nheads, b = bh / plan.nheads;
     const int t = row / plan.rank, r = row % plan.rank;
     const float v = in.v(b, t, h, p) * in.v_proj(h, r, p);
-    ws.v(b, h, row, p) = v;
+    ws.v(b, row, h, p) = v;
     if (t == plan.seqlen - 1 && final_states.has_v) final_states.v(b, h, r, p) = v;
   }
 };
@@ -632,8 +637,8 @@ struct Mamba3ChunkStateFunctor {
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
-        [&](const int p, const int j) { return ws.v(b, h, row0 + j, p) * sw(j); },
-        [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
+        [&](const int p, const int j) { return ws.v(b, row0 + j, h, p) * sw(j); },
+        [&](const int j, const int n) { return ws.k(b, row0 + j, h, n); },
         [&](const int p, const int n, const float v) { ws.states(b, blk.c, h, p, n) = v; });
   }
 };
@@ -662,6 +667,19 @@ KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Ma
   return kmamba::math::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
 }
 
+/// Ĥ_{−1}(p, n) = initial ssm + β̃_0·Σ_r v_{−1,r}(p)·k_{−1,r}(n) (zero where no initial state is given).
+template <class MemorySpace>
+KOKKOS_INLINE_FUNCTION float mamba3_entering_state(const Mamba3Operands<MemorySpace>& in, const Mamba3Plan& plan, int b,
+                                                   int h, int p, int n) {
+  float s = in.initial.ssm_or_zero(b, h, p, n);
+  if (in.initial.has_k && in.initial.has_v) {
+    float kv = 0.0f;
+    for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
+    s += in.beta_tilde(b, h, 0) * kv;
+  }
+  return s;
+}
+
 /// Stage 4 (state_passing, one item per (batch, head, p, n)): replaces each chunk's local state by
 /// the state Ĥ entering the chunk (Ĥ_{−1} = initial ssm + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ) and writes the
 /// final ssm state (chunk_walk_forward).
@@ -675,12 +693,7 @@ struct Mamba3StatePassingFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const Mamba3StateItem it = mamba3_state_item(plan, item);
     const int b = it.b, h = it.h, p = it.p, n = it.n;
-    float s = in.initial.ssm_or_zero(b, h, p, n);
-    if (in.initial.has_k && in.initial.has_v) {
-      float kv = 0.0f;
-      for (int r = 0; r < plan.rank; ++r) kv += in.initial.v(b, h, r, p) * in.initial.k(b, h, r, n);
-      s += in.beta_tilde(b, h, 0) * kv;
-    }
+    float s = mamba3_entering_state(in, plan, b, h, p, n);
     s = chunk_walk_forward(
         plan.nchunks, s, [&](int c) -> float& { return ws.states(b, c, h, p, n); },
         [&](int c) { return mamba3_chunk_decay(plan, ws, b, h, c); });
@@ -702,9 +715,9 @@ struct Mamba3ChunkScanFunctor {
   Mamba3Plan plan;
   Tensor4<float, MemorySpace> out;        // forward: (batch, seqlen, nheads, headdim)
   ConstTensor4<float, MemorySpace> dout;  // GateBackward: (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> g;          // GateBackward: (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> g;          // GateBackward: (batch, seqlen·rank, nheads, headdim)
   Tensor4<float, MemorySpace> dz;         // GateBackward with z: (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> y;          // GateBackward, optional: (batch, nheads, seqlen·rank, headdim)
+  Tensor4<float, MemorySpace> y;          // GateBackward, optional: (batch, seqlen·rank, nheads, headdim)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
@@ -724,8 +737,8 @@ struct Mamba3ChunkScanFunctor {
       const int nr = tokens * R, i0 = l0 * R;
       team.team_barrier();
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, rows, plan.dstate, [&](const int i, const int n) { return ws.q(b, h, row0 + i0 + i, n); },
-          [&](const int n, const int j) { return ws.k(b, h, row0 + j, n); },
+          team, nr, rows, plan.dstate, [&](const int i, const int n) { return ws.q(b, row0 + i0 + i, h, n); },
+          [&](const int n, const int j) { return ws.k(b, row0 + j, h, n); },
           [&](const int i, const int j, const float v) {
             sW(i, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + i / R, j / R);
           });
@@ -733,12 +746,12 @@ struct Mamba3ChunkScanFunctor {
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
           [&](const int i, const int k) {
-            return k < rows ? sW(i, k) : seA(i0 + i) * ws.q(b, h, row0 + i0 + i, k - rows);
+            return k < rows ? sW(i, k) : seA(i0 + i) * ws.q(b, row0 + i0 + i, h, k - rows);
           },
           [&](const int k, const int p) {
-            return k < rows ? ws.v(b, h, row0 + k, p) : ws.states(b, c, h, p, k - rows);
+            return k < rows ? ws.v(b, row0 + k, h, p) : ws.states(b, c, h, p, k - rows);
           },
-          [&](const int i, const int p, const float v) { sy(i, p) = v + skip * ws.v(b, h, row0 + i0 + i, p); });
+          [&](const int i, const int p, const float v) { sy(i, p) = v + skip * ws.v(b, row0 + i0 + i, h, p); });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int l) {
         const int t = t0 + l0 + l;
@@ -750,13 +763,13 @@ struct Mamba3ChunkScanFunctor {
               const int row = row0 + i0 + l * R + r;
               const float yr = sy(l * R + r, p);
               const float scaled = go * in.o_proj(h, r, p);
-              if (y.is_allocated()) y(b, h, row, p) = yr;
+              if (y.is_allocated()) y(b, row, h, p) = yr;
               if (in.has_z) {
                 const float zr = in.z(b, t, h, p) * in.z_proj(h, r, p);
-                g(b, h, row, p) = scaled * silu(zr);
+                g(b, row, h, p) = scaled * silu(zr);
                 dzp += scaled * yr * silu_derivative(zr) * in.z_proj(h, r, p);
               } else {
-                g(b, h, row, p) = scaled;
+                g(b, row, h, p) = scaled;
               }
             }
             if (in.has_z) dz(b, t, h, p) = dzp;
@@ -790,23 +803,6 @@ KOKKOS_INLINE_FUNCTION Mamba3TokenItem mamba3_token_item(const Mamba3Plan& plan,
   return it;
 }
 
-/// Backward B1 without z and rank projections (otherwise fused into the recomputed chunk scan):
-/// g_t,r = dout·mimo_o_r, one item per (batch, token, head, channel).
-template <class MemorySpace>
-struct Mamba3GateBackwardFunctor {
-  Mamba3Operands<MemorySpace> in;
-  Mamba3Plan plan;
-  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> g;          // (batch, nheads, seqlen·rank, headdim)
-
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const Mamba3TokenItem it = mamba3_token_item(plan, item, plan.headdim);
-    const int b = it.b, t = it.t, h = it.h, p = it.j;
-    const float go = dout(b, t, h, p);
-    for (int r = 0; r < plan.rank; ++r) g(b, h, t * plan.rank + r, p) = go * in.o_proj(h, r, p);
-  }
-};
-
 /// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row, the gradient the chunk's outputs send to
 /// the state entering it.
 template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
@@ -826,8 +822,8 @@ struct Mamba3ChunkDstatesFunctor {
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
-        [&](const int p, const int j) { return bw.g(b, h, row0 + j, p) * seA(j); },
-        [&](const int j, const int n) { return ws.q(b, h, row0 + j, n); },
+        [&](const int p, const int j) { return bw.g(b, row0 + j, h, p) * seA(j); },
+        [&](const int j, const int n) { return ws.q(b, row0 + j, h, n); },
         [&](const int p, const int n, const float v) { bw.dstates(b, blk.c, h, p, n) = v; });
   }
 };
@@ -973,16 +969,16 @@ struct Mamba3ChunkBackwardFunctor {
         srow(jj) = sscale(s) * kmamba::math::exp(cs_last - scs(s));
       });
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
+          team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, j0 + jj, h, p); },
           [&](const int p, const int n) { return bw.dstates(b, c, h, p, n); },
           [&](const int jj, const int n, const float v) { sacc(jj, n) = v; });
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, rows, plan.dstate, [&](const int jj, const int n) { return ws.k(b, h, j0 + jj, n); },
-          [&](const int n, const int i) { return ws.q(b, h, row0 + i, n); },
+          team, nr, rows, plan.dstate, [&](const int jj, const int n) { return ws.k(b, j0 + jj, h, n); },
+          [&](const int n, const int i) { return ws.q(b, row0 + i, h, n); },
           [&](const int jj, const int i, const float v) { sA(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
       TeamGemm<ExecSpace, Precision>::apply(
-          team, nr, rows, plan.headdim, [&](const int jj, const int p) { return ws.v(b, h, j0 + jj, p); },
-          [&](const int p, const int i) { return bw.g(b, h, row0 + i, p); },
+          team, nr, rows, plan.headdim, [&](const int jj, const int p) { return ws.v(b, j0 + jj, h, p); },
+          [&](const int p, const int i) { return bw.g(b, row0 + i, h, p); },
           [&](const int jj, const int i, const float v) { sB(jj, i) = i / R >= s0 + jj / R ? v : 0.0f; });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tokens), [&](const int ss) {
@@ -992,7 +988,7 @@ struct Mamba3ChunkBackwardFunctor {
             Kokkos::ThreadVectorRange(team, R * plan.dstate),
             [&](const int rn, float& acc) {
               const int rr = rn / plan.dstate, n = rn % plan.dstate;
-              acc += sacc(ss * R + rr, n) * ws.k(b, h, j0 + ss * R + rr, n);
+              acc += sacc(ss * R + rr, n) * ws.k(b, j0 + ss * R + rr, h, n);
             },
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = kmamba::math::exp(cs_last - scs(s)) * dot; });
@@ -1040,17 +1036,17 @@ struct Mamba3ChunkBackwardFunctor {
       });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.headdim, rows + plan.dstate,
-          [&](const int jj, const int k) { return k < rows ? sA(jj, k) : srow(jj) * ws.k(b, h, j0 + jj, k - rows); },
+          [&](const int jj, const int k) { return k < rows ? sA(jj, k) : srow(jj) * ws.k(b, j0 + jj, h, k - rows); },
           [&](const int k, const int p) {
-            return k < rows ? bw.g(b, h, row0 + k, p) : bw.dstates(b, c, h, p, k - rows);
+            return k < rows ? bw.g(b, row0 + k, h, p) : bw.dstates(b, c, h, p, k - rows);
           },
           [&](const int jj, const int p, const float v) {
-            bw.dv(b, h, j0 + jj, p) = v + skip * bw.g(b, h, j0 + jj, p);
+            bw.dv(b, j0 + jj, h, p) = v + skip * bw.g(b, j0 + jj, h, p);
           });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, rows, [&](const int jj, const int i) { return sB(jj, i); },
-          [&](const int i, const int n) { return ws.q(b, h, row0 + i, n); },
-          [&](const int jj, const int n, const float v) { bw.dk(b, h, j0 + jj, n) = v + srow(jj) * sacc(jj, n); });
+          [&](const int i, const int n) { return ws.q(b, row0 + i, h, n); },
+          [&](const int jj, const int n, const float v) { bw.dk(b, j0 + jj, h, n) = v + srow(jj) * sacc(jj, n); });
     }
 
     // Pass 2: tiles of target tokens t. Where one tile holds the whole chunk, pass 1 left the
@@ -1066,13 +1062,13 @@ struct Mamba3ChunkBackwardFunctor {
       team.team_barrier();
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim,
-          [&](const int ii, const int p) { return srow(ii) * bw.g(b, h, i0 + ii, p); },
+          [&](const int ii, const int p) { return srow(ii) * bw.g(b, i0 + ii, h, p); },
           [&](const int p, const int n) { return ws.states(b, c, h, p, n); },
           [&](const int ii, const int n, const float v) { sacc(ii, n) = v; });
       if (!whole_chunk) {
         TeamGemm<ExecSpace, Precision>::apply(
-            team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, h, i0 + ii, p); },
-            [&](const int p, const int j) { return ws.v(b, h, row0 + j, p); },
+            team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, i0 + ii, h, p); },
+            [&](const int p, const int j) { return ws.v(b, row0 + j, h, p); },
             [&](const int ii, const int j, const float v) {
               sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
             });
@@ -1084,7 +1080,7 @@ struct Mamba3ChunkBackwardFunctor {
             Kokkos::ThreadVectorRange(team, R * plan.dstate),
             [&](const int rn, float& acc) {
               const int rr = rn / plan.dstate, n = rn % plan.dstate;
-              acc += sacc(l * R + rr, n) * ws.q(b, h, i0 + l * R + rr, n);
+              acc += sacc(l * R + rr, n) * ws.q(b, i0 + l * R + rr, h, n);
             },
             dot);
         Kokkos::single(Kokkos::PerThread(team), [&]() { sprev(l0 + l) = dot; });
@@ -1094,8 +1090,8 @@ struct Mamba3ChunkBackwardFunctor {
       const std::size_t along = whole_chunk ? sB.stride_0() : sB.stride_1();
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, rows, [&](const int ii, const int j) { return weighted[ii * across + j * along]; },
-          [&](const int j, const int n) { return ws.k(b, h, row0 + j, n); },
-          [&](const int ii, const int n, const float v) { bw.dq(b, h, i0 + ii, n) = v + sacc(ii, n); });
+          [&](const int j, const int n) { return ws.k(b, row0 + j, h, n); },
+          [&](const int ii, const int n, const float v) { bw.dq(b, i0 + ii, h, n) = v + sacc(ii, n); });
     }
     team.team_barrier();
 
@@ -1129,7 +1125,7 @@ struct Mamba3ChunkBackwardFunctor {
           float row = 0.0f;
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, plan.headdim),
-              [&](const int p, float& r) { r += bw.g(b, h, row0 + j, p) * ws.v(b, h, row0 + j, p); }, row);
+              [&](const int p, float& r) { r += bw.g(b, row0 + j, h, p) * ws.v(b, row0 + j, h, p); }, row);
           acc += row;
         },
         dD);
@@ -1156,7 +1152,7 @@ struct Mamba3TokenBackwardFunctor {
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_k;
     if (n >= 2 * plan.nangles) {
       if (add_final) {
-        for (int r = 0; r < plan.rank; ++r) bw.dk(b, h, t * plan.rank + r, n) += dfinal.k(b, h, r, n);
+        for (int r = 0; r < plan.rank; ++r) bw.dk(b, t * plan.rank + r, h, n) += dfinal.k(b, h, r, n);
       }
       return;
     }
@@ -1168,18 +1164,18 @@ struct Mamba3TokenBackwardFunctor {
     float dtheta = 0.0f;
     for (int r = 0; r < plan.rank; ++r) {
       const int row = t * plan.rank + r;
-      const float dq0 = bw.dq(b, h, row, n0), dq1 = bw.dq(b, h, row, n1);
-      float dk0 = bw.dk(b, h, row, n0), dk1 = bw.dk(b, h, row, n1);
+      const float dq0 = bw.dq(b, row, h, n0), dq1 = bw.dq(b, row, h, n1);
+      float dk0 = bw.dk(b, row, h, n0), dk1 = bw.dk(b, row, h, n1);
       if (add_final) {
         dk0 += dfinal.k(b, h, r, n0);
         dk1 += dfinal.k(b, h, r, n1);
       }
-      dtheta += dq1 * ws.q(b, h, row, n0) - dq0 * ws.q(b, h, row, n1);
-      dtheta += dk1 * ws.k(b, h, row, n0) - dk0 * ws.k(b, h, row, n1);
-      bw.dq(b, h, row, n0) = dq0 * c + dq1 * s;
-      bw.dq(b, h, row, n1) = dq1 * c - dq0 * s;
-      bw.dk(b, h, row, n0) = dk0 * c + dk1 * s;
-      bw.dk(b, h, row, n1) = dk1 * c - dk0 * s;
+      dtheta += dq1 * ws.q(b, row, h, n0) - dq0 * ws.q(b, row, h, n1);
+      dtheta += dk1 * ws.k(b, row, h, n0) - dk0 * ws.k(b, row, h, n1);
+      bw.dq(b, row, h, n0) = dq0 * c + dq1 * s;
+      bw.dq(b, row, h, n1) = dq1 * c - dq0 * s;
+      bw.dk(b, row, h, n0) = dk0 * c + dk1 * s;
+      bw.dk(b, row, h, n1) = dk1 * c - dk0 * s;
     }
     bw.dtheta(b, h, t, i) = dtheta;
   }
@@ -1202,10 +1198,10 @@ struct Mamba3ValueBackwardFunctor {
     float sum = 0.0f;
     for (int r = 0; r < plan.rank; ++r) {
       const int row = t * plan.rank + r;
-      float d = bw.dv(b, h, row, p);
+      float d = bw.dv(b, row, h, p);
       if (add_final) {
         d += dfinal.v(b, h, r, p);
-        bw.dv(b, h, row, p) = d;
+        bw.dv(b, row, h, p) = d;
       }
       sum += d * in.v_proj(h, r, p);
     }
@@ -1323,8 +1319,8 @@ struct Mamba3GroupSumFunctor {
     float sq = 0.0f, sk = 0.0f;
     for (int k = 0; k < plan.heads_per_group; ++k) {
       const int h = g * plan.heads_per_group + k;
-      sq += bw.dq(b, h, row, n);
-      sk += bw.dk(b, h, row, n);
+      sq += bw.dq(b, row, h, n);
+      sk += bw.dk(b, row, h, n);
     }
     grads.dq(b, t, r, g, n) = sq;
     grads.dk(b, t, r, g, n) = sk;
@@ -1349,8 +1345,8 @@ struct Mamba3BiasPartialFunctor {
     float sq = 0.0f, sk = 0.0f;
     for (int l = 0; l < len; ++l) {
       const int row = (t0 + l) * plan.rank + r;
-      sq += bw.dq(b, h, row, n);
-      sk += bw.dk(b, h, row, n);
+      sq += bw.dq(b, row, h, n);
+      sk += bw.dk(b, row, h, n);
     }
     bw.dq_bias_partial(b, c, h, rn) = sq;
     bw.dk_bias_partial(b, c, h, rn) = sk;
@@ -1398,8 +1394,8 @@ struct Mamba3ProjectionSumFunctor {
       for (int t = 0; t < plan.seqlen; ++t) {
         const int row = t * plan.rank + r;
         const float go = dout(b, t, h, p);
-        const float y = bw.y(b, h, row, p);
-        sv += bw.dv(b, h, row, p) * in.v(b, t, h, p);
+        const float y = bw.y(b, row, h, p);
+        sv += bw.dv(b, row, h, p) * in.v(b, t, h, p);
         if (in.has_z) {
           const float zz = in.z(b, t, h, p);
           const float zr = zz * in.mimo_z(h, r, p);
@@ -1540,11 +1536,11 @@ void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const floa
   }
 }
 
-/// Stages 1–4: angles, cumsums and scales; rotated rows (and the final k, v); entering states (and
-/// the final ssm state).
-template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
-void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
-                    const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
+/// Stages 1–2: angles, cumsums and scales; rotated rows (and the final k, v and angle).
+template <class ExecSpace, class MemorySpace>
+void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                         const Mamba3Workspace<MemorySpace>& ws,
+                         const Mamba3StateViews<float, MemorySpace>& final_states) {
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.seqlen * plan.rank;
   mamba3_for(exec, "kmamba::mamba3::chunk_tokens", head_chunks * (plan.nangles + 1),
@@ -1557,6 +1553,13 @@ void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3O
              Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
   mamba3_for(exec, "kmamba::mamba3::project", rows * plan.headdim,
              Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states});
+}
+
+/// Stages 1–4: stages 1–2; the entering states (and the final ssm state).
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void mamba3_prepare(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                    const Mamba3Workspace<MemorySpace>& ws, const Mamba3StateViews<float, MemorySpace>& final_states) {
+  mamba3_prepare_rows(exec, plan, in, ws, final_states);
   mamba3_launch(exec, "kmamba::mamba3::chunk_state", plan, plan.batch * plan.nchunks * plan.nheads,
                 Mamba3ChunkStateFunctor<ExecSpace, MemorySpace, Precision>{ws, plan},
                 Mamba3Scratch<ExecSpace>::bytes(plan.chunk, plan.rank, plan.tile));
@@ -1569,27 +1572,12 @@ void mamba3_forward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const 
                            const Tensor4<float, MemorySpace>& out,
                            const Mamba3StateViews<float, MemorySpace>& final_states) {
   using S = Mamba3Scratch<ExecSpace>;
-  const Mamba3Workspace<MemorySpace> ws(plan);
+  const Mamba3Workspace<MemorySpace> ws(plan, true);
   mamba3_prepare<Precision>(exec, plan, in, ws, final_states);
   mamba3_launch(exec, "kmamba::mamba3::chunk_scan", plan, plan.batch * plan.nchunks * plan.nheads,
                 Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, false, Precision>{in, ws, plan, out, {}, {}, {}, {}},
                 S::bytes(plan.chunk, plan.rank, plan.tile),
                 S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate));
-}
-
-template <class ExecSpace, class MemorySpace>
-void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
-                         MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
-                         const Tensor4<float, MemorySpace>& out,
-                         const Mamba3StateViews<float, MemorySpace>& final_states) {
-  check_scan_matmul_precision(function, precision);
-  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
-  if (plan.seqlen == 0) {
-    mamba3_pass_states(exec, in.initial, final_states);
-    return;
-  }
-  with_matmul_precision<ExecSpace>(
-      precision, [&](auto p) { mamba3_forward_stages<decltype(p)::value>(exec, plan, in, out, final_states); });
 }
 
 /// The gradients of a sequence of length 0: the states pass through; every parameter gets zero.
@@ -1611,41 +1599,20 @@ void mamba3_backward_empty(const ExecSpace& exec, const Mamba3Operands<MemorySpa
   if (grads.dD.is_allocated()) Kokkos::deep_copy(exec, grads.dD, 0.0f);
 }
 
-template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
-void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
-                            const ConstTensor4<float, MemorySpace>& dout,
-                            const Mamba3StateViews<const float, MemorySpace>& dfinal,
-                            const Mamba3GradViews<MemorySpace>& grads) {
-  using S = Mamba3Scratch<ExecSpace>;
-  const std::size_t scratch = S::bytes(plan.chunk, plan.rank, plan.tile);
-  const std::size_t block_scratch = S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
-  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+/// The backward stages after the chunks' (ws and bw hold the rows, ∂/∂Ĥ_{−1} in bw.dH0, the rows'
+/// gradients, ∂/∂scale, the diagonal ∂/∂γ and the chunks' shares of dD): the initial k and v, the
+/// rotations and angles, dt and trap, and the sums over groups, tokens and chunks.
+template <class ExecSpace, class MemorySpace>
+void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                          const Mamba3Workspace<MemorySpace>& ws, const Mamba3BackwardWorkspace<MemorySpace>& bw,
+                          const ConstTensor4<float, MemorySpace>& dout,
+                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                          const Mamba3GradViews<MemorySpace>& grads) {
   const int head_league = plan.batch * plan.nheads;
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
-  const Mamba3Workspace<MemorySpace> ws(plan);
-  mamba3_prepare<Precision>(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
-  // The rows y_t,r are kept for the projection sums (MIMO); the gate backward needs them (with z or
-  // rank projections) inside the recomputed chunk scan, or not at all.
-  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.mimo);
-  if (in.has_z || in.mimo) {
-    mamba3_launch(
-        exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
-        Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g, grads.dz, bw.y},
-        scratch, block_scratch);
-  } else {
-    mamba3_for(exec, "kmamba::mamba3::gate_backward", tokens * plan.headdim,
-               Mamba3GateBackwardFunctor<MemorySpace>{in, plan, dout, bw.g});
-  }
-  mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
-                Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{ws, bw, plan}, scratch);
-  mamba3_for(exec, "kmamba::mamba3::state_passing_backward", mamba3_state_items(plan),
-             Mamba3StatePassingBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal, grads.dinitial});
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
-  mamba3_launch(exec, "kmamba::mamba3::chunk_backward", plan, chunk_league,
-                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, bw, plan, grads.dadt}, scratch,
-                block_scratch);
   mamba3_for(exec, "kmamba::mamba3::token_backward", tokens * plan.dstate,
              Mamba3TokenBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal});
   mamba3_for(exec, "kmamba::mamba3::value_backward", tokens * plan.headdim,
@@ -1677,20 +1644,33 @@ void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const
   }
 }
 
-template <class ExecSpace, class MemorySpace>
-void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
-                          MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
-                          const ConstTensor4<float, MemorySpace>& dout,
-                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
-                          const Mamba3GradViews<MemorySpace>& grads) {
-  check_scan_matmul_precision(function, precision);
-  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
-  if (plan.seqlen == 0) {
-    mamba3_backward_empty(exec, in, dfinal, grads);
-    return;
-  }
-  with_matmul_precision<ExecSpace>(
-      precision, [&](auto p) { mamba3_backward_stages<decltype(p)::value>(exec, plan, in, dout, dfinal, grads); });
+/// The backward on the chunk stages (MIMO; the SISO scan runs on the SSD: impl/Mamba3SisoSsd.hpp).
+template <MatmulPrecision Precision, class ExecSpace, class MemorySpace>
+void mamba3_backward_stages(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                            const ConstTensor4<float, MemorySpace>& dout,
+                            const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                            const Mamba3GradViews<MemorySpace>& grads) {
+  using S = Mamba3Scratch<ExecSpace>;
+  const std::size_t scratch = S::bytes(plan.chunk, plan.rank, plan.tile);
+  const std::size_t block_scratch = S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate);
+  const int chunk_league = plan.batch * plan.nchunks * plan.nheads;
+  const Mamba3Workspace<MemorySpace> ws(plan, true);
+  mamba3_prepare<Precision>(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
+  // The rows y_t,r are kept for the projection sums; the gate backward (rank projections, and z
+  // when given) runs inside the recomputed chunk scan.
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, true, true);
+  mamba3_launch(
+      exec, "kmamba::mamba3::chunk_scan_gate_backward", plan, chunk_league,
+      Mamba3ChunkScanFunctor<ExecSpace, MemorySpace, true, Precision>{in, ws, plan, {}, dout, bw.g, grads.dz, bw.y},
+      scratch, block_scratch);
+  mamba3_launch(exec, "kmamba::mamba3::chunk_dstates", plan, chunk_league,
+                Mamba3ChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{ws, bw, plan}, scratch);
+  mamba3_for(exec, "kmamba::mamba3::state_passing_backward", mamba3_state_items(plan),
+             Mamba3StatePassingBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal, grads.dinitial});
+  mamba3_launch(exec, "kmamba::mamba3::chunk_backward", plan, chunk_league,
+                Mamba3ChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, bw, plan, grads.dadt}, scratch,
+                block_scratch);
+  mamba3_backward_tail(exec, plan, in, ws, bw, dout, dfinal, grads);
 }
 
 template <class ExecSpace, class MemorySpace>

@@ -100,6 +100,7 @@ struct SsdFusedBackwardFunctor {
   ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc
   Tensor4<float, MemorySpace> dx;            // (batch, seqlen, nheads, headdim)
   Tensor3<float, MemorySpace> ddt;           // (batch, seqlen, nheads)
+  Tensor3<float, MemorySpace> dlog_decay;    // (batch, seqlen, nheads), with in.has_log_decay
   Tensor4<float, MemorySpace> dB_head;       // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dC_head;       // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;       // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
@@ -315,11 +316,12 @@ struct SsdFusedBackwardFunctor {
   /// Phase 5, second step: ddt of each token; returns the thread's (Σ ddA·δ, Σ ddt).
   KOKKOS_INLINE_FUNCTION Kokkos::pair<float, float> token_gradients(const Tiles& sm, int thread,
                                                                     const SsdChunkBlock& blk, float dda_chunk) const {
-    const float a = in.A(blk.h);
+    const float rate = in.decay_rate(blk.h);
     float dA_sum = 0.0f, dbias_sum = 0.0f;
     for (int j = thread; j < blk.len; j += Team::threads) {
       const float dda = sm.intra[j] + sm.next_before[j] + sm.prev_after[j] + dda_chunk;
-      float ddt_j = dda * a + sm.ddt_direct[j] + sm.ddt_direct[Q + j];
+      if (in.has_log_decay) dlog_decay(blk.b, blk.t0 + j, blk.h) = dda;
+      float ddt_j = dda * rate + sm.ddt_direct[j] + sm.ddt_direct[Q + j];
       const float pre = in.dt_pre(blk.b, blk.t0 + j, blk.h);
       const float unclamped = in.dt_unclamped(pre);
       if (unclamped < in.dt_min || unclamped > in.dt_max) ddt_j = 0.0f;
@@ -370,7 +372,7 @@ struct SsdFusedBackwardFunctor {
 /// the fused backward's own (chunk 64).
 template <class MemorySpace>
 bool ssd_fused_backward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
-  const bool dstate = plan.dstate == 16 || plan.dstate == 32 || plan.dstate == 64 || plan.dstate == 128;
+  const bool dstate = ssd_fused_dstate(plan.dstate);
   return plan.headdim == ssd_fused_headdim && plan.chunk == ssd_fused_backward_chunk && dstate && !in.has_seq_idx &&
          ssd_fused_backward_aligned(in.x.data()) && ssd_fused_backward_aligned(in.B.data()) &&
          ssd_fused_backward_aligned(in.C.data());
@@ -392,28 +394,16 @@ void ssd_fused_chunk_backward(const ExecSpace& exec, const SsdPlan& plan, const 
                               const SsdNonDeduced<ConstTensor5<float, MemorySpace>>& dstates,
                               const SsdNonDeduced<Tensor4<float, MemorySpace>>& dx,
                               const SsdNonDeduced<Tensor3<float, MemorySpace>>& ddt,
+                              const SsdNonDeduced<Tensor3<float, MemorySpace>>& dlog_decay,
                               const SsdNonDeduced<Tensor4<float, MemorySpace>>& dB_head,
                               const SsdNonDeduced<Tensor4<float, MemorySpace>>& dC_head,
                               const SsdNonDeduced<Tensor4<float, MemorySpace>>& partial) {
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
     ssd_fused_backward_launch<N>(exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
-                                           in, ws, plan, g, dstates, dx, ddt, dB_head, dC_head, partial});
+                                           in, ws, plan, g, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial});
   };
-  switch (plan.dstate) {
-    case 16:
-      run(std::integral_constant<int, 16>());
-      break;
-    case 32:
-      run(std::integral_constant<int, 32>());
-      break;
-    case 64:
-      run(std::integral_constant<int, 64>());
-      break;
-    default:
-      run(std::integral_constant<int, 128>());
-      break;
-  }
+  ssd_with_fused_dstate(plan.dstate, run);
 }
 
 }  // namespace impl

@@ -176,12 +176,15 @@ struct SsdFusedForwardFunctor {
                  vec + 2 * Q};
   }
 
-  /// δ, cum and exp(cum_{Q−1} − cum): one token per lane of warp 0 on tensor cores, thread 0 otherwise.
-  KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int b, int h, int t0, int len, float a) const {
+  /// δ, cum and exp(cum_{Q−1} − cum): one token per lane of warp 0 on tensor cores, thread 0
+  /// otherwise (`rate` = in.decay_rate(h)).
+  KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int b, int h, int t0, int len,
+                                           float rate) const {
     if constexpr (tensor_cores) {
       if (thread >= warp_tile_lanes) return;
       const float d = thread < len ? in.dt_value(in.dt_pre(b, t0 + thread, h)) : 0.0f;
-      const float cum = warp_inclusive_sum(d * a, thread);
+      const float log_decay = thread < len ? in.token_log_decay(b, t0 + thread, h, d, rate) : 0.0f;
+      const float cum = warp_inclusive_sum(log_decay, thread);
       const float last = warp_broadcast(cum, warp_tile_lanes - 1);
       sm.delta[thread] = d;
       sm.cum[thread] = cum;
@@ -190,7 +193,7 @@ struct SsdFusedForwardFunctor {
       float cum = 0.0f;
       for (int t = 0; t < Q; ++t) {
         const float d = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
-        cum += d * a;
+        if (t < len) cum += in.token_log_decay(b, t0 + t, h, d, rate);
         sm.delta[t] = d;
         sm.cum[t] = cum;
       }
@@ -199,13 +202,13 @@ struct SsdFusedForwardFunctor {
   }
 
   /// Phase 0: the decays, C and B to scratch as bf16, x into the thread's registers, Hᵀ to scratch.
-  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float a,
+  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float rate,
                                           SsdRowShare<Q, P, Team::threads>& xs, const StateAccum (&H)[slots]) const {
     xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
     SsdRowShare<Q, N, Team::threads> cs, bs;
     cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
     bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
-    stage_decays(sm, thread, b, h, t0, len, a);
+    stage_decays(sm, thread, b, h, t0, len, rate);
     const auto one = [](int) { return 1.0f; };
     cs.store(thread, sm.c, one);
     bs.store(thread, sm.b, one);
@@ -287,6 +290,7 @@ struct SsdFusedForwardFunctor {
         if (in.has_z && !StatesOnly) ssd_prefetch_l2(&in.z(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc - lines_x));
       } else {
         ssd_prefetch_l2(&in.dt(b, t0 + t, h));
+        if (in.has_log_decay) ssd_prefetch_l2(&in.log_decay(b, t0 + t, h));
       }
     }
   }
@@ -330,7 +334,7 @@ struct SsdFusedForwardFunctor {
     const int g = h / plan.heads_per_group;
     const int thread = team.team_rank();  // of Team::threads (ssd_fused_launch)
     const Tiles sm = tiles(team);
-    const float a = in.A(h);
+    const float rate = in.decay_rate(h);
     StateAccum H[slots];
     load_state(thread, b, h, seg, H);
     const int c_end = (seg + 1) * segments.chunks < plan.nchunks ? (seg + 1) * segments.chunks : plan.nchunks;
@@ -339,7 +343,7 @@ struct SsdFusedForwardFunctor {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
       if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
       SsdRowShare<Q, P, Team::threads> xs;
-      stage_chunk(sm, thread, b, h, g, t0, len, a, xs, H);
+      stage_chunk(sm, thread, b, h, g, t0, len, rate, xs, H);
       team.team_barrier();
       xs.store(thread, sm.x, [&](int t) { return sm.delta[t]; });
       log_decay += sm.cum[Q - 1];
@@ -386,7 +390,7 @@ struct SsdSegmentPassingFunctor {
 template <class MemorySpace>
 bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
-  const bool dstate = plan.dstate == 16 || plan.dstate == 32 || plan.dstate == 64 || plan.dstate == 128;
+  const bool dstate = ssd_fused_dstate(plan.dstate);
   return plan.headdim == ssd_fused_headdim && plan.chunk == ssd_fused_chunk && dstate && !in.has_seq_idx &&
          aligned(in.x.data()) && aligned(in.B.data()) && aligned(in.C.data());
 }
@@ -450,20 +454,9 @@ template <class ExecSpace, class MemorySpace>
 void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                        const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                        int segment_count) {
-  switch (plan.dstate) {
-    case 16:
-      ssd_fused_forward_states<16>(exec, plan, in, out, final_states, segment_count);
-      break;
-    case 32:
-      ssd_fused_forward_states<32>(exec, plan, in, out, final_states, segment_count);
-      break;
-    case 64:
-      ssd_fused_forward_states<64>(exec, plan, in, out, final_states, segment_count);
-      break;
-    default:
-      ssd_fused_forward_states<128>(exec, plan, in, out, final_states, segment_count);
-      break;
-  }
+  ssd_with_fused_dstate(plan.dstate, [&](auto states) {
+    ssd_fused_forward_states<decltype(states)::value>(exec, plan, in, out, final_states, segment_count);
+  });
 }
 
 }  // namespace impl

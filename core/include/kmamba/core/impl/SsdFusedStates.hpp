@@ -158,20 +158,7 @@ void ssd_fused_chunk_states(const ExecSpace& exec, const SsdPlan& plan, const Ss
         exec, "kmamba::ssd::fused_chunk_states", plan.batch * plan.nchunks * plan.nheads, Functor::Layout::bytes,
         Functor{in, ws, plan, g, dstates, want_states, want_dstates});
   };
-  switch (plan.dstate) {
-    case 16:
-      run(std::integral_constant<int, 16>());
-      break;
-    case 32:
-      run(std::integral_constant<int, 32>());
-      break;
-    case 64:
-      run(std::integral_constant<int, 64>());
-      break;
-    default:
-      run(std::integral_constant<int, 128>());
-      break;
-  }
+  ssd_with_fused_dstate(plan.dstate, run);
 }
 
 }  // namespace impl

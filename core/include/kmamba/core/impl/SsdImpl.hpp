@@ -152,13 +152,13 @@ struct SsdChunkCumsumFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const SsdChunkBlock blk = ssd_chunk_block(plan, team.league_rank());
-    const float a = in.A(blk.h);
+    const float rate = in.decay_rate(blk.h);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.h == 0 ? 2 : 1), [&](const int which) {
       if (which == 0) {
         Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, plan.chunk),
                               [&](const int l, float& partial, const bool last) {
                                 const float d = l < blk.len ? in.dt_value(in.dt_pre(blk.b, blk.t0 + l, blk.h)) : 0.0f;
-                                partial += d * a;
+                                if (l < blk.len) partial += in.token_log_decay(blk.b, blk.t0 + l, blk.h, d, rate);
                                 if (last) {
                                   ws.dt_out(blk.b, blk.h, blk.c, l) = d;
                                   ws.dA_cs(blk.b, blk.h, blk.c, l) = partial;
@@ -412,6 +412,7 @@ struct SsdChunkBackwardFunctor {
   ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc
   Tensor4<float, MemorySpace> dx;            // (batch, seqlen, nheads, headdim)
   Tensor3<float, MemorySpace> ddt;           // (batch, seqlen, nheads)
+  Tensor3<float, MemorySpace> dlog_decay;    // (batch, seqlen, nheads), with in.has_log_decay
   Tensor4<float, MemorySpace> dB_head;       // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dC_head;       // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;       // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
@@ -599,12 +600,13 @@ struct SsdChunkBackwardFunctor {
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int j) { sddA(j) += sprev(j); });
     team.team_barrier();
-    const float a = in.A(h);
+    const float rate = in.decay_rate(h);
     float dA_sum = 0.0f;
     Kokkos::parallel_reduce(
         Kokkos::TeamThreadRange(team, len),
         [&](const int j, float& acc) {
-          float ddt_j = sddA(j) * a + sddt(j);
+          if (in.has_log_decay) Kokkos::single(Kokkos::PerThread(team), [&]() { dlog_decay(b, t0 + j, h) = sddA(j); });
+          float ddt_j = sddA(j) * rate + sddt(j);
           const float pre = in.dt_pre(b, t0 + j, h);
           const float unclamped = in.dt_unclamped(pre);
           if (unclamped < in.dt_min || unclamped > in.dt_max) ddt_j = 0.0f;
@@ -662,7 +664,7 @@ template <class MemorySpace>
 struct SsdParameterSumFunctor {
   ConstTensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3)
   Tensor1<float, MemorySpace> dA, dD, ddt_bias;  // (nheads)
-  bool write_dD, write_ddt_bias;
+  bool write_dA, write_dD, write_ddt_bias;
 
   KOKKOS_INLINE_FUNCTION void operator()(const int h) const {
     float sums[3] = {0.0f, 0.0f, 0.0f};
@@ -671,7 +673,7 @@ struct SsdParameterSumFunctor {
         for (int k = 0; k < 3; ++k) sums[k] += partial(b, c, h, k);
       }
     }
-    dA(h) = sums[0];
+    if (write_dA) dA(h) = sums[0];
     if (write_dD) dD(h) = sums[1];
     if (write_ddt_bias) ddt_bias(h) = sums[2];
   }
@@ -856,9 +858,10 @@ void ssd_backward_sums(const ExecSpace& exec, const SsdPlan& plan, const SsdChun
   Kokkos::parallel_for("kmamba::ssd::group_sum",
                        Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
                        SsdGroupSumFunctor<MemorySpace>{chunk.dB_head, chunk.dC_head, grads.dB, grads.dC});
-  Kokkos::parallel_for("kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
-                       SsdParameterSumFunctor<MemorySpace>{chunk.partial, grads.dA, grads.dD, grads.ddt_bias,
-                                                           grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
+  Kokkos::parallel_for(
+      "kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
+      SsdParameterSumFunctor<MemorySpace>{chunk.partial, grads.dA, grads.dD, grads.ddt_bias, grads.dA.is_allocated(),
+                                          grads.dD.is_allocated(), grads.ddt_bias.is_allocated()});
 }
 
 /// The staged backward: every stage a TeamGemm kernel at the plan's chunk length.
@@ -878,10 +881,11 @@ void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOp
              SsdChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates}, scratch);
   ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
   const SsdChunkGrads<MemorySpace> chunk(plan);
-  ssd_launch(exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
-             SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates, grads.dx, grads.ddt,
-                                                                        chunk.dB_head, chunk.dC_head, chunk.partial},
-             scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
+  ssd_launch(
+      exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
+      SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{
+          in, ws, plan, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head, chunk.dC_head, chunk.partial},
+      scratch, SsdScratch<ExecSpace>::block_bytes(plan.tile, plan.chunk));
   ssd_backward_sums(exec, plan, chunk, grads);
 }
 
@@ -909,8 +913,8 @@ void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const
   }
   ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
   const SsdChunkGrads<MemorySpace> chunk(plan);
-  ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, chunk.dB_head, chunk.dC_head,
-                           chunk.partial);
+  ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
+                           chunk.dC_head, chunk.partial);
   ssd_backward_sums(exec, plan, chunk, grads);
 }
 

@@ -10,6 +10,7 @@
 #include <Kokkos_Core.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kmamba {
 
@@ -50,7 +51,8 @@ struct SsdOperands {
   ConstTensor1<float, MemorySpace> dt_bias;         // (nheads)
   ConstTensor4<float, MemorySpace> initial_states;  // (batch, nheads, headdim, dstate)
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
-  bool has_D, has_z, has_dt_bias, has_initial_states, has_seq_idx, dt_softplus;
+  ConstTensor3<float, MemorySpace> log_decay;       // (batch, seqlen, nheads)
+  bool has_D, has_z, has_dt_bias, has_initial_states, has_seq_idx, has_log_decay, dt_softplus;
   float dt_min, dt_max;
 
   explicit SsdOperands(const SsdArgs<MemorySpace>& args)
@@ -64,11 +66,13 @@ struct SsdOperands {
         dt_bias(args.dt_bias),
         initial_states(args.initial_states),
         seq_idx(args.seq_idx),
+        log_decay(args.log_decay),
         has_D(args.D.is_allocated()),
         has_z(args.z.is_allocated()),
         has_dt_bias(args.dt_bias.is_allocated()),
         has_initial_states(args.initial_states.is_allocated()),
         has_seq_idx(args.seq_idx.is_allocated()),
+        has_log_decay(args.log_decay.is_allocated()),
         dt_softplus(args.dt_softplus),
         dt_min(args.dt_min),
         dt_max(args.dt_max) {}
@@ -83,6 +87,12 @@ struct SsdOperands {
   KOKKOS_INLINE_FUNCTION float dt_value(float pre) const {
     const float v = dt_unclamped(pre);
     return v < dt_min ? dt_min : (v > dt_max ? dt_max : v);
+  }
+  /// The rate a_t = rate·δ_t of head h: A[h], or 0 where log_decay gives a_t itself.
+  KOKKOS_INLINE_FUNCTION float decay_rate(int h) const { return has_log_decay ? 0.0f : A(h); }
+  /// a_t of a token inside the sequence, with δ = `delta` and rate = decay_rate(h).
+  KOKKOS_INLINE_FUNCTION float token_log_decay(int b, int t, int h, float delta, float rate) const {
+    return has_log_decay ? log_decay(b, t, h) : delta * rate;
   }
   KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
 };
@@ -123,6 +133,28 @@ KOKKOS_INLINE_FUNCTION SsdChunkBlock ssd_chunk_block(const SsdPlan& plan, int le
   blk.t0 = blk.c * plan.chunk;
   blk.len = plan.seqlen - blk.t0 < plan.chunk ? plan.seqlen - blk.t0 : plan.chunk;
   return blk;
+}
+
+/// Whether the fused kernels (impl/SsdFused*.hpp) are compiled for this dstate.
+inline bool ssd_fused_dstate(int dstate) { return dstate == 16 || dstate == 32 || dstate == 64 || dstate == 128; }
+
+/// f(std::integral_constant<int, dstate>()) for a dstate ssd_fused_dstate accepts (128 for any other).
+template <class F>
+void ssd_with_fused_dstate(int dstate, const F& f) {
+  switch (dstate) {
+    case 16:
+      f(std::integral_constant<int, 16>());
+      break;
+    case 32:
+      f(std::integral_constant<int, 32>());
+      break;
+    case 64:
+      f(std::integral_constant<int, 64>());
+      break;
+    default:
+      f(std::integral_constant<int, 128>());
+      break;
+  }
 }
 
 /// exp(min(v, 0)): the decay between two tokens of a chunk (the clamp only guards masked pairs).

@@ -1,0 +1,309 @@
+// The Mamba-3 SISO scan as an SSD (kmamba/core/Ssd.hpp), and the choice between it and the chunk
+// stages of impl/Mamba3ScanImpl.hpp.
+//
+// In the chunked form of kmamba/core/Mamba3Scan.hpp (rank 1), Ĥ obeys the SSD recurrence
+// Ĥ_t = exp(adt_t)·Ĥ_{t−1} + scale_t·v_t k_tᵀ with the rotated k as B (one group per head), the
+// rotated q as C, adt as the log decay of each token and scale as δ (which then only scales the
+// input). The SSD's own-token term is scale_t·(q_t·k_t)·v_t where the scan has γ_t·(q_t·k_t)·v_t, so
+//
+//   y_t = ssd_t + c_t·v_t,   c_t = D + (γ_t − scale_t)·(q_t·k_t),
+//
+// and out = y·silu(z). The backward is the SSD's backward with dout = g = ∂/∂y, and the chain rule
+// through c_t: ∂/∂v_t += c_t·g_t; with dc_t = g_t·v_t, ∂/∂γ_t = dc_t·(q_t·k_t) (the "diagonal"
+// part), ∂/∂scale_t = ssd's ∂/∂δ_t − dc_t·(q_t·k_t), and ∂/∂q_t += dc_t·(γ_t − scale_t)·k_t, ∂/∂k_t
+// likewise (q_t·k_t is the same for the rotated and unrotated vectors). The rest of the backward
+// (initial k and v, rotations, angles, dt and trap, sums) is the chunk stages' own tail.
+//
+// So the SISO scan runs on whatever the SSD runs on: its fused tensor-core kernels with bf16
+// operands (MatmulPrecision::BFloat16) or its fp32/TF32 stages. MIMO (rank > 1: every rank of a
+// token sees every other) stays on the chunk stages.
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SISOSSD_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SISOSSD_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Ssd.hpp>
+#include <kmamba/core/impl/Mamba3ScanImpl.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <limits>
+
+namespace kmamba {
+namespace impl {
+
+/// The per-token values of the SISO scan as the SSD and the diagonal correction read them.
+template <class MemorySpace>
+struct Mamba3SisoTokens {
+  Tensor3<float, MemorySpace> scale;      // (batch, seqlen, nheads): scale_t, the SSD's δ
+  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen, nheads): adt_t
+  Tensor3<float, MemorySpace> qk;         // (batch, seqlen, nheads): q_t·k_t
+  Tensor3<float, MemorySpace> diag;       // (batch, seqlen, nheads): c_t
+
+  explicit Mamba3SisoTokens(const Mamba3Plan& plan) {
+    using T3 = Tensor3<float, MemorySpace>;
+    scale = allocate_uninitialized<T3>("kmamba::mamba3::siso_scale", plan.batch, plan.seqlen, plan.nheads);
+    log_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_log_decay", plan.batch, plan.seqlen, plan.nheads);
+    qk = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk", plan.batch, plan.seqlen, plan.nheads);
+    diag = allocate_uninitialized<T3>("kmamba::mamba3::siso_diagonal", plan.batch, plan.seqlen, plan.nheads);
+  }
+};
+
+/// Where a (batch, token, head) work item works (head fastest).
+struct Mamba3SisoToken {
+  int b, t, h;
+};
+
+KOKKOS_INLINE_FUNCTION Mamba3SisoToken mamba3_siso_token(const Mamba3Plan& plan, std::int64_t item) {
+  const int h = static_cast<int>(item % plan.nheads);
+  const std::int64_t bt = item / plan.nheads;
+  return Mamba3SisoToken{static_cast<int>(bt / plan.seqlen), static_cast<int>(bt % plan.seqlen), h};
+}
+
+/// The SSD's per-token inputs and c_t, one item per (batch, token, head).
+template <class MemorySpace>
+struct Mamba3SisoTokensFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3Plan plan;
+  Mamba3SisoTokens<MemorySpace> tok;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+    const int b = it.b, t = it.t, h = it.h;
+    float qk = 0.0f;
+    for (int n = 0; n < plan.dstate; ++n) qk += ws.q(b, t, h, n) * ws.k(b, t, h, n);
+    const float scale = ws.scale(b, h, t);
+    tok.scale(b, t, h) = scale;
+    tok.log_decay(b, t, h) = in.adt(b, h, t);
+    tok.qk(b, t, h) = qk;
+    tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
+  }
+};
+
+/// Ĥ_{−1}, one item per (batch, head, p, n).
+template <class MemorySpace>
+struct Mamba3SisoEnteringStateFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Plan plan;
+  Tensor4<float, MemorySpace> state;  // (batch, nheads, headdim, dstate)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3StateItem it = mamba3_state_item(plan, item);
+    state(it.b, it.h, it.p, it.n) = mamba3_entering_state(in, plan, it.b, it.h, it.p, it.n);
+  }
+};
+
+/// out = (ssd + c·v)·silu(z) in place (no gate without z), one item per (batch, token, head, channel).
+template <class MemorySpace>
+struct Mamba3SisoOutputFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Plan plan;
+  Mamba3SisoTokens<MemorySpace> tok;
+  Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim): the SSD's output on entry
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int p = static_cast<int>(item % plan.headdim);
+    const Mamba3SisoToken it = mamba3_siso_token(plan, item / plan.headdim);
+    const float y = out(it.b, it.t, it.h, p) + tok.diag(it.b, it.t, it.h) * in.v(it.b, it.t, it.h, p);
+    out(it.b, it.t, it.h, p) = in.has_z ? y * silu(in.z(it.b, it.t, it.h, p)) : y;
+  }
+};
+
+/// g = ∂/∂y, dz and dc_t = g_t·v_t, one item per (batch, token, head); `ssd` is the SSD's output
+/// (read with z only).
+template <class MemorySpace>
+struct Mamba3SisoGateBackwardFunctor {
+  Mamba3Operands<MemorySpace> in;
+  Mamba3Plan plan;
+  Mamba3SisoTokens<MemorySpace> tok;
+  ConstTensor4<float, MemorySpace> ssd;   // (batch, seqlen, nheads, headdim)
+  ConstTensor4<float, MemorySpace> dout;  // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> g;          // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim), with z
+  Tensor3<float, MemorySpace> dc;         // (batch, seqlen, nheads)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+    const int b = it.b, t = it.t, h = it.h;
+    const float c = tok.diag(b, t, h);
+    float sum = 0.0f;
+    for (int p = 0; p < plan.headdim; ++p) {
+      const float v = in.v(b, t, h, p), d = dout(b, t, h, p);
+      float gp = d;
+      if (in.has_z) {
+        const float zv = in.z(b, t, h, p);
+        gp = d * silu(zv);
+        dz(b, t, h, p) = d * (ssd(b, t, h, p) + c * v) * silu_derivative(zv);
+      }
+      g(b, t, h, p) = gp;
+      sum += gp * v;
+    }
+    dc(b, t, h) = sum;
+  }
+};
+
+/// The chain rule through c_t after the SSD's backward, one item per (batch, token, head): adds
+/// c·g to ∂/∂v and dc·(γ − scale)·k, ·q to ∂/∂q, ∂/∂k; writes ∂/∂scale, the diagonal ∂/∂γ and ∂/∂adt.
+template <class MemorySpace>
+struct Mamba3SisoDiagonalBackwardFunctor {
+  Mamba3Workspace<MemorySpace> ws;
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  Mamba3SisoTokens<MemorySpace> tok;
+  ConstTensor3<float, MemorySpace> dc;          // (batch, seqlen, nheads)
+  ConstTensor3<float, MemorySpace> dscale;      // (batch, seqlen, nheads): the SSD's ∂/∂δ
+  ConstTensor3<float, MemorySpace> dlog_decay;  // (batch, seqlen, nheads)
+  Tensor3<float, MemorySpace> dadt;             // (batch, nheads, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+    const int b = it.b, t = it.t, h = it.h;
+    const float c = tok.diag(b, t, h), d = dc(b, t, h), qk = tok.qk(b, t, h);
+    for (int p = 0; p < plan.headdim; ++p) bw.dv(b, t, h, p) += c * bw.g(b, t, h, p);
+    const float dqk = d * (ws.gamma(b, h, t) - tok.scale(b, t, h));
+    for (int n = 0; n < plan.dstate; ++n) {
+      bw.dq(b, t, h, n) += dqk * ws.k(b, t, h, n);
+      bw.dk(b, t, h, n) += dqk * ws.q(b, t, h, n);
+    }
+    bw.off(b, h, t) = dscale(b, t, h) - d * qk;
+    bw.diag(b, h, t) = d * qk;
+    dadt(b, h, t) = dlog_decay(b, t, h);
+  }
+};
+
+/// Each chunk's share of dD (Σ dc_t over its tokens), one item per (batch, chunk, head).
+template <class MemorySpace>
+struct Mamba3SisoSkipPartialFunctor {
+  Mamba3BackwardWorkspace<MemorySpace> bw;
+  Mamba3Plan plan;
+  ConstTensor3<float, MemorySpace> dc;  // (batch, seqlen, nheads)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int h = static_cast<int>(item % plan.nheads);
+    const std::int64_t bc = item / plan.nheads;
+    const int c = static_cast<int>(bc % plan.nchunks), b = static_cast<int>(bc / plan.nchunks);
+    const int t0 = c * plan.chunk, len = mamba3_chunk_length(plan, c);
+    float sum = 0.0f;
+    for (int l = 0; l < len; ++l) sum += dc(b, t0 + l, h);
+    bw.partial(b, c, h) = sum;
+  }
+};
+
+/// Stages 1–2 and the SSD's inputs: the rows, the per-token values and Ĥ_{−1} (when an initial state
+/// is given); returns the SSD's arguments.
+template <class ExecSpace, class MemorySpace>
+SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3Plan& plan,
+                                             const Mamba3Operands<MemorySpace>& in, MatmulPrecision precision,
+                                             const Mamba3Workspace<MemorySpace>& ws,
+                                             const Mamba3SisoTokens<MemorySpace>& tok,
+                                             const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
+  mamba3_prepare_rows(exec, plan, in, ws, final_states);
+  mamba3_for(exec, "kmamba::mamba3::siso_tokens", tokens, Mamba3SisoTokensFunctor<MemorySpace>{in, ws, plan, tok});
+  SsdArgs<MemorySpace> args;
+  if (in.initial.has_ssm || (in.initial.has_k && in.initial.has_v)) {
+    const auto state = allocate_uninitialized<Tensor4<float, MemorySpace>>(
+        "kmamba::mamba3::siso_entering_state", plan.batch, plan.nheads, plan.headdim, plan.dstate);
+    mamba3_for(exec, "kmamba::mamba3::siso_entering_state", mamba3_state_items(plan),
+               Mamba3SisoEnteringStateFunctor<MemorySpace>{in, plan, state});
+    args.initial_states = state;
+  }
+  args.x = ws.v;
+  args.dt = tok.scale;
+  args.log_decay = tok.log_decay;
+  args.B = ws.k;
+  args.C = ws.q;
+  args.dt_min = -std::numeric_limits<float>::infinity();
+  args.chunk_size = plan.chunk;
+  args.matmul_precision = precision;
+  return args;
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_siso_ssd_forward(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                             MatmulPrecision precision, const Tensor4<float, MemorySpace>& out,
+                             const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const Mamba3Workspace<MemorySpace> ws(plan, false);
+  const Mamba3SisoTokens<MemorySpace> tok(plan);
+  const SsdArgs<MemorySpace> args = mamba3_siso_ssd_prepare(exec, plan, in, precision, ws, tok, final_states);
+  ssd_forward(exec, args, out, final_states.has_ssm ? final_states.ssm : Tensor4<float, MemorySpace>());
+  mamba3_for(exec, "kmamba::mamba3::siso_output",
+             static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads * plan.headdim,
+             Mamba3SisoOutputFunctor<MemorySpace>{in, plan, tok, out});
+}
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                              MatmulPrecision precision, const ConstTensor4<float, MemorySpace>& dout,
+                              const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                              const Mamba3GradViews<MemorySpace>& grads) {
+  using T3 = Tensor3<float, MemorySpace>;
+  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
+  const Mamba3Workspace<MemorySpace> ws(plan, false);
+  const Mamba3SisoTokens<MemorySpace> tok(plan);
+  const SsdArgs<MemorySpace> args =
+      mamba3_siso_ssd_prepare(exec, plan, in, precision, ws, tok, Mamba3StateViews<float, MemorySpace>());
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.has_z, false);
+  if (in.has_z) ssd_forward(exec, args, bw.y, Tensor4<float, MemorySpace>());
+  const auto dc = allocate_uninitialized<T3>("kmamba::mamba3::siso_ddiagonal", plan.batch, plan.seqlen, plan.nheads);
+  mamba3_for(exec, "kmamba::mamba3::siso_gate_backward", tokens,
+             Mamba3SisoGateBackwardFunctor<MemorySpace>{in, plan, tok, bw.y, dout, bw.g, grads.dz, dc});
+  SsdGrads<MemorySpace> sg;
+  sg.dx = bw.dv;
+  sg.ddt = allocate_uninitialized<T3>("kmamba::mamba3::siso_dscale", plan.batch, plan.seqlen, plan.nheads);
+  sg.dlog_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_dadt", plan.batch, plan.seqlen, plan.nheads);
+  sg.dB = bw.dk;
+  sg.dC = bw.dq;
+  sg.dinitial_states = bw.dH0;
+  ssd_backward(exec, args, bw.g, dfinal.has_ssm ? dfinal.ssm : ConstTensor4<float, MemorySpace>(), sg);
+  if (grads.dinitial.has_ssm) Kokkos::deep_copy(exec, grads.dinitial.ssm, bw.dH0);
+  mamba3_for(exec, "kmamba::mamba3::siso_diagonal_backward", tokens,
+             Mamba3SisoDiagonalBackwardFunctor<MemorySpace>{ws, bw, plan, tok, dc, sg.ddt, sg.dlog_decay, grads.dadt});
+  mamba3_for(exec, "kmamba::mamba3::siso_skip_partial", static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
+             Mamba3SisoSkipPartialFunctor<MemorySpace>{bw, plan, dc});
+  mamba3_backward_tail(exec, plan, in, ws, bw, dout, dfinal, grads);
+}
+
+/// Forward of either variant: SISO on the SSD (any precision the SSD takes), MIMO on the chunk
+/// stages (fp32 or TF32).
+template <class ExecSpace, class MemorySpace>
+void mamba3_forward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
+                         MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
+                         const Tensor4<float, MemorySpace>& out,
+                         const Mamba3StateViews<float, MemorySpace>& final_states) {
+  if (in.mimo) check_scan_matmul_precision(function, precision);
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
+  if (plan.seqlen == 0) {
+    mamba3_pass_states(exec, in.initial, final_states);
+  } else if (!in.mimo) {
+    mamba3_siso_ssd_forward(exec, plan, in, precision, out, final_states);
+  } else {
+    with_matmul_precision<ExecSpace>(
+        precision, [&](auto p) { mamba3_forward_stages<decltype(p)::value>(exec, plan, in, out, final_states); });
+  }
+}
+
+/// Backward of either variant (as mamba3_forward_impl chooses).
+template <class ExecSpace, class MemorySpace>
+void mamba3_backward_impl(const ExecSpace& exec, const char* function, const Mamba3Dims& dims, int chunk_size,
+                          MatmulPrecision precision, const Mamba3Operands<MemorySpace>& in,
+                          const ConstTensor4<float, MemorySpace>& dout,
+                          const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                          const Mamba3GradViews<MemorySpace>& grads) {
+  if (in.mimo) check_scan_matmul_precision(function, precision);
+  const Mamba3Plan plan = mamba3_plan<ExecSpace>(function, dims, chunk_size);
+  if (plan.seqlen == 0) {
+    mamba3_backward_empty(exec, in, dfinal, grads);
+  } else if (!in.mimo) {
+    mamba3_siso_ssd_backward(exec, plan, in, precision, dout, dfinal, grads);
+  } else {
+    with_matmul_precision<ExecSpace>(
+        precision, [&](auto p) { mamba3_backward_stages<decltype(p)::value>(exec, plan, in, dout, dfinal, grads); });
+  }
+}
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
