@@ -8,7 +8,9 @@ Times the official Triton SSD (`mamba_chunk_scan_combined`: bf16 x, z, B, C; fp3
 dt_bias; chunk 256, its default for Mamba-2) with `triton.testing.do_bench` medians, then runs
 `kmamba-perf --case ssd` for the same shapes (its fp32 and bf16 rows), and prints one table:
 case, shape, official time, kmamba time, kmamba / official. --mamba-ssm names a directory holding
-the `mamba_ssm` package (a source checkout or an unpacked copy) when it is not installed. Needs
+the `mamba_ssm` package (a source checkout or an unpacked copy) when it is not installed. It also
+times the official Mamba-3 SISO op (`mamba3_siso_combined`, with D and z) against
+`kmamba-perf --case mamba3_siso` at that case's shape. Needs
 PyTorch, Triton and a CUDA GPU; the official package's compiled extensions are not needed.
 
 With --kmamba-perf-train it also times one training step of the 130m shape (d_model 768, 24
@@ -53,6 +55,49 @@ def official_ssd(batch, seqlen):
     with torch.no_grad():
         fwd_ms = do_bench(forward, warmup=25, rep=100)
     leaves = [t.requires_grad_() for t in (x, z, B, C, dt)]
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        forward().backward(dout)
+
+    both_ms = do_bench(forward_backward, warmup=25, rep=100)
+    return {"fwd": fwd_ms * 1e3, "fwd+bwd": both_ms * 1e3}
+
+
+# kmamba-perf's Mamba-3 SISO case: 32 heads, headdim 64, d_state 128, 16 angles, 1 group, chunk 64.
+M3_BATCH, M3_SEQLEN, M3_NHEADS, M3_HEADDIM, M3_DSTATE, M3_NANGLES, M3_CHUNK = 8, 4096, 32, 64, 128, 16, 64
+
+
+def official_mamba3_siso():
+    """The official mamba3_siso_combined (Triton) at kmamba-perf's shape, with D and z: bf16 q, k, v,
+    z (as the module passes them), fp32 adt, dt, trap, biases, angles and D."""
+    import torch
+    from triton.testing import do_bench
+    from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    b, L, H, P, N, S = M3_BATCH, M3_SEQLEN, M3_NHEADS, M3_HEADDIM, M3_DSTATE, M3_NANGLES
+    q = torch.randn(b, L, 1, N, device=dev, dtype=bf) * 0.1
+    k = torch.randn(b, L, 1, N, device=dev, dtype=bf) * 0.1
+    v = torch.randn(b, L, H, P, device=dev, dtype=bf)
+    z = torch.randn(b, L, H, P, device=dev, dtype=bf)
+    adt = -torch.empty(b, H, L, device=dev).uniform_(0.001, 0.2)
+    dt = torch.empty(b, H, L, device=dev).uniform_(0.001, 0.1)
+    trap = torch.randn(b, H, L, device=dev)
+    q_bias = torch.randn(H, N, device=dev) * 0.1
+    k_bias = torch.randn(H, N, device=dev) * 0.1
+    angles = torch.randn(b, L, H, S, device=dev)
+    D = torch.randn(H, device=dev) * 0.1 + 1.0
+    dout = torch.randn_like(v)
+
+    def forward():
+        return mamba3_siso_combined(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=D, Z=z, chunk_size=M3_CHUNK)
+
+    with torch.no_grad():
+        fwd_ms = do_bench(forward, warmup=25, rep=100)
+    leaves = [t.requires_grad_() for t in (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, D)]
 
     def forward_backward():
         for t in leaves:
@@ -120,10 +165,10 @@ def kmamba_train_step(train_binary, mixer):
             return json.load(f)["step_ms"] * 1e3
 
 
-def kmamba_ssd(perf_binary):
+def kmamba_rows(perf_binary, case):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kmamba.json")
-        run = subprocess.run([perf_binary, "--space", "Cuda", "--case", "ssd", "--json", path],
+        run = subprocess.run([perf_binary, "--space", "Cuda", "--case", case, "--json", path],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         print(run.stdout)
         if run.returncode != 0:
@@ -154,7 +199,7 @@ def main():
         sys.exit(f"side_by_side.py: --kmamba-perf '{opts.kmamba_perf}' is not an executable file")
 
     official = {shape: official_ssd(*shape) for shape in SHAPES}
-    rows = kmamba_ssd(opts.kmamba_perf)
+    rows = kmamba_rows(opts.kmamba_perf, "ssd")
     table = []
     for (batch, seqlen), times in official.items():
         for case in ("fwd", "fwd+bwd"):
@@ -164,6 +209,15 @@ def main():
                     continue
                 table.append({"case": f"ssd {case}{precision}", "shape": shape,
                               "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
+    official_m3 = official_mamba3_siso()
+    rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso")
+    for case in ("fwd", "fwd+bwd"):
+        for precision in ("", " bf16"):
+            ours, shape = kmamba_time(rows, f"mamba3 siso {case}{precision}", M3_BATCH, M3_SEQLEN)
+            if ours is not None:
+                table.append({"case": f"mamba3 siso {case}{precision}", "shape": shape,
+                              "official_us": official_m3[case], "kmamba_us": ours,
+                              "ratio": ours / official_m3[case]})
     if opts.kmamba_perf_train:
         for mixer in opts.train_mixers.split(","):
             try:
@@ -174,10 +228,11 @@ def main():
             ours = kmamba_train_step(opts.kmamba_perf_train, mixer)
             table.append({"case": f"train step {mixer}", "shape": f"130m b{TRAIN_BATCH} L{TRAIN_SEQLEN} bf16",
                           "official_us": official_us, "kmamba_us": ours, "ratio": ours / official_us})
-    print(f"{'case':<20} {'kmamba shape':<40} {'official':>12} {'kmamba':>12} {'kmamba/official':>16}")
+    print(f"{'case':<24} {'kmamba shape':<40} {'official':>12} {'kmamba':>12} {'kmamba/official':>16}")
     for r in table:
-        print(f"{r['case']:<20} {r['shape']:<40} {r['official_us']:>9.1f} us {r['kmamba_us']:>9.1f} us {r['ratio']:>15.2f}x")
+        print(f"{r['case']:<24} {r['shape']:<40} {r['official_us']:>9.1f} us {r['kmamba_us']:>9.1f} us {r['ratio']:>15.2f}x")
     print(f"official: mamba_chunk_scan_combined, chunk {OFFICIAL_CHUNK}, bf16 x/z/B/C, fp32 dt/A; do_bench medians")
+    print(f"official: mamba3_siso_combined, chunk {M3_CHUNK}, bf16 q/k/v/z, fp32 adt/dt/trap/angles; do_bench medians")
     if opts.kmamba_perf_train:
         print("official training steps: MambaLMHeadModel under bf16 autocast + fused AdamW; medians of "
               f"{TRAIN_STEPS} CUDA-event-timed steps")

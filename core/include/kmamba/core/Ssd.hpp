@@ -85,11 +85,13 @@ struct SsdArgs {
   /// (fp32 sums; out and the gradients then carry relative errors of order 1e-3 of their
   /// magnitude instead of 1e-6); on host backends the same as Float32.
   /// BFloat16: the forward runs fused (one kernel walking each (batch, head)'s chunks with the
-  /// state on chip, impl/SsdFusedForward.hpp) with the operands of its products rounded to bf16,
-  /// on the tensor cores on Cuda and emulated exactly on host backends (out then carries
-  /// relative errors of order 2^-8 of the magnitudes summed), for headdim 64 (in chunks of its own),
-  /// dstate 16/32/64/128, no seq_idx and 16-byte aligned x, B and C; other forwards and the
-  /// backward compute as Float32.
+  /// state on chip, impl/SsdFusedForward.hpp) and the backward on fused chunk kernels
+  /// (impl/SsdFusedStates.hpp, impl/SsdFusedBackward.hpp; with a gate, the ungated output
+  /// recomputed by the fused forward), with the operands of their products rounded to bf16, on the
+  /// tensor cores on Cuda and emulated exactly on host backends (results then carry relative errors
+  /// of order 2^-8 of the magnitudes summed), for headdim 64 (in chunks of their own), dstate
+  /// 16/32/64/128, no seq_idx and 16-byte aligned x, B and C (and dout without a gate); other
+  /// shapes compute as Float32.
   MatmulPrecision matmul_precision = MatmulPrecision::Float32;
 };
 

@@ -260,7 +260,8 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   if (grads.dinitial.has_ssm) Kokkos::deep_copy(exec, grads.dinitial.ssm, bw.dH0);
   mamba3_for(exec, "kmamba::mamba3::siso_diagonal_backward", tokens,
              Mamba3SisoDiagonalBackwardFunctor<MemorySpace>{ws, bw, plan, tok, dc, sg.ddt, sg.dlog_decay, grads.dadt});
-  mamba3_for(exec, "kmamba::mamba3::siso_skip_partial", static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
+  mamba3_for(exec, "kmamba::mamba3::siso_skip_partial",
+             static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
              Mamba3SisoSkipPartialFunctor<MemorySpace>{bw, plan, dc});
   mamba3_backward_tail(exec, plan, in, ws, bw, dout, dfinal, grads);
 }

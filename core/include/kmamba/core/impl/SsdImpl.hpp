@@ -835,29 +835,38 @@ void ssd_state_passing_backward(const ExecSpace& exec, const SsdPlan& plan, cons
                                                   dfinal_states.is_allocated(), grads.dinitial_states.is_allocated()});
 }
 
-/// The per-head outputs of the chunk backward, summed into the gradients by ssd_backward_sums.
+/// The per-head outputs of the chunk backward, summed into the gradients by ssd_backward_sums. With
+/// one head per group they are the gradients themselves (nothing to sum).
 template <class MemorySpace>
 struct SsdChunkGrads {
   Tensor4<float, MemorySpace> dB_head;  // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dC_head;  // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;  // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
 
-  explicit SsdChunkGrads(const SsdPlan& plan)
-      : dB_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dB_per_head", plan.batch, plan.seqlen,
-                                                                    plan.nheads, plan.dstate)),
-        dC_head(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dC_per_head", plan.batch, plan.seqlen,
-                                                                    plan.nheads, plan.dstate)),
-        partial(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch,
-                                                                    plan.nchunks, plan.nheads, 3)) {}
+  SsdChunkGrads(const SsdPlan& plan, const SsdGrads<MemorySpace>& grads)
+      : partial(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::partial_dA_dD_ddt_bias", plan.batch,
+                                                                    plan.nchunks, plan.nheads, 3)) {
+    if (plan.heads_per_group == 1) {
+      dB_head = grads.dB;
+      dC_head = grads.dC;
+    } else {
+      dB_head = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dB_per_head", plan.batch, plan.seqlen,
+                                                                    plan.nheads, plan.dstate);
+      dC_head = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dC_per_head", plan.batch, plan.seqlen,
+                                                                    plan.nheads, plan.dstate);
+    }
+  }
 };
 
 /// dB, dC (over the heads of each group) and dA, dD, ddt_bias (over batch and chunks), in a fixed order.
 template <class ExecSpace, class MemorySpace>
 void ssd_backward_sums(const ExecSpace& exec, const SsdPlan& plan, const SsdChunkGrads<MemorySpace>& chunk,
                        const SsdGrads<MemorySpace>& grads) {
-  Kokkos::parallel_for("kmamba::ssd::group_sum",
-                       Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
-                       SsdGroupSumFunctor<MemorySpace>{chunk.dB_head, chunk.dC_head, grads.dB, grads.dC});
+  if (plan.heads_per_group > 1) {
+    Kokkos::parallel_for("kmamba::ssd::group_sum",
+                         Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.batch * plan.seqlen * plan.ngroups * plan.dstate),
+                         SsdGroupSumFunctor<MemorySpace>{chunk.dB_head, chunk.dC_head, grads.dB, grads.dC});
+  }
   Kokkos::parallel_for(
       "kmamba::ssd::parameter_sum", Kokkos::RangePolicy<ExecSpace>(exec, 0, plan.nheads),
       SsdParameterSumFunctor<MemorySpace>{chunk.partial, grads.dA, grads.dD, grads.ddt_bias, grads.dA.is_allocated(),
@@ -880,7 +889,7 @@ void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOp
   ssd_launch(exec, "kmamba::ssd::chunk_dstates", plan, chunk_league,
              SsdChunkDstatesFunctor<ExecSpace, MemorySpace, Precision>{in, ws, plan, g, dstates}, scratch);
   ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
-  const SsdChunkGrads<MemorySpace> chunk(plan);
+  const SsdChunkGrads<MemorySpace> chunk(plan, grads);
   ssd_launch(
       exec, "kmamba::ssd::chunk_backward", plan, chunk_league,
       SsdChunkBackwardFunctor<ExecSpace, MemorySpace, Precision>{
@@ -889,30 +898,69 @@ void ssd_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOp
   ssd_backward_sums(exec, plan, chunk, grads);
 }
 
-/// The fused backward (ssd_fused_backward_supported(plan, in); dout 16-byte aligned where there
-/// is no gate): the chunk states Sloc and dSloc (impl/SsdFusedStates.hpp) and the chunk stage
-/// B4–B9 (impl/SsdFusedBackward.hpp) on the tensor cores, the state passes between them staged.
-/// Without a gate Sloc and dSloc come from one kernel; with one, g needs the entering states
-/// first (and C·Bᵀ, which only the gate's recomputed output uses).
+/// g = dout·silu(z) and dz = dout·out_x·silu′(z), with out_x the forward's output before the gate;
+/// one item per element.
+template <class MemorySpace>
+struct SsdGateBackwardFunctor {
+  SsdPlan plan;
+  ConstTensor4<float, MemorySpace> out_x, dout, z;  // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> g, dz;                // (batch, seqlen, nheads, headdim)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const int p = static_cast<int>(i % plan.headdim);
+    const std::int64_t bth = i / plan.headdim;
+    const int h = static_cast<int>(bth % plan.nheads);
+    const std::int64_t bt = bth / plan.nheads;
+    const int t = static_cast<int>(bt % plan.seqlen), b = static_cast<int>(bt / plan.seqlen);
+    const float d = dout(b, t, h, p), zv = z(b, t, h, p);
+    g(b, t, h, p) = d * silu(zv);
+    dz(b, t, h, p) = d * out_x(b, t, h, p) * silu_derivative(zv);
+  }
+};
+
+/// The gated dout g and dz from the forward recomputed without the gate by the fused forward
+/// (`forward_plan`: its chunk; ssd_fused_forward_supported must hold).
 template <class ExecSpace, class MemorySpace>
-void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                               const ConstTensor4<float, MemorySpace>& dout,
+ConstTensor4<float, MemorySpace> ssd_fused_gate_backward(const ExecSpace& exec, const SsdPlan& forward_plan,
+                                                         const SsdOperands<MemorySpace>& in,
+                                                         const ConstTensor4<float, MemorySpace>& dout,
+                                                         const Tensor4<float, MemorySpace>& dz) {
+  using T4 = Tensor4<float, MemorySpace>;
+  const SsdPlan& plan = forward_plan;
+  const auto out_x =
+      allocate_uninitialized<T4>("kmamba::ssd::ungated_out", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+  SsdOperands<MemorySpace> ungated = in;
+  ungated.has_z = false;
+  ssd_fused_forward(exec, plan, ungated, out_x, T4(), ssd_fused_segment_count(exec, plan));
+  const auto g =
+      allocate_uninitialized<T4>("kmamba::ssd::gated_dout", plan.batch, plan.seqlen, plan.nheads, plan.headdim);
+  Kokkos::parallel_for("kmamba::ssd::gate_backward",
+                       Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads * plan.headdim),
+                       SsdGateBackwardFunctor<MemorySpace>{plan, out_x, dout, in.z, g, dz});
+  return g;
+}
+
+/// The fused backward (ssd_fused_backward_supported(plan, in), and with a gate
+/// ssd_fused_forward_supported(forward_plan, in); dout 16-byte aligned where there is no gate):
+/// the gated dout from a recomputed fused forward (with a gate), the chunk states Sloc and dSloc in
+/// one kernel (impl/SsdFusedStates.hpp) and the chunk stage B4–B9 (impl/SsdFusedBackward.hpp) on
+/// the tensor cores, the state passes between them staged.
+template <class ExecSpace, class MemorySpace>
+void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdPlan& forward_plan,
+                               const SsdOperands<MemorySpace>& in, const ConstTensor4<float, MemorySpace>& dout,
                                const ConstTensor4<float, MemorySpace>& dfinal_states,
                                const SsdGrads<MemorySpace>& grads) {
   const SsdWorkspace<MemorySpace> ws(plan);
   const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
       "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+  const ConstTensor4<float, MemorySpace> g =
+      in.has_z ? ssd_fused_gate_backward(exec, forward_plan, in, dout, grads.dz) : dout;
   ssd_chunk_cumsum(exec, plan, in, ws);
-  ConstTensor4<float, MemorySpace> g = dout;
-  ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, true, !in.has_z);
+  ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, true, true);
   ssd_state_passing(exec, plan, in, ws, Tensor4<float, MemorySpace>());
-  if (in.has_z) {
-    ssd_bmm_chunk<MatmulPrecision::Float32>(exec, plan, in, ws);
-    g = ssd_gate_backward<MatmulPrecision::Float32>(exec, plan, in, ws, dout, grads.dz);
-    ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, false, true);
-  }
   ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
-  const SsdChunkGrads<MemorySpace> chunk(plan);
+  const SsdChunkGrads<MemorySpace> chunk(plan, grads);
   ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
                            chunk.dC_head, chunk.partial);
   ssd_backward_sums(exec, plan, chunk, grads);
@@ -925,8 +973,10 @@ void ssd_backward_impl(const ExecSpace& exec, const char* function, const SsdDim
   const SsdOperands<MemorySpace> in(args);
   if (args.matmul_precision == MatmulPrecision::BFloat16 && dims.seqlen > 0) {
     const SsdPlan fused = ssd_plan<ExecSpace>(function, dims, ssd_fused_backward_chunk);
-    if (ssd_fused_backward_supported(fused, in) && (in.has_z || ssd_fused_backward_aligned(dout.data()))) {
-      ssd_fused_backward_stages(exec, fused, in, dout, dfinal_states, grads);
+    const SsdPlan forward = ssd_plan<ExecSpace>(function, dims, ssd_fused_chunk);
+    const bool gate_ok = in.has_z ? ssd_fused_forward_supported(forward, in) : ssd_fused_backward_aligned(dout.data());
+    if (ssd_fused_backward_supported(fused, in) && gate_ok) {
+      ssd_fused_backward_stages(exec, fused, forward, in, dout, dfinal_states, grads);
       return;
     }
   }
