@@ -6,7 +6,7 @@
 
 Times the official Triton SSD (`mamba_chunk_scan_combined`: bf16 x, z, B, C; fp32 dt, A, D,
 dt_bias; chunk 256, its default for Mamba-2) with `triton.testing.do_bench` medians, then runs
-`kmamba-perf --case ssd` for the same shapes (its fp32 and bf16 rows), and prints one table:
+`kmamba-perf --case ssd` for the same shapes (its bf16 rows; --kmamba-precision all adds fp32 and tf32), and prints one table:
 case, shape, official time, kmamba time, kmamba / official. --mamba-ssm names a directory holding
 the `mamba_ssm` package (a source checkout or an unpacked copy) when it is not installed. It also
 times the official Mamba-3 SISO op (`mamba3_siso_combined`, with D and z) against
@@ -165,10 +165,10 @@ def kmamba_train_step(train_binary, mixer):
             return json.load(f)["step_ms"] * 1e3
 
 
-def kmamba_rows(perf_binary, case):
+def kmamba_rows(perf_binary, case, precision):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kmamba.json")
-        run = subprocess.run([perf_binary, "--space", "Cuda", "--case", case, "--json", path],
+        run = subprocess.run([perf_binary, "--space", "Cuda", "--case", case, "--precision", precision, "--json", path],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         print(run.stdout)
         if run.returncode != 0:
@@ -192,6 +192,9 @@ def main():
     parser.add_argument("--json", help="also write the table to this file")
     parser.add_argument("--kmamba-perf-train", help="path of kmamba-perf-train: also compare a training step")
     parser.add_argument("--train-mixers", default="mamba2,mamba3", help="the training steps' mixers (comma-separated)")
+    parser.add_argument("--kmamba-precision", default="bf16",
+                        help="kmamba-perf's --precision for the kernel rows: bf16 (the official kernels' operands; "
+                             "default), fp32, tf32 or all")
     opts = parser.parse_args()
     if opts.mamba_ssm:
         sys.path.insert(0, opts.mamba_ssm)
@@ -199,7 +202,7 @@ def main():
         sys.exit(f"side_by_side.py: --kmamba-perf '{opts.kmamba_perf}' is not an executable file")
 
     official = {shape: official_ssd(*shape) for shape in SHAPES}
-    rows = kmamba_rows(opts.kmamba_perf, "ssd")
+    rows = kmamba_rows(opts.kmamba_perf, "ssd", opts.kmamba_precision)
     table = []
     for (batch, seqlen), times in official.items():
         for case in ("fwd", "fwd+bwd"):
@@ -210,7 +213,7 @@ def main():
                 table.append({"case": f"ssd {case}{precision}", "shape": shape,
                               "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
     official_m3 = official_mamba3_siso()
-    rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso")
+    rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso", opts.kmamba_precision)
     for case in ("fwd", "fwd+bwd"):
         for precision in ("", " bf16"):
             ours, shape = kmamba_time(rows, f"mamba3 siso {case}{precision}", M3_BATCH, M3_SEQLEN)

@@ -313,16 +313,15 @@ struct Mamba3Workspace {
   Tensor3<float, MemorySpace> scale;  // (batch, nheads, seqlen): γ_t + β̃_{t+1}
   Tensor3<float, MemorySpace> gamma;  // (batch, nheads, seqlen): γ_t
   Tensor4<float, MemorySpace> q, k;   // (batch, seqlen·rank, nheads, dstate): rotated, biased
-  Tensor4<float, MemorySpace> v;      // (batch, seqlen·rank, nheads, headdim): projected
-  /// (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ (the chunk stages' only: the
-  /// SISO scan on the SSD has none)
-  Tensor5<float, MemorySpace> states;
+  /// With the chunk stages (the SISO scan on the SSD reads v itself and has no chunk states):
+  Tensor4<float, MemorySpace> v;       // (batch, seqlen·rank, nheads, headdim): projected
+  Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ
   /// (batch, nheads, nchunks, nangles): the chunk's sum of angle increments, then θ entering the
   /// chunk (the backward reuses it for the sums of ∂/∂θ and the gradient entering from the right)
   Tensor4<float, MemorySpace> angle_sum;
   Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
 
-  Mamba3Workspace(const Mamba3Plan& plan, bool chunk_states)
+  Mamba3Workspace(const Mamba3Plan& plan, bool chunk_stages)
       : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
                                                                   plan.seqlen, plan.nangles)),
         cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
@@ -335,13 +334,13 @@ struct Mamba3Workspace {
                                                               plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
         k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch,
                                                               plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
-        v(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch,
-                                                              plan.seqlen * plan.rank, plan.nheads, plan.headdim)),
         angle_sum(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_chunk_sum", plan.batch,
                                                                       plan.nheads, plan.nchunks, plan.nangles)),
         angle_turns(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_turns", plan.batch,
                                                                         plan.nheads, plan.nchunks, plan.nangles)) {
-    if (chunk_states) {
+    if (chunk_stages) {
+      v = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.headdim);
       states = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
                                                                    plan.nheads, plan.headdim, plan.dstate);
     }
@@ -595,25 +594,27 @@ struct Mamba3RotateFunctor {
   }
 };
 
-/// Stage 2b (one item per (batch, head, row, channel)): the projected v rows; the final v state at
-/// the last token.
+/// Stage 2b (one item per (batch, head, row, channel), or with `last_only` per (batch, head, rank,
+/// channel) of the last token): the projected v rows, when ws has them; the final v state at the
+/// last token.
 template <class MemorySpace>
 struct Mamba3ProjectFunctor {
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
+  bool last_only;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const int p = static_cast<int>(item % plan.headdim);
     const std::int64_t rest = item / plan.headdim;
-    const int nrows = plan.seqlen * plan.rank;
-    const int row = static_cast<int>(rest % nrows);
+    const int nrows = last_only ? plan.rank : plan.seqlen * plan.rank;
+    const int row = static_cast<int>(rest % nrows) + (last_only ? (plan.seqlen - 1) * plan.rank : 0);
     const int bh = static_cast<int>(rest / nrows);
     const int h = bh % plan.nheads, b = bh / plan.nheads;
     const int t = row / plan.rank, r = row % plan.rank;
     const float v = in.v(b, t, h, p) * in.v_proj(h, r, p);
-    ws.v(b, row, h, p) = v;
+    if (!last_only) ws.v(b, row, h, p) = v;
     if (t == plan.seqlen - 1 && final_states.has_v) final_states.v(b, h, r, p) = v;
   }
 };
@@ -1551,8 +1552,14 @@ void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Ma
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
   mamba3_for(exec, "kmamba::mamba3::rotate", rows * Mamba3RotateFunctor<MemorySpace>::slots(plan),
              Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
-  mamba3_for(exec, "kmamba::mamba3::project", rows * plan.headdim,
-             Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states});
+  const bool last_only = !ws.v.is_allocated();
+  if (!last_only || final_states.has_v) {
+    const std::int64_t items = last_only
+                                   ? static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.rank * plan.headdim
+                                   : rows * plan.headdim;
+    mamba3_for(exec, "kmamba::mamba3::project", items,
+               Mamba3ProjectFunctor<MemorySpace>{in, ws, plan, final_states, last_only});
+  }
 }
 
 /// Stages 1–4: stages 1–2; the entering states (and the final ssm state).

@@ -22,10 +22,12 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Ssd.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/Mamba3ScanImpl.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -49,7 +51,7 @@ struct Mamba3SisoTokens {
   }
 };
 
-/// Where a (batch, token, head) work item works (head fastest).
+/// Where a (batch, token, head) row works (head fastest).
 struct Mamba3SisoToken {
   int b, t, h;
 };
@@ -60,24 +62,55 @@ KOKKOS_INLINE_FUNCTION Mamba3SisoToken mamba3_siso_token(const Mamba3Plan& plan,
   return Mamba3SisoToken{static_cast<int>(bt / plan.seqlen), static_cast<int>(bt % plan.seqlen), h};
 }
 
-/// The SSD's per-token inputs and c_t, one item per (batch, token, head).
-template <class MemorySpace>
+/// The per-token kernels below work on (batch, token, head) rows: a team thread per row, its
+/// vector lanes over the row's channels (contiguous, so that a warp's loads coalesce on GPUs) with
+/// the row's sums as lane reductions. `rows_per_team` rows per team.
+constexpr int mamba3_siso_rows_per_team = 8;
+
+template <class ExecSpace, class Functor>
+void mamba3_siso_row_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, const Functor& functor) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
+  const int lanes = std::min(32, static_cast<int>(Policy::vector_length_max()));
+  const int team = vector_lanes_are_threads<ExecSpace> ? mamba3_siso_rows_per_team : 1;
+  const std::int64_t league = (rows + team - 1) / team;
+  if (league == 0) return;
+  Kokkos::parallel_for(label, Policy(exec, static_cast<int>(league), team, lanes), functor);
+}
+
+/// The row of a team thread, or false past the last row.
+template <class Member>
+KOKKOS_INLINE_FUNCTION bool mamba3_siso_row(const Member& team, const Mamba3Plan& plan, Mamba3SisoToken& row) {
+  const std::int64_t item = static_cast<std::int64_t>(team.league_rank()) * team.team_size() + team.team_rank();
+  if (item >= static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads) return false;
+  row = mamba3_siso_token(plan, item);
+  return true;
+}
+
+/// The SSD's per-token inputs and c_t, a row per (batch, token, head).
+template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoTokensFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3SisoTokens<MemorySpace> tok;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3SisoToken it;
+    if (!mamba3_siso_row(team, plan, it)) return;
     const int b = it.b, t = it.t, h = it.h;
     float qk = 0.0f;
-    for (int n = 0; n < plan.dstate; ++n) qk += ws.q(b, t, h, n) * ws.k(b, t, h, n);
-    const float scale = ws.scale(b, h, t);
-    tok.scale(b, t, h) = scale;
-    tok.log_decay(b, t, h) = in.adt(b, h, t);
-    tok.qk(b, t, h) = qk;
-    tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, plan.dstate),
+        [&](const int n, float& acc) { acc += ws.q(b, t, h, n) * ws.k(b, t, h, n); }, qk);
+    Kokkos::single(Kokkos::PerThread(team), [&]() {
+      const float scale = ws.scale(b, h, t);
+      tok.scale(b, t, h) = scale;
+      tok.log_decay(b, t, h) = in.adt(b, h, t);
+      tok.qk(b, t, h) = qk;
+      tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
+    });
   }
 };
 
@@ -110,10 +143,11 @@ struct Mamba3SisoOutputFunctor {
   }
 };
 
-/// g = ∂/∂y, dz and dc_t = g_t·v_t, one item per (batch, token, head); `ssd` is the SSD's output
+/// g = ∂/∂y, dz and dc_t = g_t·v_t, a row per (batch, token, head); `ssd` is the SSD's output
 /// (read with z only).
-template <class MemorySpace>
+template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoGateBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3Plan plan;
   Mamba3SisoTokens<MemorySpace> tok;
@@ -123,30 +157,35 @@ struct Mamba3SisoGateBackwardFunctor {
   Tensor4<float, MemorySpace> dz;         // (batch, seqlen, nheads, headdim), with z
   Tensor3<float, MemorySpace> dc;         // (batch, seqlen, nheads)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3SisoToken it;
+    if (!mamba3_siso_row(team, plan, it)) return;
     const int b = it.b, t = it.t, h = it.h;
     const float c = tok.diag(b, t, h);
     float sum = 0.0f;
-    for (int p = 0; p < plan.headdim; ++p) {
-      const float v = in.v(b, t, h, p), d = dout(b, t, h, p);
-      float gp = d;
-      if (in.has_z) {
-        const float zv = in.z(b, t, h, p);
-        gp = d * silu(zv);
-        dz(b, t, h, p) = d * (ssd(b, t, h, p) + c * v) * silu_derivative(zv);
-      }
-      g(b, t, h, p) = gp;
-      sum += gp * v;
-    }
-    dc(b, t, h) = sum;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, plan.headdim),
+        [&](const int p, float& acc) {
+          const float v = in.v(b, t, h, p), d = dout(b, t, h, p);
+          float gp = d;
+          if (in.has_z) {
+            const float zv = in.z(b, t, h, p);
+            gp = d * silu(zv);
+            dz(b, t, h, p) = d * (ssd(b, t, h, p) + c * v) * silu_derivative(zv);
+          }
+          g(b, t, h, p) = gp;
+          acc += gp * v;
+        },
+        sum);
+    Kokkos::single(Kokkos::PerThread(team), [&]() { dc(b, t, h) = sum; });
   }
 };
 
-/// The chain rule through c_t after the SSD's backward, one item per (batch, token, head): adds
-/// c·g to ∂/∂v and dc·(γ − scale)·k, ·q to ∂/∂q, ∂/∂k; writes ∂/∂scale, the diagonal ∂/∂γ and ∂/∂adt.
-template <class MemorySpace>
+/// The chain rule through c_t after the SSD's backward, a row per (batch, token, head): adds c·g
+/// to ∂/∂v and dc·(γ − scale)·k, ·q to ∂/∂q, ∂/∂k; writes ∂/∂scale, the diagonal ∂/∂γ and ∂/∂adt.
+template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoDiagonalBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
@@ -156,19 +195,23 @@ struct Mamba3SisoDiagonalBackwardFunctor {
   ConstTensor3<float, MemorySpace> dlog_decay;  // (batch, seqlen, nheads)
   Tensor3<float, MemorySpace> dadt;             // (batch, nheads, seqlen)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const Mamba3SisoToken it = mamba3_siso_token(plan, item);
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3SisoToken it;
+    if (!mamba3_siso_row(team, plan, it)) return;
     const int b = it.b, t = it.t, h = it.h;
     const float c = tok.diag(b, t, h), d = dc(b, t, h), qk = tok.qk(b, t, h);
-    for (int p = 0; p < plan.headdim; ++p) bw.dv(b, t, h, p) += c * bw.g(b, t, h, p);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
+                         [&](const int p) { bw.dv(b, t, h, p) += c * bw.g(b, t, h, p); });
     const float dqk = d * (ws.gamma(b, h, t) - tok.scale(b, t, h));
-    for (int n = 0; n < plan.dstate; ++n) {
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
       bw.dq(b, t, h, n) += dqk * ws.k(b, t, h, n);
       bw.dk(b, t, h, n) += dqk * ws.q(b, t, h, n);
-    }
-    bw.off(b, h, t) = dscale(b, t, h) - d * qk;
-    bw.diag(b, h, t) = d * qk;
-    dadt(b, h, t) = dlog_decay(b, t, h);
+    });
+    Kokkos::single(Kokkos::PerThread(team), [&]() {
+      bw.off(b, h, t) = dscale(b, t, h) - d * qk;
+      bw.diag(b, h, t) = d * qk;
+      dadt(b, h, t) = dlog_decay(b, t, h);
+    });
   }
 };
 
@@ -198,9 +241,9 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
                                              const Mamba3Workspace<MemorySpace>& ws,
                                              const Mamba3SisoTokens<MemorySpace>& tok,
                                              const Mamba3StateViews<float, MemorySpace>& final_states) {
-  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   mamba3_prepare_rows(exec, plan, in, ws, final_states);
-  mamba3_for(exec, "kmamba::mamba3::siso_tokens", tokens, Mamba3SisoTokensFunctor<MemorySpace>{in, ws, plan, tok});
+  mamba3_siso_row_launch(exec, "kmamba::mamba3::siso_tokens", plan,
+                         Mamba3SisoTokensFunctor<ExecSpace, MemorySpace>{in, ws, plan, tok});
   SsdArgs<MemorySpace> args;
   if (in.initial.has_ssm || (in.initial.has_k && in.initial.has_v)) {
     const auto state = allocate_uninitialized<Tensor4<float, MemorySpace>>(
@@ -209,7 +252,14 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
                Mamba3SisoEnteringStateFunctor<MemorySpace>{in, plan, state});
     args.initial_states = state;
   }
-  args.x = ws.v;
+  // The SSD's fused kernels read x four floats at a time: an unaligned v is copied first.
+  args.x = in.v;
+  if (reinterpret_cast<std::uintptr_t>(in.v.data()) % 16 != 0) {
+    const auto copy = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::siso_v", plan.batch,
+                                                                          plan.seqlen, plan.nheads, plan.headdim);
+    Kokkos::deep_copy(exec, copy, in.v);
+    args.x = copy;
+  }
   args.dt = tok.scale;
   args.log_decay = tok.log_decay;
   args.B = ws.k;
@@ -239,7 +289,6 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
                               const Mamba3StateViews<const float, MemorySpace>& dfinal,
                               const Mamba3GradViews<MemorySpace>& grads) {
   using T3 = Tensor3<float, MemorySpace>;
-  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   const Mamba3Workspace<MemorySpace> ws(plan, false);
   const Mamba3SisoTokens<MemorySpace> tok(plan);
   const SsdArgs<MemorySpace> args =
@@ -247,8 +296,9 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.has_z, false);
   if (in.has_z) ssd_forward(exec, args, bw.y, Tensor4<float, MemorySpace>());
   const auto dc = allocate_uninitialized<T3>("kmamba::mamba3::siso_ddiagonal", plan.batch, plan.seqlen, plan.nheads);
-  mamba3_for(exec, "kmamba::mamba3::siso_gate_backward", tokens,
-             Mamba3SisoGateBackwardFunctor<MemorySpace>{in, plan, tok, bw.y, dout, bw.g, grads.dz, dc});
+  mamba3_siso_row_launch(
+      exec, "kmamba::mamba3::siso_gate_backward", plan,
+      Mamba3SisoGateBackwardFunctor<ExecSpace, MemorySpace>{in, plan, tok, bw.y, dout, bw.g, grads.dz, dc});
   SsdGrads<MemorySpace> sg;
   sg.dx = bw.dv;
   sg.ddt = allocate_uninitialized<T3>("kmamba::mamba3::siso_dscale", plan.batch, plan.seqlen, plan.nheads);
@@ -258,8 +308,9 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   sg.dinitial_states = bw.dH0;
   ssd_backward(exec, args, bw.g, dfinal.has_ssm ? dfinal.ssm : ConstTensor4<float, MemorySpace>(), sg);
   if (grads.dinitial.has_ssm) Kokkos::deep_copy(exec, grads.dinitial.ssm, bw.dH0);
-  mamba3_for(exec, "kmamba::mamba3::siso_diagonal_backward", tokens,
-             Mamba3SisoDiagonalBackwardFunctor<MemorySpace>{ws, bw, plan, tok, dc, sg.ddt, sg.dlog_decay, grads.dadt});
+  mamba3_siso_row_launch(exec, "kmamba::mamba3::siso_diagonal_backward", plan,
+                         Mamba3SisoDiagonalBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, tok, dc, sg.ddt,
+                                                                                   sg.dlog_decay, grads.dadt});
   mamba3_for(exec, "kmamba::mamba3::siso_skip_partial",
              static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
              Mamba3SisoSkipPartialFunctor<MemorySpace>{bw, plan, dc});
