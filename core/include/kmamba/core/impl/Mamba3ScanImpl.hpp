@@ -545,19 +545,49 @@ struct Mamba3AngleScanFunctor {
   }
 };
 
-/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token. One
-/// item per (batch, head, row, slot), where the first nangles slots are the rotated pairs of
-/// states (2j, 2j + 1), one angle's cosine and sine for both, and the remaining slots the states
-/// from 2·nangles on, one each.
-template <class MemorySpace>
+/// Row kernels: a team thread per (batch, row, head) row (head fastest), its vector lanes over the
+/// row's channels or states (contiguous, so that a warp's accesses coalesce on GPUs), its sums
+/// lane reductions; the row's indices are worked out once per row, not per element.
+constexpr int mamba3_rows_per_team = 8;
+
+struct Mamba3Row {
+  int b, row, h;
+};
+
+template <class ExecSpace, class Functor>
+void mamba3_row_launch(const ExecSpace& exec, const char* label, std::int64_t rows, const Functor& functor) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  const int lanes = std::min(32, static_cast<int>(Policy::vector_length_max()));
+  const int team = vector_lanes_are_threads<ExecSpace> ? mamba3_rows_per_team : 1;
+  const std::int64_t league = (rows + team - 1) / team;
+  if (league == 0) return;
+  Kokkos::parallel_for(label, Policy(exec, static_cast<int>(league), team, lanes), functor);
+}
+
+/// The row of the calling team thread among `rows_per_batch`·nheads rows per batch; false past the
+/// last row.
+template <class Member>
+KOKKOS_INLINE_FUNCTION bool mamba3_row(const Member& team, const Mamba3Plan& plan, int rows_per_batch, Mamba3Row& row) {
+  const std::int64_t item = static_cast<std::int64_t>(team.league_rank()) * team.team_size() + team.team_rank();
+  const std::int64_t per_batch = static_cast<std::int64_t>(rows_per_batch) * plan.nheads;
+  if (item >= per_batch * plan.batch) return false;
+  const std::int64_t rest = item % per_batch;
+  row = Mamba3Row{static_cast<int>(item / per_batch), static_cast<int>(rest / plan.nheads),
+                  static_cast<int>(rest % plan.nheads)};
+  return true;
+}
+
+/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token. A row
+/// kernel over (batch, row = t·R + r, head), its lanes over slots: the first nangles slots are the
+/// rotated pairs of states (2j, 2j + 1), one angle's cosine and sine for both, the remaining slots
+/// the states from 2·nangles on, one each.
+template <class ExecSpace, class MemorySpace>
 struct Mamba3RotateFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
-
-  /// Slots per row: the angles' pairs, then the unrotated states.
-  KOKKOS_INLINE_FUNCTION static int slots(const Mamba3Plan& plan) { return plan.dstate - plan.nangles; }
 
   KOKKOS_INLINE_FUNCTION void store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
     ws.q(b, row, h, n) = qv;
@@ -565,32 +595,30 @@ struct Mamba3RotateFunctor {
     if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
   }
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const int per_row = slots(plan);
-    const int slot = static_cast<int>(item % per_row);
-    const std::int64_t rest = item / per_row;
-    const int nrows = plan.seqlen * plan.rank;
-    const int row = static_cast<int>(rest % nrows);
-    const int bh = static_cast<int>(rest / nrows);
-    const int h = bh % plan.nheads, b = bh / plan.nheads;
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen * plan.rank, it)) return;
+    const int b = it.b, row = it.row, h = it.h;
     const int t = row / plan.rank, r = row % plan.rank;
     const int g = h / plan.heads_per_group;
-    if (slot < plan.nangles) {
-      const int n0 = 2 * slot, n1 = n0 + 1;
-      const float theta = ws.theta(b, h, t, slot);
-      const float c = kmamba::math::cos(theta);
-      const float s = kmamba::math::sin(theta);
-      const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
-      const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
-      const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
-      const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
-      store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
-      store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
-    } else {
-      const int n = slot + plan.nangles;
-      store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
-            in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
-    }
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate - plan.nangles), [&](const int slot) {
+      if (slot < plan.nangles) {
+        const int n0 = 2 * slot, n1 = n0 + 1;
+        const float theta = ws.theta(b, h, t, slot);
+        const float c = kmamba::math::cos(theta);
+        const float s = kmamba::math::sin(theta);
+        const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
+        const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
+        const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
+        const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
+        store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
+        store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
+      } else {
+        const int n = slot + plan.nangles;
+        store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
+              in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
+      }
+    });
   }
 };
 
@@ -787,22 +815,6 @@ struct Mamba3ChunkScanFunctor {
     }
   }
 };
-
-/// Where a (batch, token, head, j) work item works (j fastest).
-struct Mamba3TokenItem {
-  int b, t, h, j;
-};
-
-KOKKOS_INLINE_FUNCTION Mamba3TokenItem mamba3_token_item(const Mamba3Plan& plan, std::int64_t item, int width) {
-  Mamba3TokenItem it;
-  it.j = static_cast<int>(item % width);
-  const std::int64_t rest = item / width;
-  it.h = static_cast<int>(rest % plan.nheads);
-  const int bt = static_cast<int>(rest / plan.nheads);
-  it.t = bt % plan.seqlen;
-  it.b = bt / plan.seqlen;
-  return it;
-}
 
 /// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row, the gradient the chunk's outputs send to
 /// the state entering it.
@@ -1134,79 +1146,82 @@ struct Mamba3ChunkBackwardFunctor {
   }
 };
 
-/// Backward B6a (one item per (batch, head, token, state)): adds the final k cotangent at the last
-/// token and turns the rotated gradients of q and k back (into ∂/∂ the biased q, k, in place); the
-/// item of the first state of a rotated pair turns the pair over every rank and writes ∂/∂θ_t.
-template <class MemorySpace>
+/// Backward B6a (a row kernel over (batch, token, head), lanes over the angles): adds the final k
+/// cotangent at the last token and turns the rotated gradients of q and k back (into ∂/∂ the
+/// biased q, k, in place), pair by pair over every rank, writing ∂/∂θ_t.
+template <class ExecSpace, class MemorySpace>
 struct Mamba3TokenBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const int n = static_cast<int>(item % plan.dstate);
-    const std::int64_t rest = item / plan.dstate;
-    const int t = static_cast<int>(rest % plan.seqlen);
-    const int bh = static_cast<int>(rest / plan.seqlen);
-    const int h = bh % plan.nheads, b = bh / plan.nheads;
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_k;
-    if (n >= 2 * plan.nangles) {
-      if (add_final) {
+    if (add_final) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, 2 * plan.nangles, plan.dstate), [&](const int n) {
         for (int r = 0; r < plan.rank; ++r) bw.dk(b, t * plan.rank + r, h, n) += dfinal.k(b, h, r, n);
-      }
-      return;
+      });
     }
-    if (n % 2 != 0) return;
-    const int i = n / 2, n0 = n, n1 = n + 1;
-    const float theta = ws.theta(b, h, t, i);
-    const float c = kmamba::math::cos(theta);
-    const float s = kmamba::math::sin(theta);
-    float dtheta = 0.0f;
-    for (int r = 0; r < plan.rank; ++r) {
-      const int row = t * plan.rank + r;
-      const float dq0 = bw.dq(b, row, h, n0), dq1 = bw.dq(b, row, h, n1);
-      float dk0 = bw.dk(b, row, h, n0), dk1 = bw.dk(b, row, h, n1);
-      if (add_final) {
-        dk0 += dfinal.k(b, h, r, n0);
-        dk1 += dfinal.k(b, h, r, n1);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.nangles), [&](const int i) {
+      const int n0 = 2 * i, n1 = n0 + 1;
+      const float theta = ws.theta(b, h, t, i);
+      const float c = kmamba::math::cos(theta);
+      const float s = kmamba::math::sin(theta);
+      float dtheta = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        const float dq0 = bw.dq(b, row, h, n0), dq1 = bw.dq(b, row, h, n1);
+        float dk0 = bw.dk(b, row, h, n0), dk1 = bw.dk(b, row, h, n1);
+        if (add_final) {
+          dk0 += dfinal.k(b, h, r, n0);
+          dk1 += dfinal.k(b, h, r, n1);
+        }
+        dtheta += dq1 * ws.q(b, row, h, n0) - dq0 * ws.q(b, row, h, n1);
+        dtheta += dk1 * ws.k(b, row, h, n0) - dk0 * ws.k(b, row, h, n1);
+        bw.dq(b, row, h, n0) = dq0 * c + dq1 * s;
+        bw.dq(b, row, h, n1) = dq1 * c - dq0 * s;
+        bw.dk(b, row, h, n0) = dk0 * c + dk1 * s;
+        bw.dk(b, row, h, n1) = dk1 * c - dk0 * s;
       }
-      dtheta += dq1 * ws.q(b, row, h, n0) - dq0 * ws.q(b, row, h, n1);
-      dtheta += dk1 * ws.k(b, row, h, n0) - dk0 * ws.k(b, row, h, n1);
-      bw.dq(b, row, h, n0) = dq0 * c + dq1 * s;
-      bw.dq(b, row, h, n1) = dq1 * c - dq0 * s;
-      bw.dk(b, row, h, n0) = dk0 * c + dk1 * s;
-      bw.dk(b, row, h, n1) = dk1 * c - dk0 * s;
-    }
-    bw.dtheta(b, h, t, i) = dtheta;
+      bw.dtheta(b, h, t, i) = dtheta;
+    });
   }
 };
 
-/// Backward B6b (one item per (batch, token, head, channel)): adds the final v cotangent at the
-/// last token (in place, for the projection sums) and writes dv = Σ_r ∂/∂v_t,r·mimo_v_r.
-template <class MemorySpace>
+/// Backward B6b (a row kernel over (batch, token, head), lanes over the channels): adds the final v
+/// cotangent at the last token (in place, for the projection sums) and writes dv = Σ_r ∂/∂v_t,r·mimo_v_r.
+template <class ExecSpace, class MemorySpace>
 struct Mamba3ValueBackwardFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Tensor4<float, MemorySpace> dv;  // (batch, seqlen, nheads, headdim)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const Mamba3TokenItem it = mamba3_token_item(plan, item, plan.headdim);
-    const int b = it.b, t = it.t, h = it.h, p = it.j;
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_v;
-    float sum = 0.0f;
-    for (int r = 0; r < plan.rank; ++r) {
-      const int row = t * plan.rank + r;
-      float d = bw.dv(b, row, h, p);
-      if (add_final) {
-        d += dfinal.v(b, h, r, p);
-        bw.dv(b, row, h, p) = d;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+      float sum = 0.0f;
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        float d = bw.dv(b, row, h, p);
+        if (add_final) {
+          d += dfinal.v(b, h, r, p);
+          bw.dv(b, row, h, p) = d;
+        }
+        sum += d * in.v_proj(h, r, p);
       }
-      sum += d * in.v_proj(h, r, p);
-    }
-    dv(b, t, h, p) = sum;
+      dv(b, t, h, p) = sum;
+    });
   }
 };
 
@@ -1550,8 +1565,8 @@ void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Ma
              Mamba3AnglePassingFunctor<MemorySpace>{in, ws, plan});
   mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
-  mamba3_for(exec, "kmamba::mamba3::rotate", rows * Mamba3RotateFunctor<MemorySpace>::slots(plan),
-             Mamba3RotateFunctor<MemorySpace>{in, ws, plan, final_states});
+  mamba3_row_launch(exec, "kmamba::mamba3::rotate", rows,
+                    Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states});
   const bool last_only = !ws.v.is_allocated();
   if (!last_only || final_states.has_v) {
     const std::int64_t items = last_only
@@ -1620,10 +1635,10 @@ void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const M
   const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
-  mamba3_for(exec, "kmamba::mamba3::token_backward", tokens * plan.dstate,
-             Mamba3TokenBackwardFunctor<MemorySpace>{ws, bw, plan, dfinal});
-  mamba3_for(exec, "kmamba::mamba3::value_backward", tokens * plan.headdim,
-             Mamba3ValueBackwardFunctor<MemorySpace>{in, bw, plan, dfinal, grads.dv});
+  mamba3_row_launch(exec, "kmamba::mamba3::token_backward", tokens,
+                    Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal});
+  mamba3_row_launch(exec, "kmamba::mamba3::value_backward", tokens,
+                    Mamba3ValueBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dv});
   mamba3_for(exec, "kmamba::mamba3::dtheta_chunk_sum", head_chunks * plan.nangles,
              Mamba3DthetaChunkSumFunctor<MemorySpace>{ws, bw, plan});
   mamba3_for(exec, "kmamba::mamba3::dtheta_passing", static_cast<std::int64_t>(head_league) * plan.nangles,

@@ -51,42 +51,6 @@ struct Mamba3SisoTokens {
   }
 };
 
-/// Where a (batch, token, head) row works (head fastest).
-struct Mamba3SisoToken {
-  int b, t, h;
-};
-
-KOKKOS_INLINE_FUNCTION Mamba3SisoToken mamba3_siso_token(const Mamba3Plan& plan, std::int64_t item) {
-  const int h = static_cast<int>(item % plan.nheads);
-  const std::int64_t bt = item / plan.nheads;
-  return Mamba3SisoToken{static_cast<int>(bt / plan.seqlen), static_cast<int>(bt % plan.seqlen), h};
-}
-
-/// The per-token kernels below work on (batch, token, head) rows: a team thread per row, its
-/// vector lanes over the row's channels (contiguous, so that a warp's loads coalesce on GPUs) with
-/// the row's sums as lane reductions. `rows_per_team` rows per team.
-constexpr int mamba3_siso_rows_per_team = 8;
-
-template <class ExecSpace, class Functor>
-void mamba3_siso_row_launch(const ExecSpace& exec, const char* label, const Mamba3Plan& plan, const Functor& functor) {
-  using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
-  const int lanes = std::min(32, static_cast<int>(Policy::vector_length_max()));
-  const int team = vector_lanes_are_threads<ExecSpace> ? mamba3_siso_rows_per_team : 1;
-  const std::int64_t league = (rows + team - 1) / team;
-  if (league == 0) return;
-  Kokkos::parallel_for(label, Policy(exec, static_cast<int>(league), team, lanes), functor);
-}
-
-/// The row of a team thread, or false past the last row.
-template <class Member>
-KOKKOS_INLINE_FUNCTION bool mamba3_siso_row(const Member& team, const Mamba3Plan& plan, Mamba3SisoToken& row) {
-  const std::int64_t item = static_cast<std::int64_t>(team.league_rank()) * team.team_size() + team.team_rank();
-  if (item >= static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads) return false;
-  row = mamba3_siso_token(plan, item);
-  return true;
-}
-
 /// The SSD's per-token inputs and c_t, a row per (batch, token, head).
 template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoTokensFunctor {
@@ -97,9 +61,9 @@ struct Mamba3SisoTokensFunctor {
   Mamba3SisoTokens<MemorySpace> tok;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    Mamba3SisoToken it;
-    if (!mamba3_siso_row(team, plan, it)) return;
-    const int b = it.b, t = it.t, h = it.h;
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
     float qk = 0.0f;
     Kokkos::parallel_reduce(
         Kokkos::ThreadVectorRange(team, plan.dstate),
@@ -127,19 +91,24 @@ struct Mamba3SisoEnteringStateFunctor {
   }
 };
 
-/// out = (ssd + c·v)·silu(z) in place (no gate without z), one item per (batch, token, head, channel).
-template <class MemorySpace>
+/// out = (ssd + c·v)·silu(z) in place (no gate without z), a row per (batch, token, head).
+template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoOutputFunctor {
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
   Mamba3Plan plan;
   Mamba3SisoTokens<MemorySpace> tok;
   Tensor4<float, MemorySpace> out;  // (batch, seqlen, nheads, headdim): the SSD's output on entry
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const int p = static_cast<int>(item % plan.headdim);
-    const Mamba3SisoToken it = mamba3_siso_token(plan, item / plan.headdim);
-    const float y = out(it.b, it.t, it.h, p) + tok.diag(it.b, it.t, it.h) * in.v(it.b, it.t, it.h, p);
-    out(it.b, it.t, it.h, p) = in.has_z ? y * silu(in.z(it.b, it.t, it.h, p)) : y;
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
+    const float c = tok.diag(b, t, h);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
+      const float y = out(b, t, h, p) + c * in.v(b, t, h, p);
+      out(b, t, h, p) = in.has_z ? y * silu(in.z(b, t, h, p)) : y;
+    });
   }
 };
 
@@ -158,9 +127,9 @@ struct Mamba3SisoGateBackwardFunctor {
   Tensor3<float, MemorySpace> dc;         // (batch, seqlen, nheads)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    Mamba3SisoToken it;
-    if (!mamba3_siso_row(team, plan, it)) return;
-    const int b = it.b, t = it.t, h = it.h;
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
     const float c = tok.diag(b, t, h);
     float sum = 0.0f;
     Kokkos::parallel_reduce(
@@ -196,9 +165,9 @@ struct Mamba3SisoDiagonalBackwardFunctor {
   Tensor3<float, MemorySpace> dadt;             // (batch, nheads, seqlen)
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    Mamba3SisoToken it;
-    if (!mamba3_siso_row(team, plan, it)) return;
-    const int b = it.b, t = it.t, h = it.h;
+    Mamba3Row it;
+    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
+    const int b = it.b, t = it.row, h = it.h;
     const float c = tok.diag(b, t, h), d = dc(b, t, h), qk = tok.qk(b, t, h);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
                          [&](const int p) { bw.dv(b, t, h, p) += c * bw.g(b, t, h, p); });
@@ -241,9 +210,10 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
                                              const Mamba3Workspace<MemorySpace>& ws,
                                              const Mamba3SisoTokens<MemorySpace>& tok,
                                              const Mamba3StateViews<float, MemorySpace>& final_states) {
+  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   mamba3_prepare_rows(exec, plan, in, ws, final_states);
-  mamba3_siso_row_launch(exec, "kmamba::mamba3::siso_tokens", plan,
-                         Mamba3SisoTokensFunctor<ExecSpace, MemorySpace>{in, ws, plan, tok});
+  mamba3_row_launch(exec, "kmamba::mamba3::siso_tokens", tokens,
+                    Mamba3SisoTokensFunctor<ExecSpace, MemorySpace>{in, ws, plan, tok});
   SsdArgs<MemorySpace> args;
   if (in.initial.has_ssm || (in.initial.has_k && in.initial.has_v)) {
     const auto state = allocate_uninitialized<Tensor4<float, MemorySpace>>(
@@ -278,9 +248,9 @@ void mamba3_siso_ssd_forward(const ExecSpace& exec, const Mamba3Plan& plan, cons
   const Mamba3SisoTokens<MemorySpace> tok(plan);
   const SsdArgs<MemorySpace> args = mamba3_siso_ssd_prepare(exec, plan, in, precision, ws, tok, final_states);
   ssd_forward(exec, args, out, final_states.has_ssm ? final_states.ssm : Tensor4<float, MemorySpace>());
-  mamba3_for(exec, "kmamba::mamba3::siso_output",
-             static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads * plan.headdim,
-             Mamba3SisoOutputFunctor<MemorySpace>{in, plan, tok, out});
+  mamba3_row_launch(exec, "kmamba::mamba3::siso_output",
+                    static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads,
+                    Mamba3SisoOutputFunctor<ExecSpace, MemorySpace>{in, plan, tok, out});
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -289,6 +259,7 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
                               const Mamba3StateViews<const float, MemorySpace>& dfinal,
                               const Mamba3GradViews<MemorySpace>& grads) {
   using T3 = Tensor3<float, MemorySpace>;
+  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   const Mamba3Workspace<MemorySpace> ws(plan, false);
   const Mamba3SisoTokens<MemorySpace> tok(plan);
   const SsdArgs<MemorySpace> args =
@@ -296,8 +267,8 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.has_z, false);
   if (in.has_z) ssd_forward(exec, args, bw.y, Tensor4<float, MemorySpace>());
   const auto dc = allocate_uninitialized<T3>("kmamba::mamba3::siso_ddiagonal", plan.batch, plan.seqlen, plan.nheads);
-  mamba3_siso_row_launch(
-      exec, "kmamba::mamba3::siso_gate_backward", plan,
+  mamba3_row_launch(
+      exec, "kmamba::mamba3::siso_gate_backward", tokens,
       Mamba3SisoGateBackwardFunctor<ExecSpace, MemorySpace>{in, plan, tok, bw.y, dout, bw.g, grads.dz, dc});
   SsdGrads<MemorySpace> sg;
   sg.dx = bw.dv;
@@ -308,9 +279,9 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   sg.dinitial_states = bw.dH0;
   ssd_backward(exec, args, bw.g, dfinal.has_ssm ? dfinal.ssm : ConstTensor4<float, MemorySpace>(), sg);
   if (grads.dinitial.has_ssm) Kokkos::deep_copy(exec, grads.dinitial.ssm, bw.dH0);
-  mamba3_siso_row_launch(exec, "kmamba::mamba3::siso_diagonal_backward", plan,
-                         Mamba3SisoDiagonalBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, tok, dc, sg.ddt,
-                                                                                   sg.dlog_decay, grads.dadt});
+  mamba3_row_launch(exec, "kmamba::mamba3::siso_diagonal_backward", tokens,
+                    Mamba3SisoDiagonalBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, tok, dc, sg.ddt,
+                                                                              sg.dlog_decay, grads.dadt});
   mamba3_for(exec, "kmamba::mamba3::siso_skip_partial",
              static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
              Mamba3SisoSkipPartialFunctor<MemorySpace>{bw, plan, dc});
