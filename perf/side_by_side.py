@@ -201,7 +201,11 @@ def main():
     if not os.access(opts.kmamba_perf, os.X_OK):
         sys.exit(f"side_by_side.py: --kmamba-perf '{opts.kmamba_perf}' is not an executable file")
 
-    official = {shape: official_ssd(*shape) for shape in SHAPES}
+    official = {}
+    for shape in SHAPES:
+        official[shape] = official_ssd(*shape)
+        print(f"official SSD b{shape[0]} L{shape[1]}: fwd {official[shape]['fwd']:.1f} us, "
+              f"fwd+bwd {official[shape]['fwd+bwd']:.1f} us", flush=True)
     rows = kmamba_rows(opts.kmamba_perf, "ssd", opts.kmamba_precision)
     table = []
     for (batch, seqlen), times in official.items():
@@ -213,6 +217,7 @@ def main():
                 table.append({"case": f"ssd {case}{precision}", "shape": shape,
                               "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
     official_m3 = official_mamba3_siso()
+    print(f"official Mamba-3 SISO: fwd {official_m3['fwd']:.1f} us, fwd+bwd {official_m3['fwd+bwd']:.1f} us", flush=True)
     rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso", opts.kmamba_precision)
     for case in ("fwd", "fwd+bwd"):
         for precision in ("", " bf16"):
@@ -228,6 +233,7 @@ def main():
             except Exception as error:  # an official module that cannot run here (a missing extension)
                 print(f"side_by_side.py: the official {mixer} training step failed: {error!r}")
                 official_us = float("nan")
+            print(f"official training step {mixer}: {official_us / 1e3:.1f} ms", flush=True)
             ours = kmamba_train_step(opts.kmamba_perf_train, mixer)
             table.append({"case": f"train step {mixer}", "shape": f"130m b{TRAIN_BATCH} L{TRAIN_SEQLEN} bf16",
                           "official_us": official_us, "kmamba_us": ours, "ratio": ours / official_us})
