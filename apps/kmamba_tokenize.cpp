@@ -139,7 +139,8 @@ struct Document {
 // line; a text file is read whole.
 class DocumentReader {
  public:
-  DocumentReader(std::vector<Source> sources, std::string field) : sources_(std::move(sources)), field_(std::move(field)) {
+  DocumentReader(std::vector<Source> sources, std::string field)
+      : sources_(std::move(sources)), field_(std::move(field)) {
     for (const Source& s : sources_) total_bytes_ += s.bytes;
   }
 
@@ -332,9 +333,9 @@ class Progress {
     const double elapsed = seconds_since(started_);
     if (quiet_ || elapsed < next_) return;
     next_ = elapsed + (tty_ ? 0.5 : 10.0);
-    const double share = reader.total_bytes() ? 100.0 * static_cast<double>(reader.read_bytes()) /
-                                                    static_cast<double>(reader.total_bytes())
-                                              : 100.0;
+    // A last line without its newline counts one byte more than the file holds.
+    const double share = std::min(100.0, 100.0 * static_cast<double>(reader.read_bytes()) /
+                                             static_cast<double>(std::max<std::uint64_t>(reader.total_bytes(), 1)));
     std::fprintf(stderr, "%s%s: %llu documents, %s tokens, %.1f%% of %sB read, %s tokens/s%s", tty_ ? "\r" : "", app,
                  static_cast<unsigned long long>(totals.documents), human(static_cast<double>(totals.tokens)).c_str(),
                  share, human(static_cast<double>(reader.total_bytes())).c_str(),
