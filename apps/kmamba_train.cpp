@@ -32,6 +32,7 @@
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -48,7 +49,8 @@ const char* const description =
 
 const char* const footer =
     "Token files: 32-byte header \"KMTOKENS\", u32 version 1, u32 bytes per token (2 or 4), u64 vocabulary\n"
-    "size, u64 token count, then the tokens, all little-endian (see kmamba/models/Data.hpp).\n"
+    "size, u64 token count, then the tokens, all little-endian (see kmamba/models/Data.hpp); kmamba-tokenize\n"
+    "writes them from text, JSONL or folders (then pass its --tokenizer here too, so checkpoints carry it).\n"
     "Exit status: 0 done; 130 interrupted by SIGINT or SIGTERM, the checkpoint saved (continue with\n"
     "--resume); 2 a bad option, input or run directory; 1 an internal error.";
 
@@ -274,6 +276,20 @@ kmamba::ModelConfig architecture(const Run& r) {
   }
   if (!r.model_dir.empty()) return kmamba::ModelConfig::load(r.model_dir + "/config.json");
   return r.model;
+}
+
+// The tokenizer files every checkpoint receives: --tokenizer's, which must be a tokenizer whose
+// ids the model can take, else those of the --model directory (none for a byte-level model).
+kmamba::TokenizerFiles tokenizer_files(const Run& r, const kmamba::ModelConfig& config) {
+  if (r.tokenizer.empty()) {
+    return r.model_dir.empty() ? kmamba::TokenizerFiles() : kmamba::TokenizerFiles::from_directory(r.model_dir);
+  }
+  const kmamba::BpeTokenizer tokenizer = kmamba::BpeTokenizer::from_file(r.tokenizer);
+  KMAMBA_REQUIRE(tokenizer.vocab_size() <= config.vocab_size,
+                 "kmamba-train: --tokenizer '" << r.tokenizer << "' has " << tokenizer.vocab_size()
+                                               << " tokens, more than the model's vocabulary of " << config.vocab_size
+                                               << ": it is not the tokenizer of this model or data");
+  return kmamba::TokenizerFiles::from_file(r.tokenizer);
 }
 
 // The process mesh of an MPI run (none without MPI): a size that does not fit the world or the
@@ -502,11 +518,13 @@ template <class Exec>
 int train(Run& r, const CLI::App& cli, kmamba::app::Runtime& runtime) {
   std::shared_ptr<const kmamba::Dataset> data = make_data(r);
   const kmamba::ModelConfig config = architecture(r);
+  kmamba::TokenizerFiles tokenizer = tokenizer_files(r, config);
   Parallel parallel = make_parallel<Exec>(r, config, runtime);
   // One run per directory: a second kmamba-train on it stops here, naming this one's process id.
   std::unique_ptr<kmamba::DirectoryLock> lock;
   if (parallel.root) lock = std::make_unique<kmamba::DirectoryLock>(r.out, "kmamba-train");
   kmamba::Trainer<Exec> trainer = make_trainer<Exec>(r, config, data, parallel);
+  trainer.set_tokenizer_files(std::move(tokenizer));
 #if KMAMBA_ENABLE_MPI
   if (parallel.mesh) runtime.errors_may_be_local();  // from here on an error may strike one rank only
 #endif

@@ -292,9 +292,8 @@ int run_tool(int argc, char** argv, const Tool& tool) {
   return run_app(argc, argv, cli, launch, tool.body);
 }
 
-void install_stop_handler(const std::string& app) {
-  std::snprintf(stop_message, sizeof(stop_message),
-                "\n%s: stopping after this step (Ctrl-C again to abort without a checkpoint)\n", app.c_str());
+void install_stop_handler(const std::string& app, const std::string& announcement) {
+  std::snprintf(stop_message, sizeof(stop_message), "\n%s: %s\n", app.c_str(), announcement.c_str());
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);

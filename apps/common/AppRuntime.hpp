@@ -105,9 +105,11 @@ struct Tool {
 /// kmamba's conventions (configure) and the tool's options, run by run_app.
 int run_tool(int argc, char** argv, const Tool& tool);
 
-/// SIGINT and SIGTERM set stop_requested() and print that `app` stops after the current step; a
-/// second signal takes the default action.
-void install_stop_handler(const std::string& app);
+/// SIGINT and SIGTERM set stop_requested() and print "`app`: `announcement`" (by default that it stops
+/// after the current step); a second signal takes the default action.
+void install_stop_handler(
+    const std::string& app,
+    const std::string& announcement = "stopping after this step (Ctrl-C again to abort without a checkpoint)");
 bool stop_requested();
 
 // Validators: each accepts the whole text of a value or names the accepted range, so that the

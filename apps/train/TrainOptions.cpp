@@ -34,6 +34,11 @@ void declare_what(CLI::App& cli) {
          "train on FILE: a KMTOKENS token file, or any other file as byte-level text (vocab 256)", CLI::ExistingFile);
   option(cli, g, "--model", "DIR", "fine-tune the Hugging Face checkpoint DIR (config.json + model.safetensors)",
          CLI::ExistingDirectory);
+  option(cli, g, "--tokenizer", "FILE",
+         "the tokenizer.json the --data token file was made with (kmamba-tokenize); it goes into every checkpoint, "
+         "with tokenizer_config.json and special_tokens_map.json when they lie beside it (default: --model's "
+         "tokenizer files)",
+         CLI::ExistingFile);
   option(cli, g, "--config", "FILE",
          "read options from a JSON object, e.g. {\"steps\": 500, \"lr\": 0.001}; command-line options win",
          CLI::ExistingFile);
@@ -260,6 +265,7 @@ Run resolve(const TrainOptions& o) {
   Run r;
   r.data_path = o.text("data", "");
   r.model_dir = o.text("model", "");
+  r.tokenizer = o.text("tokenizer", "");
   r.kind = r.data_path.empty() ? Run::Kind::Recall : Run::Kind::Tokens;
   r.resume = o.flag("resume");
   r.device = o.text("device", "");

@@ -36,7 +36,7 @@ class TrainOptions {
 /// Everything a run needs, resolved from the options with the defaults of its kind.
 struct Run {
   enum class Kind { Recall, Tokens } kind = Kind::Recall;
-  std::string data_path, model_dir, out, device;
+  std::string data_path, model_dir, tokenizer, out, device;
   bool resume = false;
   bool activation_checkpointing = false;
   TrainConfig train;

@@ -144,6 +144,26 @@ void OutputFile::write(const void* data, std::size_t size) {
                                                    << "' was left unchanged");
 }
 
+void OutputFile::rewrite(std::uint64_t offset, const void* data, std::size_t size) {
+  KMAMBA_REQUIRE(fd_ >= 0, what_ << ": '" << target_ << "' was already committed");
+  KMAMBA_REQUIRE(!in_place(), what_ << ": '" << target_
+                                    << "' is written in place (a device or a FIFO), so bytes already written cannot "
+                                       "be rewritten; write to a regular file");
+  const off_t end = ::lseek(fd_, 0, SEEK_CUR);
+  KMAMBA_REQUIRE(end >= 0 && offset + size <= static_cast<std::uint64_t>(end),
+                 what_ << ": rewriting bytes [" << offset << ", " << offset + size << ") of '" << temporary_
+                       << "', which holds " << end << " bytes");
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pwrite(fd_, bytes + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    KMAMBA_REQUIRE(n > 0, what_ << ": writing '" << temporary_ << "' failed: " << std::strerror(errno) << "; '"
+                                << target_ << "' was left unchanged");
+    done += static_cast<std::size_t>(n);
+  }
+}
+
 void OutputFile::commit() {
   KMAMBA_REQUIRE(fd_ >= 0, what_ << ": '" << target_ << "' was already committed");
   const int fd = fd_;

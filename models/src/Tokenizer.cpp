@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -748,11 +750,75 @@ bool BpeTokenizer::add_prefix_space() const { return state_->add_prefix_space; }
 
 // ---- load_tokenizer ----
 
+namespace {
+
+bool file_exists(const std::string& path) {
+  std::error_code unknown;
+  return std::filesystem::exists(path, unknown);
+}
+
+// The vocab_size of `model_dir`/config.json, or -1 when there is no config.json or it gives none
+// (whether the rest of it is a model the caller can load is the model loader's business).
+std::int64_t configured_vocab_size(const std::string& model_dir) {
+  const std::string path = model_dir + "/config.json";
+  if (!file_exists(path)) return -1;
+  const json config = parse_json(read_input_file(path, JsonLimits().max_bytes, "kmamba::load_tokenizer"),
+                                 "kmamba::load_tokenizer: config " + in_quotes(path));
+  const auto it = config.is_object() ? config.find("vocab_size") : config.end();
+  return it != config.end() && it->is_number_integer() ? it->get<std::int64_t>() : -1;
+}
+
+// Every prompt of a run meets the same fallback: one warning per process is enough.
+std::atomic<bool> byte_fallback_warned{false};
+
+}  // namespace
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir) {
   const std::string path = model_dir + "/tokenizer.json";
-  std::error_code missing;
-  if (std::filesystem::exists(path, missing)) return std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(path));
+  if (file_exists(path)) return std::make_unique<BpeTokenizer>(BpeTokenizer::from_file(path));
+  const std::int64_t vocab = configured_vocab_size(model_dir);
+  if (vocab > 256 && !byte_fallback_warned.exchange(true)) {
+    std::fprintf(stderr,
+                 "kmamba: warning: the model in '%s' has a vocabulary of %lld tokens but no tokenizer.json: its text "
+                 "is encoded as bytes (ids 0-255), which is not the tokenizer it was trained with; put that "
+                 "tokenizer.json into the directory or give it to the tool (--tokenizer)\n",
+                 model_dir.c_str(), static_cast<long long>(vocab));
+  }
   return std::make_unique<ByteTokenizer>();
+}
+
+// ---- TokenizerFiles ----
+
+namespace {
+constexpr const char* tokenizer_json = "tokenizer.json";
+}  // namespace
+
+TokenizerFiles TokenizerFiles::from_directory(const std::string& dir) {
+  TokenizerFiles t;
+  if (!file_exists(dir + "/" + tokenizer_json)) return t;
+  const std::uint64_t max_bytes = JsonLimits().max_bytes;
+  const char* what = "kmamba::TokenizerFiles";
+  t.files.emplace_back(tokenizer_json, read_input_file(dir + "/" + tokenizer_json, max_bytes, what));
+  for (const char* name : companions) {
+    const std::string path = dir + "/" + name;
+    if (file_exists(path)) t.files.emplace_back(name, read_input_file(path, max_bytes, what));
+  }
+  return t;
+}
+
+TokenizerFiles TokenizerFiles::from_file(const std::string& path) {
+  const std::filesystem::path file(path);
+  if (file.filename() == tokenizer_json) {
+    TokenizerFiles t = from_directory(file.parent_path().empty() ? "." : file.parent_path().string());
+    if (!t.empty()) return t;
+  }
+  TokenizerFiles t;
+  t.files.emplace_back(tokenizer_json, read_input_file(path, JsonLimits().max_bytes, "kmamba::TokenizerFiles"));
+  return t;
+}
+
+void TokenizerFiles::write(const std::string& dir) const {
+  for (const auto& file : files) write_output_file(dir + "/" + file.first, file.second, "kmamba::TokenizerFiles");
 }
 
 // ---- StreamingDecoder ----

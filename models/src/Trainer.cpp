@@ -378,6 +378,7 @@ void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const Lan
   state.parameter_checksum = impl::parameter_checksum(slab.params());
   impl::write_training_state(staged.path() + "/" + impl::training_state_file, impl::moment_tensors(slab), m.data(),
                              v.data(), state);
+  tokenizer_files_.write(staged.path());
   staged.commit();
 }
 
@@ -398,6 +399,7 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
                                               << " training sequences in batches of " << saved.batch_size
                                               << "; batch_size " << config_.batch_size
                                               << " does not divide that (resume with a batch size that does)");
+  TokenizerFiles tokenizer = tokenizer_files_.empty() ? TokenizerFiles::from_directory(dir) : tokenizer_files_;
 
   using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const ModelParallel parallel = model_.parallel();
@@ -427,6 +429,7 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
   data_position_ = sequences / config_.batch_size;
   skipped_steps_ = state.skipped_steps;
   consecutive_skips_ = 0;
+  tokenizer_files_ = std::move(tokenizer);
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {
     data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), state.steps);

@@ -122,6 +122,24 @@ TEST(Files, AnUncommittedOutputLeavesThePreviousFile) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << "a temporary file was left";
 }
 
+TEST(Files, RewritingGoesBackIntoAReplacedFileOnly) {
+  const std::string dir = scratch_dir("rewrite");
+  const std::string path = dir + "/out.bin";
+  {
+    kmamba::OutputFile out(path, "writer");
+    EXPECT_FALSE(out.in_place());
+    out.write(std::string("count=?; the rest"));
+    out.rewrite(6, "7", 1);
+    expect_user_error([&] { out.rewrite(15, "xyz", 3); }, {"writer", "rewriting bytes [15, 18)", "holds 17 bytes"});
+    out.commit();
+  }
+  EXPECT_EQ(contents(path), "count=7; the rest");
+  kmamba::OutputFile device("/dev/null", "writer");
+  EXPECT_TRUE(device.in_place());
+  device.write(std::string("abc"));
+  expect_user_error([&] { device.rewrite(0, "x", 1); }, {"writer", "'/dev/null' is written in place"});
+}
+
 TEST(Files, AppendFileChecksEveryWrite) {
   const std::string dir = scratch_dir("append");
   const std::string path = dir + "/metrics.jsonl";

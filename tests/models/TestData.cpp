@@ -1,10 +1,13 @@
 #include <kmamba/models/Data.hpp>
+#include <kmamba/models/TokenFile.hpp>
 
 #include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -256,6 +259,56 @@ TEST(TokenDataset, BadFilesGiveClearErrors) {
   EXPECT_THROW(kmamba::TokenDataset::write_token_file(bad, {1, 2, 50}, 50), kmamba::UserError);
   std::remove(good.c_str());
   std::remove(bad.c_str());
+}
+
+TEST(TokenFileWriter, WritesInPiecesTheFileWriteTokenFileWrites) {
+  for (const int vocab : {1000, 70000}) {
+    // More than the writer's 1 MiB buffer, in pieces of odd sizes.
+    std::vector<std::uint32_t> tokens;
+    for (std::uint32_t i = 0; i < 400000; ++i) tokens.push_back((i * 7919u) % static_cast<std::uint32_t>(vocab));
+    const std::string whole = temp_path("whole.kmtok"), pieces = temp_path("pieces.kmtok");
+    std::remove(pieces.c_str());
+    kmamba::TokenDataset::write_token_file(whole, tokens, vocab);
+    kmamba::TokenFileWriter out(pieces, vocab, "test writer");
+    for (std::size_t i = 0; i < tokens.size(); i += 77777) {
+      out.append(
+          std::vector<std::uint32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i),
+                                     tokens.begin() + static_cast<std::ptrdiff_t>(std::min(i + 77777, tokens.size()))));
+    }
+    EXPECT_FALSE(std::filesystem::exists(pieces)) << "the file is in place before commit()";
+    out.commit();
+    EXPECT_EQ(out.count(), tokens.size());
+    EXPECT_EQ(read_bytes(pieces), read_bytes(whole));
+    EXPECT_EQ(kmamba::TokenDataset::from_file(pieces, {64, 0.1, 0}).tokens(), tokens);
+    std::remove(whole.c_str());
+    std::remove(pieces.c_str());
+  }
+}
+
+TEST(TokenFileWriter, BadTokensDevicesAndUncommittedFilesAreHandled) {
+  const std::string path = temp_path("writer.kmtok");
+  std::remove(path.c_str());
+  {
+    kmamba::TokenFileWriter out(path, 50, "test writer");
+    out.append({1, 2, 3});
+    EXPECT_NE(user_error([&] {
+                out.append({4, 50, 5});
+              })
+                  .find("test writer: token 4 is 50, not below the vocabulary "
+                        "size 50"),
+              std::string::npos);
+    EXPECT_EQ(out.count(), 3u) << "a rejected piece is not appended";
+  }
+  EXPECT_FALSE(std::filesystem::exists(path)) << "an uncommitted writer left its file";
+  EXPECT_NE(user_error([&] { kmamba::TokenFileWriter("/dev/null", 50, "test writer"); }).find("a regular file"),
+            std::string::npos);
+  EXPECT_NE(user_error([&] { kmamba::TokenFileWriter(path, 0, "test writer"); }).find("vocabulary size must be >= 1"),
+            std::string::npos);
+  kmamba::TokenFileWriter empty(path, 50, "test writer");
+  empty.commit();
+  EXPECT_EQ(read_bytes(path).size(), 32u);
+  EXPECT_THROW(empty.commit(), kmamba::UserError);
+  std::remove(path.c_str());
 }
 
 }  // namespace

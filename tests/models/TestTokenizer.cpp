@@ -3,6 +3,7 @@
 // The BPE fixture (tests/data/tiny_bpe_tokenizer.json) and its expected encodings
 // (tests/data/tiny_bpe_expected.json) come from scripts/make_bpe_fixture.py, whose encoder is
 // independent of kmamba's (Python `regex` for \p{L}/\p{N}, GPT-2's original bpe()).
+#include "Checks.hpp"
 #include "TestData.hpp"
 #include <kmamba/core/Error.hpp>
 #include <kmamba/models/Tokenizer.hpp>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -23,6 +25,7 @@
 namespace {
 
 using json = nlohmann::json;
+using kmamba::test::expect_user_error;
 using Ids = std::vector<std::int64_t>;
 
 const std::string data_dir = kmamba::test::test_data_dir();
@@ -473,6 +476,71 @@ TEST(LoadTokenizer, PicksTokenizerJsonElseBytes) {
   EXPECT_EQ(tokenizer->vocab_size(), fixture().vocab_size());
   EXPECT_EQ(tokenizer->encode(corpus), fixture().encode(corpus));
   std::remove((dir + "/tokenizer.json").c_str());
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "kmamba_tokenizer_" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+TEST(LoadTokenizer, WarnsOnceWhenAVocabularyAbove256FallsBackToBytes) {
+  const std::string small = fresh_dir("small_model"), large = fresh_dir("large_model"), bad = fresh_dir("bad_model");
+  write_text(small + "/config.json", R"({"vocab_size": 256, "d_model": 8})");
+  write_text(large + "/config.json", R"({"vocab_size": 50280, "d_model": 8})");
+  write_text(bad + "/config.json", "{not json");
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(kmamba::load_tokenizer(small)->vocab_size(), 256);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "") << "a byte-level model needs no warning";
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(kmamba::load_tokenizer(large)->vocab_size(), 256);
+  EXPECT_EQ(kmamba::load_tokenizer(large)->vocab_size(), 256);
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warnings.find("kmamba: warning: the model in '" + large +
+                          "' has a vocabulary of 50280 tokens but no tokenizer.json: its text is encoded as bytes"),
+            std::string::npos)
+      << warnings;
+  EXPECT_EQ(warnings.find("warning"), warnings.rfind("warning")) << "more than one warning: " << warnings;
+  expect_user_error([&] { kmamba::load_tokenizer(bad); }, {"config '" + bad + "/config.json'"});
+}
+
+// ---- TokenizerFiles ----
+
+TEST(TokenizerFiles, TravelFromADirectoryOrAFileIntoAnother) {
+  const std::string from = fresh_dir("files_from"), to = fresh_dir("files_to"), bare = fresh_dir("files_bare");
+  const std::string tokenizer = read_file(fixture_path);
+  write_text(from + "/tokenizer.json", tokenizer);
+  write_text(from + "/special_tokens_map.json", R"({"eos_token": "<|endoftext|>"})");
+  write_text(from + "/tokenizer_config.json", R"({"model_max_length": 2048})");
+  write_text(from + "/config.json", R"({"vocab_size": 660})");
+  const kmamba::TokenizerFiles files = kmamba::TokenizerFiles::from_directory(from);
+  ASSERT_EQ(files.files.size(), 3u);
+  EXPECT_EQ(files.files[0].first, "tokenizer.json");
+  EXPECT_EQ(files.files[0].second, tokenizer);
+  EXPECT_EQ(files.files[1].first, "tokenizer_config.json");
+  EXPECT_EQ(files.files[2].first, "special_tokens_map.json");
+  files.write(to);
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+    EXPECT_EQ(read_file(to + "/" + name), read_file(from + "/" + name)) << name;
+  EXPECT_FALSE(std::filesystem::exists(to + "/config.json")) << "only the tokenizer travels";
+  EXPECT_EQ(kmamba::TokenizerFiles::from_file(to + "/tokenizer.json").files, files.files);
+
+  // A tokenizer.json of another name travels alone, as tokenizer.json; companions alone are none.
+  const kmamba::TokenizerFiles single = kmamba::TokenizerFiles::from_file(fixture_path);
+  ASSERT_EQ(single.files.size(), 1u);
+  EXPECT_EQ(single.files[0].first, "tokenizer.json");
+  EXPECT_EQ(single.files[0].second, tokenizer);
+  write_text(bare + "/tokenizer_config.json", "{}");
+  EXPECT_TRUE(kmamba::TokenizerFiles::from_directory(bare).empty());
+  expect_user_error([&] { kmamba::TokenizerFiles::from_file(bare + "/tokenizer.json"); },
+                    {"kmamba::TokenizerFiles", bare + "/tokenizer.json"});
 }
 
 // ---- StreamingDecoder ----

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
@@ -107,6 +108,46 @@ TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
     EXPECT_LT(relative_difference(p_resumed, p_straight), 1e-4);
   }
   std::filesystem::remove_all(dir);
+}
+
+std::string file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TYPED_TEST(Trainer, CheckpointsCarryTheTokenizerFilesThroughResumes) {
+  using Exec = TypeParam;
+  const kmamba::TrainConfig t = tiny_train_config();
+  const std::string source = fresh_dir(std::string("tokenizer_source_") + Exec::name());
+  std::filesystem::create_directories(source);
+  std::ofstream(source + "/tokenizer.json") << R"({"model": {"type": "BPE"}})";
+  std::ofstream(source + "/tokenizer_config.json") << R"({"model_max_length": 2048})";
+  const kmamba::TokenizerFiles files = kmamba::TokenizerFiles::from_directory(source);
+  ASSERT_EQ(files.files.size(), 2u);
+
+  const std::string dir = fresh_dir(std::string("tokenizer_") + Exec::name());
+  {
+    auto trainer = make_trainer<Exec>(t, tiny_task());
+    trainer.set_tokenizer_files(files);
+    trainer.step();
+    trainer.save_checkpoint(dir);
+  }
+  EXPECT_EQ(file_text(dir + "/tokenizer.json"), file_text(source + "/tokenizer.json"));
+  EXPECT_EQ(file_text(dir + "/tokenizer_config.json"), file_text(source + "/tokenizer_config.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/special_tokens_map.json"));
+  // A resumed trainer without tokenizer files takes the checkpoint's and keeps them in its saves.
+  auto resumed = make_trainer<Exec>(t, tiny_task());
+  resumed.resume(dir);
+  EXPECT_EQ(resumed.tokenizer_files().files, files.files);
+  resumed.step();
+  resumed.save_checkpoint(dir);
+  EXPECT_EQ(file_text(dir + "/tokenizer.json"), file_text(source + "/tokenizer.json"));
+  // A byte-level run has none.
+  const std::string plain_dir = fresh_dir(std::string("no_tokenizer_") + Exec::name());
+  make_trainer<Exec>(t, tiny_task()).save_checkpoint(plain_dir);
+  EXPECT_FALSE(std::filesystem::exists(plain_dir + "/tokenizer.json"));
+  for (const std::string& d : {source, dir, plain_dir}) std::filesystem::remove_all(d);
 }
 
 TYPED_TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {

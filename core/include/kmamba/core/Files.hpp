@@ -48,6 +48,13 @@ class OutputFile {
 
   void write(const void* data, std::size_t size);
   void write(const std::string& text) { write(text.data(), text.size()); }
+  /// Writes `size` bytes over bytes already written, from `offset` on (a header whose content is
+  /// known only at the end). Only a replaced regular file can go back: an output written in place
+  /// (in_place()) is a UserError, and so is a range past the bytes written.
+  void rewrite(std::uint64_t offset, const void* data, std::size_t size);
+  /// Whether the bytes go straight to `path` (a character device or a FIFO) rather than to a
+  /// temporary file that commit() renames.
+  bool in_place() const { return temporary_.empty(); }
   /// Flushes the bytes to disk and puts them in place (the rename, for a regular file).
   void commit();
   /// The file the bytes end up in: `path` with its symbolic links resolved.

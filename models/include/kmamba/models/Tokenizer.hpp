@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kmamba {
@@ -137,8 +138,34 @@ class BpeTokenizer final : public Tokenizer {
 };
 
 /// The tokenizer of the model directory `model_dir`: BpeTokenizer if it holds a tokenizer.json,
-/// otherwise ByteTokenizer (the tokenizer of models trained by kmamba).
+/// otherwise ByteTokenizer (the tokenizer of kmamba's byte-level models). When the byte fallback
+/// meets a model whose config.json gives a vocab_size above 256, that model was trained with
+/// another tokenizer and bytes give it the wrong ids: a warning naming the directory goes to
+/// stderr, once per process. Throws kmamba::UserError naming the file for a tokenizer.json it
+/// cannot read or a config.json that is not JSON.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& model_dir);
+
+/// The tokenizer files of a Hugging Face model directory held in memory, so that they travel with
+/// the model into the checkpoints trained from it (Trainer::set_tokenizer_files): tokenizer.json
+/// and, where present, its companions tokenizer_config.json and special_tokens_map.json.
+struct TokenizerFiles {
+  /// The companions of tokenizer.json that travel with it.
+  static constexpr const char* companions[2] = {"tokenizer_config.json", "special_tokens_map.json"};
+
+  /// (file name, content), tokenizer.json first; empty: no tokenizer.
+  std::vector<std::pair<std::string, std::string>> files;
+
+  /// The tokenizer files of `dir`; none when it holds no tokenizer.json (companions alone are no
+  /// tokenizer). Throws kmamba::UserError naming a file that exists but cannot be read.
+  static TokenizerFiles from_directory(const std::string& dir);
+  /// The tokenizer.json at `path` (whatever its name), with the companions beside it when it is
+  /// named tokenizer.json. Throws kmamba::UserError naming the file when it cannot be read.
+  static TokenizerFiles from_file(const std::string& path);
+
+  bool empty() const { return files.empty(); }
+  /// Writes the files into the existing directory `dir`; kmamba::UserError naming a file on failure.
+  void write(const std::string& dir) const;
+};
 
 /// Incremental detokenizer for streaming output. push() takes ids one at a time and returns only
 /// whole, valid UTF-8 characters; the bytes of a character that continues in a later token are

@@ -33,10 +33,12 @@
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
+#include <kmamba/models/Tokenizer.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kmamba {
@@ -119,19 +121,24 @@ class Trainer {
   /// Mean loss and accuracy over `batches` (weighted by their predicted tokens).
   LossResult evaluate(const std::vector<TokenBatch>& batches);
 
-  /// Writes the model (LanguageModel::save) and `dir`/training_state.safetensors into a staging
-  /// directory and replaces `dir` with it as a whole (StagedDirectory): a save killed at any moment
-  /// leaves the previous checkpoint or the new one, never a mix; files in `dir` that are not part
-  /// of the checkpoint are not kept. Creates the parents of `dir` if needed. Data parallel:
-  /// collective; the moments are gathered and world rank 0 writes, and every rank returns once the
-  /// files exist.
+  /// Writes the model (LanguageModel::save), `dir`/training_state.safetensors and the tokenizer
+  /// files (set_tokenizer_files) into a staging directory and replaces `dir` with it as a whole (StagedDirectory): a
+  /// save killed at any moment leaves the previous checkpoint or the new one, never a mix; files in `dir` that are not
+  /// part of the checkpoint are not kept. Creates the parents of `dir` if needed. Data parallel: collective; the
+  /// moments are gathered and world rank 0 writes, and every rank returns once the files exist.
   void save_checkpoint(const std::string& dir) const;
   /// Restores the parameters, AdamW moments, step count and data position saved in `dir`. The
   /// checkpoint's model configuration must equal this model's; a missing, extra, mis-shaped or
   /// corrupt tensor, a model.safetensors from another save, or other data is a UserError naming it,
   /// and leaves this trainer unchanged. Keeps config() (so a run can be extended); a changed
-  /// batch_size rescales the data position when it divides the sequences consumed.
+  /// batch_size rescales the data position when it divides the sequences consumed. A trainer
+  /// without tokenizer files takes the checkpoint's, so that they stay in the checkpoints after it.
   void resume(const std::string& dir);
+  /// The tokenizer files written into every checkpoint beside the model: those of the directory
+  /// the model was loaded from (TokenizerFiles::from_directory), or of the tokenizer the data was
+  /// made with. None by default (a byte-level model needs none).
+  void set_tokenizer_files(TokenizerFiles files) { tokenizer_files_ = std::move(files); }
+  const TokenizerFiles& tokenizer_files() const { return tokenizer_files_; }
 
 #if KMAMBA_ENABLE_MPI
   /// Trains data parallel over the dp axis of `mesh` (which must outlive this trainer) from now on,
@@ -182,6 +189,7 @@ class Trainer {
   std::int64_t data_position_ = 0;
   std::int64_t skipped_steps_ = 0;
   std::int64_t consecutive_skips_ = 0;
+  TokenizerFiles tokenizer_files_;
 #if KMAMBA_ENABLE_MPI
   std::unique_ptr<DataParallel<ExecutionSpace>> data_parallel_;
 #endif
