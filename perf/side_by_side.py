@@ -31,9 +31,27 @@ SHAPES = [(8, 4096), (1, 32768)]  # (batch, seqlen); 32 heads, headdim 64, d_sta
 NHEADS, HEADDIM, DSTATE, NGROUPS, OFFICIAL_CHUNK = 32, 64, 128, 1, 256
 
 
-def official_ssd(batch, seqlen):
+def time_forward_backward(forward, inputs, dout):
+    """do_bench medians (µs) of forward() without gradients and of forward().backward(dout) with
+    gradients of `inputs`."""
     import torch
     from triton.testing import do_bench
+
+    with torch.no_grad():
+        fwd_ms = do_bench(forward, warmup=25, rep=100)
+    leaves = [t.requires_grad_() for t in inputs]
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        forward().backward(dout)
+
+    both_ms = do_bench(forward_backward, warmup=25, rep=100)
+    return {"fwd": fwd_ms * 1e3, "fwd+bwd": both_ms * 1e3}
+
+
+def official_ssd(batch, seqlen):
+    import torch
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     torch.manual_seed(0)
@@ -52,17 +70,7 @@ def official_ssd(batch, seqlen):
     def forward():
         return mamba_chunk_scan_combined(x, dt, A, B, C, OFFICIAL_CHUNK, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
 
-    with torch.no_grad():
-        fwd_ms = do_bench(forward, warmup=25, rep=100)
-    leaves = [t.requires_grad_() for t in (x, z, B, C, dt)]
-
-    def forward_backward():
-        for t in leaves:
-            t.grad = None
-        forward().backward(dout)
-
-    both_ms = do_bench(forward_backward, warmup=25, rep=100)
-    return {"fwd": fwd_ms * 1e3, "fwd+bwd": both_ms * 1e3}
+    return time_forward_backward(forward, (x, z, B, C, dt), dout)
 
 
 # kmamba-perf's Mamba-3 SISO case: 32 heads, headdim 64, d_state 128, 16 angles, 1 group, chunk 64.
@@ -73,7 +81,6 @@ def official_mamba3_siso():
     """The official mamba3_siso_combined (Triton) at kmamba-perf's shape, with D and z: bf16 q, k, v,
     z (as the module passes them), fp32 adt, dt, trap, biases, angles and D."""
     import torch
-    from triton.testing import do_bench
     from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
 
     torch.manual_seed(0)
@@ -95,17 +102,7 @@ def official_mamba3_siso():
     def forward():
         return mamba3_siso_combined(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=D, Z=z, chunk_size=M3_CHUNK)
 
-    with torch.no_grad():
-        fwd_ms = do_bench(forward, warmup=25, rep=100)
-    leaves = [t.requires_grad_() for t in (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, D)]
-
-    def forward_backward():
-        for t in leaves:
-            t.grad = None
-        forward().backward(dout)
-
-    both_ms = do_bench(forward_backward, warmup=25, rep=100)
-    return {"fwd": fwd_ms * 1e3, "fwd+bwd": both_ms * 1e3}
+    return time_forward_backward(forward, (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, D), dout)
 
 
 TRAIN_BATCH, TRAIN_SEQLEN, TRAIN_STEPS = 8, 2048, 10
