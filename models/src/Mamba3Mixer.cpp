@@ -69,11 +69,12 @@ Tensor2<T, Mem> without_rank(const Tensor3<T, Mem>& v) {
 }
 
 // The SISO scan's arguments and gradients are the MIMO ones of rank 1 without the rank axis and
-// the rank projections; the initial states are set by the caller.
+// the rank projections; the initial states and the kept ungated output are set by the caller.
 template <class Mem>
 Mamba3SisoArgs<Mem> siso_args(const Mamba3MimoArgs<Mem>& m) {
-  return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap,       without_rank(m.q_bias),
-          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   m.chunk_size, m.matmul_precision};
+  return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap, without_rank(m.q_bias),
+          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   {},     m.chunk_size,
+          m.matmul_precision};
 }
 template <class Mem>
 Mamba3SisoGrads<Mem> siso_grads(const Mamba3MimoGrads<Mem>& g) {
@@ -298,6 +299,10 @@ typename Mamba3Mixer<ExecutionSpace>::Activations Mamba3Mixer<ExecutionSpace>::m
   a.trap = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba3::trap", batch, nheads_, seqlen);
   a.angles = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba3::angles", batch, seqlen, nheads_, nangles_);
   a.y = allocate_uninitialized<Matrix>("kmamba::mamba3::scan_out", rows, d_inner_);
+  // Kept for the backward, which then need not run the scan's forward again for the gate's gradient.
+  if (training && !config_.is_mimo && !config_.is_outproj_norm) {
+    a.ungated = allocate_uninitialized<Matrix>("kmamba::mamba3::scan_out_ungated", rows, d_inner_);
+  }
   if (config_.is_outproj_norm) {
     a.rstd = allocate_uninitialized<Matrix>("kmamba::mamba3::norm_rstd", rows, nheads_);
     a.normed = allocate_uninitialized<Matrix>("kmamba::mamba3::norm_out", rows, d_inner_);
@@ -437,6 +442,8 @@ void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const
   } else {
     Mamba3SisoArgs<Mem> siso = siso_args(args);
     siso.initial = siso_states(initial);
+    if (a.ungated.is_allocated())
+      siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
     mamba3_siso_forward(exec, siso, y, siso_states(final_states));
   }
   if (split_sequence && next != no_peer) send_states(exec, *sequence, final_states, next);
@@ -616,6 +623,7 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
     accumulate(exec, as_flat(g.dmimo_o), grad("mimo_o"));
   } else {
     Mamba3SisoArgs<Mem> siso = siso_args(args);
+    if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
     Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
     if (split_sequence) {
       siso.initial = siso_states(Mamba3MimoStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial});

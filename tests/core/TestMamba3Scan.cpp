@@ -242,8 +242,12 @@ struct DeviceProblem {
 
 // Runs the forward (and, with `backward`, the backward) of the problem's variant and returns every
 // result in the reference's layouts. Every output is poisoned before the run.
+// A SISO run given `ungated` (allocated) keeps the output before the gate there
+// (Mamba3SisoArgs::ungated_out) for its backward.
 template <class Exec>
-std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::memory_space>& p, bool backward) {
+std::pair<RefOutputs, RefGrads> run_kernels(
+    const DeviceProblem<typename Exec::memory_space>& p, bool backward,
+    const kmamba::Tensor4<float, typename Exec::memory_space>& ungated = {}) {  // (batch, seqlen, nheads, headdim)
   using Mem = typename Exec::memory_space;
   using DP = DeviceProblem<Mem>;
   const Config& c = p.cfg;
@@ -303,7 +307,9 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
   kmamba::Mamba3SisoStates<Mem> fin{
       poisoned<typename DP::T3>("final_angle", B, H, S), poisoned<typename DP::T4>("final_ssm", B, H, Pd, N),
       poisoned<typename DP::T3>("final_k", B, H, N), poisoned<typename DP::T3>("final_v", B, H, Pd)};
-  kmamba::mamba3_siso_forward(exec, p.siso_args(), out, fin);
+  kmamba::Mamba3SisoArgs<Mem> args = p.siso_args();
+  args.ungated_out = ungated;
+  kmamba::mamba3_siso_forward(exec, args, out, fin);
   exec.fence();
   o = {host_doubles(out), host_doubles(fin.angle), host_doubles(fin.ssm), host_doubles(fin.k), host_doubles(fin.v)};
   if (!backward) return {o, g};
@@ -321,7 +327,7 @@ std::pair<RefOutputs, RefGrads> run_kernels(const DeviceProblem<typename Exec::m
   if (c.z) d.dz = poisoned<typename DP::T4>("dz", B, L, H, Pd);
   d.dinitial = {poisoned<typename DP::T3>("dangle0", B, H, S), poisoned<typename DP::T4>("dssm0", B, H, Pd, N),
                 poisoned<typename DP::T3>("dk0", B, H, N), poisoned<typename DP::T3>("dv0", B, H, Pd)};
-  kmamba::mamba3_siso_backward(exec, p.siso_args(), p.dout, p.siso_dfinal, d);
+  kmamba::mamba3_siso_backward(exec, args, p.dout, p.siso_dfinal, d);
   exec.fence();
   g.dq = host_doubles(d.dq);
   g.dk = host_doubles(d.dk);
@@ -609,6 +615,35 @@ TYPED_TEST(Mamba3Scan, Bf16SisoMatchesReference) {
   print_worst("SISO kernels (bf16 chunk products) vs reference");
 }
 
+// With a gate, the output before it kept by the forward (Mamba3SisoArgs::ungated_out) holds y with
+// out = y·silu(z), and the backward reading it in place of recomputing the scan gives the
+// recomputing backward's gradients: only dz reads y, and the kept and the recomputed y are the
+// same fp32 sum up to the contraction of its last addition (one rounding). Fp32 and bf16 products.
+TYPED_TEST(Mamba3Scan, KeptUngatedOutputReplacesTheRecompute) {
+  using Mem = typename TypeParam::memory_space;
+  std::vector<Config> list;
+  for (const Config& c : siso_sweep()) {
+    if (c.z) list.push_back(c);
+  }
+  list.push_back(bf16_siso_sweep().front());
+  ASSERT_GE(list.size(), 3u);
+  for (const Config& cfg : list) {
+    ASSERT_TRUE(cfg.z);
+    const RefProblem P = make_reference_problem(cfg);
+    const DeviceProblem<Mem> p(P);
+    const std::string ctx = cfg.describe();
+    const auto recomputed = run_kernels<TypeParam>(p, true);
+    auto ungated = poisoned<kmamba::Tensor4<float, Mem>>("ungated_out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+    const auto kept = run_kernels<TypeParam>(p, true, ungated);
+    expect_near_rel("out", kept.first.out, recomputed.first.out, 0.0, ctx);
+    compare_grads(kept.second, recomputed.second, 1e-6, ctx);
+    const std::vector<double> y = host_doubles(ungated), z = host_doubles(p.z);
+    std::vector<double> gated(y.size());
+    for (std::size_t i = 0; i < y.size(); ++i) gated[i] = y[i] * z[i] / (1.0 + std::exp(-z[i]));
+    expect_near_rel("ungated_out·silu(z)", gated, kept.first.out, 1e-6, ctx);
+  }
+}
+
 TYPED_TEST(Mamba3Scan, TensorFloat32MimoMatchesReference) {
   worst() = Worst();
   for (const Config& cfg : in_tensor_float32(mimo_sweep())) check_against_reference<TypeParam>(cfg);
@@ -884,6 +919,16 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   const kmamba::Mamba3SisoStates<Mem> no_states;
 
   kmamba::Mamba3SisoArgs<Mem> a = siso.siso_args();
+  a.ungated_out = allocate<T4>("kmamba::test::ungated_out", 2, 10, 4, 2);
+  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+                    {"kmamba::mamba3_siso_forward", "ungated_out", "(2, 10, 4, 2)", "(2, 10, 4, 3)",
+                     "(batch, seqlen, nheads, headdim)"});
+  a = siso.siso_args();
+  a.z = T4();
+  a.ungated_out = out;
+  expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
+                    {"kmamba::mamba3_siso_forward", "ungated_out", "without z"});
+  a = siso.siso_args();
   a.q = allocate<T4>("kmamba::test::q", 2, 9, 2, 8);
   expect_user_error(
       [&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },

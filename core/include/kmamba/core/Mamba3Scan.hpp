@@ -123,6 +123,11 @@ struct Mamba3SisoArgs {
   ConstTensor1<float, MemorySpace> D;          // (nheads), optional skip connection
   ConstTensor4<float, MemorySpace> z;          // (batch, seqlen, nheads, headdim), optional gate
   Mamba3SisoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
+  /// (batch, seqlen, nheads, headdim), optional, with z only: the output before the gate. When it
+  /// is allocated, mamba3_siso_forward writes it and mamba3_siso_backward reads it in place of
+  /// recomputing the scan for the gate's gradient, so between the two calls it must hold what the
+  /// forward of the same inputs wrote (the reference kernel keeps this tensor the same way).
+  Tensor4<float, MemorySpace> ungated_out;
   /// Tokens per chunk (the reference's default 64). A value whose team scratch memory the backend
   /// cannot provide is a UserError.
   int chunk_size = 64;
@@ -344,6 +349,11 @@ Mamba3Dims mamba3_check_siso_args(const char* function, const Mamba3SisoArgs<Mem
   mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z,
                       args.chunk_size);
   mamba3_check_siso_states(function, "initial", args.initial, dims);
+  if (args.ungated_out.is_allocated()) {
+    KMAMBA_REQUIRE(args.z.is_allocated(),
+                   function << ": ungated_out is given without z (without a gate the output is ungated)");
+    check_shape(function, "ungated_out", args.ungated_out, shape_of(args.v), "(batch, seqlen, nheads, headdim)");
+  }
   return dims;
 }
 
@@ -473,6 +483,7 @@ Mamba3Operands<MemorySpace> mamba3_operands(const Mamba3SisoArgs<MemorySpace>& a
   in.angles = args.angles;
   in.D = args.D;
   in.z = args.z;
+  in.ungated = args.ungated_out;
   in.initial = mamba3_state_views(args.initial);
   in.mimo = false;
   in.wrap_angle = true;
@@ -538,7 +549,8 @@ void mamba3_siso_forward(const Mamba3SisoArgs<MemorySpace>& args,
 
 /// Mamba-3 SISO backward: the gradients of sum(out·dout) + Σ sum(final state·its cotangent) with
 /// respect to every input (see Mamba3SisoGrads for which are written). Each view of
-/// `dfinal_states` is optional (absent = zero). The forward stages are recomputed. Every sum over
+/// `dfinal_states` is optional (absent = zero). The forward stages are recomputed (with z, the output
+/// before the gate too, unless args.ungated_out holds it). Every sum over
 /// batch, seqlen or the heads of a group is taken in a fixed order: no atomics, identical results
 /// from run to run. Non-blocking on `exec` (see the file comment).
 template <class ExecutionSpace, class MemorySpace>

@@ -171,8 +171,9 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Tensor3<float, memory_space> dt, adt, trap;  // (batch, nheads, seqlen)
     Tensor4<float, memory_space> angles;         // (batch, seqlen, nheads, nangles)
     Matrix y;                                    // (rows, d_inner), the scan output
-    Matrix rstd;                                 // (rows, nheads), the output norm's rstd (is_outproj_norm)
-    Matrix normed;                               // (rows, d_inner), the output norm's output (is_outproj_norm)
+    Matrix ungated;  // (rows, d_inner), SISO with the gate in the scan, training: the scan output before the gate
+    Matrix rstd;     // (rows, nheads), the output norm's rstd (is_outproj_norm)
+    Matrix normed;   // (rows, d_inner), the output norm's output (is_outproj_norm)
     // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank).
     Tensor3<float, memory_space> angle_initial;  // (batch, nheads, nangles)
     Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)

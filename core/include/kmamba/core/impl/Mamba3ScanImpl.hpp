@@ -121,6 +121,9 @@ struct Mamba3Operands {
   ConstTensor3<float, MemorySpace> mimo_v, mimo_z, mimo_o;  // MIMO: (nheads, rank, headdim)
   ConstTensor1<float, MemorySpace> D;                       // (nheads)
   ConstTensor4<float, MemorySpace> z;                       // (batch, seqlen, nheads, headdim)
+  /// SISO with z, optional (batch, seqlen, nheads, headdim): the output before the gate, written by
+  /// the forward and read by the backward (Mamba3SisoArgs::ungated_out)
+  Tensor4<float, MemorySpace> ungated;
   Mamba3StateViews<const float, MemorySpace> initial;
   /// SISO keeps its angles reduced into [0, 2π); MIMO reports the plain sum.
   bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
@@ -577,10 +580,30 @@ KOKKOS_INLINE_FUNCTION bool mamba3_row(const Member& team, const Mamba3Plan& pla
   return true;
 }
 
-/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token. A row
-/// kernel over (batch, row = t·R + r, head), its lanes over slots: the first nangles slots are the
-/// rotated pairs of states (2j, 2j + 1), one angle's cosine and sine for both, the remaining slots
-/// the states from 2·nangles on, one each.
+/// The per-token values of the SISO scan as the SSD and its own-token correction read them
+/// (impl/Mamba3SisoSsd.hpp); unallocated for MIMO.
+template <class MemorySpace>
+struct Mamba3SisoTokens {
+  Tensor3<float, MemorySpace> scale;      // (batch, seqlen, nheads): scale_t, the SSD's δ
+  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen, nheads): adt_t
+  Tensor3<float, MemorySpace> qk;         // (batch, seqlen, nheads): q_t·k_t
+  Tensor3<float, MemorySpace> diag;       // (batch, seqlen, nheads): c_t = D + (γ_t − scale_t)·q_t·k_t
+
+  Mamba3SisoTokens() = default;
+  explicit Mamba3SisoTokens(const Mamba3Plan& plan) {
+    using T3 = Tensor3<float, MemorySpace>;
+    scale = allocate_uninitialized<T3>("kmamba::mamba3::siso_scale", plan.batch, plan.seqlen, plan.nheads);
+    log_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_log_decay", plan.batch, plan.seqlen, plan.nheads);
+    qk = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk", plan.batch, plan.seqlen, plan.nheads);
+    diag = allocate_uninitialized<T3>("kmamba::mamba3::siso_diagonal", plan.batch, plan.seqlen, plan.nheads);
+  }
+};
+
+/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token; with
+/// `tok` allocated (SISO), the token's values in the SSD's layout, q_t·k_t from the rotated rows (a
+/// rotation keeps dot products). A row kernel over (batch, row = t·R + r, head), its lanes over
+/// slots: the first nangles slots are the rotated pairs of states (2j, 2j + 1), one angle's cosine
+/// and sine for both, the remaining slots the states from 2·nangles on, one each.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3RotateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -588,11 +611,32 @@ struct Mamba3RotateFunctor {
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
+  Mamba3SisoTokens<MemorySpace> tok;
 
-  KOKKOS_INLINE_FUNCTION void store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
+  /// Stores the rotated q, k of state n; returns their product.
+  KOKKOS_INLINE_FUNCTION float store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
     ws.q(b, row, h, n) = qv;
     ws.k(b, row, h, n) = kv;
     if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
+    return qv * kv;
+  }
+
+  KOKKOS_INLINE_FUNCTION float rotate_slot(int b, int h, int row, int t, int r, int g, int slot) const {
+    if (slot >= plan.nangles) {
+      const int n = slot + plan.nangles;
+      return store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
+                   in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
+    }
+    const int n0 = 2 * slot, n1 = n0 + 1;
+    const float theta = ws.theta(b, h, t, slot);
+    const float c = kmamba::math::cos(theta);
+    const float s = kmamba::math::sin(theta);
+    const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
+    const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
+    const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
+    const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
+    return store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s) +
+           store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
@@ -601,23 +645,17 @@ struct Mamba3RotateFunctor {
     const int b = it.b, row = it.row, h = it.h;
     const int t = row / plan.rank, r = row % plan.rank;
     const int g = h / plan.heads_per_group;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate - plan.nangles), [&](const int slot) {
-      if (slot < plan.nangles) {
-        const int n0 = 2 * slot, n1 = n0 + 1;
-        const float theta = ws.theta(b, h, t, slot);
-        const float c = kmamba::math::cos(theta);
-        const float s = kmamba::math::sin(theta);
-        const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
-        const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
-        const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
-        const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
-        store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
-        store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
-      } else {
-        const int n = slot + plan.nangles;
-        store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
-              in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
-      }
+    float qk = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, plan.dstate - plan.nangles),
+        [&](const int slot, float& acc) { acc += rotate_slot(b, h, row, t, r, g, slot); }, qk);
+    if (!tok.qk.is_allocated()) return;
+    Kokkos::single(Kokkos::PerThread(team), [&]() {
+      const float scale = ws.scale(b, h, t);
+      tok.scale(b, t, h) = scale;
+      tok.log_decay(b, t, h) = in.adt(b, h, t);
+      tok.qk(b, t, h) = qk;
+      tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
     });
   }
 };
@@ -1146,9 +1184,28 @@ struct Mamba3ChunkBackwardFunctor {
   }
 };
 
+/// The chain rule through the SISO scan's own-token correction c_t (impl/Mamba3SisoSsd.hpp), as the
+/// token and value backward apply it: with dc_t = g_t·v_t, ∂/∂v_t += c_t·g_t, the rotated ∂/∂q_t
+/// += dc_t·(γ_t − scale_t)·k_t and ∂/∂k_t likewise with q_t, ∂/∂scale_t = the SSD's ∂/∂δ_t −
+/// dc_t·(q_t·k_t), the diagonal ∂/∂γ_t = dc_t·(q_t·k_t). Inactive (MIMO) unless `tok` is allocated.
+template <class MemorySpace>
+struct Mamba3SisoDiagonal {
+  Mamba3SisoTokens<MemorySpace> tok;
+  ConstTensor3<float, MemorySpace> dc;          // (batch, seqlen, nheads): g_t·v_t
+  ConstTensor3<float, MemorySpace> dscale;      // (batch, seqlen, nheads): the SSD's ∂/∂δ
+  ConstTensor3<float, MemorySpace> dlog_decay;  // (batch, seqlen, nheads): the SSD's ∂/∂ log decay
+  Tensor3<float, MemorySpace> dadt;             // (batch, nheads, seqlen)
+
+  KOKKOS_INLINE_FUNCTION bool active() const { return tok.qk.is_allocated(); }
+  /// dc_t·(γ_t − scale_t), the factor of the rotated q·k (0 when inactive).
+  KOKKOS_INLINE_FUNCTION float dqk(int b, int t, int h, float gamma) const {
+    return active() ? dc(b, t, h) * (gamma - tok.scale(b, t, h)) : 0.0f;
+  }
+};
+
 /// Backward B6a (a row kernel over (batch, token, head), lanes over the angles): adds the final k
-/// cotangent at the last token and turns the rotated gradients of q and k back (into ∂/∂ the
-/// biased q, k, in place), pair by pair over every rank, writing ∂/∂θ_t.
+/// cotangent at the last token (and SISO's own-token correction) and turns the rotated gradients of
+/// q and k back (into ∂/∂ the biased q, k, in place), pair by pair over every rank, writing ∂/∂θ_t.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3TokenBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -1156,15 +1213,21 @@ struct Mamba3TokenBackwardFunctor {
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
+  Mamba3SisoDiagonal<MemorySpace> siso;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     Mamba3Row it;
     if (!mamba3_row(team, plan, plan.seqlen, it)) return;
     const int b = it.b, t = it.row, h = it.h;
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_k;
-    if (add_final) {
+    const float dqk = siso.dqk(b, t, h, ws.gamma(b, h, t));
+    if (add_final || siso.active()) {
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, 2 * plan.nangles, plan.dstate), [&](const int n) {
-        for (int r = 0; r < plan.rank; ++r) bw.dk(b, t * plan.rank + r, h, n) += dfinal.k(b, h, r, n);
+        for (int r = 0; r < plan.rank; ++r) {
+          const int row = t * plan.rank + r;
+          bw.dq(b, row, h, n) += dqk * ws.k(b, row, h, n);
+          bw.dk(b, row, h, n) += dqk * ws.q(b, row, h, n) + (add_final ? dfinal.k(b, h, r, n) : 0.0f);
+        }
       });
     }
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.nangles), [&](const int i) {
@@ -1175,14 +1238,15 @@ struct Mamba3TokenBackwardFunctor {
       float dtheta = 0.0f;
       for (int r = 0; r < plan.rank; ++r) {
         const int row = t * plan.rank + r;
-        const float dq0 = bw.dq(b, row, h, n0), dq1 = bw.dq(b, row, h, n1);
-        float dk0 = bw.dk(b, row, h, n0), dk1 = bw.dk(b, row, h, n1);
+        const float q0 = ws.q(b, row, h, n0), q1 = ws.q(b, row, h, n1);
+        const float k0 = ws.k(b, row, h, n0), k1 = ws.k(b, row, h, n1);
+        const float dq0 = bw.dq(b, row, h, n0) + dqk * k0, dq1 = bw.dq(b, row, h, n1) + dqk * k1;
+        float dk0 = bw.dk(b, row, h, n0) + dqk * q0, dk1 = bw.dk(b, row, h, n1) + dqk * q1;
         if (add_final) {
           dk0 += dfinal.k(b, h, r, n0);
           dk1 += dfinal.k(b, h, r, n1);
         }
-        dtheta += dq1 * ws.q(b, row, h, n0) - dq0 * ws.q(b, row, h, n1);
-        dtheta += dk1 * ws.k(b, row, h, n0) - dk0 * ws.k(b, row, h, n1);
+        dtheta += dq1 * q0 - dq0 * q1 + dk1 * k0 - dk0 * k1;
         bw.dq(b, row, h, n0) = dq0 * c + dq1 * s;
         bw.dq(b, row, h, n1) = dq1 * c - dq0 * s;
         bw.dk(b, row, h, n0) = dk0 * c + dk1 * s;
@@ -1190,11 +1254,19 @@ struct Mamba3TokenBackwardFunctor {
       }
       bw.dtheta(b, h, t, i) = dtheta;
     });
+    if (!siso.active()) return;
+    Kokkos::single(Kokkos::PerThread(team), [&]() {
+      const float diagonal = siso.dc(b, t, h) * siso.tok.qk(b, t, h);
+      bw.off(b, h, t) = siso.dscale(b, t, h) - diagonal;
+      bw.diag(b, h, t) = diagonal;
+      siso.dadt(b, h, t) = siso.dlog_decay(b, t, h);
+    });
   }
 };
 
 /// Backward B6b (a row kernel over (batch, token, head), lanes over the channels): adds the final v
-/// cotangent at the last token (in place, for the projection sums) and writes dv = Σ_r ∂/∂v_t,r·mimo_v_r.
+/// cotangent at the last token (in place, for the projection sums) and SISO's c_t·g_t, and writes
+/// dv = Σ_r ∂/∂v_t,r·mimo_v_r.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3ValueBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -1203,17 +1275,20 @@ struct Mamba3ValueBackwardFunctor {
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Tensor4<float, MemorySpace> dv;  // (batch, seqlen, nheads, headdim)
+  Mamba3SisoDiagonal<MemorySpace> siso;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     Mamba3Row it;
     if (!mamba3_row(team, plan, plan.seqlen, it)) return;
     const int b = it.b, t = it.row, h = it.h;
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_v;
+    const float c = siso.active() ? siso.tok.diag(b, t, h) : 0.0f;
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
       float sum = 0.0f;
       for (int r = 0; r < plan.rank; ++r) {
         const int row = t * plan.rank + r;
         float d = bw.dv(b, row, h, p);
+        if (siso.active()) d += c * bw.g(b, row, h, p);
         if (add_final) {
           d += dfinal.v(b, h, r, p);
           bw.dv(b, row, h, p) = d;
@@ -1552,11 +1627,13 @@ void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const floa
   }
 }
 
-/// Stages 1–2: angles, cumsums and scales; rotated rows (and the final k, v and angle).
+/// Stages 1–2: angles, cumsums and scales; rotated rows (and the final k, v and angle); with `tok`
+/// allocated (SISO), the per-token values of the SSD.
 template <class ExecSpace, class MemorySpace>
 void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                          const Mamba3Workspace<MemorySpace>& ws,
-                         const Mamba3StateViews<float, MemorySpace>& final_states) {
+                         const Mamba3StateViews<float, MemorySpace>& final_states,
+                         const Mamba3SisoTokens<MemorySpace>& tok = Mamba3SisoTokens<MemorySpace>()) {
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.seqlen * plan.rank;
   mamba3_for(exec, "kmamba::mamba3::chunk_tokens", head_chunks * (plan.nangles + 1),
@@ -1566,7 +1643,7 @@ void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Ma
   mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
   mamba3_row_launch(exec, "kmamba::mamba3::rotate", rows,
-                    Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states});
+                    Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, tok});
   const bool last_only = !ws.v.is_allocated();
   if (!last_only || final_states.has_v) {
     const std::int64_t items = last_only
@@ -1622,23 +1699,25 @@ void mamba3_backward_empty(const ExecSpace& exec, const Mamba3Operands<MemorySpa
 }
 
 /// The backward stages after the chunks' (ws and bw hold the rows, ∂/∂Ĥ_{−1} in bw.dH0, the rows'
-/// gradients, ∂/∂scale, the diagonal ∂/∂γ and the chunks' shares of dD): the initial k and v, the
-/// rotations and angles, dt and trap, and the sums over groups, tokens and chunks.
+/// gradients and the chunks' shares of dD; ∂/∂scale and the diagonal ∂/∂γ, or for SISO `siso`, from
+/// which the token backward forms them and ∂/∂adt): the initial k and v, the rotations and angles,
+/// dt and trap, and the sums over groups, tokens and chunks.
 template <class ExecSpace, class MemorySpace>
 void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                           const Mamba3Workspace<MemorySpace>& ws, const Mamba3BackwardWorkspace<MemorySpace>& bw,
                           const ConstTensor4<float, MemorySpace>& dout,
                           const Mamba3StateViews<const float, MemorySpace>& dfinal,
-                          const Mamba3GradViews<MemorySpace>& grads) {
+                          const Mamba3GradViews<MemorySpace>& grads,
+                          const Mamba3SisoDiagonal<MemorySpace>& siso = Mamba3SisoDiagonal<MemorySpace>()) {
   const int head_league = plan.batch * plan.nheads;
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
   mamba3_row_launch(exec, "kmamba::mamba3::token_backward", tokens,
-                    Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal});
+                    Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, siso});
   mamba3_row_launch(exec, "kmamba::mamba3::value_backward", tokens,
-                    Mamba3ValueBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dv});
+                    Mamba3ValueBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dv, siso});
   mamba3_for(exec, "kmamba::mamba3::dtheta_chunk_sum", head_chunks * plan.nangles,
              Mamba3DthetaChunkSumFunctor<MemorySpace>{ws, bw, plan});
   mamba3_for(exec, "kmamba::mamba3::dtheta_passing", static_cast<std::int64_t>(head_league) * plan.nangles,

@@ -34,50 +34,6 @@
 namespace kmamba {
 namespace impl {
 
-/// The per-token values of the SISO scan as the SSD and the diagonal correction read them.
-template <class MemorySpace>
-struct Mamba3SisoTokens {
-  Tensor3<float, MemorySpace> scale;      // (batch, seqlen, nheads): scale_t, the SSD's δ
-  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen, nheads): adt_t
-  Tensor3<float, MemorySpace> qk;         // (batch, seqlen, nheads): q_t·k_t
-  Tensor3<float, MemorySpace> diag;       // (batch, seqlen, nheads): c_t
-
-  explicit Mamba3SisoTokens(const Mamba3Plan& plan) {
-    using T3 = Tensor3<float, MemorySpace>;
-    scale = allocate_uninitialized<T3>("kmamba::mamba3::siso_scale", plan.batch, plan.seqlen, plan.nheads);
-    log_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_log_decay", plan.batch, plan.seqlen, plan.nheads);
-    qk = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk", plan.batch, plan.seqlen, plan.nheads);
-    diag = allocate_uninitialized<T3>("kmamba::mamba3::siso_diagonal", plan.batch, plan.seqlen, plan.nheads);
-  }
-};
-
-/// The SSD's per-token inputs and c_t, a row per (batch, token, head).
-template <class ExecSpace, class MemorySpace>
-struct Mamba3SisoTokensFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  Mamba3Operands<MemorySpace> in;
-  Mamba3Workspace<MemorySpace> ws;
-  Mamba3Plan plan;
-  Mamba3SisoTokens<MemorySpace> tok;
-
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    Mamba3Row it;
-    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
-    const int b = it.b, t = it.row, h = it.h;
-    float qk = 0.0f;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, plan.dstate),
-        [&](const int n, float& acc) { acc += ws.q(b, t, h, n) * ws.k(b, t, h, n); }, qk);
-    Kokkos::single(Kokkos::PerThread(team), [&]() {
-      const float scale = ws.scale(b, h, t);
-      tok.scale(b, t, h) = scale;
-      tok.log_decay(b, t, h) = in.adt(b, h, t);
-      tok.qk(b, t, h) = qk;
-      tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
-    });
-  }
-};
-
 /// Ĥ_{−1}, one item per (batch, head, p, n).
 template <class MemorySpace>
 struct Mamba3SisoEnteringStateFunctor {
@@ -91,7 +47,8 @@ struct Mamba3SisoEnteringStateFunctor {
   }
 };
 
-/// out = (ssd + c·v)·silu(z) in place (no gate without z), a row per (batch, token, head).
+/// out = y·silu(z) with y = ssd + c·v, in place (no gate without z; y also to in.ungated when
+/// allocated), a row per (batch, token, head).
 template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoOutputFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -107,13 +64,14 @@ struct Mamba3SisoOutputFunctor {
     const float c = tok.diag(b, t, h);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim), [&](const int p) {
       const float y = out(b, t, h, p) + c * in.v(b, t, h, p);
+      if (in.ungated.is_allocated()) in.ungated(b, t, h, p) = y;
       out(b, t, h, p) = in.has_z ? y * silu(in.z(b, t, h, p)) : y;
     });
   }
 };
 
-/// g = ∂/∂y, dz and dc_t = g_t·v_t, a row per (batch, token, head); `ssd` is the SSD's output
-/// (read with z only).
+/// g = ∂/∂y, dz and dc_t = g_t·v_t, a row per (batch, token, head). With z, y is read from
+/// in.ungated when allocated, else formed as ssd + c·v from the SSD's output `ssd`.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3SisoGateBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -140,47 +98,14 @@ struct Mamba3SisoGateBackwardFunctor {
           if (in.has_z) {
             const float zv = in.z(b, t, h, p);
             gp = d * silu(zv);
-            dz(b, t, h, p) = d * (ssd(b, t, h, p) + c * v) * silu_derivative(zv);
+            const float y = in.ungated.is_allocated() ? in.ungated(b, t, h, p) : ssd(b, t, h, p) + c * v;
+            dz(b, t, h, p) = d * y * silu_derivative(zv);
           }
           g(b, t, h, p) = gp;
           acc += gp * v;
         },
         sum);
     Kokkos::single(Kokkos::PerThread(team), [&]() { dc(b, t, h) = sum; });
-  }
-};
-
-/// The chain rule through c_t after the SSD's backward, a row per (batch, token, head): adds c·g
-/// to ∂/∂v and dc·(γ − scale)·k, ·q to ∂/∂q, ∂/∂k; writes ∂/∂scale, the diagonal ∂/∂γ and ∂/∂adt.
-template <class ExecSpace, class MemorySpace>
-struct Mamba3SisoDiagonalBackwardFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
-  Mamba3Workspace<MemorySpace> ws;
-  Mamba3BackwardWorkspace<MemorySpace> bw;
-  Mamba3Plan plan;
-  Mamba3SisoTokens<MemorySpace> tok;
-  ConstTensor3<float, MemorySpace> dc;          // (batch, seqlen, nheads)
-  ConstTensor3<float, MemorySpace> dscale;      // (batch, seqlen, nheads): the SSD's ∂/∂δ
-  ConstTensor3<float, MemorySpace> dlog_decay;  // (batch, seqlen, nheads)
-  Tensor3<float, MemorySpace> dadt;             // (batch, nheads, seqlen)
-
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    Mamba3Row it;
-    if (!mamba3_row(team, plan, plan.seqlen, it)) return;
-    const int b = it.b, t = it.row, h = it.h;
-    const float c = tok.diag(b, t, h), d = dc(b, t, h), qk = tok.qk(b, t, h);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.headdim),
-                         [&](const int p) { bw.dv(b, t, h, p) += c * bw.g(b, t, h, p); });
-    const float dqk = d * (ws.gamma(b, h, t) - tok.scale(b, t, h));
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate), [&](const int n) {
-      bw.dq(b, t, h, n) += dqk * ws.k(b, t, h, n);
-      bw.dk(b, t, h, n) += dqk * ws.q(b, t, h, n);
-    });
-    Kokkos::single(Kokkos::PerThread(team), [&]() {
-      bw.off(b, h, t) = dscale(b, t, h) - d * qk;
-      bw.diag(b, h, t) = d * qk;
-      dadt(b, h, t) = dlog_decay(b, t, h);
-    });
   }
 };
 
@@ -210,10 +135,7 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
                                              const Mamba3Workspace<MemorySpace>& ws,
                                              const Mamba3SisoTokens<MemorySpace>& tok,
                                              const Mamba3StateViews<float, MemorySpace>& final_states) {
-  const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
-  mamba3_prepare_rows(exec, plan, in, ws, final_states);
-  mamba3_row_launch(exec, "kmamba::mamba3::siso_tokens", tokens,
-                    Mamba3SisoTokensFunctor<ExecSpace, MemorySpace>{in, ws, plan, tok});
+  mamba3_prepare_rows(exec, plan, in, ws, final_states, tok);
   SsdArgs<MemorySpace> args;
   if (in.initial.has_ssm || (in.initial.has_k && in.initial.has_v)) {
     const auto state = allocate_uninitialized<Tensor4<float, MemorySpace>>(
@@ -264,8 +186,9 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   const Mamba3SisoTokens<MemorySpace> tok(plan);
   const SsdArgs<MemorySpace> args =
       mamba3_siso_ssd_prepare(exec, plan, in, precision, ws, tok, Mamba3StateViews<float, MemorySpace>());
-  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, in.has_z, false);
-  if (in.has_z) ssd_forward(exec, args, bw.y, Tensor4<float, MemorySpace>());
+  const bool recompute = in.has_z && !in.ungated.is_allocated();
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, recompute, false);
+  if (recompute) ssd_forward(exec, args, bw.y, Tensor4<float, MemorySpace>());
   const auto dc = allocate_uninitialized<T3>("kmamba::mamba3::siso_ddiagonal", plan.batch, plan.seqlen, plan.nheads);
   mamba3_row_launch(
       exec, "kmamba::mamba3::siso_gate_backward", tokens,
@@ -279,13 +202,11 @@ void mamba3_siso_ssd_backward(const ExecSpace& exec, const Mamba3Plan& plan, con
   sg.dinitial_states = bw.dH0;
   ssd_backward(exec, args, bw.g, dfinal.has_ssm ? dfinal.ssm : ConstTensor4<float, MemorySpace>(), sg);
   if (grads.dinitial.has_ssm) Kokkos::deep_copy(exec, grads.dinitial.ssm, bw.dH0);
-  mamba3_row_launch(exec, "kmamba::mamba3::siso_diagonal_backward", tokens,
-                    Mamba3SisoDiagonalBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, tok, dc, sg.ddt,
-                                                                              sg.dlog_decay, grads.dadt});
   mamba3_for(exec, "kmamba::mamba3::siso_skip_partial",
              static_cast<std::int64_t>(plan.batch) * plan.nchunks * plan.nheads,
              Mamba3SisoSkipPartialFunctor<MemorySpace>{bw, plan, dc});
-  mamba3_backward_tail(exec, plan, in, ws, bw, dout, dfinal, grads);
+  mamba3_backward_tail(exec, plan, in, ws, bw, dout, dfinal, grads,
+                       Mamba3SisoDiagonal<MemorySpace>{tok, dc, sg.ddt, sg.dlog_decay, grads.dadt});
 }
 
 /// Forward of either variant: SISO on the SSD (any precision the SSD takes), MIMO on the chunk
