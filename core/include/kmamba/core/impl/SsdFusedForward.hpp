@@ -3,16 +3,19 @@
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere).
 //
 // A team has 8 warps. Warp w keeps rows n ∈ [16w, 16w+16) of the transposed state Hᵀ (N × P,
-// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 32 tokens (t, s
+// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 64 tokens (t, s
 // index tokens of the chunk, p the head's channels, n the states):
-//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); C, B and x rows into the threads'
-//            registers, C and B to scratch as bf16; Hᵀ to scratch as bf16;
-//   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0, 1 (rows t ∈ [16w, 16w+16)):
+//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0, two tokens a lane); C and x rows,
+//            then B rows, into the threads' registers, C and B to scratch as bf16; Hᵀ to scratch
+//            as bf16;
+//   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0 … 3 (rows t ∈ [16w, 16w+16)):
 //            S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n] for s ≤ t, 0 above, to scratch;
-//   phase 2  warp w: the output block (t ∈ 16·(w/4) + [0, 16), p ∈ 16·(w%4) + [0, 16)):
-//            Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p], and
-//            out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
+//   phase 2  warp w: the output blocks t ∈ 16·tb + [0, 16), p ∈ 16·(w%4) + [0, 16) for
+//            tb = w/4 and w/4 + 2: Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p],
+//            and out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
 //   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
+// A chunk costs four team barriers and a few dependent memory latencies whatever its length, and
+// a team walks its chunks one after the other: 64 tokens a chunk halve those per token against 32.
 // Tokens past the sequence end read as zero (δ = 0, so the cumsum and the state stand still).
 // Compiled for headdim 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported), whatever
 // chunk_size asks for (the result is the same function of the inputs); other shapes, and seq_idx,
@@ -41,7 +44,7 @@ namespace kmamba {
 namespace impl {
 
 /// The chunk length and headdim the fused forward is compiled for, and its warps per team.
-constexpr int ssd_fused_chunk = 32;
+constexpr int ssd_fused_chunk = 64;
 constexpr int ssd_fused_headdim = 64;
 constexpr int ssd_fused_warps = 8;
 
@@ -143,8 +146,11 @@ struct SsdFusedForwardFunctor {
   static constexpr int Q = Layout::Q, P = Layout::P, state_blocks = N / warp_tile_rows;
   using Team = WarpTeam<tensor_cores, ssd_fused_warps>;
   static constexpr int slots = Team::warps_per_thread;
-  static_assert(state_blocks <= ssd_fused_warps && Q == 2 * warp_tile_rows && P == 4 * warp_tile_rows,
-                "SsdFusedForwardFunctor: one state block per warp, 2 × 4 output blocks");
+  static constexpr int token_blocks = Q / warp_tile_rows, channel_blocks = P / warp_tile_rows;
+  static_assert(state_blocks <= ssd_fused_warps && token_blocks <= ssd_fused_warps &&
+                    channel_blocks * token_blocks % ssd_fused_warps == 0 && ssd_fused_warps % channel_blocks == 0 &&
+                    Q % warp_tile_lanes == 0,
+                "SsdFusedForwardFunctor: one state block and one score row block per warp, output blocks evenly");
   using StateAccum = WarpAccum<P, tensor_cores>;             // 16 rows of Hᵀ
   using ScoreAccum = WarpAccum<Q, tensor_cores>;             // 16 rows of S
   using OutAccum = WarpAccum<warp_tile_rows, tensor_cores>;  // a 16 × 16 block of Y
@@ -182,13 +188,23 @@ struct SsdFusedForwardFunctor {
                                            float rate) const {
     if constexpr (tensor_cores) {
       if (thread >= warp_tile_lanes) return;
-      const float d = thread < len ? in.dt_value(in.dt_pre(b, t0 + thread, h)) : 0.0f;
-      const float log_decay = thread < len ? in.token_log_decay(b, t0 + thread, h, d, rate) : 0.0f;
-      const float cum = warp_inclusive_sum(log_decay, thread);
-      const float last = warp_broadcast(cum, warp_tile_lanes - 1);
-      sm.delta[thread] = d;
-      sm.cum[thread] = cum;
-      sm.decay_to_end[thread] = kmamba::math::exp(last - cum);
+      constexpr int parts = Q / warp_tile_lanes;
+      float d[parts], cum[parts], carry = 0.0f;
+      KMAMBA_TILE_UNROLL
+      for (int k = 0; k < parts; ++k) {
+        const int t = thread + k * warp_tile_lanes;
+        d[k] = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
+        const float log_decay = t < len ? in.token_log_decay(b, t0 + t, h, d[k], rate) : 0.0f;
+        cum[k] = carry + warp_inclusive_sum(log_decay, thread);
+        carry = warp_broadcast(cum[k], warp_tile_lanes - 1);
+      }
+      KMAMBA_TILE_UNROLL
+      for (int k = 0; k < parts; ++k) {
+        const int t = thread + k * warp_tile_lanes;
+        sm.delta[t] = d[k];
+        sm.cum[t] = cum[k];
+        sm.decay_to_end[t] = kmamba::math::exp(carry - cum[k]);
+      }
     } else {
       float cum = 0.0f;
       for (int t = 0; t < Q; ++t) {
@@ -202,15 +218,20 @@ struct SsdFusedForwardFunctor {
   }
 
   /// Phase 0: the decays, C and B to scratch as bf16, x into the thread's registers, Hᵀ to scratch.
+  /// B's rows are loaded after C's are stored, which keeps the registers of one of them live at a
+  /// time (the loads hit L2: prefetch_chunk).
   KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float rate,
                                           SsdRowShare<Q, P, Team::threads>& xs, const StateAccum (&H)[slots]) const {
-    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
-    SsdRowShare<Q, N, Team::threads> cs, bs;
-    cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
-    bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
-    stage_decays(sm, thread, b, h, t0, len, rate);
     const auto one = [](int) { return 1.0f; };
-    cs.store(thread, sm.c, one);
+    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
+    {
+      SsdRowShare<Q, N, Team::threads> cs;
+      cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
+      stage_decays(sm, thread, b, h, t0, len, rate);
+      cs.store(thread, sm.c, one);
+    }
+    SsdRowShare<Q, N, Team::threads> bs;
+    bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
     bs.store(thread, sm.b, one);
     if (!StatesOnly) {
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {
@@ -233,9 +254,17 @@ struct SsdFusedForwardFunctor {
     warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * w, 0));
   }
 
-  /// Phase 2 of warp w: one 16 × 16 block of the output, to global memory.
+  /// Phase 2 of warp w: its 16 × 16 blocks of the output, to global memory.
   KOKKOS_INLINE_FUNCTION void output(const Tiles& sm, int w, int lane, int b, int h, int t0, int len) const {
-    const int tb = w / 4, pb = w % 4;
+    constexpr int warps_per_row = ssd_fused_warps / channel_blocks;
+    for (int tb = w / channel_blocks; tb < token_blocks; tb += warps_per_row) {
+      output_block(sm, tb, w % channel_blocks, lane, b, h, t0, len);
+    }
+  }
+
+  /// The output block of tokens 16·tb + [0, 16) and channels 16·pb + [0, 16).
+  KOKKOS_INLINE_FUNCTION void output_block(const Tiles& sm, int tb, int pb, int lane, int b, int h, int t0,
+                                           int len) const {
     OutAccum Y;
     warp_fill(Y, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, N, false>(Y, lane, sm.c.offset(warp_tile_rows * tb, 0),
