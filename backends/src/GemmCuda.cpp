@@ -99,6 +99,14 @@ void convert_to_bf16(cudaStream_t stream, const float* in, __nv_bfloat16* out, s
   KMAMBA_CUDA_CHECK(cudaGetLastError());
 }
 
+// C = alpha·op(A)·op(B) + beta·C for row-major bf16 A, B and fp32 C on the handle's stream: the
+// column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ with fp32 sums.
+void bf16_product(cublasHandle_t h, cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, float alpha,
+                  const void* A, int lda, const void* B, int ldb, float beta, float* C, int ldc) {
+  KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
+                                   CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 constexpr int few_rows_warps_per_block = 8;
 
 // v with each element rounded to the operand precision P (round_operand).
@@ -238,9 +246,20 @@ void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int 
   __nv_bfloat16* const operands = bf16_operand_space(stream, b_offset + b_count);
   convert_to_bf16(stream, A, operands, a_count);
   convert_to_bf16(stream, B, operands + b_offset, b_count);
-  KMAMBA_CUBLAS_CHECK(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, operands + b_offset, CUDA_R_16BF, ldb, operands,
-                                   CUDA_R_16BF, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
+  bf16_product(h, op_a, op_b, m, n, k, alpha, operands, lda, operands + b_offset, ldb, beta, C, ldc);
+}
+
+void cublas_gemm_bf16_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                                const void* A, int lda, const void* B, int ldb, float beta, float* C, int ldc) {
+  const std::lock_guard<std::mutex> lock(handle_mutex);
+  cublasHandle_t h = cublas_handle();
+  KMAMBA_CUBLAS_CHECK(cublasSetStream(h, stream));
+  bf16_product(h, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, alpha, A, lda, B,
+               ldb, beta, C, ldc);
+}
+
+void round_to_bf16_cuda(cudaStream_t stream, const float* in, void* out, std::size_t count) {
+  convert_to_bf16(stream, in, static_cast<__nv_bfloat16*>(out), count);
 }
 
 }  // namespace impl

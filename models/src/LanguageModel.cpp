@@ -178,12 +178,14 @@ struct LanguageModel<ExecutionSpace>::State {
     // The backward writes dlogits over the logits it reads, row by row (softmax − one-hot).
     cross_entropy_backward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets, ignore_index,
                            ConstTensor1<float, Mem>(lse), scale, padded_logits);
-    // logits = normed_f · Wᵀ: dW += dlogitsᵀ · normed_f, then dnormed_f = dlogits · W over normed_f.
+    // logits = normed_f · Wᵀ: dW += dlogitsᵀ · normed_f, then dnormed_f = dlogits · W over normed_f
+    // (dlogits rounded once for both products under BFloat16).
     const Tensor2<float, Mem> normed = impl::token_rows(backbone.output());
-    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits),
-         ConstTensor2<float, Mem>(normed), 1.0f, head_grad(), precision);
-    gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, Mem>(padded_logits), head_weight(), 0.0f, normed,
-         precision);
+    const GemmOperand<Mem> dlogits = gemm_operand(exec, ConstTensor2<float, Mem>(padded_logits), precision);
+    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, dlogits,
+         gemm_operand(exec, ConstTensor2<float, Mem>(normed), precision), 1.0f, head_grad(), precision);
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, dlogits,
+         gemm_operand(exec, ConstTensor2<float, Mem>(head_weight()), precision), 0.0f, normed, precision);
     const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
     const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
     embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),

@@ -340,6 +340,25 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
 }
 
 template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::project_segments(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
+                                                   const std::array<Matrix, segment_count>& pre) const {
+  using Mem = memory_space;
+  const MatmulPrecision precision = this->matmul_precision();
+  const GemmOperand<Mem> u_op = gemm_operand(exec, u, precision);
+  const GemmOperand<Mem> w_op =
+      gemm_operand(exec, ConstMatrix(slab.template param<2>(prefix_ + "in_proj.weight")), precision);
+  for (int s = 0; s < segment_count; ++s) {
+    float beta = 0.0f;
+    if (config_.bias) {
+      broadcast_bias(exec, flat(slab.params(), slab, prefix_ + "in_proj.bias"), segment_offsets_[s], pre[s]);
+      beta = 1.0f;
+    }
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, u_op, w_op.rows(segment_offsets_[s], segment_widths_[s]), beta,
+         pre[s], precision);
+  }
+}
+
+template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
                                               const Matrix& out, Activations& a, Cache* cache) const {
   using Mem = memory_space;
@@ -351,10 +370,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
 
   impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
-  // in_proj, one GEMM per segment of its rows.
-  for (int s = 0; s < segment_count; ++s) {
-    project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", segment_offsets_[s], segment_widths_[s], u, a.pre[s]);
-  }
+  project_segments(exec, slab, u, a.pre);
 
   // Causal depthwise conv + SiLU on x, B and C; their channels are rows [offset − d_inner, ...) of the conv.
   float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
@@ -588,16 +604,26 @@ void Mamba2Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, c
                                                    const Matrix& du) const {
   using Mem = memory_space;
   const std::string& p = prefix_;
-  // Weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows.
-  float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  // Weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows; under BFloat16
+  // u, the weight and each segment's gradient are rounded once for all their products.
+  const MatmulPrecision precision = this->matmul_precision();
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  const GemmOperand<Mem> u_op = gemm_operand(exec, ConstMatrix(kept_.u), precision);
+  const GemmOperand<Mem> w_op =
+      gemm_operand(exec, ConstMatrix(slab.template param<2>(p + "in_proj.weight")), precision);
+  // The segments' bf16 gradients share one allocation (each release of device memory may wait for the device).
+  const Tensor1<bf16, Mem> dpre_rounded =
+      precision == MatmulPrecision::BFloat16
+          ? allocate_uninitialized<Tensor1<bf16, Mem>>("kmamba::mamba2::d_in_proj_bf16",
+                                                       kept_.u.extent(0) * static_cast<std::size_t>(in_proj_rows_))
+          : Tensor1<bf16, Mem>();
   for (int s = 0; s < segment_count; ++s) {
-    gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 1.0f,
-                              rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              this->matmul_precision());
-    gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
-                              rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du, this->matmul_precision());
+    const GemmOperand<Mem> d_op = gemm_operand(exec, ConstMatrix(dpre[s]), precision, dpre_rounded,
+                                               kept_.u.extent(0) * static_cast<std::size_t>(segment_offsets_[s]));
+    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 1.0f,
+         rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_), precision);
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, d_op, w_op.rows(segment_offsets_[s], segment_widths_[s]),
+         s == 0 ? 0.0f : 1.0f, du, precision);
     if (config_.bias) {
       add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], flat(slab.grads(), slab, p + "in_proj.bias"),
                                          segment_offsets_[s]);

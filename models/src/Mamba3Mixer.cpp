@@ -382,6 +382,20 @@ void Mamba3Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
 }
 
 template <class ExecutionSpace>
+void Mamba3Mixer<ExecutionSpace>::project_segments(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
+                                                   const std::array<Matrix, segment_count>& pre) const {
+  using Mem = memory_space;
+  const MatmulPrecision precision = this->matmul_precision();
+  const GemmOperand<Mem> u_op = gemm_operand(exec, u, precision);
+  const GemmOperand<Mem> w_op =
+      gemm_operand(exec, ConstMatrix(slab.template param<2>(prefix_ + "in_proj.weight")), precision);
+  for (int s = 0; s < segment_count; ++s) {
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, u_op, w_op.rows(segment_offsets_[s], segment_widths_[s]), 0.0f,
+         pre[s], precision);
+  }
+}
+
+template <class ExecutionSpace>
 Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace>::scan_args(
     const Slab& slab, const Activations& a) const {
   using Mem = memory_space;
@@ -457,9 +471,7 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
 
-  for (int s = 0; s < segment_count; ++s) {
-    project(exec, slab, p + "in_proj.weight", segment_offsets_[s], segment_widths_[s], u, a.pre[s]);
-  }
+  project_segments(exec, slab, u, a.pre);
   rms_norm(exec, as_vectors(a.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"), eps, a.Bn,
            a.Brstd);
   rms_norm(exec, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, a.Cn,
@@ -685,22 +697,31 @@ void Mamba3Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, c
   const std::string& p = prefix_;
   const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
   const bool split_tensor = parallel_.tensor_size() > 1;
-  // Weight gradients per segment, and du = Σ_segments dpre · in_proj rows.
-  float* const w_in = slab.template param<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  // Weight gradients per segment, and du = Σ_segments dpre · in_proj rows; under BFloat16 u, the
+  // weight and each segment's gradient are rounded once for all their products.
+  const MatmulPrecision precision = this->matmul_precision();
   float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
+  const GemmOperand<Mem> u_op = gemm_operand(exec, ConstMatrix(kept_.u), precision);
+  const GemmOperand<Mem> w_op =
+      gemm_operand(exec, ConstMatrix(slab.template param<2>(p + "in_proj.weight")), precision);
+  // The segments' bf16 gradients share one allocation (each release of device memory may wait for the device).
+  const Tensor1<bf16, Mem> dpre_rounded =
+      precision == MatmulPrecision::BFloat16
+          ? allocate_uninitialized<Tensor1<bf16, Mem>>("kmamba::mamba3::d_in_proj_bf16",
+                                                       kept_.u.extent(0) * sz(in_proj_rows_))
+          : Tensor1<bf16, Mem>();
   for (int s = 0; s < segment_count; ++s) {
+    const GemmOperand<Mem> d_op =
+        gemm_operand(exec, ConstMatrix(dpre[s]), precision, dpre_rounded, kept_.u.extent(0) * sz(segment_offsets_[s]));
     if (split_tensor && s == angle_segment) {  // replicated rows: summed over the tensor ranks below
-      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 0.0f,
-                                Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)),
-                                this->matmul_precision());
+      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 0.0f,
+           Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)), precision);
     } else {
-      gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dpre[s], kept_.u, 1.0f,
-                                rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                                this->matmul_precision());
+      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 1.0f,
+           rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_), precision);
     }
-    gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::No, 1.0f, dpre[s],
-                              rows_of<Mem>(w_in, segment_offsets_[s], segment_widths_[s], d_model_),
-                              s == 0 ? 0.0f : 1.0f, du, this->matmul_precision());
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, d_op, w_op.rows(segment_offsets_[s], segment_widths_[s]),
+         s == 0 ? 0.0f : 1.0f, du, precision);
   }
   if (split_tensor) {
     parallel_.tensor->all_reduce(exec, replicated_grads);

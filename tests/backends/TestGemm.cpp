@@ -309,6 +309,52 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
   }
 }
 
+// Operands rounded once (round_to_bf16: to nearest even, as kmamba::bf16) and multiplied by the
+// bf16 overload: the BFloat16 mode's contract, fp32 sums of exact products of the rounded
+// operands, within 1e-5·mag of the reference on the rounded operands (as above).
+TYPED_TEST(Gemm, Bf16OperandsMultiplyAsTheRoundingMode) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using B2 = kmamba::Tensor2<kmamba::bf16, Mem>;
+  const GemmCase cases[] = {{1, 70, 256, 1.0f, 0.0f},
+                            {4, 40, 128, -1.0f, 0.5f},
+                            {64, 33, 96, 0.5f, 2.0f},
+                            {37, 130, 257, -1.0f, 1.0f},
+                            {5, 7, 3, 1.0f, 0.0f}};
+  std::uint64_t seed = 900;
+  for (const GemmCase& c : cases) {
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      SCOPED_TRACE("m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                   " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
+      const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
+      const auto& [A, B, C, a, b, c0] = problem;
+      const auto A16 = kmamba::allocate_uninitialized<B2>("kmamba::test::A16", A.extent(0), A.extent(1));
+      const auto B16 = kmamba::allocate_uninitialized<B2>("kmamba::test::B16", B.extent(0), B.extent(1));
+      kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(A), A16);
+      kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(B), B16);
+      kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
+                   tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha,
+                   kmamba::ConstTensor2<kmamba::bf16, Mem>(A16), kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta,
+                   C);
+      Exec().fence();
+      const auto a16 = kmamba::test::to_host(A16);
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a16.data()[i].bits, kmamba::float_to_bf16_bits(a[i])) << "round_to_bf16 at " << i;
+      }
+      const auto Ch = kmamba::test::to_host(C);
+      const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+      const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, MatmulPrecision::BFloat16),
+                                                rounded(b, MatmulPrecision::BFloat16), c.beta, c0);
+      for (int i = 0; i < c.m; ++i)
+        for (int j = 0; j < c.n; ++j) {
+          const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+          ASSERT_LE(std::fabs(Ch(i, j) - ref[ij]), 1e-5 * mag[ij] + 1e-30) << "(" << i << ", " << j << ")";
+        }
+    }
+  }
+}
+
 TYPED_TEST(Gemm, RejectsShapesThatDoNotAgree) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -327,6 +373,23 @@ TYPED_TEST(Gemm, RejectsShapesThatDoNotAgree) {
   EXPECT_THROW(kmamba::gemm(Exec(), kmamba::Transpose::No, kmamba::Transpose::No, 1.0f,
                             kmamba::ConstTensor2<float, Mem>(A), kmamba::ConstTensor2<float, Mem>(B2), 0.0f, C2),
                kmamba::UserError);
+  using B16 = kmamba::Tensor2<kmamba::bf16, Mem>;
+  const auto A16 = kmamba::allocate<B16>("kmamba::test::A16", 4, 3),
+             Bad16 = kmamba::allocate<B16>("kmamba::test::B16", 5, 2);
+  try {
+    kmamba::gemm(Exec(), kmamba::Transpose::No, kmamba::Transpose::No, 1.0f,
+                 kmamba::ConstTensor2<kmamba::bf16, Mem>(A16), kmamba::ConstTensor2<kmamba::bf16, Mem>(Bad16), 0.0f, C);
+    FAIL() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "kmamba::gemm: B has shape (5, 2) but (k, n) with k from A = (3, 2) was expected");
+  }
+  try {
+    kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(B), A16);
+    FAIL() << "no exception";
+  } catch (const kmamba::UserError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "kmamba::round_to_bf16: out has shape (4, 3) but (rows, cols) of in = (5, 2) was expected");
+  }
 }
 
 }  // namespace

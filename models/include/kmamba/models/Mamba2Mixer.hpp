@@ -190,6 +190,11 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch
   // differs from `batch`.
   Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
+  // pre[s] (rows, width of segment s) = u · (in_proj.weight's rows of segment s)ᵀ (+ bias) for every
+  // segment, u and the weight rounded once for all of them under BFloat16.
+  void project_segments(const ExecutionSpace& exec, const Slab& slab,
+                        const ConstMatrix& u,  // (rows, d_model)
+                        const std::array<Matrix, segment_count>& pre) const;
   // out (rows, width) = bias(offset : offset + width) + u · (rows [offset, offset + width) of w)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, const std::string& bias,
                int offset, int width,

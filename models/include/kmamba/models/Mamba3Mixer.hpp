@@ -216,6 +216,11 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
                const ConstMatrix& u,      // (rows, k)
                const Matrix& out) const;  // (rows, width)
+  // pre[s] (rows, width of segment s) = u · (in_proj.weight's rows of segment s)ᵀ for every segment,
+  // u and the weight rounded once for all of them under BFloat16.
+  void project_segments(const ExecutionSpace& exec, const Slab& slab,
+                        const ConstMatrix& u,  // (rows, d_model)
+                        const std::array<Matrix, segment_count>& pre) const;
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
   void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)
 

@@ -3,6 +3,7 @@
 #define KMAMBA_BACKENDS_IMPL_GEMMIMPL_HPP
 
 #include <kmamba/Config.hpp>
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Tensor.hpp>
 
@@ -56,6 +57,22 @@ struct RoundOperands {
   Kokkos::View<const float*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> in;
   MatmulPrecision precision;
   KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = round_operand(precision, in(i)); }
+};
+
+/// out(i) = in(i) rounded to bf16 over flat views.
+template <class MemorySpace>
+struct RoundToBf16 {
+  Kokkos::View<bf16*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> out;
+  Kokkos::View<const float*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> in;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = bf16(in(i)); }
+};
+
+/// out(i) = the value of the bf16 in(i) (exact) over flat views.
+template <class MemorySpace>
+struct WidenBf16 {
+  Kokkos::View<float*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> out;
+  Kokkos::View<const bf16*, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> in;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { out(i) = static_cast<float>(in(i)); }
 };
 
 /// The workspace of the host GEMM's rounded operand copies, one per memory space: grown to the
@@ -115,6 +132,35 @@ struct GemmImpl {
              ConstTensor2<float, MemorySpace>(rounded + a_size, B.extent(0), B.extent(1)), beta, C);
   }
 
+  /// The product of operands already in bf16: their exact fp32 values into the workspace, then the
+  /// fp32 GEMM (the BFloat16 mode's numerics).
+  static void run_bf16(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
+                       const ConstTensor2<bf16, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
+                       const Tensor2<float, MemorySpace>& C) {
+    GemmRoundingWorkspace<MemorySpace>& workspace = GemmRoundingWorkspace<MemorySpace>::instance();
+    const std::lock_guard<std::mutex> lock(workspace.mutex);
+    const std::size_t a_size = A.span(), b_size = B.span();
+    float* const widened = workspace.reserve(a_size + b_size);
+    using Out = Kokkos::View<float*, MemorySpace, Unmanaged>;
+    using In = Kokkos::View<const bf16*, MemorySpace, Unmanaged>;
+    using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
+    Kokkos::parallel_for("kmamba::gemm::widen_bf16", Policy(exec, 0, a_size),
+                         WidenBf16<MemorySpace>{Out(widened, a_size), In(A.data(), a_size)});
+    Kokkos::parallel_for("kmamba::gemm::widen_bf16", Policy(exec, 0, b_size),
+                         WidenBf16<MemorySpace>{Out(widened + a_size, b_size), In(B.data(), b_size)});
+    run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(widened, A.extent(0), A.extent(1)),
+             ConstTensor2<float, MemorySpace>(widened + a_size, B.extent(0), B.extent(1)), beta, C);
+  }
+
+  static void round_to_bf16(const ExecSpace& exec, const ConstTensor2<float, MemorySpace>& in,
+                            const Tensor2<bf16, MemorySpace>& out) {
+    using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
+    using Out = Kokkos::View<bf16*, MemorySpace, Unmanaged>;
+    using In = Kokkos::View<const float*, MemorySpace, Unmanaged>;
+    Kokkos::parallel_for("kmamba::round_to_bf16", Policy(exec, 0, in.span()),
+                         RoundToBf16<MemorySpace>{Out(out.data(), out.span()), In(in.data(), in.span())});
+  }
+
   static void run_fp32(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
                        const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B, float beta,
                        const Tensor2<float, MemorySpace>& C) {
@@ -167,8 +213,32 @@ void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int 
                            const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc,
                            MatmulPrecision precision = MatmulPrecision::Float32);
 
+/// cublas_gemm_row_major's BFloat16 product on operands already in bf16 (A and B point at
+/// kmamba::bf16 values, the layout of __nv_bfloat16).
+void cublas_gemm_bf16_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                                const void* A, int lda, const void* B, int ldb, float beta, float* C, int ldc);
+
+/// out[i] = in[i] rounded to bf16 (to nearest even) for i < count, on `stream` (out points at
+/// kmamba::bf16 values).
+void round_to_bf16_cuda(cudaStream_t stream, const float* in, void* out, std::size_t count);
+
 template <class MemorySpace>
 struct GemmImpl<Kokkos::Cuda, MemorySpace> {
+  static void run_bf16(const Kokkos::Cuda& exec, bool trans_a, bool trans_b, float alpha,
+                       const ConstTensor2<bf16, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
+                       const Tensor2<float, MemorySpace>& C) {
+    const int m = static_cast<int>(C.extent(0)), n = static_cast<int>(C.extent(1));
+    const int k = static_cast<int>(trans_a ? A.extent(0) : A.extent(1));
+    const auto ld = [](std::size_t columns) { return columns > 0 ? static_cast<int>(columns) : 1; };
+    cublas_gemm_bf16_row_major(exec.cuda_stream(), trans_a, trans_b, m, n, k, alpha, A.data(), ld(A.extent(1)),
+                               B.data(), ld(B.extent(1)), beta, C.data(), ld(C.extent(1)));
+  }
+
+  static void round_to_bf16(const Kokkos::Cuda& exec, const ConstTensor2<float, MemorySpace>& in,
+                            const Tensor2<bf16, MemorySpace>& out) {
+    round_to_bf16_cuda(exec.cuda_stream(), in.data(), out.data(), in.span());
+  }
+
   static void run(const Kokkos::Cuda& exec, bool trans_a, bool trans_b, float alpha,
                   const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<float, MemorySpace>& B, float beta,
                   const Tensor2<float, MemorySpace>& C, MatmulPrecision precision) {
