@@ -382,7 +382,10 @@ std::string ModelConfig::to_hf_json() const {
   j["bos_token_id"] = bos_token_id;
   j["eos_token_id"] = eos_token_id;
   j["initializer_range"] = initializer_range;
-  j["rescale_prenorm_residual"] = rescale_prenorm_residual;
+  // An initialisation setting, which transformers 5 also applies after loading a checkpoint: its
+  // _init_weights divides out_proj.weight by sqrt(num_hidden_layers) in place, past the guard that
+  // keeps loaded tensors. The weights saved here are initialised already, so the file says false.
+  j["rescale_prenorm_residual"] = false;
   j["state_size"] = d_state;
   j["conv_kernel"] = d_conv;
   j["expand"] = expand;
