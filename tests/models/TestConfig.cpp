@@ -124,7 +124,7 @@ kmamba::ModelConfig new_model(kmamba::MixerKind mixer) {
 // transformers computes what kmamba computes for `c` (transformers falls back to its own default,
 // often another value, for a key that is absent).
 void expect_transformers_reads(const kmamba::ModelConfig& c, const std::string& text) {
-  const nlohmann::json j = kmamba::parse_json(text, "written config.json");
+  const nlohmann::json j = kmamba::parse_json(kmamba::spell_python_infinities(text), "written config.json");
   const bool m2 = c.mixer == kmamba::MixerKind::Mamba2;
   const std::vector<std::pair<const char*, nlohmann::json>> expected_common = {
       {"model_type", m2 ? "mamba2" : "mamba"},
@@ -162,7 +162,10 @@ void expect_transformers_reads(const kmamba::ModelConfig& c, const std::string& 
     EXPECT_EQ(j["n_groups"], c.ngroups);
     EXPECT_EQ(j["chunk_size"], c.chunk_size);
     EXPECT_EQ(j["rms_norm"], true);
-    ASSERT_TRUE(j.contains("time_step_limit"));
+    const auto bound = [](double v) {
+      return std::isinf(v) ? nlohmann::json{{"__float__", v > 0 ? "Infinity" : "-Infinity"}} : nlohmann::json(v);
+    };
+    EXPECT_EQ(j["time_step_limit"], nlohmann::json::array({bound(c.dt_limit_min), bound(c.dt_limit_max)}));
     // transformers' gated norm multiplies by silu(gate) before normalising, always.
     EXPECT_FALSE(c.norm_before_gate);
   } else {
@@ -191,7 +194,7 @@ TEST(Config, WritesEveryKeyTransformersReadsForNewModels) {
 }
 
 TEST(Config, AcceptsEveryInfinitySpelling) {
-  for (const char* inf : {R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
+  for (const char* inf : {"Infinity", R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
     const auto c = kmamba::ModelConfig::from_json(
         std::string(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 1,
                         "num_hidden_layers": 1, "vocab_size": 10, "time_step_limit": [0.0, )") +
@@ -199,6 +202,33 @@ TEST(Config, AcceptsEveryInfinitySpelling) {
         "inf");
     EXPECT_TRUE(std::isinf(c.dt_limit_max)) << inf;
   }
+}
+
+TEST(Config, WritesTimeStepLimitAsBothTransformersLinesReadIt) {
+  // Python's json (transformers 4 and 5) reads the bare token; transformers 4 passes the value to
+  // torch.clamp, which a {"__float__": ...} object would reach as a dict.
+  const kmamba::ModelConfig c = new_model(kmamba::MixerKind::Mamba2);
+  const std::string text = c.to_hf_json();
+  EXPECT_NE(text.find("\"time_step_limit\": [\n    0.0,\n    Infinity\n  ]"), std::string::npos) << text;
+  EXPECT_EQ(text.find("__float__"), std::string::npos) << text;
+  EXPECT_EQ(text.find("kmamba:"), std::string::npos) << text;
+  auto finite = c;
+  finite.dt_limit_min = 0.001;
+  finite.dt_limit_max = 0.5;
+  const auto back = kmamba::ModelConfig::from_json(finite.to_hf_json(), "finite limits");
+  EXPECT_EQ(back.dt_limit_min, 0.001);
+  EXPECT_EQ(back.dt_limit_max, 0.5);
+  // The token is only replaced outside strings, and -Infinity is read as a number too.
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_act": "Infinity", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10})",
+      "field 'hidden_act' is \"Infinity\"");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_act": "a\"Infinity", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10})",
+      R"(field 'hidden_act' is "a"Infinity")");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10, "num_heads": 8,
+          "head_dim": 16, "n_groups": 1, "time_step_limit": [-Infinity, Infinity]})",
+      "need 0 <= dt_limit min < max, got [-inf, inf]");
 }
 
 TEST(Config, RejectsInconsistentConfigsWithClearErrors) {
