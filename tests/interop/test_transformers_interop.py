@@ -7,7 +7,8 @@ For Mamba-1 and Mamba-2 at two small shapes each, both ways:
   transformers -> kmamba: a transformers model (random weights, every parameter perturbed so that no
       tensor keeps its structured initial value) saved with save_pretrained, evaluated by kmamba-eval;
   kmamba -> transformers: a model created and trained a few steps by kmamba-train (its own
-      initialisation, rescale_prenorm_residual on), loaded with AutoModelForCausalLM.
+      initialisation, rescale_prenorm_residual on), and the transformers model above fine-tuned a
+      few steps by kmamba-train, each loaded with AutoModelForCausalLM.
 Each pair of logits must agree to 2e-4 relative L2 (float32; transformers runs on the CPU, its
 PyTorch path, kmamba on the build's default device). The Mamba-2 shapes have one B/C group: the
 PyTorch path of some transformers versions normalises the gated norm over all channels, the official
@@ -81,16 +82,13 @@ def transformers_to_kmamba(bin_dir, mixer, hf_shape, work):
                    kmamba_logits(bin_dir, work, ids, work), transformers_logits(work, ids))
 
 
-def kmamba_to_transformers(bin_dir, mixer, options, work):
-    arguments = ["--mixer", mixer, "--steps", "20", "--batch-size", "4", "--seqlen", "32", "--eval-interval", "0",
-                 "--checkpoint-interval", "0", "--out", work]
-    for name, value in options.items():
-        arguments += [f"--{name}", str(value)]
-    run(os.path.join(bin_dir, "kmamba-train"), *arguments)
+def kmamba_to_transformers(bin_dir, label, arguments, work):
+    run(os.path.join(bin_dir, "kmamba-train"), "--steps", "20", "--batch-size", "4", "--seqlen", "32",
+        "--eval-interval", "0", "--checkpoint-interval", "0", "--out", work, *arguments)
     checkpoint = os.path.join(work, "checkpoint")
     ids = torch.randint(0, VOCAB, (BATCH, SEQLEN), dtype=torch.int64)
-    return compare(f"kmamba -> transformers  {mixer} {options['d-model']}x{options['n-layer']}",
-                   kmamba_logits(bin_dir, checkpoint, ids, work), transformers_logits(checkpoint, ids))
+    return compare(f"kmamba -> transformers  {label}", kmamba_logits(bin_dir, checkpoint, ids, work),
+                   transformers_logits(checkpoint, ids))
 
 
 def main():
@@ -99,9 +97,13 @@ def main():
     bin_dir = parser.parse_args().bin
     ok = True
     for mixer, options, hf_shape in SHAPES:
-        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        shape = f"{mixer} {options['d-model']}x{options['n-layer']}"
+        new_model = ["--mixer", mixer] + [f"--{name}={value}" for name, value in options.items()]
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
+                tempfile.TemporaryDirectory() as c:
             ok = transformers_to_kmamba(bin_dir, mixer, hf_shape, a) and ok
-            ok = kmamba_to_transformers(bin_dir, mixer, options, b) and ok
+            ok = kmamba_to_transformers(bin_dir, f"{shape} (new)", new_model, b) and ok
+            ok = kmamba_to_transformers(bin_dir, f"{mixer} (the first one fine-tuned)", ["--model", a], c) and ok
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {'all within' if ok else 'FAILED'} "
           f"{TOLERANCE:.0e}")
     return 0 if ok else 1
