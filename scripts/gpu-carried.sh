@@ -11,7 +11,8 @@
 # racecheck (default: all the test suites; set but empty: none), GPU_CARRIED_SANITIZER_TIMEOUT
 # bounds each sanitizer run (s, default 300), GPU_CARRIED_PERF=0 skips the benchmarks (which
 # include per-kernel profiles of a training step and of batch-1 and batch-64 decode steps), GPU_CARRIED_EVAL=0
-# the golden evaluations and the NCCL single-rank runs (the NCCL communicator and embedding suites,
+# the golden evaluations, the transformers interop test (tests/interop; this machine's python3 has
+# torch and transformers) and the NCCL single-rank runs (the NCCL communicator and embedding suites,
 # kmamba-train with every parallel option, kmamba-perf-comm on device memory). The sanitizers run
 # last, side by side and alone on the GPU, so that they never share it with a timed benchmark.
 set -uo pipefail
@@ -69,6 +70,7 @@ if [ "${GPU_CARRIED_EVAL:-1}" != 0 ]; then
     step "eval-$model" "$bin/kmamba-eval" --model "$golden/$model" \
       --input "$golden/${model}_io.safetensors" --output /tmp/eval-$model.safetensors --grads --check 1e-3
   done
+  step interop-transformers python3 "$root/tests/interop/test_transformers_interop.py" --bin "$bin"
   step nccl-np1 cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun "-DMPIFLAGS=-n;1;--allow-run-as-root;--oversubscribe" \
     -DOUT=/tmp/kmamba-nccl-np1 "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;33;--grad-accum;2;--device;cuda" \
     "-DMESH=--dp;1" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"

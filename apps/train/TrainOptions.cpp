@@ -9,9 +9,11 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <string>
 
 namespace kmamba {
 namespace app {
@@ -86,6 +88,23 @@ void declare_data(CLI::App& cli) {
          number_in(0, 1, Ends::HighOpen));
 }
 
+// The rope fractions Mamba-3 takes (ModelConfig::validate): half of the state dimensions or all.
+CLI::Validator rope_fraction() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::size_t used = 0;
+        double value = 0.0;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == text.size() && (value == 0.5 || value == 1.0)) return {};
+        return "got '" + text + "', expected 0.5 or 1";
+      },
+      "");
+}
+
 void declare_model(CLI::App& cli) {
   const char* g = "model (new models; --model takes them from its config.json)";
   option(cli, g, "--mixer", "NAME", "mamba1, mamba2 or mamba3 (default mamba2)",
@@ -103,6 +122,16 @@ void declare_model(CLI::App& cli) {
   option(cli, g, "--bc-bias-init", "X",
          "mamba3: initial B_bias and C_bias (default 0.1 for recall, the reference's 1 otherwise)",
          number_in(-1e6, 1e6));
+  option(cli, g, "--mimo-rank", "R",
+         "mamba3: a MIMO model of rank R, each head's input and output spread over R channels (default: SISO)",
+         count_from(1));
+  option(cli, g, "--rope-fraction", "X",
+         "mamba3: share of the state dimensions the data-dependent rotation turns, 0.5 or 1 (default 0.5)",
+         rope_fraction());
+  cli.add_flag("--outproj-norm",
+               "mamba3, SISO: an RMSNorm over each head's scan output (times norm.weight, then the z gate) before "
+               "out_proj (default off)")
+      ->group(g);
 }
 
 void declare_progress(CLI::App& cli) {
@@ -231,8 +260,27 @@ void resolve_data(const TrainOptions& o, Run& r) {
   }
 }
 
-const char* const architecture_options[] = {"mixer",  "d-model",    "n-layer", "d-state", "headdim",     "ngroups",
-                                            "expand", "chunk-size", "dt-min",  "dt-max",  "bc-bias-init"};
+const char* const architecture_options[] = {"mixer",        "d-model",   "n-layer",       "d-state",     "headdim",
+                                            "ngroups",      "expand",    "chunk-size",    "dt-min",      "dt-max",
+                                            "bc-bias-init", "mimo-rank", "rope-fraction", "outproj-norm"};
+
+// The Mamba-3 options of a new model; each is an error for another mixer.
+void resolve_mamba3(const TrainOptions& o, const std::string& mixer, bool recall, ModelConfig& m) {
+  const bool m3 = m.mixer == MixerKind::Mamba3;
+  for (const char* name : {"bc-bias-init", "mimo-rank", "rope-fraction", "outproj-norm"}) {
+    KMAMBA_REQUIRE(m3 || !o.has(name), "kmamba-train: --" << name << " configures a mamba3 model, not " << mixer);
+  }
+  if (!m3) return;
+  m.bc_bias_init = o.number("bc-bias-init", recall ? 0.1 : 1.0);
+  m.is_mimo = o.has("mimo-rank");
+  m.mimo_rank = static_cast<int>(o.integer("mimo-rank", m.mimo_rank));
+  m.rope_fraction = o.number("rope-fraction", m.rope_fraction);
+  m.is_outproj_norm = o.flag("outproj-norm");
+  KMAMBA_REQUIRE(!(m.is_mimo && m.is_outproj_norm), "kmamba-train: --outproj-norm with --mimo-rank "
+                                                        << m.mimo_rank
+                                                        << ": the out-proj norm is for SISO models (the MIMO "
+                                                           "scan contracts the ranks before out_proj)");
+}
 
 void resolve_model(const TrainOptions& o, Run& r) {
   const bool recall = r.recall_task();
@@ -255,9 +303,7 @@ void resolve_model(const TrainOptions& o, Run& r) {
   m.chunk_size = static_cast<int>(o.integer("chunk-size", recall ? 16 : 64));
   m.dt_min = o.number("dt-min", m.dt_min);
   m.dt_max = o.number("dt-max", m.dt_max);
-  KMAMBA_REQUIRE(m.mixer == MixerKind::Mamba3 || !o.has("bc-bias-init"),
-                 "kmamba-train: --bc-bias-init configures a mamba3 model, not " << mixer);
-  if (m.mixer == MixerKind::Mamba3) m.bc_bias_init = o.number("bc-bias-init", recall ? 0.1 : 1.0);
+  resolve_mamba3(o, mixer, recall, m);
   m.vocab_size = recall ? r.recall.vocab_size : 256;  // replaced by a token file's vocabulary
 }
 
@@ -343,15 +389,19 @@ bool asks_for_ranks(const CLI::App& cli) {
 
 void check_resumed_architecture(const Run& run, const ModelConfig& saved) {
   const ModelConfig& m = run.model;
-  const std::vector<std::pair<const char*, bool>> same = {{"mixer", m.mixer == saved.mixer},
-                                                          {"d-model", m.d_model == saved.d_model},
-                                                          {"n-layer", m.n_layer == saved.n_layer},
-                                                          {"d-state", m.d_state == saved.d_state},
-                                                          {"headdim", m.headdim == saved.headdim},
-                                                          {"ngroups", m.ngroups == saved.ngroups},
-                                                          {"expand", m.expand == saved.expand},
-                                                          {"chunk-size", m.chunk_size == saved.chunk_size},
-                                                          {"vocab-size", m.vocab_size == saved.vocab_size}};
+  const std::vector<std::pair<const char*, bool>> same = {
+      {"mixer", m.mixer == saved.mixer},
+      {"d-model", m.d_model == saved.d_model},
+      {"n-layer", m.n_layer == saved.n_layer},
+      {"d-state", m.d_state == saved.d_state},
+      {"headdim", m.headdim == saved.headdim},
+      {"ngroups", m.ngroups == saved.ngroups},
+      {"expand", m.expand == saved.expand},
+      {"chunk-size", m.chunk_size == saved.chunk_size},
+      {"mimo-rank", m.is_mimo == saved.is_mimo && m.mimo_rank == saved.mimo_rank},
+      {"rope-fraction", m.rope_fraction == saved.rope_fraction},
+      {"outproj-norm", m.is_outproj_norm == saved.is_outproj_norm},
+      {"vocab-size", m.vocab_size == saved.vocab_size}};
   for (const auto& [name, equal] : same) {
     KMAMBA_REQUIRE(run.given.count(name) == 0 || equal,
                    "kmamba-train: --resume: --" << name << " differs from the checkpoint's architecture in '"

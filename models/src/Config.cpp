@@ -57,7 +57,8 @@ class Fields {
     return object_[key].get<std::string>();
   }
 
-  // [lo, hi] pair (time_step_limit / dt_limit); infinity may be written {"__float__": "Infinity"}.
+  // [lo, hi] pair (time_step_limit / dt_limit); infinity may be written Infinity (Python's json),
+  // {"__float__": "Infinity"} (transformers 5) or as the strings "Infinity" and "inf".
   void pair(const char* key, double& lo, double& hi) const {
     if (!has(key)) return;
     const json& v = object_[key];
@@ -113,9 +114,28 @@ void read_dt_init(const Fields& f, ModelConfig& c, const DtInitKeys& keys) {
   c.dt_init_random = scheme == "random";
 }
 
-json infinity_aware(double value) {
-  if (std::isinf(value)) return json{{"__float__", value > 0 ? "Infinity" : "-Infinity"}};
+// time_step_limit's infinite bound is written as Python's json writes it, the bare token Infinity:
+// transformers 4 reads it (and writes it), transformers 5 reads it, while the {"__float__":
+// "Infinity"} object transformers 5 writes reaches transformers 4's torch.clamp as a dict. JSON
+// values cannot hold the token, so the array is written with markers that to_hf_json replaces.
+constexpr const char* plus_infinity_marker = "kmamba:+Infinity";
+constexpr const char* minus_infinity_marker = "kmamba:-Infinity";
+
+json python_number(double value) {
+  if (std::isinf(value)) return value > 0 ? plus_infinity_marker : minus_infinity_marker;
   return value;
+}
+
+std::string replace_all(std::string text, const std::string& from, const std::string& to) {
+  for (std::size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+    text.replace(at, from.size(), to);
+  }
+  return text;
+}
+
+std::string dump_with_python_infinities(const json& j) {
+  const std::string text = replace_all(j.dump(2), json(plus_infinity_marker).dump(), "Infinity");
+  return replace_all(text, json(minus_infinity_marker).dump(), "-Infinity") + "\n";
 }
 
 void read_hf(const Fields& f, ModelConfig& c, bool mamba2) {
@@ -306,7 +326,7 @@ void ModelConfig::validate() const {
 }
 
 ModelConfig ModelConfig::from_json(const std::string& json_text, const std::string& source) {
-  const json root = parse_json(json_text, "config '" + source + "'");
+  const json root = parse_json(spell_python_infinities(json_text), "config '" + source + "'");
   KMAMBA_REQUIRE(root.is_object(), "config '" << source << "' is not a JSON object");
   const Fields f(root, source);
   ModelConfig c;
@@ -382,7 +402,10 @@ std::string ModelConfig::to_hf_json() const {
   j["bos_token_id"] = bos_token_id;
   j["eos_token_id"] = eos_token_id;
   j["initializer_range"] = initializer_range;
-  j["rescale_prenorm_residual"] = rescale_prenorm_residual;
+  // An initialisation setting, which transformers 5 also applies after loading a checkpoint: its
+  // _init_weights divides out_proj.weight by sqrt(num_hidden_layers) in place, past the guard that
+  // keeps loaded tensors. The weights saved here are initialised already, so the file says false.
+  j["rescale_prenorm_residual"] = false;
   j["state_size"] = d_state;
   j["conv_kernel"] = d_conv;
   j["expand"] = expand;
@@ -400,13 +423,13 @@ std::string ModelConfig::to_hf_json() const {
     j["chunk_size"] = chunk_size;
     j["rms_norm"] = rms_norm;
     j["norm_before_gate"] = norm_before_gate;
-    j["time_step_limit"] = json::array({infinity_aware(dt_limit_min), infinity_aware(dt_limit_max)});
+    j["time_step_limit"] = json::array({python_number(dt_limit_min), python_number(dt_limit_max)});
   } else {
     j["intermediate_size"] = d_inner();
     j["time_step_scale"] = dt_scale;
     j["time_step_init_scheme"] = dt_init_random ? "random" : "constant";
   }
-  return j.dump(2) + "\n";
+  return dump_with_python_infinities(j);
 }
 
 void ModelConfig::save(const std::string& path) const {

@@ -762,8 +762,9 @@ bool file_exists(const std::string& path) {
 std::int64_t configured_vocab_size(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
   if (!file_exists(path)) return -1;
-  const json config = parse_json(read_input_file(path, JsonLimits().max_bytes, "kmamba::load_tokenizer"),
-                                 "kmamba::load_tokenizer: config " + in_quotes(path));
+  const json config =
+      parse_json(spell_python_infinities(read_input_file(path, JsonLimits().max_bytes, "kmamba::load_tokenizer")),
+                 "kmamba::load_tokenizer: config " + in_quotes(path));
   const auto it = config.is_object() ? config.find("vocab_size") : config.end();
   return it != config.end() && it->is_number_integer() ? it->get<std::int64_t>() : -1;
 }

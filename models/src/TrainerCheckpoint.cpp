@@ -77,9 +77,10 @@ struct FieldReader {
   }
 };
 
-// "a, b and c" differ between two config.json texts.
+// "a, b and c" differ between two config.json texts (which write infinity as Python's json does).
 std::string differing_keys(const std::string& a, const std::string& b) {
-  const json ja = parse_json(a, "config.json"), jb = parse_json(b, "config.json");
+  const json ja = parse_json(spell_python_infinities(a), "config.json");
+  const json jb = parse_json(spell_python_infinities(b), "config.json");
   std::set<std::string> keys;
   for (auto it = ja.begin(); it != ja.end(); ++it) keys.insert(it.key());
   for (auto it = jb.begin(); it != jb.end(); ++it) keys.insert(it.key());

@@ -1,4 +1,5 @@
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Json.hpp>
 #include <kmamba/models/Config.hpp>
 #include "Checks.hpp"
 #include "TestData.hpp"
@@ -7,6 +8,8 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -103,8 +106,95 @@ TEST(Config, ReadsMambaSsmLayoutWithVocabPadding) {
   kmamba::test::expect_user_error([&] { small_bias.validate(); }, {"bc_bias_init must be finite"});
 }
 
+// A new model as kmamba-train creates it (tied, rescale_prenorm_residual on, no vocabulary padding).
+kmamba::ModelConfig new_model(kmamba::MixerKind mixer) {
+  kmamba::ModelConfig c;
+  c.mixer = mixer;
+  c.d_model = 64;
+  c.n_layer = 2;
+  c.vocab_size = 64;
+  c.d_state = 16;
+  c.headdim = 16;
+  c.chunk_size = 16;
+  c.validate();
+  return c;
+}
+
+// The keys transformers' MambaConfig / Mamba2Config take, each with the value under which
+// transformers computes what kmamba computes for `c` (transformers falls back to its own default,
+// often another value, for a key that is absent).
+void expect_transformers_reads(const kmamba::ModelConfig& c, const std::string& text) {
+  const nlohmann::json j = kmamba::parse_json(kmamba::spell_python_infinities(text), "written config.json");
+  const bool m2 = c.mixer == kmamba::MixerKind::Mamba2;
+  const std::vector<std::pair<const char*, nlohmann::json>> expected_common = {
+      {"model_type", m2 ? "mamba2" : "mamba"},
+      {"hidden_size", c.d_model},
+      {"num_hidden_layers", c.n_layer},
+      {"vocab_size", c.padded_vocab_size()},
+      {"state_size", c.d_state},
+      {"expand", c.expand},
+      {"conv_kernel", c.d_conv},
+      {"layer_norm_epsilon", c.norm_epsilon},
+      {"use_bias", c.bias},
+      {"use_conv_bias", c.conv_bias},
+      {"hidden_act", "silu"},
+      {"residual_in_fp32", c.residual_in_fp32},
+      {"tie_word_embeddings", c.tie_embeddings},
+      {"time_step_rank", c.resolved_dt_rank()},
+      {"time_step_min", c.dt_min},
+      {"time_step_max", c.dt_max},
+      {"time_step_floor", c.dt_init_floor},
+      {"initializer_range", c.initializer_range},
+      {"pad_token_id", c.pad_token_id},
+      {"bos_token_id", c.bos_token_id},
+      {"eos_token_id", c.eos_token_id},
+      // transformers 5 runs _init_weights after loading; true would divide the loaded out_proj.
+      {"rescale_prenorm_residual", false}};
+  for (const auto& [key, value] : expected_common) {
+    ASSERT_TRUE(j.contains(key)) << key;
+    EXPECT_EQ(j[key], value) << key;
+  }
+  if (m2) {
+    // intermediate_size = expand * hidden_size in transformers; its heads must tile it exactly.
+    EXPECT_EQ(j["num_heads"].get<long long>() * j["head_dim"].get<long long>(), c.d_inner());
+    EXPECT_EQ(j["num_heads"], c.num_heads());
+    EXPECT_EQ(j["head_dim"], c.headdim);
+    EXPECT_EQ(j["n_groups"], c.ngroups);
+    EXPECT_EQ(j["chunk_size"], c.chunk_size);
+    EXPECT_EQ(j["rms_norm"], true);
+    const auto bound = [](double v) {
+      return std::isinf(v) ? nlohmann::json{{"__float__", v > 0 ? "Infinity" : "-Infinity"}} : nlohmann::json(v);
+    };
+    EXPECT_EQ(j["time_step_limit"], nlohmann::json::array({bound(c.dt_limit_min), bound(c.dt_limit_max)}));
+    // transformers' gated norm multiplies by silu(gate) before normalising, always.
+    EXPECT_FALSE(c.norm_before_gate);
+  } else {
+    EXPECT_EQ(j["intermediate_size"], c.d_inner());
+    EXPECT_EQ(j["time_step_scale"], c.dt_scale);
+    EXPECT_EQ(j["time_step_init_scheme"], c.dt_init_random ? "random" : "constant");
+  }
+}
+
+TEST(Config, WritesEveryKeyTransformersReadsForNewModels) {
+  for (const auto mixer : {kmamba::MixerKind::Mamba1, kmamba::MixerKind::Mamba2}) {
+    const kmamba::ModelConfig c = new_model(mixer);
+    ASSERT_TRUE(c.rescale_prenorm_residual);  // the initialisation kmamba used
+    SCOPED_TRACE(kmamba::mixer_name(mixer));
+    expect_transformers_reads(c, c.to_hf_json());
+    const auto back = kmamba::ModelConfig::from_json(c.to_hf_json(), "round trip");
+    EXPECT_EQ(back.to_hf_json(), c.to_hf_json());
+    EXPECT_EQ(back.dt_limit_min, c.dt_limit_min);
+    EXPECT_EQ(back.dt_limit_max, c.dt_limit_max);
+  }
+  for (const char* name : {"tiny_mamba1", "tiny_mamba2"}) {
+    SCOPED_TRACE(name);
+    const auto c = kmamba::ModelConfig::load(kmamba::test::golden_dir() + "/" + name + "/config.json");
+    expect_transformers_reads(c, c.to_hf_json());
+  }
+}
+
 TEST(Config, AcceptsEveryInfinitySpelling) {
-  for (const char* inf : {R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
+  for (const char* inf : {"Infinity", R"({"__float__": "Infinity"})", R"("inf")", R"("Infinity")"}) {
     const auto c = kmamba::ModelConfig::from_json(
         std::string(R"({"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 1,
                         "num_hidden_layers": 1, "vocab_size": 10, "time_step_limit": [0.0, )") +
@@ -112,6 +202,33 @@ TEST(Config, AcceptsEveryInfinitySpelling) {
         "inf");
     EXPECT_TRUE(std::isinf(c.dt_limit_max)) << inf;
   }
+}
+
+TEST(Config, WritesTimeStepLimitAsBothTransformersLinesReadIt) {
+  // Python's json (transformers 4 and 5) reads the bare token; transformers 4 passes the value to
+  // torch.clamp, which a {"__float__": ...} object would reach as a dict.
+  const kmamba::ModelConfig c = new_model(kmamba::MixerKind::Mamba2);
+  const std::string text = c.to_hf_json();
+  EXPECT_NE(text.find("\"time_step_limit\": [\n    0.0,\n    Infinity\n  ]"), std::string::npos) << text;
+  EXPECT_EQ(text.find("__float__"), std::string::npos) << text;
+  EXPECT_EQ(text.find("kmamba:"), std::string::npos) << text;
+  auto finite = c;
+  finite.dt_limit_min = 0.001;
+  finite.dt_limit_max = 0.5;
+  const auto back = kmamba::ModelConfig::from_json(finite.to_hf_json(), "finite limits");
+  EXPECT_EQ(back.dt_limit_min, 0.001);
+  EXPECT_EQ(back.dt_limit_max, 0.5);
+  // The token is only replaced outside strings, and -Infinity is read as a number too.
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_act": "Infinity", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10})",
+      "field 'hidden_act' is \"Infinity\"");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_act": "a\"Infinity", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10})",
+      R"(field 'hidden_act' is "a"Infinity")");
+  expect_config_error(
+      R"({"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 10, "num_heads": 8,
+          "head_dim": 16, "n_groups": 1, "time_step_limit": [-Infinity, Infinity]})",
+      "need 0 <= dt_limit min < max, got [-inf, inf]");
 }
 
 TEST(Config, RejectsInconsistentConfigsWithClearErrors) {

@@ -127,6 +127,36 @@ inline nlohmann::json parse_json(const std::string& text, const std::string& sou
   }
 }
 
+/// `text` with the bare tokens Infinity and -Infinity outside strings spelt {"__float__": "Infinity"}
+/// and {"__float__": "-Infinity"}, the form transformers 5 writes. Python's json module writes and
+/// reads the bare tokens (transformers 4 writes them in config.json); JSON has no such tokens.
+inline std::string spell_python_infinities(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (in_string) {
+      out += ch;
+      if (ch == '\\' && i + 1 < text.size()) {
+        out += text[++i];
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') in_string = true;
+    const bool negative = text.compare(i, 9, "-Infinity") == 0;
+    if (negative || text.compare(i, 8, "Infinity") == 0) {
+      out += negative ? R"({"__float__": "-Infinity"})" : R"({"__float__": "Infinity"})";
+      i += negative ? 8 : 7;
+      continue;
+    }
+    out += ch;
+  }
+  return out;
+}
+
 /// `value` as JSON text for an error message, cut to about `max_chars` characters ("..." marks a cut).
 inline std::string quote_json(const nlohmann::json& value, std::size_t max_chars = 60) {
   std::string out;

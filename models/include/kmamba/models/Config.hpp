@@ -73,7 +73,10 @@ struct ModelConfig {
   static ModelConfig from_json(const std::string& json_text, const std::string& source);
   /// Reads and parses a config.json file (a regular file of at most 16 MB).
   static ModelConfig load(const std::string& path);
-  /// The HF layout (MambaForCausalLM / Mamba2ForCausalLM), as transformers writes it.
+  /// The HF layout (MambaForCausalLM / Mamba2ForCausalLM), as transformers writes it, for
+  /// transformers 4 and 5: rescale_prenorm_residual false (an initialisation setting, which
+  /// transformers 5 would apply to the loaded out_proj weights) and an infinite time_step_limit
+  /// bound as Python's json writes it, the bare token Infinity (from_json reads it).
   std::string to_hf_json() const;
   /// Writes to_hf_json() to `path` through kmamba::write_output_file (atomically for a regular file).
   void save(const std::string& path) const;
