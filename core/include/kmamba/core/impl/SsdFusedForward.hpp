@@ -29,8 +29,8 @@
 #define KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
-#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
+#include <kmamba/core/impl/WarpTeamLaunch.hpp>
 #include <kmamba/core/impl/WarpTile.hpp>
 #include <kmamba/core/Math.hpp>
 
@@ -140,7 +140,6 @@ struct SsdSegments {
 /// and writes only its end state and decay; otherwise the forward proper.
 template <class ExecSpace, class MemorySpace, int N, bool StatesOnly>
 struct SsdFusedForwardFunctor {
-  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
   using Layout = SsdFusedLayout<N>;
   static constexpr int Q = Layout::Q, P = Layout::P, state_blocks = N / warp_tile_rows;
@@ -168,8 +167,7 @@ struct SsdFusedForwardFunctor {
     float* decay_to_end;
   };
 
-  KOKKOS_INLINE_FUNCTION Tiles tiles(const member_type& team) const {
-    auto* base = static_cast<char*>(team.team_scratch(0).get_shmem(static_cast<std::size_t>(Layout::bytes)));
+  KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
     auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
     return Tiles{ScratchTile{u16 + Layout::c_offset, Layout::ldn},
@@ -357,12 +355,12 @@ struct SsdFusedForwardFunctor {
     });
   }
 
-  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
-    const int seg = team.league_rank() % segments.count, bh = team.league_rank() / segments.count;
+  KOKKOS_INLINE_FUNCTION void operator()(const WarpTeamContext& ctx) const {
+    const int seg = ctx.league_rank % segments.count, bh = ctx.league_rank / segments.count;
     const int b = bh / plan.nheads, h = bh % plan.nheads;
     const int g = h / plan.heads_per_group;
-    const int thread = team.team_rank();  // of Team::threads (ssd_fused_launch)
-    const Tiles sm = tiles(team);
+    const int thread = ctx.thread;  // of Team::threads (ssd_fused_launch)
+    const Tiles sm = tiles(ctx.scratch);
     const float rate = in.decay_rate(h);
     StateAccum H[slots];
     load_state(thread, b, h, seg, H);
@@ -373,16 +371,16 @@ struct SsdFusedForwardFunctor {
       if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
       SsdRowShare<Q, P, Team::threads> xs;
       stage_chunk(sm, thread, b, h, g, t0, len, rate, xs, H);
-      team.team_barrier();
+      ctx.barrier();
       xs.store(thread, sm.x, [&](int t) { return sm.delta[t]; });
       log_decay += sm.cum[Q - 1];
       if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { scores(sm, w, lane); });
-      team.team_barrier();
+      ctx.barrier();
       if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { output(sm, w, lane, b, h, t0, len); });
       decay_b(sm, thread);
-      team.team_barrier();
+      ctx.barrier();
       Team::for_each_warp(thread, [&](int slot, int w, int lane) { update_state(sm, w, lane, H[slot]); });
-      team.team_barrier();
+      ctx.barrier();
     }
     store_state(thread, b, h, seg, H);
     if (StatesOnly && thread == 0) segments.decay(b, h, seg) = kmamba::math::exp(log_decay);
@@ -429,11 +427,10 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                       const SsdSegments<MemorySpace>& segments) {
   using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly>;
-  using Policy = Kokkos::TeamPolicy<ExecSpace, Kokkos::LaunchBounds<Functor::Team::threads, 2>>;
-  Policy policy(exec, plan.batch * plan.nheads * segments.count, Functor::Team::threads, 1);
-  policy.set_scratch_size(0, Kokkos::PerTeam(Functor::Layout::bytes));
-  Kokkos::parallel_for(StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
-                       light_weight(policy), Functor{in, plan, out, final_states, segments});
+  WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
+      exec, StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
+      plan.batch * plan.nheads * segments.count, Functor::Layout::bytes,
+      Functor{in, plan, out, final_states, segments});
 }
 
 /// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of
