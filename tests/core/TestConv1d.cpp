@@ -14,6 +14,7 @@
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 
 #include <gtest/gtest.h>
 
@@ -66,38 +67,6 @@ std::vector<Problem> sweep() {
     }
   }
   return problems;
-}
-
-// Packed sequence ids (batch, seqlen), row-major: row b's documents start at the positions of
-// starts[b % 3] below seqlen (documents of 1 and 2 tokens, one at the row's end, and a last one
-// shorter than the widest conv state); ids need not increase, only differ from the previous one.
-std::vector<std::int64_t> packed_ids(int batch, int seqlen) {
-  const std::vector<std::vector<int>> starts = {{1, 3, 4, 20, 35}, {2, 9, 10, seqlen - 1}, {5, 6, 7, 8}};
-  std::vector<std::int64_t> ids;
-  for (int b = 0; b < batch; ++b) {
-    std::int64_t id = 3 + b;
-    for (int t = 0; t < seqlen; ++t) {
-      for (int start : starts[b % 3]) {
-        if (start == t) id = (id * 7 + 5) % 11;
-      }
-      ids.push_back(id);
-    }
-  }
-  return ids;
-}
-
-// The documents [t0, t1) of row b of packed ids.
-std::vector<std::pair<int, int>> documents(const std::vector<std::int64_t>& ids, int seqlen, int b) {
-  std::vector<std::pair<int, int>> docs;
-  int t0 = 0;
-  for (int t = 1; t <= seqlen; ++t) {
-    if (t == seqlen ||
-        ids[static_cast<std::size_t>(b) * seqlen + t] != ids[static_cast<std::size_t>(b) * seqlen + t - 1]) {
-      docs.emplace_back(t0, t);
-      t0 = t;
-    }
-  }
-  return docs;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -329,14 +298,7 @@ struct DeviceInputs {
       kmamba::fill_normal(exec, dfinal, seed + 6, 0.0f, 1.0f);
     }
     exec.fence();
-    if (p.packed) {
-      seq = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", p.batch,
-                                                                               p.seqlen);
-      const std::vector<std::int64_t> ids = packed_ids(p.batch, p.seqlen);
-      auto h = Kokkos::create_mirror_view(seq);
-      std::copy(ids.begin(), ids.end(), h.data());
-      Kokkos::deep_copy(seq, h);
-    }
+    if (p.packed) seq = device_packed_ids<Mem>(p.batch, p.seqlen);
   }
 
   RefInputs reference() const {
