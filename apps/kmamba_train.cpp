@@ -224,7 +224,9 @@ std::string describe_data(const Run& r, const kmamba::Dataset& data) {
   } else {
     const auto& tokens = static_cast<const kmamba::TokenDataset&>(data);
     s << tokens.source() << " (" << tokens.size(kmamba::Split::Train) << " + " << tokens.size(kmamba::Split::Validation)
-      << " held-out tokens, vocab " << tokens.vocab_size() << ", seqlen " << tokens.seqlen() << ")";
+      << " held-out tokens, vocab " << tokens.vocab_size() << ", seqlen " << tokens.seqlen();
+    if (r.tokens.document_end >= 0) s << ", documents packed, ended by token " << r.tokens.document_end;
+    s << ")";
   }
   return s.str();
 }
