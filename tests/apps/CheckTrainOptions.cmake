@@ -52,5 +52,5 @@ train(0 "documents packed, ended by token 10.*done: 2 steps" --data ${OUT}/lines
       ${small} --out ${OUT}/packed)
 train(2 "--pack-documents packs the documents of --data; the recall task has none" --pack-documents 10 --steps 1
       --out ${OUT}/packed_recall)
-train(2 "not supported by Mamba3 models" --data ${OUT}/lines.txt --pack-documents 10 --mixer mamba3 --steps 1
+train(2 "--pack-documents: packed documents are not supported by Mamba3 models" --data ${OUT}/lines.txt --pack-documents 10 --mixer mamba3 --steps 1
       ${small} --headdim 8 --out ${OUT}/packed_mamba3)

@@ -157,7 +157,6 @@ class Mixer {
   /// BFloat16 leaves them in Float32.
   void set_matmul_precision(MatmulPrecision precision) { matmul_precision_ = precision; }
   MatmulPrecision matmul_precision() const { return matmul_precision_; }
-
   /// The precision of the Mamba-3 scans' chunk products that goes with matmul_precision():
   /// TensorFloat32 for TensorFloat32, Float32 otherwise (they have no bf16 form).
   MatmulPrecision scan_matmul_precision() const {

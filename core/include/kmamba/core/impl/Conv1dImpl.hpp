@@ -164,7 +164,7 @@ struct Conv1dWindow {
   float tap[MaxWidth];
   float window[MaxWidth];
   int first_tap;   // the slot of tap 0
-  int first_read;  // before the first step: the slot, before the shift, that the first step's reads begin at
+  int first_read;  // the first slot time t reads; before the first step, one past time t0's (the shift moves it)
 
   // The taps of channel c and the inputs before t0 (initial state included).
   KOKKOS_INLINE_FUNCTION Conv1dWindow(const Conv1dInput<MemorySpace>& in, int b, int t0, int c)
