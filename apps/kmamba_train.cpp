@@ -224,7 +224,9 @@ std::string describe_data(const Run& r, const kmamba::Dataset& data) {
   } else {
     const auto& tokens = static_cast<const kmamba::TokenDataset&>(data);
     s << tokens.source() << " (" << tokens.size(kmamba::Split::Train) << " + " << tokens.size(kmamba::Split::Validation)
-      << " held-out tokens, vocab " << tokens.vocab_size() << ", seqlen " << tokens.seqlen() << ")";
+      << " held-out tokens, vocab " << tokens.vocab_size() << ", seqlen " << tokens.seqlen();
+    if (r.tokens.document_end >= 0) s << ", documents packed, ended by token " << r.tokens.document_end;
+    s << ")";
   }
   return s.str();
 }
@@ -518,6 +520,9 @@ template <class Exec>
 int train(Run& r, const CLI::App& cli, kmamba::app::Runtime& runtime) {
   std::shared_ptr<const kmamba::Dataset> data = make_data(r);
   const kmamba::ModelConfig config = architecture(r);
+  KMAMBA_REQUIRE(r.tokens.document_end < 0 || config.mixer != kmamba::MixerKind::Mamba3,
+                 "kmamba-train: --pack-documents: packed documents are not supported by Mamba3 models yet (their "
+                 "scans take no sequence ids); mamba1 and mamba2 models take them");
   kmamba::TokenizerFiles tokenizer = tokenizer_files(r, config);
   Parallel parallel = make_parallel<Exec>(r, config, runtime);
   // One run per directory: a second kmamba-train on it stops here, naming this one's process id.

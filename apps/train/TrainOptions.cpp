@@ -86,6 +86,10 @@ void declare_data(CLI::App& cli) {
   option(cli, g, "--vocab-size", "N", "recall: vocabulary size (default 64)", count_from(2));
   option(cli, g, "--validation-fraction", "X", "text/token data: held-out tail, in [0, 1) (default 0.1)",
          number_in(0, 1, Ends::HighOpen));
+  option(cli, g, "--pack-documents", "EOD",
+         "text/token data: rows of packed documents, each ended by token EOD (kmamba-tokenize's end-of-document "
+         "id): no conv, state or target crosses from one document into the next (mamba1, mamba2)",
+         integer_in(0, int_max));
 }
 
 // The rope fractions Mamba-3 takes (ModelConfig::validate): half of the state dimensions or all.
@@ -251,9 +255,12 @@ void resolve_data(const TrainOptions& o, Run& r) {
         static_cast<int>(o.integer("queries", std::max<std::int64_t>(1, seqlen - 2 * r.recall.num_kv_pairs)));
     r.recall.seed = r.train.seed;
     r.recall.validate();
+    KMAMBA_REQUIRE(!o.has("pack-documents"),
+                   "kmamba-train: --pack-documents packs the documents of --data; the recall task has none");
   } else {
     KMAMBA_REQUIRE(!o.has("kv-pairs") && !o.has("vocab-size") && !o.has("queries"),
                    "kmamba-train: --kv-pairs, --queries and --vocab-size configure the recall task, not --data");
+    r.tokens.document_end = o.integer("pack-documents", -1);
     r.tokens.seqlen = seqlen;
     r.tokens.validation_fraction = o.number("validation-fraction", 0.1);
     r.tokens.seed = r.train.seed;

@@ -201,6 +201,10 @@ TokenDataset::TokenDataset(std::vector<std::uint32_t> tokens, int vocab_size, co
   KMAMBA_REQUIRE(config_.validation_fraction >= 0.0 && config_.validation_fraction < 1.0,
                  "kmamba::TokenDataset: validation_fraction must lie in [0, 1), got " << config_.validation_fraction);
   KMAMBA_REQUIRE(!tokens_.empty(), "kmamba::TokenDataset: " << source_ << " holds no tokens");
+  KMAMBA_REQUIRE(config_.document_end >= -1 && config_.document_end < vocab_size_,
+                 "kmamba::TokenDataset: " << source_ << ": the end-of-document token " << config_.document_end
+                                          << " is not below the vocabulary size " << vocab_size_
+                                          << " (-1: no documents)");
   for (std::size_t i = 0; i < tokens_.size(); ++i) {
     KMAMBA_REQUIRE(tokens_[i] < static_cast<std::uint32_t>(vocab_size_),
                    "kmamba::TokenDataset: " << source_ << ": token " << i << " is " << tokens_[i]
@@ -262,13 +266,23 @@ TokenBatch TokenDataset::batch(Split split, std::int64_t index, std::int64_t bat
   const std::int64_t begin = split == Split::Train ? 0 : train_size_;
   const std::int64_t seqlen = config_.seqlen;
   const auto starts = static_cast<std::uint64_t>(n - seqlen);  // windows of seqlen + 1 tokens
+  const bool packed = config_.document_end >= 0;
   TokenBatch out = allocate_batch(batch_size, seqlen);
+  if (packed) {
+    out.seq_idx =
+        allocate_uninitialized<Tensor2<std::int64_t, Kokkos::HostSpace>>("kmamba::data::seq_idx", batch_size, seqlen);
+  }
   for (std::int64_t b = 0; b < batch_size; ++b) {
     SequenceRandom random(config_.seed, stream_tag(2, split), static_cast<std::uint64_t>(index * batch_size + b));
     const std::int64_t start = begin + static_cast<std::int64_t>(random.below(starts));
+    std::int64_t document = 0;  // end-of-document tokens before t in the window
     for (std::int64_t t = 0; t < seqlen; ++t) {
-      out.ids(b, t) = tokens_[static_cast<std::size_t>(start + t)];
-      out.targets(b, t) = tokens_[static_cast<std::size_t>(start + t + 1)];
+      const std::int64_t id = tokens_[static_cast<std::size_t>(start + t)];
+      const bool ends_document = packed && id == config_.document_end;
+      out.ids(b, t) = id;
+      out.targets(b, t) = ends_document ? ignore_index : tokens_[static_cast<std::size_t>(start + t + 1)];
+      if (packed) out.seq_idx(b, t) = document;
+      if (ends_document) ++document;
     }
   }
   return out;
@@ -285,7 +299,9 @@ std::string TokenDataset::fingerprint() const {
   std::ostringstream s;
   s << "tokens(count=" << tokens_.size() << ", vocab_size=" << vocab_size_ << ", fnv1a=" << hex64(hash)
     << ", seqlen=" << config_.seqlen << ", validation_fraction=" << config_.validation_fraction
-    << ", seed=" << config_.seed << ")";
+    << ", seed=" << config_.seed;
+  if (config_.document_end >= 0) s << ", document_end=" << config_.document_end;
+  s << ")";
   return s.str();
 }
 

@@ -486,6 +486,8 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const Activations& a = act_;
+  const ConstTensor2<std::int64_t, Mem>& seq_idx =
+      this->sequence_ids(function, batch, static_cast<std::int64_t>(u.extent(1)));
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -502,7 +504,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   // xc = silu(conv(x) + bias), from and into the cache's conv window when there is one
   const Tensor3<float, Mem> conv_state = cache != nullptr ? cache->conv : Tensor3<float, Mem>();
   causal_conv1d(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, conv_state,
-                impl::mamba1_token_tensor(a.xc, batch), conv_state, Conv1dActivation::silu);
+                impl::mamba1_token_tensor(a.xc, batch), conv_state, Conv1dActivation::silu, seq_idx);
   // [dt | B | C] = xc·x_projᵀ;  delta = dt·dt_projᵀ
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_dt, 0.0f, a.dt);
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_bc, 0.0f, a.bc);
@@ -518,6 +520,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
       impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
   const Tensor3<float, Mem> ssm_state = cache != nullptr ? cache->ssm : Tensor3<float, Mem>();
   scan.initial_state = ssm_state;
+  scan.seq_idx = seq_idx;
   selective_scan_forward(exec, scan, a.y_channels, ssm_state);
   // out = y·out_projᵀ (+ bias)
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::y_to_tokens", a.y, 0, a.y_channels);
@@ -629,6 +632,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const impl::Mamba1Tensors<Mem> g = impl::mamba1_tensors(function, slab, prefix_, dims, true);
+  const ConstTensor2<std::int64_t, Mem>& seq_idx = this->sequence_ids(function, batch, seqlen);
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -650,8 +654,9 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   // The selective scan, channel-major.
   const Tensor3<float, Mem> dy_channels = channels("kmamba::mamba1::dy_channels");
   impl::mamba1_relayout<true>(exec, "kmamba::mamba1::dy_to_channels", dy, 0, dy_channels);
-  const SelectiveScanArgs<Mem> scan =
+  SelectiveScanArgs<Mem> scan =
       impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
+  scan.seq_idx = seq_idx;
   SelectiveScanGrads<Mem> sg;
   sg.du = channels("kmamba::mamba1::dxc_channels");
   sg.ddelta = channels("kmamba::mamba1::ddelta_channels");
@@ -697,7 +702,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   causal_conv1d_backward(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias,
                          ConstTensor3<float, Mem>(), impl::mamba1_token_tensor(dxc, batch), ConstTensor3<float, Mem>(),
                          impl::mamba1_token_tensor(dx, batch), dconv_weight, dconv_bias, Tensor3<float, Mem>(),
-                         Conv1dActivation::silu);
+                         Conv1dActivation::silu, seq_idx);
   Kokkos::parallel_for(
       "kmamba::mamba1::conv_parameter_gradients", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
       impl::Mamba1AddConvGradients<Mem>{dconv_weight, dconv_bias, g.conv_weight, g.conv_bias, dims.conv_bias});

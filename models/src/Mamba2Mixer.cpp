@@ -359,6 +359,16 @@ void Mamba2Mixer<ExecutionSpace>::project_segments(const ExecutionSpace& exec, c
 }
 
 template <class ExecutionSpace>
+const ConstTensor2<std::int64_t, typename Mamba2Mixer<ExecutionSpace>::memory_space>&
+Mamba2Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
+  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
+  KMAMBA_REQUIRE(!seq_idx.is_allocated() || parallel_.sequence_size() == 1,
+                 function << ": packed sequence ids (seq_idx) with sequence parallelism (" << parallel_.sequence_size()
+                          << " ranks) are not supported: a rank's segment may not start a document");
+  return seq_idx;
+}
+
+template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
                                               const Matrix& out, Activations& a, Cache* cache) const {
   using Mem = memory_space;
@@ -367,6 +377,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const bool split_sequence = parallel_.sequence_size() > 1;
   const Communicator* const sequence = parallel_.sequence;
   const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+  const ConstTensor2<std::int64_t, Mem>& seq_idx = packed_sequence_ids("kmamba::Mamba2Mixer::forward", batch, seqlen);
 
   impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
@@ -392,13 +403,14 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
                         : Tensor3<float, Mem>();
     }
     causal_conv1d(exec, as_sequence(a.pre[s], batch, seqlen), rows_of<Mem>(conv_w, channel, width, d_conv_), bias,
-                  initial, as_sequence(a.act[s], batch, seqlen), final_state, Conv1dActivation::silu);
+                  initial, as_sequence(a.act[s], batch, seqlen), final_state, Conv1dActivation::silu, seq_idx);
     if (split_sequence && next != no_peer) sequence->send(exec, final_state, next);
   }
 
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   args.matmul_precision = this->ssd_matmul_precision();
+  args.seq_idx = seq_idx;
   Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
   args.initial_states = final_states;
   if (split_sequence) {  // the state entering this segment, from the previous rank
@@ -433,6 +445,7 @@ void Mamba2Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba2Mixer::forward";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  packed_sequence_ids(function, batch, seqlen);
   impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
@@ -531,6 +544,7 @@ void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   args.matmul_precision = this->ssd_matmul_precision();
+  args.seq_idx = packed_sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen);
   // Sequence parallel: the gradient of this segment's final state comes back from the next rank,
   // the gradient of its initial state goes to the previous one.
   Tensor4<float, Mem> dfinal_states;
@@ -590,7 +604,8 @@ void Mamba2Mixer<ExecutionSpace>::backward_conv(const ExecutionSpace& exec, cons
                            rows_of<Mem>(conv_w, channel, segment_widths_[s], d_conv_), bias, kept_.conv_initial[s],
                            as_sequence(dact[s], batch, seqlen), dfinal_state, as_sequence(dpre[s], batch, seqlen),
                            rows_of<Mem>(dconv_weight.data(), channel, segment_widths_[s], d_conv_), dbias,
-                           dinitial_state, Conv1dActivation::silu);
+                           dinitial_state, Conv1dActivation::silu,
+                           packed_sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen));
     if (previous != no_peer) parallel_.sequence->send(exec, dinitial_state, previous);
   }
   accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()),
@@ -667,6 +682,7 @@ void Mamba2Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba2Mixer::prefill";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  packed_sequence_ids(function, batch, seqlen);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
   impl::check_whole_sequences(function, parallel_);

@@ -341,6 +341,11 @@ template <class ExecutionSpace>
 void SequenceModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
   state_->backbone.set_activation_checkpointing(on);
 }
+
+template <class ExecutionSpace>
+void SequenceModel<ExecutionSpace>::set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
+  state_->backbone.set_sequence_ids("kmamba::SequenceModel::set_sequence_ids", seq_idx);
+}
 template <class ExecutionSpace>
 bool SequenceModel<ExecutionSpace>::activation_checkpointing() const {
   return state_->backbone.activation_checkpointing();

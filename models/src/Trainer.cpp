@@ -18,6 +18,10 @@ void check_batch(const char* function, const TokenBatch& b, std::size_t i) {
   KMAMBA_REQUIRE(b.ids.extent(0) == b.targets.extent(0) && b.ids.extent(1) == b.targets.extent(1),
                  function << ": batch " << i << " has ids (" << b.ids.extent(0) << ", " << b.ids.extent(1)
                           << ") but targets (" << b.targets.extent(0) << ", " << b.targets.extent(1) << ")");
+  KMAMBA_REQUIRE(
+      !b.seq_idx.is_allocated() || (b.ids.extent(0) == b.seq_idx.extent(0) && b.ids.extent(1) == b.seq_idx.extent(1)),
+      function << ": batch " << i << " has ids (" << b.ids.extent(0) << ", " << b.ids.extent(1) << ") but seq_idx ("
+               << b.seq_idx.extent(0) << ", " << b.seq_idx.extent(1) << ")");
 }
 
 }  // namespace
@@ -191,13 +195,27 @@ TokenBatch Trainer<ExecutionSpace>::sequence_segment_of(const TokenBatch& b) con
   TokenBatch out;
   out.ids = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_ids", rows, segment.length);
   out.targets = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_targets", rows, segment.length);
+  if (b.seq_idx.is_allocated()) {
+    out.seq_idx = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_seq_idx", rows, segment.length);
+  }
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t t = 0; t < segment.length; ++t) {
       out.ids(r, t) = b.ids(r, segment.begin + t);
       out.targets(r, t) = b.targets(r, segment.begin + t);
+      if (b.seq_idx.is_allocated()) out.seq_idx(r, t) = b.seq_idx(r, segment.begin + t);
     }
   }
   return out;
+}
+
+template <class ExecutionSpace>
+std::pair<ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>,
+          ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>>
+Trainer<ExecutionSpace>::upload(const TokenBatch& b) {
+  model_.set_sequence_ids(b.seq_idx.is_allocated() ? Kokkos::create_mirror_view_and_copy(memory_space(), b.seq_idx)
+                                                   : ConstTensor2<std::int64_t, memory_space>());
+  return {Kokkos::create_mirror_view_and_copy(memory_space(), b.ids),
+          Kokkos::create_mirror_view_and_copy(memory_space(), b.targets)};
 }
 
 template <class ExecutionSpace>
@@ -245,9 +263,7 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
 #if KMAMBA_ENABLE_MPI
     if (data_parallel_ && i == last) data_parallel_->begin_reduction(model_.parameters());
 #endif
-    const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
-    const ConstTensor2<std::int64_t, memory_space> targets =
-        Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
+    const auto [ids, targets] = upload(b);
     const LossResult r =
         model_.loss_and_backward(exec_, ids, targets, static_cast<double>(tokens) / static_cast<double>(total));
     KMAMBA_ASSERT(r.tokens == tokens,
@@ -256,6 +272,7 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     result.tokens += r.tokens;
     result.correct += r.correct;
   }
+  model_.set_sequence_ids({});  // the model's later calls (generation, saving) see whole rows
   result.tokens = sum_over_data(result.tokens);
   result.correct = sum_over_data(result.correct);
   result.input_tokens = sum_over_data(result.input_tokens);
@@ -310,14 +327,13 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
     check_batch(function, batches[i], i);
     const TokenBatch b = sequence != nullptr ? sequence_segment_of(batches[i]) : batches[i];
     if (b.predicted_tokens() == 0 && sequence == nullptr) continue;
-    const ConstTensor2<std::int64_t, memory_space> ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
-    const ConstTensor2<std::int64_t, memory_space> targets =
-        Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
+    const auto [ids, targets] = upload(b);
     const LossResult r = model_.loss(exec_, ids, targets);
     if (r.tokens > 0) loss_sum += r.loss * static_cast<double>(r.tokens);
     total.tokens += r.tokens;
     total.correct += r.correct;
   }
+  model_.set_sequence_ids({});
   if (sequence != nullptr) {  // the segments' sums make the sequences'
     loss_sum = sequence->all_reduce_value(loss_sum);
     total.tokens = sequence->all_reduce_value(total.tokens);

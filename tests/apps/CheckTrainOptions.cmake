@@ -3,7 +3,9 @@
 # - --resume with an architecture option that differs from the checkpoint's fails with 2 naming it;
 # - --resume without run.json fails with 2 instead of continuing on default options;
 # - --resume with run.json continues the run to its --steps;
-# - --resume reads metrics.jsonl as a regular file of records.
+# - --resume reads metrics.jsonl as a regular file of records;
+# - --pack-documents trains on packed documents of --data (here the lines of a text file, ended by
+#   '\n' = byte 10), is refused for the recall task and by a Mamba-3 model.
 #   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckTrainOptions.cmake
 file(REMOVE_RECURSE ${OUT})
 file(MAKE_DIRECTORY ${OUT})
@@ -43,3 +45,12 @@ train(0 "dropped 3 line\\(s\\) of '[^']*metrics.jsonl' that are not metrics reco
       --resume --out ${OUT}/run --steps 6)
 file(RENAME ${OUT}/run/run.json ${OUT}/run.json.saved)
 train(2 "run.json' is missing; it holds the run's options" --resume --out ${OUT}/run --steps 7)
+
+string(REPEAT "the quick brown fox jumps\nover\na lazy dog, twice over the fence\n" 40 lines)
+file(WRITE ${OUT}/lines.txt "${lines}")
+train(0 "documents packed, ended by token 10.*done: 2 steps" --data ${OUT}/lines.txt --pack-documents 10 --steps 2
+      ${small} --out ${OUT}/packed)
+train(2 "--pack-documents packs the documents of --data; the recall task has none" --pack-documents 10 --steps 1
+      --out ${OUT}/packed_recall)
+train(2 "--pack-documents: packed documents are not supported by Mamba3 models" --data ${OUT}/lines.txt --pack-documents 10 --mixer mamba3 --steps 1
+      ${small} --headdim 8 --out ${OUT}/packed_mamba3)

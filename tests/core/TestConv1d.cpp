@@ -4,21 +4,27 @@
 // Tolerances: kernel (fp32) vs reference (double) |got - ref| <= 1e-5 * (1 + |ref|); the
 // reference's own gradients vs central finite differences (double, h = 1e-5) within
 // 1e-6 * (1 + |g|). Kernel outputs are poisoned with NaN before every run, so an element a
-// kernel leaves unwritten fails the comparison.
+// kernel leaves unwritten fails the comparison. A packed row and its documents run one by one
+// add the same products in the same order (a tap that does not read adds nothing), so their
+// outputs and input gradients agree exactly; only the weight gradients, summed over the batch
+// in another grouping, differ by rounding.
 #include <kmamba/core/Conv1d.hpp>
 #include <kmamba/core/Core.hpp>
 
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -35,11 +41,13 @@ constexpr double fd_step = 1e-5;
 struct Problem {
   int batch, seqlen, channels, width;
   bool bias, silu, initial_state, final_state;
+  bool packed = false;  // seq_idx from packed_ids
 
   std::string name() const {
     std::ostringstream os;
     os << "batch=" << batch << " seqlen=" << seqlen << " channels=" << channels << " width=" << width
-       << " bias=" << bias << " silu=" << silu << " initial_state=" << initial_state << " final_state=" << final_state;
+       << " bias=" << bias << " silu=" << silu << " initial_state=" << initial_state << " final_state=" << final_state
+       << " packed=" << packed;
     return os.str();
   }
   Conv1dActivation activation() const { return silu ? Conv1dActivation::silu : Conv1dActivation::none; }
@@ -47,14 +55,14 @@ struct Problem {
 };
 
 // Widths 2, 3, 4; seqlen 1, 2 (< width - 1 for width 4), 3 (= width - 1 for width 4) and 37;
-// every combination of bias, SiLU, initial state and final state (with its gradient).
+// every combination of bias, SiLU, initial state, final state (with its gradient) and packing.
 std::vector<Problem> sweep() {
   std::vector<Problem> problems;
   for (int width : {2, 3, 4}) {
     for (int seqlen : {1, 2, 3, 37}) {
-      for (int mask = 0; mask < 16; ++mask) {
-        problems.push_back(
-            Problem{2, seqlen, 5, width, (mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0, (mask & 8) != 0});
+      for (int mask = 0; mask < 32; ++mask) {
+        problems.push_back(Problem{2, seqlen, 5, width, (mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0,
+                                   (mask & 8) != 0, (mask & 16) != 0});
       }
     }
   }
@@ -66,10 +74,11 @@ std::vector<Problem> sweep() {
 
 struct RefInputs {
   Problem p;
-  std::vector<double> x;     // (batch, seqlen, channels)
-  std::vector<double> w;     // (channels, width)
-  std::vector<double> bias;  // (channels), empty without bias
-  std::vector<double> init;  // (batch, channels, width - 1), empty without initial state
+  std::vector<double> x;          // (batch, seqlen, channels)
+  std::vector<double> w;          // (channels, width)
+  std::vector<double> bias;       // (channels), empty without bias
+  std::vector<double> init;       // (batch, channels, width - 1), empty without initial state
+  std::vector<std::int64_t> seq;  // (batch, seqlen), empty unless packed
 };
 
 struct RefOutputs {
@@ -97,10 +106,22 @@ double ref_input(const RefInputs& in, int b, int s, int c) {
   return in.init.empty() ? 0.0 : in.init[state_index(in.p, b, c, s + in.p.width - 1)];
 }
 
+// Whether time t (up to seqlen) reads input s: no token in (s, t] before seqlen starts a document.
+bool ref_reaches(const RefInputs& in, int b, int s, int t) {
+  const int L = in.p.seqlen;
+  for (int r = std::max(s + 1, 1); r <= t && r < L && !in.seq.empty(); ++r) {
+    if (in.seq[static_cast<std::size_t>(b) * L + r] != in.seq[static_cast<std::size_t>(b) * L + r - 1]) return false;
+  }
+  return true;
+}
+
 double ref_pre(const RefInputs& in, int b, int t, int c) {
   const Problem& p = in.p;
   double pre = in.bias.empty() ? 0.0 : in.bias[c];
-  for (int k = 0; k < p.width; ++k) pre += in.w[c * p.width + k] * ref_input(in, b, t - (p.width - 1) + k, c);
+  for (int k = 0; k < p.width; ++k) {
+    const int s = t - (p.width - 1) + k;
+    if (ref_reaches(in, b, s, t)) pre += in.w[c * p.width + k] * ref_input(in, b, s, c);
+  }
   return pre;
 }
 
@@ -118,7 +139,8 @@ RefOutputs ref_forward(const RefInputs& in) {
     }
     for (int c = 0; c < p.channels; ++c) {
       for (int j = 0; j < p.state_len(); ++j) {
-        out.final_state[state_index(p, b, c, j)] = ref_input(in, b, p.seqlen - p.state_len() + j, c);
+        const int s = p.seqlen - p.state_len() + j;
+        out.final_state[state_index(p, b, c, j)] = ref_reaches(in, b, s, p.seqlen) ? ref_input(in, b, s, c) : 0.0;
       }
     }
   }
@@ -147,12 +169,16 @@ RefGrads ref_backward(const RefInputs& in, const std::vector<double>& dy, const 
         g.dbias[c] += dpre;
         for (int k = 0; k < p.width; ++k) {
           const int src = t - pad + k;
+          if (!ref_reaches(in, b, src, t)) continue;
           g.dw[c * p.width + k] += dpre * ref_input(in, b, src, c);
           dinput(b, src, c) += in.w[c * p.width + k] * dpre;
         }
       }
       if (!dfinal.empty()) {
-        for (int j = 0; j < pad; ++j) dinput(b, p.seqlen - pad + j, c) += dfinal[state_index(p, b, c, j)];
+        for (int j = 0; j < pad; ++j) {
+          const int s = p.seqlen - pad + j;
+          if (ref_reaches(in, b, s, p.seqlen)) dinput(b, s, c) += dfinal[state_index(p, b, c, j)];
+        }
       }
     }
   }
@@ -198,12 +224,14 @@ TEST(Conv1dReference, GradientsMatchFiniteDifferences) {
   std::uint64_t seed = 500;
   for (const Problem& p : sweep()) {
     SCOPED_TRACE(p.name());
-    RefInputs in{p, normal_vector(static_cast<std::size_t>(p.batch) * p.seqlen * p.channels, seed + 1),
+    RefInputs in{p,
+                 normal_vector(static_cast<std::size_t>(p.batch) * p.seqlen * p.channels, seed + 1),
                  normal_vector(static_cast<std::size_t>(p.channels) * p.width, seed + 2),
                  p.bias ? normal_vector(static_cast<std::size_t>(p.channels), seed + 3) : std::vector<double>{},
                  p.initial_state
                      ? normal_vector(static_cast<std::size_t>(p.batch) * p.channels * p.state_len(), seed + 4)
-                     : std::vector<double>{}};
+                     : std::vector<double>{},
+                 p.packed ? packed_ids(p.batch, p.seqlen) : std::vector<std::int64_t>{}};
     const std::vector<double> gy = normal_vector(in.x.size(), seed + 5);
     const std::vector<double> gfinal =
         p.final_state ? normal_vector(static_cast<std::size_t>(p.batch) * p.channels * p.state_len(), seed + 6)
@@ -239,12 +267,13 @@ template <class Exec>
 struct DeviceInputs {
   using Mem = typename Exec::memory_space;
   Problem p;
-  kmamba::Tensor3<float, Mem> x;       // (batch, seqlen, channels)
-  kmamba::Tensor2<float, Mem> w;       // (channels, width)
-  kmamba::Tensor1<float, Mem> bias;    // (channels) or empty
-  kmamba::Tensor3<float, Mem> init;    // (batch, channels, width - 1) or empty
-  kmamba::Tensor3<float, Mem> dy;      // (batch, seqlen, channels)
-  kmamba::Tensor3<float, Mem> dfinal;  // (batch, channels, width - 1) or empty
+  kmamba::Tensor3<float, Mem> x;           // (batch, seqlen, channels)
+  kmamba::Tensor2<float, Mem> w;           // (channels, width)
+  kmamba::Tensor1<float, Mem> bias;        // (channels) or empty
+  kmamba::Tensor3<float, Mem> init;        // (batch, channels, width - 1) or empty
+  kmamba::Tensor3<float, Mem> dy;          // (batch, seqlen, channels)
+  kmamba::Tensor3<float, Mem> dfinal;      // (batch, channels, width - 1) or empty
+  kmamba::Tensor2<std::int64_t, Mem> seq;  // (batch, seqlen) or empty
 
   DeviceInputs(const Problem& problem, std::uint64_t seed) : p(problem) {
     const Exec exec;
@@ -269,11 +298,16 @@ struct DeviceInputs {
       kmamba::fill_normal(exec, dfinal, seed + 6, 0.0f, 1.0f);
     }
     exec.fence();
+    if (p.packed) seq = device_packed_ids<Mem>(p.batch, p.seqlen);
   }
 
   RefInputs reference() const {
-    return RefInputs{p, host_doubles(x), host_doubles(w), p.bias ? host_doubles(bias) : std::vector<double>{},
-                     p.initial_state ? host_doubles(init) : std::vector<double>{}};
+    return RefInputs{p,
+                     host_doubles(x),
+                     host_doubles(w),
+                     p.bias ? host_doubles(bias) : std::vector<double>{},
+                     p.initial_state ? host_doubles(init) : std::vector<double>{},
+                     p.packed ? packed_ids(p.batch, p.seqlen) : std::vector<std::int64_t>{}};
   }
 };
 
@@ -291,7 +325,7 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
   if (p.final_state)
     final_state =
         poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::final_state", p.batch, p.channels, p.state_len());
-  kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y, final_state, p.activation());
+  kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y, final_state, p.activation(), d.seq);
   EXPECT_TRUE(all_close("y", ref.y, host_doubles(y)));
   if (p.final_state) {
     EXPECT_TRUE(all_close("final_state", ref.final_state, host_doubles(final_state)));
@@ -306,7 +340,8 @@ void check_against_reference(const DeviceInputs<Exec>& d) {
   kmamba::Tensor3<float, Mem> dinit;
   if (p.initial_state)
     dinit = poisoned<kmamba::Tensor3<float, Mem>>("kmamba::test::dinit", p.batch, p.channels, p.state_len());
-  kmamba::causal_conv1d_backward(exec, d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation());
+  kmamba::causal_conv1d_backward(exec, d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, p.activation(),
+                                 d.seq);
   EXPECT_TRUE(all_close("dx", g.dx, host_doubles(dx)));
   EXPECT_TRUE(all_close("dweight", g.dw, host_doubles(dw)));
   if (p.bias) {
@@ -334,7 +369,9 @@ TYPED_TEST(Conv1d, LargerProblemMatchesReference) {
   for (const Problem& p :
        {Problem{3, 257, 19, 4, true, true, true, true}, Problem{4, 130, 33, 3, false, true, false, true},
         Problem{1, 64, 8, 1, true, false, false, false}, Problem{2, 150, 7, 7, true, true, true, true},
-        Problem{2, 70, 5, kmamba::conv1d_max_width, true, true, true, true}}) {
+        Problem{2, 70, 5, kmamba::conv1d_max_width, true, true, true, true},
+        Problem{3, 257, 19, 4, true, true, true, true, true}, Problem{3, 150, 7, 7, true, true, true, true, true},
+        Problem{3, 70, 5, kmamba::conv1d_max_width, true, true, true, true, true}}) {
     SCOPED_TRACE(p.name());
     check_against_reference(DeviceInputs<Exec>(p, 77));
   }
@@ -487,6 +524,76 @@ TYPED_TEST(Conv1d, SegmentsEqualOnePass) {
   }
 }
 
+// A packed row equals its documents run one by one: the first with the row's initial state, the
+// others from a zero state; the row's final state is its last document's, and dinitial_state its
+// first document's.
+TYPED_TEST(Conv1d, PackedRowEqualsDocumentsAlone) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  const Exec exec;
+  for (int width : {2, 4, 7}) {
+    const Problem p{3, 41, 6, width, true, true, true, true, true};
+    SCOPED_TRACE(p.name());
+    const DeviceInputs<Exec> d(p, 52000 + width);
+    const auto act = p.activation();
+    const int pad = p.state_len();
+    auto y = poisoned<T3>("kmamba::test::y", p.batch, p.seqlen, p.channels);
+    auto final_state = poisoned<T3>("kmamba::test::final", p.batch, p.channels, pad);
+    kmamba::causal_conv1d(exec, d.x, d.w, d.bias, d.init, y, final_state, act, d.seq);
+    auto dx = poisoned<T3>("kmamba::test::dx", p.batch, p.seqlen, p.channels);
+    auto dw = poisoned<T2>("kmamba::test::dw", p.channels, width);
+    auto dbias = poisoned<T1>("kmamba::test::dbias", p.channels);
+    auto dinit = poisoned<T3>("kmamba::test::dinit", p.batch, p.channels, pad);
+    kmamba::causal_conv1d_backward(exec, d.x, d.w, d.bias, d.init, d.dy, d.dfinal, dx, dw, dbias, dinit, act, d.seq);
+
+    std::vector<double> dw_sum(static_cast<std::size_t>(p.channels) * width, 0.0), dbias_sum(p.channels, 0.0);
+    const std::vector<std::int64_t> ids = packed_ids(p.batch, p.seqlen);
+    for (int b = 0; b < p.batch; ++b) {
+      const auto docs = documents(ids, p.seqlen, b);
+      for (std::size_t i = 0; i < docs.size(); ++i) {
+        const int t0 = docs[i].first, t1 = docs[i].second;
+        const bool first = i == 0, last = i + 1 == docs.size();
+        SCOPED_TRACE("row " + std::to_string(b) + " document [" + std::to_string(t0) + ", " + std::to_string(t1) + ")");
+        auto row = [&](const T3& v, int lo, int hi) {
+          return slice_tokens(T3(Kokkos::subview(v, Kokkos::make_pair(b, b + 1), Kokkos::ALL, Kokkos::ALL)), lo, hi);
+        };
+        auto state_row = [&](const T3& v) {
+          auto out = kmamba::allocate<T3>("kmamba::test::state_row", 1, p.channels, pad);
+          Kokkos::deep_copy(out, Kokkos::subview(v, Kokkos::make_pair(b, b + 1), Kokkos::ALL, Kokkos::ALL));
+          return out;
+        };
+        const T3 init = first ? state_row(d.init) : T3();
+        const T3 dfinal = last ? state_row(d.dfinal) : T3();
+        auto y1 = poisoned<T3>("kmamba::test::y1", 1, t1 - t0, p.channels);
+        auto final1 = poisoned<T3>("kmamba::test::final1", 1, p.channels, pad);
+        kmamba::causal_conv1d(exec, row(d.x, t0, t1), d.w, d.bias, init, y1, final1, act);
+        EXPECT_TRUE(all_close("y", host_doubles(row(y, t0, t1)), host_doubles(y1), 0.0));
+        if (last) {
+          EXPECT_TRUE(all_close("final state", host_doubles(state_row(final_state)), host_doubles(final1), 0.0));
+        }
+        auto dx1 = poisoned<T3>("kmamba::test::dx1", 1, t1 - t0, p.channels);
+        auto dw1 = poisoned<T2>("kmamba::test::dw1", p.channels, width);
+        auto dbias1 = poisoned<T1>("kmamba::test::dbias1", p.channels);
+        auto dinit1 = poisoned<T3>("kmamba::test::dinit1", 1, p.channels, pad);
+        kmamba::causal_conv1d_backward(exec, row(d.x, t0, t1), d.w, d.bias, init, row(d.dy, t0, t1), dfinal, dx1, dw1,
+                                       dbias1, first ? dinit1 : T3(), act);
+        EXPECT_TRUE(all_close("dx", host_doubles(row(dx, t0, t1)), host_doubles(dx1), 0.0));
+        if (first) {
+          EXPECT_TRUE(all_close("dinitial_state", host_doubles(state_row(dinit)), host_doubles(dinit1), 0.0));
+        }
+        const std::vector<double> dw1_h = host_doubles(dw1), dbias1_h = host_doubles(dbias1);
+        for (std::size_t k = 0; k < dw_sum.size(); ++k) dw_sum[k] += dw1_h[k];
+        for (std::size_t k = 0; k < dbias_sum.size(); ++k) dbias_sum[k] += dbias1_h[k];
+      }
+    }
+    EXPECT_TRUE(all_close("dweight", host_doubles(dw), dw_sum));
+    EXPECT_TRUE(all_close("dbias", host_doubles(dbias), dbias_sum));
+  }
+}
+
 // final_state may be initial_state itself: the state advances in place.
 TYPED_TEST(Conv1d, FinalStateMayBeInitialState) {
   using Exec = TypeParam;
@@ -594,6 +701,11 @@ TYPED_TEST(Conv1d, RejectsBadShapesNamingBothShapes) {
             std::string::npos);
   EXPECT_NE(user_error([&] { kmamba::causal_conv1d(exec, x, w, bias, state, x, T3(), act); }).find("y must not be x"),
             std::string::npos);
+  EXPECT_EQ(user_error([&] {
+              kmamba::causal_conv1d(exec, x, w, bias, state, y, T3(), act,
+                                    kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq", 2, 5));
+            }),
+            "kmamba::causal_conv1d: seq_idx has shape (2, 5) but (batch, seqlen) = (2, 6) was expected");
 
   const auto dx = kmamba::allocate<T3>("kmamba::test::dx", 2, 6, 4);
   const auto dw = kmamba::allocate<T2>("kmamba::test::dw", 4, 3);

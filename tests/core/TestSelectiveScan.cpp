@@ -7,7 +7,10 @@
 //   with the number of terms; the largest error observed on Serial/OpenMP is 5e-7).
 // Reference backward against central finite differences of the reference forward (double,
 // step 1e-6): |fd − analytic| ≤ 1e-6 · (1 + |analytic|).
-// Scan vs decode steps and segment chaining (fp32 vs fp32, same operations): 1e-6.
+// Scan vs decode steps and segment chaining (fp32 vs fp32, same operations): 1e-6; a packed batch
+// against its documents run one by one: 1e-6 for per-token values (the same operations, a state
+// scaled by 0 in place of one that starts at 0), 1e-5 for the sums over tokens and batch rows
+// (another grouping, as for the segments).
 // Golden data (selective_scan_small, float64 autograd stored as float32): ‖Δ‖₂/‖ref‖₂ ≤ 1e-3
 // per tensor, as tests/data/golden/README.md suggests.
 #include "TestData.hpp"
@@ -17,6 +20,7 @@
 #include "Activations.hpp"
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 #include "SafeTensorsReader.hpp"
 
 #include <gtest/gtest.h>
@@ -42,6 +46,7 @@ struct Config {
   int batch = 2, dim = 4, seqlen = 5, dstate = 3, ngroups = 1;
   int chunk = 4;  // 0: let kmamba choose
   bool D = false, z = false, bias = false, softplus = false, initial_state = false, dlast = false;
+  bool packed = false;                      // seq_idx from packed_ids
   float delta_lo = 0.05f, delta_hi = 0.6f;  // raw delta range (before bias and softplus)
   std::uint64_t seed = 1;
 
@@ -49,7 +54,8 @@ struct Config {
     std::ostringstream s;
     s << "batch=" << batch << " dim=" << dim << " seqlen=" << seqlen << " dstate=" << dstate << " ngroups=" << ngroups
       << " chunk=" << chunk << " D=" << D << " z=" << z << " bias=" << bias << " softplus=" << softplus
-      << " initial_state=" << initial_state << " dlast=" << dlast << " delta=[" << delta_lo << ", " << delta_hi << ")";
+      << " initial_state=" << initial_state << " dlast=" << dlast << " packed=" << packed << " delta=[" << delta_lo
+      << ", " << delta_hi << ")";
     return s.str();
   }
 };
@@ -58,6 +64,13 @@ struct Config {
 struct RefProblem {
   Config cfg;
   std::vector<double> u, delta, A, B, C, D, z, bias, h0, dout, dlast;
+  std::vector<std::int64_t> ids;  // (batch, seqlen) packed sequence ids, when packed
+
+  // 0 where token t starts a packed sequence, else 1: the factor on the carried state.
+  double carry(int b, int t) const {
+    const std::size_t i = static_cast<std::size_t>(b) * cfg.seqlen + t;
+    return cfg.packed && t > 0 && ids[i] != ids[i - 1] ? 0.0 : 1.0;
+  }
 
   std::size_t seq(int b, int d, int t) const { return (static_cast<std::size_t>(b) * cfg.dim + d) * cfg.seqlen + t; }
   std::size_t bc(int b, int g, int n, int t) const {
@@ -101,7 +114,7 @@ RefResult reference(const RefProblem& p, bool backward) {
         const double u = p.u[p.seq(b, d, t)];
         double acc = 0.0;
         for (int n = 0; n < N; ++n) {
-          const double a = std::exp(dt[t] * p.A[static_cast<std::size_t>(d) * N + n]);
+          const double a = p.carry(b, t) * std::exp(dt[t] * p.A[static_cast<std::size_t>(d) * N + n]);
           h[(t + 1) * N + n] = a * h[t * N + n] + dt[t] * p.B[p.bc(b, g, n, t)] * u;
           acc += p.C[p.bc(b, g, n, t)] * h[(t + 1) * N + n];
         }
@@ -122,7 +135,7 @@ RefResult reference(const RefProblem& p, bool backward) {
         double sum_du = 0.0, sum_ddt = 0.0;
         for (int n = 0; n < N; ++n) {
           const double An = p.A[static_cast<std::size_t>(d) * N + n];
-          const double a = std::exp(dt[t] * An);
+          const double a = p.carry(b, t) * std::exp(dt[t] * An);
           const double Bn = p.B[p.bc(b, g, n, t)];
           const double lambda = gsum * p.C[p.bc(b, g, n, t)] + mu[n];
           r.dC[p.bc(b, g, n, t)] += gsum * h[(t + 1) * N + n];
@@ -164,6 +177,7 @@ struct ScanProblem {
   kmamba::Tensor2<float, Mem> A;
   kmamba::Tensor4<float, Mem> B, C;
   kmamba::Tensor1<float, Mem> D, bias;
+  kmamba::Tensor2<std::int64_t, Mem> seq;
 
   explicit ScanProblem(const Config& c) : cfg(c) {
     using kmamba::allocate_uninitialized;
@@ -202,6 +216,7 @@ struct ScanProblem {
       kmamba::fill_normal(exec, dlast, s + 11, 0.0f, 1.0f);
     }
     exec.fence();
+    if (c.packed) seq = device_packed_ids<Mem>(c.batch, c.seqlen);
   }
 
   kmamba::SelectiveScanArgs<Mem> args() const {
@@ -215,6 +230,7 @@ struct ScanProblem {
     a.z = z;
     a.delta_bias = bias;
     a.initial_state = h0;
+    a.seq_idx = seq;
     a.delta_softplus = cfg.softplus;
     a.chunk_size = cfg.chunk;
     return a;
@@ -234,6 +250,7 @@ struct ScanProblem {
     if (cfg.bias) p.bias = host_doubles(bias);
     if (cfg.initial_state) p.h0 = host_doubles(h0);
     if (cfg.dlast) p.dlast = host_doubles(dlast);
+    if (cfg.packed) p.ids = packed_ids(cfg.batch, cfg.seqlen);
     return p;
   }
 };
@@ -361,7 +378,11 @@ TEST(SelectiveScanReference, BackwardMatchesFiniteDifferences) {
   large_delta.delta_lo = 15.0f;
   large_delta.delta_hi = 25.0f;
   large_delta.seed = 73;
-  for (const Config& c : {all, bare, large_delta}) {
+  Config packed = all;
+  packed.seqlen = 12;
+  packed.packed = true;
+  packed.seed = 74;
+  for (const Config& c : {all, bare, large_delta, packed}) {
     RefProblem p = ScanProblem<Host>(c).host();
     const RefResult r = reference(p, true);
     const double eps = 1e-6;
@@ -410,25 +431,28 @@ TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
   for (int seqlen : {1, chunk - 1, chunk, 3 * chunk + 2}) {
     for (int ngroups : {1, 2}) {
       for (const Options& o : option_sets) {
-        Config c;
-        c.batch = 2;
-        c.dim = 20;  // 20 / ngroups channels per group: several teams per group
-        c.seqlen = seqlen;
-        c.dstate = 5;
-        c.ngroups = ngroups;
-        c.chunk = chunk;
-        c.D = o.D;
-        c.z = o.z;
-        c.bias = o.bias;
-        c.softplus = o.softplus;
-        c.initial_state = o.initial_state;
-        c.dlast = o.dlast;
-        if (c.softplus) {
-          c.delta_lo = -2.5f;
-          c.delta_hi = 0.5f;
+        for (bool packed : {false, true}) {
+          Config c;
+          c.batch = 2;
+          c.dim = 20;  // 20 / ngroups channels per group: several teams per group
+          c.seqlen = seqlen;
+          c.dstate = 5;
+          c.ngroups = ngroups;
+          c.chunk = chunk;
+          c.D = o.D;
+          c.z = o.z;
+          c.bias = o.bias;
+          c.softplus = o.softplus;
+          c.initial_state = o.initial_state;
+          c.dlast = o.dlast;
+          c.packed = packed;
+          if (c.softplus) {
+            c.delta_lo = -2.5f;
+            c.delta_hi = 0.5f;
+          }
+          c.seed = ++seed;
+          check_against_reference<Exec>(c, 1e-5);
         }
-        c.seed = ++seed;
-        check_against_reference<Exec>(c, 1e-5);
       }
     }
   }
@@ -454,9 +478,10 @@ TYPED_TEST(SelectiveScan, LongSequenceWithChosenChunkMatchesReference) {
   using Exec = TypeParam;
   for (int chunk : {0, 7}) {
     Config c;
-    c.batch = 2;
+    c.batch = 3;
     c.dim = 24;
     c.seqlen = 300;
+    c.packed = chunk == 7;
     c.dstate = 16;
     c.ngroups = 2;
     c.chunk = chunk;
@@ -486,6 +511,7 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
       c.D = c.z = c.bias = c.softplus = c.initial_state = c.dlast = true;
       c.delta_lo = -3.0f;
       c.delta_hi = 0.0f;
+      c.packed = chunk == 5;
       c.seed = ++seed;
       check_against_reference<Exec>(c, 2e-5);
     }
@@ -693,6 +719,101 @@ TYPED_TEST(SelectiveScan, SegmentsChainedThroughStatesEqualOnePass) {
   }
 }
 
+// Tokens [t0, t0 + len) of batch row b of a (batch, x, seqlen) or (batch, g, n, seqlen) tensor, as
+// a new tensor of batch 1.
+template <class Mem>
+kmamba::Tensor3<float, Mem> row_slice3(const kmamba::Tensor3<float, Mem>& src, int b, int t0, int len) {
+  return slice3(kmamba::Tensor3<float, Mem>(Kokkos::subview(src, std::make_pair(b, b + 1), Kokkos::ALL, Kokkos::ALL)),
+                t0, len);
+}
+template <class Mem>
+kmamba::Tensor4<float, Mem> row_slice4(const kmamba::Tensor4<float, Mem>& src, int b, int t0, int len) {
+  return slice4(kmamba::Tensor4<float, Mem>(
+                    Kokkos::subview(src, std::make_pair(b, b + 1), Kokkos::ALL, Kokkos::ALL, Kokkos::ALL)),
+                t0, len);
+}
+
+// A packed batch equals its documents run one by one (outputs, last state, every gradient): the
+// first document of a row with the row's initial state, the others from a zero state, the last
+// with the row's dlast_state; the parameter gradients add up over the documents. Register and
+// lane forms, documents across chunk boundaries.
+TYPED_TEST(SelectiveScan, PackedBatchEqualsDocumentsAlone) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  for (int dstate : {4, kmamba::impl::selective_scan_register_states + 3}) {
+    Config c;
+    c.batch = 3;
+    c.dim = 6;
+    c.seqlen = 41;
+    c.dstate = dstate;
+    c.ngroups = 2;
+    c.chunk = 5;
+    c.D = c.z = c.bias = c.softplus = c.initial_state = c.dlast = c.packed = true;
+    c.delta_lo = -2.0f;
+    c.delta_hi = 1.0f;
+    c.seed = 5501 + static_cast<std::uint64_t>(dstate);
+    SCOPED_TRACE(c.describe());
+    const ScanProblem<Exec> p(c);
+    const auto whole = run_kernel(p);
+    const auto w_out = to_host(whole.out), w_last = to_host(whole.last);
+    const auto w_du = to_host(whole.grads.du), w_dd = to_host(whole.grads.ddelta), w_dz = to_host(whole.grads.dz);
+    const auto w_dB = to_host(whole.grads.dB), w_dC = to_host(whole.grads.dC);
+    const auto w_dh0 = to_host(whole.grads.dinitial_state);
+    std::vector<double> dA(static_cast<std::size_t>(c.dim) * c.dstate, 0.0), dD(c.dim, 0.0), dbias(c.dim, 0.0);
+    const std::vector<std::int64_t> ids = packed_ids(c.batch, c.seqlen);
+    for (int b = 0; b < c.batch; ++b) {
+      const auto docs = documents(ids, c.seqlen, b);
+      for (std::size_t i = 0; i < docs.size(); ++i) {
+        const int t0 = docs[i].first, len = docs[i].second - docs[i].first;
+        const bool first = i == 0, last = i + 1 == docs.size();
+        SCOPED_TRACE("row " + std::to_string(b) + " document from " + std::to_string(t0));
+        ScanProblem<Exec> doc = p;
+        doc.cfg.batch = 1;
+        doc.cfg.seqlen = len;
+        doc.cfg.packed = false;
+        doc.seq = kmamba::Tensor2<std::int64_t, Mem>();
+        doc.u = row_slice3(p.u, b, t0, len);
+        doc.delta = row_slice3(p.delta, b, t0, len);
+        doc.z = row_slice3(p.z, b, t0, len);
+        doc.dout = row_slice3(p.dout, b, t0, len);
+        doc.B = row_slice4(p.B, b, t0, len);
+        doc.C = row_slice4(p.C, b, t0, len);
+        doc.cfg.initial_state = first;
+        doc.h0 = first ? row_slice3(p.h0, b, 0, c.dstate) : kmamba::Tensor3<float, Mem>();
+        doc.cfg.dlast = last;
+        doc.dlast = last ? row_slice3(p.dlast, b, 0, c.dstate) : kmamba::Tensor3<float, Mem>();
+        const auto o = run_kernel(doc);
+        auto row3 = [&](const auto& host) { return Kokkos::subview(host, b, Kokkos::ALL, Kokkos::ALL); };
+        auto row4 = [&](const auto& host) { return Kokkos::subview(host, b, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL); };
+        auto one3 = [&](const kmamba::Tensor3<float, Mem>& v) {
+          return Kokkos::subview(to_host(v), 0, Kokkos::ALL, Kokkos::ALL);
+        };
+        auto one4 = [&](const kmamba::Tensor4<float, Mem>& v) {
+          return Kokkos::subview(to_host(v), 0, Kokkos::ALL, Kokkos::ALL, Kokkos::ALL);
+        };
+        expect_segment("out", row3(w_out), one3(o.out), t0, 1e-6);
+        if (last) expect_segment("last_state", row3(w_last), one3(o.last), 0, 1e-6);
+        expect_segment("du", row3(w_du), one3(o.grads.du), t0, 1e-6);
+        expect_segment("ddelta", row3(w_dd), one3(o.grads.ddelta), t0, 1e-6);
+        expect_segment("dz", row3(w_dz), one3(o.grads.dz), t0, 1e-6);
+        expect_segment("dB", row4(w_dB), one4(o.grads.dB), t0, 1e-6);
+        expect_segment("dC", row4(w_dC), one4(o.grads.dC), t0, 1e-6);
+        if (first) expect_segment("dinitial_state", row3(w_dh0), one3(o.grads.dinitial_state), 0, 1e-6);
+        const std::vector<double> a = host_doubles(o.grads.dA), d = host_doubles(o.grads.dD),
+                                  db = host_doubles(o.grads.ddelta_bias);
+        for (std::size_t k = 0; k < dA.size(); ++k) dA[k] += a[k];
+        for (std::size_t k = 0; k < dD.size(); ++k) {
+          dD[k] += d[k];
+          dbias[k] += db[k];
+        }
+      }
+    }
+    expect_close("dA", whole.grads.dA, dA, 1e-5, c.describe());
+    expect_close("dD", whole.grads.dD, dD, 1e-5, c.describe());
+    expect_close("ddelta_bias", whole.grads.ddelta_bias, dbias, 1e-5, c.describe());
+  }
+}
+
 TYPED_TEST(SelectiveScan, RejectsWrongShapes) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -731,6 +852,11 @@ TYPED_TEST(SelectiveScan, RejectsWrongShapes) {
   args = p.args();
   args.D = bad_D;
   expect_user_error([&] { kmamba::selective_scan_forward(exec, args, out, last); }, {"D", "(5,)", "(4,)"});
+
+  args = p.args();
+  args.seq_idx = allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::bad", 2, 6);
+  expect_user_error([&] { kmamba::selective_scan_forward(exec, args, out, last); },
+                    {"seq_idx", "(2, 6)", "(2, 7)", "(batch, seqlen)"});
 
   auto bad_last = allocate<kmamba::Tensor3<float, Mem>>("kmamba::test::bad", 2, 4, 4);
   expect_user_error([&] { kmamba::selective_scan_forward(exec, p.args(), out, bad_last); },

@@ -203,6 +203,40 @@ TEST(TokenDataset, TokenFilesRoundTrip) {
   }
 }
 
+// Packed documents: the same windows as without packing, each token's sequence id counting the
+// end-of-document tokens before it in the window, and no target at an end-of-document token.
+TEST(TokenDataset, PackedDocumentsKeepTheirBoundaries) {
+  const std::uint32_t eod = 9;
+  std::vector<std::uint32_t> tokens;
+  for (std::uint32_t i = 0; i < 3000; ++i) tokens.push_back(i % (3 + (i / 50) % 7) == 0 ? eod : 1 + i % 8);
+  kmamba::TokenDatasetConfig config{40, 0.1, 5};
+  const kmamba::TokenDataset plain(tokens, 10, config);
+  config.document_end = eod;
+  const kmamba::TokenDataset packed(tokens, 10, config);
+  EXPECT_NE(plain.fingerprint(), packed.fingerprint());
+  for (const Split split : {Split::Train, Split::Validation}) {
+    const TokenBatch a = plain.batch(split, 2, 5), b = packed.batch(split, 2, 5);
+    EXPECT_FALSE(a.seq_idx.is_allocated());
+    ASSERT_TRUE(b.seq_idx.is_allocated());
+    ASSERT_EQ(b.seq_idx.extent(0), 5u);
+    ASSERT_EQ(b.seq_idx.extent(1), 40u);
+    for (std::size_t r = 0; r < 5; ++r) {
+      std::int64_t document = 0;
+      for (std::size_t t = 0; t < 40; ++t) {
+        EXPECT_EQ(b.ids(r, t), a.ids(r, t));
+        EXPECT_EQ(b.seq_idx(r, t), document) << r << " " << t;
+        const bool end = b.ids(r, t) == eod;
+        EXPECT_EQ(b.targets(r, t), end ? kmamba::ignore_index : a.targets(r, t)) << r << " " << t;
+        if (end) ++document;
+      }
+    }
+  }
+  config.document_end = 10;
+  EXPECT_NE(
+      user_error([&] { static_cast<void>(kmamba::TokenDataset(tokens, 10, config)); }).find("end-of-document token 10"),
+      std::string::npos);
+}
+
 TEST(TokenDataset, BadFilesGiveClearErrors) {
   std::vector<std::uint32_t> tokens(1000);
   for (std::uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = i % 50;

@@ -1,6 +1,8 @@
 // The language model: golden logits, loss and gradients of the tiny Hugging Face checkpoints
 // (tolerances of the golden README: logits and loss 2e-4, gradients 1e-3, relative per tensor),
-// checkpoint round trips, and the errors for bad files and bad tokens.
+// checkpoint round trips, and the errors for bad files and bad tokens. A packed batch against its
+// documents run one by one: logits and gradients to 1e-5 relative (L2; the same arithmetic per
+// token but for the grouping of the GEMMs' and the reductions' sums), the summed loss to 1e-6.
 #include "TestData.hpp"
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/SafeTensors.hpp>
@@ -9,6 +11,7 @@
 #include "Backends.hpp"
 #include "Checks.hpp"
 #include "ModelConfigs.hpp"
+#include "PackedIds.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -99,6 +102,100 @@ TYPED_TEST(LanguageModelTest, GradientsAccumulateAcrossCalls) {
   std::vector<float> expected(quarter.size());
   for (std::size_t i = 0; i < quarter.size(); ++i) expected[i] = 4.0f * quarter[i];
   EXPECT_LE(l2_relative_error(whole, expected), 1e-5);
+}
+
+// A packed batch equals its documents run one by one: logits, the loss (masked at every
+// document's last position) and the gradients, for Mamba-1 and Mamba-2 models, with and without
+// activation checkpointing (the same arithmetic, recomputed: 1e-6).
+template <class Exec>
+void check_packed_batch(kmamba::MixerKind mixer) {
+  using Mem = typename Exec::memory_space;
+  using Ids = kmamba::Tensor2<std::int64_t, Mem>;
+  using Logits = kmamba::Tensor3<float, Mem>;
+  const Exec exec;
+  const int batch = 3, seqlen = 41, vocab = 50;
+  kmamba::LanguageModel<Exec> model(model_config(mixer, {16, 2, vocab, 8, 8, 8}));
+  model.initialize(5);
+  std::vector<std::int64_t> tokens;
+  for (int i = 0; i < batch * seqlen; ++i) tokens.push_back((i * 37 + 11) % vocab);
+  const auto ids = device_ids<Mem>("kmamba::test::ids", tokens);
+  const Ids ids2(ids.data(), batch, seqlen);
+  const Ids seq = device_packed_ids<Mem>(batch, seqlen);
+  const auto targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(ids2), seq);
+  const Logits logits("kmamba::test::logits", batch, seqlen, vocab);
+  model.set_sequence_ids(seq);
+  model.zero_grads(exec);
+  const kmamba::LossResult packed = model.loss_and_backward(exec, ids2, targets, 1.0, logits);
+  const std::vector<float> packed_grads = host_floats(model.parameters().grads());
+  const auto logits_h = to_host(logits);
+  // Activation checkpointing's recomputation sees the same ids.
+  model.set_activation_checkpointing(true);
+  model.zero_grads(exec);
+  model.loss_and_backward(exec, ids2, targets, 1.0);
+  EXPECT_LE(l2_relative_error(host_floats(model.parameters().grads()), packed_grads), 1e-6);
+  model.set_activation_checkpointing(false);
+
+  model.set_sequence_ids({});
+  model.zero_grads(exec);
+  const std::vector<std::int64_t> seq_h = packed_ids(batch, seqlen);
+  double loss_sum = 0.0;
+  std::int64_t predicted = 0;
+  for (int b = 0; b < batch; ++b) {
+    for (const auto& doc : documents(seq_h, seqlen, b)) {
+      const int t0 = doc.first, len = doc.second - doc.first;
+      SCOPED_TRACE("row " + std::to_string(b) + " document from " + std::to_string(t0));
+      const Ids doc_ids("kmamba::test::doc_ids", 1, len);
+      Kokkos::deep_copy(doc_ids, Kokkos::subview(ids2, std::make_pair(b, b + 1), std::make_pair(t0, t0 + len)));
+      const Logits doc_logits("kmamba::test::doc_logits", 1, len, vocab);
+      if (len == 1) {  // nothing to predict: the forward only
+        model.forward(exec, doc_ids, doc_logits);
+      } else {
+        const auto doc_targets = kmamba::next_token_targets(exec, kmamba::ConstTensor2<std::int64_t, Mem>(doc_ids));
+        const double weight = static_cast<double>(len - 1) / static_cast<double>(packed.tokens);
+        const kmamba::LossResult r = model.loss_and_backward(exec, doc_ids, doc_targets, weight, doc_logits);
+        loss_sum += r.loss * static_cast<double>(r.tokens);
+        predicted += r.tokens;
+      }
+      const auto doc_h = to_host(doc_logits);
+      std::vector<float> got, want;
+      for (int t = 0; t < len; ++t)
+        for (int v = 0; v < vocab; ++v) {
+          got.push_back(doc_h(0, t, v));
+          want.push_back(logits_h(b, t0 + t, v));
+        }
+      EXPECT_LE(l2_relative_error(got, want), 1e-5);
+    }
+  }
+  EXPECT_EQ(predicted, packed.tokens);
+  EXPECT_NEAR(loss_sum / static_cast<double>(predicted), packed.loss, 1e-6 * packed.loss);
+  EXPECT_LE(l2_relative_error(host_floats(model.parameters().grads()), packed_grads), 1e-5);
+}
+
+TYPED_TEST(LanguageModelTest, PackedBatchEqualsDocumentsAloneMamba1) {
+  check_packed_batch<TypeParam>(kmamba::MixerKind::Mamba1);
+}
+
+TYPED_TEST(LanguageModelTest, PackedBatchEqualsDocumentsAloneMamba2) {
+  check_packed_batch<TypeParam>(kmamba::MixerKind::Mamba2);
+}
+
+// Packed rows are refused by a Mamba-3 model, naming what is unsupported; targets within packed
+// rows stop at every document's end.
+TYPED_TEST(LanguageModelTest, PackedSequenceIdsAreRefusedByMamba3) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  kmamba::LanguageModel<Exec> model(model_config(kmamba::MixerKind::Mamba3, {16, 1, 50, 16, 8, 8}));
+  const auto seq = device_packed_ids<Mem>(2, 12);
+  expect_user_error([&] { model.set_sequence_ids(seq); },
+                    {"kmamba::LanguageModel::set_sequence_ids", "seq_idx", "Mamba3", "not supported"});
+  model.set_sequence_ids({});
+  const std::vector<std::int64_t> seq_h = packed_ids(2, 12);
+  const auto targets = to_host(kmamba::next_token_targets(Exec(), kmamba::ConstTensor2<std::int64_t, Mem>(seq), seq));
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 12; ++t) {
+      const bool last = t == 11 || seq_h[b * 12 + t + 1] != seq_h[b * 12 + t];
+      EXPECT_EQ(targets(b, t), last ? kmamba::ignore_index : seq_h[b * 12 + t + 1]) << b << " " << t;
+    }
 }
 
 TYPED_TEST(LanguageModelTest, SaveThenLoadGivesIdenticalLogits) {

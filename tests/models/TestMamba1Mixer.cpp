@@ -13,6 +13,8 @@
 // - reference LM logits against the golden logits (HF, fp32): ‖Δ‖₂/‖ref‖₂ ≤ 1e-5.
 // - calling backward twice: max|g₂ − 2·g₁| ≤ 1e-5·max|2·g₁| per tensor (the scan's dB and dC sum
 //   channels with atomics, so the two calls may round differently on parallel backends).
+// - a packed batch against its documents run one by one: 1e-5·max|ref| per tensor (the same
+//   arithmetic per token but for the grouping of the GEMMs' and the reductions' sums).
 #include "TestData.hpp"
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
@@ -562,6 +564,14 @@ TYPED_TEST(Mamba1Mixer, MatchesReferencePartialTiles) {
   // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank, conv_bias, bias
   const Problem p{3, 45, 24, 2, 5, 2, 4, false, true};
   check_against_reference<TypeParam>(p, 14);
+}
+
+// Documents across scan chunk boundaries, of one token, and shorter than the conv window.
+TYPED_TEST(Mamba1Mixer, PackedRowsEqualDocumentsAlone) {
+  // batch, seqlen, d_model, expand, d_state, d_conv, dt_rank
+  const Problem p{3, 41, 16, 2, 8, 4, 3};
+  kmamba::test::expect_packed_rows_equal_documents_alone<TypeParam, kmamba::Mamba1Mixer<TypeParam>>(p.config(), p.batch,
+                                                                                                    p.seqlen, 81, 1e-5);
 }
 
 TYPED_TEST(Mamba1Mixer, BackwardAccumulatesGradients) {

@@ -10,7 +10,10 @@
 // - gradients against central differences of the double reference (step 1e-5): 1e-4 (2.3e-6
 //   observed on Serial/OpenMP);
 // - the finite differences themselves: steps 1e-5 and 2.5e-6 agree to 1e-7·(1 + |g|);
-// - a second backward adds the same gradients again: 1e-5.
+// - a second backward adds the same gradients again: 1e-5;
+// - a packed batch against its documents run one by one: 1e-5 (the same arithmetic per token but
+//   for the grouping of the GEMMs' and the reductions' sums, which moves results by a few fp32
+//   roundings of max|ref|).
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mamba2Mixer.hpp>
@@ -342,6 +345,15 @@ TYPED_TEST(Mamba2Mixer, RejectsBadShapesAndMissingActivations) {
   kmamba::ModelConfig mamba1 = P.cfg;
   mamba1.mixer = kmamba::MixerKind::Mamba1;
   expect_user_error([&] { kmamba::Mamba2Mixer<Exec> m(mamba1, prefix); }, {"Mamba1"});
+}
+
+// Documents across SSD chunk boundaries, of one token, and shorter than the conv window.
+TYPED_TEST(Mamba2Mixer, PackedRowsEqualDocumentsAlone) {
+  Case c;
+  c.batch = 3;
+  c.seqlen = 41;
+  expect_packed_rows_equal_documents_alone<TypeParam, kmamba::Mamba2Mixer<TypeParam>>(c.config(), c.batch, c.seqlen, 71,
+                                                                                      1e-5);
 }
 
 TYPED_TEST(Mamba2Mixer, InitializesAsTheReference) {

@@ -4,7 +4,7 @@
 //   through every parameter, and the largest-gradient element of every parameter tensor);
 // - the loss is the mean squared error of the forward's outputs (double-precision reference);
 // - a stepping session over T steps (after a prefill, or from the start) ≡ one forward over the T
-//   inputs; two sessions stepped in turn ≡ each alone;
+//   inputs; two sessions stepped in turn ≡ each alone; a packed batch ≡ its sequences alone;
 // - unmanaged views over application memory give the managed views' results;
 // - a view of the wrong rank, extent, layout or memory space is a UserError naming it;
 // - save/load round trip; config.json's sizes are checked against model.safetensors before
@@ -18,6 +18,7 @@
 #include "Backends.hpp"
 #include "Checks.hpp"
 #include "ModelConfigs.hpp"
+#include "PackedIds.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <gtest/gtest.h>
@@ -189,6 +190,46 @@ TYPED_TEST(SequenceModelTest, SessionStepsEqualOneForward) {
       exec.fence();
       EXPECT_EQ(session.position(), steps);
       EXPECT_LE(max_relative_error(host_floats(got), reference), recurrent_tolerance);
+    }
+  }
+}
+
+// Packed rows (set_sequence_ids): every sequence's outputs are those of a forward over it alone
+// (the same arithmetic per position but for the grouping of the GEMMs' sums).
+TYPED_TEST(SequenceModelTest, PackedRowsEqualTheirSequencesAlone) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  for (const kmamba::MixerKind kind : kinds) {
+    SCOPED_TRACE(kmamba::mixer_name(kind));
+    kmamba::SequenceModel<Exec> model(tiny_config(kind));
+    model.initialize(3);
+    const int batch = 3, seqlen = 41;
+    const auto x = random3<Exec>("kmamba::test::x", batch, seqlen, 3, 41);
+    const Exec exec;
+    kmamba::Tensor3<float, Mem> y("kmamba::test::y", batch, seqlen, 2);
+    model.set_sequence_ids(device_packed_ids<Mem>(batch, seqlen));
+    model.forward(exec, x, y);
+    exec.fence();
+    model.set_sequence_ids({});
+    const auto y_h = to_host(y);
+    const std::vector<std::int64_t> ids = packed_ids(batch, seqlen);
+    for (int b = 0; b < batch; ++b) {
+      for (const auto& doc : documents(ids, seqlen, b)) {
+        const int t0 = doc.first, len = doc.second - doc.first;
+        kmamba::Tensor3<float, Mem> xd("kmamba::test::xd", 1, len, 3), yd("kmamba::test::yd", 1, len, 2);
+        Kokkos::deep_copy(exec, xd,
+                          Kokkos::subview(x, std::make_pair(b, b + 1), std::make_pair(t0, t0 + len), Kokkos::ALL));
+        model.forward(exec, xd, yd);
+        exec.fence();
+        const auto yd_h = to_host(yd);
+        std::vector<float> got, want;
+        for (int t = 0; t < len; ++t)
+          for (int k = 0; k < 2; ++k) {
+            got.push_back(yd_h(0, t, k));
+            want.push_back(y_h(b, t0 + t, k));
+          }
+        EXPECT_LE(max_relative_error(got, want), 1e-5) << "row " << b << " sequence from " << t0;
+      }
     }
   }
 }

@@ -193,6 +193,55 @@ TYPED_TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {
             1e-5);
 }
 
+// A step over rows of packed documents (TokenDatasetConfig::document_end) equals a step over the
+// same documents, one micro-batch each: loss, gradients and the updated parameters.
+TYPED_TEST(Trainer, PackedRowsEqualTheirDocumentsAsMicroBatches) {
+  using Exec = TypeParam;
+  using HostIds = kmamba::Tensor2<std::int64_t, Kokkos::HostSpace>;
+  const std::uint32_t eod = 31;
+  std::vector<std::uint32_t> tokens;
+  for (std::uint32_t i = 0; i < 600; ++i) tokens.push_back(i % (4 + (i / 40) % 9) == 0 ? eod : (i * 7) % 31);
+  kmamba::TokenDatasetConfig config{24, 0.0, 3};
+  config.document_end = eod;
+  const kmamba::TokenDataset data(tokens, 32, config);
+  const kmamba::TokenBatch packed = data.batch(kmamba::Split::Train, 0, 2);
+  std::vector<kmamba::TokenBatch> documents;
+  for (std::size_t b = 0; b < 2; ++b) {
+    std::size_t t0 = 0;
+    for (std::size_t t = 1; t <= 24; ++t) {
+      if (t < 24 && packed.seq_idx(b, t) == packed.seq_idx(b, t - 1)) continue;
+      kmamba::TokenBatch d;
+      d.ids = HostIds("kmamba::test::ids", 1, t - t0);
+      d.targets = HostIds("kmamba::test::targets", 1, t - t0);
+      for (std::size_t k = t0; k < t; ++k) {
+        d.ids(0, k - t0) = packed.ids(b, k);
+        d.targets(0, k - t0) = packed.targets(b, k);
+      }
+      documents.push_back(d);
+      t0 = t;
+    }
+  }
+  ASSERT_GT(documents.size(), 4u);
+  kmamba::TrainConfig t = tiny_train_config();
+  t.batch_size = 2;
+  t.grad_accum = 1;
+  auto one = make_trainer<Exec>(t, nullptr);
+  t.batch_size = 1;
+  t.grad_accum = static_cast<std::int64_t>(documents.size());
+  auto each = make_trainer<Exec>(t, nullptr);
+  const kmamba::StepResult a = one.step({packed});
+  const kmamba::StepResult b = each.step(documents);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.tokens, packed.predicted_tokens());
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(a.loss));
+  EXPECT_LT(relative_difference(host_floats(each.model().parameters().grads()),
+                                host_floats(one.model().parameters().grads())),
+            1e-5);
+  EXPECT_LT(relative_difference(host_floats(each.model().parameters().params()),
+                                host_floats(one.model().parameters().params())),
+            1e-5);
+}
+
 TYPED_TEST(Trainer, OneStepIsAClippedAdamWStep) {
   using Exec = TypeParam;
   kmamba::TrainConfig t = tiny_train_config();

@@ -6,6 +6,7 @@
 #define KMAMBA_TESTS_SUPPORT_MIXER_CHECKS_HPP
 
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
@@ -251,6 +252,69 @@ void expect_mixer_shape_errors(Harness& h, const std::string& name) {
   ParameterSlab<Mem> empty;
   empty.finalize("kmamba::test::empty");
   expect_user_error([&] { h.mixer.initialize(Exec(), empty, 1); }, {"no '" + h.prefix + "in_proj.weight'"});
+}
+
+/// A packed batch equals its documents run one by one through a `Mixer` of `cfg` (initialised
+/// with `seed`): for the rows of packed_ids(batch, seqlen), the output and du of every document,
+/// and every parameter gradient summed over the documents, within `tol`·max|ref| of the packed
+/// run's. Both runs do the same arithmetic per token except for the grouping of the GEMMs' and
+/// the reductions' sums.
+template <class Exec, class Mixer>
+void expect_packed_rows_equal_documents_alone(const ModelConfig& cfg, int batch, int seqlen, std::uint64_t seed,
+                                              double tol) {
+  using Mem = typename Exec::memory_space;
+  using T3 = Tensor3<float, Mem>;
+  const Exec exec;
+  Mixer mixer(cfg, "backbone.layers.0.mixer.");
+  ParameterSlab<Mem> slab;
+  mixer.declare_parameters(slab);
+  slab.finalize("kmamba::test::packed_mixer");
+  mixer.initialize(exec, slab, seed);
+  const auto u = allocate_uninitialized<T3>("kmamba::test::u", batch, seqlen, cfg.d_model);
+  const auto dout = allocate_uninitialized<T3>("kmamba::test::dout", batch, seqlen, cfg.d_model);
+  fill_normal(exec, u, seed + 1, 0.0f, 1.0f);
+  fill_normal(exec, dout, seed + 2, 0.0f, 1.0f);
+  const auto out = poisoned<T3>("kmamba::test::out", batch, seqlen, cfg.d_model);
+  const auto du = poisoned<T3>("kmamba::test::du", batch, seqlen, cfg.d_model);
+  Kokkos::deep_copy(slab.grads(), 0.0f);
+  mixer.set_sequence_ids(device_packed_ids<Mem>(batch, seqlen));
+  mixer.forward(exec, slab, u, out, true);
+  mixer.backward(exec, slab, dout, du);
+  const std::vector<double> packed_grads = host_doubles(slab.grads());
+  const auto out_h = to_host(out), du_h = to_host(du);
+
+  mixer.set_sequence_ids({});
+  Kokkos::deep_copy(slab.grads(), 0.0f);
+  const std::vector<std::int64_t> ids = packed_ids(batch, seqlen);
+  auto slice = [&](const T3& v, int b, int t0, int t1) {
+    const T3 part = allocate_uninitialized<T3>("kmamba::test::document", 1, t1 - t0, cfg.d_model);
+    Kokkos::deep_copy(part, Kokkos::subview(v, std::make_pair(b, b + 1), std::make_pair(t0, t1), Kokkos::ALL));
+    return part;
+  };
+  auto values = [&](const auto& host, int b, int t0, int t1) {
+    std::vector<double> v;
+    for (int t = t0; t < t1; ++t)
+      for (int k = 0; k < cfg.d_model; ++k) v.push_back(host(b, t, k));
+    return v;
+  };
+  for (int b = 0; b < batch; ++b) {
+    for (const auto& doc : documents(ids, seqlen, b)) {
+      const int t0 = doc.first, t1 = doc.second;
+      SCOPED_TRACE("row " + std::to_string(b) + " document [" + std::to_string(t0) + ", " + std::to_string(t1) + ")");
+      const T3 out1 = poisoned<T3>("kmamba::test::out1", 1, t1 - t0, cfg.d_model);
+      const T3 du1 = poisoned<T3>("kmamba::test::du1", 1, t1 - t0, cfg.d_model);
+      mixer.forward(exec, slab, slice(u, b, t0, t1), out1, true);
+      mixer.backward(exec, slab, slice(dout, b, t0, t1), du1);
+      expect_close("out", host_doubles(out1), values(out_h, b, t0, t1), tol);
+      expect_close("du", host_doubles(du1), values(du_h, b, t0, t1), tol);
+    }
+  }
+  for (const auto& e : slab.entries()) {
+    const std::vector<double> alone = slab_values(slab, slab.grads(), e.name);
+    const std::vector<double> packed(packed_grads.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                                     packed_grads.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
+    expect_close("gradient of " + e.name, alone, packed, tol);
+  }
 }
 
 /// The parameters (names relative to `prefix`) a fresh `Mixer` of `cfg` initialises with `seed`,

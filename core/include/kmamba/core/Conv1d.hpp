@@ -9,6 +9,11 @@
 // last width-1 inputs of the segment in the same layout, so feeding it as the initial state of the
 // next segment gives the same result as one pass over both.
 //
+// Packed sequences: with seq_idx (batch, seqlen), a token whose id differs from the previous
+// token's starts a new sequence, and no output reads an input of an earlier sequence (those taps
+// read zero). The initial state belongs to the row's first sequence whatever its id; the final
+// state holds the inputs of the row's last sequence, zero before its start.
+//
 // Optional tensor arguments (bias, initial_state, final_state, ...) are left out by passing an
 // empty View, e.g. `{}`. Everything is fp32; every op is non-blocking on the execution space
 // instance it is given; the overloads without one use the default instance of the view's
@@ -43,6 +48,7 @@ Conv1dInput<MemorySpace> make_conv1d_input(const char* function, const ConstTens
                                            const ConstTensor2<float, MemorySpace>& weight,
                                            const ConstTensor1<float, MemorySpace>& bias,
                                            const ConstTensor3<float, MemorySpace>& initial_state,
+                                           const ConstTensor2<std::int64_t, MemorySpace>& seq_idx,
                                            Conv1dActivation activation) {
   const auto batch = static_cast<std::int64_t>(x.extent(0));
   const auto seqlen = static_cast<std::int64_t>(x.extent(1));
@@ -65,12 +71,19 @@ Conv1dInput<MemorySpace> make_conv1d_input(const char* function, const ConstTens
                 "(batch, channels, width - 1)");
     check_allocated(function, "initial_state", initial_state);
   }
+  const bool has_seq_idx = conv1d_given(seq_idx);
+  if (has_seq_idx) {
+    check_shape(function, "seq_idx", seq_idx, Shape({batch, seqlen}), "(batch, seqlen)");
+    check_allocated(function, "seq_idx", seq_idx);
+  }
   return Conv1dInput<MemorySpace>{x,
                                   weight,
                                   bias,
                                   initial_state,
+                                  seq_idx,
                                   has_bias,
                                   has_initial_state,
+                                  has_seq_idx,
                                   activation == Conv1dActivation::silu,
                                   static_cast<int>(seqlen),
                                   static_cast<int>(width)};
@@ -91,7 +104,8 @@ int conv1d_segment_rows_for(const ExecutionSpace& exec, std::int64_t batch, std:
 }  // namespace impl
 
 /// Causal depthwise conv1d forward: writes y and, if given, final_state. final_state may be
-/// initial_state itself (the conv state is then advanced in place); y must not be x.
+/// initial_state itself (the conv state is then advanced in place); y must not be x. With seq_idx,
+/// no output reads across a packed sequence's start.
 template <class ExecutionSpace>
 void causal_conv1d(
     const ExecutionSpace& exec,
@@ -102,11 +116,12 @@ void causal_conv1d(
         initial_state,                                                      // (batch, channels, width - 1) or empty
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& y,            // (batch, seqlen, channels)
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& final_state,  // (batch, channels, width - 1) or empty
-    Conv1dActivation activation) {
+    Conv1dActivation activation,
+    const ConstTensor2<std::int64_t, impl::Conv1dMemory<ExecutionSpace>>& seq_idx = {}) {  // (batch, seqlen) or empty
   const ProfilingRegion region("kmamba::causal_conv1d");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
   constexpr const char* function = "kmamba::causal_conv1d";
-  const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, activation);
+  const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, seq_idx, activation);
   const auto batch = static_cast<std::int64_t>(x.extent(0));
   const auto channels = static_cast<std::int64_t>(x.extent(2));
   const std::int64_t width = in.width;
@@ -144,13 +159,15 @@ void causal_conv1d(
     const ConstTensor3<float, typename XView::memory_space>& initial_state,  // (batch, channels, width - 1) or empty
     const Tensor3<float, typename XView::memory_space>& y,                   // (batch, seqlen, channels)
     const Tensor3<float, typename XView::memory_space>& final_state,         // (batch, channels, width - 1) or empty
-    Conv1dActivation activation) {
-  causal_conv1d(typename XView::execution_space(), x, weight, bias, initial_state, y, final_state, activation);
+    Conv1dActivation activation,
+    const ConstTensor2<std::int64_t, typename XView::memory_space>& seq_idx = {}) {  // (batch, seqlen) or empty
+  causal_conv1d(typename XView::execution_space(), x, weight, bias, initial_state, y, final_state, activation, seq_idx);
 }
 
 /// Causal depthwise conv1d backward. Given dy (and, if the forward's final state was used, its
 /// gradient dfinal_state), writes dx, dweight and, if given, dbias and dinitial_state. The
-/// pre-activation is recomputed from x for SiLU. dx must not be dy or x.
+/// pre-activation is recomputed from x for SiLU. dx must not be dy or x. seq_idx must be the
+/// forward's.
 template <class ExecutionSpace>
 void causal_conv1d_backward(
     const ExecutionSpace& exec,
@@ -166,11 +183,12 @@ void causal_conv1d_backward(
     const Tensor2<float, impl::Conv1dMemory<ExecutionSpace>>& dweight,         // (channels, width)
     const Tensor1<float, impl::Conv1dMemory<ExecutionSpace>>& dbias,           // (channels) or empty
     const Tensor3<float, impl::Conv1dMemory<ExecutionSpace>>& dinitial_state,  // (batch, channels, width - 1) or empty
-    Conv1dActivation activation) {
+    Conv1dActivation activation,
+    const ConstTensor2<std::int64_t, impl::Conv1dMemory<ExecutionSpace>>& seq_idx = {}) {  // (batch, seqlen) or empty
   const ProfilingRegion region("kmamba::causal_conv1d_backward");
   using Mem = impl::Conv1dMemory<ExecutionSpace>;
   constexpr const char* function = "kmamba::causal_conv1d_backward";
-  const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, activation);
+  const auto in = impl::make_conv1d_input<Mem>(function, x, weight, bias, initial_state, seq_idx, activation);
   const auto batch = static_cast<std::int64_t>(x.extent(0));
   const auto seqlen = static_cast<std::int64_t>(in.seqlen);
   const auto channels = static_cast<std::int64_t>(x.extent(2));
@@ -232,9 +250,10 @@ void causal_conv1d_backward(
     const Tensor2<float, typename XView::memory_space>& dweight,             // (channels, width)
     const Tensor1<float, typename XView::memory_space>& dbias,               // (channels) or empty
     const Tensor3<float, typename XView::memory_space>& dinitial_state,      // (batch, channels, width - 1) or empty
-    Conv1dActivation activation) {
+    Conv1dActivation activation,
+    const ConstTensor2<std::int64_t, typename XView::memory_space>& seq_idx = {}) {  // (batch, seqlen) or empty
   causal_conv1d_backward(typename XView::execution_space(), x, weight, bias, initial_state, dy, dfinal_state, dx,
-                         dweight, dbias, dinitial_state, activation);
+                         dweight, dbias, dinitial_state, activation, seq_idx);
 }
 
 /// One decode step: shifts conv_state left by one, appends x as its newest entry and writes

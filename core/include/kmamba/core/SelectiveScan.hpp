@@ -8,6 +8,10 @@
 //   out_t  = (Σ_n C[b,g,n,t]·h_t,n + D[d]·u[b,d,t]) · silu(z[b,d,t])
 //   last_state[b,d,n] = h_{L−1},n
 //
+// Packed sequences: with seq_idx (batch, seqlen), h_{t−1} is taken as 0 where seq_idx[b,t] differs
+// from seq_idx[b,t−1] (t ≥ 1), so no state crosses from one packed sequence into the next; the
+// initial state belongs to the row's first sequence whatever its id, the last state to its last.
+//
 // All arithmetic and the running state are fp32. The sequence is walked in chunks of
 // `chunk_size` tokens staged in team scratch memory, the state carried from chunk to chunk, so
 // no (seqlen × dstate) tensor is ever materialised. Every op is non-blocking on the execution
@@ -37,15 +41,16 @@ namespace kmamba {
 /// constructed) means "absent" for the optional ones.
 template <class MemorySpace>
 struct SelectiveScanArgs {
-  ConstTensor3<float, MemorySpace> u;              // (batch, dim, seqlen)
-  ConstTensor3<float, MemorySpace> delta;          // (batch, dim, seqlen), before bias and softplus
-  ConstTensor2<float, MemorySpace> A;              // (dim, dstate), real (negative for a stable scan)
-  ConstTensor4<float, MemorySpace> B;              // (batch, ngroups, dstate, seqlen)
-  ConstTensor4<float, MemorySpace> C;              // (batch, ngroups, dstate, seqlen)
-  ConstTensor1<float, MemorySpace> D;              // (dim), optional skip connection
-  ConstTensor3<float, MemorySpace> z;              // (batch, dim, seqlen), optional gate
-  ConstTensor1<float, MemorySpace> delta_bias;     // (dim), optional, added to delta
-  ConstTensor3<float, MemorySpace> initial_state;  // (batch, dim, dstate), optional (zero if absent)
+  ConstTensor3<float, MemorySpace> u;               // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> delta;           // (batch, dim, seqlen), before bias and softplus
+  ConstTensor2<float, MemorySpace> A;               // (dim, dstate), real (negative for a stable scan)
+  ConstTensor4<float, MemorySpace> B;               // (batch, ngroups, dstate, seqlen)
+  ConstTensor4<float, MemorySpace> C;               // (batch, ngroups, dstate, seqlen)
+  ConstTensor1<float, MemorySpace> D;               // (dim), optional skip connection
+  ConstTensor3<float, MemorySpace> z;               // (batch, dim, seqlen), optional gate
+  ConstTensor1<float, MemorySpace> delta_bias;      // (dim), optional, added to delta
+  ConstTensor3<float, MemorySpace> initial_state;   // (batch, dim, dstate), optional (zero if absent)
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional packed sequence ids
   /// Apply softplus (threshold 20) to delta + delta_bias.
   bool delta_softplus = false;
   /// Tokens per chunk; 0 lets kmamba choose from the team scratch memory available. A value
@@ -114,6 +119,8 @@ SelectiveScanDims selective_scan_check_args(const char* function, const Selectiv
     check_shape(function, "initial_state", args.initial_state, {dims.batch, dims.dim, dims.dstate},
                 "(batch, dim, dstate)");
   }
+  if (args.seq_idx.is_allocated())
+    check_shape(function, "seq_idx", args.seq_idx, {dims.batch, dims.seqlen}, "(batch, seqlen)");
   KMAMBA_REQUIRE(args.chunk_size >= 0, function << ": chunk_size must be >= 0, got " << args.chunk_size);
   return dims;
 }

@@ -30,10 +30,12 @@ enum class Split { Train, Validation };
 const char* split_name(Split split);
 
 /// A batch of sequences on the host: the model reads `ids` and is scored against `targets`
-/// (ignore_index where nothing is predicted).
+/// (ignore_index where nothing is predicted). Rows of packed documents also carry their sequence
+/// ids (LanguageModel::set_sequence_ids); an empty `seq_idx` is one sequence per row.
 struct TokenBatch {
   Tensor2<std::int64_t, Kokkos::HostSpace> ids;      // (batch, seqlen)
   Tensor2<std::int64_t, Kokkos::HostSpace> targets;  // (batch, seqlen)
+  Tensor2<std::int64_t, Kokkos::HostSpace> seq_idx;  // (batch, seqlen) or empty
 
   /// Positions whose target is not ignore_index.
   std::int64_t predicted_tokens() const;
@@ -105,10 +107,17 @@ struct TokenDatasetConfig {
   std::int64_t seqlen = 256;         ///< tokens per training window
   double validation_fraction = 0.1;  ///< the last fraction of the tokens is held out (0: no held-out split)
   std::uint64_t seed = 0;            ///< chooses the windows
+  /// Packed documents: the token that ends every document (the end-of-document id kmamba-tokenize
+  /// wrote), or -1 (the default) for windows that run across documents. With it, a window's tokens
+  /// after each end-of-document token form a new sequence of TokenBatch::seq_idx, and the target
+  /// of the end-of-document token itself (the next document's first token) is ignore_index.
+  std::int64_t document_end = -1;
 };
 
 /// A token sequence split into a training part and a held-out tail; batches are windows at
-/// random offsets, targets = the next tokens.
+/// random offsets, targets = the next tokens; with TokenDatasetConfig::document_end, each window
+/// is a row of packed documents (the same windows, with their sequence ids and no target across
+/// a document's end).
 ///
 /// Files: from_file() reads a pre-tokenized token file when the file starts with the magic below,
 /// and any other file as UTF-8/binary text with one token per byte (vocabulary 256). A token file

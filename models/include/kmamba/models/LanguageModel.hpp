@@ -24,6 +24,7 @@
 #define KMAMBA_MODELS_LANGUAGEMODEL_HPP
 
 #include <kmamba/core/MatmulPrecision.hpp>
+#include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mixer.hpp>
@@ -49,25 +50,35 @@ template <class MemorySpace>
 struct ShiftTargets {
   Tensor2<std::int64_t, MemorySpace> targets;
   ConstTensor2<std::int64_t, MemorySpace> ids;
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // if has_seq_idx
+  bool has_seq_idx;
   KOKKOS_INLINE_FUNCTION void operator()(const int b, const int t) const {
-    targets(b, t) = t + 1 < static_cast<int>(ids.extent(1)) ? ids(b, t + 1) : ignore_index;
+    const bool last = t + 1 >= static_cast<int>(ids.extent(1)) || (has_seq_idx && seq_idx(b, t + 1) != seq_idx(b, t));
+    targets(b, t) = last ? ignore_index : ids(b, t + 1);
   }
 };
 }  // namespace impl
 
 /// The Hugging Face convention: targets(b, t) = ids(b, t + 1), and ignore_index at the last position.
-/// Non-blocking on `exec`.
+/// With the rows' packed sequence ids (LanguageModel::set_sequence_ids), ignore_index also at the
+/// last position of every document, so that no target crosses into the next one. Non-blocking on
+/// `exec`. Throws kmamba::UserError for seq_idx of another shape than ids.
 template <class ExecutionSpace>
 Tensor2<std::int64_t, typename ExecutionSpace::memory_space> next_token_targets(
     const ExecutionSpace& exec,
-    const ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>& ids) {  // (batch, seqlen)
+    const ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>& ids,  // (batch, seqlen)
+    const ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>& seq_idx =
+        {}) {  // (batch, seqlen) or empty
   using Mem = typename ExecutionSpace::memory_space;
+  if (seq_idx.is_allocated()) {
+    check_shape("kmamba::next_token_targets", "seq_idx", seq_idx, shape_of(ids), "(batch, seqlen) of ids");
+  }
   Tensor2<std::int64_t, Mem> targets(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmamba::lm::targets"),
                                      ids.extent(0), ids.extent(1));
   Kokkos::parallel_for("kmamba::lm::next_token_targets",
                        Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(
                            exec, {0, 0}, {static_cast<int>(ids.extent(0)), static_cast<int>(ids.extent(1))}),
-                       impl::ShiftTargets<Mem>{targets, ids});
+                       impl::ShiftTargets<Mem>{targets, ids, seq_idx, seq_idx.is_allocated()});
   return targets;
 }
 
@@ -161,6 +172,15 @@ class LanguageModel {
   /// does not write it and load() starts in Float32.
   void set_matmul_precision(MatmulPrecision precision);
   MatmulPrecision matmul_precision() const;
+  /// Packed variable-length rows (docs/training.md): the sequence ids (batch, seqlen) of the rows
+  /// of the following forward, loss, loss_and_backward and prefill calls, until replaced (an empty
+  /// View, the default: one sequence per row). A token whose id differs from the previous token's
+  /// starts a document, and no conv tap or SSM state crosses that start, so each document's logits
+  /// and gradients are those it has alone. The loss is masked by the targets: take them from
+  /// next_token_targets(exec, ids, seq_idx). The View is kept, not copied. Throws
+  /// kmamba::UserError for a Mamba-3 model (its scans take no seq_idx yet) or, at the next call,
+  /// for ids of another shape than that call's.
+  void set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx);
   /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
   /// parameters().grads() whose gradients that backward has finished (their work enqueued on
   /// `exec`, not necessarily done): each block's parameters (its mixer's and its norm's) right after

@@ -104,6 +104,9 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
             const Tensor2<float, memory_space>& out,     // (batch, d_model)
             MixerCache<ExecutionSpace>& cache) const override;
 
+ protected:
+  bool supports_sequence_ids() const override { return true; }
+
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba1Mixer.cpp
   // What forward computes, token-major (rows = batch·seqlen) for the projections and

@@ -138,6 +138,9 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
             const Tensor2<float, memory_space>& out,     // (batch, d_model)
             MixerCache<ExecutionSpace>& cache) const override;
 
+ protected:
+  bool supports_sequence_ids() const override { return true; }
+
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba2Mixer.cpp
   // The segments of in_proj's output, in the order of its rows (docs/algorithms.md §2.2).
@@ -165,6 +168,10 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   std::vector<MixerParameter> parameter_specs() const;
   // Throws kmamba::UserError unless `slab` holds every parameter with its shape.
   void check_parameters(const char* function, const Slab& slab) const;
+  /// The packed sequence ids of a call of `function` on (batch, seqlen) rows (empty for none);
+  /// packed rows are not split across sequence-parallel ranks.
+  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
+                                                                      std::int64_t seqlen) const;
 
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
   // The forward; with a cache, its states are the initial states and receive the final ones.

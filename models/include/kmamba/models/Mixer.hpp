@@ -21,7 +21,9 @@
 #ifndef KMAMBA_MODELS_MIXER_HPP
 #define KMAMBA_MODELS_MIXER_HPP
 
+#include <kmamba/core/Error.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
+#include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/ModelParallel.hpp>
@@ -128,6 +130,21 @@ class Mixer {
                     const Tensor2<float, memory_space>& out,     // (batch, d_model)
                     MixerCache<ExecutionSpace>& cache) const = 0;
 
+  /// Packed variable-length rows (docs/algorithms.md §2.9): the sequence ids (batch, seqlen) of
+  /// the tokens of the following forward, backward and prefill calls, until replaced. A token
+  /// whose id differs from the previous token's starts a new document, and neither the conv nor
+  /// the scan carries anything across that start, so each document gives what it gives alone. An
+  /// empty View (the default) is one sequence per row. A backward uses the ids set at the time,
+  /// which must be its forward's. Throws kmamba::UserError for ids given to a mixer without
+  /// packed sequences (Mamba-3).
+  void set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
+    KMAMBA_REQUIRE(!seq_idx.is_allocated() || supports_sequence_ids(),
+                   "kmamba::Mixer::set_sequence_ids: the mixer '"
+                       << prefix() << "' takes no packed sequence ids (seq_idx); packed variable-length rows are "
+                       << "supported by the Mamba-1 and Mamba-2 mixers, not yet by Mamba-3");
+    seq_idx_ = seq_idx;
+  }
+
   /// The parameters this rank holds a tensor-parallel shard of (ModelParallel.hpp); every other
   /// parameter is replicated, with its unsplit shape. Empty for a mixer that is not split.
   virtual std::vector<ShardedParameter> sharded_parameters() const { return {}; }
@@ -150,8 +167,22 @@ class Mixer {
   /// SSD's BFloat16 is its fused tensor-core forward; SsdArgs::matmul_precision).
   MatmulPrecision ssd_matmul_precision() const { return matmul_precision_; }
 
+ protected:
+  /// Whether set_sequence_ids accepts ids.
+  virtual bool supports_sequence_ids() const { return false; }
+
+  /// The ids set by set_sequence_ids, checked against the (batch, seqlen) of a call of `function`.
+  const ConstTensor2<std::int64_t, memory_space>& sequence_ids(const char* function, std::int64_t batch,
+                                                               std::int64_t seqlen) const {
+    if (seq_idx_.is_allocated()) {
+      check_shape(function, "seq_idx", seq_idx_, Shape({batch, seqlen}), "(batch, seqlen) of u (set_sequence_ids)");
+    }
+    return seq_idx_;
+  }
+
  private:
   MatmulPrecision matmul_precision_ = MatmulPrecision::Float32;
+  ConstTensor2<std::int64_t, memory_space> seq_idx_;  // (batch, seqlen) or empty
 };
 
 /// The mixer of config.mixer (Mamba-1, Mamba-2 or Mamba-3) with parameter names prefixed by `prefix`.

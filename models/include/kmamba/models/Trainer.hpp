@@ -180,6 +180,10 @@ class Trainer {
                         const Tensor1<float, memory_space>& v) const;  // (parameters of model)
   // Under sequence parallelism: this rank's segment of every sequence of b.
   TokenBatch sequence_segment_of(const TokenBatch& b) const;
+  // Gives the model b's packed sequence ids (none for a batch without them) and returns b's ids
+  // and targets on the device.
+  std::pair<ConstTensor2<std::int64_t, memory_space>, ConstTensor2<std::int64_t, memory_space>> upload(
+      const TokenBatch& b);
 
   ExecutionSpace exec_;
   LanguageModel<ExecutionSpace> model_;

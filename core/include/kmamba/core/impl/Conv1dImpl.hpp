@@ -2,7 +2,9 @@
 //
 // Time runs over s in [-(width-1), seqlen): positions s < 0 are the initial conv state
 // (initial_state(b, c, s + width - 1)), or zero without one. Output t reads inputs
-// t-(width-1) .. t, tap k multiplying input t-(width-1)+k.
+// t-(width-1) .. t, tap k multiplying input t-(width-1)+k. With seq_idx, a token whose id differs
+// from the previous token's starts a packed sequence, and output t reads input s only if no
+// sequence starts in (s, t]; the inputs before time 0 belong to the row's first sequence.
 #ifndef KMAMBA_CORE_IMPL_CONV1DIMPL_HPP
 #define KMAMBA_CORE_IMPL_CONV1DIMPL_HPP
 
@@ -33,12 +35,14 @@ bool conv1d_given(const ViewType& view) {
 // What the forward pass reads; shared by the forward and backward kernels.
 template <class MemorySpace>
 struct Conv1dInput {
-  ConstTensor3<float, MemorySpace> x;              // (batch, seqlen, channels)
-  ConstTensor2<float, MemorySpace> weight;         // (channels, width)
-  ConstTensor1<float, MemorySpace> bias;           // (channels) if has_bias
-  ConstTensor3<float, MemorySpace> initial_state;  // (batch, channels, width - 1) if has_initial_state
+  ConstTensor3<float, MemorySpace> x;               // (batch, seqlen, channels)
+  ConstTensor2<float, MemorySpace> weight;          // (channels, width)
+  ConstTensor1<float, MemorySpace> bias;            // (channels) if has_bias
+  ConstTensor3<float, MemorySpace> initial_state;   // (batch, channels, width - 1) if has_initial_state
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen) if has_seq_idx
   bool has_bias;
   bool has_initial_state;
+  bool has_seq_idx;
   bool apply_silu;
   int seqlen;
   int width;
@@ -49,18 +53,39 @@ struct Conv1dInput {
     return has_initial_state ? initial_state(b, c, s + width - 1) : 0.0f;
   }
 
-  // bias + sum_k weight(c, k) * input(t - (width-1) + k), the value before the activation.
+  // Whether token s in [-(width-1), seqlen] starts a packed sequence (never time 0, whose sequence
+  // owns the initial state, nor the token after the segment, which continues its last sequence).
+  KOKKOS_INLINE_FUNCTION bool starts_sequence(int b, int s) const {
+    return has_seq_idx && s >= 1 && s < seqlen && seq_idx(b, s) != seq_idx(b, s - 1);
+  }
+
+  // Whether time t (up to seqlen, the next segment's first token) reads input s <= t: no packed
+  // sequence starts in (s, t].
+  KOKKOS_INLINE_FUNCTION bool reaches(int b, int s, int t) const {
+    for (int r = s + 1; r <= t; ++r) {
+      if (starts_sequence(b, r)) return false;
+    }
+    return true;
+  }
+
+  // bias + sum_k weight(c, k) * input(t - (width-1) + k) over the inputs t reads, the value before
+  // the activation.
   KOKKOS_INLINE_FUNCTION float pre_activation(int b, int t, int c) const {
     float acc = has_bias ? bias(c) : 0.0f;
-    for (int k = 0; k < width; ++k) acc += weight(c, k) * input(b, t - (width - 1) + k, c);
+    for (int k = 0; k < width; ++k) {
+      const int s = t - (width - 1) + k;
+      if (reaches(b, s, t)) acc += weight(c, k) * input(b, s, c);
+    }
     return acc;
   }
 
   KOKKOS_INLINE_FUNCTION float activate(float pre) const { return apply_silu ? silu(pre) : pre; }
 };
 
-// final_state(b, c, j) = input(seqlen - (width-1) + j), one thread per (b, c), j ascending so
-// that final_state may be initial_state itself (each j reads the state at j + seqlen >= j).
+// final_state(b, c, j) = input(seqlen - (width-1) + j), or zero where that input lies before the
+// start of the row's last packed sequence (the next segment continues that sequence alone); one
+// thread per (b, c), j ascending so that final_state may be initial_state itself (each j reads
+// the state at j + seqlen >= j).
 template <class MemorySpace>
 struct Conv1dFinalStateFunctor {
   Conv1dInput<MemorySpace> in;
@@ -71,7 +96,8 @@ struct Conv1dFinalStateFunctor {
     const int c = static_cast<int>(i % channels);
     const int b = static_cast<int>(i / channels);
     for (int j = 0; j < in.width - 1; ++j) {
-      final_state(b, c, j) = in.input(b, in.seqlen - (in.width - 1) + j, c);
+      const int s = in.seqlen - (in.width - 1) + j;
+      final_state(b, c, j) = in.reaches(b, s, in.seqlen) ? in.input(b, s, c) : 0.0f;
     }
   }
 };
@@ -91,15 +117,16 @@ struct Conv1dGradInput {
   }
 
   // Gradient w.r.t. the input at time s in [-(width-1), seqlen): every output t that reads it
-  // through tap k = s - t + width - 1, plus the final state's entry j = s - seqlen + width - 1.
+  // through tap k = s - t + width - 1, plus the final state's entry j = s - seqlen + width - 1
+  // where the final state holds it.
   KOKKOS_INLINE_FUNCTION float dinput(int b, int s, int c) const {
     float acc = 0.0f;
     for (int k = 0; k < in.width; ++k) {
       const int t = s + (in.width - 1) - k;
-      if (t >= 0 && t < in.seqlen) acc += in.weight(c, k) * dpre(b, t, c);
+      if (t >= 0 && t < in.seqlen && in.reaches(b, s, t)) acc += in.weight(c, k) * dpre(b, t, c);
     }
     const int j = s - in.seqlen + in.width - 1;
-    if (has_dfinal_state && j >= 0) acc += dfinal_state(b, c, j);
+    if (has_dfinal_state && j >= 0 && in.reaches(b, s, in.seqlen)) acc += dfinal_state(b, c, j);
     return acc;
   }
 };
@@ -129,30 +156,35 @@ constexpr int conv1d_min_segment_rows = 16;
 
 // The register window of a (batch, segment, channel) work item, right-aligned: slot MaxWidth - 1
 // holds time t after each step's shift, so every register index is a compile-time constant; a
-// width below MaxWidth leaves the leading slots unused (their taps are zero).
+// width below MaxWidth leaves the leading slots unused (their taps are zero). After a step, the
+// slots before `first_read` hold inputs that time t does not read: before tap 0, or before the
+// start of t's packed sequence.
 template <class MemorySpace, int MaxWidth>
 struct Conv1dWindow {
   float tap[MaxWidth];
   float window[MaxWidth];
-  int first_tap;  // the slot of tap 0; slots before it hold inputs the conv does not read
+  int first_tap;   // the slot of tap 0
+  int first_read;  // the first slot time t reads; before the first step, one past time t0's (the shift moves it)
 
   // The taps of channel c and the inputs before t0 (initial state included).
   KOKKOS_INLINE_FUNCTION Conv1dWindow(const Conv1dInput<MemorySpace>& in, int b, int t0, int c)
-      : first_tap(MaxWidth - in.width) {
+      : first_tap(MaxWidth - in.width), first_read(MaxWidth - in.width + 1) {
     for (int j = 0; j < MaxWidth; ++j) {
       tap[j] = j >= first_tap ? in.weight(c, j - first_tap) : 0.0f;
       // window[j] = the input at time t0 - MaxWidth + j, the one before each step's shift.
       window[j] = j > first_tap ? in.input(b, t0 - MaxWidth + j, c) : 0.0f;
+      if (j > first_tap && in.starts_sequence(b, t0 - MaxWidth + j)) first_read = j;
     }
   }
 
-  // Shifts in the input at the next time and returns the pre-activation there.
-  KOKKOS_INLINE_FUNCTION float step(const Conv1dInput<MemorySpace>& in, float newest, int c) {
+  // Shifts in the input at time t and returns the pre-activation there.
+  KOKKOS_INLINE_FUNCTION float step(const Conv1dInput<MemorySpace>& in, float newest, int b, int t, int c) {
     for (int j = 0; j + 1 < MaxWidth; ++j) window[j] = window[j + 1];
     window[MaxWidth - 1] = newest;
+    first_read = in.starts_sequence(b, t) ? MaxWidth - 1 : (first_read > first_tap ? first_read - 1 : first_tap);
     float pre = in.has_bias ? in.bias(c) : 0.0f;
     for (int j = 0; j < MaxWidth; ++j) {
-      if (j >= first_tap) pre += tap[j] * window[j];
+      if (j >= first_read) pre += tap[j] * window[j];
     }
     return pre;
   }
@@ -186,7 +218,9 @@ struct Conv1dForwardSegmentFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
     const Conv1dSegmentItem seg(i, channels, segments, segment_rows, in.seqlen);
     Conv1dWindow<MemorySpace, MaxWidth> w(in, seg.b, seg.t0, seg.c);
-    for (int t = seg.t0; t < seg.t1; ++t) y(seg.b, t, seg.c) = in.activate(w.step(in, in.x(seg.b, t, seg.c), seg.c));
+    for (int t = seg.t0; t < seg.t1; ++t) {
+      y(seg.b, t, seg.c) = in.activate(w.step(in, in.x(seg.b, t, seg.c), seg.b, t, seg.c));
+    }
   }
 };
 
@@ -215,7 +249,6 @@ struct Conv1dBackwardSegmentFunctor {
     const Conv1dSegmentItem seg(i, channels, segments, segment_rows, seqlen);
     const int c = seg.c, b = seg.b, t0 = seg.t0, t1 = seg.t1;
     const std::int64_t item = seg.item;
-    const int first_tap = MaxWidth - width;  // slot of tap 0
     const int t_end = t1 + width - 1 < seqlen ? t1 + width - 1 : seqlen;
     Conv1dWindow<MemorySpace, MaxWidth> w(grad.in, b, t0, c);
     float pending[MaxWidth], sums[MaxWidth];
@@ -226,15 +259,15 @@ struct Conv1dBackwardSegmentFunctor {
     }
     for (int t = t0; t < t1 + MaxWidth - 1; ++t) {
       if (t < t_end) {
-        const float pre = w.step(grad.in, grad.in.x(b, t, c), c);
+        const float pre = w.step(grad.in, grad.in.x(b, t, c), b, t, c);
         const float g = grad.dy(b, t, c);
         const float dpre = grad.in.apply_silu ? g * silu_derivative(pre) : g;
         for (int j = 0; j < MaxWidth; ++j) {
-          if (j >= first_tap) pending[j] += w.tap[j] * dpre;
+          if (j >= w.first_read) pending[j] += w.tap[j] * dpre;
         }
         if (t < t1) {
           for (int j = 0; j < MaxWidth; ++j) {
-            if (j >= first_tap) sums[j] += dpre * w.window[j];
+            if (j >= w.first_read) sums[j] += dpre * w.window[j];
           }
           bias_sum += dpre;
         }
@@ -244,13 +277,14 @@ struct Conv1dBackwardSegmentFunctor {
       const int s = t - (MaxWidth - 1);
       if (s >= t0) {
         const int j = s - seqlen + width - 1;
-        dx(b, s, c) = pending[0] + (grad.has_dfinal_state && j >= 0 ? grad.dfinal_state(b, c, j) : 0.0f);
+        const bool in_final_state = grad.has_dfinal_state && j >= 0 && grad.in.reaches(b, s, seqlen);
+        dx(b, s, c) = pending[0] + (in_final_state ? grad.dfinal_state(b, c, j) : 0.0f);
       }
       for (int j = 0; j + 1 < MaxWidth; ++j) pending[j] = pending[j + 1];
       pending[MaxWidth - 1] = 0.0f;
     }
     for (int j = 0; j < MaxWidth; ++j) {
-      if (j >= first_tap) partial(item, j - first_tap, c) = sums[j];
+      if (j >= w.first_tap) partial(item, j - w.first_tap, c) = sums[j];
     }
     partial(item, width, c) = bias_sum;
   }

@@ -180,14 +180,15 @@ void selective_scan_launch(const ExecSpace& exec, const char* label, const Selec
 /// The sequence inputs of the scan as the kernels read them.
 template <class MemorySpace>
 struct SelectiveScanOperands {
-  ConstTensor3<float, MemorySpace> u, delta;       // (batch, dim, seqlen)
-  ConstTensor2<float, MemorySpace> A;              // (dim, dstate)
-  ConstTensor4<float, MemorySpace> B, C;           // (batch, ngroups, dstate, seqlen)
-  ConstTensor1<float, MemorySpace> D;              // (dim)
-  ConstTensor3<float, MemorySpace> z;              // (batch, dim, seqlen)
-  ConstTensor1<float, MemorySpace> delta_bias;     // (dim)
-  ConstTensor3<float, MemorySpace> initial_state;  // (batch, dim, dstate)
-  bool has_D, has_z, has_delta_bias, has_initial_state, delta_softplus;
+  ConstTensor3<float, MemorySpace> u, delta;        // (batch, dim, seqlen)
+  ConstTensor2<float, MemorySpace> A;               // (dim, dstate)
+  ConstTensor4<float, MemorySpace> B, C;            // (batch, ngroups, dstate, seqlen)
+  ConstTensor1<float, MemorySpace> D;               // (dim)
+  ConstTensor3<float, MemorySpace> z;               // (batch, dim, seqlen)
+  ConstTensor1<float, MemorySpace> delta_bias;      // (dim)
+  ConstTensor3<float, MemorySpace> initial_state;   // (batch, dim, dstate)
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
+  bool has_D, has_z, has_delta_bias, has_initial_state, has_seq_idx, delta_softplus;
 
   explicit SelectiveScanOperands(const SelectiveScanArgs<MemorySpace>& args)
       : u(args.u),
@@ -199,11 +200,20 @@ struct SelectiveScanOperands {
         z(args.z),
         delta_bias(args.delta_bias),
         initial_state(args.initial_state),
+        seq_idx(args.seq_idx),
         has_D(args.D.is_allocated()),
         has_z(args.z.is_allocated()),
         has_delta_bias(args.delta_bias.is_allocated()),
         has_initial_state(args.initial_state.is_allocated()),
+        has_seq_idx(args.seq_idx.is_allocated()),
         delta_softplus(args.delta_softplus) {}
+
+  /// The factor on the state carried into token t: 0 where t starts a packed sequence (its id
+  /// differs from token t − 1's), else 1. A product with it, rather than a branch, keeps the
+  /// recurrence the same instruction stream with and without seq_idx.
+  KOKKOS_INLINE_FUNCTION float carry(int b, int t) const {
+    return has_seq_idx && t > 0 && seq_idx(b, t) != seq_idx(b, t - 1) ? 0.0f : 1.0f;
+  }
 
   /// delta + delta_bias, before the softplus.
   KOKKOS_INLINE_FUNCTION float delta_pre(int b, int d, int t) const {
@@ -284,11 +294,12 @@ struct SelectiveScanForwardFunctor {
         for (int t = 0; t < len; ++t) {
           const float dt = sdelta(c, t);
           const float dtu = dt * su(c, t);
+          const float carry = in.carry(tb.b, t0 + t);
           float y = 0.0f;
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, float& acc) {
-                const float h = kmamba::math::exp(dt * sA(c, n)) * sh(c, n) + dtu * sB(n, t);
+                const float h = carry * kmamba::math::exp(dt * sA(c, n)) * sh(c, n) + dtu * sB(n, t);
                 sh(c, n) = h;
                 acc += sC(n, t) * h;
               },
@@ -409,13 +420,14 @@ KOKKOS_INLINE_FUNCTION void selective_scan_register_rates(const SelectiveScanOpe
 }
 
 /// Advances the States states h (of rates a, from selective_scan_register_rates) of channel row c
-/// over tokens [0, len) of the staged chunk, states n0 ... of B and C; after each token t calls
-/// after_token(t, h, y) with y = Σ_j C·h, this thread's share of the output.
-template <int States, class Rows, class AfterToken>
+/// over tokens [0, len) of the staged chunk, states n0 ... of B and C, the carried state scaled by
+/// carry(t) (SelectiveScanOperands::carry); after each token t calls after_token(t, h, y) with
+/// y = Σ_j C·h, this thread's share of the output.
+template <int States, class Rows, class Carry, class AfterToken>
 KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int n0, const int len, const Rows& su,
                                                           const Rows& sdelta, const Rows& sB, const Rows& sC,
                                                           const float (&a)[States], float (&h)[States],
-                                                          const AfterToken& after_token) {
+                                                          const Carry& carry, const AfterToken& after_token) {
   // Unrolled on a GPU so that the loads and exponentials of the next tokens, which do not depend
   // on h, issue while the current token's chains complete.
 #ifdef __CUDA_ARCH__
@@ -424,9 +436,10 @@ KOKKOS_INLINE_FUNCTION void selective_scan_register_chunk(const int c, const int
   for (int t = 0; t < len; ++t) {
     const float dt = sdelta(c, t);
     const float dtu = dt * su(c, t);
+    const float keep = carry(t);
     float y = 0.0f;
     for (int j = 0; j < States; ++j) {
-      h[j] = selective_scan_exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
+      h[j] = keep * selective_scan_exp2(dt * a[j]) * h[j] + dtu * sB(t, n0 + j);
       y += sC(t, n0 + j) * h[j];
     }
     after_token(t, h, y);
@@ -537,7 +550,7 @@ struct SelectiveScanForwardRegisterFunctor {
         selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
         for (int j = 0; j < thread_states; ++j) h[j] = sh(c, n0 + j);
         selective_scan_register_chunk(
-            c, n0, len, su, sdelta, sB, sC, a, h,
+            c, n0, len, su, sdelta, sB, sC, a, h, [&](const int t) { return in.carry(tb.b, t0 + t); },
             [&](const int t, const float(&)[thread_states], const float y) { sy(q * cpt + c, t) = y; });
         for (int j = 0; j < thread_states; ++j) sh(c, n0 + j) = h[j];
       });
@@ -651,11 +664,12 @@ struct SelectiveScanBackwardFunctor {
         for (int t = 0; t < len; ++t) {
           const float dt = sdelta(c, t);
           const float dtu = dt * su(c, t);
+          const float carry = in.carry(tb.b, t0 + t);
           float y = 0.0f;
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, float& acc) {
-                const float h = kmamba::math::exp(dt * sA(c, n)) * hs(c, n, t) + dtu * sB(n, t);
+                const float h = carry * kmamba::math::exp(dt * sA(c, n)) * hs(c, n, t) + dtu * sB(n, t);
                 hs(c, n, t + 1) = h;
                 acc += sC(n, t) * h;
               },
@@ -678,11 +692,12 @@ struct SelectiveScanBackwardFunctor {
           const float dt = sdelta(c, t);
           const float uu = su(c, t);
           const float g = sg(c, t);
+          const float carry = in.carry(tb.b, t0 + t);
           SelectiveScanPair sums;
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(team, nstate),
               [&](const int n, SelectiveScanPair& acc) {
-                const float a = kmamba::math::exp(dt * sA(c, n));
+                const float a = carry * kmamba::math::exp(dt * sA(c, n));
                 const float a_hprev = a * hs(c, n, t);
                 const float lambda = g * sC(n, t) + smu(c, n);
                 hs(c, n, t) = lambda * dt * uu;
@@ -843,11 +858,12 @@ struct SelectiveScanBackwardRegisterFunctor {
         float a[thread_states], h[thread_states];
         selective_scan_register_rates(in, tb.d0 + c, n0, nstate, a);
         for (int j = 0; j < thread_states; ++j) h[j] = hs(c, n0 + j, 0);
-        selective_scan_register_chunk(c, n0, len, su, sdelta, sB, sC, a, h,
-                                      [&](const int t, const float(&state)[thread_states], const float y) {
-                                        for (int j = 0; j < thread_states; ++j) hs(c, n0 + j, t + 1) = state[j];
-                                        sy(q * cpt + c, t) = y;
-                                      });
+        selective_scan_register_chunk(
+            c, n0, len, su, sdelta, sB, sC, a, h, [&](const int t) { return in.carry(tb.b, t0 + t); },
+            [&](const int t, const float(&state)[thread_states], const float y) {
+              for (int j = 0; j < thread_states; ++j) hs(c, n0 + j, t + 1) = state[j];
+              sy(q * cpt + c, t) = y;
+            });
       });
       team.team_barrier();
       selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
@@ -870,10 +886,11 @@ struct SelectiveScanBackwardRegisterFunctor {
           const float dt = sdelta(c, t);
           const float uu = su(c, t);
           const float g = sg(c, t);
+          const float keep = in.carry(tb.b, t0 + t);
           float first = 0.0f, second = 0.0f;
           for (int j = 0; j < thread_states; ++j) {
             const int n = n0 + j;
-            const float decay = selective_scan_exp2(dt * a[j]);
+            const float decay = keep * selective_scan_exp2(dt * a[j]);
             const float decay_hprev = decay * hs(c, n, t);
             const float lambda = g * sC(t, n) + mu[j];
             hs(c, n, t) = lambda * dt * uu;
