@@ -255,7 +255,9 @@ namespace {
 nlohmann::json parsed_config(const std::map<std::string, std::string>& metadata, const std::string& path) {
   const auto it = metadata.find("config");
   if (it == metadata.end()) return nullptr;
-  nlohmann::json config = parse_json(it->second, "safetensors: '" + path + "': metadata 'config'");
+  // Python's json module (the reference's writer) spells infinite floats as bare Infinity.
+  nlohmann::json config =
+      parse_json(spell_python_infinities(it->second), "safetensors: '" + path + "': metadata 'config'");
   KMAMBA_REQUIRE(config.is_object(), "safetensors: '" << path << "': metadata 'config' is not a JSON object");
   return config;
 }

@@ -124,7 +124,8 @@ std::string SequenceModelConfig::to_json() const {
   j["format"] = impl::seq::format;
   j["input_size"] = input_size;
   j["output_size"] = output_size;
-  j["backbone"] = nlohmann::json::parse(backbone.to_hf_json());
+  // to_hf_json writes an infinite bound as Python's bare Infinity (transformers' config.json).
+  j["backbone"] = parse_json(spell_python_infinities(backbone.to_hf_json()), "kmamba::SequenceModelConfig: backbone");
   return j.dump(2);
 }
 
