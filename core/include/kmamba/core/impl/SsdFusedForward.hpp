@@ -3,19 +3,19 @@
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere).
 //
 // A team has 8 warps. Warp w keeps rows n ∈ [16w, 16w+16) of the transposed state Hᵀ (N × P,
-// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 64 tokens (t, s
+// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 32 tokens (t, s
 // index tokens of the chunk, p the head's channels, n the states):
-//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0, two tokens a lane); C and x rows,
-//            then B rows, into the threads' registers, C and B to scratch as bf16; Hᵀ to scratch
-//            as bf16;
-//   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0 … 3 (rows t ∈ [16w, 16w+16)):
+//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); C and x rows, then B rows, into
+//            the threads' registers, C and B to scratch as bf16; Hᵀ to scratch as bf16;
+//   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0, 1 (rows t ∈ [16w, 16w+16)):
 //            S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n] for s ≤ t, 0 above, to scratch;
-//   phase 2  warp w: the output blocks t ∈ 16·tb + [0, 16), p ∈ 16·(w%4) + [0, 16) for
-//            tb = w/4 and w/4 + 2: Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p],
-//            and out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
+//   phase 2  warp w: the output block t ∈ 16·(w/4) + [0, 16), p ∈ 16·(w%4) + [0, 16):
+//            Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p], and
+//            out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
 //   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
-// A chunk costs four team barriers and a few dependent memory latencies whatever its length, and
-// a team walks its chunks one after the other: 64 tokens a chunk halve those per token against 32.
+// The code takes any Q that is a multiple of 32 (a warp's lanes scan 32 tokens at a time). Q is 32:
+// at 64 the score accumulators of 64 columns exceed the 128 registers a thread has at two teams per
+// SM and spill to local memory (perf/RESULTS.md, session 16).
 // Tokens past the sequence end read as zero (δ = 0, so the cumsum and the state stand still).
 // Compiled for headdim 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported), whatever
 // chunk_size asks for (the result is the same function of the inputs); other shapes, and seq_idx,
@@ -44,7 +44,7 @@ namespace kmamba {
 namespace impl {
 
 /// The chunk length and headdim the fused forward is compiled for, and its warps per team.
-constexpr int ssd_fused_chunk = 64;
+constexpr int ssd_fused_chunk = 32;
 constexpr int ssd_fused_headdim = 64;
 constexpr int ssd_fused_warps = 8;
 
