@@ -14,8 +14,8 @@
 //            out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
 //   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
 // The code takes any Q that is a multiple of 32 (a warp's lanes scan 32 tokens at a time). Q is 32:
-// at 64 the score accumulators of 64 columns exceed the 128 registers a thread has at two teams per
-// SM and spill to local memory (perf/RESULTS.md, session 16).
+// the score accumulators hold Q columns, and at two teams per SM a thread has 128 registers, which
+// 64 columns exceed.
 // Tokens past the sequence end read as zero (δ = 0, so the cumsum and the state stand still).
 // Compiled for headdim 64 and dstate 16, 32, 64 or 128 (ssd_fused_forward_supported), whatever
 // chunk_size asks for (the result is the same function of the inputs); other shapes, and seq_idx,
