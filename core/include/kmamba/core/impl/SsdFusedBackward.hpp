@@ -2,9 +2,8 @@
 // B4–B9 (docs/algorithms.md §2.6) of one (batch, chunk, head) per team, on the warp tiles of
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere), with every operand of
 // the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdImpl.hpp; before it, the
-// chunk states and their gradients come from impl/SsdFusedStates.hpp and are passed along the
-// sequence by the staged state passes, and the sums after it are the staged ones
-// (ssd_fused_backward_stages).
+// walks of impl/SsdFusedStates.hpp write each chunk's entering state and the gradient of its
+// leaving one, and the sums after it are the staged ones (ssd_fused_backward_stages).
 //
 // A team has 8 warps; warp w works on the row block rb = w / 2 (16 tokens) and the column half
 // cb = w % 2 of each product. Per chunk of Q = 64 tokens (l, s tokens, p channels, n states; Hin
@@ -97,7 +96,7 @@ struct SsdFusedBackwardFunctor {
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
   ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim), gated dout
-  ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc
+  ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dS
   Tensor4<float, MemorySpace> dx;            // (batch, seqlen, nheads, headdim)
   Tensor3<float, MemorySpace> ddt;           // (batch, seqlen, nheads)
   Tensor3<float, MemorySpace> dlog_decay;    // (batch, seqlen, nheads), with in.has_log_decay

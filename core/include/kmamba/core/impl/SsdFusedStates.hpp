@@ -1,21 +1,22 @@
-// The chunk states of the fused SSD backward (SsdArgs::matmul_precision = BFloat16) on the warp
-// tiles of impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere). For one
-// (batch, chunk, head) per team, with l the chunk's tokens, cum the chunk's cumsum of δ·a:
-//   Sloc[p][n]  = Σ_l x[l][p]·δ_l·exp(cum_last − cum_l)·B[l][n]   the state the chunk leaves from a
-//                                                                  zero entering state (stage 2)
-//   dSloc[p][n] = Σ_l g[l][p]·exp(cum_l)·C[l][n]                    the gradient its outputs send to
-//                                                                  the entering state (backward B2)
-// They replace the staged chunk_state and chunk_dstates stages (SsdChunkStateFunctor,
-// SsdChunkDstatesFunctor of impl/SsdImpl.hpp) where the fused chunk backward runs; either product
-// may be asked alone (a gated backward forms g only after the entering states are known).
+// The chunk states of the fused SSD backward (SsdArgs::matmul_precision = BFloat16), walked along
+// the sequence on the warp tiles of impl/WarpTile.hpp (tensor cores on Cuda, the portable form
+// elsewhere). For chunk c with tokens l, cum the chunk's cumsum of δ·a and last its last token:
+//   Hin_c  the state entering chunk c:   Hin_0 = initial_states (or 0),
+//          Hin_{c+1} = exp(cum_last)·Hin_c + Σ_l (x_l·δ_l·exp(cum_last − cum_l))ᵀ B_l
+//   dS_c   the gradient of the state leaving chunk c:   dS_{last chunk} = dfinal_states (or 0),
+//          dS_{c−1} = exp(cum_last)·dS_c + Σ_l (g_l·exp(cum_l))ᵀ C_l,   dinitial_states = dS_{−1}
+// (g the gated dout). Hin goes to ws.states and dS to dstates for the chunk backward
+// (impl/SsdFusedBackward.hpp).
 //
-// A team has 8 warps: warp w < 4 holds rows p ∈ [16w, 16w+16) of Sloc, warp w ≥ 4 the same rows
-// of dSloc, all N columns in fp32. The chunk's rows are staged in scratch as bf16 with their token
-// weights applied (x·δ·exp(cum_last − cum), g·exp(cum)), B and C as they are; rows past the
-// sequence end are zero.
+// One team per (batch, head, direction, block of state columns) keeps its block of the running
+// state on chip and walks the chunks in order (Hin) or from the last (dS), so that each state is
+// written once and read once by the chunk backward; the chunks' own states and the passes that
+// carried them along the sequence through memory are gone. A team has 4 warps; warp w holds rows
+// p ∈ [16w, 16w + 16) and the team's Cols columns n in fp32. Per chunk, the weighted rows (x·w or
+// g·e) and the columns of B or C are staged in scratch as bf16; rows past the sequence end are zero.
 //
-// Numerics: each term of a sum rounds two factors to bf16 (the weighted x or g, and B or C), each
-// within 2^-9 relative; the sums over the chunk's tokens are fp32.
+// Numerics: each term of a chunk's sum rounds two factors to bf16 (the weighted x or g, and B or
+// C), each within 2^-9 relative; the sums and the running state are fp32.
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDSTATES_HPP
 #define KMAMBA_CORE_IMPL_SSDFUSEDSTATES_HPP
 
@@ -30,133 +31,156 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 namespace kmamba {
 namespace impl {
 
-constexpr int ssd_fused_states_warps = 8;
+constexpr int ssd_state_walk_warps = 4;
 
-/// Scratch of the chunk-states kernel for N states: bf16 tiles x·w and g·e as [Q][P + 8], B and
-/// C as [Q][N + 8]; then the token weights w = δ·exp(cum_last − cum) and e = exp(cum), Q floats each.
-template <int N>
-struct SsdFusedStatesLayout {
+/// Columns of the state one walking team holds: all N up to 64, else blocks of 64 (two teams'
+/// worth of parallelism for N = 128, and 32 accumulator registers a thread).
+constexpr int ssd_state_walk_cols(int n) { return n < 64 ? n : 64; }
+
+/// Scratch of a walking team: bf16 tiles of the weighted rows [Q][P + 8] and of the state's
+/// columns of B or C [Q][Cols + 8]; then the Q token weights.
+template <int Cols>
+struct SsdStateWalkLayout {
   static constexpr int Q = ssd_fused_backward_chunk, P = ssd_fused_headdim;
-  static constexpr int ldp = P + 8, ldn = N + 8;
-  static constexpr std::size_t x_offset = 0, g_offset = x_offset + static_cast<std::size_t>(Q) * ldp;
-  static constexpr std::size_t b_offset = g_offset + static_cast<std::size_t>(Q) * ldp;
-  static constexpr std::size_t c_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
-  static constexpr std::size_t vectors_offset_bytes = (c_offset + static_cast<std::size_t>(Q) * ldn) * 2;
-  static constexpr std::size_t bytes = vectors_offset_bytes + 2 * Q * sizeof(float);
+  static constexpr int ldp = P + 8, ldn = Cols + 8;
+  static constexpr std::size_t rows_offset = 0, cols_offset = static_cast<std::size_t>(Q) * ldp;
+  static constexpr std::size_t weights_offset_bytes = (cols_offset + static_cast<std::size_t>(Q) * ldn) * 2;
+  static constexpr std::size_t bytes = weights_offset_bytes + Q * sizeof(float);
 };
 
 template <class ExecSpace, class MemorySpace, int N>
-struct SsdFusedStatesFunctor {
+struct SsdStateWalkFunctor {
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
-  using Layout = SsdFusedStatesLayout<N>;
+  static constexpr int Cols = ssd_state_walk_cols(N), col_blocks = N / Cols;
+  using Layout = SsdStateWalkLayout<Cols>;
   static constexpr int Q = Layout::Q, P = Layout::P, R = warp_tile_rows;
-  using Team = WarpTeam<tensor_cores, ssd_fused_states_warps>;
-  using StateAccum = WarpAccum<N, tensor_cores>;  // 16 rows p of Sloc or dSloc
-  static_assert(P == 4 * R && ssd_fused_states_warps == 8, "SsdFusedStatesFunctor: 4 row blocks per product");
+  using Team = WarpTeam<tensor_cores, ssd_state_walk_warps>;
+  using StateAccum = WarpAccum<Cols, tensor_cores>;  // 16 rows p, Cols columns n
+  static constexpr int slots = Team::warps_per_thread;
+  static_assert(P == ssd_state_walk_warps * R && N % Cols == 0, "SsdStateWalkFunctor: one row block per warp");
 
   SsdOperands<MemorySpace> in;
-  SsdWorkspace<MemorySpace> ws;  // dt_out, dA_cs read; states written (Sloc)
+  SsdWorkspace<MemorySpace> ws;  // dt_out, dA_cs read; states written (Hin)
   SsdPlan plan;
-  ConstTensor4<float, MemorySpace> g;   // (batch, seqlen, nheads, headdim), gated dout (with dstates)
-  Tensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dSloc out
-  bool want_states, want_dstates;
+  ConstTensor4<float, MemorySpace> g;              // (batch, seqlen, nheads, headdim), gated dout
+  ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate), optional
+  Tensor5<float, MemorySpace> dstates;             // (batch, nchunks, nheads, headdim, dstate), dS out
+  Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate), optional
+
+  struct Walk {
+    int b, h, grp, n0;
+    bool reverse;
+  };
 
   struct Tiles {
-    ScratchTile x, g, b, c;
-    float *wx, *wg;
+    ScratchTile rows, cols;
+    float* weights;
   };
 
   KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
     auto* u16 = reinterpret_cast<std::uint16_t*>(base);
-    auto* vec = reinterpret_cast<float*>(base + Layout::vectors_offset_bytes);
-    return Tiles{ScratchTile{u16 + Layout::x_offset, Layout::ldp},
-                 ScratchTile{u16 + Layout::g_offset, Layout::ldp},
-                 ScratchTile{u16 + Layout::b_offset, Layout::ldn},
-                 ScratchTile{u16 + Layout::c_offset, Layout::ldn},
-                 vec,
-                 vec + Q};
+    return Tiles{ScratchTile{u16 + Layout::rows_offset, Layout::ldp},
+                 ScratchTile{u16 + Layout::cols_offset, Layout::ldn},
+                 reinterpret_cast<float*>(base + Layout::weights_offset_bytes)};
   }
 
-  /// The token weights of x and g (zero past the sequence end).
-  KOKKOS_INLINE_FUNCTION void stage_weights(const Tiles& sm, int thread, const SsdChunkBlock& blk) const {
-    const float last = ws.dA_cs(blk.b, blk.h, blk.c, blk.len - 1);
+  KOKKOS_INLINE_FUNCTION Walk walk(int league_rank) const {
+    const int block = league_rank % col_blocks, rest = league_rank / col_blocks;
+    const int direction = rest % 2, bh = rest / 2;
+    const int h = bh % plan.nheads;
+    return Walk{bh / plan.nheads, h, h / plan.heads_per_group, block * Cols, direction == 1};
+  }
+
+  /// The state where the walk starts: initial_states (forward) or dfinal_states (reverse), else 0.
+  KOKKOS_INLINE_FUNCTION void start(const Walk& wk, int w, int lane, StateAccum& S) const {
+    const bool given = wk.reverse ? dfinal_states.is_allocated() : in.has_initial_states;
+    S.for_each(lane, [&](int r, int n, float& v) {
+      const int p = R * w + r;
+      if (!given) {
+        v = 0.0f;
+      } else {
+        v = wk.reverse ? dfinal_states(wk.b, wk.h, p, wk.n0 + n) : in.initial_states(wk.b, wk.h, p, wk.n0 + n);
+      }
+    });
+  }
+
+  /// Chunk c's token weights (δ·exp(cum_last − cum) forward, exp(cum) reverse; 0 past the end)
+  /// into scratch; returns exp(cum_last), the decay of the state across the chunk.
+  KOKKOS_INLINE_FUNCTION float stage_weights(const Tiles& sm, int thread, const Walk& wk, int c, int len) const {
+    const float last = ws.dA_cs(wk.b, wk.h, c, len - 1);
     for (int t = thread; t < Q; t += Team::threads) {
-      const bool inside = t < blk.len;
-      const float cum = inside ? ws.dA_cs(blk.b, blk.h, blk.c, t) : last;
-      sm.wx[t] = inside ? ws.dt_out(blk.b, blk.h, blk.c, t) * ssd_decay(last - cum) : 0.0f;
-      sm.wg[t] = inside ? kmamba::math::exp(cum) : 0.0f;
+      const float cum = t < len ? ws.dA_cs(wk.b, wk.h, c, t) : last;
+      const float forward = t < len ? ws.dt_out(wk.b, wk.h, c, t) * ssd_decay(last - cum) : 0.0f;
+      sm.weights[t] = wk.reverse ? (t < len ? kmamba::math::exp(cum) : 0.0f) : forward;
     }
+    return kmamba::math::exp(last);
   }
 
-  /// Phase 0: the weighted rows and B, C to scratch as bf16 (every load issued before the barrier
-  /// that publishes the weights).
-  KOKKOS_INLINE_FUNCTION void stage_rows(const WarpTeamContext& ctx, const Tiles& sm, const SsdChunkBlock& blk) const {
-    const int b = blk.b, h = blk.h, t0 = blk.t0, len = blk.len, thread = ctx.thread;
-    SsdRowShare<Q, P, Team::threads> xs, gs;
-    SsdRowShare<Q, N, Team::threads> bs, cs;
-    if (want_states) {
-      xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
-      bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, blk.g, 0); });
-    }
-    if (want_dstates) {
-      gs.load(thread, len, [&](int t) { return &g(b, t0 + t, h, 0); });
-      cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, blk.g, 0); });
-    }
-    stage_weights(sm, thread, blk);
+  /// Chunk c's rows (x or g) times their weights and its columns of B or C, to scratch as bf16.
+  KOKKOS_INLINE_FUNCTION float stage_chunk(const WarpTeamContext& ctx, const Tiles& sm, const Walk& wk, int c) const {
+    const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q, thread = ctx.thread;
+    SsdRowShare<Q, P, Team::threads> rows;
+    SsdRowShare<Q, Cols, Team::threads> cols;
+    const ConstTensor4<float, MemorySpace>& token_rows = wk.reverse ? g : in.x;
+    const ConstTensor4<float, MemorySpace>& state_cols = wk.reverse ? in.C : in.B;
+    rows.load(thread, len, [&](int t) { return &token_rows(wk.b, t0 + t, wk.h, 0); });
+    cols.load(thread, len, [&](int t) { return &state_cols(wk.b, t0 + t, wk.grp, wk.n0); });
+    const float decay = stage_weights(sm, thread, wk, c, len);
     ctx.barrier();
-    const auto one = [](int) { return 1.0f; };
-    if (want_states) {
-      xs.store(thread, sm.x, [&](int t) { return sm.wx[t]; });
-      bs.store(thread, sm.b, one);
-    }
-    if (want_dstates) {
-      gs.store(thread, sm.g, [&](int t) { return sm.wg[t]; });
-      cs.store(thread, sm.c, one);
-    }
+    rows.store(thread, sm.rows, [&](int t) { return sm.weights[t]; });
+    cols.store(thread, sm.cols, [](int) { return 1.0f; });
+    return decay;
   }
 
-  /// Phase 1 of warp w: its 16 rows of Sloc (w < 4) or dSloc (w ≥ 4), to global memory.
-  KOKKOS_INLINE_FUNCTION void product(const Tiles& sm, int w, int lane, const SsdChunkBlock& blk) const {
-    const bool states = w < ssd_fused_states_warps / 2;
-    if (states ? !want_states : !want_dstates) return;
-    const int p0 = R * (w % (ssd_fused_states_warps / 2));
-    StateAccum S;
-    warp_fill(S, lane, 0.0f);
-    warp_mma<ALayout::KM, BLayout::KN, Q, false>(S, lane, (states ? sm.x : sm.g).offset(0, p0), states ? sm.b : sm.c,
-                                                 N);
-    const Tensor5<float, MemorySpace>& out = states ? ws.states : dstates;
-    S.for_each(lane, [&](int r, int n, float& v) { out(blk.b, blk.c, blk.h, p0 + r, n) = v; });
+  /// Warp w's block of the state before chunk c's term (Hin_c or dS_c), to global memory.
+  KOKKOS_INLINE_FUNCTION void store(const Walk& wk, int w, int lane, int c, StateAccum& S) const {
+    const Tensor5<float, MemorySpace>& out = wk.reverse ? dstates : ws.states;
+    S.for_each(lane, [&](int r, int n, float& v) { out(wk.b, c, wk.h, R * w + r, wk.n0 + n) = v; });
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const WarpTeamContext& ctx) const {
-    const SsdChunkBlock blk = ssd_chunk_block(plan, ctx.league_rank);
+    const Walk wk = walk(ctx.league_rank);
     const Tiles sm = tiles(ctx.scratch);
-    stage_rows(ctx, sm, blk);
-    ctx.barrier();
-    Team::for_each_warp(ctx.thread, [&](int, int w, int lane) { product(sm, w, lane, blk); });
+    StateAccum S[slots];
+    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) { start(wk, w, lane, S[slot]); });
+    for (int step = 0; step < plan.nchunks; ++step) {
+      const int c = wk.reverse ? plan.nchunks - 1 - step : step;
+      const float decay = stage_chunk(ctx, sm, wk, c);
+      ctx.barrier();
+      Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) {
+        store(wk, w, lane, c, S[slot]);
+        S[slot].for_each(lane, [&](int, int, float& v) { v *= decay; });
+        warp_mma<ALayout::KM, BLayout::KN, Q, false>(S[slot], lane, sm.rows.offset(0, R * w), sm.cols, Cols);
+      });
+      ctx.barrier();
+    }
+    if (!wk.reverse || !dinitial_states.is_allocated()) return;
+    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) {
+      S[slot].for_each(lane, [&](int r, int n, float& v) { dinitial_states(wk.b, wk.h, R * w + r, wk.n0 + n) = v; });
+    });
   }
 };
 
-/// Sloc into ws.states (want_states) and dSloc into dstates (want_dstates) for every (batch,
-/// chunk, head); the plan and inputs are the fused backward's (ssd_fused_backward_supported, and g
-/// 16-byte aligned when dSloc is asked for).
+/// Hin into ws.states and dS into dstates for every (batch, chunk, head), and dinitial_states
+/// when allocated; the plan and inputs are the fused backward's (ssd_fused_backward_supported, g
+/// 16-byte aligned). ws.dt_out and ws.dA_cs must hold the chunk cumsum.
 template <class ExecSpace, class MemorySpace>
-void ssd_fused_chunk_states(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                            const SsdWorkspace<MemorySpace>& ws,
-                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g,
-                            const SsdNonDeduced<Tensor5<float, MemorySpace>>& dstates, bool want_states,
-                            bool want_dstates) {
+void ssd_fused_state_walks(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                           const SsdWorkspace<MemorySpace>& ws,
+                           const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g,
+                           const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& dfinal_states,
+                           const SsdNonDeduced<Tensor5<float, MemorySpace>>& dstates,
+                           const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states) {
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
-    using Functor = SsdFusedStatesFunctor<ExecSpace, MemorySpace, N>;
-    WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
-        exec, "kmamba::ssd::fused_chunk_states", plan.batch * plan.nchunks * plan.nheads, Functor::Layout::bytes,
-        Functor{in, ws, plan, g, dstates, want_states, want_dstates});
+    using Functor = SsdStateWalkFunctor<ExecSpace, MemorySpace, N>;
+    WarpTeamLauncher<ExecSpace, Functor::Team::threads, 4>::launch(
+        exec, "kmamba::ssd::fused_state_walks", plan.batch * plan.nheads * 2 * Functor::col_blocks,
+        Functor::Layout::bytes, Functor{in, ws, plan, g, dfinal_states, dstates, dinitial_states});
   };
   ssd_with_fused_dstate(plan.dstate, run);
 }

@@ -943,9 +943,9 @@ ConstTensor4<float, MemorySpace> ssd_fused_gate_backward(const ExecSpace& exec, 
 
 /// The fused backward (ssd_fused_backward_supported(plan, in), and with a gate
 /// ssd_fused_forward_supported(forward_plan, in); dout 16-byte aligned where there is no gate):
-/// the gated dout from a recomputed fused forward (with a gate), the chunk states Sloc and dSloc in
-/// one kernel (impl/SsdFusedStates.hpp) and the chunk stage B4–B9 (impl/SsdFusedBackward.hpp) on
-/// the tensor cores, the state passes between them staged.
+/// the gated dout from a recomputed fused forward (with a gate), the entering states and the
+/// leaving states' gradients walked along the sequence in one kernel (impl/SsdFusedStates.hpp), and
+/// the chunk stage B4–B9 (impl/SsdFusedBackward.hpp), on the tensor cores.
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const SsdPlan& forward_plan,
                                const SsdOperands<MemorySpace>& in, const ConstTensor4<float, MemorySpace>& dout,
@@ -957,9 +957,7 @@ void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const
   const ConstTensor4<float, MemorySpace> g =
       in.has_z ? ssd_fused_gate_backward(exec, forward_plan, in, dout, grads.dz) : dout;
   ssd_chunk_cumsum(exec, plan, in, ws);
-  ssd_fused_chunk_states(exec, plan, in, ws, g, dstates, true, true);
-  ssd_state_passing(exec, plan, in, ws, Tensor4<float, MemorySpace>());
-  ssd_state_passing_backward(exec, plan, ws, dfinal_states, dstates, grads);
+  ssd_fused_state_walks(exec, plan, in, ws, g, dfinal_states, dstates, grads.dinitial_states);
   const SsdChunkGrads<MemorySpace> chunk(plan, grads);
   ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
                            chunk.dC_head, chunk.partial);
