@@ -704,6 +704,60 @@ TYPED_TEST(Ssd, Bf16FusedBackwardMatchesReference) {
   }
 }
 
+// The fused backward's state walks cut into segments (the count the public op chooses depends on
+// the device's size) against one walk per sequence: the same bf16 products, summed in another
+// order, so the entering states, their gradients and dinitial_states agree to fp32 rounding: at
+// most 11 chunk sums of 64 products per value, each sum and combination within a few 2^-24 of
+// the magnitudes, far inside 1e-5 of each tensor's largest value (a lost decay or a wrong
+// segment would miss by order 1).
+template <class Exec>
+void check_segmented_walks(const Config& cfg, int segments) {
+  using Mem = typename Exec::memory_space;
+  namespace ki = kmamba::impl;
+  const std::string ctx = cfg.describe() + " segments=" + std::to_string(segments);
+  RefProblem ref;
+  const DeviceProblem<Mem> p = make_problem<Exec>(cfg, ref);
+  kmamba::SsdArgs<Mem> args = p.args();
+  args.matmul_precision = kmamba::MatmulPrecision::BFloat16;
+  const ki::SsdPlan plan = ki::ssd_plan<Exec>("test", ki::ssd_check_args("test", args), ki::ssd_fused_backward_chunk);
+  const ki::SsdOperands<Mem> in(args);
+  ASSERT_TRUE(ki::ssd_fused_backward_supported(plan, in)) << ctx;
+  const Exec exec;
+  const auto walk = [&](int count) {
+    const ki::SsdWorkspace<Mem> ws(plan);
+    const auto dstates = kmamba::allocate_uninitialized<kmamba::Tensor5<float, Mem>>(
+        "kmamba::test::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+    const auto dinitial = kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>(
+        "kmamba::test::dinitial", plan.batch, plan.nheads, plan.headdim, plan.dstate);
+    poison(dinitial);
+    ki::ssd_chunk_cumsum(exec, plan, in, ws);
+    ki::ssd_fused_state_walks(exec, plan, in, ws, p.dout, p.dfinal, dstates, dinitial, count);
+    exec.fence();
+    return std::vector<std::vector<double>>{host_doubles(ws.states), host_doubles(dstates), host_doubles(dinitial)};
+  };
+  const auto one = walk(1), cut = walk(segments);
+  const char* names[] = {"entering states", "leaving states' gradients", "dinitial_states"};
+  for (int i = 0; i < 3; ++i) expect_near_rel(names[i], cut[i], one[i], 1e-5, ctx);
+}
+
+TYPED_TEST(Ssd, Bf16FusedBackwardWalksInSegmentsMatchOneWalk) {
+  Config c;
+  c.batch = 2;
+  c.headdim = 64;
+  c.chunk = 64;
+  c.nheads = 2;
+  c.ngroups = 1;
+  c.dstate = 128;
+  c.seqlen = 10 * 64 + 17;  // 11 chunks, the last partial
+  c.D = c.bias = c.initial_states = c.dfinal = true;
+  c.seed = 29;
+  for (int segments : {2, 3, 11}) check_segmented_walks<TypeParam>(c, segments);
+  c.dstate = 32;
+  c.initial_states = c.dfinal = false;
+  c.seed = 30;
+  check_segmented_walks<TypeParam>(c, 4);
+}
+
 template <class HostView, class View>
 void copy_token(const HostView& full, int t, const View& step) {
   auto h = Kokkos::create_mirror_view(step);

@@ -15,6 +15,11 @@
 // p ∈ [16w, 16w + 16) and the team's Cols columns n in fp32. Per chunk, the weighted rows (x·w or
 // g·e) and the columns of B or C are staged in scratch as bf16; rows past the sequence end are zero.
 //
+// Where those teams alone would not fill the device, each walk is cut into segments of whole chunks,
+// as the fused forward cuts its own (impl/SsdFusedForward.hpp): a first pass walks every segment
+// from zero for its end value and total decay, the values are passed along the segments, and the
+// second pass walks every segment from the value entering it, writing the chunks' states.
+//
 // Numerics: each term of a chunk's sum rounds two factors to bf16 (the weighted x or g, and B or
 // C), each within 2^-9 relative; the sums and the running state are fp32.
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDSTATES_HPP
@@ -29,6 +34,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -52,7 +58,20 @@ struct SsdStateWalkLayout {
   static constexpr std::size_t bytes = weights_offset_bytes + Q * sizeof(float);
 };
 
-template <class ExecSpace, class MemorySpace, int N>
+/// How the walks are cut: `count` segments of `chunks` chunks (the last may be shorter). With
+/// count > 1, `values` holds each segment's end value from zero after the first pass and the value
+/// entering its walk after the segment pass (forward: the state before its first chunk; reverse:
+/// the gradient of the state after its last chunk).
+template <class MemorySpace>
+struct SsdWalkSegments {
+  int count = 1, chunks = 0;
+  Tensor5<float, MemorySpace> values;  // (2·batch, nheads, count, headdim, dstate): index 2b + reverse
+  Tensor3<float, MemorySpace> decay;   // (batch, nheads, count): exp(Σ δ·a) over each segment
+};
+
+/// EndOnly: the first pass of segmented walks (each segment from zero, only its end value and decay
+/// written); otherwise the walks proper.
+template <class ExecSpace, class MemorySpace, int N, bool EndOnly>
 struct SsdStateWalkFunctor {
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
   static constexpr int Cols = ssd_state_walk_cols(N), col_blocks = N / Cols;
@@ -70,9 +89,10 @@ struct SsdStateWalkFunctor {
   ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate), optional
   Tensor5<float, MemorySpace> dstates;             // (batch, nchunks, nheads, headdim, dstate), dS out
   Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate), optional
+  SsdWalkSegments<MemorySpace> segments;
 
   struct Walk {
-    int b, h, grp, n0;
+    int b, h, grp, n0, seg, first, end;  // chunks [first, end) of segment seg
     bool reverse;
   };
 
@@ -89,39 +109,52 @@ struct SsdStateWalkFunctor {
   }
 
   KOKKOS_INLINE_FUNCTION Walk walk(int league_rank) const {
-    const int block = league_rank % col_blocks, rest = league_rank / col_blocks;
-    const int direction = rest % 2, bh = rest / 2;
-    const int h = bh % plan.nheads;
-    return Walk{bh / plan.nheads, h, h / plan.heads_per_group, block * Cols, direction == 1};
+    const int seg = league_rank % segments.count, rest = league_rank / segments.count;
+    const int block = rest % col_blocks, direction = (rest / col_blocks) % 2, bh = rest / col_blocks / 2;
+    const int h = bh % plan.nheads, first = seg * segments.chunks;
+    const int end = first + segments.chunks < plan.nchunks ? first + segments.chunks : plan.nchunks;
+    return Walk{bh / plan.nheads, h, h / plan.heads_per_group, block * Cols, seg, first, end, direction == 1};
   }
 
-  /// The state where the walk starts: initial_states (forward) or dfinal_states (reverse), else 0.
-  KOKKOS_INLINE_FUNCTION void start(const Walk& wk, int w, int lane, StateAccum& S) const {
-    const bool given = wk.reverse ? dfinal_states.is_allocated() : in.has_initial_states;
+  /// The value where the walk starts: 0 in the first pass; the segment pass's value for a segmented
+  /// walk; else initial_states (forward) or dfinal_states (reverse), or 0 where not given.
+  KOKKOS_INLINE_FUNCTION float start_value(const Walk& wk, int p, int n) const {
+    if (EndOnly) return 0.0f;
+    if (segments.count > 1) return segments.values(2 * wk.b + wk.reverse, wk.h, wk.seg, p, n);
+    if (wk.reverse) return dfinal_states.is_allocated() ? dfinal_states(wk.b, wk.h, p, n) : 0.0f;
+    return in.has_initial_states ? in.initial_states(wk.b, wk.h, p, n) : 0.0f;
+  }
+
+  /// Where the walk ends: the segment's end value (first pass), or dinitial_states after the
+  /// reverse walk through chunk 0.
+  KOKKOS_INLINE_FUNCTION void finish(const Walk& wk, int w, int lane, StateAccum& S) const {
     S.for_each(lane, [&](int r, int n, float& v) {
       const int p = R * w + r;
-      if (!given) {
-        v = 0.0f;
-      } else {
-        v = wk.reverse ? dfinal_states(wk.b, wk.h, p, wk.n0 + n) : in.initial_states(wk.b, wk.h, p, wk.n0 + n);
+      if (EndOnly) {
+        segments.values(2 * wk.b + wk.reverse, wk.h, wk.seg, p, wk.n0 + n) = v;
+      } else if (wk.reverse && wk.first == 0 && dinitial_states.is_allocated()) {
+        dinitial_states(wk.b, wk.h, p, wk.n0 + n) = v;
       }
     });
   }
 
   /// Chunk c's token weights (δ·exp(cum_last − cum) forward, exp(cum) reverse; 0 past the end)
   /// into scratch; returns exp(cum_last), the decay of the state across the chunk.
-  KOKKOS_INLINE_FUNCTION float stage_weights(const Tiles& sm, int thread, const Walk& wk, int c, int len) const {
+  KOKKOS_INLINE_FUNCTION float stage_weights(const Tiles& sm, int thread, const Walk& wk, int c, int len,
+                                             float& log_decay) const {
     const float last = ws.dA_cs(wk.b, wk.h, c, len - 1);
     for (int t = thread; t < Q; t += Team::threads) {
       const float cum = t < len ? ws.dA_cs(wk.b, wk.h, c, t) : last;
       const float forward = t < len ? ws.dt_out(wk.b, wk.h, c, t) * ssd_decay(last - cum) : 0.0f;
       sm.weights[t] = wk.reverse ? (t < len ? kmamba::math::exp(cum) : 0.0f) : forward;
     }
+    log_decay = last;
     return kmamba::math::exp(last);
   }
 
   /// Chunk c's rows (x or g) times their weights and its columns of B or C, to scratch as bf16.
-  KOKKOS_INLINE_FUNCTION float stage_chunk(const WarpTeamContext& ctx, const Tiles& sm, const Walk& wk, int c) const {
+  KOKKOS_INLINE_FUNCTION float stage_chunk(const WarpTeamContext& ctx, const Tiles& sm, const Walk& wk, int c,
+                                           float& log_decay) const {
     const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q, thread = ctx.thread;
     SsdRowShare<Q, P, Team::threads> rows;
     SsdRowShare<Q, Cols, Team::threads> cols;
@@ -129,7 +162,7 @@ struct SsdStateWalkFunctor {
     const ConstTensor4<float, MemorySpace>& state_cols = wk.reverse ? in.C : in.B;
     rows.load(thread, len, [&](int t) { return &token_rows(wk.b, t0 + t, wk.h, 0); });
     cols.load(thread, len, [&](int t) { return &state_cols(wk.b, t0 + t, wk.grp, wk.n0); });
-    const float decay = stage_weights(sm, thread, wk, c, len);
+    const float decay = stage_weights(sm, thread, wk, c, len, log_decay);
     ctx.barrier();
     rows.store(thread, sm.rows, [&](int t) { return sm.weights[t]; });
     cols.store(thread, sm.cols, [](int) { return 1.0f; });
@@ -146,43 +179,127 @@ struct SsdStateWalkFunctor {
     const Walk wk = walk(ctx.league_rank);
     const Tiles sm = tiles(ctx.scratch);
     StateAccum S[slots];
-    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) { start(wk, w, lane, S[slot]); });
-    for (int step = 0; step < plan.nchunks; ++step) {
-      const int c = wk.reverse ? plan.nchunks - 1 - step : step;
-      const float decay = stage_chunk(ctx, sm, wk, c);
+    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) {
+      S[slot].for_each(lane, [&](int r, int n, float& v) { v = start_value(wk, R * w + r, wk.n0 + n); });
+    });
+    float log_decay = 0.0f;
+    for (int step = wk.first; step < wk.end; ++step) {
+      const int c = wk.reverse ? wk.end - 1 - (step - wk.first) : step;
+      float chunk_log_decay;
+      const float decay = stage_chunk(ctx, sm, wk, c, chunk_log_decay);
+      log_decay += chunk_log_decay;
       ctx.barrier();
       Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) {
-        store(wk, w, lane, c, S[slot]);
+        if (!EndOnly) store(wk, w, lane, c, S[slot]);
         S[slot].for_each(lane, [&](int, int, float& v) { v *= decay; });
         warp_mma<ALayout::KM, BLayout::KN, Q, false>(S[slot], lane, sm.rows.offset(0, R * w), sm.cols, Cols);
       });
       ctx.barrier();
     }
-    if (!wk.reverse || !dinitial_states.is_allocated()) return;
-    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) {
-      S[slot].for_each(lane, [&](int r, int n, float& v) { dinitial_states(wk.b, wk.h, R * w + r, wk.n0 + n) = v; });
-    });
+    Team::for_each_warp(ctx.thread, [&](int slot, int w, int lane) { finish(wk, w, lane, S[slot]); });
+    if (EndOnly && ctx.thread == 0 && !wk.reverse && wk.n0 == 0) {
+      segments.decay(wk.b, wk.h, wk.seg) = kmamba::math::exp(log_decay);
+    }
   }
 };
 
+/// Passes the segments' end values along each walk: forward, the value entering segment k + 1 is
+/// decay_k·(the value entering k) + end_k from initial_states (or 0); reverse, the value entering
+/// segment k − 1's walk is decay_k·(the value entering k's) + end_k from dfinal_states (or 0). One
+/// work item per (batch, direction, head, p, n).
+template <class MemorySpace>
+struct SsdWalkSegmentPassingFunctor {
+  SsdOperands<MemorySpace> in;
+  SsdPlan plan;
+  ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate), optional
+  SsdWalkSegments<MemorySpace> segments;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int n = static_cast<int>(item % plan.dstate), p = static_cast<int>((item / plan.dstate) % plan.headdim);
+    const std::int64_t rest = item / (static_cast<std::int64_t>(plan.dstate) * plan.headdim);
+    const int h = static_cast<int>(rest % plan.nheads), walk = static_cast<int>(rest / plan.nheads);
+    const int b = walk / 2;
+    const bool reverse = walk % 2 == 1;
+    float run = 0.0f;
+    if (reverse && dfinal_states.is_allocated()) run = dfinal_states(b, h, p, n);
+    if (!reverse && in.has_initial_states) run = in.initial_states(b, h, p, n);
+    for (int j = 0; j < segments.count; ++j) {
+      const int k = reverse ? segments.count - 1 - j : j;
+      const float end = segments.values(walk, h, k, p, n);
+      segments.values(walk, h, k, p, n) = run;
+      run = segments.decay(b, h, k) * run + end;
+    }
+  }
+};
+
+/// The teams of unsegmented walks.
+inline int ssd_state_walk_teams(const SsdPlan& plan) {
+  return plan.batch * plan.nheads * 2 * (plan.dstate / ssd_state_walk_cols(plan.dstate));
+}
+
+/// Segments per walk: as many as keep the teams within one wave of the device (a team of 128
+/// threads per 512 of the backend's concurrency: four per SM), each at least
+/// ssd_fused_min_segment_chunks long; 1 where the unsegmented teams already fill that wave, since
+/// segmenting doubles each team's chunk steps.
+template <class ExecSpace>
+int ssd_walk_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
+  const std::int64_t wanted = std::max<std::int64_t>(1, static_cast<std::int64_t>(exec.concurrency()) / 512);
+  const std::int64_t by_length = std::max<std::int64_t>(1, plan.nchunks / ssd_fused_min_segment_chunks);
+  const std::int64_t per_wave = wanted / ssd_state_walk_teams(plan);
+  return static_cast<int>(per_wave >= 2 ? std::min<std::int64_t>(per_wave, by_length) : 1);
+}
+
+template <int N, bool EndOnly, class ExecSpace, class MemorySpace>
+void ssd_state_walk_launch(const ExecSpace& exec, const SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly>& f) {
+  using Functor = SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly>;
+  WarpTeamLauncher<ExecSpace, Functor::Team::threads, 4>::launch(
+      exec, EndOnly ? "kmamba::ssd::fused_state_walk_segments" : "kmamba::ssd::fused_state_walks",
+      f.plan.batch * f.plan.nheads * 2 * Functor::col_blocks * f.segments.count, Functor::Layout::bytes, f);
+}
+
+/// The walks for N states in `segment_count` segments (see ssd_fused_state_walks).
+template <int N, class ExecSpace, class MemorySpace>
+void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
+                              const SsdWorkspace<MemorySpace>& ws, const ConstTensor4<float, MemorySpace>& g,
+                              const ConstTensor4<float, MemorySpace>& dfinal_states,
+                              const Tensor5<float, MemorySpace>& dstates,
+                              const Tensor4<float, MemorySpace>& dinitial_states, int segment_count) {
+  SsdWalkSegments<MemorySpace> segments;
+  segments.count = std::max(1, std::min(segment_count, plan.nchunks));
+  segments.chunks = (plan.nchunks + segments.count - 1) / segments.count;
+  segments.count = (plan.nchunks + segments.chunks - 1) / segments.chunks;
+  if (segments.count > 1) {
+    segments.values = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+        "kmamba::ssd::walk_segment_values", 2 * plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
+    segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::walk_segment_decay", plan.batch,
+                                                                         plan.nheads, segments.count);
+    ssd_state_walk_launch<N, true>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, true>{
+                                             in, ws, plan, g, dfinal_states, dstates, dinitial_states, segments});
+    Kokkos::parallel_for(
+        "kmamba::ssd::walk_segment_passing",
+        Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+            exec, 0, static_cast<std::int64_t>(2 * plan.batch) * plan.nheads * plan.headdim * plan.dstate),
+        SsdWalkSegmentPassingFunctor<MemorySpace>{in, plan, dfinal_states, segments});
+  }
+  ssd_state_walk_launch<N, false>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, false>{
+                                            in, ws, plan, g, dfinal_states, dstates, dinitial_states, segments});
+}
+
 /// Hin into ws.states and dS into dstates for every (batch, chunk, head), and dinitial_states
 /// when allocated; the plan and inputs are the fused backward's (ssd_fused_backward_supported, g
-/// 16-byte aligned). ws.dt_out and ws.dA_cs must hold the chunk cumsum.
+/// 16-byte aligned), and ws.dt_out and ws.dA_cs hold the chunk cumsum. Each walk is cut into
+/// `segment_count` segments (at most one per chunk; ssd_walk_segment_count chooses it).
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_state_walks(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                            const SsdWorkspace<MemorySpace>& ws,
                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g,
                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& dfinal_states,
                            const SsdNonDeduced<Tensor5<float, MemorySpace>>& dstates,
-                           const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states) {
-  const auto run = [&](auto states) {
-    constexpr int N = decltype(states)::value;
-    using Functor = SsdStateWalkFunctor<ExecSpace, MemorySpace, N>;
-    WarpTeamLauncher<ExecSpace, Functor::Team::threads, 4>::launch(
-        exec, "kmamba::ssd::fused_state_walks", plan.batch * plan.nheads * 2 * Functor::col_blocks,
-        Functor::Layout::bytes, Functor{in, ws, plan, g, dfinal_states, dstates, dinitial_states});
-  };
-  ssd_with_fused_dstate(plan.dstate, run);
+                           const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states, int segment_count) {
+  ssd_with_fused_dstate(plan.dstate, [&](auto states) {
+    ssd_fused_state_walks_of<decltype(states)::value>(exec, plan, in, ws, g, dfinal_states, dstates, dinitial_states,
+                                                      segment_count);
+  });
 }
 
 }  // namespace impl

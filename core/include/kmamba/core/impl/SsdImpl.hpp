@@ -957,7 +957,8 @@ void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const
   const ConstTensor4<float, MemorySpace> g =
       in.has_z ? ssd_fused_gate_backward(exec, forward_plan, in, dout, grads.dz) : dout;
   ssd_chunk_cumsum(exec, plan, in, ws);
-  ssd_fused_state_walks(exec, plan, in, ws, g, dfinal_states, dstates, grads.dinitial_states);
+  ssd_fused_state_walks(exec, plan, in, ws, g, dfinal_states, dstates, grads.dinitial_states,
+                        ssd_walk_segment_count(exec, plan));
   const SsdChunkGrads<MemorySpace> chunk(plan, grads);
   ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
                            chunk.dC_head, chunk.partial);
