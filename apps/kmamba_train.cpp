@@ -309,7 +309,7 @@ Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const km
   Parallel p;
 #if KMAMBA_ENABLE_MPI
   if (!runtime.mpi()) return p;
-  const kmamba::MeshConfig resolved = r.mesh.resolve(runtime.size());
+  const kmamba::MeshConfig resolved = kmamba::app::mesh_for_world(r, runtime.size());
   kmamba::check_mesh_fits_model(resolved, config);
   // Device memory travels through NCCL (one GPU per rank); host memory through MPI.
   p.mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved,
@@ -319,9 +319,10 @@ Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const km
 #else
   (void)config;
   (void)runtime;
-  KMAMBA_REQUIRE(
-      r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 && r.mesh.data_parallel_size <= 1,
-      "kmamba-train: --dp, --tp and --sp need a build with MPI (KMAMBA_ENABLE_MPI)");
+  KMAMBA_REQUIRE(r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 &&
+                     r.mesh.data_parallel_size <= 1 && !r.derive_sequence_parallel,
+                 "kmamba-train: --dp, --tp, --sp and --sequence-parallel-enabled need a build with MPI "
+                 "(KMAMBA_ENABLE_MPI)");
 #endif
   return p;
 }
@@ -350,7 +351,8 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   model.set_matmul_precision(r.precision);
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, std::move(data), exec);
 #if KMAMBA_ENABLE_MPI
-  if (p.mesh) trainer.enable_data_parallel(*p.mesh, kmamba::DataParallelConfig{r.zero_stage, 0});
+  if (p.mesh)
+    trainer.enable_data_parallel(*p.mesh, kmamba::DataParallelConfig{r.zero_stage, 0, r.overlap_communication});
 #else
   (void)p;
 #endif
@@ -361,15 +363,20 @@ template <class Exec>
 void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelConfig& config,
                  const kmamba::Trainer<Exec>& trainer, const Parallel& p) {
   std::printf("kmamba-train: %s\n", describe_data(r, data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s\n",
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s%s\n",
               kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, trainer.model().parameters().size(),
               Exec::name(), kmamba::matmul_precision_name(r.precision),
+              r.activation_checkpointing ? ", activation checkpointing" : "",
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
 #if KMAMBA_ENABLE_MPI
   if (p.mesh) {
-    std::printf("kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d\n",
-                p.mesh->world().size(), p.mesh->config().data_parallel_size, p.mesh->config().tensor_parallel_size,
-                p.mesh->config().sequence_parallel_size);
+    const kmamba::MeshConfig& mesh = p.mesh->config();
+    std::printf(
+        "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
+        "gradients reduced %s the backward\n",
+        p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
+        mesh.sequence_parallel_size > 1 ? " (even segments)" : "", r.zero_stage,
+        r.overlap_communication ? "during" : "after");
   }
 #else
   (void)p;

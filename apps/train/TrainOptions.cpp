@@ -12,8 +12,11 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <string>
+#include <utility>
 
 namespace kmamba {
 namespace app {
@@ -29,6 +32,8 @@ void option(CLI::App& cli, const char* group, const std::string& names, const ch
 }
 
 CLI::Validator count_from(long long low) { return integer_in(low, int_max); }
+
+CLI::Validator boolean() { return one_of({"true", "false"}); }
 
 void declare_what(CLI::App& cli) {
   const char* g = "what to train";
@@ -66,10 +71,12 @@ void declare_optimisation(CLI::App& cli) {
   option(cli, g, "--beta2", "X", "AdamW beta2, in [0, 1) (default 0.95)", number_in(0, 1, Ends::HighOpen));
   option(cli, g, "--grad-clip", "X", "maximum global gradient norm, 0 = off (default 1)", number_in(0, unbounded));
   option(cli, g, "--batch-size", "N", "sequences per micro-batch (default 16)", count_from(1));
-  option(cli, g, "--grad-accum", "N", "micro-batches per optimizer step (default 1)", count_from(1));
+  option(cli, g, "--grad-accum,--gradient-accumulation-steps", "N",
+         "micro-batches per optimizer step; the data-parallel gradients are reduced once per step (default 1)",
+         count_from(1));
   option(cli, g, "--seed", "N", "seed of the model initialisation and of the data (default 1234)",
          integer_in(0, std::numeric_limits<long long>::max()));
-  option(cli, g, "--precision", "P",
+  option(cli, g, "--precision,--mixed-precision", "P",
          "fp32, tf32 or bf16: the projection GEMMs and the LM head, forward and backward, multiply operands rounded "
          "to bf16/TF32 with fp32 sums (tensor cores on CUDA); weights, optimizer state, scans and norms stay fp32; "
          "tf32 also runs the scans' chunk products in TF32. CPU backends emulate the rounding: same numerics, no "
@@ -164,6 +171,45 @@ void declare_parallel(CLI::App& cli) {
          "0: every rank keeps all AdamW moments (default); 1: ZeRO-1, moments sharded over dp x sp", integer_in(0, 1));
   cli.add_flag("--activation-checkpointing", "keep only each layer's input and recompute the rest in backward")
       ->group(g);
+  option(cli, g, "--pipeline-parallel-size", "N",
+         "pipeline stages; only 1: every rank holds every layer (pipeline parallelism is not built)", count_from(1));
+  option(cli, g, "--sequence-parallel-enabled", "BOOL",
+         "true: the ranks that tp x dp leave split each sequence (--sp derived, dp 1 unless given); false: --sp "
+         "must be 1",
+         boolean());
+  option(cli, g, "--sequence-split-strategy", "S",
+         "even: equal segments, the first seqlen % sp one token longer (default); balanced (by the real tokens of "
+         "packed rows) is not built",
+         one_of({"even", "balanced"}));
+  option(cli, g, "--overlap-communication", "BOOL",
+         "true: the data-parallel gradients are reduced bucket by bucket while the last micro-batch's backward "
+         "runs (default); false: after it",
+         boolean());
+  option(cli, g, "--gradient-sync-frequency", "N",
+         "optimizer steps per gradient reduction; only 1 (reducing every N steps is not built; --grad-accum "
+         "reduces once per N micro-batches)",
+         count_from(1));
+}
+
+// The keys of the JSON options' "load_balancing" object; each is also an option of its own.
+const char* const load_balancing_options[] = {"dynamic-task-allocation", "data-redistribution-threshold",
+                                              "communication-pipelining", "async-gradient-allreduce"};
+
+void declare_load_balancing(CLI::App& cli) {
+  const char* g = "load balancing (in --config: the keys of the \"load_balancing\" object)";
+  option(cli, g, "--dynamic-task-allocation", "BOOL",
+         "false: each data-parallel rank takes its fixed share of every global batch (default); true (micro-batches "
+         "handed out by real-token load) is not built",
+         boolean());
+  option(cli, g, "--data-redistribution-threshold", "X",
+         "moving rows between data-parallel ranks whose real-token counts differ by more than X is not built",
+         number_in(0, unbounded));
+  option(cli, g, "--communication-pipelining", "BOOL",
+         "the switch of --overlap-communication: bucket reductions pipelined with the backward", boolean());
+  option(cli, g, "--async-gradient-allreduce", "BOOL",
+         "the switch of --overlap-communication: the gradient all-reduce runs beside the backward (on CUDA on a "
+         "communication stream; host transports are synchronous)",
+         boolean());
 }
 
 std::string json_key(std::string name) {
@@ -174,33 +220,85 @@ std::string json_key(std::string name) {
 // The long name of `o` without "--" ("batch-size"), the key of TrainOptions and of run.json.
 std::string long_name(const CLI::Option& o) { return o.get_lnames().empty() ? o.get_name() : o.get_lnames()[0]; }
 
+// The name of option `name` in messages: its JSON key (in "load_balancing" for that group's), then
+// the command-line option.
+std::string key_of(const std::string& name) {
+  const bool nested = std::find(std::begin(load_balancing_options), std::end(load_balancing_options), name) !=
+                      std::end(load_balancing_options);
+  return (nested ? "load_balancing." : "") + json_key(name) + " (--" + name + ")";
+}
+
+// One JSON options file being applied: the options it set, each with its key and value.
+struct JsonSource {
+  std::string path;
+  std::set<std::string> disallowed;
+  std::map<std::string, std::pair<std::string, std::string>> applied;  // long name -> (key, value)
+};
+
+// Gives option --`name` the value of `key` unless an earlier source set it, checked as on the
+// command line. Two keys of the file that name one option (--tp and --tensor-parallel-size) must
+// give it the same value.
+void apply_json_option(CLI::App& cli, JsonSource& source, const std::string& key, const std::string& name,
+                       const json& value) {
+  const std::string& path = source.path;
+  CLI::Option* o = cli.get_option_no_throw("--" + name);
+  KMAMBA_REQUIRE(o != nullptr && o != cli.get_help_ptr() && source.disallowed.count(long_name(*o)) == 0,
+                 "kmamba-train: '" << path << "': unknown or misplaced option \"" << key << "\" (see --help)");
+  KMAMBA_REQUIRE(value.is_string() || value.is_number() || value.is_boolean(),
+                 "kmamba-train: '" << path << "': option \"" << key << "\" must be a string, number or boolean");
+  const std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  const auto [earlier, first] = source.applied.emplace(long_name(*o), std::make_pair(key, text));
+  if (!first) {
+    KMAMBA_REQUIRE(earlier->second.second == text, "kmamba-train: '" << path << "': \"" << earlier->second.first
+                                                                     << "\" and \"" << key << "\" both set --"
+                                                                     << long_name(*o) << ", to "
+                                                                     << earlier->second.second << " and " << text);
+    return;
+  }
+  if (o->count() > 0) return;  // an earlier source wins
+  try {
+    o->add_result(text);
+    o->run_callback();
+  } catch (const CLI::ParseError& e) {
+    const bool renamed = key != long_name(*o);  // the message names the option as CLI11 knows it
+    KMAMBA_USER_ERROR("kmamba-train: '" << path << "': " << (renamed ? "\"" + key + "\": " : "") << e.what());
+  }
+}
+
+// The "load_balancing" object: each key is an option of that group.
+void apply_load_balancing(CLI::App& cli, JsonSource& source, const json& object) {
+  std::string keys;
+  for (const char* name : load_balancing_options) keys += (keys.empty() ? "" : ", ") + json_key(name);
+  KMAMBA_REQUIRE(object.is_object(), "kmamba-train: '" << source.path
+                                                       << "': \"load_balancing\" must be a JSON object with the keys "
+                                                       << keys);
+  for (auto it = object.begin(); it != object.end(); ++it) {
+    std::string name = it.key();
+    std::replace(name.begin(), name.end(), '_', '-');
+    KMAMBA_REQUIRE(std::find(std::begin(load_balancing_options), std::end(load_balancing_options), name) !=
+                       std::end(load_balancing_options),
+                   "kmamba-train: '" << source.path << "': unknown key \"" << it.key()
+                                     << "\" in \"load_balancing\" (expected " << keys << ")");
+    apply_json_option(cli, source, "load_balancing." + it.key(), name, it.value());
+  }
+}
+
 // Gives the options of the JSON object in `path` that no earlier source set (keys with '-' or
-// '_'), checked as on the command line; keys in `disallowed` are errors. Returns the names set.
-std::set<std::string> apply_json_options(CLI::App& cli, const std::string& path,
-                                         const std::set<std::string>& disallowed) {
+// '_'; the "load_balancing" object holds that group's); keys in `disallowed` are errors.
+void apply_json_options(CLI::App& cli, const std::string& path, const std::set<std::string>& disallowed) {
   const json j = kmamba::parse_json(kmamba::read_input_file(path, 16u << 20, "kmamba-train: the options file"),
                                     "kmamba-train: '" + path + "'");
   KMAMBA_REQUIRE(j.is_object(), "kmamba-train: '" << path << "' must hold a JSON object of options");
-  std::set<std::string> set;
+  JsonSource source{path, disallowed, {}};
   for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "load_balancing") {
+      apply_load_balancing(cli, source, it.value());
+      continue;
+    }
     std::string name = it.key();
     std::replace(name.begin(), name.end(), '_', '-');
-    CLI::Option* o = cli.get_option_no_throw("--" + name);
-    KMAMBA_REQUIRE(o != nullptr && o != cli.get_help_ptr() && disallowed.count(long_name(*o)) == 0,
-                   "kmamba-train: '" << path << "': unknown or misplaced option \"" << it.key() << "\" (see --help)");
-    const json& value = it.value();
-    KMAMBA_REQUIRE(value.is_string() || value.is_number() || value.is_boolean(),
-                   "kmamba-train: '" << path << "': option \"" << it.key() << "\" must be a string, number or boolean");
-    if (o->count() > 0) continue;  // an earlier source wins
-    try {
-      o->add_result(value.is_string() ? value.get<std::string>() : value.dump());
-      o->run_callback();
-    } catch (const CLI::ParseError& e) {
-      KMAMBA_USER_ERROR("kmamba-train: '" << path << "': " << e.what());
-    }
-    set.insert(long_name(*o));
+    apply_json_option(cli, source, it.key(), name, it.value());
   }
-  return set;
 }
 
 std::string base_name(const std::string& path) {
@@ -237,11 +335,79 @@ void resolve_training(const TrainOptions& o, Run& r) {
   t.validate();
   r.log_interval = o.integer("log-interval", 10);
   r.precision = parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
+}
+
+// The options that ask for work not built: an error naming the key and what is missing.
+void refuse_unbuilt(const TrainOptions& o) {
+  const long long stages = o.integer("pipeline-parallel-size", 1);
+  KMAMBA_REQUIRE(stages == 1, "kmamba-train: " << key_of("pipeline-parallel-size") << " " << stages
+                                               << ": pipeline parallelism (ranks holding consecutive stages of the "
+                                                  "layers) is not built; every rank holds every layer, so the size "
+                                                  "must be 1");
+  const long long sync = o.integer("gradient-sync-frequency", 1);
+  KMAMBA_REQUIRE(sync == 1, "kmamba-train: " << key_of("gradient-sync-frequency") << " " << sync
+                                             << ": reducing the gradients once every " << sync
+                                             << " optimizer steps (local steps in between) is not built; they are "
+                                                "reduced at every optimizer step, so the frequency must be 1 "
+                                                "(gradient_accumulation_steps N reduces once per N micro-batches)");
+  KMAMBA_REQUIRE(o.text("sequence-split-strategy", "even") == "even",
+                 "kmamba-train: " << key_of("sequence-split-strategy")
+                                  << " balanced: segment boundaries placed by the real tokens of packed rows are not "
+                                     "built; sequences are split into even segments (\"even\")");
+  KMAMBA_REQUIRE(!o.flag("dynamic-task-allocation"),
+                 "kmamba-train: " << key_of("dynamic-task-allocation")
+                                  << " true: handing micro-batches to the data-parallel ranks by their real-token "
+                                     "load is not built; each rank takes its fixed share of every global batch "
+                                     "(false)");
+  KMAMBA_REQUIRE(!o.has("data-redistribution-threshold"),
+                 "kmamba-train: " << key_of("data-redistribution-threshold") << " "
+                                  << o.number("data-redistribution-threshold", 0)
+                                  << ": moving rows between data-parallel ranks by their real-token counts is not "
+                                     "built, so no threshold applies");
+}
+
+// --overlap-communication and the load-balancing options --communication-pipelining and
+// --async-gradient-allreduce name one switch; those given must agree.
+bool resolve_overlap(const TrainOptions& o) {
+  const char* given = nullptr;
+  bool overlap = true;
+  for (const char* name : {"overlap-communication", "communication-pipelining", "async-gradient-allreduce"}) {
+    if (!o.has(name)) continue;
+    const bool value = o.flag(name);
+    KMAMBA_REQUIRE(given == nullptr || value == overlap,
+                   "kmamba-train: " << key_of(given) << " " << std::boolalpha << overlap << " conflicts with "
+                                    << key_of(name) << " " << value
+                                    << ": both set whether the gradient reduction overlaps the backward");
+    given = name;
+    overlap = value;
+  }
+  return overlap;
+}
+
+// --sequence-parallel-enabled against --sp: false needs sp 1; true takes an --sp above 1, or
+// derives it from the world size (mesh_for_world) when --sp is not given.
+void resolve_sequence_parallel(const TrainOptions& o, Run& r) {
+  if (!o.has("sequence-parallel-enabled")) return;
+  const bool enabled = o.flag("sequence-parallel-enabled");
+  const int sp = r.mesh.sequence_parallel_size;
+  KMAMBA_REQUIRE(enabled ? !o.has("sequence-parallel-size") || sp > 1 : sp == 1,
+                 "kmamba-train: " << key_of("sequence-parallel-enabled") << " " << std::boolalpha << enabled
+                                  << " conflicts with sequence_parallel_size (--sp) " << sp
+                                  << (enabled ? ": sequence parallelism needs at least 2 ranks per sequence (leave "
+                                                "--sp out to derive it)"
+                                              : ""));
+  r.derive_sequence_parallel = enabled && !o.has("sequence-parallel-size");
+}
+
+void resolve_parallel(const TrainOptions& o, Run& r) {
   r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0));
   r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1));
   r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1));
   r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
   r.activation_checkpointing = o.flag("activation-checkpointing");
+  refuse_unbuilt(o);
+  r.overlap_communication = resolve_overlap(o);
+  resolve_sequence_parallel(o, r);
 }
 
 void resolve_data(const TrainOptions& o, Run& r) {
@@ -324,6 +490,7 @@ Run resolve(const TrainOptions& o) {
   r.device = o.text("device", "");
   r.out = out_of(o);
   resolve_training(o, r);
+  resolve_parallel(o, r);
   resolve_data(o, r);
   resolve_model(o, r);
   return r;
@@ -347,6 +514,7 @@ void declare_train_options(CLI::App& cli) {
   declare_model(cli);
   declare_progress(cli);
   declare_parallel(cli);
+  declare_load_balancing(cli);
 }
 
 bool TrainOptions::has(const std::string& name) const { return cli_.count("--" + name) > 0; }
@@ -387,11 +555,31 @@ Run configure_run(CLI::App& cli) {
 }
 
 bool asks_for_ranks(const CLI::App& cli) {
-  for (const char* name :
-       {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--zero-stage"}) {
+  for (const char* name : {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size",
+                           "--sequence-parallel-enabled", "--zero-stage"}) {
     if (cli.count(name) > 0) return true;
   }
   return false;
+}
+
+MeshConfig mesh_for_world(const Run& run, int world_size) {
+  MeshConfig mesh = run.mesh;
+  if (run.derive_sequence_parallel) {
+    mesh.data_parallel_size = std::max(1, mesh.data_parallel_size);
+    const long long others = static_cast<long long>(mesh.tensor_parallel_size) * mesh.data_parallel_size;
+    const std::string sizes = "tensor_parallel_size " + std::to_string(mesh.tensor_parallel_size) +
+                              " x data_parallel_size " + std::to_string(mesh.data_parallel_size);
+    KMAMBA_REQUIRE(world_size % others == 0, "kmamba-train: " << key_of("sequence-parallel-enabled")
+                                                              << " true: the world's " << world_size
+                                                              << " ranks are not a multiple of " << sizes);
+    KMAMBA_REQUIRE(world_size / others > 1, "kmamba-train: " << key_of("sequence-parallel-enabled")
+                                                             << " true: " << sizes << " use all " << world_size
+                                                             << " ranks of the world, leaving none to split "
+                                                                "sequences (sequence parallelism needs at least 2 "
+                                                                "ranks per sequence)");
+    mesh.sequence_parallel_size = static_cast<int>(world_size / others);
+  }
+  return mesh.resolve(world_size);
 }
 
 void check_resumed_architecture(const Run& run, const ModelConfig& saved) {

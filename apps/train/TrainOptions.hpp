@@ -44,7 +44,11 @@ struct Run {
   TokenDatasetConfig tokens;
   ModelConfig model;
   MeshConfig mesh;
+  /// sequence_parallel_enabled true without --sp: the ranks that tp × dp leave split each sequence.
+  bool derive_sequence_parallel = false;
   int zero_stage = 0;
+  /// The data-parallel gradients are reduced during the last micro-batch's backward (else after it).
+  bool overlap_communication = true;
   MatmulPrecision precision = MatmulPrecision::Float32;
   std::int64_t log_interval = 10;
   /// The options given on the command line or in --config (not those run.json restored).
@@ -60,6 +64,10 @@ Run configure_run(CLI::App& cli);
 
 /// True when an option asks for a process mesh (the run then starts MPI).
 bool asks_for_ranks(const CLI::App& cli);
+
+/// The run's mesh on `world_size` ranks: --sp derived when run.derive_sequence_parallel, then
+/// MeshConfig::resolve. Throws kmamba::UserError naming the key whose size does not fit.
+MeshConfig mesh_for_world(const Run& run, int world_size);
 
 /// Throws kmamba::UserError naming the first architecture option given with --resume that
 /// differs from the checkpoint's `saved` configuration (a resumed run keeps its architecture).

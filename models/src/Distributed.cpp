@@ -239,7 +239,7 @@ void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) 
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::begin_reduction(const Slab& slab) {
   check_slab("begin_reduction", slab);
-  reducer_.begin(slab.grads(), reduction());
+  if (config_.overlap) reducer_.begin(slab.grads(), reduction());
 }
 
 template <class ExecutionSpace>

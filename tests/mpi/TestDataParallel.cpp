@@ -9,7 +9,8 @@
 // D2 the overlapped reduction (DataParallel::attach + begin_reduction): buckets are reduced during
 //    the last micro-batch's backward, as its layers finish (the audit counts reductions issued
 //    before backward ends), each once, none during the accumulation micro-steps, and the reduced
-//    gradients are bitwise those of the reduction after backward (same bucket layout);
+//    gradients are bitwise those of the reduction after backward (same bucket layout); with
+//    DataParallelConfig::overlap false the backward issues none and reduce_gradients all of them;
 // D3 ZeRO-1 and DDP: parameters and AdamW moments after 3 clipped steps; moments gather into the
 //    slab layout and load back;
 // D5 the mesh-wide gradient norm, each parameter counted exactly once; D6 a non-finite gradient on
@@ -386,6 +387,34 @@ TEST(DataParallel, OverlappedReductionRunsDuringTheLastBackwardAndEqualsTheReduc
     }
     EXPECT_EQ(differing, 0u);
   }
+}
+
+TEST(DataParallel, WithoutOverlapTheBackwardIssuesNoReduction) {
+  const Exec exec;
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const auto log = std::make_shared<kmamba::CommunicationLog>();
+  const kmamba::ProcessMesh mesh = counting_mesh(log);
+  const int per_rank = batch / mesh.data().size();
+  const Batch mine = rows(make_batch(0), mesh.data().rank() * per_rank, per_rank);
+  kmamba::DataParallelConfig options;
+  options.bucket_elements = 1000;
+  options.overlap = false;
+  Model model(config);
+  model.initialize(init_seed);
+  kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), options);
+  dp.attach(model);
+  const std::int64_t global = dp.global_tokens(predicted(mine));
+  log->clear();
+  model.zero_grads(exec);
+  accumulate_rows(model, mine, global, [&](int r) {
+    if (r == per_rank - 1) dp.begin_reduction(model.parameters());
+  });
+  EXPECT_EQ(log->total_calls(), 0) << "a reduction ran during the backward";
+  dp.reduce_gradients(exec, model.parameters());
+  const kmamba::BucketLayout& layout = dp.layout();
+  const std::int64_t buckets = static_cast<std::int64_t>(layout.buckets().size());
+  EXPECT_EQ(log->tally("dp_sp", "all_reduce").calls, buckets + (layout.tail_begin() < layout.elements() ? 1 : 0));
+  EXPECT_EQ(log->total_calls(), log->tally("dp_sp", "all_reduce").calls);
 }
 
 TEST(DataParallel, GradNormCountsEveryParameterOnceOverTheMesh) {

@@ -100,6 +100,9 @@ void gather_parameters(const ExecutionSpace& exec, const LanguageModel<Execution
 struct DataParallelConfig {
   int zero_stage = 0;               ///< 0: every rank keeps all AdamW moments; 1: ZeRO-1 (moments sharded)
   std::size_t bucket_elements = 0;  ///< elements per reduction bucket (0: default_bucket_elements(dp))
+  /// true: begin_reduction arms the reduction of the coming backward; false: it does nothing, and
+  /// reduce_gradients reduces every bucket after the backward.
+  bool overlap = true;
 };
 
 #if KMAMBA_ENABLE_MPI
@@ -138,8 +141,8 @@ class DataParallel {
   /// order of those announcements. `model` keeps a pointer to this object: detach or outlive it.
   void attach(LanguageModel<ExecutionSpace>& model);
   /// Arms the reduction of the coming backward (the last micro-batch of an optimizer step): each
-  /// bucket is reduced as soon as its gradients are announced. Without it (accumulation micro-steps)
-  /// announcements do nothing.
+  /// bucket is reduced as soon as its gradients are announced. Without it (accumulation micro-steps,
+  /// or config().overlap false) announcements do nothing.
   void begin_reduction(const Slab& slab);
   /// The announcement of an attached model: the gradients of slab elements [begin, end) are final.
   void gradients_ready(const ExecutionSpace& exec, std::size_t begin, std::size_t end);

@@ -1,0 +1,136 @@
+# The seed configuration's keys in kmamba-train --config (docs/training.md, "Configuration keys")
+# on NP MPI ranks (1, 2 or 4):
+# - each key takes effect: the mesh, accumulation, precision, checkpointing and overlap that the
+#   run prints, and the options run.json records;
+# - a command-line option wins over --config; values that conflict with the world size, with
+#   another option or with another key of the file fail with 2, naming the key;
+# - pipeline_parallel_size > 1, gradient_sync_frequency > 1, sequence_split_strategy "balanced"
+#   and the load_balancing keys that ask for work not built fail with 2, naming the key and what
+#   is missing; an unknown key in load_balancing is refused by name;
+# - overlap_communication false reduces after the backward, with the same losses as true.
+#   cmake -DTRAIN=<kmamba-train> -DMPIEXEC=<mpiexec> "-DMPIFLAGS=-n;2;--oversubscribe" -DNP=2 -DOUT=<dir>
+#         -P CheckTrainConfigKeys.cmake
+file(REMOVE_RECURSE ${OUT})
+file(MAKE_DIRECTORY ${OUT})
+set(small --d-model 16 --n-layer 1 --headdim 8 --ngroups 2 --seqlen 24 --batch-size 2 --steps 2 --eval-interval 0
+          --eval-batches 1 --checkpoint-interval 0 --device serial)
+
+# Runs kmamba-train on NP ranks with --config `config` (a JSON text) and the arguments after it;
+# the exit status must be `expected` and the output must match `match`.
+function(train name config expected match)
+  file(WRITE ${OUT}/${name}.json "${config}")
+  execute_process(COMMAND ${MPIEXEC} ${MPIFLAGS} ${TRAIN} --config ${OUT}/${name}.json ${small} --out ${OUT}/${name}
+                          ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
+  message(STATUS "${name}: kmamba-train --config ${config} ${ARGN} on ${NP} ranks: exit ${rc}\n${out}${err}")
+  if(NOT rc STREQUAL "${expected}")
+    message(FATAL_ERROR "CheckTrainConfigKeys: ${name} exited with '${rc}', expected ${expected}")
+  endif()
+  if(NOT "${out}${err}" MATCHES "${match}")
+    message(FATAL_ERROR "CheckTrainConfigKeys: the output of ${name} does not match '${match}'")
+  endif()
+endfunction()
+
+function(expect_run_json name match)
+  file(READ ${OUT}/${name}/run.json saved)
+  if(NOT saved MATCHES "${match}")
+    message(FATAL_ERROR "CheckTrainConfigKeys: ${name}/run.json does not match '${match}':\n${saved}")
+  endif()
+endfunction()
+
+# The losses of every step, as metrics.jsonl writes them.
+function(losses name out)
+  file(STRINGS ${OUT}/${name}/metrics.jsonl records REGEX "\"type\":\"train\"")
+  set(found "")
+  foreach(record IN LISTS records)
+    string(REGEX MATCH "\"loss\":([-0-9.eE+]+)" ignored "${record}")
+    list(APPEND found "${CMAKE_MATCH_1}")
+  endforeach()
+  set(${out} "${found}" PARENT_SCOPE)
+endfunction()
+
+set(balancing "\"load_balancing\": {\"dynamic_task_allocation\": false, \"communication_pipelining\": true, \"async_gradient_allreduce\": true}")
+set(not_split "\"pipeline_parallel_size\": 1, \"sequence_parallel_enabled\": false, \"sequence_split_strategy\": \"even\", \"gradient_sync_frequency\": 1")
+set(ranks "${NP} ranks: data parallel")
+
+if(NP EQUAL 1)
+  set(seed "{\"tensor_parallel_size\": 1, \"data_parallel_size\": 1, \"gradient_accumulation_steps\": 2, \"mixed_precision\": \"bf16\", \"activation_checkpointing\": true, \"overlap_communication\": true, ${not_split}, ${balancing}}")
+  train(seed "${seed}" 0
+        "bf16 projections, activation checkpointing.*${ranks} 1 x tensor parallel 1 x sequence parallel 1; ZeRO stage 0; gradients reduced during the backward.*2 steps of 2 x 2 sequences.*done: 2 steps")
+  expect_run_json(seed "\"activation_checkpointing\": \"true\".*\"dynamic_task_allocation\": \"false\".*\"grad_accum\": \"2\".*\"pipeline_parallel_size\": \"1\".*\"precision\": \"bf16\"")
+  train(command_line_wins "${seed}" 0 "fp32 projections, activation checkpointing.*2 steps of 3 x 2 sequences"
+        --grad-accum 3 --precision fp32)
+  train(tp_misfits "{\"tensor_parallel_size\": 2}" 2 "the world has 1 ranks, which is not a multiple of tensor_parallel_size 2")
+  train(sp_leaves_no_rank "{\"sequence_parallel_enabled\": true}" 2
+        "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) true: tensor_parallel_size 1 x data_parallel_size 1 use all 1 ranks of the world, leaving none to split sequences")
+
+  # Errors found before MPI starts, the same on any number of ranks: one rank without mpirun.
+  set(MPIEXEC "")
+  set(MPIFLAGS "")
+  set(not_built "is not built")
+  train(pipeline "{\"pipeline_parallel_size\": 2}" 2
+        "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism .* ${not_built}; every rank holds every layer")
+  train(sync_frequency "{\"gradient_sync_frequency\": 4}" 2
+        "gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: reducing the gradients once every 4 optimizer steps .* ${not_built}")
+  train(balanced_split "{\"sequence_split_strategy\": \"balanced\"}" 2
+        "sequence_split_strategy \\(--sequence-split-strategy\\) balanced: segment boundaries placed by the real tokens of packed rows are not built")
+  train(unknown_split "{\"sequence_split_strategy\": \"random\"}" 2
+        "\"sequence_split_strategy\": --sequence-split-strategy: got 'random', expected one of even, balanced")
+  train(dynamic "{\"load_balancing\": {\"dynamic_task_allocation\": true}}" 2
+        "load_balancing.dynamic_task_allocation \\(--dynamic-task-allocation\\) true: handing micro-batches .* ${not_built}")
+  train(threshold "{\"load_balancing\": {\"data_redistribution_threshold\": 0.25}}" 2
+        "load_balancing.data_redistribution_threshold \\(--data-redistribution-threshold\\) 0.25: moving rows .* ${not_built}")
+  train(balancing_typo "{\"load_balancing\": {\"dynamic_task_allocation\": false, \"work_stealing\": true}}" 2
+        "unknown key \"work_stealing\" in \"load_balancing\" \\(expected dynamic_task_allocation, data_redistribution_threshold, communication_pipelining, async_gradient_allreduce\\)")
+  train(balancing_scalar "{\"load_balancing\": true}" 2 "\"load_balancing\" must be a JSON object with the keys")
+  train(bad_bool "{\"load_balancing\": {\"async_gradient_allreduce\": 1}}" 2
+        "\"load_balancing.async_gradient_allreduce\": --async-gradient-allreduce: got '1', expected one of true, false")
+  train(fp16 "{\"mixed_precision\": \"fp16\"}" 2
+        "\"mixed_precision\": --precision: got 'fp16', expected one of fp32, tf32, bf16")
+  train(no_accumulation "{\"gradient_accumulation_steps\": 0}" 2
+        "\"gradient_accumulation_steps\": --grad-accum: got '0', expected an integer in .1, 2147483647.")
+  train(two_keys "{\"grad_accum\": 2, \"gradient_accumulation_steps\": 4}" 2
+        "\"grad_accum\" and \"gradient_accumulation_steps\" both set --grad-accum, to 2 and 4")
+  train(overlap_conflict "{\"overlap_communication\": true}" 2
+        "overlap_communication \\(--overlap-communication\\) true conflicts with load_balancing.async_gradient_allreduce \\(--async-gradient-allreduce\\) false"
+        --async-gradient-allreduce false)
+  train(sp_conflict "{\"sequence_parallel_enabled\": false}" 2
+        "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) false conflicts with sequence_parallel_size \\(--sp\\) 2"
+        --sp 2)
+  train(sp_one "{\"sequence_parallel_enabled\": true, \"sequence_parallel_size\": 1}" 2
+        "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) true conflicts with sequence_parallel_size \\(--sp\\) 1: sequence parallelism needs at least 2 ranks")
+elseif(NP EQUAL 2)
+  # overlap_communication false: the buckets are reduced after the backward, and the losses are
+  # those of the overlapped reduction (host transports reduce in the same order either way).
+  set(dp2 "\"data_parallel_size\": 2, \"gradient_accumulation_steps\": 2, ${not_split}")
+  set(dp2_mesh "${ranks} 2 x tensor parallel 1 x sequence parallel 1; ZeRO stage 0")
+  train(dp2_overlap_true "{${dp2}, \"overlap_communication\": true}" 0
+        "${dp2_mesh}; gradients reduced during the backward.*2 steps of 2 x 2 sequences")
+  train(dp2_overlap_false "{${dp2}, \"overlap_communication\": false}" 0
+        "${dp2_mesh}; gradients reduced after the backward.*2 steps of 2 x 2 sequences")
+  expect_run_json(dp2_overlap_false "\"overlap_communication\": \"false\"")
+  losses(dp2_overlap_true overlapped)
+  losses(dp2_overlap_false after)
+  if(NOT overlapped STREQUAL after OR overlapped STREQUAL "")
+    message(FATAL_ERROR "CheckTrainConfigKeys: the losses with the overlap (${overlapped}) and without (${after}) differ")
+  endif()
+  train(sp_derived "{\"sequence_parallel_enabled\": true, \"sequence_split_strategy\": \"even\"}" 0
+        "${ranks} 1 x tensor parallel 1 x sequence parallel 2 \\(even segments\\)")
+  train(dp_misfits "{\"data_parallel_size\": 4}" 2 "data_parallel_size 4 .* = 4 ranks, but the world has 2")
+elseif(NP EQUAL 4)
+  # The seed's example (tensor parallel 4 x data parallel 2 on 8 ranks), on 4 ranks.
+  train(seed_example
+        "{\"tensor_parallel_size\": 2, \"data_parallel_size\": 2, \"gradient_accumulation_steps\": 8, \"mixed_precision\": \"bf16\", \"activation_checkpointing\": true, \"overlap_communication\": true, ${not_split}, ${balancing}}"
+        0
+        "bf16 projections, activation checkpointing.*${ranks} 2 x tensor parallel 2 x sequence parallel 1; ZeRO stage 0; gradients reduced during the backward.*2 steps of 8 x 2 sequences.*done: 2 steps")
+  expect_run_json(seed_example "\"data_parallel_size\": \"2\".*\"grad_accum\": \"8\".*\"tensor_parallel_size\": \"2\"")
+  train(tp_sp_derived "{\"tensor_parallel_size\": 2, \"sequence_parallel_enabled\": true}" 0
+        "${ranks} 1 x tensor parallel 2 x sequence parallel 2 \\(even segments\\)")
+  train(sp_no_rank_left "{\"tensor_parallel_size\": 2, \"data_parallel_size\": 2, \"sequence_parallel_enabled\": true}" 2
+        "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) true: tensor_parallel_size 2 x data_parallel_size 2 use all 4 ranks of the world, leaving none")
+  train(tp_misfits "{\"tensor_parallel_size\": 3}" 2 "the world has 4 ranks, which is not a multiple of tensor_parallel_size 3")
+  train(pipeline_np4 "{\"tensor_parallel_size\": 2, \"pipeline_parallel_size\": 2}" 2
+        "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism")
+else()
+  message(FATAL_ERROR "CheckTrainConfigKeys: NP must be 1, 2 or 4, got '${NP}'")
+endif()
