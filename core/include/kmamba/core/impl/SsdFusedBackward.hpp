@@ -3,7 +3,7 @@
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere), with every operand of
 // the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdImpl.hpp; before it, the
 // walks of impl/SsdFusedStates.hpp write each chunk's entering state and the gradient of its
-// leaving one, and the sums after it are the staged ones (ssd_fused_backward_stages).
+// leaving one (bf16), and the sums after it are the staged ones (ssd_fused_backward_stages).
 //
 // A team has 8 warps; warp w works on the row block rb = w / 2 (16 tokens) and the column half
 // cb = w % 2 of each product. Per chunk of Q = 64 tokens (l, s tokens, p channels, n states; Hin
@@ -15,7 +15,7 @@
 //            scratch as bf16, E = M·CB (fp32, s < l) for the gradient of the cumsum;
 //   phase 2  the stable sums ddA_intra[j] = Σ_{l≥j} Σ_{s<j} E[l][s] (row prefix sums, then column
 //            sums, as the staged stage does);
-//   phase 3  Hin and dS to scratch as bf16 (over E), ddA_chunk = exp(cum_last)·Σ Hin·dS (fp32);
+//   phase 3  Hin and dS (stored as bf16) to scratch (over E), ddA_chunk = exp(cum_last)·Σ Hin·dS (fp32 sums);
 //   phase 4  dx = δ_s·(exp(cum_last − cum_s)·B·dSᵀ + Sᵀ·g) + D·g, dC = exp(cum_l)·g·Hin + M·B,
 //            dB = exp(cum_last − cum_s)·δ_s·x·dS + Mᵀ·C, with the row dot products the gradient
 //            of δ takes (<dx_state, x>, <dx_pre, x>, <dC_state, C>);
@@ -34,6 +34,7 @@
 #define KMAMBA_CORE_IMPL_SSDFUSEDBACKWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/impl/SsdFusedForward.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
@@ -51,6 +52,48 @@ namespace impl {
 /// The chunk length the fused backward is compiled for, and its warps per team.
 constexpr int ssd_fused_backward_chunk = 64;
 constexpr int ssd_fused_backward_warps = 8;
+
+/// A thread's share of a (Rows × Cols) bf16 tile of contiguous rows in global memory, moved to a
+/// scratch tile without conversion: eight values (16 bytes) per item, item i = thread + k·Threads
+/// at row i / (Cols/8), column 8·(i % (Cols/8)). All loads are issued before any store.
+template <int Rows, int Cols, int Threads>
+struct SsdBf16RowShare {
+  static constexpr int per_row = Cols / 8, items = Rows * per_row;
+  static constexpr int count = (items + Threads - 1) / Threads;
+  std::uint32_t v[count][4];  // bf16 pairs, the lower column in the low half
+
+  /// `tile` points at row 0 of Rows rows of Cols values (16-byte aligned).
+  KOKKOS_INLINE_FUNCTION void load(int thread, const std::uint16_t* tile) {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads;
+      if (i < items) {
+        ssd_copy16(tile + 8 * i, v[k]);
+      } else {
+        for (int e = 0; e < 4; ++e) v[k][e] = 0;
+      }
+    }
+  }
+  KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile) const {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads;
+      if (i < items) ssd_copy16(v[k], &tile.at(i / per_row, 8 * (i % per_row)));
+    }
+  }
+  /// Σ of the products of this share's values and `other`'s, in fp32.
+  KOKKOS_INLINE_FUNCTION float dot(const SsdBf16RowShare& other) const {
+    float sum = 0.0f;
+    for (int k = 0; k < count; ++k)
+      for (int e = 0; e < 4; ++e) {
+        sum += bf16_bits_to_float(static_cast<std::uint16_t>(v[k][e])) *
+               bf16_bits_to_float(static_cast<std::uint16_t>(other.v[k][e]));
+        sum += bf16_bits_to_float(static_cast<std::uint16_t>(v[k][e] >> 16)) *
+               bf16_bits_to_float(static_cast<std::uint16_t>(other.v[k][e] >> 16));
+      }
+    return sum;
+  }
+};
 
 /// Scratch of the fused backward for N states: bf16 tiles x, g as [Q][P + 8], B, C as [Q][N + 8],
 /// S, M as [Q][Q + 8]; then one region holding E (fp32 [Q][Q]) in phases 1–2 and Hin, dS (bf16
@@ -95,14 +138,15 @@ struct SsdFusedBackwardFunctor {
   SsdOperands<MemorySpace> in;
   SsdWorkspace<MemorySpace> ws;
   SsdPlan plan;
-  ConstTensor4<float, MemorySpace> g;        // (batch, seqlen, nheads, headdim), gated dout
-  ConstTensor5<float, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dS
-  Tensor4<float, MemorySpace> dx;            // (batch, seqlen, nheads, headdim)
-  Tensor3<float, MemorySpace> ddt;           // (batch, seqlen, nheads)
-  Tensor3<float, MemorySpace> dlog_decay;    // (batch, seqlen, nheads), with in.has_log_decay
-  Tensor4<float, MemorySpace> dB_head;       // (batch, seqlen, nheads, dstate)
-  Tensor4<float, MemorySpace> dC_head;       // (batch, seqlen, nheads, dstate)
-  Tensor4<float, MemorySpace> partial;       // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
+  ConstTensor4<float, MemorySpace> g;       // (batch, seqlen, nheads, headdim), gated dout
+  ConstTensor5<bf16, MemorySpace> hin;      // (batch, nchunks, nheads, headdim, dstate), Hin
+  ConstTensor5<bf16, MemorySpace> dstates;  // (batch, nchunks, nheads, headdim, dstate), dS
+  Tensor4<float, MemorySpace> dx;           // (batch, seqlen, nheads, headdim)
+  Tensor3<float, MemorySpace> ddt;          // (batch, seqlen, nheads)
+  Tensor3<float, MemorySpace> dlog_decay;   // (batch, seqlen, nheads), with in.has_log_decay
+  Tensor4<float, MemorySpace> dB_head;      // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> dC_head;      // (batch, seqlen, nheads, dstate)
+  Tensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
 
   struct Tiles {
     ScratchTile x, g, b, c, s, m, hin, ds;
@@ -222,16 +266,12 @@ struct SsdFusedBackwardFunctor {
 
   /// Phase 3: Hin and dS to scratch; returns the thread's Σ Hin·dS.
   KOKKOS_INLINE_FUNCTION float stage_states(const Tiles& sm, int thread, const SsdChunkBlock& blk) const {
-    SsdRowShare<P, N, Team::threads> hs, ds;
-    hs.load(thread, P, [&](int p) { return &ws.states(blk.b, blk.c, blk.h, p, 0); });
-    ds.load(thread, P, [&](int p) { return &dstates(blk.b, blk.c, blk.h, p, 0); });
-    float sum = 0.0f;
-    for (int k = 0; k < hs.count; ++k)
-      for (int e = 0; e < 4; ++e) sum += hs.v[k][e] * ds.v[k][e];
-    const auto one = [](int) { return 1.0f; };
-    hs.store(thread, sm.hin, one);
-    ds.store(thread, sm.ds, one);
-    return sum;
+    SsdBf16RowShare<P, N, Team::threads> hs, ds;
+    hs.load(thread, &hin(blk.b, blk.c, blk.h, 0, 0).bits);
+    ds.load(thread, &dstates(blk.b, blk.c, blk.h, 0, 0).bits);
+    hs.store(thread, sm.hin);
+    ds.store(thread, sm.ds);
+    return hs.dot(ds);
   }
 
   /// Phase 4 of warp w: its 16 × 32 block of dx and the row dot products of δ's gradient.
@@ -387,20 +427,19 @@ void ssd_fused_backward_launch(const ExecSpace& exec, const SsdFusedBackwardFunc
 
 /// The fused chunk backward for the plan's dstate (ssd_fused_backward_supported must hold).
 template <class ExecSpace, class MemorySpace>
-void ssd_fused_chunk_backward(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
-                              const SsdWorkspace<MemorySpace>& ws,
-                              const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g,
-                              const SsdNonDeduced<ConstTensor5<float, MemorySpace>>& dstates,
-                              const SsdNonDeduced<Tensor4<float, MemorySpace>>& dx,
-                              const SsdNonDeduced<Tensor3<float, MemorySpace>>& ddt,
-                              const SsdNonDeduced<Tensor3<float, MemorySpace>>& dlog_decay,
-                              const SsdNonDeduced<Tensor4<float, MemorySpace>>& dB_head,
-                              const SsdNonDeduced<Tensor4<float, MemorySpace>>& dC_head,
-                              const SsdNonDeduced<Tensor4<float, MemorySpace>>& partial) {
+void ssd_fused_chunk_backward(
+    const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in, const SsdWorkspace<MemorySpace>& ws,
+    const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g, const SsdNonDeduced<ConstTensor5<bf16, MemorySpace>>& hin,
+    const SsdNonDeduced<ConstTensor5<bf16, MemorySpace>>& dstates, const SsdNonDeduced<Tensor4<float, MemorySpace>>& dx,
+    const SsdNonDeduced<Tensor3<float, MemorySpace>>& ddt, const SsdNonDeduced<Tensor3<float, MemorySpace>>& dlog_decay,
+    const SsdNonDeduced<Tensor4<float, MemorySpace>>& dB_head,
+    const SsdNonDeduced<Tensor4<float, MemorySpace>>& dC_head,
+    const SsdNonDeduced<Tensor4<float, MemorySpace>>& partial) {
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
-    ssd_fused_backward_launch<N>(exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
-                                           in, ws, plan, g, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial});
+    ssd_fused_backward_launch<N>(
+        exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay,
+                                                                 dB_head, dC_head, partial});
   };
   ssd_with_fused_dstate(plan.dstate, run);
 }

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace kmamba {
 namespace impl {
@@ -73,6 +74,15 @@ KOKKOS_INLINE_FUNCTION void ssd_load4(const float* p, float (&v)[4]) {
   v[3] = q.w;
 #else
   for (int i = 0; i < 4; ++i) v[i] = p[i];
+#endif
+}
+
+/// 16 bytes from src to dst (both 16-byte aligned on Cuda).
+KOKKOS_INLINE_FUNCTION void ssd_copy16(const void* src, void* dst) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#else
+  std::memcpy(dst, src, 16);
 #endif
 }
 

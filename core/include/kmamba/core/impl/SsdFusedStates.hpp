@@ -5,8 +5,8 @@
 //          Hin_{c+1} = exp(cum_last)·Hin_c + Σ_l (x_l·δ_l·exp(cum_last − cum_l))ᵀ B_l
 //   dS_c   the gradient of the state leaving chunk c:   dS_{last chunk} = dfinal_states (or 0),
 //          dS_{c−1} = exp(cum_last)·dS_c + Σ_l (g_l·exp(cum_l))ᵀ C_l,   dinitial_states = dS_{−1}
-// (g the gated dout). Hin goes to ws.states and dS to dstates for the chunk backward
-// (impl/SsdFusedBackward.hpp).
+// (g the gated dout). Hin and dS go to memory as bf16 for the chunk backward
+// (impl/SsdFusedBackward.hpp), which rounds them to bf16 for its products anyway.
 //
 // One team per (batch, head, direction, block of state columns) keeps its block of the running
 // state on chip and walks the chunks in order (Hin) or from the last (dS), so that each state is
@@ -21,10 +21,12 @@
 // second pass walks every segment from the value entering it, writing the chunks' states.
 //
 // Numerics: each term of a chunk's sum rounds two factors to bf16 (the weighted x or g, and B or
-// C), each within 2^-9 relative; the sums and the running state are fp32.
+// C), each within 2^-9 relative; the sums and the running state are fp32, and each Hin or dS is
+// rounded to bf16 (2^-9 relative) where it is stored.
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDSTATES_HPP
 #define KMAMBA_CORE_IMPL_SSDFUSEDSTATES_HPP
 
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/impl/SsdFusedBackward.hpp>
 #include <kmamba/core/impl/SsdFusedForward.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
@@ -83,11 +85,12 @@ struct SsdStateWalkFunctor {
   static_assert(P == ssd_state_walk_warps * R && N % Cols == 0, "SsdStateWalkFunctor: one row block per warp");
 
   SsdOperands<MemorySpace> in;
-  SsdWorkspace<MemorySpace> ws;  // dt_out, dA_cs read; states written (Hin)
+  SsdWorkspace<MemorySpace> ws;  // dt_out, dA_cs read
   SsdPlan plan;
   ConstTensor4<float, MemorySpace> g;              // (batch, seqlen, nheads, headdim), gated dout
   ConstTensor4<float, MemorySpace> dfinal_states;  // (batch, nheads, headdim, dstate), optional
-  Tensor5<float, MemorySpace> dstates;             // (batch, nchunks, nheads, headdim, dstate), dS out
+  Tensor5<bf16, MemorySpace> hin;                  // (batch, nchunks, nheads, headdim, dstate), Hin out
+  Tensor5<bf16, MemorySpace> dstates;              // (batch, nchunks, nheads, headdim, dstate), dS out
   Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate), optional
   SsdWalkSegments<MemorySpace> segments;
 
@@ -169,10 +172,10 @@ struct SsdStateWalkFunctor {
     return decay;
   }
 
-  /// Warp w's block of the state before chunk c's term (Hin_c or dS_c), to global memory.
-  KOKKOS_INLINE_FUNCTION void store(const Walk& wk, int w, int lane, int c, StateAccum& S) const {
-    const Tensor5<float, MemorySpace>& out = wk.reverse ? dstates : ws.states;
-    S.for_each(lane, [&](int r, int n, float& v) { out(wk.b, c, wk.h, R * w + r, wk.n0 + n) = v; });
+  /// Warp w's block of the state before chunk c's term (Hin_c or dS_c), to global memory as bf16.
+  KOKKOS_INLINE_FUNCTION void store(const Walk& wk, int w, int lane, int c, const StateAccum& S) const {
+    const Tensor5<bf16, MemorySpace>& out = wk.reverse ? dstates : hin;
+    warp_store_bf16(S, lane, ScratchTile{&out(wk.b, c, wk.h, R * w, wk.n0).bits, N});
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const WarpTeamContext& ctx) const {
@@ -262,7 +265,7 @@ template <int N, class ExecSpace, class MemorySpace>
 void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                               const SsdWorkspace<MemorySpace>& ws, const ConstTensor4<float, MemorySpace>& g,
                               const ConstTensor4<float, MemorySpace>& dfinal_states,
-                              const Tensor5<float, MemorySpace>& dstates,
+                              const Tensor5<bf16, MemorySpace>& hin, const Tensor5<bf16, MemorySpace>& dstates,
                               const Tensor4<float, MemorySpace>& dinitial_states, int segment_count) {
   SsdWalkSegments<MemorySpace> segments;
   segments.count = std::max(1, std::min(segment_count, plan.nchunks));
@@ -274,7 +277,7 @@ void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const 
     segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::walk_segment_decay", plan.batch,
                                                                          plan.nheads, segments.count);
     ssd_state_walk_launch<N, true>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, true>{
-                                             in, ws, plan, g, dfinal_states, dstates, dinitial_states, segments});
+                                             in, ws, plan, g, dfinal_states, hin, dstates, dinitial_states, segments});
     Kokkos::parallel_for(
         "kmamba::ssd::walk_segment_passing",
         Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
@@ -282,10 +285,10 @@ void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const 
         SsdWalkSegmentPassingFunctor<MemorySpace>{in, plan, dfinal_states, segments});
   }
   ssd_state_walk_launch<N, false>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, false>{
-                                            in, ws, plan, g, dfinal_states, dstates, dinitial_states, segments});
+                                            in, ws, plan, g, dfinal_states, hin, dstates, dinitial_states, segments});
 }
 
-/// Hin into ws.states and dS into dstates for every (batch, chunk, head), and dinitial_states
+/// Hin into hin and dS into dstates for every (batch, chunk, head), and dinitial_states
 /// when allocated; the plan and inputs are the fused backward's (ssd_fused_backward_supported, g
 /// 16-byte aligned), and ws.dt_out and ws.dA_cs hold the chunk cumsum. Each walk is cut into
 /// `segment_count` segments (at most one per chunk; ssd_walk_segment_count chooses it).
@@ -294,11 +297,12 @@ void ssd_fused_state_walks(const ExecSpace& exec, const SsdPlan& plan, const Ssd
                            const SsdWorkspace<MemorySpace>& ws,
                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& g,
                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& dfinal_states,
-                           const SsdNonDeduced<Tensor5<float, MemorySpace>>& dstates,
+                           const SsdNonDeduced<Tensor5<bf16, MemorySpace>>& hin,
+                           const SsdNonDeduced<Tensor5<bf16, MemorySpace>>& dstates,
                            const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states, int segment_count) {
   ssd_with_fused_dstate(plan.dstate, [&](auto states) {
-    ssd_fused_state_walks_of<decltype(states)::value>(exec, plan, in, ws, g, dfinal_states, dstates, dinitial_states,
-                                                      segment_count);
+    ssd_fused_state_walks_of<decltype(states)::value>(exec, plan, in, ws, g, dfinal_states, hin, dstates,
+                                                      dinitial_states, segment_count);
   });
 }
 

@@ -951,16 +951,19 @@ void ssd_fused_backward_stages(const ExecSpace& exec, const SsdPlan& plan, const
                                const SsdOperands<MemorySpace>& in, const ConstTensor4<float, MemorySpace>& dout,
                                const ConstTensor4<float, MemorySpace>& dfinal_states,
                                const SsdGrads<MemorySpace>& grads) {
-  const SsdWorkspace<MemorySpace> ws(plan);
-  const auto dstates = allocate_uninitialized<Tensor5<float, MemorySpace>>(
-      "kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate);
+  const SsdWorkspace<MemorySpace> ws(plan, false);
+  using States = Tensor5<bf16, MemorySpace>;
+  const auto hin = allocate_uninitialized<States>("kmamba::ssd::entering_states", plan.batch, plan.nchunks, plan.nheads,
+                                                  plan.headdim, plan.dstate);
+  const auto dstates = allocate_uninitialized<States>("kmamba::ssd::dstates", plan.batch, plan.nchunks, plan.nheads,
+                                                      plan.headdim, plan.dstate);
   const ConstTensor4<float, MemorySpace> g =
       in.has_z ? ssd_fused_gate_backward(exec, forward_plan, in, dout, grads.dz) : dout;
   ssd_chunk_cumsum(exec, plan, in, ws);
-  ssd_fused_state_walks(exec, plan, in, ws, g, dfinal_states, dstates, grads.dinitial_states,
+  ssd_fused_state_walks(exec, plan, in, ws, g, dfinal_states, hin, dstates, grads.dinitial_states,
                         ssd_walk_segment_count(exec, plan));
   const SsdChunkGrads<MemorySpace> chunk(plan, grads);
-  ssd_fused_chunk_backward(exec, plan, in, ws, g, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
+  ssd_fused_chunk_backward(exec, plan, in, ws, g, hin, dstates, grads.dx, grads.ddt, grads.dlog_decay, chunk.dB_head,
                            chunk.dC_head, chunk.partial);
   ssd_backward_sums(exec, plan, chunk, grads);
 }

@@ -106,17 +106,20 @@ struct SsdWorkspace {
   Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering
   Tensor5<float, MemorySpace> CB;      // (batch, nchunks, ngroups, chunk, chunk): C_l·B_s for s ≤ l
 
-  explicit SsdWorkspace(const SsdPlan& plan)
+  /// `staged`: with the states and CB of the staged stages (the fused backward keeps its own).
+  explicit SsdWorkspace(const SsdPlan& plan, bool staged = true)
       : dt_out(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dt", plan.batch, plan.nheads,
                                                                    plan.nchunks, plan.chunk)),
         dA_cs(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::ssd::dA_cumsum", plan.batch, plan.nheads,
                                                                   plan.nchunks, plan.chunk)),
         run(allocate_uninitialized<Tensor3<int, MemorySpace>>("kmamba::ssd::run", plan.batch, plan.nchunks,
                                                               plan.chunk)),
-        states(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::states", plan.batch, plan.nchunks,
-                                                                   plan.nheads, plan.headdim, plan.dstate)),
-        CB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
-                                                               plan.ngroups, plan.chunk, plan.chunk)) {}
+        states(staged ? allocate_uninitialized<Tensor5<float, MemorySpace>>(
+                            "kmamba::ssd::states", plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate)
+                      : Tensor5<float, MemorySpace>()),
+        CB(staged ? allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::ssd::CB", plan.batch, plan.nchunks,
+                                                                        plan.ngroups, plan.chunk, plan.chunk)
+                  : Tensor5<float, MemorySpace>()) {}
 };
 
 /// Where a (batch, chunk, head) team works.

@@ -60,7 +60,7 @@ constexpr int warp_tile_rows = 16;
 /// Threads of a warp in the tensor-core form.
 constexpr int warp_tile_lanes = 32;
 
-/// A row-major bf16 tile in team scratch.
+/// A row-major bf16 tile: in team scratch, or rows of a tensor in memory.
 struct ScratchTile {
   std::uint16_t* data;
   int ld;
