@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -27,10 +28,12 @@ struct Options {
   int batch = 0, seqlen = 0;  // parsed from shape
 };
 
-struct Row {
+// One kernel's case, set up: its views are held by the two callables.
+struct Case {
   std::string kernel, shape;
-  double seconds = 0, bytes = 0;
-  bool finite = true;
+  double bytes = 0;             // what the kernel must move: its inputs read and outputs written once
+  std::function<void()> run;    // one call of the kernel
+  std::function<bool()> check;  // whether every output is finite
 };
 
 // dst(i) = src(i): the copy that measures the space's memory bandwidth.
@@ -89,7 +92,7 @@ double copy_bandwidth(const Exec& exec, int repeats) {
 
 // Mamba-1 selective scan: d_inner 512, d_state 16, with D, z, delta_bias and softplus.
 template <class Exec>
-Row bench_selective_scan(const Exec& exec, const Options& o) {
+Case selective_scan_case(const Exec& exec, const Options& o) {
   using Mem = typename Exec::memory_space;
   using T3 = kmamba::Tensor3<float, Mem>;
   const int b = o.batch, L = o.seqlen, D = 512, N = 16;
@@ -107,16 +110,14 @@ Row bench_selective_scan(const Exec& exec, const Options& o) {
   args.delta_softplus = true;
   const auto out = kmamba::allocate_uninitialized<T3>("kmamba::bench::out", b, D, L);
   const auto last = kmamba::allocate_uninitialized<T3>("kmamba::bench::last", b, D, N);
-  Row r{"selective_scan", "b" + std::to_string(b) + " L" + std::to_string(L) + " D512 N16"};
-  r.seconds = median_seconds(exec, o.repeats, [&] { kmamba::selective_scan_forward(exec, args, out, last); });
-  r.bytes = 4.0 * (4.0 * b * D * L + 2.0 * b * N * L);  // u, delta, z, out; B, C
-  r.finite = all_finite(out);
-  return r;
+  return {"selective_scan", "b" + std::to_string(b) + " L" + std::to_string(L) + " D512 N16",
+          4.0 * (4.0 * b * D * L + 2.0 * b * N * L),  // u, delta, z, out; B, C
+          [=] { kmamba::selective_scan_forward(exec, args, out, last); }, [=] { return all_finite(out); }};
 }
 
 // Mamba-2 SSD: 8 heads of 64 channels, d_state 64, one group, chunk 64, with D, z, dt_bias, softplus.
 template <class Exec>
-Row bench_ssd(const Exec& exec, const Options& o) {
+Case ssd_case(const Exec& exec, const Options& o) {
   using Mem = typename Exec::memory_space;
   using T1 = kmamba::Tensor1<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
@@ -136,17 +137,15 @@ Row bench_ssd(const Exec& exec, const Options& o) {
   args.chunk_size = 64;
   const auto out = kmamba::allocate_uninitialized<T4>("kmamba::bench::out", b, L, H, P);
   const auto final_states = kmamba::allocate_uninitialized<T4>("kmamba::bench::final_states", b, H, P, N);
-  Row r{"ssd", "b" + std::to_string(b) + " L" + std::to_string(L) + " H8 P64 N64 Q64"};
-  r.seconds = median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
-  r.bytes = 4.0 * b * L * (3.0 * H * P + 2.0 * N + H);  // x, z, out, B, C, dt
-  r.finite = all_finite(out);
-  return r;
+  return {"ssd", "b" + std::to_string(b) + " L" + std::to_string(L) + " H8 P64 N64 Q64",
+          4.0 * b * L * (3.0 * H * P + 2.0 * N + H),  // x, z, out, B, C, dt
+          [=] { kmamba::ssd_forward(exec, args, out, final_states); }, [=] { return all_finite(out); }};
 }
 
 // Mamba-3 SISO: 8 heads of 64 channels, d_state 64 with half of it rotated (16 angles), chunk 64,
 // with D and z.
 template <class Exec>
-Row bench_mamba3_siso(const Exec& exec, const Options& o) {
+Case mamba3_siso_case(const Exec& exec, const Options& o) {
   using Mem = typename Exec::memory_space;
   using T2 = kmamba::Tensor2<float, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
@@ -175,16 +174,14 @@ Row bench_mamba3_siso(const Exec& exec, const Options& o) {
       kmamba::allocate_uninitialized<T4>("kmamba::bench::final_ssm", b, H, P, N),
       kmamba::allocate_uninitialized<T3>("kmamba::bench::final_k", b, H, N),
       kmamba::allocate_uninitialized<T3>("kmamba::bench::final_v", b, H, P)};
-  Row r{"mamba3_siso", "b" + std::to_string(b) + " L" + std::to_string(L) + " H8 P64 N64 Q64"};
-  r.seconds = median_seconds(exec, o.repeats, [&] { kmamba::mamba3_siso_forward(exec, args, out, final_states); });
-  r.bytes = 4.0 * b * L * (3.0 * H * P + 2.0 * N + 3.0 * H + H * angles);  // q, k, v, z, out, adt, dt, trap, angles
-  r.finite = all_finite(out);
-  return r;
+  return {"mamba3_siso", "b" + std::to_string(b) + " L" + std::to_string(L) + " H8 P64 N64 Q64",
+          4.0 * b * L * (3.0 * H * P + 2.0 * N + 3.0 * H + H * angles),  // q, k, v, z, out, adt, dt, trap, angles
+          [=] { kmamba::mamba3_siso_forward(exec, args, out, final_states); }, [=] { return all_finite(out); }};
 }
 
 // Causal depthwise conv1d with SiLU: the 640 channels of the SSD case's x, B and C, width 4.
 template <class Exec>
-Row bench_conv1d(const Exec& exec, const Options& o) {
+Case conv1d_case(const Exec& exec, const Options& o) {
   using Mem = typename Exec::memory_space;
   using T3 = kmamba::Tensor3<float, Mem>;
   const int b = o.batch, L = o.seqlen, C = 640, W = 4;
@@ -192,20 +189,19 @@ Row bench_conv1d(const Exec& exec, const Options& o) {
   const auto weight = random_view<kmamba::Tensor2<float, Mem>>(exec, "weight", 42, 0.0f, 0.5f, C, W);
   const auto bias = random_view<kmamba::Tensor1<float, Mem>>(exec, "bias", 43, 0.0f, 0.1f, C);
   const auto y = kmamba::allocate_uninitialized<T3>("kmamba::bench::y", b, L, C);
-  Row r{"conv1d", "b" + std::to_string(b) + " L" + std::to_string(L) + " C640 W4"};
-  r.seconds = median_seconds(exec, o.repeats, [&] {
-    kmamba::causal_conv1d(exec, kmamba::ConstTensor3<float, Mem>(x), kmamba::ConstTensor2<float, Mem>(weight),
-                          kmamba::ConstTensor1<float, Mem>(bias), kmamba::ConstTensor3<float, Mem>(), y, T3(),
-                          kmamba::Conv1dActivation::silu);
-  });
-  r.bytes = 4.0 * (2.0 * b * L * C + C * (W + 1.0));  // x, y; weight, bias
-  r.finite = all_finite(y);
-  return r;
+  return {"conv1d", "b" + std::to_string(b) + " L" + std::to_string(L) + " C640 W4",
+          4.0 * (2.0 * b * L * C + C * (W + 1.0)),  // x, y; weight, bias
+          [=] {
+            kmamba::causal_conv1d(exec, kmamba::ConstTensor3<float, Mem>(x), kmamba::ConstTensor2<float, Mem>(weight),
+                                  kmamba::ConstTensor1<float, Mem>(bias), kmamba::ConstTensor3<float, Mem>(), y, T3(),
+                                  kmamba::Conv1dActivation::silu);
+          },
+          [=] { return all_finite(y); }};
 }
 
 // RMSNorm over d_model 256, one row per token.
 template <class Exec>
-Row bench_rms_norm(const Exec& exec, const Options& o) {
+Case rms_norm_case(const Exec& exec, const Options& o) {
   using Mem = typename Exec::memory_space;
   using T2 = kmamba::Tensor2<float, Mem>;
   const std::int64_t rows = std::int64_t(o.batch) * o.seqlen;
@@ -213,11 +209,21 @@ Row bench_rms_norm(const Exec& exec, const Options& o) {
   const auto x = random_view<T2>(exec, "x", 51, 0.0f, 1.0f, rows, dim);
   const auto weight = random_view<kmamba::Tensor1<float, Mem>>(exec, "weight", 52, 1.0f, 0.1f, dim);
   const auto y = kmamba::allocate_uninitialized<T2>("kmamba::bench::y", rows, dim);
-  Row r{"rms_norm", "rows" + std::to_string(rows) + " D256"};
-  r.seconds = median_seconds(exec, o.repeats, [&] { kmamba::rms_norm(exec, x, weight, 1e-5f, y); });
-  r.bytes = 4.0 * (2.0 * rows * dim + dim);  // x, y; weight
-  r.finite = all_finite(y);
-  return r;
+  return {"rms_norm", "rows" + std::to_string(rows) + " D256", 4.0 * (2.0 * rows * dim + dim),  // x, y; weight
+          [=] { kmamba::rms_norm(exec, x, weight, 1e-5f, y); }, [=] { return all_finite(y); }};
+}
+
+// Times one case, set up by `make_case`, and prints its row; returns whether its outputs are finite.
+// The case's views are released on return, before the next case is set up.
+template <class Exec>
+bool time_case(const Exec& exec, const Options& o, double bandwidth, Case (*make_case)(const Exec&, const Options&)) {
+  const Case c = make_case(exec, o);
+  const double seconds = median_seconds(exec, o.repeats, c.run);
+  const bool finite = c.check();
+  const double floor_s = c.bytes / bandwidth;
+  std::printf("%-15s %-28s %8.3f ms %10.2f %8.3f ms %8.1f  %s\n", c.kernel.c_str(), c.shape.c_str(), seconds * 1e3,
+              c.bytes / seconds * 1e-9, floor_s * 1e3, seconds / floor_s, finite ? "finite" : "NOT FINITE");
+  return finite;
 }
 
 template <class Exec>
@@ -228,14 +234,11 @@ int bench_space(const Exec& exec, const Options& o) {
       "copy on %s)\n",
       Exec::name(), o.batch, o.seqlen, o.repeats, bandwidth * 1e-9, Exec::name());
   std::printf("%-15s %-28s %11s %10s %11s %8s  %s\n", "kernel", "shape", "time", "GB/s", "floor", "x floor", "output");
+  using MakeCase = Case (*)(const Exec&, const Options&);
+  const MakeCase cases[] = {selective_scan_case<Exec>, ssd_case<Exec>, mamba3_siso_case<Exec>, conv1d_case<Exec>,
+                            rms_norm_case<Exec>};
   bool ok = true;
-  for (const Row& r : {bench_selective_scan(exec, o), bench_ssd(exec, o), bench_mamba3_siso(exec, o),
-                       bench_conv1d(exec, o), bench_rms_norm(exec, o)}) {
-    const double floor_s = r.bytes / bandwidth;
-    std::printf("%-15s %-28s %8.3f ms %10.2f %8.3f ms %8.1f  %s\n", r.kernel.c_str(), r.shape.c_str(), r.seconds * 1e3,
-                r.bytes / r.seconds * 1e-9, floor_s * 1e3, r.seconds / floor_s, r.finite ? "finite" : "NOT FINITE");
-    ok = ok && r.finite;
-  }
+  for (const MakeCase make_case : cases) ok = time_case(exec, o, bandwidth, make_case) && ok;
   std::printf(ok ? "kmamba-bench: every output finite\n" : "kmamba-bench: CHECK FAILED (a non-finite output)\n");
   return ok ? kmamba::app::exit_done : kmamba::app::exit_failed;
 }

@@ -28,19 +28,6 @@
 namespace kmamba {
 namespace impl {
 
-// out(r, c) = bias(offset + c): the starting value of a GEMM with beta = 1 that adds a bias.
-template <class MemorySpace>
-struct Mamba2BroadcastBiasFunctor {
-  ConstTensor1<float, MemorySpace> bias;  // (features), the whole bias vector
-  Tensor2<float, MemorySpace> out;        // (rows, width)
-  int offset;
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
-    const std::int64_t width = static_cast<std::int64_t>(out.extent(1));
-    const std::int64_t c = i % width;
-    out(i / width, c) = bias(offset + c);
-  }
-};
-
 // grad_A_log(h) += dA(h) · A(h), since dA/dA_log = −exp(A_log) = A.
 template <class MemorySpace>
 struct Mamba2ALogGradFunctor {
@@ -84,21 +71,6 @@ Tensor4<float, Mem> as_heads(const Tensor2<float, Mem>& m, std::int64_t batch, s
 template <class Exec, class Mem>
 void accumulate(const Exec& exec, const Tensor1<float, Mem>& value, const Tensor1<float, Mem>& grad) {
   impl::accumulate(exec, "kmamba::mamba2::accumulate_grad", value, grad);
-}
-
-// out = bias(offset : offset + width) in every row.
-template <class Exec, class Mem>
-void broadcast_bias(const Exec& exec, const Tensor1<float, Mem>& bias, int offset, const Tensor2<float, Mem>& out) {
-  Kokkos::parallel_for("kmamba::mamba2::broadcast_bias",
-                       impl::light_weight(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
-                           exec, 0, static_cast<std::int64_t>(out.size()))),
-                       impl::Mamba2BroadcastBiasFunctor<Mem>{bias, out, offset});
-}
-
-// grad(offset : offset + width) += column sums of g.
-template <class Exec, class Mem>
-void add_bias_grad(const Exec& exec, const ConstTensor2<float, Mem>& g, const Tensor1<float, Mem>& grad, int offset) {
-  impl::add_column_sums(exec, "kmamba::mamba2::bias_grad", g, grad, offset);
 }
 
 }  // namespace
@@ -331,7 +303,7 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
   const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
   float beta = 0.0f;
   if (config_.bias && !bias.empty()) {
-    broadcast_bias(exec, flat(slab.params(), slab, bias), offset, out);
+    impl::broadcast_bias(exec, "kmamba::mamba2::broadcast_bias", flat(slab.params(), slab, bias), offset, out);
     beta = 1.0f;
   }
   gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
@@ -340,22 +312,14 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
 }
 
 template <class ExecutionSpace>
-void Mamba2Mixer<ExecutionSpace>::project_segments(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
-                                                   const std::array<Matrix, segment_count>& pre) const {
-  using Mem = memory_space;
-  const MatmulPrecision precision = this->matmul_precision();
-  const GemmOperand<Mem> u_op = gemm_operand(exec, u, precision);
-  const GemmOperand<Mem> w_op =
-      gemm_operand(exec, ConstMatrix(slab.template param<2>(prefix_ + "in_proj.weight")), precision);
-  for (int s = 0; s < segment_count; ++s) {
-    float beta = 0.0f;
-    if (config_.bias) {
-      broadcast_bias(exec, flat(slab.params(), slab, prefix_ + "in_proj.bias"), segment_offsets_[s], pre[s]);
-      beta = 1.0f;
-    }
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, u_op, w_op.rows(segment_offsets_[s], segment_widths_[s]), beta,
-         pre[s], precision);
-  }
+impl::SegmentedInProj<typename ExecutionSpace::memory_space, Mamba2Mixer<ExecutionSpace>::segment_count>
+Mamba2Mixer<ExecutionSpace>::in_proj(const Slab& slab) const {
+  return {"kmamba::mamba2",
+          this->matmul_precision(),
+          slab.template param<2>(prefix_ + "in_proj.weight"),
+          config_.bias ? flat(slab.params(), slab, prefix_ + "in_proj.bias") : Tensor1<float, memory_space>(),
+          segment_offsets_,
+          segment_widths_};
 }
 
 template <class ExecutionSpace>
@@ -381,7 +345,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
 
   impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
-  project_segments(exec, slab, u, a.pre);
+  impl::project_segments(exec, in_proj(slab), u, a.pre);
 
   // Causal depthwise conv + SiLU on x, B and C; their channels are rows [offset − d_inner, ...) of the conv.
   float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
@@ -506,7 +470,8 @@ typename Mamba2Mixer<ExecutionSpace>::Matrix Mamba2Mixer<ExecutionSpace>::backwa
                             slab.template param<2>(p + "out_proj.weight"), 0.0f, dnormed, this->matmul_precision());
   gemm<ExecutionSpace, Mem>(exec, Transpose::Yes, Transpose::No, 1.0f, dout, a.normed, 1.0f,
                             slab.template grad<2>(p + "out_proj.weight"), this->matmul_precision());
-  if (config_.bias) add_bias_grad<ExecutionSpace, Mem>(exec, dout, flat(slab.grads(), slab, p + "out_proj.bias"), 0);
+  if (config_.bias)
+    impl::add_column_sums(exec, "kmamba::mamba2::bias_grad", dout, flat(slab.grads(), slab, p + "out_proj.bias"), 0);
   // Gated RMSNorm: gradients of the SSD output y and of the z segment.
   const Matrix dy = allocate_uninitialized<Matrix>("kmamba::mamba2::d_ssd_out", rows, d_inner_);
   const auto dnorm_weight = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba2::d_norm_weight", d_inner_);
@@ -617,33 +582,12 @@ template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, const Slab& slab,
                                                    const std::array<Matrix, segment_count>& dpre,
                                                    const Matrix& du) const {
-  using Mem = memory_space;
   const std::string& p = prefix_;
-  // Weight and bias gradients per segment, and du = Σ_segments dpre · in_proj rows; under BFloat16
-  // u, the weight and each segment's gradient are rounded once for all their products.
-  const MatmulPrecision precision = this->matmul_precision();
-  float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
-  const GemmOperand<Mem> u_op = gemm_operand(exec, ConstMatrix(kept_.u), precision);
-  const GemmOperand<Mem> w_op =
-      gemm_operand(exec, ConstMatrix(slab.template param<2>(p + "in_proj.weight")), precision);
-  // The segments' bf16 gradients share one allocation (each release of device memory may wait for the device).
-  const Tensor1<bf16, Mem> dpre_rounded =
-      precision == MatmulPrecision::BFloat16
-          ? allocate_uninitialized<Tensor1<bf16, Mem>>("kmamba::mamba2::d_in_proj_bf16",
-                                                       kept_.u.extent(0) * static_cast<std::size_t>(in_proj_rows_))
-          : Tensor1<bf16, Mem>();
-  for (int s = 0; s < segment_count; ++s) {
-    const GemmOperand<Mem> d_op = gemm_operand(exec, ConstMatrix(dpre[s]), precision, dpre_rounded,
-                                               kept_.u.extent(0) * static_cast<std::size_t>(segment_offsets_[s]));
-    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 1.0f,
-         rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_), precision);
-    gemm(exec, Transpose::No, Transpose::No, 1.0f, d_op, w_op.rows(segment_offsets_[s], segment_widths_[s]),
-         s == 0 ? 0.0f : 1.0f, du, precision);
-    if (config_.bias) {
-      add_bias_grad<ExecutionSpace, Mem>(exec, dpre[s], flat(slab.grads(), slab, p + "in_proj.bias"),
-                                         segment_offsets_[s]);
-    }
-  }
+  impl::project_segments_backward(
+      exec, in_proj(slab), ConstMatrix(kept_.u), dpre,
+      {slab.template grad<2>(p + "in_proj.weight"),
+       config_.bias ? flat(slab.grads(), slab, p + "in_proj.bias") : Tensor1<float, memory_space>(), -1, Matrix()},
+      du);
   sum_over_tensor_ranks(exec, du);
 }
 

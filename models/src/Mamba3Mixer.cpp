@@ -382,17 +382,10 @@ void Mamba3Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
 }
 
 template <class ExecutionSpace>
-void Mamba3Mixer<ExecutionSpace>::project_segments(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
-                                                   const std::array<Matrix, segment_count>& pre) const {
-  using Mem = memory_space;
-  const MatmulPrecision precision = this->matmul_precision();
-  const GemmOperand<Mem> u_op = gemm_operand(exec, u, precision);
-  const GemmOperand<Mem> w_op =
-      gemm_operand(exec, ConstMatrix(slab.template param<2>(prefix_ + "in_proj.weight")), precision);
-  for (int s = 0; s < segment_count; ++s) {
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, u_op, w_op.rows(segment_offsets_[s], segment_widths_[s]), 0.0f,
-         pre[s], precision);
-  }
+impl::SegmentedInProj<typename ExecutionSpace::memory_space, Mamba3Mixer<ExecutionSpace>::segment_count>
+Mamba3Mixer<ExecutionSpace>::in_proj(const Slab& slab) const {
+  return {"kmamba::mamba3", this->matmul_precision(), slab.template param<2>(prefix_ + "in_proj.weight"), {},
+          segment_offsets_, segment_widths_};
 }
 
 template <class ExecutionSpace>
@@ -471,7 +464,7 @@ void Mamba3Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const std::string& p = prefix_;
   const float eps = static_cast<float>(config_.norm_epsilon);
 
-  project_segments(exec, slab, u, a.pre);
+  impl::project_segments(exec, in_proj(slab), u, a.pre);
   rms_norm(exec, as_vectors(a.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"), eps, a.Bn,
            a.Brstd);
   rms_norm(exec, as_vectors(a.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, a.Cn,
@@ -692,43 +685,23 @@ void Mamba3Mixer<ExecutionSpace>::backward_in_proj(const ExecutionSpace& exec, c
                                                    const std::array<Matrix, segment_count>& dpre,
                                                    const Tensor1<float, memory_space>& replicated_grads,
                                                    const Matrix& du) const {
-  using Mem = memory_space;
-  using Vector = Tensor1<float, Mem>;
+  using Vector = Tensor1<float, memory_space>;
   const std::string& p = prefix_;
   const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
   const bool split_tensor = parallel_.tensor_size() > 1;
-  // Weight gradients per segment, and du = Σ_segments dpre · in_proj rows; under BFloat16 u, the
-  // weight and each segment's gradient are rounded once for all their products.
-  const MatmulPrecision precision = this->matmul_precision();
-  float* const dw_in = slab.template grad<2>(p + "in_proj.weight").data();  // (in_proj_rows, d_model)
-  const GemmOperand<Mem> u_op = gemm_operand(exec, ConstMatrix(kept_.u), precision);
-  const GemmOperand<Mem> w_op =
-      gemm_operand(exec, ConstMatrix(slab.template param<2>(p + "in_proj.weight")), precision);
-  // The segments' bf16 gradients share one allocation (each release of device memory may wait for the device).
-  const Tensor1<bf16, Mem> dpre_rounded =
-      precision == MatmulPrecision::BFloat16
-          ? allocate_uninitialized<Tensor1<bf16, Mem>>("kmamba::mamba3::d_in_proj_bf16",
-                                                       kept_.u.extent(0) * sz(in_proj_rows_))
-          : Tensor1<bf16, Mem>();
-  for (int s = 0; s < segment_count; ++s) {
-    const GemmOperand<Mem> d_op =
-        gemm_operand(exec, ConstMatrix(dpre[s]), precision, dpre_rounded, kept_.u.extent(0) * sz(segment_offsets_[s]));
-    if (split_tensor && s == angle_segment) {  // replicated rows: summed over the tensor ranks below
-      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 0.0f,
-           Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)), precision);
-    } else {
-      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 1.0f,
-           rows_of<Mem>(dw_in, segment_offsets_[s], segment_widths_[s], d_model_), precision);
-    }
-    gemm(exec, Transpose::No, Transpose::No, 1.0f, d_op, w_op.rows(segment_offsets_[s], segment_widths_[s]),
-         s == 0 ? 0.0f : 1.0f, du, precision);
-  }
+  const Matrix dw_in = slab.template grad<2>(p + "in_proj.weight");  // (in_proj_rows, d_model)
+  // Under tensor parallelism the angle rows are replicated: their gradient is summed over the tensor ranks below.
+  impl::project_segments_backward(
+      exec, in_proj(slab), ConstMatrix(kept_.u), dpre,
+      {dw_in, Vector(), split_tensor ? static_cast<int>(angle_segment) : -1,
+       split_tensor ? Matrix(replicated_grads.data() + 2 * d_state_, sz(nangles_), sz(d_model_)) : Matrix()},
+      du);
   if (split_tensor) {
     parallel_.tensor->all_reduce(exec, replicated_grads);
     accumulate(exec, Vector(replicated_grads.data(), sz(d_state_)), grad("B_norm.weight"));
     accumulate(exec, Vector(replicated_grads.data() + d_state_, sz(d_state_)), grad("C_norm.weight"));
     accumulate(exec, Vector(replicated_grads.data() + 2 * d_state_, sz(nangles_ * d_model_)),
-               Vector(dw_in + sz(segment_offsets_[angle_segment]) * sz(d_model_), sz(nangles_ * d_model_)));
+               Vector(dw_in.data() + sz(segment_offsets_[angle_segment]) * sz(d_model_), sz(nangles_ * d_model_)));
     sum_over_tensor_ranks(exec, du);
   }
 }

@@ -1,13 +1,17 @@
 // What the Mamba-1, Mamba-2 and Mamba-3 mixers share: their parameter lists (declared in a slab,
 // checked against it, read as flat views or row blocks of it), the Philox key of each parameter,
-// the dt-bias initialisation and A = −exp(A_log), and the initialisation of a tensor-parallel
-// shard as its slices of the unsplit mixer's initialisation.
+// the dt-bias initialisation and A = −exp(A_log), the initialisation of a tensor-parallel shard as
+// its slices of the unsplit mixer's initialisation, and (Mamba-2, Mamba-3) the in_proj computed per
+// segment of its rows, forward and backward.
 #ifndef KMAMBA_MODELS_SRC_MIXERTOOLKIT_HPP
 #define KMAMBA_MODELS_SRC_MIXERTOOLKIT_HPP
 
 #include "Elementwise.hpp"
 
+#include <kmamba/backends/Gemm.hpp>
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -16,12 +20,14 @@
 #include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/core/Math.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -255,6 +261,114 @@ void negative_exp(const Exec& exec, const char* label,
                   const Tensor1<float, typename Exec::memory_space>& A) {         // (n)
   for_each_index(exec, label, static_cast<std::int64_t>(A.extent(0)),
                  NegativeExpFunctor<typename Exec::memory_space>{A_log, A});
+}
+
+/// out(r, c) = bias(offset + c): the starting value of a GEMM with beta = 1 that adds a bias.
+template <class Mem>
+struct BroadcastBiasFunctor {
+  ConstTensor1<float, Mem> bias;  // (features), the whole bias vector
+  Tensor2<float, Mem> out;        // (rows, width)
+  int offset;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const {
+    const std::int64_t width = static_cast<std::int64_t>(out.extent(1));
+    const std::int64_t c = i % width;
+    out(i / width, c) = bias(offset + c);
+  }
+};
+
+/// out = bias(offset : offset + width) in every row, as kernel `label` (light weight: it may run in
+/// a recorded step graph).
+template <class Exec>
+void broadcast_bias(const Exec& exec, const char* label,
+                    const ConstTensor1<float, typename Exec::memory_space>& bias,          // (≥ offset + width)
+                    int offset, const Tensor2<float, typename Exec::memory_space>& out) {  // (rows, width)
+  Kokkos::parallel_for(label,
+                       light_weight(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int64_t>>(
+                           exec, 0, static_cast<std::int64_t>(out.size()))),
+                       BroadcastBiasFunctor<typename Exec::memory_space>{bias, out, offset});
+}
+
+// ---------------------------------------------------------------------------------------------
+// The in_proj of the Mamba-2 and Mamba-3 mixers, one GEMM per segment of its rows (z, x, B, C,
+// dt, ...) into the segment's own matrix, so that no split copies are needed.
+
+/// in_proj.weight (and bias) as N segments: segment s is rows [offsets[s], offsets[s] + widths[s]).
+template <class Mem, std::size_t N>
+struct SegmentedInProj {
+  const char* kind;  // the labels' prefix (e.g. "kmamba::mamba2")
+  MatmulPrecision precision;
+  ConstTensor2<float, Mem> weight;     // (in_proj_rows, d_model)
+  ConstTensor1<float, Mem> bias;       // (in_proj_rows), or unallocated: no bias
+  std::array<int, N> offsets, widths;  // per segment
+};
+
+/// The gradients that project_segments_backward adds to. Under tensor parallelism the rows of one
+/// segment may be replicated on every rank (Mamba-3's angle rows): its weight gradient, this rank's
+/// part of it, is written to `replicated` instead, for the caller to sum over the ranks.
+template <class Mem>
+struct SegmentedInProjGrads {
+  Tensor2<float, Mem> weight;      // (in_proj_rows, d_model), accumulated
+  Tensor1<float, Mem> bias;        // (in_proj_rows), accumulated; unallocated where in_proj has none
+  int replicated_segment = -1;     // the segment written to `replicated`, or −1: none
+  Tensor2<float, Mem> replicated;  // (widths[replicated_segment], d_model), overwritten
+};
+
+/// pre[s] = u · (in_proj's rows of segment s)ᵀ (+ their bias) for every segment; under BFloat16 u
+/// and the weight are rounded once for all the products.
+template <class Exec, std::size_t N>
+void project_segments(const Exec& exec, const SegmentedInProj<typename Exec::memory_space, N>& in_proj,
+                      const ConstTensor2<float, typename Exec::memory_space>& u,                // (rows, d_model)
+                      const std::array<Tensor2<float, typename Exec::memory_space>, N>& pre) {  // (rows, widths[s])
+  using Mem = typename Exec::memory_space;
+  const GemmOperand<Mem> u_op = gemm_operand(exec, u, in_proj.precision);
+  const GemmOperand<Mem> w_op = gemm_operand(exec, in_proj.weight, in_proj.precision);
+  const std::string bias_label = std::string(in_proj.kind) + "::broadcast_bias";
+  for (std::size_t s = 0; s < N; ++s) {
+    float beta = 0.0f;
+    if (in_proj.bias.is_allocated()) {
+      broadcast_bias(exec, bias_label.c_str(), in_proj.bias, in_proj.offsets[s], pre[s]);
+      beta = 1.0f;
+    }
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, u_op, w_op.rows(in_proj.offsets[s], in_proj.widths[s]), beta,
+         pre[s], in_proj.precision);
+  }
+}
+
+/// The backward of project_segments for the gradients dpre of its outputs: per segment s, the
+/// weight gradient of its rows += dpre[s]ᵀ · u (see SegmentedInProjGrads for a replicated
+/// segment), the bias gradient += the column sums of dpre[s], and du = Σ_s dpre[s] · its rows.
+/// Under BFloat16 u, the weight and each dpre[s] are rounded once for their two products, the
+/// dpre[s] into one allocation (each release of device memory may wait for the device).
+template <class Exec, std::size_t N>
+void project_segments_backward(const Exec& exec, const SegmentedInProj<typename Exec::memory_space, N>& in_proj,
+                               const ConstTensor2<float, typename Exec::memory_space>& u,  // (rows, d_model)
+                               const std::array<Tensor2<float, typename Exec::memory_space>, N>& dpre,
+                               const SegmentedInProjGrads<typename Exec::memory_space>& grads,
+                               const Tensor2<float, typename Exec::memory_space>& du) {  // (rows, d_model)
+  using Mem = typename Exec::memory_space;
+  const MatmulPrecision precision = in_proj.precision;
+  const std::string kind = in_proj.kind;
+  const std::size_t rows = u.extent(0);
+  const int d_model = static_cast<int>(in_proj.weight.extent(1));
+  const GemmOperand<Mem> u_op = gemm_operand(exec, u, precision);
+  const GemmOperand<Mem> w_op = gemm_operand(exec, in_proj.weight, precision);
+  const Tensor1<bf16, Mem> dpre_rounded =
+      precision == MatmulPrecision::BFloat16
+          ? allocate_uninitialized<Tensor1<bf16, Mem>>(kind + "::d_in_proj_bf16", rows * in_proj.weight.extent(0))
+          : Tensor1<bf16, Mem>();
+  for (std::size_t s = 0; s < N; ++s) {
+    const int offset = in_proj.offsets[s], width = in_proj.widths[s];
+    const GemmOperand<Mem> d_op = gemm_operand(exec, ConstTensor2<float, Mem>(dpre[s]), precision, dpre_rounded,
+                                               rows * static_cast<std::size_t>(offset));
+    if (static_cast<int>(s) == grads.replicated_segment) {
+      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 0.0f, grads.replicated, precision);
+    } else {
+      gemm(exec, Transpose::Yes, Transpose::No, 1.0f, d_op, u_op, 1.0f,
+           rows_of<Mem>(grads.weight.data(), offset, width, d_model), precision);
+    }
+    gemm(exec, Transpose::No, Transpose::No, 1.0f, d_op, w_op.rows(offset, width), s == 0 ? 0.0f : 1.0f, du, precision);
+    if (grads.bias.is_allocated()) add_column_sums(exec, (kind + "::bias_grad").c_str(), dpre[s], grads.bias, offset);
+  }
 }
 
 }  // namespace impl

@@ -9,16 +9,7 @@
 #   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckTrainOptions.cmake
 file(REMOVE_RECURSE ${OUT})
 file(MAKE_DIRECTORY ${OUT})
-function(train expected match)
-  execute_process(COMMAND ${TRAIN} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
-  message(STATUS "kmamba-train ${ARGN}: exit ${rc}\n${out}${err}")
-  if(NOT rc STREQUAL "${expected}")
-    message(FATAL_ERROR "CheckTrainOptions: kmamba-train ${ARGN} exited with '${rc}', expected ${expected}")
-  endif()
-  if(NOT "${out}${err}" MATCHES "${match}")
-    message(FATAL_ERROR "CheckTrainOptions: the output of kmamba-train ${ARGN} does not match '${match}'")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/../support/TrainRuns.cmake)
 
 file(WRITE ${OUT}/bad.json "{\"steps\": 2, \"learning_rate_typo\": 1}")
 train(2 "bad.json': unknown or misplaced option \"learning_rate_typo\"" --config ${OUT}/bad.json --out ${OUT}/run)

@@ -91,6 +91,25 @@ struct GemmCase {
   float alpha, beta;
 };
 
+kmamba::Transpose transpose(bool t) { return t ? kmamba::Transpose::Yes : kmamba::Transpose::No; }
+
+// Runs check(c, ta, tb, problem, trace) for every case c and every transposition of A and B on a
+// GemmProblem drawn from `seed` on, under the trace `trace` (`what`, then the case and the
+// transpositions); stops at the first fatal failure.
+template <class Exec, std::size_t N, class Check>
+void for_each_problem(const GemmCase (&cases)[N], std::uint64_t& seed, const std::string& what, const Check& check) {
+  for (const GemmCase& c : cases) {
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const std::string trace = what + "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) +
+                                " k=" + std::to_string(c.k) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
+      SCOPED_TRACE(trace);
+      check(c, ta, tb, GemmProblem<Exec>(c.m, c.n, c.k, ta, tb, c.beta, seed), trace);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
 TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
@@ -110,27 +129,21 @@ TYPED_TEST(Gemm, MatchesDoubleReferenceForEveryTransposeAndShape) {
                             {8, 17, 128, -1.0f, 0.5f},
                             {13, 50, 1536, 1.0f, 0.0f}};
   std::uint64_t seed = 100;
-  for (const GemmCase& c : cases) {
-    for (int t = 0; t < 4; ++t) {
-      const bool ta = t & 1, tb = t & 2;
-      SCOPED_TRACE("m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
-                   " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
-      const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
-      const auto& [A, B, C, a, b, c0] = problem;
-      kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
-                   tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha, kmamba::ConstTensor2<float, Mem>(A),
-                   kmamba::ConstTensor2<float, Mem>(B), c.beta, C);
-      Exec().fence();
-      const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
-      auto Ch = kmamba::test::to_host(C);
-      for (int i = 0; i < c.m; ++i)
-        for (int j = 0; j < c.n; ++j) {
-          const double r = ref[static_cast<std::size_t>(i) * c.n + j];
-          // fp32 accumulation of k products of unit normals: error ~ k·eps·sqrt(k) at worst.
-          ASSERT_NEAR(Ch(i, j), r, 1e-5 * (1.0 + std::fabs(r)) * (1 + c.k)) << "(" << i << ", " << j << ")";
-        }
-    }
-  }
+  for_each_problem<Exec>(
+      cases, seed, "", [](const GemmCase& c, bool ta, bool tb, const GemmProblem<Exec>& problem, const std::string&) {
+        const auto& [A, B, C, a, b, c0] = problem;
+        kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<float, Mem>(A),
+                     kmamba::ConstTensor2<float, Mem>(B), c.beta, C);
+        Exec().fence();
+        const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+        auto Ch = kmamba::test::to_host(C);
+        for (int i = 0; i < c.m; ++i)
+          for (int j = 0; j < c.n; ++j) {
+            const double r = ref[static_cast<std::size_t>(i) * c.n + j];
+            // fp32 accumulation of k products of unit normals: error ~ k·eps·sqrt(k) at worst.
+            ASSERT_NEAR(Ch(i, j), r, 1e-5 * (1.0 + std::fabs(r)) * (1 + c.k)) << "(" << i << ", " << j << ")";
+          }
+      });
 }
 
 using kmamba::MatmulPrecision;
@@ -245,67 +258,61 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
                             {37, 130, 257, -1.0f, 1.0f}, {100, 64, 300, 1.0f, 0.0f}, {5, 7, 3, 1.0f, 0.0f}};
   std::uint64_t seed = 500;
   for (const MatmulPrecision precision : {MatmulPrecision::BFloat16, MatmulPrecision::TensorFloat32}) {
-    for (const GemmCase& c : cases) {
-      for (int t = 0; t < 4; ++t) {
-        const bool ta = t & 1, tb = t & 2;
-        const std::string ctx = std::string(kmamba::matmul_precision_name(precision)) + " m=" + std::to_string(c.m) +
-                                " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
-                                " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
-        SCOPED_TRACE(ctx);
-        const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
-        const auto& [A, B, C, a, b, c0] = problem;
-        kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
-                     tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha, kmamba::ConstTensor2<float, Mem>(A),
-                     kmamba::ConstTensor2<float, Mem>(B), c.beta, C, precision);
-        Exec().fence();
-        auto Ch = kmamba::test::to_host(C);
-        // The inputs are left as they were.
-        auto Ah2 = kmamba::test::to_host(A);
-        for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(Ah2.data()[i], a[i]) << "A changed at " << i;
+    for_each_problem<Exec>(
+        cases, seed, std::string(kmamba::matmul_precision_name(precision)) + " ",
+        [precision](const GemmCase& c, bool ta, bool tb, const GemmProblem<Exec>& problem, const std::string& ctx) {
+          const auto& [A, B, C, a, b, c0] = problem;
+          kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<float, Mem>(A),
+                       kmamba::ConstTensor2<float, Mem>(B), c.beta, C, precision);
+          Exec().fence();
+          auto Ch = kmamba::test::to_host(C);
+          // The inputs are left as they were.
+          auto Ah2 = kmamba::test::to_host(A);
+          for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(Ah2.data()[i], a[i]) << "A changed at " << i;
 
-        bool vendor = false;  // cuBLAS's own conversion
+          bool vendor = false;  // cuBLAS's own conversion
 #if KMAMBA_ENABLE_CUDA
-        vendor = std::is_same<Exec, Kokkos::Cuda>::value && precision == MatmulPrecision::TensorFloat32 &&
-                 !(!ta && tb && c.m <= kmamba::impl::gemm_few_rows_cuda_max);
+          vendor = std::is_same<Exec, Kokkos::Cuda>::value && precision == MatmulPrecision::TensorFloat32 &&
+                   !(!ta && tb && c.m <= kmamba::impl::gemm_few_rows_cuda_max);
 #endif
-        const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
-        const std::vector<double> exact = reference(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
-        const auto worst_against = [&](const std::vector<double>& ref) {  // max |C − ref| / (1e-5·mag + 1e-30)
-          double worst = 0.0;
+          const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+          const std::vector<double> exact = reference(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+          const auto worst_against = [&](const std::vector<double>& ref) {  // max |C − ref| / (1e-5·mag + 1e-30)
+            double worst = 0.0;
+            for (int i = 0; i < c.m; ++i)
+              for (int j = 0; j < c.n; ++j) {
+                const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+                worst = std::max(worst, std::fabs(Ch(i, j) - ref[ij]) / (1e-5 * mag[ij] + 1e-30));
+              }
+            return worst;
+          };
+          const double worst = worst_against(
+              reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision), rounded(b, precision), c.beta, c0));
+          if (vendor) {
+            // cuBLAS's fast compute type permits the conversion, it does not prescribe it: on the H200
+            // some shapes ran in full fp32 (m = 1), others on the tensor cores with a conversion that
+            // is neither rounding to nearest nor toward zero of each operand. Its contract is the
+            // bound against the exact products below; which arithmetic it chose is reported.
+            std::printf("[ info ] cuBLAS %s: %s\n", ctx.c_str(),
+                        worst <= 1.0                  ? "operands rounded to nearest"
+                        : worst_against(exact) <= 1.0 ? "fp32 products"
+                                                      : "another conversion");
+          } else {
+            EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag";
+            // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
+            if (c.k >= 64) {
+              EXPECT_GT(worst_against(exact), 1.0) << "C matches unrounded fp32 products: no rounding";
+            }
+          }
+          const double u = std::ldexp(1.0, precision == MatmulPrecision::BFloat16 ? -8 : -11);
           for (int i = 0; i < c.m; ++i)
             for (int j = 0; j < c.n; ++j) {
               const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
-              worst = std::max(worst, std::fabs(Ch(i, j) - ref[ij]) / (1e-5 * mag[ij] + 1e-30));
+              ASSERT_LE(std::fabs(Ch(i, j) - exact[ij]), (2 * u + u * u + 1e-5) * mag[ij] + 1e-30)
+                  << "(" << i << ", " << j << ") against the unrounded reference";
             }
-          return worst;
-        };
-        const double worst = worst_against(
-            reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, precision), rounded(b, precision), c.beta, c0));
-        if (vendor) {
-          // cuBLAS's fast compute type permits the conversion, it does not prescribe it: on the H200
-          // some shapes ran in full fp32 (m = 1), others on the tensor cores with a conversion that
-          // is neither rounding to nearest nor toward zero of each operand. Its contract is the
-          // bound against the exact products below; which arithmetic it chose is reported.
-          std::printf("[ info ] cuBLAS %s: %s\n", ctx.c_str(),
-                      worst <= 1.0                  ? "operands rounded to nearest"
-                      : worst_against(exact) <= 1.0 ? "fp32 products"
-                                                    : "another conversion");
-        } else {
-          EXPECT_LE(worst, 1.0) << "largest |C − ref on rounded operands| in units of 1e-5·mag";
-          // The rounding happened: fp32 products would match the exact reference within 1e-5·mag.
-          if (c.k >= 64) {
-            EXPECT_GT(worst_against(exact), 1.0) << "C matches unrounded fp32 products: no rounding";
-          }
-        }
-        const double u = std::ldexp(1.0, precision == MatmulPrecision::BFloat16 ? -8 : -11);
-        for (int i = 0; i < c.m; ++i)
-          for (int j = 0; j < c.n; ++j) {
-            const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
-            ASSERT_LE(std::fabs(Ch(i, j) - exact[ij]), (2 * u + u * u + 1e-5) * mag[ij] + 1e-30)
-                << "(" << i << ", " << j << ") against the unrounded reference";
-          }
-      }
-    }
+        });
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -322,37 +329,30 @@ TYPED_TEST(Gemm, Bf16OperandsMultiplyAsTheRoundingMode) {
                             {37, 130, 257, -1.0f, 1.0f},
                             {5, 7, 3, 1.0f, 0.0f}};
   std::uint64_t seed = 900;
-  for (const GemmCase& c : cases) {
-    for (int t = 0; t < 4; ++t) {
-      const bool ta = t & 1, tb = t & 2;
-      SCOPED_TRACE("m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
-                   " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
-      const GemmProblem<Exec> problem(c.m, c.n, c.k, ta, tb, c.beta, seed);
-      const auto& [A, B, C, a, b, c0] = problem;
-      const auto A16 = kmamba::allocate_uninitialized<B2>("kmamba::test::A16", A.extent(0), A.extent(1));
-      const auto B16 = kmamba::allocate_uninitialized<B2>("kmamba::test::B16", B.extent(0), B.extent(1));
-      kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(A), A16);
-      kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(B), B16);
-      kmamba::gemm(Exec(), ta ? kmamba::Transpose::Yes : kmamba::Transpose::No,
-                   tb ? kmamba::Transpose::Yes : kmamba::Transpose::No, c.alpha,
-                   kmamba::ConstTensor2<kmamba::bf16, Mem>(A16), kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta,
-                   C);
-      Exec().fence();
-      const auto a16 = kmamba::test::to_host(A16);
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        ASSERT_EQ(a16.data()[i].bits, kmamba::float_to_bf16_bits(a[i])) << "round_to_bf16 at " << i;
-      }
-      const auto Ch = kmamba::test::to_host(C);
-      const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
-      const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, MatmulPrecision::BFloat16),
-                                                rounded(b, MatmulPrecision::BFloat16), c.beta, c0);
-      for (int i = 0; i < c.m; ++i)
-        for (int j = 0; j < c.n; ++j) {
-          const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
-          ASSERT_LE(std::fabs(Ch(i, j) - ref[ij]), 1e-5 * mag[ij] + 1e-30) << "(" << i << ", " << j << ")";
+  for_each_problem<Exec>(
+      cases, seed, "", [](const GemmCase& c, bool ta, bool tb, const GemmProblem<Exec>& problem, const std::string&) {
+        const auto& [A, B, C, a, b, c0] = problem;
+        const auto A16 = kmamba::allocate_uninitialized<B2>("kmamba::test::A16", A.extent(0), A.extent(1));
+        const auto B16 = kmamba::allocate_uninitialized<B2>("kmamba::test::B16", B.extent(0), B.extent(1));
+        kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(A), A16);
+        kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(B), B16);
+        kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<kmamba::bf16, Mem>(A16),
+                     kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta, C);
+        Exec().fence();
+        const auto a16 = kmamba::test::to_host(A16);
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          ASSERT_EQ(a16.data()[i].bits, kmamba::float_to_bf16_bits(a[i])) << "round_to_bf16 at " << i;
         }
-    }
-  }
+        const auto Ch = kmamba::test::to_host(C);
+        const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+        const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, MatmulPrecision::BFloat16),
+                                                  rounded(b, MatmulPrecision::BFloat16), c.beta, c0);
+        for (int i = 0; i < c.m; ++i)
+          for (int j = 0; j < c.n; ++j) {
+            const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+            ASSERT_LE(std::fabs(Ch(i, j) - ref[ij]), 1e-5 * mag[ij] + 1e-30) << "(" << i << ", " << j << ")";
+          }
+      });
 }
 
 TYPED_TEST(Gemm, RejectsShapesThatDoNotAgree) {

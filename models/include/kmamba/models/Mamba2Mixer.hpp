@@ -68,12 +68,18 @@
 #include <kmamba/models/ParameterSlab.hpp>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace kmamba {
+
+namespace impl {
+template <class MemorySpace, std::size_t N>
+struct SegmentedInProj;  // MixerToolkit.hpp
+}  // namespace impl
 
 template <class ExecutionSpace>
 class Mamba2Mixer : public Mixer<ExecutionSpace> {
@@ -197,11 +203,9 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch
   // differs from `batch`.
   Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
-  // pre[s] (rows, width of segment s) = u · (in_proj.weight's rows of segment s)ᵀ (+ bias) for every
-  // segment, u and the weight rounded once for all of them under BFloat16.
-  void project_segments(const ExecutionSpace& exec, const Slab& slab,
-                        const ConstMatrix& u,  // (rows, d_model)
-                        const std::array<Matrix, segment_count>& pre) const;
+  // in_proj.weight and its bias (config.bias) in the segments z, x, B, C, dt, for
+  // impl::project_segments and impl::project_segments_backward.
+  impl::SegmentedInProj<memory_space, segment_count> in_proj(const Slab& slab) const;
   // out (rows, width) = bias(offset : offset + width) + u · (rows [offset, offset + width) of w)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, const std::string& bias,
                int offset, int width,

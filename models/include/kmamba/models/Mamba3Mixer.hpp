@@ -65,12 +65,18 @@
 #include <kmamba/models/ParameterSlab.hpp>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace kmamba {
+
+namespace impl {
+template <class MemorySpace, std::size_t N>
+struct SegmentedInProj;  // MixerToolkit.hpp
+}  // namespace impl
 
 template <class MemorySpace>
 struct Mamba3MimoArgs;
@@ -216,11 +222,8 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
                const ConstMatrix& u,      // (rows, k)
                const Matrix& out) const;  // (rows, width)
-  // pre[s] (rows, width of segment s) = u · (in_proj.weight's rows of segment s)ᵀ for every segment,
-  // u and the weight rounded once for all of them under BFloat16.
-  void project_segments(const ExecutionSpace& exec, const Slab& slab,
-                        const ConstMatrix& u,  // (rows, d_model)
-                        const std::array<Matrix, segment_count>& pre) const;
+  // in_proj.weight in its segments, for impl::project_segments and impl::project_segments_backward.
+  impl::SegmentedInProj<memory_space, segment_count> in_proj(const Slab& slab) const;
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
   void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)
 

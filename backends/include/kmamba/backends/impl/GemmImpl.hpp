@@ -117,19 +117,10 @@ struct GemmImpl {
       run_fp32(exec, trans_a, trans_b, alpha, A, B, beta, C);
       return;
     }
-    GemmRoundingWorkspace<MemorySpace>& workspace = GemmRoundingWorkspace<MemorySpace>::instance();
-    const std::lock_guard<std::mutex> lock(workspace.mutex);
-    const std::size_t a_size = A.span(), b_size = B.span();
-    float* const rounded = workspace.reserve(a_size + b_size);
-    using Out = Kokkos::View<float*, MemorySpace, Unmanaged>;
-    using In = Kokkos::View<const float*, MemorySpace, Unmanaged>;
-    using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
-    Kokkos::parallel_for("kmamba::gemm::round_operands", Policy(exec, 0, a_size),
-                         RoundOperands<MemorySpace>{Out(rounded, a_size), In(A.data(), a_size), precision});
-    Kokkos::parallel_for("kmamba::gemm::round_operands", Policy(exec, 0, b_size),
-                         RoundOperands<MemorySpace>{Out(rounded + a_size, b_size), In(B.data(), b_size), precision});
-    run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(rounded, A.extent(0), A.extent(1)),
-             ConstTensor2<float, MemorySpace>(rounded + a_size, B.extent(0), B.extent(1)), beta, C);
+    run_on_copies(exec, "kmamba::gemm::round_operands", trans_a, trans_b, alpha, A, B, beta, C,
+                  [precision](const auto& out, const auto& in) {
+                    return RoundOperands<MemorySpace>{out, in, precision};
+                  });
   }
 
   /// The product of operands already in bf16: their exact fp32 values into the workspace, then the
@@ -137,19 +128,30 @@ struct GemmImpl {
   static void run_bf16(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
                        const ConstTensor2<bf16, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
                        const Tensor2<float, MemorySpace>& C) {
+    run_on_copies(exec, "kmamba::gemm::widen_bf16", trans_a, trans_b, alpha, A, B, beta, C,
+                  [](const auto& out, const auto& in) {
+                    return WidenBf16<MemorySpace>{out, in};
+                  });
+  }
+
+  /// run_fp32 on fp32 copies of A and B in the workspace (GemmRoundingWorkspace), each written by
+  /// one launch labelled `label` of the functor that `copy(out, in)` returns for flat views of the
+  /// copy and of the operand (RoundOperands, WidenBf16).
+  template <class T, class Copy>
+  static void run_on_copies(const ExecSpace& exec, const char* label, bool trans_a, bool trans_b, float alpha,
+                            const ConstTensor2<T, MemorySpace>& A, const ConstTensor2<T, MemorySpace>& B, float beta,
+                            const Tensor2<float, MemorySpace>& C, const Copy& copy) {
     GemmRoundingWorkspace<MemorySpace>& workspace = GemmRoundingWorkspace<MemorySpace>::instance();
     const std::lock_guard<std::mutex> lock(workspace.mutex);
     const std::size_t a_size = A.span(), b_size = B.span();
-    float* const widened = workspace.reserve(a_size + b_size);
+    float* const copies = workspace.reserve(a_size + b_size);
     using Out = Kokkos::View<float*, MemorySpace, Unmanaged>;
-    using In = Kokkos::View<const bf16*, MemorySpace, Unmanaged>;
+    using In = Kokkos::View<const T*, MemorySpace, Unmanaged>;
     using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
-    Kokkos::parallel_for("kmamba::gemm::widen_bf16", Policy(exec, 0, a_size),
-                         WidenBf16<MemorySpace>{Out(widened, a_size), In(A.data(), a_size)});
-    Kokkos::parallel_for("kmamba::gemm::widen_bf16", Policy(exec, 0, b_size),
-                         WidenBf16<MemorySpace>{Out(widened + a_size, b_size), In(B.data(), b_size)});
-    run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(widened, A.extent(0), A.extent(1)),
-             ConstTensor2<float, MemorySpace>(widened + a_size, B.extent(0), B.extent(1)), beta, C);
+    Kokkos::parallel_for(label, Policy(exec, 0, a_size), copy(Out(copies, a_size), In(A.data(), a_size)));
+    Kokkos::parallel_for(label, Policy(exec, 0, b_size), copy(Out(copies + a_size, b_size), In(B.data(), b_size)));
+    run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(copies, A.extent(0), A.extent(1)),
+             ConstTensor2<float, MemorySpace>(copies + a_size, B.extent(0), B.extent(1)), beta, C);
   }
 
   static void round_to_bf16(const ExecSpace& exec, const ConstTensor2<float, MemorySpace>& in,
