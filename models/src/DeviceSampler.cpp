@@ -7,6 +7,7 @@
 #include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Profiling.hpp>
 #include <kmamba/core/Shape.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -117,7 +118,8 @@ void DeviceSampler<ExecutionSpace>::run(const ExecutionSpace& exec,
   const auto bytes = Functor::Shared::shmem_size();
   Kokkos::parallel_for(
       "kmamba::sampler::sample_rows",
-      Kokkos::TeamPolicy<ExecutionSpace>(exec, batch_, Kokkos::AUTO).set_scratch_size(0, Kokkos::PerTeam(bytes)),
+      impl::light_weight(
+          Kokkos::TeamPolicy<ExecutionSpace>(exec, batch_, Kokkos::AUTO).set_scratch_size(0, Kokkos::PerTeam(bytes))),
       functor);
 }
 

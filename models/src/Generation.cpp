@@ -5,6 +5,7 @@
 #include <kmamba/Config.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/ForEachBackend.hpp>
+#include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/models/DeviceSampler.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -165,7 +166,8 @@ struct DeviceGeneration {
   // tokens recorded, sequences that end marked done. Non-blocking.
   void round(const ExecutionSpace& exec, const DeviceSampler<ExecutionSpace>& sampler,
              const Tensor2<float, Mem>& logits, std::int64_t fed, std::uint64_t first_sequence) {
-    const Kokkos::RangePolicy<ExecutionSpace> rows(exec, 0, batch());
+    // Light-weight launches: the functor goes as a kernel parameter, with no host-side wait.
+    const auto rows = impl::light_weight(Kokkos::RangePolicy<ExecutionSpace>(exec, 0, batch()));
     Kokkos::parallel_for("kmamba::generate::plan_round", rows,
                          impl::PlanRound<Mem>{prompts, prompt_lengths, generated, done, steps, ids, fed});
     sampler.sample(exec, logits, steps, ids, first_sequence);

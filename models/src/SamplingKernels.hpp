@@ -127,9 +127,9 @@ struct SampleRows {
     team.team_barrier();
     for (int shift = 56; shift >= 0; shift -= 8) {
       const std::uint64_t mask = shift == 56 ? 0 : ~std::uint64_t(0) << (shift + 8);
+      const std::uint64_t prefix = s().prefix, above = s().above;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 256), [&](const int b) { s().bins[b] = 0; });
       team.team_barrier();
-      const std::uint64_t prefix = s().prefix;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, vocab), [&](const int i) {
         const std::uint64_t w = weight(i);
         if (w == 0) return;
@@ -137,11 +137,18 @@ struct SampleRows {
         if ((k & mask) == prefix) Kokkos::atomic_add(&s().bins[(k >> shift) & 255], w);
       });
       team.team_barrier();
-      Kokkos::single(Kokkos::PerTeam(team), [&]() {
-        int b = 255;
-        while (b > 0 && s().above + s().bins[b] < limit) s().above += s().bins[b--];
-        s().prefix |= static_cast<std::uint64_t>(b) << shift;
-      });
+      // The bins from the top: the one where above + the cumulative weight reaches the limit (one
+      // exactly, as the total reaches it) extends the prefix.
+      Kokkos::parallel_scan(Kokkos::TeamThreadRange(team, 256),
+                            [&](const int j, std::uint64_t& cumulative, const bool final) {
+                              const int b = 255 - j;
+                              const std::uint64_t w = s().bins[b];
+                              if (final && above + cumulative < limit && above + cumulative + w >= limit) {
+                                s().prefix = prefix | (static_cast<std::uint64_t>(b) << shift);
+                                s().above = above + cumulative;
+                              }
+                              cumulative += w;
+                            });
       team.team_barrier();
     }
     // The tied tokens all have the same weight w: n = ceil((limit − above) / w) of them are kept.
