@@ -68,8 +68,9 @@ KOKKOS_INLINE_FUNCTION bool finite(double x) { return x - x == 0.0; }
 /// Everything a row's team shares through scratch: the radix histogram and the results of each
 /// stage, written by one thread and read by all after a barrier.
 struct RowShared {
-  std::uint64_t bins[256];
-  std::uint64_t prefix, above, cut_key;
+  std::uint64_t bins[256];    // weight per value of the key's current byte
+  std::uint32_t counts[256];  // tokens per value of the key's current byte
+  std::uint64_t prefix, above, count, cut_key;
   std::int64_t cut_id, chosen;
 };
 
@@ -117,6 +118,8 @@ struct SampleRows {
   // s.cut_key the key of the token where the cumulative weight first reaches `limit` (the total
   // must reach it), in s.above the weight of the larger keys, and in s.cut_id the last id of that
   // key kept: the tied tokens are kept in id order while above + weight before them < limit.
+  // A pass whose chosen bin holds one token ends the search: that token is the cut (continuous
+  // values need about three passes, not eight).
   template <class Key, class Weight>
   KOKKOS_INLINE_FUNCTION void select(const Member& team, const Shared& s, const Key& key, const Weight& weight,
                                      std::uint64_t limit) const {
@@ -125,31 +128,25 @@ struct SampleRows {
       s().above = 0;
     });
     team.team_barrier();
-    for (int shift = 56; shift >= 0; shift -= 8) {
-      const std::uint64_t mask = shift == 56 ? 0 : ~std::uint64_t(0) << (shift + 8);
-      const std::uint64_t prefix = s().prefix, above = s().above;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 256), [&](const int b) { s().bins[b] = 0; });
-      team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, vocab), [&](const int i) {
-        const std::uint64_t w = weight(i);
-        if (w == 0) return;
-        const std::uint64_t k = key(i);
-        if ((k & mask) == prefix) Kokkos::atomic_add(&s().bins[(k >> shift) & 255], w);
+    int shift = 56;
+    for (; shift >= 0; shift -= 8) {
+      if (radix_pass(team, s, key, weight, limit, shift)) break;
+    }
+    if (shift >= 0) {  // one token has the key's leading bytes found so far
+      const std::uint64_t mask = ~std::uint64_t(0) << shift, prefix = s().prefix;
+      int only = vocab;
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, vocab),
+          [&](const int i, int& first) {
+            if (i < first && weight(i) > 0 && (key(i) & mask) == prefix) first = i;
+          },
+          Kokkos::Min<int>(only));
+      Kokkos::single(Kokkos::PerTeam(team), [&]() {
+        s().cut_key = key(only);
+        s().cut_id = only;
       });
       team.team_barrier();
-      // The bins from the top: the one where above + the cumulative weight reaches the limit (one
-      // exactly, as the total reaches it) extends the prefix.
-      Kokkos::parallel_scan(Kokkos::TeamThreadRange(team, 256),
-                            [&](const int j, std::uint64_t& cumulative, const bool final) {
-                              const int b = 255 - j;
-                              const std::uint64_t w = s().bins[b];
-                              if (final && above + cumulative < limit && above + cumulative + w >= limit) {
-                                s().prefix = prefix | (static_cast<std::uint64_t>(b) << shift);
-                                s().above = above + cumulative;
-                              }
-                              cumulative += w;
-                            });
-      team.team_barrier();
+      return;
     }
     // The tied tokens all have the same weight w: n = ceil((limit − above) / w) of them are kept.
     const std::uint64_t cut_key = s().prefix;
@@ -169,6 +166,44 @@ struct SampleRows {
                           });
     Kokkos::single(Kokkos::PerTeam(team), [&]() { s().cut_key = cut_key; });
     team.team_barrier();
+  }
+
+  // One pass of select over the key's byte at `shift`: histograms the tokens whose key starts with
+  // s.prefix, extends s.prefix by the byte of the bin where above + the cumulative weight (bins
+  // from the top) reaches the limit — exactly one does, as the total reaches it — and returns
+  // whether that bin holds a single token.
+  template <class Key, class Weight>
+  KOKKOS_INLINE_FUNCTION bool radix_pass(const Member& team, const Shared& s, const Key& key, const Weight& weight,
+                                         std::uint64_t limit, int shift) const {
+    const std::uint64_t mask = shift == 56 ? 0 : ~std::uint64_t(0) << (shift + 8);
+    const std::uint64_t prefix = s().prefix, above = s().above;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 256), [&](const int b) {
+      s().bins[b] = 0;
+      s().counts[b] = 0;
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, vocab), [&](const int i) {
+      const std::uint64_t w = weight(i);
+      if (w == 0) return;
+      const std::uint64_t k = key(i);
+      if ((k & mask) != prefix) return;
+      Kokkos::atomic_add(&s().bins[(k >> shift) & 255], w);
+      Kokkos::atomic_add(&s().counts[(k >> shift) & 255], std::uint32_t(1));
+    });
+    team.team_barrier();
+    Kokkos::parallel_scan(Kokkos::TeamThreadRange(team, 256),
+                          [&](const int j, std::uint64_t& cumulative, const bool final) {
+                            const int b = 255 - j;
+                            const std::uint64_t w = s().bins[b];
+                            if (final && above + cumulative < limit && above + cumulative + w >= limit) {
+                              s().prefix = prefix | (static_cast<std::uint64_t>(b) << shift);
+                              s().above = above + cumulative;
+                              s().count = s().counts[b];
+                            }
+                            cumulative += w;
+                          });
+    team.team_barrier();
+    return s().count == 1;
   }
 
   // The row's choice is `token` (one-hot distribution).
