@@ -3,12 +3,13 @@
 //
 // Top-k and top-p need the token at a given rank (count, or probability mass) of the order "larger
 // value first, lower id on ties". A team finds it by radix select: every value maps to a 64-bit key
-// whose unsigned order is the value's order; eight passes over the row, one per byte of the key
-// from the top, histogram the tokens that share the key's leading bytes found so far (256 bins in
-// team scratch) and keep the bin in which the running count or mass reaches the limit. That gives
-// the threshold key T and the weight of the tokens above it; the tokens equal to T are then kept
-// in id order up to the limit (one team scan finds the last one kept). Nothing is sorted and no
-// per-row buffer is needed beyond the logits, whatever the vocabulary and k.
+// whose unsigned order is the value's order; up to eight passes over the row, one per byte of the
+// key from the top, histogram the tokens that share the key's leading bytes found so far (256 bins
+// in team scratch) and keep the bin in which the running count or mass reaches the limit, until
+// that bin holds a single token or the key is complete. That gives the threshold key T and the
+// weight of the tokens above it; the tokens equal to T are then kept in id order up to the limit
+// (one team scan finds the last one kept). Nothing is sorted and no per-row buffer is needed
+// beyond the logits, whatever the vocabulary and k.
 //
 // Weights are fixed point: weight = round(exp(value − max) · 2^43), so every sum (the top-p mass,
 // the total, the cumulative mass of the draw) is an integer sum, exact and the same whatever the
