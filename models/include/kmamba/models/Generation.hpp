@@ -75,7 +75,7 @@ struct GenerationOptions {
 /// Work and time of one generate call. Times are wall-clock on the host, fenced.
 struct GenerationStats {
   std::int64_t prefill_tokens = 0;    ///< batch × the shortest prompt's length (the chunked forward)
-  double prefill_seconds = 0.0;       ///< the prefill, its logits copied to the host
+  double prefill_seconds = 0.0;       ///< the prefill (with a TokenSampler, its logits copied to the host)
   std::int64_t decode_steps = 0;      ///< decode steps run (device sampling: also those after all were done)
   std::int64_t decode_tokens = 0;     ///< tokens fed by those steps to sequences not yet done
   std::int64_t generated_tokens = 0;  ///< tokens generated over all sequences
