@@ -34,8 +34,9 @@ struct Options {
 const char* const description =
     "Generates text from a checkpoint: a model trained by kmamba-train (its checkpoint/ directory) or a\n"
     "Hugging Face / mamba_ssm Mamba-1 or Mamba-2 checkpoint (config.json + model.safetensors). The\n"
-    "prompt is prefilled with the chunked forward, then tokens are decoded one step at a time. With\n"
-    "one prompt the text streams to stdout as it is produced; prefill and decode speed go to stderr.\n"
+    "prompt is prefilled with the chunked forward, then tokens are decoded one step at a time and\n"
+    "sampled on the device. With one prompt the text streams to stdout as it is produced (16 tokens at\n"
+    "a time); prefill and decode speed go to stderr.\n"
     "Give --model and exactly one of --prompt, --prompt-ids and --batch-file.";
 
 void declare_input(CLI::App& cli, Options& o) {
@@ -265,7 +266,7 @@ int run(const Options& o) {
                  prompts.size(), Exec::name());
   }
 
-  kmamba::Sampler sampler(o.sampling);
+  options.sample_vocab = sample_vocab;
   const bool streaming = prompts.size() == 1;
   kmamba::GenerationStats total;
   for (std::size_t first = 0; first < prompts.size(); first += static_cast<std::size_t>(o.batch_size)) {
@@ -273,19 +274,13 @@ int run(const Options& o) {
     std::vector<std::vector<std::int64_t>> batch;
     for (std::size_t p = first; p < first + count; ++p) batch.push_back(prompts[p].ids);
 
-    // The draw of a token depends on (seed, prompt index, step) only, so a prompt gets the same
-    // text whatever --batch-size.
-    const kmamba::TokenSampler choose = [&](const float* logits, int, int sequence,
-                                            const std::vector<std::int64_t>& history) {
-      const std::size_t prompt_length = batch[static_cast<std::size_t>(sequence)].size();
-      return sampler.sample(logits, sample_vocab, history.data(), history.size(),
-                            static_cast<std::uint64_t>(first) + static_cast<std::uint64_t>(sequence),
-                            static_cast<std::uint64_t>(history.size() - prompt_length));
-    };
+    // Sampling runs on the device. The draw of a token depends on (seed, prompt index, step) only,
+    // so a prompt gets the same text whatever --batch-size.
+    options.first_sequence = static_cast<std::uint64_t>(first);
     kmamba::StreamingDecoder stream(*tokenizer);
     const kmamba::TokenCallback on_token =
         streaming ? stream_to_stdout(o, *tokenizer, batch[0], stream) : kmamba::TokenCallback();
-    const kmamba::GenerationResult result = kmamba::generate(exec, model, batch, choose, options, on_token);
+    const kmamba::GenerationResult result = kmamba::generate(exec, model, batch, o.sampling, options, on_token);
     if (streaming) {
       if (!o.ids) std::fputs(stream.flush().c_str(), stdout);
       std::printf("\n");

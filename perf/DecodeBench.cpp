@@ -8,9 +8,10 @@
 // Cases:
 //   decode step b1 / b64   one LanguageModel::decode_step for the whole batch, fenced, median over R
 //                          steps after a prefill: the latency per token (b1) and the throughput (b64)
-//   generate b1 / b64      kmamba::generate with a greedy sampler (prefill of the prompt, then decode
-//                          steps with the logits copied to the host and sampled there): the prefill and
-//                          decode tokens/s of its GenerationStats
+//   generate b1 / b64      kmamba::generate (prefill of the prompt, then decode steps): the prefill
+//                          and decode tokens/s of its GenerationStats, with a greedy host sampler (the
+//                          logits copied to the host every step), and sampling on the device, greedy
+//                          and with temperature 1, top-k 50, top-p 0.9 (the whole loop on the device)
 //   prefill                LanguageModel::prefill over (batch, seqlen) tokens: tokens/s
 // The floor of a decode step is its bytes over the H200's measured bandwidth (docs/algorithms.md §6.5,
 // docs/performance.md §3.4): every weight read once per step (the LM head's real rows included) plus,
@@ -199,15 +200,43 @@ void profile_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const 
   std::printf("profiled %d decode steps at batch %d\n", o.profile_steps, o.profile_batch);
 }
 
-// One decode step at batch 1 and at the large batch, after a prefill of the prompt: recorded as one
-// graph (the default; CUDA only) and launched kernel by kernel; then the generation loop, greedy,
-// logits to the host every step.
+// One generate call per way of sampling: a greedy host sampler, then greedy and top-k/top-p sampling
+// on the device.
 template <class Exec>
-void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Options& o, const Shapes& s,
-                  const StepCost& cost) {
+void bench_generate(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Shapes& s,
+                    const std::vector<std::vector<std::int64_t>>& prompts) {
   const kmamba::TokenSampler greedy = [](const float* logits, int v, int, const std::vector<std::int64_t>&) {
     return static_cast<std::int64_t>(std::max_element(logits, logits + v) - logits);
   };
+  kmamba::SamplingConfig device_greedy;
+  device_greedy.temperature = 0.0f;
+  kmamba::SamplingConfig device_sampled;
+  device_sampled.top_k = 50;
+  device_sampled.top_p = 0.9f;
+  const int batch = static_cast<int>(prompts.size());
+  kmamba::GenerationOptions options;
+  options.max_new_tokens = s.new_tokens;
+  for (int way = 0; way < 3; ++way) {
+    const kmamba::GenerationResult r =
+        way == 0 ? kmamba::generate(exec, model, prompts, greedy, options)
+                 : kmamba::generate(exec, model, prompts, way == 1 ? device_greedy : device_sampled, options);
+    const kmamba::GenerationStats& g = r.stats;
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "b%d L%d +%d (%s)", batch, static_cast<int>(prompts[0].size()), s.new_tokens,
+                  Exec::name());
+    const char* how = way == 0 ? "host greedy" : way == 1 ? "device greedy" : "device k50 p0.9";
+    std::printf("%-22s %-30s %-16s prefill %.1f tok/s (%.3f s), decode %.1f tok/s (%lld steps, %.3f ms/step)\n",
+                batch == 1 ? "generate b1" : "generate batch", shape, how, g.prefill_tokens_per_second(),
+                g.prefill_seconds, g.decode_tokens_per_second(), static_cast<long long>(g.decode_steps),
+                g.decode_steps > 0 ? g.decode_seconds / static_cast<double>(g.decode_steps) * 1e3 : 0.0);
+  }
+}
+
+// One decode step at batch 1 and at the large batch, after a prefill of the prompt: recorded as one
+// graph (the default; CUDA only) and launched kernel by kernel; then the generation loop.
+template <class Exec>
+void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Options& o, const Shapes& s,
+                  const StepCost& cost) {
   for (const int batch : {1, s.batch_large}) {
     const auto prompts = random_prompts(batch, s.prompt, model.config().vocab_size);
     char shape[96];
@@ -223,15 +252,7 @@ void bench_decode(const Exec& exec, kmamba::LanguageModel<Exec>& model, const Op
       if (graph && kmamba::StepGraph<Exec>::records)
         std::printf("  step graph: %s\n", p.state.step_graph_status().c_str());
     }
-    kmamba::GenerationOptions options;
-    options.max_new_tokens = s.new_tokens;
-    const kmamba::GenerationResult r = kmamba::generate(exec, model, prompts, greedy, options);
-    const kmamba::GenerationStats& g = r.stats;
-    std::snprintf(shape, sizeof shape, "b%d L%d +%d (%s)", batch, s.prompt, s.new_tokens, Exec::name());
-    std::printf("%-22s %-30s prefill %.1f tok/s (%.3f s), decode %.1f tok/s (%lld steps, %.3f ms/step)\n",
-                batch == 1 ? "generate b1" : "generate batch", shape, g.prefill_tokens_per_second(), g.prefill_seconds,
-                g.decode_tokens_per_second(), static_cast<long long>(g.decode_steps),
-                g.decode_steps > 0 ? g.decode_seconds / static_cast<double>(g.decode_steps) * 1e3 : 0.0);
+    bench_generate(exec, model, s, prompts);
   }
 }
 

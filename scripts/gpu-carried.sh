@@ -18,7 +18,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-suites=(${GPU_CARRIED_SUITES-mamba3_scan mamba3_mixer decode rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
+suites=(${GPU_CARRIED_SUITES-mamba3_scan mamba3_mixer decode device_sampling rms_norm sequence_model ssd selective_scan conv1d gemm mamba2_mixer})
 nccl_suites=(nccl_communicator embed_data_parallel_nccl)  # MPI main, one rank (the NCCL runs below)
 if [ "${1:-}" = "--pack" ]; then
   build="${2:-$root/build-cuda}"

@@ -453,9 +453,11 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
 }
 
 template <class ExecutionSpace>
-void LanguageModel<ExecutionSpace>::decode_step(
-    const ExecutionSpace& exec, const ConstTensor1<std::int64_t, memory_space>& ids,          // (batch)
-    DecodeState<ExecutionSpace>& decode, const Tensor2<float, memory_space>& logits) const {  // (batch, vocab_size)
+void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
+                                                const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
+                                                DecodeState<ExecutionSpace>& decode,
+                                                const Tensor2<float, memory_space>& logits,  // (batch, vocab_size)
+                                                const bool check_ids) const {
   using Mem = memory_space;
   constexpr const char* function = "kmamba::LanguageModel::decode_step";
   const State& s = *state_;
@@ -466,7 +468,9 @@ void LanguageModel<ExecutionSpace>::decode_step(
   check_allocated(function, "logits", logits);
   // The ids are checked here, blocking, so that the step itself never waits on the device.
   const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
-  check_embedding_ids(exec, ids, static_cast<std::int64_t>(embedding.extent(0)), "kmamba::embedding_forward");
+  if (check_ids) {
+    check_embedding_ids(exec, ids, static_cast<std::int64_t>(embedding.extent(0)), "kmamba::embedding_forward");
+  }
   // The step: the same kernels on the same buffers for every token (recorded once where the
   // backend records graphs).
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,

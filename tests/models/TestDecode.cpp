@@ -7,7 +7,9 @@
 //   tied or untied head; Mamba-3 SISO and MIMO); prefill in two segments ≡ one prefill;
 // - generation: prompts of different lengths in one batch ≡ each prompt alone; greedy generation
 //   is deterministic, matches the arg-max of a full forward, stops at stop tokens and
-//   max_new_tokens, streams every token through the callback and counts its work;
+//   max_new_tokens, streams every token through the callback and counts its work; device sampling
+//   (greedy and every filter, a restricted vocabulary, stop tokens looked at every 1, 3 or 16
+//   steps) generates the tokens of the host loop with the host Sampler;
 // - errors: another mixer's cache, another model's state, a wrong batch, bad tokens;
 // - kernel counts of the Mamba-2 decode step (Kokkos Tools callbacks): per block and per mixer step.
 //
@@ -19,6 +21,7 @@
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>
+#include <kmamba/models/Sampling.hpp>
 #include <kmamba/models/TensorIO.hpp>
 #include "TestData.hpp"
 
@@ -499,6 +502,85 @@ TYPED_TEST(DecodeTest, GreedyGenerationIsDeterministicAndMatchesForward) {
     EXPECT_GT(first.stats.decode_tokens_per_second(), 0.0);
     EXPECT_EQ(first.stats.decode_tokens,
               2 * 8 + 4);  // 8 steps after the prefill for both, + 4 prompt tokens of the longer
+  });
+}
+
+// The host loop with kmamba::Sampler (as kmamba-generate used it): the reference of device sampling,
+// whose repetition penalty skips the prompt tokens outside [0, sample_vocab).
+kmamba::TokenSampler host_sampler(kmamba::Sampler& sampler, const std::vector<std::vector<std::int64_t>>& prompts,
+                                  int sample_vocab, std::uint64_t first_sequence) {
+  return [&sampler, &prompts, sample_vocab, first_sequence](const float* logits, int, int s,
+                                                            const std::vector<std::int64_t>& history) {
+    const std::size_t prompt_length = prompts[static_cast<std::size_t>(s)].size();
+    std::vector<std::int64_t> seen;
+    for (const std::int64_t t : history) {
+      if (t < sample_vocab) seen.push_back(t);
+    }
+    return sampler.sample(logits, sample_vocab, seen.data(), seen.size(),
+                          first_sequence + static_cast<std::uint64_t>(s),
+                          static_cast<std::uint64_t>(history.size() - prompt_length));
+  };
+}
+
+TYPED_TEST(DecodeTest, DeviceSamplingGeneratesTheHostLoopsTokens) {
+  using Exec = TypeParam;
+  const Exec exec;
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
+    const std::vector<std::vector<std::int64_t>> prompts = {random_ids(9, 50, 1), random_ids(3, 50, 2),
+                                                            random_ids(14, 50, 3), random_ids(3, 50, 4)};
+    kmamba::SamplingConfig greedy;
+    greedy.temperature = 0.0f;
+    kmamba::SamplingConfig sampled;
+    sampled.temperature = 0.8f;
+    sampled.top_k = 20;
+    sampled.top_p = 0.9f;
+    sampled.min_p = 0.02f;
+    sampled.repetition_penalty = 1.3f;
+    sampled.seed = 5;
+    auto state = model.make_decode_state(4);
+    for (const kmamba::SamplingConfig& config : {greedy, sampled}) {
+      for (const int sample_vocab : {0, 20}) {
+        kmamba::GenerationOptions options;
+        options.max_new_tokens = 7;
+        options.sample_vocab = sample_vocab;
+        options.first_sequence = 10;
+        SCOPED_TRACE(::testing::Message() << "temperature " << config.temperature << " sample_vocab " << sample_vocab);
+        kmamba::Sampler sampler(config);
+        const int vocab = sample_vocab == 0 ? 50 : sample_vocab;
+        const auto host =
+            kmamba::generate(exec, model, state, prompts, host_sampler(sampler, prompts, vocab, 10), options);
+        const auto device = kmamba::generate(exec, model, state, prompts, config, options);
+        EXPECT_EQ(device.tokens, host.tokens);
+        EXPECT_EQ(device.stats.prefill_tokens, host.stats.prefill_tokens);
+        EXPECT_EQ(device.stats.decode_steps, host.stats.decode_steps);
+        EXPECT_EQ(device.stats.decode_tokens, host.stats.decode_tokens);
+        EXPECT_EQ(device.stats.generated_tokens, host.stats.generated_tokens);
+
+        // Stop tokens, looked at every 1, 3 or 16 steps: the same tokens, streamed in order; at most
+        // sync_interval − 1 steps more than the host loop.
+        options.stop_tokens = {host.tokens[0][2], host.tokens[3][4]};
+        const auto host_stopped =
+            kmamba::generate(exec, model, state, prompts, host_sampler(sampler, prompts, vocab, 10), options);
+        for (const int interval : {1, 3, 16}) {
+          options.sync_interval = interval;
+          std::vector<std::vector<std::int64_t>> streamed(prompts.size());
+          const auto stream = [&](int s, std::int64_t t) { streamed[static_cast<std::size_t>(s)].push_back(t); };
+          const auto stopped = kmamba::generate(exec, model, state, prompts, config, options, stream);
+          EXPECT_EQ(stopped.tokens, host_stopped.tokens) << "sync_interval " << interval;
+          EXPECT_EQ(streamed, host_stopped.tokens) << "sync_interval " << interval;
+          EXPECT_EQ(stopped.stats.decode_tokens, host_stopped.stats.decode_tokens);
+          EXPECT_GE(stopped.stats.decode_steps, host_stopped.stats.decode_steps);
+          EXPECT_LT(stopped.stats.decode_steps, host_stopped.stats.decode_steps + interval);
+        }
+      }
+    }
+    kmamba::GenerationOptions bad;
+    bad.sync_interval = 0;
+    EXPECT_THROW(kmamba::generate(exec, model, state, prompts, greedy, bad), kmamba::UserError);
+    bad = kmamba::GenerationOptions();
+    bad.sample_vocab = 51;
+    EXPECT_THROW(kmamba::generate(exec, model, state, prompts, greedy, bad), kmamba::UserError);
+    EXPECT_THROW(kmamba::generate(exec, model, state, {{1, 2}, {3}, {4, 50}, {5}}, greedy), kmamba::UserError);
   });
 }
 

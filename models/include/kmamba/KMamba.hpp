@@ -14,6 +14,7 @@
 #include <kmamba/core/Core.hpp>
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Data.hpp>
+#include <kmamba/models/DeviceSampler.hpp>
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>

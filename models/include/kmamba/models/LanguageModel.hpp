@@ -238,10 +238,13 @@ class LanguageModel {
 
   /// One decode step: feeds ids(b) to sequence b and writes the logits that follow over the real
   /// vocabulary. Allocates no tensor. Blocking for the id check only (the rest is ordered on
-  /// `exec`). Errors as prefill.
+  /// `exec`). Errors as prefill. With `check_ids` false the caller guarantees every id is in
+  /// [0, vocab_size) — e.g. chosen on the device by a DeviceSampler over at most vocab_size
+  /// tokens — and the step never waits for the device (an id outside reads outside the table).
   void decode_step(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, memory_space>& ids,  // (batch)
                    DecodeState<ExecutionSpace>& state,
-                   const Tensor2<float, memory_space>& logits) const;  // (batch, vocab_size)
+                   const Tensor2<float, memory_space>& logits,  // (batch, vocab_size)
+                   bool check_ids = true) const;
 
  private:
   struct State;

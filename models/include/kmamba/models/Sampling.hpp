@@ -1,4 +1,5 @@
 // Choosing the next token from a row of logits (docs/algorithms.md §5), and when to stop generating.
+// DeviceSampler.hpp applies the same rules on the device.
 //
 // The sampler works on the host: the logits of one sequence are a contiguous row of floats in host
 // memory (a host mirror of the model's last-position logits, sliced to the real vocabulary when the
