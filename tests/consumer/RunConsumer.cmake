@@ -4,13 +4,31 @@ foreach(var SOURCE_DIR BINARY_DIR PREFIX CXX_COMPILER GENERATOR)
     message(FATAL_ERROR "RunConsumer.cmake: ${var} is not set")
   endif()
 endforeach()
+# With KOKKOS_PREFIX set, the installed package and that Kokkos installation are first copied to
+# new places (as on a machine where both live elsewhere), and the consumer must find Kokkos in the
+# copy it is given, not where kmamba was built.
 file(REMOVE_RECURSE "${BINARY_DIR}")
+set(prefix_path "${PREFIX}")
+if(DEFINED KOKKOS_PREFIX)
+  set(moved "${BINARY_DIR}-moved")
+  file(REMOVE_RECURSE "${moved}")
+  file(COPY "${PREFIX}/" DESTINATION "${moved}/kmamba")
+  file(COPY "${KOKKOS_PREFIX}/" DESTINATION "${moved}/kokkos")
+  set(prefix_path "${moved}/kmamba;${moved}/kokkos")
+endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${BINARY_DIR}" -G "${GENERATOR}"
-                        -DCMAKE_PREFIX_PATH=${PREFIX} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+                        "-DCMAKE_PREFIX_PATH=${prefix_path}" -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
                         -DCMAKE_BUILD_TYPE=Release
                 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "configuring the consumer project against ${PREFIX} failed")
+  message(FATAL_ERROR "configuring the consumer project against ${prefix_path} failed")
+endif()
+if(DEFINED KOKKOS_PREFIX)
+  file(STRINGS "${BINARY_DIR}/CMakeCache.txt" kokkos_dir REGEX "^Kokkos_DIR:")
+  string(FIND "${kokkos_dir}" "${moved}/kokkos/" at)
+  if(NOT at GREATER -1)
+    message(FATAL_ERROR "the moved package found Kokkos at '${kokkos_dir}', not in the copy under ${moved}/kokkos")
+  endif()
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} --build "${BINARY_DIR}" RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
