@@ -2,6 +2,8 @@
 #include <kmamba/core/Random.hpp>
 #include <kmamba/models/Sampling.hpp>
 
+#include "SamplingKernels.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -19,14 +21,7 @@ void SamplingConfig::validate() const {
 }
 
 double sampling_uniform(std::uint64_t seed, std::uint64_t sequence, std::uint64_t step) {
-  constexpr std::uint32_t domain = 0x73616d70u;  // "samp": keeps these streams apart from fill_uniform's
-  const Kokkos::Array<std::uint32_t, 4> counter = {
-      {static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32), static_cast<std::uint32_t>(sequence),
-       static_cast<std::uint32_t>(sequence >> 32) ^ domain}};
-  const Kokkos::Array<std::uint32_t, 4> r =
-      philox4x32(counter, static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
-  const std::uint64_t bits = (static_cast<std::uint64_t>(r[0]) << 21) | (r[1] >> 11);  // 53 bits
-  return static_cast<double>(bits) * (1.0 / 9007199254740992.0);
+  return impl::device_sampling_uniform(seed, sequence, step);
 }
 
 Sampler::Sampler(const SamplingConfig& config) : config_(config) { config_.validate(); }

@@ -41,9 +41,10 @@ constexpr double device_sampler_weight_scale = 8796093022208.0;  // 2^43
 /// Error codes the sampler leaves in its error view: (code, row, token).
 enum DeviceSamplerError : std::int64_t { sampler_ok = 0, sampler_bad_logit = 1, sampler_all_masked = 2 };
 
-/// The uniform number in [0, 1) of kmamba::sampling_uniform, on the device (the same bits).
+/// The uniform number in [0, 1) of draw (seed, sequence, step), on the host (kmamba::sampling_uniform)
+/// and the device alike.
 KOKKOS_INLINE_FUNCTION double device_sampling_uniform(std::uint64_t seed, std::uint64_t sequence, std::uint64_t step) {
-  constexpr std::uint32_t domain = 0x73616d70u;  // "samp", as in Sampling.cpp
+  constexpr std::uint32_t domain = 0x73616d70u;  // "samp": keeps these streams apart from fill_uniform's
   const Kokkos::Array<std::uint32_t, 4> counter = {
       {static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32), static_cast<std::uint32_t>(sequence),
        static_cast<std::uint32_t>(sequence >> 32) ^ domain}};
