@@ -261,9 +261,19 @@ struct ScanOutputs {
   kmamba::SelectiveScanGrads<Mem> grads;
 };
 
-// Runs forward and backward on the kernel, every output poisoned with NaN beforehand.
-template <class Exec>
-ScanOutputs<typename Exec::memory_space> run_kernel(const ScanProblem<Exec>& p) {
+// The public ops.
+struct PublicOps {
+  template <class Exec, class Args, class Out, class Dout, class Grads>
+  void operator()(const Exec& exec, const Args& args, const Out& out, const Out& last, const Dout& dout,
+                  const Dout& dlast, const Grads& grads) const {
+    kmamba::selective_scan_forward(exec, args, out, last);
+    kmamba::selective_scan_backward(exec, args, dout, dlast, grads);
+  }
+};
+
+// Runs forward and backward on the kernel (through `ops`), every output poisoned with NaN beforehand.
+template <class Exec, class Ops = PublicOps>
+ScanOutputs<typename Exec::memory_space> run_kernel(const ScanProblem<Exec>& p, const Ops& ops = Ops()) {
   using Mem = typename Exec::memory_space;
   using kmamba::allocate_uninitialized;
   const Config& c = p.cfg;
@@ -288,9 +298,7 @@ ScanOutputs<typename Exec::memory_space> run_kernel(const ScanProblem<Exec>& p) 
   for (auto* v : {&g.dD, &g.ddelta_bias}) poison(*v);
   poison(g.dA);
   const Exec exec;
-  const auto args = p.args();
-  kmamba::selective_scan_forward(exec, args, o.out, o.last);
-  kmamba::selective_scan_backward(exec, args, p.dout, p.dlast, g);
+  ops(exec, p.args(), o.out, o.last, p.dout, p.dlast, g);
   exec.fence();
   return o;
 }
@@ -317,10 +325,10 @@ void expect_close(const std::string& what, const View& kernel, const std::vector
       << "), max |ref| " << max_ref << "; " << context;
 }
 
-template <class Exec>
-void check_against_reference(const Config& c, double tol) {
+template <class Exec, class Ops = PublicOps>
+void check_against_reference(const Config& c, double tol, const Ops& ops = Ops()) {
   const ScanProblem<Exec> p(c);
-  const auto o = run_kernel(p);
+  const auto o = run_kernel(p, ops);
   const RefProblem hp = p.host();
   const RefResult r = reference(hp, true);
   const std::string ctx = c.describe();
@@ -339,22 +347,6 @@ void check_against_reference(const Config& c, double tol) {
 
 // ----------------------------------------------------------------------------------------------
 // The reference itself: backward against finite differences of its forward.
-
-// The register forms split team items into (row, column) with a float multiply instead of an
-// integer division: it must agree with the division over its whole stated range.
-TEST(SelectiveScanItems, SplitMatchesIntegerDivision) {
-  for (const int cols : {1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 1000, 1023, 4097}) {
-    const float inv = 1.0f / static_cast<float>(cols);
-    int wrong = 0, first_wrong = -1;
-    for (int i = 0; i < kmamba::impl::selective_scan_max_items; ++i) {
-      const kmamba::impl::SelectiveScanItem it = kmamba::impl::selective_scan_item(i, cols, inv);
-      if (it.row != i / cols || it.col != i % cols) {
-        if (wrong++ == 0) first_wrong = i;
-      }
-    }
-    EXPECT_EQ(wrong, 0) << "cols " << cols << ": first wrong item " << first_wrong;
-  }
-}
 
 TEST(SelectiveScanReference, BackwardMatchesFiniteDifferences) {
   using Host = Kokkos::DefaultHostExecutionSpace;
@@ -458,6 +450,91 @@ TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
   }
 }
 
+// The sequences of the block-scan form's sweeps: one token, one chunk and the tokens either side
+// of a chunk boundary, and several chunks (host chunks of 64 tokens, Cuda chunks of 512).
+std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
+
+// Every option set through the block-scan form (dstate within its bound, kmamba's chunk): 20
+// channels per group, so that the backward's channel blocks of 16 leave a partial block and dB,
+// dC are summed over two blocks. The bound is that of the long sequence (2e-5): the recurrence
+// runs over up to 2·chunk + 37 tokens, and the scan regroups its products and sums.
+TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
+  using Exec = TypeParam;
+  using Shape = typename kmamba::impl::SelectiveScanDefaultShape<Exec>::type;
+  std::uint64_t seed = 1500;
+  for (const int seqlen : block_form_lengths(Shape::chunk)) {
+    for (const int dstate : {5, kmamba::impl::selective_scan_block_states}) {
+      for (const int ngroups : {1, 2}) {
+        Config c;
+        c.batch = 2;
+        c.dim = 20 * ngroups;
+        c.seqlen = seqlen;
+        c.dstate = dstate;
+        c.ngroups = ngroups;
+        c.chunk = 0;
+        const bool all = (seqlen + dstate + ngroups) % 2 == 0;
+        c.D = c.z = c.initial_state = c.dlast = all;
+        c.bias = c.softplus = true;
+        c.packed = !all;
+        c.delta_lo = -3.0f;
+        c.delta_hi = 0.5f;
+        c.seed = ++seed;
+        check_against_reference<Exec>(c, 2e-5);
+      }
+    }
+  }
+}
+
+// The block-scan form with the team shapes a host backend does not run by itself: several
+// threads of a few tokens each (as Cuda's 128 × 4), run in turn by one thread, so that the
+// exclusive scans over the threads, the per-thread slots of dB and dC and the per-warp sums are
+// checked here against the reference too.
+template <class Shape>
+struct BlockShapeOps {
+  template <class Exec, class Args, class Out, class Dout, class Grads>
+  void operator()(const Exec& exec, const Args& args, const Out& out, const Out& last, const Dout& dout,
+                  const Dout& dlast, const Grads& grads) const {
+    const kmamba::impl::SelectiveScanDims dims{
+        static_cast<std::int64_t>(args.u.extent(0)), static_cast<std::int64_t>(args.u.extent(1)),
+        static_cast<std::int64_t>(args.u.extent(2)), static_cast<std::int64_t>(args.A.extent(1)),
+        static_cast<std::int64_t>(args.B.extent(1))};
+    kmamba::impl::selective_scan_forward_impl<Shape>(exec, "test", dims, args, out, last);
+    using Const = kmamba::ConstTensor3<float, typename Exec::memory_space>;
+    kmamba::impl::selective_scan_backward_impl<Shape>(exec, "test", dims, args, Const(dout), Const(dlast), grads);
+  }
+};
+
+template <class Shape>
+void check_block_shape() {
+  using Host = Kokkos::DefaultHostExecutionSpace;
+  std::uint64_t seed = 1700;
+  for (const int seqlen : block_form_lengths(Shape::chunk)) {
+    for (const bool all : {false, true}) {
+      Config c;
+      c.batch = 2;
+      c.dim = 36;
+      c.seqlen = seqlen;
+      c.dstate = 7;
+      c.ngroups = 2;
+      c.chunk = 0;
+      c.D = c.z = c.initial_state = c.dlast = all;
+      c.bias = c.softplus = true;
+      c.packed = !all;
+      c.delta_lo = -3.0f;
+      c.delta_hi = 0.5f;
+      c.seed = ++seed;
+      SCOPED_TRACE("threads " + std::to_string(Shape::threads) + " items " + std::to_string(Shape::items));
+      check_against_reference<Host>(c, 2e-5, BlockShapeOps<Shape>());
+    }
+  }
+}
+
+TEST(SelectiveScanBlockShapes, ThreadsRunInTurnMatchReference) {
+  check_block_shape<kmamba::impl::SelectiveScanBlockShape<8, 4, false>>();
+  check_block_shape<kmamba::impl::SelectiveScanBlockShape<5, 3, false>>();
+  check_block_shape<kmamba::impl::SelectiveScanBlockShape<32, 1, false>>();
+}
+
 TYPED_TEST(SelectiveScan, SoftplusBeyondThresholdMatchesReference) {
   using Exec = TypeParam;
   Config c;
@@ -499,7 +576,7 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   using Exec = TypeParam;
   std::uint64_t seed = 4000;
   for (int dstate :
-       {kmamba::impl::selective_scan_register_states - 1, kmamba::impl::selective_scan_register_states + 1, 40}) {
+       {kmamba::impl::selective_scan_block_states - 1, kmamba::impl::selective_scan_block_states + 1, 40}) {
     for (int chunk : {0, 5}) {
       Config c;
       c.batch = 2;
@@ -740,7 +817,7 @@ kmamba::Tensor4<float, Mem> row_slice4(const kmamba::Tensor4<float, Mem>& src, i
 TYPED_TEST(SelectiveScan, PackedBatchEqualsDocumentsAlone) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  for (int dstate : {4, kmamba::impl::selective_scan_register_states + 3}) {
+  for (int dstate : {4, kmamba::impl::selective_scan_block_states + 3}) {
     Config c;
     c.batch = 3;
     c.dim = 6;

@@ -12,10 +12,11 @@
 // from seq_idx[b,t−1] (t ≥ 1), so no state crosses from one packed sequence into the next; the
 // initial state belongs to the row's first sequence whatever its id, the last state to its last.
 //
-// All arithmetic and the running state are fp32. The sequence is walked in chunks of
-// `chunk_size` tokens staged in team scratch memory, the state carried from chunk to chunk, so
-// no (seqlen × dstate) tensor is ever materialised. Every op is non-blocking on the execution
-// space instance it is given.
+// All arithmetic and the running state are fp32. The sequence is walked in chunks, the state
+// carried from chunk to chunk, so no (seqlen × dstate) tensor is ever materialised: up to 16
+// states the tokens of a chunk are scanned in parallel (the block-scan form), wider states are
+// staged a chunk of `chunk_size` tokens at a time in team scratch memory (docs/algorithms.md §1.3). Every op is
+// non-blocking on the execution space instance it is given.
 //
 //   kmamba::SelectiveScanArgs<Mem> args;
 //   args.u = u; args.delta = delta; args.A = A; args.B = B; args.C = C;   // required
@@ -53,8 +54,9 @@ struct SelectiveScanArgs {
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional packed sequence ids
   /// Apply softplus (threshold 20) to delta + delta_bias.
   bool delta_softplus = false;
-  /// Tokens per chunk; 0 lets kmamba choose from the team scratch memory available. A value
-  /// the scratch memory cannot hold is a UserError.
+  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the block-scan form, whose chunk is
+  /// fixed per backend). Any other value runs the lane form with chunks of that length; one the
+  /// team scratch memory cannot hold is a UserError.
   int chunk_size = 0;
 };
 
@@ -147,7 +149,8 @@ void selective_scan_forward(const ExecutionSpace& exec, const SelectiveScanArgs<
   if (last_state.is_allocated()) {
     check_shape(function, "last_state", last_state, {dims.batch, dims.dim, dims.dstate}, "(batch, dim, dstate)");
   }
-  impl::selective_scan_forward_impl(exec, function, dims, args, out, last_state);
+  impl::selective_scan_forward_impl<typename impl::SelectiveScanDefaultShape<ExecutionSpace>::type>(
+      exec, function, dims, args, out, last_state);
 }
 
 template <class MemorySpace>
@@ -203,7 +206,8 @@ void selective_scan_backward(
                           << (args.z.is_allocated() ? "given" : "absent") << ", dz "
                           << (grads.dz.is_allocated() ? "allocated" : "absent") << ")");
   if (grads.dz.is_allocated()) check_shape(function, "dz", grads.dz, seq, "(batch, dim, seqlen)");
-  impl::selective_scan_backward_impl(exec, function, dims, args, dout, dlast_state, grads);
+  impl::selective_scan_backward_impl<typename impl::SelectiveScanDefaultShape<ExecutionSpace>::type>(
+      exec, function, dims, args, dout, dlast_state, grads);
 }
 
 template <class MemorySpace>
