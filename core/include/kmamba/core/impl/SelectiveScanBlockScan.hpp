@@ -93,8 +93,10 @@ KOKKOS_INLINE_FUNCTION AffineStep block_exclusive_scan(const WarpTeamContext& ct
     const int lane = ctx.thread & 31, warp = ctx.thread >> 5;
     AffineStep inclusive = steps[0];
     for (int offset = 1; offset < 32; offset *= 2) {
-      const float d = Reverse ? __shfl_down_sync(all, inclusive.decay, offset) : __shfl_up_sync(all, inclusive.decay, offset);
-      const float v = Reverse ? __shfl_down_sync(all, inclusive.value, offset) : __shfl_up_sync(all, inclusive.value, offset);
+      const float d =
+          Reverse ? __shfl_down_sync(all, inclusive.decay, offset) : __shfl_up_sync(all, inclusive.decay, offset);
+      const float v =
+          Reverse ? __shfl_down_sync(all, inclusive.value, offset) : __shfl_up_sync(all, inclusive.value, offset);
       if (Reverse ? lane + offset < 32 : lane >= offset) inclusive = AffineStep{d, v}.then(inclusive);
     }
     const float d = Reverse ? __shfl_down_sync(all, inclusive.decay, 1) : __shfl_up_sync(all, inclusive.decay, 1);
@@ -261,7 +263,8 @@ struct SelectiveScanBlockForward {
                                         const float (&y)[Shape::slots][K]) const {
     const float skip = in.skip(d);
     for_each_slot<Shape>(ctx, [&](int s, int th) {
-      for (int i = 0; i < tk[s].count; ++i) {
+      for (int i = 0; i < K; ++i) {  // to K, not count: registers are indexed by constants only
+        if (i >= tk[s].count) break;
         const int t = t0 + th * K + i;
         float v = y[s][i] + skip * tk[s].u[i];
         if (in.has_z) v *= kmamba::silu(in.z(b, d, t));
@@ -283,10 +286,10 @@ struct SelectiveScanBlockBackward {
   static constexpr int block_channels = 16;
   SelectiveScanOperands<MemorySpace> in;
   int batch, dim, seqlen, dstate, ngroups, channels_per_group, blocks_per_group, nchunks;
-  ConstTensor3<float, MemorySpace> dout;         // (batch, dim, seqlen)
-  ConstTensor3<float, MemorySpace> dlast_state;  // (batch, dim, dstate), optional
-  ConstTensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
-  Tensor3<float, MemorySpace> du, ddelta, dz;    // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dout;               // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dlast_state;        // (batch, dim, dstate), optional
+  ConstTensor4<float, MemorySpace> checkpoints;        // (batch, dim, nchunks, dstate)
+  Tensor3<float, MemorySpace> du, ddelta, dz;          // (batch, dim, seqlen)
   Tensor5<float, MemorySpace> partial_dB, partial_dC;  // (blocks_per_group, batch, ngroups, dstate, seqlen)
   Tensor3<float, MemorySpace> dinitial_state;          // (batch, dim, dstate), optional
   Tensor3<float, MemorySpace> partial_dA;              // (batch, dim, dstate)
@@ -294,7 +297,7 @@ struct SelectiveScanBlockBackward {
 
   struct Scratch {
     AffineStep totals[2 * W];
-    float adjoint[2][block_channels][N];  // μ entering the chunk from the later one, by chunk parity
+    float adjoint[2][block_channels][N];   // μ entering the chunk from the later one, by chunk parity
     float sums[block_channels][N + 2][W];  // per warp: dA (N), dD, dδ_bias
     float dB[N][K][T], dC[N][K][T];        // the chunk's sums over the block's channels, per owner thread
   };
@@ -348,8 +351,8 @@ struct SelectiveScanBlockBackward {
 
   /// Channel d (row c of the block) over chunk k: its tokens' gradients, and its dB, dC terms
   /// added to the chunk's sums.
-  KOKKOS_INLINE_FUNCTION void channel(const WarpTeamContext& ctx, Scratch& sh, int b, int g, int d, int c, int k,
-                                      int p, int& parity) const {
+  KOKKOS_INLINE_FUNCTION void channel(const WarpTeamContext& ctx, Scratch& sh, int b, int g, int d, int c, int k, int p,
+                                      int& parity) const {
     const int t0 = k * Shape::chunk;
     Tokens tok[Shape::slots];
     for_each_slot<Shape>(ctx, [&](int s, int th) { load(b, d, t0 + th * K, tok[s]); });
@@ -358,7 +361,8 @@ struct SelectiveScanBlockBackward {
     const float skip = in.skip(d);
     for_each_slot<Shape>(ctx, [&](int s, int th) {
       dD[s] = dbias[s] = 0.0f;
-      for (int i = 0; i < tok[s].tk.count; ++i) {
+      for (int i = 0; i < K; ++i) {
+        if (i >= tok[s].tk.count) break;
         const int t = t0 + th * K + i;
         const float dpre = tok[s].ddelta[i] * tok[s].dpre_grad[i];
         du(b, d, t) = tok[s].du[i];
