@@ -451,7 +451,8 @@ TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
 }
 
 // The sequences of the block-scan form's sweeps: one token, one chunk and the tokens either side
-// of a chunk boundary, and several chunks (host chunks of 64 tokens, Cuda chunks of 512).
+// of a chunk boundary, and several chunks (host chunks of 64 tokens; Cuda 1024 forward, 512
+// backward).
 std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
 
 // Every option set through the block-scan form (dstate within its bound, kmamba's chunk): 20
@@ -460,9 +461,11 @@ std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, ch
 // runs over up to 2·chunk + 37 tokens, and the scan regroups its products and sums.
 TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
   using Exec = TypeParam;
-  using Shape = typename kmamba::impl::SelectiveScanDefaultShape<Exec>::type;
+  using Shapes = kmamba::impl::SelectiveScanDefaultShapes<Exec>;
+  std::vector<int> lengths = block_form_lengths(Shapes::forward::chunk);
+  for (const int seqlen : block_form_lengths(Shapes::backward::chunk)) lengths.push_back(seqlen);
   std::uint64_t seed = 1500;
-  for (const int seqlen : block_form_lengths(Shape::chunk)) {
+  for (const int seqlen : lengths) {
     for (const int dstate : {5, kmamba::impl::selective_scan_block_states}) {
       for (const int ngroups : {1, 2}) {
         Config c;

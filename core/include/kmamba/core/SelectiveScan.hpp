@@ -54,8 +54,8 @@ struct SelectiveScanArgs {
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional packed sequence ids
   /// Apply softplus (threshold 20) to delta + delta_bias.
   bool delta_softplus = false;
-  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the block-scan form, whose chunk is
-  /// fixed per backend). Any other value runs the lane form with chunks of that length; one the
+  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the block-scan form, whose chunks
+  /// are fixed per backend). Any other value runs the lane form with chunks of that length; one the
   /// team scratch memory cannot hold is a UserError.
   int chunk_size = 0;
 };
@@ -149,7 +149,7 @@ void selective_scan_forward(const ExecutionSpace& exec, const SelectiveScanArgs<
   if (last_state.is_allocated()) {
     check_shape(function, "last_state", last_state, {dims.batch, dims.dim, dims.dstate}, "(batch, dim, dstate)");
   }
-  impl::selective_scan_forward_impl<typename impl::SelectiveScanDefaultShape<ExecutionSpace>::type>(
+  impl::selective_scan_forward_impl<typename impl::SelectiveScanDefaultShapes<ExecutionSpace>::forward>(
       exec, function, dims, args, out, last_state);
 }
 
@@ -206,7 +206,7 @@ void selective_scan_backward(
                           << (args.z.is_allocated() ? "given" : "absent") << ", dz "
                           << (grads.dz.is_allocated() ? "allocated" : "absent") << ")");
   if (grads.dz.is_allocated()) check_shape(function, "dz", grads.dz, seq, "(batch, dim, seqlen)");
-  impl::selective_scan_backward_impl<typename impl::SelectiveScanDefaultShape<ExecutionSpace>::type>(
+  impl::selective_scan_backward_impl<typename impl::SelectiveScanDefaultShapes<ExecutionSpace>::backward>(
       exec, function, dims, args, dout, dlast_state, grads);
 }
 

@@ -55,17 +55,22 @@ struct SelectiveScanBlockShape {
   static_assert(!Device || Threads % 32 == 0, "SelectiveScanBlockShape: whole warps on the device");
 };
 
-/// The shape each backend runs: Cuda 128 threads × 4 tokens (chunks of 512: four warps, enough
-/// registers left for the backward's per-token values); host backends one thread over 64 tokens
-/// (a sequential walk, nothing to scan).
+/// The shapes each backend runs, forward and backward. Cuda: 128 threads (four warps) of 8 tokens
+/// forward (chunks of 1024: the scan's cost per thread spread over more tokens), 4 tokens backward
+/// (chunks of 512: its per-thread slots of dB and dC take 2·16·4·128 floats of scratch, 64 KB, so
+/// that three teams fit a multiprocessor, and its per-token values fit the registers). Host
+/// backends: one thread over 64 tokens (a sequential walk, nothing to scan). The backward cuts its
+/// own checkpoints, so the two chunks need not agree.
 template <class ExecSpace>
-struct SelectiveScanDefaultShape {
-  using type = SelectiveScanBlockShape<1, 64, false>;
+struct SelectiveScanDefaultShapes {
+  using forward = SelectiveScanBlockShape<1, 64, false>;
+  using backward = SelectiveScanBlockShape<1, 64, false>;
 };
 #if defined(KOKKOS_ENABLE_CUDA)
 template <>
-struct SelectiveScanDefaultShape<Kokkos::Cuda> {
-  using type = SelectiveScanBlockShape<128, 4, true>;
+struct SelectiveScanDefaultShapes<Kokkos::Cuda> {
+  using forward = SelectiveScanBlockShape<128, 8, true>;
+  using backward = SelectiveScanBlockShape<128, 4, true>;
 };
 #endif
 

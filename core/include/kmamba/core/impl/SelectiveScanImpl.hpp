@@ -611,11 +611,10 @@ int selective_scan_lane_forward(const ExecSpace& exec, const char* function, con
   return plan.chunk;
 }
 
-/// Whether the block-scan form of `Shape` takes a call: dstate within its bound, and chunk_size 0
-/// (kmamba's choice) or the form's own chunk.
-template <class Shape>
-bool selective_scan_takes_block_form(const SelectiveScanDims& dims, int requested_chunk) {
-  return dims.dstate <= selective_scan_block_states && (requested_chunk == 0 || requested_chunk == Shape::chunk);
+/// Whether the block-scan form takes a call: dstate within its bound and chunk_size 0 (kmamba's
+/// choice); a chunk_size of the caller's runs the lane form with it.
+inline bool selective_scan_takes_block_form(const SelectiveScanDims& dims, int requested_chunk) {
+  return dims.dstate <= selective_scan_block_states && requested_chunk == 0;
 }
 
 /// The block-scan forward (impl/SelectiveScanBlockScan.hpp) with the team shape `Shape`.
@@ -739,14 +738,14 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                         Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
 }
 
-/// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShape<ExecSpace> for the public
+/// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShapes<ExecSpace> for the public
 /// op; the tests run other shapes on host backends).
 template <class Shape, class ExecSpace, class MemorySpace>
 void selective_scan_forward_impl(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
                                  const SelectiveScanArgs<MemorySpace>& args, const Tensor3<float, MemorySpace>& out,
                                  const Tensor3<float, MemorySpace>& last_state) {
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form<Shape>(dims, args.chunk_size)) {
+  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
     selective_scan_block_forward<Shape>(exec, "kmamba::selective_scan::forward", dims, operands, out, last_state,
                                         Tensor4<float, MemorySpace>());
   } else {
@@ -755,7 +754,7 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
   }
 }
 
-/// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShape<ExecSpace> for the public
+/// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShapes<ExecSpace> for the public
 /// op; the tests run other shapes on host backends).
 template <class Shape, class ExecSpace, class MemorySpace>
 void selective_scan_backward_impl(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
@@ -768,7 +767,7 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   const auto partial_vectors = allocate_uninitialized<Tensor3<float, MemorySpace>>(
       "kmamba::selective_scan::partial_dD_ddelta_bias", dims.batch, dims.dim, 2);
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form<Shape>(dims, args.chunk_size)) {
+  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
     selective_scan_block_backward<Shape>(exec, dims, operands, dout, dlast_state, grads, partial_dA, partial_vectors);
   } else {
     selective_scan_lane_backward(exec, function, dims, args.chunk_size, operands, dout, dlast_state, grads, partial_dA,
