@@ -172,25 +172,58 @@ KOKKOS_INLINE_FUNCTION float selective_scan_exp2(const float x) {
 
 constexpr float selective_scan_log2e = 1.4426950408889634f;
 
+/// v[i] = row[first + i] where first + i < end, 0 past it; on Cuda four floats a load where the
+/// thread's run is whole and 16-byte aligned.
+template <int K>
+KOKKOS_INLINE_FUNCTION void load_items(const float* row, int first, int end, float (&v)[K]) {
+  const float* p = row + first;
+#if defined(__CUDA_ARCH__)
+  if (K % 4 == 0 && first + K <= end && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
+    for (int i = 0; i < K; i += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + i);
+      v[i] = q.x;
+      v[i + 1] = q.y;
+      v[i + 2] = q.z;
+      v[i + 3] = q.w;
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < K; ++i) v[i] = first + i < end ? p[i] : 0.0f;
+}
+
+/// row[first + i] = v[i] where first + i < end (as load_items).
+template <int K>
+KOKKOS_INLINE_FUNCTION void store_items(float* row, int first, int end, const float (&v)[K]) {
+  float* p = row + first;
+#if defined(__CUDA_ARCH__)
+  if (K % 4 == 0 && first + K <= end && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
+    for (int i = 0; i < K; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    return;
+  }
+#endif
+  for (int i = 0; i < K; ++i) {
+    if (first + i < end) p[i] = v[i];
+  }
+}
+
 /// The per-token inputs of one thread's tokens of a chunk (t = t0 + thread·Items + i; past the
 /// sequence: the identity map, u = δ = 0).
 template <int Items>
 struct SelectiveScanTokens {
   float u[Items], delta[Items], carry[Items];
-  int count;  // tokens of this thread inside the sequence
 };
 
 template <class MemorySpace, int Items>
 KOKKOS_INLINE_FUNCTION void selective_scan_load_tokens(const SelectiveScanOperands<MemorySpace>& in, int b, int d,
                                                        int first, int seqlen, SelectiveScanTokens<Items>& tk) {
-  tk.count = 0;
+  load_items(&in.u(b, d, 0), first, seqlen, tk.u);
+  load_items(&in.delta(b, d, 0), first, seqlen, tk.delta);
   for (int i = 0; i < Items; ++i) {
-    const int t = first + i;
-    const bool inside = t < seqlen;
-    tk.u[i] = inside ? in.u(b, d, t) : 0.0f;
-    tk.delta[i] = inside ? in.delta_value(in.delta_pre(b, d, t)) : 0.0f;
-    tk.carry[i] = inside ? in.carry(b, t) : 1.0f;
-    tk.count += inside ? 1 : 0;
+    const bool inside = first + i < seqlen;
+    const float bias = in.has_delta_bias ? in.delta_bias(d) : 0.0f;
+    tk.delta[i] = inside ? in.delta_value(tk.delta[i] + bias) : 0.0f;
+    tk.carry[i] = inside ? in.carry(b, first + i) : 1.0f;
   }
 }
 
@@ -231,13 +264,12 @@ struct SelectiveScanBlockForward {
         float decay[Shape::slots][K], input[Shape::slots][K], C[Shape::slots][K];
         AffineStep steps[Shape::slots];
         for_each_slot<Shape>(ctx, [&](int s, int th) {
+          load_items(&in.B(b, g, n, 0), t0 + th * K, seqlen, input[s]);
+          load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
           steps[s] = AffineStep::identity();
           for (int i = 0; i < K; ++i) {
-            const int t = t0 + th * K + i;
-            const bool inside = i < tk[s].count;
             decay[s][i] = tk[s].carry[i] * selective_scan_exp2(tk[s].delta[i] * a);
-            input[s][i] = inside ? tk[s].delta[i] * tk[s].u[i] * in.B(b, g, n, t) : 0.0f;
-            C[s][i] = inside ? in.C(b, g, n, t) : 0.0f;
+            input[s][i] *= tk[s].delta[i] * tk[s].u[i];
             steps[s] = steps[s].then(AffineStep{decay[s][i], input[s][i]});
           }
         });
@@ -268,13 +300,13 @@ struct SelectiveScanBlockForward {
                                         const float (&y)[Shape::slots][K]) const {
     const float skip = in.skip(d);
     for_each_slot<Shape>(ctx, [&](int s, int th) {
-      for (int i = 0; i < K; ++i) {  // to K, not count: registers are indexed by constants only
-        if (i >= tk[s].count) break;
-        const int t = t0 + th * K + i;
-        float v = y[s][i] + skip * tk[s].u[i];
-        if (in.has_z) v *= kmamba::silu(in.z(b, d, t));
-        out(b, d, t) = v;
+      float v[K];
+      if (in.has_z) load_items(&in.z(b, d, 0), t0 + th * K, seqlen, v);
+      for (int i = 0; i < K; ++i) {
+        const float gate = in.has_z ? kmamba::silu(v[i]) : 1.0f;
+        v[i] = (y[s][i] + skip * tk[s].u[i]) * gate;
       }
+      store_items(&out(b, d, 0), t0 + th * K, seqlen, v);
     });
   }
 };
@@ -343,10 +375,13 @@ struct SelectiveScanBlockBackward {
       for (int c = 0; c < channels; ++c) channel(ctx, sh, b, g, d0 + c, c, k, p, parity);
       for_each_slot<Shape>(ctx, [&](int, int th) {
         for (int n = 0; n < dstate; ++n) {
-          for (int i = 0; i < K && t0 + th * K + i < seqlen; ++i) {
-            partial_dB(block, b, g, n, t0 + th * K + i) = sh.dB[n][i][th];
-            partial_dC(block, b, g, n, t0 + th * K + i) = sh.dC[n][i][th];
+          float vb[K], vc[K];
+          for (int i = 0; i < K; ++i) {
+            vb[i] = sh.dB[n][i][th];
+            vc[i] = sh.dC[n][i][th];
           }
+          store_items(&partial_dB(block, b, g, n, 0), t0 + th * K, seqlen, vb);
+          store_items(&partial_dC(block, b, g, n, 0), t0 + th * K, seqlen, vc);
         }
       });
     }
@@ -365,18 +400,24 @@ struct SelectiveScanBlockBackward {
     float dD[Shape::slots], dbias[Shape::slots];
     const float skip = in.skip(d);
     for_each_slot<Shape>(ctx, [&](int s, int th) {
+      const int first = t0 + th * K;
+      float dpre[K];
       dD[s] = dbias[s] = 0.0f;
       for (int i = 0; i < K; ++i) {
-        if (i >= tok[s].tk.count) break;
-        const int t = t0 + th * K + i;
-        const float dpre = tok[s].ddelta[i] * tok[s].dpre_grad[i];
-        du(b, d, t) = tok[s].du[i];
-        ddelta(b, d, t) = dpre;
-        if (in.has_z) {
-          dz(b, d, t) = dout(b, d, t) * (tok[s].y[i] + skip * tok[s].tk.u[i]) * kmamba::silu_derivative(in.z(b, d, t));
-        }
+        // Past the sequence g = u = 0, but λ carries μ through the identity maps there, so the
+        // decay term of dδ is not 0: those tokens are left out of the sums.
+        dpre[i] = first + i < seqlen ? tok[s].ddelta[i] * tok[s].dpre_grad[i] : 0.0f;
         dD[s] += tok[s].g[i] * tok[s].tk.u[i];
-        dbias[s] += dpre;
+        dbias[s] += dpre[i];
+      }
+      store_items(&du(b, d, 0), first, seqlen, tok[s].du);
+      store_items(&ddelta(b, d, 0), first, seqlen, dpre);
+      if (in.has_z) {
+        float dy[K], zv[K];
+        load_items(&dout(b, d, 0), first, seqlen, dy);
+        load_items(&in.z(b, d, 0), first, seqlen, zv);
+        for (int i = 0; i < K; ++i) dy[i] *= (tok[s].y[i] + skip * tok[s].tk.u[i]) * kmamba::silu_derivative(zv[i]);
+        store_items(&dz(b, d, 0), first, seqlen, dy);
       }
     });
     block_add_per_warp<Shape>(ctx, dD, sh.sums[c][N]);
@@ -385,14 +426,15 @@ struct SelectiveScanBlockBackward {
 
   KOKKOS_INLINE_FUNCTION void load(int b, int d, int first, Tokens& tok) const {
     selective_scan_load_tokens(in, b, d, first, seqlen, tok.tk);
+    load_items(&dout(b, d, 0), first, seqlen, tok.g);
+    float zv[K] = {};
+    if (in.has_z) load_items(&in.z(b, d, 0), first, seqlen, zv);
+    load_items(&in.delta(b, d, 0), first, seqlen, tok.dpre_grad);
     const float skip = in.skip(d);
+    const float bias = in.has_delta_bias ? in.delta_bias(d) : 0.0f;
     for (int i = 0; i < K; ++i) {
-      const int t = first + i;
-      const bool inside = i < tok.tk.count;
-      const float pre = inside ? in.delta_pre(b, d, t) : 0.0f;
-      tok.dpre_grad[i] = in.delta_softplus ? kmamba::softplus_derivative(pre) : 1.0f;
-      const float dy = inside ? dout(b, d, t) : 0.0f;
-      tok.g[i] = inside && in.has_z ? dy * kmamba::silu(in.z(b, d, t)) : dy;
+      tok.dpre_grad[i] = in.delta_softplus ? kmamba::softplus_derivative(tok.dpre_grad[i] + bias) : 1.0f;
+      if (in.has_z) tok.g[i] *= kmamba::silu(zv[i]);
       tok.y[i] = 0.0f;
       tok.du[i] = skip * tok.g[i];
       tok.ddelta[i] = 0.0f;
@@ -408,12 +450,10 @@ struct SelectiveScanBlockBackward {
     float decay[Shape::slots][K], B[Shape::slots][K], C[Shape::slots][K], hprev[Shape::slots][K];
     AffineStep steps[Shape::slots];
     for_each_slot<Shape>(ctx, [&](int s, int th) {
+      load_items(&in.B(b, g, n, 0), t0 + th * K, seqlen, B[s]);
+      load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
       steps[s] = AffineStep::identity();
       for (int i = 0; i < K; ++i) {
-        const int t = t0 + th * K + i;
-        const bool inside = i < tok[s].tk.count;
-        B[s][i] = inside ? in.B(b, g, n, t) : 0.0f;
-        C[s][i] = inside ? in.C(b, g, n, t) : 0.0f;
         decay[s][i] = tok[s].tk.carry[i] * selective_scan_exp2(tok[s].tk.delta[i] * a);
         steps[s] = steps[s].then(AffineStep{decay[s][i], tok[s].tk.delta[i] * tok[s].tk.u[i] * B[s][i]});
       }
