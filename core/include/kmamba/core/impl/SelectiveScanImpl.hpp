@@ -12,8 +12,10 @@
 // it. In both, the sequence is walked in chunks: the team
 // stages the chunk's u, δ, B and C in level-0 scratch, then each thread scans its channels over
 // the chunk, then the team writes the chunk's outputs with coalesced stores. Sums over the
-// channels of a team (dB, dC) are read from scratch in channel order, never accumulated there
-// with atomics.
+// channels of a team (dB, dC) are read from scratch in channel order and written as the team's
+// block of a (batch, ngroups, blocks_per_group, dstate, seqlen) workspace, which a second kernel
+// sums over the blocks in block order (with one block a group, the teams write dB and dC
+// themselves): no atomics, so every gradient repeats bit for bit from run to run.
 #ifndef KMAMBA_CORE_IMPL_SELECTIVESCANIMPL_HPP
 #define KMAMBA_CORE_IMPL_SELECTIVESCANIMPL_HPP
 
@@ -92,7 +94,7 @@ struct SelectiveScanPlan {
 };
 
 struct SelectiveScanTeamBlock {
-  int b, g, d0, channels;
+  int b, g, block, d0, channels;
 };
 
 KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const SelectiveScanPlan& plan,
@@ -102,6 +104,7 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
   SelectiveScanTeamBlock tb;
   tb.g = batch_group % plan.ngroups;
   tb.b = batch_group / plan.ngroups;
+  tb.block = block;
   const int first = block * plan.channels_per_team;
   tb.d0 = tb.g * plan.channels_per_group + first;
   const int left = plan.channels_per_group - first;
@@ -583,8 +586,8 @@ struct SelectiveScanForwardRegisterFunctor {
 /// adjoint state μ_t = ā_{t+1}·λ_{t+1} carried from the later chunk. Per-(batch, channel) sums
 /// over seqlen (dA, dD, ddelta_bias) go to `partial_*`. dB and dC are summed over the channels
 /// of the team in channel order from the state tile (dC from the recomputed states before the
-/// backward walk, dB from the λ·δ·u terms the walk leaves in their place), then added
-/// atomically to global memory: no atomics in scratch.
+/// backward walk, dB from the λ·δ·u terms the walk leaves in their place) and written as the
+/// team's block of `dB_blocks`, `dC_blocks`.
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -596,14 +599,14 @@ struct SelectiveScanBackwardFunctor {
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
-  ConstTensor3<float, MemorySpace> dout;         // (batch, dim, seqlen)
-  ConstTensor3<float, MemorySpace> dlast_state;  // (batch, dim, dstate)
-  ConstTensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
-  Tensor3<float, MemorySpace> du, ddelta, dz;    // (batch, dim, seqlen)
-  Tensor4<float, MemorySpace> dB, dC;            // (batch, ngroups, dstate, seqlen)
-  Tensor3<float, MemorySpace> dinitial_state;    // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_dA;        // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_vectors;   // (batch, dim, 2): dD, ddelta_bias
+  ConstTensor3<float, MemorySpace> dout;             // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dlast_state;      // (batch, dim, dstate)
+  ConstTensor4<float, MemorySpace> checkpoints;      // (batch, dim, nchunks, dstate)
+  Tensor3<float, MemorySpace> du, ddelta, dz;        // (batch, dim, seqlen)
+  Tensor5<float, MemorySpace> dB_blocks, dC_blocks;  // (batch, ngroups, blocks_per_group, dstate, seqlen)
+  Tensor3<float, MemorySpace> dinitial_state;        // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_dA;            // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_vectors;       // (batch, dim, 2): dD, ddelta_bias
   bool has_dlast_state, write_dinitial_state;
 
   static std::size_t scratch_bytes(int channels, int chunk, int dstate) {
@@ -682,7 +685,7 @@ struct SelectiveScanBackwardFunctor {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float sum = 0.0f;
           for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
-          Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
+          dC_blocks(tb.b, tb.g, tb.block, n, t0 + t) = sum;
         });
       });
       team.team_barrier();
@@ -733,7 +736,7 @@ struct SelectiveScanBackwardFunctor {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float sum = 0.0f;
           for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
-          Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
+          dB_blocks(tb.b, tb.g, tb.block, n, t0 + t) = sum;
         });
       });
     }
@@ -756,10 +759,10 @@ struct SelectiveScanBackwardFunctor {
 /// selective_scan_register_states with A = B = C = 0 (they stay 0 and add nothing), `state_threads`
 /// threads per channel with `thread_states` states each, on every backend. Per chunk, last to first:
 /// stage the chunk; restart the forward from the chunk's checkpoint, keeping every state of the
-/// chunk in scratch (and each thread's share of y); add the chunk's dC, summed over the team's
+/// chunk in scratch (and each thread's share of y); write the chunk's dC, summed over the team's
 /// channels in channel order; walk the chunk backwards carrying the adjoint μ and the dA sums in
 /// registers, leaving λ·δ·u in place of each state read and each thread's shares of Σ λ·B and
-/// Σ λ·∂h/∂δ in rows of scratch; then write du, dδ, dz and add dB. μ, the dA sums and the
+/// Σ λ·∂h/∂δ in rows of scratch; then write du, dδ, dz and dB. μ, the dA sums and the
 /// per-channel sums of dD and ddelta_bias wait in scratch between chunks. Same outputs as
 /// SelectiveScanBackwardFunctor.
 template <class ExecSpace, class MemorySpace>
@@ -783,14 +786,14 @@ struct SelectiveScanBackwardRegisterFunctor {
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
-  ConstTensor3<float, MemorySpace> dout;         // (batch, dim, seqlen)
-  ConstTensor3<float, MemorySpace> dlast_state;  // (batch, dim, dstate)
-  ConstTensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
-  Tensor3<float, MemorySpace> du, ddelta, dz;    // (batch, dim, seqlen)
-  Tensor4<float, MemorySpace> dB, dC;            // (batch, ngroups, dstate, seqlen)
-  Tensor3<float, MemorySpace> dinitial_state;    // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_dA;        // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_vectors;   // (batch, dim, 2): dD, ddelta_bias
+  ConstTensor3<float, MemorySpace> dout;             // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dlast_state;      // (batch, dim, dstate)
+  ConstTensor4<float, MemorySpace> checkpoints;      // (batch, dim, nchunks, dstate)
+  Tensor3<float, MemorySpace> du, ddelta, dz;        // (batch, dim, seqlen)
+  Tensor5<float, MemorySpace> dB_blocks, dC_blocks;  // (batch, ngroups, blocks_per_group, dstate, seqlen)
+  Tensor3<float, MemorySpace> dinitial_state;        // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_dA;            // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_vectors;       // (batch, dim, 2): dD, ddelta_bias
   bool has_dlast_state, write_dinitial_state;
 
   static std::size_t scratch_bytes(int channels, int chunk, int) {
@@ -869,7 +872,7 @@ struct SelectiveScanBackwardRegisterFunctor {
       selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
         float sum = 0.0f;
         for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
-        Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
+        dC_blocks(tb.b, tb.g, tb.block, n, t0 + t) = sum;
       });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, state_threads * tb.channels), [&](const int i) {
@@ -929,7 +932,7 @@ struct SelectiveScanBackwardRegisterFunctor {
       selective_scan_team_items(team, nstate, len, [&](const int n, const int t) {
         float sum = 0.0f;
         for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
-        Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
+        dB_blocks(tb.b, tb.g, tb.block, n, t0 + t) = sum;
       });
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tb.channels), [&](const int c) {
@@ -986,21 +989,28 @@ struct SelectiveScanBatchSumFunctor {
   }
 };
 
-/// Zeroes dB and dC before the backward accumulates into them.
+/// dB and dC from the teams' blocks, summed in block order; one thread per (batch, group, state,
+/// token).
 template <class MemorySpace>
-struct SelectiveScanZeroFunctor {
-  Tensor4<float, MemorySpace> dB, dC;  // (batch, ngroups, dstate, seqlen)
+struct SelectiveScanBlockSumFunctor {
+  ConstTensor5<float, MemorySpace> dB_blocks, dC_blocks;  // (batch, ngroups, blocks_per_group, dstate, seqlen)
+  Tensor4<float, MemorySpace> dB, dC;                     // (batch, ngroups, dstate, seqlen)
 
-  KOKKOS_INLINE_FUNCTION void operator()(const int row) const {
-    const int nstate = static_cast<int>(dB.extent(2));
-    const int ngroups = static_cast<int>(dB.extent(1));
-    const int n = row % nstate;
-    const int g = (row / nstate) % ngroups;
-    const int b = row / (nstate * ngroups);
-    for (int t = 0; t < static_cast<int>(dB.extent(3)); ++t) {
-      dB(b, g, n, t) = 0.0f;
-      dC(b, g, n, t) = 0.0f;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t index) const {
+    const std::int64_t seqlen = static_cast<std::int64_t>(dB.extent(3));
+    const std::int64_t nstate = static_cast<std::int64_t>(dB.extent(2));
+    const std::int64_t ngroups = static_cast<std::int64_t>(dB.extent(1));
+    const int t = static_cast<int>(index % seqlen);
+    const int n = static_cast<int>((index / seqlen) % nstate);
+    const int g = static_cast<int>((index / (seqlen * nstate)) % ngroups);
+    const int b = static_cast<int>(index / (seqlen * nstate * ngroups));
+    float sum_b = 0.0f, sum_c = 0.0f;
+    for (int block = 0; block < static_cast<int>(dB_blocks.extent(2)); ++block) {
+      sum_b += dB_blocks(b, g, block, n, t);
+      sum_c += dC_blocks(b, g, block, n, t);
     }
+    dB(b, g, n, t) = sum_b;
+    dC(b, g, n, t) = sum_c;
   }
 };
 
@@ -1131,9 +1141,19 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   KMAMBA_ASSERT(forward_chunk == plan.chunk,
                 "checkpoint pass chunk " << forward_chunk << " differs from the backward's " << plan.chunk);
 
-  Kokkos::parallel_for("kmamba::selective_scan::zero_dB_dC",
-                       Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.batch * dims.ngroups * dims.dstate),
-                       SelectiveScanZeroFunctor<MemorySpace>{grads.dB, grads.dC});
+  // One block a group: the teams' blocks are dB and dC themselves (the same layout with an
+  // extent of 1). Otherwise a workspace of a block per team, summed by a second kernel.
+  const bool one_block = plan.blocks_per_group == 1 && grads.dB.span_is_contiguous() && grads.dC.span_is_contiguous();
+  auto blocks_of = [&](const Tensor4<float, MemorySpace>& grad, const char* label) {
+    const auto extent = [](const std::int64_t e) { return static_cast<std::size_t>(e); };
+    return one_block ? Tensor5<float, MemorySpace>(grad.data(),
+                                                   Kokkos::LayoutRight(extent(dims.batch), extent(dims.ngroups), 1,
+                                                                       extent(dims.dstate), extent(dims.seqlen)))
+                     : allocate_uninitialized<Tensor5<float, MemorySpace>>(
+                           label, dims.batch, dims.ngroups, plan.blocks_per_group, dims.dstate, dims.seqlen);
+  };
+  const Tensor5<float, MemorySpace> dB_blocks = blocks_of(grads.dB, "kmamba::selective_scan::dB_blocks");
+  const Tensor5<float, MemorySpace> dC_blocks = blocks_of(grads.dC, "kmamba::selective_scan::dC_blocks");
   // Both forms take the same members; `form` carries the functor type.
   auto launch = [&](auto form, const int team_threads) {
     using Functor = typename decltype(form)::type;
@@ -1145,8 +1165,8 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
                            grads.du,
                            grads.ddelta,
                            grads.dz,
-                           grads.dB,
-                           grads.dC,
+                           dB_blocks,
+                           dC_blocks,
                            grads.dinitial_state,
                            partial_dA,
                            partial_vectors,
@@ -1161,6 +1181,12 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
     launch(SelectiveScanIdentity<Backward>(), 0);
   }
 
+  if (!one_block) {
+    Kokkos::parallel_for("kmamba::selective_scan::block_sum_dB_dC",
+                         Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
+                             exec, 0, dims.batch * dims.ngroups * dims.dstate * dims.seqlen),
+                         SelectiveScanBlockSumFunctor<MemorySpace>{dB_blocks, dC_blocks, grads.dB, grads.dC});
+  }
   const SelectiveScanBatchSumFunctor<MemorySpace> batch_sum{partial_dA,
                                                             partial_vectors,
                                                             grads.dA,
