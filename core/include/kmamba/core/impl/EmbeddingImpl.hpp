@@ -116,7 +116,7 @@ struct EmbeddingSortedIds {
   int tokens;
 
   KOKKOS_INLINE_FUNCTION std::int64_t id(const int i) const { return ids(order(i)); }
-  /// Whether the run holding sorted index `last` (the last of a tile) goes on past it.
+  /// Whether the run holding sorted index `last` goes on past it.
   KOKKOS_INLINE_FUNCTION bool continues(const int last) const { return last + 1 < tokens && id(last + 1) == id(last); }
   /// Whether the run holding sorted index `i` began before `begin` (the first of a tile).
   KOKKOS_INLINE_FUNCTION bool began_before(const int begin, const int i) const {
