@@ -438,6 +438,38 @@ TYPED_TEST(RmsNorm, OverloadsWithoutInstanceMatchReference) {
   check_problem<TypeParam>({6, 40, 20, Mode::norm_first, 1e-5f}, 8021, false);
 }
 
+// dweight sums many row blocks (4099 rows): on a parallel backend, runs of the backward write the
+// same bits however their threads are timed, plain and gated.
+TYPED_TEST(RmsNorm, BackwardRepeatsBitForBit) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T1 = kmamba::Tensor1<float, Mem>;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  const int rows = 4099, dim = 48, group_size = 16;
+  auto x = kmamba::allocate_uninitialized<T2>("kmamba::test::x", rows, dim);
+  auto z = kmamba::allocate_uninitialized<T2>("kmamba::test::z", rows, dim);
+  auto dy = kmamba::allocate_uninitialized<T2>("kmamba::test::dy", rows, dim);
+  auto w = kmamba::allocate_uninitialized<T1>("kmamba::test::w", dim);
+  kmamba::fill_normal(Exec(), x, 9001, 0.0f, 1.0f);
+  kmamba::fill_normal(Exec(), z, 9002, 0.0f, 2.0f);
+  kmamba::fill_normal(Exec(), dy, 9003, 0.0f, 1.0f);
+  kmamba::fill_normal(Exec(), w, 9004, 1.0f, 0.5f);
+  auto dx = kmamba::allocate_uninitialized<T2>("kmamba::test::dx", rows, dim);
+  auto dz = kmamba::allocate_uninitialized<T2>("kmamba::test::dz", rows, dim);
+  auto dw = kmamba::allocate_uninitialized<T1>("kmamba::test::dw", dim);
+  const kmamba::ConstTensor2<float, Mem> cx = x, cz = z, cdy = dy;
+  const kmamba::ConstTensor1<float, Mem> cw = w;
+  std::vector<float> plain, gated;
+  for (int run = 0; run < 20; ++run) {
+    kmamba::rms_norm_backward(Exec(), cdy, cx, cw, 1e-5f, dx, dw);
+    if (run == 0) plain = host_floats(dw);
+    expect_same_bits("plain dweight, run " + std::to_string(run), dw, plain);
+    kmamba::gated_rms_norm_backward(Exec(), cdy, cx, cz, cw, 1e-5f, group_size, false, dx, dz, dw);
+    if (run == 0) gated = host_floats(dw);
+    expect_same_bits("gated dweight, run " + std::to_string(run), dw, gated);
+  }
+}
+
 // bf16 storage for x, z, weight, y, dy and dx; fp32 compute, rstd and dweight.
 TYPED_TEST(RmsNorm, Bf16StorageComputesInFp32) {
   using Exec = TypeParam;

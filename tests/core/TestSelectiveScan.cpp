@@ -598,6 +598,37 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   }
 }
 
+// dB and dC sum the channel blocks of a group (12 here), in the register form (dstate 16) and the
+// lane form (24): on a parallel backend, runs of the backward write the same bits however their
+// threads are timed.
+TYPED_TEST(SelectiveScan, BackwardRepeatsBitForBit) {
+  using Exec = TypeParam;
+  for (int dstate : {16, 24}) {
+    Config c;
+    c.batch = 2;
+    c.dim = 96;
+    c.seqlen = 64;
+    c.dstate = dstate;
+    c.chunk = 0;
+    c.D = c.z = c.bias = c.softplus = c.initial_state = c.dlast = true;
+    c.delta_lo = -3.0f;
+    c.delta_hi = 0.0f;
+    c.seed = 5001 + static_cast<std::uint64_t>(dstate);
+    SCOPED_TRACE(c.describe());
+    const ScanProblem<Exec> p(c);
+    const auto first = run_kernel(p);
+    const std::vector<float> dB = host_floats(first.grads.dB), dC = host_floats(first.grads.dC);
+    const std::vector<float> du = host_floats(first.grads.du), dA = host_floats(first.grads.dA);
+    for (int run = 1; run < 10; ++run) {
+      const auto again = run_kernel(p);
+      expect_same_bits("dB, run " + std::to_string(run), again.grads.dB, dB);
+      expect_same_bits("dC, run " + std::to_string(run), again.grads.dC, dC);
+      expect_same_bits("du, run " + std::to_string(run), again.grads.du, du);
+      expect_same_bits("dA, run " + std::to_string(run), again.grads.dA, dA);
+    }
+  }
+}
+
 // Copies the token t of src (batch, x, seqlen) / (batch, g, n, seqlen) into a contiguous tensor.
 template <class Dst, class Src>
 void copy_token(const Dst& dst, const Src& src, int t) {

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -38,6 +39,20 @@ template <class View>
 std::vector<float> host_floats(const View& view) {
   const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
   return std::vector<float>(h.data(), h.data() + h.span());
+}
+
+/// Expects two runs of a kernel to have written the same bits: every element of the contiguous
+/// float view `view` equals `first` (an earlier run's host_floats) bit for bit.
+template <class View>
+void expect_same_bits(const std::string& what, const View& view, const std::vector<float>& first) {
+  const std::vector<float> again = host_floats(view);
+  ASSERT_EQ(again.size(), first.size()) << what;
+  for (std::size_t i = 0; i < again.size(); ++i) {
+    std::uint32_t a = 0, b = 0;
+    std::memcpy(&a, &first[i], sizeof a);
+    std::memcpy(&b, &again[i], sizeof b);
+    ASSERT_EQ(a, b) << what << "[" << i << "]: " << first[i] << " in the first run, " << again[i] << " in this one";
+  }
 }
 
 /// Copies `values` (storage order) into `view`, rounded to its element type.

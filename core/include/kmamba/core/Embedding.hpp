@@ -9,31 +9,14 @@
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/CheckIds.hpp>
+#include <kmamba/core/impl/EmbeddingImpl.hpp>
 
 #include <Kokkos_Core.hpp>
 
+#include <climits>
 #include <cstdint>
 
 namespace kmamba {
-
-namespace impl {
-template <class MemorySpace>
-struct EmbeddingGather {
-  ConstTensor1<std::int64_t, MemorySpace> ids;
-  ConstTensor2<float, MemorySpace> table;
-  Tensor2<float, MemorySpace> out;
-  KOKKOS_INLINE_FUNCTION void operator()(const int t, const int d) const { out(t, d) = table(ids(t), d); }
-};
-template <class MemorySpace>
-struct EmbeddingScatterAdd {
-  ConstTensor1<std::int64_t, MemorySpace> ids;
-  ConstTensor2<float, MemorySpace> dout;
-  Tensor2<float, MemorySpace> dtable;
-  KOKKOS_INLINE_FUNCTION void operator()(const int t, const int d) const {
-    Kokkos::atomic_add(&dtable(ids(t), d), dout(t, d));
-  }
-};
-}  // namespace impl
 
 /// Throws kmamba::UserError (from `function`) naming the first id outside [0, vocab) — the rows of
 /// the embedding table — and its position. Blocking.
@@ -69,8 +52,11 @@ void embedding_forward(const ExecutionSpace& exec, const ConstTensor1<std::int64
       impl::EmbeddingGather<MemorySpace>{ids, table, out});
 }
 
-/// dtable[ids[t], :] += dout[t, :] (accumulates: zero dtable first for a plain gradient).
-/// Non-blocking on `exec`; ids must already have passed embedding_forward's check.
+/// dtable[ids[t], :] += dout[t, :] (accumulates: zero dtable first for a plain gradient). The rows
+/// of an id are summed in a fixed order set by the ids alone (impl/EmbeddingImpl.hpp), without
+/// atomics: dtable is the same bit for bit from run to run, at any thread count. Non-blocking on
+/// `exec`; ids must already have passed embedding_forward's check. Allocates two int arrays of
+/// `tokens` and two float arrays of (tokens / 64, dim) for the sort and the partial sums.
 template <class ExecutionSpace, class MemorySpace>
 void embedding_backward(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                         const ConstTensor2<float, MemorySpace>& dout,  // (tokens, dim)
@@ -80,10 +66,11 @@ void embedding_backward(const ExecutionSpace& exec, const ConstTensor1<std::int6
   const std::int64_t tokens = static_cast<std::int64_t>(ids.extent(0));
   const std::int64_t dim = static_cast<std::int64_t>(dtable.extent(1));
   check_shape(function, "dout", dout, {tokens, dim}, "(tokens, dim) with dim from dtable");
+  KMAMBA_REQUIRE(tokens <= INT_MAX - impl::embedding_tile && dim <= INT_MAX,
+                 function << ": " << tokens << " tokens of dim " << dim << " exceed the supported "
+                          << INT_MAX - impl::embedding_tile << " tokens and " << INT_MAX << " columns");
   if (tokens == 0 || dim == 0) return;
-  Kokkos::parallel_for("kmamba::embedding::backward",
-                       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {tokens, dim}),
-                       impl::EmbeddingScatterAdd<MemorySpace>{ids, dout, dtable});
+  impl::embedding_scatter_add(exec, ids, dout, dtable);
 }
 
 }  // namespace kmamba

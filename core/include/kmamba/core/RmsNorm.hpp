@@ -11,8 +11,10 @@
 // (one rstd per row and group); group_size = dim is the ordinary norm over the whole row.
 // Rows are batch·seqlen flattened: pass rank-2 views (rows, dim). x, z, weight, y, dy, dx and dz
 // may store float, double or bf16; everything is computed in fp32, and rstd and dweight are fp32.
-// Every op is non-blocking on `exec`: no fences and no temporary allocations (the backward
-// accumulates dweight in team scratch and adds it atomically).
+// Every op is non-blocking on `exec`: no fences. The forward allocates nothing; the backward
+// allocates a (row blocks, dim) workspace of partial dweight rows, which a second kernel sums in
+// block order (no atomics, so dweight repeats bit for bit from run to run), and releases it on
+// return, which waits for the device only where freeing memory does (cudaFree).
 //
 //   kmamba::gated_rms_norm(exec, y_ssd, z, norm_weight, 1e-5f, d_ssm / ngroups,
 //                          /*norm_before_gate=*/false, out, rstd);   // Mamba-2 output norm

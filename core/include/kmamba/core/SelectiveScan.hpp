@@ -164,11 +164,12 @@ void selective_scan_forward(const SelectiveScanArgs<MemorySpace>& args,
 /// respect to every input (see SelectiveScanGrads for which are written). `dlast_state` is
 /// optional (absent = zero). The states are recomputed chunk by chunk from per-chunk checkpoints
 /// and the adjoint state is carried backwards through the chunks. dA, dD and ddelta_bias are
-/// reduced over batch and seqlen deterministically; dB and dC sum the channels of a group with
-/// atomic additions (their rounding may vary between runs on parallel backends). Non-blocking
+/// reduced over batch and seqlen, and dB and dC over the channels of a group, from partial sums
+/// in a fixed order (no atomics: every gradient repeats bit for bit from run to run). Non-blocking
 /// on `exec`, except that its temporary buffers (per-chunk checkpoints of the state, per-batch
-/// partial sums) are released on return, which waits for the device where freeing memory does
-/// (cudaFree).
+/// partial sums, and partial dB and dC per team's block of at most 8 channels, where a group has
+/// more than one block) are released on return, which waits for the device where freeing memory
+/// does (cudaFree).
 template <class ExecutionSpace, class MemorySpace>
 void selective_scan_backward(
     const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,

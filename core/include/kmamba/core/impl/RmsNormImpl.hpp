@@ -5,13 +5,17 @@
 //   forward    one team per (row, group): a team reduction of the sum of squares, then the team
 //              writes the group's outputs (and its rstd). add_rms_norm: one team per row, which
 //              writes residual + delta back while reducing its squares, then normalises it.
-//   backward   dweight is zeroed, then one team per (row block, group) whose threads take the
-//              block's rows in turn (on GPUs a thread is a warp whose lanes cover the channels):
-//              a row's reductions (sum of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)) are
-//              lane reductions with no team barrier, the thread writes dx (dz) and accumulates
-//              go ⊙ x̂ into its own scratch row; at the end of the block the team adds its threads'
-//              rows and then dweight atomically, one atomic per channel and block. No temporary
-//              allocation, so nothing blocks the instance.
+//   backward   one team per (row block, group) whose threads take the block's rows in turn (on
+//              GPUs a thread is a warp whose lanes cover the channels): a row's reductions (sum
+//              of squares unless rstd was saved, and mean(x̂ ⊙ w ⊙ go)) are lane reductions with no
+//              team barrier, the thread writes dx (dz) and accumulates go ⊙ x̂ into its own scratch
+//              row; at the end of the block the team adds its threads' rows in thread order and
+//              writes the sum as the block's row of a (blocks, dim) workspace. A second kernel sums
+//              that workspace over the blocks in block order into dweight: no atomics, so dweight
+//              is the same bit for bit from run to run (the blocks follow the rows and the
+//              device's concurrency, so it may differ between thread counts). The workspace is
+//              allocated per call and released on return, as the other ops' workspaces are: no
+//              fence (docs/design.md, "Memory").
 #ifndef KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
 #define KMAMBA_CORE_IMPL_RMSNORMIMPL_HPP
 
@@ -20,6 +24,7 @@
 #include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Math.hpp>
+#include <kmamba/core/Tensor.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -79,7 +84,7 @@ constexpr int rms_norm_backward_threads = 4;
 constexpr int rms_norm_forward_rows_team = 128;
 
 /// Rows each backward team handles: at least `min_rows`, and at most `max_blocks` blocks in all
-/// (which bounds the atomic additions into dweight to max_blocks per element).
+/// (which bounds the partial rows of dweight, and the second kernel's sums, to max_blocks).
 inline int rms_norm_rows_per_block(int rows, std::int64_t max_blocks) {
   constexpr std::int64_t min_rows = 4;
   return static_cast<int>(std::max(min_rows, (static_cast<std::int64_t>(rows) + max_blocks - 1) / max_blocks));
@@ -191,7 +196,7 @@ struct RmsNormBackwardFunctor {
   RstdView rstd;
   DxView dx;
   DzView dz;
-  DweightView dweight;
+  Kokkos::View<float**, Kokkos::LayoutRight, typename DweightView::memory_space> dweight_blocks;  // (blocks, dim)
   float eps;
   int rows;
   int group_size;
@@ -316,15 +321,21 @@ struct RmsNormBackwardFunctor {
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, begin, end), [&](const int c) {
       float total = 0.0f;
       for (int p = 0; p < team_size; ++p) total += dweight_rows(p, c - begin);
-      Kokkos::atomic_add(&dweight(c), total);
+      dweight_blocks(block, c) = total;
     });
   }
 };
 
+/// dweight(c): the blocks' partial rows summed in block order.
 template <class DweightView>
-struct RmsNormZeroFunctor {
+struct RmsNormDweightSumFunctor {
+  Kokkos::View<const float**, Kokkos::LayoutRight, typename DweightView::memory_space> dweight_blocks;  // (blocks, dim)
   DweightView dweight;
-  KOKKOS_INLINE_FUNCTION void operator()(const int c) const { dweight(c) = 0.0f; }
+  KOKKOS_INLINE_FUNCTION void operator()(const int c) const {
+    float sum = 0.0f;
+    for (int block = 0; block < static_cast<int>(dweight_blocks.extent(0)); ++block) sum += dweight_blocks(block, c);
+    dweight(c) = sum;
+  }
 };
 
 /// Launches a forward functor with one team per (row, group) of group_size channels.
@@ -374,13 +385,13 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
   // Teams of rms_norm_backward_threads rows at once (fewer where the backend allows fewer), each a
   // vector of up to 32 lanes over the channels.
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
-  Functor functor{dy, {x, z, gate},  weight,   rstd, dx, dz, dweight, eps, rows, group_size, ngroups, 0,
+  Functor functor{dy, {x, z, gate},  weight,   rstd, dx, dz, {}, eps, rows, group_size, ngroups, 0,
                   0,  vector_length, have_rstd};
   const int team_size =
       std::max(1, std::min(rms_norm_backward_threads,
                            Policy(exec, 1, 1, vector_length).team_size_max(functor, Kokkos::ParallelForTag())));
   // As many row blocks as teams the device holds at once (at least 64): enough rows in flight to
-  // cover the loads' latency, few enough that the atomic additions into dweight stay cheap.
+  // cover the loads' latency, few enough that the partial rows of dweight stay small.
   const std::int64_t threads_per_team =
       static_cast<std::int64_t>(team_size) * (vector_lanes_are_threads<ExecutionSpace> ? vector_length : 1);
   const int rows_per_block = rms_norm_rows_per_block(
@@ -396,13 +407,16 @@ void rms_norm_backward(const char* function, const ExecutionSpace& exec, const D
                           << " the backend offers");
   functor.scratch_level = scratch_bytes <= static_cast<std::size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
 
-  Kokkos::parallel_for("kmamba::rms_norm::zero_dweight", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, dim),
-                       RmsNormZeroFunctor<DweightView>{dweight});
-  if (blocks == 0) return;
-  Kokkos::parallel_for("kmamba::rms_norm::backward",
-                       Policy(exec, blocks * ngroups, team_size, vector_length)
-                           .set_scratch_size(functor.scratch_level, Kokkos::PerTeam(scratch_bytes)),
-                       functor);
+  functor.dweight_blocks =
+      allocate_uninitialized<decltype(functor.dweight_blocks)>("kmamba::rms_norm::dweight_blocks", blocks, dim);
+  if (blocks > 0) {
+    Kokkos::parallel_for("kmamba::rms_norm::backward",
+                         Policy(exec, blocks * ngroups, team_size, vector_length)
+                             .set_scratch_size(functor.scratch_level, Kokkos::PerTeam(scratch_bytes)),
+                         functor);
+  }
+  Kokkos::parallel_for("kmamba::rms_norm::sum_dweight", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, dim),
+                       RmsNormDweightSumFunctor<DweightView>{functor.dweight_blocks, dweight});
 }
 
 }  // namespace impl

@@ -90,7 +90,7 @@ struct SelectiveScanPlan {
 };
 
 struct SelectiveScanTeamBlock {
-  int b, g, d0, channels;
+  int b, g, block, d0, channels;
 };
 
 KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const SelectiveScanPlan& plan,
@@ -100,6 +100,7 @@ KOKKOS_INLINE_FUNCTION SelectiveScanTeamBlock selective_scan_team_block(const Se
   SelectiveScanTeamBlock tb;
   tb.g = batch_group % plan.ngroups;
   tb.b = batch_group / plan.ngroups;
+  tb.block = block;
   const int first = block * plan.channels_per_team;
   tb.d0 = tb.g * plan.channels_per_group + first;
   const int left = plan.channels_per_group - first;
@@ -325,8 +326,9 @@ struct SelectiveScanForwardFunctor {
 /// adjoint state μ_t = ā_{t+1}·λ_{t+1} carried from the later chunk. Per-(batch, channel) sums
 /// over seqlen (dA, dD, ddelta_bias) go to `partial_*`. dB and dC are summed over the channels
 /// of the team in channel order from the state tile (dC from the recomputed states before the
-/// backward walk, dB from the λ·δ·u terms the walk leaves in their place), then added
-/// atomically to global memory: no atomics in scratch.
+/// backward walk, dB from the λ·δ·u terms the walk leaves in their place) and written as the
+/// team's block of `partial_dB`, `partial_dC`, which SelectiveScanBlockSumFunctor sums over the
+/// blocks in order: no atomics, so the gradients repeat bit for bit.
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -338,14 +340,14 @@ struct SelectiveScanBackwardFunctor {
 
   SelectiveScanOperands<MemorySpace> in;
   SelectiveScanPlan plan;
-  ConstTensor3<float, MemorySpace> dout;         // (batch, dim, seqlen)
-  ConstTensor3<float, MemorySpace> dlast_state;  // (batch, dim, dstate)
-  ConstTensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
-  Tensor3<float, MemorySpace> du, ddelta, dz;    // (batch, dim, seqlen)
-  Tensor4<float, MemorySpace> dB, dC;            // (batch, ngroups, dstate, seqlen)
-  Tensor3<float, MemorySpace> dinitial_state;    // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_dA;        // (batch, dim, dstate)
-  Tensor3<float, MemorySpace> partial_vectors;   // (batch, dim, 2): dD, ddelta_bias
+  ConstTensor3<float, MemorySpace> dout;               // (batch, dim, seqlen)
+  ConstTensor3<float, MemorySpace> dlast_state;        // (batch, dim, dstate)
+  ConstTensor4<float, MemorySpace> checkpoints;        // (batch, dim, nchunks, dstate)
+  Tensor3<float, MemorySpace> du, ddelta, dz;          // (batch, dim, seqlen)
+  Tensor5<float, MemorySpace> partial_dB, partial_dC;  // (blocks_per_group, batch, ngroups, dstate, seqlen)
+  Tensor3<float, MemorySpace> dinitial_state;          // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_dA;              // (batch, dim, dstate)
+  Tensor3<float, MemorySpace> partial_vectors;         // (batch, dim, 2): dD, ddelta_bias
   bool has_dlast_state, write_dinitial_state;
 
   static std::size_t scratch_bytes(int channels, int chunk, int dstate) {
@@ -424,7 +426,7 @@ struct SelectiveScanBackwardFunctor {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float sum = 0.0f;
           for (int c = 0; c < tb.channels; ++c) sum += sg(c, t) * hs(c, n, t + 1);
-          Kokkos::atomic_add(&dC(tb.b, tb.g, n, t0 + t), sum);
+          partial_dC(tb.block, tb.b, tb.g, n, t0 + t) = sum;
         });
       });
       team.team_barrier();
@@ -475,7 +477,7 @@ struct SelectiveScanBackwardFunctor {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float sum = 0.0f;
           for (int c = 0; c < tb.channels; ++c) sum += hs(c, n, t);
-          Kokkos::atomic_add(&dB(tb.b, tb.g, n, t0 + t), sum);
+          partial_dB(tb.block, tb.b, tb.g, n, t0 + t) = sum;
         });
       });
     }
@@ -523,24 +525,6 @@ struct SelectiveScanBatchSumFunctor {
   }
 };
 
-/// Zeroes dB and dC before the backward accumulates into them.
-template <class MemorySpace>
-struct SelectiveScanZeroFunctor {
-  Tensor4<float, MemorySpace> dB, dC;  // (batch, ngroups, dstate, seqlen)
-
-  KOKKOS_INLINE_FUNCTION void operator()(const int row) const {
-    const int nstate = static_cast<int>(dB.extent(2));
-    const int ngroups = static_cast<int>(dB.extent(1));
-    const int n = row % nstate;
-    const int g = (row / nstate) % ngroups;
-    const int b = row / (nstate * ngroups);
-    for (int t = 0; t < static_cast<int>(dB.extent(3)); ++t) {
-      dB(b, g, n, t) = 0.0f;
-      dC(b, g, n, t) = 0.0f;
-    }
-  }
-};
-
 /// One decode step: every (batch, channel) advances its state by one token in place.
 template <class ExecSpace, class MemorySpace>
 struct SelectiveScanStepFunctor {
@@ -584,6 +568,20 @@ struct SelectiveScanStepFunctor {
     });
   }
 };
+
+/// dB, dC = the channel blocks' partial sums (blocks, batch, ngroups, dstate, seqlen) added in
+/// block order.
+template <class ExecSpace, class MemorySpace>
+void selective_scan_sum_blocks(const ExecSpace& exec, const Tensor5<float, MemorySpace>& partial_dB,
+                               const Tensor5<float, MemorySpace>& partial_dC,
+                               const SelectiveScanGrads<MemorySpace>& grads) {
+  const int batch = static_cast<int>(grads.dB.extent(0)), ngroups = static_cast<int>(grads.dB.extent(1));
+  const int dstate = static_cast<int>(grads.dB.extent(2)), seqlen = static_cast<int>(grads.dB.extent(3));
+  Kokkos::parallel_for(
+      "kmamba::selective_scan::block_sum",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<4>>(exec, {0, 0, 0, 0}, {batch, ngroups, dstate, seqlen}),
+      SelectiveScanBlockSumFunctor<MemorySpace>{partial_dB, partial_dC, grads.dB, grads.dC});
+}
 
 /// Runs the lane form of the forward scan in chunks of `requested_chunk` tokens (0: chosen here),
 /// writing what is allocated of out, last_state and checkpoints. Returns the chunk length used.
@@ -689,10 +687,7 @@ void selective_scan_block_backward(const ExecSpace& exec, const SelectiveScanDim
                         partial_vectors};
   WarpTeamLauncher<ExecSpace, Shape::threads / Shape::slots, 3>::launch(
       exec, "kmamba::selective_scan::backward", batch * ngroups * blocks, Functor::bytes, functor);
-  Kokkos::parallel_for(
-      "kmamba::selective_scan::block_sum",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<4>>(exec, {0, 0, 0, 0}, {batch, ngroups, dstate, seqlen}),
-      SelectiveScanBlockSumFunctor<MemorySpace>{partial_dB, partial_dC, grads.dB, grads.dC});
+  selective_scan_sum_blocks(exec, partial_dB, partial_dC, grads);
 }
 
 /// The lane-form backward (wider states, or a chunk_size the block form does not take).
@@ -716,9 +711,10 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                                   Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints);
   KMAMBA_ASSERT(forward_chunk == plan.chunk,
                 "checkpoint pass chunk " << forward_chunk << " differs from the backward's " << plan.chunk);
-  Kokkos::parallel_for("kmamba::selective_scan::zero_dB_dC",
-                       Kokkos::RangePolicy<ExecSpace>(exec, 0, dims.batch * dims.ngroups * dims.dstate),
-                       SelectiveScanZeroFunctor<MemorySpace>{grads.dB, grads.dC});
+  const auto partial_dB = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+      "kmamba::selective_scan::partial_dB", plan.blocks_per_group, dims.batch, dims.ngroups, dims.dstate, dims.seqlen);
+  const auto partial_dC = allocate_uninitialized<Tensor5<float, MemorySpace>>(
+      "kmamba::selective_scan::partial_dC", plan.blocks_per_group, dims.batch, dims.ngroups, dims.dstate, dims.seqlen);
   const Functor backward{operands,
                          plan,
                          dout,
@@ -727,8 +723,8 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                          grads.du,
                          grads.ddelta,
                          grads.dz,
-                         grads.dB,
-                         grads.dC,
+                         partial_dB,
+                         partial_dC,
                          grads.dinitial_state,
                          partial_dA,
                          partial_vectors,
@@ -736,6 +732,7 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                          grads.dinitial_state.is_allocated()};
   selective_scan_launch(exec, "kmamba::selective_scan::backward", plan, backward,
                         Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
+  selective_scan_sum_blocks(exec, partial_dB, partial_dC, grads);
 }
 
 /// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShapes<ExecSpace> for the public
