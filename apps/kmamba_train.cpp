@@ -352,7 +352,8 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, std::move(data), exec);
 #if KMAMBA_ENABLE_MPI
   if (p.mesh)
-    trainer.enable_data_parallel(*p.mesh, kmamba::DataParallelConfig{r.zero_stage, 0, r.overlap_communication});
+    trainer.enable_data_parallel(*p.mesh,
+                                 kmamba::DataParallelConfig{r.zero_stage, r.bucket_elements, r.overlap_communication});
 #else
   (void)p;
 #endif
@@ -373,10 +374,11 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
     const kmamba::MeshConfig& mesh = p.mesh->config();
     std::printf(
         "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
-        "gradients reduced %s the backward\n",
+        "gradients reduced %s the backward in buckets of %g MiB\n",
         p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
         mesh.sequence_parallel_size > 1 ? " (even segments)" : "", r.zero_stage,
-        r.overlap_communication ? "during" : "after");
+        r.overlap_communication ? "during" : "after",
+        static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20));
   }
 #else
   (void)p;

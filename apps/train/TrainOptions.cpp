@@ -181,6 +181,10 @@ void declare_parallel(CLI::App& cli) {
          "even: equal segments, the first seqlen % sp one token longer (default); balanced (by the real tokens of "
          "packed rows) is not built",
          one_of({"even", "balanced"}));
+  option(cli, g, "--bucket-mb", "X",
+         "MiB of fp32 gradients per data-parallel reduction bucket (default 25): smaller buckets start reducing "
+         "earlier in the backward, larger ones make fewer collectives",
+         number_in(0, unbounded, Ends::LowOpen));
   option(cli, g, "--overlap-communication", "BOOL",
          "true: the data-parallel gradients are reduced bucket by bucket while the last micro-batch's backward "
          "runs (default); false: after it",
@@ -407,6 +411,8 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.activation_checkpointing = o.flag("activation-checkpointing");
   refuse_unbuilt(o);
   r.overlap_communication = resolve_overlap(o);
+  const double bucket_bytes = o.number("bucket-mb", 25.0) * static_cast<double>(1 << 20);
+  r.bucket_elements = std::max<std::size_t>(1, static_cast<std::size_t>(bucket_bytes / sizeof(float)));
   resolve_sequence_parallel(o, r);
 }
 

@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -49,6 +50,8 @@ struct Run {
   int zero_stage = 0;
   /// The data-parallel gradients are reduced during the last micro-batch's backward (else after it).
   bool overlap_communication = true;
+  /// fp32 gradient elements per data-parallel reduction bucket (--bucket-mb).
+  std::size_t bucket_elements = 0;
   MatmulPrecision precision = MatmulPrecision::Float32;
   std::int64_t log_interval = 10;
   /// The options given on the command line or in --config (not those run.json restored).

@@ -5,7 +5,7 @@
 namespace kmamba {
 
 std::size_t default_bucket_elements(int ranks) {
-  return std::max<std::size_t>(40000000, 1000000 * static_cast<std::size_t>(std::max(ranks, 1)));
+  return std::max<std::size_t>(default_bucket_bytes / sizeof(float), static_cast<std::size_t>(std::max(ranks, 1)));
 }
 
 BucketLayout::BucketLayout(std::size_t elements, int ranks, std::size_t bucket_elements)

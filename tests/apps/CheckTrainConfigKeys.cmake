@@ -7,7 +7,8 @@
 # - pipeline_parallel_size > 1, gradient_sync_frequency > 1, sequence_split_strategy "balanced"
 #   and the load_balancing keys that ask for work not built fail with 2, naming the key and what
 #   is missing; an unknown key in load_balancing is refused by name;
-# - overlap_communication false reduces after the backward, with the same losses as true.
+# - overlap_communication false reduces after the backward, with the same losses as true;
+#   bucket_mb sets the reduction buckets (default 25 MiB), and tiny buckets give the same losses.
 #   cmake -DTRAIN=<kmamba-train> -DMPIEXEC=<mpiexec> "-DMPIFLAGS=-n;2;--oversubscribe" -DNP=2 -DOUT=<dir>
 #         -P CheckTrainConfigKeys.cmake
 file(REMOVE_RECURSE ${OUT})
@@ -105,7 +106,7 @@ elseif(NP EQUAL 2)
   set(dp2 "\"data_parallel_size\": 2, \"gradient_accumulation_steps\": 2, ${not_split}")
   set(dp2_mesh "${ranks} 2 x tensor parallel 1 x sequence parallel 1; ZeRO stage 0")
   train(dp2_overlap_true "{${dp2}, \"overlap_communication\": true}" 0
-        "${dp2_mesh}; gradients reduced during the backward.*2 steps of 2 x 2 sequences")
+        "${dp2_mesh}; gradients reduced during the backward in buckets of 25 MiB.*2 steps of 2 x 2 sequences")
   train(dp2_overlap_false "{${dp2}, \"overlap_communication\": false}" 0
         "${dp2_mesh}; gradients reduced after the backward.*2 steps of 2 x 2 sequences")
   expect_run_json(dp2_overlap_false "\"overlap_communication\": \"false\"")
@@ -113,6 +114,13 @@ elseif(NP EQUAL 2)
   losses(dp2_overlap_false after)
   if(NOT overlapped STREQUAL after OR overlapped STREQUAL "")
     message(FATAL_ERROR "CheckTrainConfigKeys: the losses with the overlap (${overlapped}) and without (${after}) differ")
+  endif()
+  # Buckets of 2^-16 MiB (16 bytes: 4 fp32 elements, 2 a rank): hundreds of buckets, the same sums.
+  train(dp2_small_buckets "{${dp2}, \"bucket_mb\": 0.0000152587890625}" 0
+        "${dp2_mesh}; gradients reduced during the backward in buckets of 1.52588e-05 MiB")
+  losses(dp2_small_buckets small_bucket_losses)
+  if(NOT overlapped STREQUAL small_bucket_losses)
+    message(FATAL_ERROR "CheckTrainConfigKeys: the losses with 16-byte buckets (${small_bucket_losses}) and 25 MiB ones (${overlapped}) differ")
   endif()
   train(sp_derived "{\"sequence_parallel_enabled\": true, \"sequence_split_strategy\": \"even\"}" 0
         "${ranks} 1 x tensor parallel 1 x sequence parallel 2 \\(even segments\\)")

@@ -116,7 +116,8 @@ TEST(DataParallel, BucketLayoutShardsEveryBucketAndKeepsATail) {
   EXPECT_EQ(layout.tail_begin(), 8u);
   EXPECT_EQ(layout.shard_elements(), 4u);  // one element of each bucket + the 2-element tail
   EXPECT_EQ(kmamba::BucketLayout(9, 1, 0).buckets().size(), 1u);
-  EXPECT_EQ(kmamba::default_bucket_elements(64), 64000000u);
+  EXPECT_EQ(kmamba::default_bucket_elements(64), kmamba::default_bucket_bytes / sizeof(float));
+  EXPECT_EQ(kmamba::default_bucket_elements(64), std::size_t{25} << 18);
 }
 
 TEST(DataParallel, LossAndGradientsEqualOneRankOnTheWholeBatch) {

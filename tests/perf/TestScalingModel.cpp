@@ -151,9 +151,10 @@ TEST(ScalingModel, DataParallelPredictionByHand) {
   work.compute_s = 0.5;
   work.tokens_per_gpu = 16384;
   const double P = kmamba::perf::parameter_count(work.shape), M = 4 * P;
-  // 16 GPUs: default buckets of 40M elements → ceil(368.3M / 40M) = 10 all-reduces of M/10 over 2 nodes:
-  // 10·(10 µs + 12 µs + 2·15 µs) + M·7/8·(1/100e9 + 1/200e9) + (M/8)/50e9.
-  const double dp_comm = 10 * (10e-6 + 12e-6 + 30e-6) + M * 7.0 / 8 * (1 / 100e9 + 1 / 200e9) + M / 8 / 50e9;
+  // 16 GPUs: default buckets of 25 MiB (6 553 600 fp32 elements) → ceil(368.3M / 6.55M) = 57
+  // all-reduces of M/57 over 2 nodes: 57·(10 µs + 12 µs + 2·15 µs) + M·7/8·(1/100e9 + 1/200e9) + (M/8)/50e9.
+  ASSERT_EQ(std::ceil(P / 6553600), 57.0);
+  const double dp_comm = 57 * (10e-6 + 12e-6 + 30e-6) + M * 7.0 / 8 * (1 / 100e9 + 1 / 200e9) + M / 8 / 50e9;
   const kmamba::perf::Prediction p = kmamba::perf::predict_dp(comm, work, 16);
   EXPECT_EQ(p.dp, 16);
   EXPECT_NEAR(p.dp_comm, dp_comm, 1e-12);
@@ -179,11 +180,11 @@ TEST(ScalingModel, TensorAndSequenceParallelPredictionsByHand) {
   EXPECT_EQ(t.dp, 4);
   EXPECT_NEAR(t.compute, 0.6 * (head + (1 - head) / 4), 1e-12);
   EXPECT_NEAR(t.tp_comm, 96 * (20e-6 + 8192.0 * 1024 * 4 * 1.5 / 150e9), 1e-12);
-  const double local = (P - R) / 4 + R;  // 130.7M elements: 4 buckets of 40M
-  ASSERT_EQ(std::ceil(local / 40e6), 4.0);
+  const double local = (P - R) / 4 + R;  // 130.7M elements: 20 buckets of 6 553 600
+  ASSERT_EQ(std::ceil(local / 6553600), 20.0);
   const double Mt = 4 * local;
   // Per bucket RS over 2 ranks (factor 1/2) + AR over 2 nodes of a half bucket + AG over 2 ranks.
-  EXPECT_NEAR(t.dp_comm, 4 * (10e-6 + 30e-6 + 12e-6) + Mt / 2 / 100e9 + Mt / 2 / 50e9 + Mt / 2 / 200e9, 1e-12);
+  EXPECT_NEAR(t.dp_comm, 20 * (10e-6 + 30e-6 + 12e-6) + Mt / 2 / 100e9 + Mt / 2 / 50e9 + Mt / 2 / 200e9, 1e-12);
   EXPECT_NEAR(t.tokens_per_step, 4 * 8192.0, 0);
 
   // sp 8 at 65536 tokens on 16 GPUs: each GPU 8192 tokens (the measured step's); 7 hops inside a

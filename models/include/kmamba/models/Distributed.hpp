@@ -98,8 +98,9 @@ void gather_parameters(const ExecutionSpace& exec, const LanguageModel<Execution
 
 /// Options of DataParallel.
 struct DataParallelConfig {
-  int zero_stage = 0;               ///< 0: every rank keeps all AdamW moments; 1: ZeRO-1 (moments sharded)
-  std::size_t bucket_elements = 0;  ///< elements per reduction bucket (0: default_bucket_elements(dp))
+  int zero_stage = 0;  ///< 0: every rank keeps all AdamW moments; 1: ZeRO-1 (moments sharded)
+  /// fp32 elements per reduction bucket (0: default_bucket_elements(dp), 25 MiB of them).
+  std::size_t bucket_elements = 0;
   /// true: begin_reduction arms the reduction of the coming backward; false: it does nothing, and
   /// reduce_gradients reduces every bucket after the backward.
   bool overlap = true;

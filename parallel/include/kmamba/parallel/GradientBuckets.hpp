@@ -40,8 +40,13 @@
 
 namespace kmamba {
 
-/// Megatron's default bucket size: max(40M, 1M · ranks) elements ("larger DP sizes need larger
-/// buckets so that the collectives do not become latency-bound").
+/// Bytes of fp32 gradients a reduction bucket holds by default (PyTorch DDP's 25 MB, in MiB): small
+/// enough that a model of ~100M parameters has ~20 buckets, so that reductions start early in the
+/// backward and the last one, which the step waits for, is short; large enough that each
+/// collective moves megabytes, not a latency-bound trickle.
+constexpr std::size_t default_bucket_bytes = std::size_t{25} << 20;
+
+/// default_bucket_bytes of fp32 elements (at least one per rank).
 std::size_t default_bucket_elements(int ranks);
 
 class BucketLayout {
