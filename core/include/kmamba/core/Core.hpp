@@ -20,6 +20,7 @@
 #include <kmamba/core/SelectiveScan.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
+#include <kmamba/core/SsdStateCorrection.hpp>
 #include <kmamba/core/Tensor.hpp>
 
 #endif
