@@ -16,9 +16,10 @@
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
-// states passed on, the dp × sp gradient reduction), so values agree to the rounding of the chain
-// of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|, N counted from the
-// model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
+// states composed across the ranks — Mamba-2 adds them to scans from zero, Mamba-3 passes them on —
+// the dp × sp gradient reduction), the same terms in other groupings, so values agree to the
+// rounding of the chain of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|,
+// N counted from the model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
 // by more where a gradient element is at rounding level (Adam divides it by its own size, up to
 // 1/ε); their bound is AdamWDifferenceBound's, element by element.
 #include "DistributedBatches.hpp"
