@@ -5,9 +5,9 @@
 // all ranks — a message's receiver depends on everything its sender did before sending it; a
 // collective joins every rank — gives the longest chain of scans that depend on one another: the
 // critical path counted in scans. For a Mamba-2 model trained on sp = world ranks it must equal the
-// scans of one rank (each layer's forward and backward SSD once), where the serial state chain
-// makes it c times as long; the replay itself is checked on a synthetic serial chain, which it
-// must find c scans long. Counting dependencies is exact on any machine load, unlike a wall clock
+// scans of one rank (each layer's forward and backward SSD once); the replay is checked on a
+// synthetic serial chain, which it must find c scans long, and on Mamba-3, whose serial state
+// chain adds c − 1 scans per direction. Counting dependencies is exact on any machine load, unlike a wall clock
 // on oversubscribed CI cores.
 #include "DistributedBatches.hpp"
 #include "ModelConfigs.hpp"
@@ -97,8 +97,9 @@ int longest_scan_chain(const std::vector<std::vector<Step>>& traces) {
 kmamba::CommunicationLog* scan_log = nullptr;
 
 void mark_scans(const char* name) {
-  if (std::strcmp(name, "kmamba::ssd_forward") == 0 || std::strcmp(name, "kmamba::ssd_backward") == 0) {
-    scan_log->mark("scan");
+  for (const char* scan :
+       {"kmamba::ssd_forward", "kmamba::ssd_backward", "kmamba::mamba3_siso_forward", "kmamba::mamba3_siso_backward"}) {
+    if (std::strcmp(name, scan) == 0) scan_log->mark("scan");
   }
 }
 
@@ -140,10 +141,16 @@ TEST(SequenceConcurrency, ReplayFindsTheSerialChain) {
   EXPECT_EQ(longest_scan_chain({{{Step::Message, kmamba::no_peer, 1}}, {}}), -1);
 }
 
-TEST(SequenceConcurrency, Mamba2SegmentsAreScannedAtTheSameTime) {
+struct ChainLength {
+  int scans;    // the scans of this rank
+  int longest;  // the longest chain of dependent scans over all ranks
+};
+
+/// One training step (loss and backward) of a 2-layer model of `mixer` on sp = world ranks, traced.
+ChainLength trace_one_step(kmamba::MixerKind mixer) {
   const Exec exec;
   const int c = world_size();
-  kmamba::ModelConfig config = model_config(kmamba::MixerKind::Mamba2, {32, 2, 64, 8, 8, 4, 4});
+  kmamba::ModelConfig config = model_config(mixer, {32, 2, 64, 8, 8, 4, 4});
   config.validate();
   auto log = std::make_shared<kmamba::CommunicationLog>();
   kmamba::MeshConfig mesh_config;
@@ -168,14 +175,29 @@ TEST(SequenceConcurrency, Mamba2SegmentsAreScannedAtTheSameTime) {
   Kokkos::Tools::Experimental::set_push_region_callback(saved.push_region);
   scan_log = nullptr;
 
-  int scans = 0;
-  for (const auto& e : log->events()) scans += e.axis.empty();
-  EXPECT_EQ(scans, 2 * config.n_layer) << "one forward and one backward scan per layer";
-  const int longest = longest_scan_chain(gather_traces(*log));
+  ChainLength length{0, 0};
+  for (const auto& e : log->events()) length.scans += e.axis.empty();
+  length.longest = longest_scan_chain(gather_traces(*log));
   if (world_rank() == 0) {
-    std::printf("[ measured ] sp %d: %d scans per rank, longest chain of dependent scans %d\n", c, scans, longest);
+    std::printf("[ measured ] %s sp %d: %d scans per rank, longest chain of dependent scans %d\n",
+                kmamba::mixer_name(mixer), c, length.scans, length.longest);
   }
-  EXPECT_EQ(longest, scans) << "a rank waited on another rank's scan";
+  return length;
+}
+
+TEST(SequenceConcurrency, Mamba2SegmentsAreScannedAtTheSameTime) {
+  const ChainLength length = trace_one_step(kmamba::MixerKind::Mamba2);
+  EXPECT_EQ(length.scans, 4) << "one forward and one backward scan per layer";
+  EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
+}
+
+// The control on a real model: Mamba-3 passes its states along the serial chain
+// (docs/distributed.md §2.2), so each direction puts at least the scans of the c − 1 ranks before
+// on the chain (its backward marks more than one region per layer, each of them chained:
+// 8 + 4·(c − 1) measured at c = 1, 2, 4).
+TEST(SequenceConcurrency, ReplayFindsMamba3sSerialChain) {
+  const ChainLength length = trace_one_step(kmamba::MixerKind::Mamba3);
+  EXPECT_GE(length.longest, length.scans + 2 * (world_size() - 1));
 }
 
 }  // namespace
