@@ -16,13 +16,14 @@
 namespace kmamba {
 namespace impl {
 
-/// cumsum(b, h, t) = Σ_{s ≤ t} a_s of row b, head h (a_s = δ_s·A[h] or the given log decay), one
-/// team per (b, h) scanning the tokens with its vector lanes in a fixed order.
+/// decay(b, h, t) = exp(Σ_{s ≤ t} a_s) of row b, head h (a_s = δ_s·A[h] or the given log decay),
+/// one team per (b, h) scanning the tokens with its vector lanes in a fixed order; one exp per
+/// token, which the kernels below read instead of evaluating it per output element.
 template <class ExecSpace, class MemorySpace>
-struct SsdLogDecayCumsumFunctor {
+struct SsdCumulativeDecayFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   SsdOperands<MemorySpace> in;
-  Tensor3<float, MemorySpace> cumsum;  // (batch, nheads, seqlen)
+  Tensor3<float, MemorySpace> decay;  // (batch, nheads, seqlen)
   int nheads, seqlen;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
@@ -30,43 +31,43 @@ struct SsdLogDecayCumsumFunctor {
     const float rate = in.decay_rate(h);
     Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, seqlen), [&](const int t, float& partial, const bool last) {
       partial += in.token_log_decay(b, t, h, in.dt_value(in.dt_pre(b, t, h)), rate);
-      if (last) cumsum(b, h, t) = partial;
+      if (last) decay(b, h, t) = kmamba::math::exp(partial);
     });
   }
 };
 
 template <class ExecSpace, class MemorySpace>
-Tensor3<float, MemorySpace> ssd_log_decay_cumsum(const ExecSpace& exec, const SsdDims& dims,
+Tensor3<float, MemorySpace> ssd_cumulative_decay(const ExecSpace& exec, const SsdDims& dims,
                                                  const SsdOperands<MemorySpace>& in) {
   using Policy = Kokkos::TeamPolicy<ExecSpace>;
-  const auto cumsum = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd_state_correction::cumsum",
-                                                                          dims.batch, dims.nheads, dims.seqlen);
+  const auto decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd_state_correction::decay",
+                                                                         dims.batch, dims.nheads, dims.seqlen);
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
-  Kokkos::parallel_for("kmamba::ssd_state_correction::cumsum",
+  Kokkos::parallel_for("kmamba::ssd_state_correction::decay",
                        Policy(exec, static_cast<int>(dims.batch * dims.nheads), 1, vector_length),
-                       SsdLogDecayCumsumFunctor<ExecSpace, MemorySpace>{in, cumsum, static_cast<int>(dims.nheads),
-                                                                        static_cast<int>(dims.seqlen)});
-  return cumsum;
+                       SsdCumulativeDecayFunctor<ExecSpace, MemorySpace>{in, decay, static_cast<int>(dims.nheads),
+                                                                         static_cast<int>(dims.seqlen)});
+  return decay;
 }
 
-/// decay(b, h) = exp(cumsum(b, h, seqlen − 1)), 1 for an empty segment.
+/// segment(b, h) = decay(b, h, seqlen − 1), 1 for an empty segment.
 template <class MemorySpace>
 struct SsdSegmentDecayFunctor {
-  ConstTensor3<float, MemorySpace> cumsum;  // (batch, nheads, seqlen)
-  Tensor2<float, MemorySpace> decay;        // (batch, nheads)
+  ConstTensor3<float, MemorySpace> decay;  // (batch, nheads, seqlen)
+  Tensor2<float, MemorySpace> segment;     // (batch, nheads)
   int nheads, seqlen;
 
   KOKKOS_INLINE_FUNCTION void operator()(const int item) const {
     const int b = item / nheads, h = item % nheads;
-    decay(b, h) = seqlen > 0 ? kmamba::math::exp(cumsum(b, h, seqlen - 1)) : 1.0f;
+    segment(b, h) = seqlen > 0 ? decay(b, h, seqlen - 1) : 1.0f;
   }
 };
 
-/// out(b, t, h, p) += exp(cumsum(b, h, t))·Σ_n incoming(b, h, p, n)·C(b, t, g, n), g the group of h.
+/// out(b, t, h, p) += decay(b, h, t)·Σ_n incoming(b, h, p, n)·C(b, t, g, n), g the group of h.
 template <class MemorySpace>
 struct SsdCorrectOutputsFunctor {
   ConstTensor4<float, MemorySpace> C;         // (batch, seqlen, ngroups, dstate)
-  ConstTensor3<float, MemorySpace> cumsum;    // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> decay;     // (batch, nheads, seqlen)
   ConstTensor4<float, MemorySpace> incoming;  // (batch, nheads, headdim, dstate)
   Tensor4<float, MemorySpace> out;            // (batch, seqlen, nheads, headdim)
   int seqlen, nheads, headdim, dstate, heads_per_group;
@@ -79,14 +80,14 @@ struct SsdCorrectOutputsFunctor {
     const int g = h / heads_per_group;
     float sum = 0.0f;
     for (int n = 0; n < dstate; ++n) sum += incoming(b, h, p, n) * C(b, t, g, n);
-    out(b, t, h, p) += kmamba::math::exp(cumsum(b, h, t)) * sum;
+    out(b, t, h, p) += decay(b, h, t) * sum;
   }
 };
 
-/// final_states(b, h, p, n) += decay(b, h)·incoming(b, h, p, n).
+/// final_states(b, h, p, n) += decay(b, h, seqlen − 1)·incoming(b, h, p, n).
 template <class MemorySpace>
 struct SsdCorrectFinalStatesFunctor {
-  ConstTensor3<float, MemorySpace> cumsum;    // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> decay;     // (batch, nheads, seqlen)
   ConstTensor4<float, MemorySpace> incoming;  // (batch, nheads, headdim, dstate)
   Tensor4<float, MemorySpace> final_states;   // (batch, nheads, headdim, dstate)
   int seqlen, nheads, headdim, dstate;
@@ -96,19 +97,19 @@ struct SsdCorrectFinalStatesFunctor {
     const int p = static_cast<int>((item / dstate) % headdim);
     const int h = static_cast<int>((item / (static_cast<std::int64_t>(dstate) * headdim)) % nheads);
     const int b = static_cast<int>(item / (static_cast<std::int64_t>(dstate) * headdim * nheads));
-    const float decay = seqlen > 0 ? kmamba::math::exp(cumsum(b, h, seqlen - 1)) : 1.0f;
-    final_states(b, h, p, n) += decay * incoming(b, h, p, n);
+    const float across = seqlen > 0 ? decay(b, h, seqlen - 1) : 1.0f;
+    final_states(b, h, p, n) += across * incoming(b, h, p, n);
   }
 };
 
-/// dincoming(b, h, p, n) = Σ_t exp(cumsum(b, h, t))·dout(b, t, h, p)·C(b, t, g, n), the tokens
+/// dincoming(b, h, p, n) = Σ_t decay(b, h, t)·dout(b, t, h, p)·C(b, t, g, n), the tokens
 /// summed in order.
 template <class MemorySpace>
 struct SsdIncomingStateGradFunctor {
-  ConstTensor4<float, MemorySpace> C;       // (batch, seqlen, ngroups, dstate)
-  ConstTensor3<float, MemorySpace> cumsum;  // (batch, nheads, seqlen)
-  ConstTensor4<float, MemorySpace> dout;    // (batch, seqlen, nheads, headdim)
-  Tensor4<float, MemorySpace> dincoming;    // (batch, nheads, headdim, dstate)
+  ConstTensor4<float, MemorySpace> C;      // (batch, seqlen, ngroups, dstate)
+  ConstTensor3<float, MemorySpace> decay;  // (batch, nheads, seqlen)
+  ConstTensor4<float, MemorySpace> dout;   // (batch, seqlen, nheads, headdim)
+  Tensor4<float, MemorySpace> dincoming;   // (batch, nheads, headdim, dstate)
   int seqlen, nheads, headdim, dstate, heads_per_group;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
@@ -118,7 +119,7 @@ struct SsdIncomingStateGradFunctor {
     const int b = static_cast<int>(item / (static_cast<std::int64_t>(dstate) * headdim * nheads));
     const int g = h / heads_per_group;
     float sum = 0.0f;
-    for (int t = 0; t < seqlen; ++t) sum += kmamba::math::exp(cumsum(b, h, t)) * dout(b, t, h, p) * C(b, t, g, n);
+    for (int t = 0; t < seqlen; ++t) sum += decay(b, h, t) * dout(b, t, h, p) * C(b, t, g, n);
     dincoming(b, h, p, n) = sum;
   }
 };
@@ -126,11 +127,11 @@ struct SsdIncomingStateGradFunctor {
 template <class ExecSpace, class MemorySpace>
 void ssd_segment_decay_impl(const ExecSpace& exec, const SsdDims& dims, const SsdOperands<MemorySpace>& in,
                             const Tensor2<float, MemorySpace>& decay) {  // (batch, nheads)
-  const auto cumsum = ssd_log_decay_cumsum(exec, dims, in);
-  Kokkos::parallel_for(
-      "kmamba::ssd_state_correction::segment_decay",
-      Kokkos::RangePolicy<ExecSpace>(exec, 0, static_cast<int>(dims.batch * dims.nheads)),
-      SsdSegmentDecayFunctor<MemorySpace>{cumsum, decay, static_cast<int>(dims.nheads), static_cast<int>(dims.seqlen)});
+  const auto cumulative = ssd_cumulative_decay(exec, dims, in);
+  Kokkos::parallel_for("kmamba::ssd_state_correction::segment_decay",
+                       Kokkos::RangePolicy<ExecSpace>(exec, 0, static_cast<int>(dims.batch * dims.nheads)),
+                       SsdSegmentDecayFunctor<MemorySpace>{cumulative, decay, static_cast<int>(dims.nheads),
+                                                           static_cast<int>(dims.seqlen)});
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -140,15 +141,15 @@ void ssd_state_correction_forward_impl(
     const Tensor4<float, MemorySpace>& out,             // (batch, seqlen, nheads, headdim)
     const Tensor4<float, MemorySpace>& final_states) {  // (batch, nheads, headdim, dstate)
   using Range = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
-  const auto cumsum = ssd_log_decay_cumsum(exec, dims, in);
+  const auto cumulative = ssd_cumulative_decay(exec, dims, in);
   const int L = static_cast<int>(dims.seqlen), H = static_cast<int>(dims.nheads);
   const int P = static_cast<int>(dims.headdim), N = static_cast<int>(dims.dstate);
   Kokkos::parallel_for("kmamba::ssd_state_correction::outputs", Range(exec, 0, dims.batch * L * H * P),
-                       SsdCorrectOutputsFunctor<MemorySpace>{in.C, cumsum, incoming, out, L, H, P, N,
+                       SsdCorrectOutputsFunctor<MemorySpace>{in.C, cumulative, incoming, out, L, H, P, N,
                                                              static_cast<int>(dims.nheads / dims.ngroups)});
   if (!final_states.is_allocated()) return;
   Kokkos::parallel_for("kmamba::ssd_state_correction::final_states", Range(exec, 0, dims.batch * H * P * N),
-                       SsdCorrectFinalStatesFunctor<MemorySpace>{cumsum, incoming, final_states, L, H, P, N});
+                       SsdCorrectFinalStatesFunctor<MemorySpace>{cumulative, incoming, final_states, L, H, P, N});
 }
 
 template <class ExecSpace, class MemorySpace>
@@ -157,11 +158,11 @@ void ssd_state_correction_backward_impl(
     const ConstTensor4<float, MemorySpace>& dout,    // (batch, seqlen, nheads, headdim)
     const Tensor4<float, MemorySpace>& dincoming) {  // (batch, nheads, headdim, dstate)
   using Range = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
-  const auto cumsum = ssd_log_decay_cumsum(exec, dims, in);
+  const auto cumulative = ssd_cumulative_decay(exec, dims, in);
   const int L = static_cast<int>(dims.seqlen), H = static_cast<int>(dims.nheads);
   const int P = static_cast<int>(dims.headdim), N = static_cast<int>(dims.dstate);
   Kokkos::parallel_for("kmamba::ssd_state_correction::incoming_grad", Range(exec, 0, dims.batch * H * P * N),
-                       SsdIncomingStateGradFunctor<MemorySpace>{in.C, cumsum, dout, dincoming, L, H, P, N,
+                       SsdIncomingStateGradFunctor<MemorySpace>{in.C, cumulative, dout, dincoming, L, H, P, N,
                                                                 static_cast<int>(dims.nheads / dims.ngroups)});
 }
 
