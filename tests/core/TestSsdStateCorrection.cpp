@@ -3,15 +3,18 @@
 // initial state, so the correction of a state h is ref(h) − ref(0) (outputs and final states), the
 // segment decay is exp(Σ_t a_t), and the gradient with respect to h is the reference's dh0 with no
 // final-state cotangent. The sweep covers dt_bias, softplus or not, dt limits that clamp, a given
-// log decay, 1 or 2 groups, one token and segments longer than a chunk; D is given and must not
-// enter the correction.
+// log decay, 1 or 2 groups, one token, segments longer than a chunk, and heads wider than the
+// kernels' 64-column product blocks (headdim 67, dstate 70); D is given and must not enter the
+// correction.
 //
 // Tolerances, relative to each tensor's largest |reference| (fp32, u = 2^-24 ≈ 6e-8):
-// - correction and decay: every element is exp(cs_t) times a dot product of dstate (5) terms, cs_t
-//   an fp32 sum of ≤ t + 1 terms a_s; the dot product's rounding is ≤ dstate·u relative to its
+// - correction and decay: every element is exp(cs_t) times a dot product of dstate (5, or 70) terms,
+//   cs_t an fp32 sum of ≤ t + 1 terms a_s; the dot product's rounding is ≤ dstate·u relative to its
 //   terms' magnitude and the cumsum's, relative to exp(cs_t), ≤ (t + 1)·u·|cs_t|, which the decay
 //   exp(cs_t) outweighs for long t (max over t of t²·e^{-t/2}·u < 10 u here). Bound 5e-6 (the SSD's
-//   output tolerance, TestSsd.cpp), about 20× those.
+//   output tolerance, TestSsd.cpp), about 20× those at dstate 5; at dstate 70 the worst case
+//   (4e-6) nears it, but the terms' random signs make the rounding grow like √dstate·u (measured
+//   4e-7).
 // - the incoming-state gradient: sums over seqlen (≤ 37) tokens of such terms: 2e-5 (the SSD's
 //   gradient tolerance).
 // - the zero-state SSD plus the correction against the SSD from that state (both fp32, different
@@ -160,6 +163,12 @@ std::vector<Config> sweep() {
   c = base;
   c.seqlen = 1;
   c.seed = 6;
+  configs.push_back(c);
+  // More state columns and head channels than one 64-wide block of the kernels' products.
+  c = base;
+  c.headdim = 67;
+  c.dstate = 70;
+  c.seed = 7;
   configs.push_back(c);
   return configs;
 }

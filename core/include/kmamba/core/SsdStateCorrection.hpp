@@ -61,7 +61,8 @@ void ssd_segment_decay(const ExecutionSpace& exec, const SsdArgs<MemorySpace>& a
   const impl::SsdDims dims = impl::ssd_state_correction_check_args(function, args);
   check_shape(function, "decay", decay, {dims.batch, dims.nheads}, "(batch, nheads)");
   check_allocated(function, "decay", decay);
-  impl::ssd_segment_decay_impl(exec, dims, impl::SsdOperands<MemorySpace>(args), decay);
+  impl::ssd_segment_decay_impl(exec, impl::ssd_plan<ExecutionSpace>(function, dims, args.chunk_size),
+                               impl::SsdOperands<MemorySpace>(args), decay);
 }
 
 /// Adds the contribution of the state `incoming` entering the segment: out_t += exp(cs_t)·incoming·C_t
@@ -88,8 +89,8 @@ void ssd_state_correction_forward(
   if (final_states.is_allocated()) {
     check_shape(function, "final_states", final_states, state, "(batch, nheads, headdim, dstate)");
   }
-  impl::ssd_state_correction_forward_impl(exec, dims, impl::SsdOperands<MemorySpace>(args), incoming, out,
-                                          final_states);
+  impl::ssd_state_correction_forward_impl(exec, impl::ssd_plan<ExecutionSpace>(function, dims, args.chunk_size),
+                                          impl::SsdOperands<MemorySpace>(args), incoming, out, final_states);
 }
 
 /// Writes dincoming = Σ_t exp(cs_t)·C_t·dout_tᵀ per (batch, head): the gradient of Σ out·dout with
@@ -113,7 +114,8 @@ void ssd_state_correction_backward(
   check_shape(function, "dincoming", dincoming, {dims.batch, dims.nheads, dims.headdim, dims.dstate},
               "(batch, nheads, headdim, dstate)");
   check_allocated(function, "dincoming", dincoming);
-  impl::ssd_state_correction_backward_impl(exec, dims, impl::SsdOperands<MemorySpace>(args), dout, dincoming);
+  impl::ssd_state_correction_backward_impl(exec, impl::ssd_plan<ExecutionSpace>(function, dims, args.chunk_size),
+                                           impl::SsdOperands<MemorySpace>(args), dout, dincoming);
 }
 
 }  // namespace kmamba
