@@ -1,11 +1,12 @@
 // Sequence parallelism scans the segments at the same time (docs/distributed.md §2.1), shown on the
 // dependencies between the ranks rather than on a clock: every rank traces its communication (the
-// CountingCommunicator's events, with their peers) and marks the start of each SSD scan (a Kokkos
-// Tools region callback on kmamba::ssd_forward and kmamba::ssd_backward). Replaying the traces of
+// CountingCommunicator's events, with their peers) and marks the start of each scan (a Kokkos
+// Tools region callback on the forward and backward regions of the SSD, the selective scan and the
+// Mamba-3 SISO scan). Replaying the traces of
 // all ranks — a message's receiver depends on everything its sender did before sending it; a
 // collective joins every rank — gives the longest chain of scans that depend on one another: the
-// critical path counted in scans. For a Mamba-2 model trained on sp = world ranks it must equal the
-// scans of one rank (each layer's forward and backward SSD once); the replay is checked on a
+// critical path counted in scans. For a Mamba-2 or Mamba-1 model trained on sp = world ranks it must
+// equal the scans of one rank (each layer's forward and backward scan once); the replay is checked on a
 // synthetic serial chain, which it must find c scans long, and on Mamba-3, whose serial state
 // chain adds c − 1 scans per direction. Counting dependencies is exact on any machine load, unlike a wall clock
 // on oversubscribed CI cores.
@@ -98,7 +99,8 @@ kmamba::CommunicationLog* scan_log = nullptr;
 
 void mark_scans(const char* name) {
   for (const char* scan :
-       {"kmamba::ssd_forward", "kmamba::ssd_backward", "kmamba::mamba3_siso_forward", "kmamba::mamba3_siso_backward"}) {
+       {"kmamba::ssd_forward", "kmamba::ssd_backward", "kmamba::selective_scan_forward",
+        "kmamba::selective_scan_backward", "kmamba::mamba3_siso_forward", "kmamba::mamba3_siso_backward"}) {
     if (std::strcmp(name, scan) == 0) scan_log->mark("scan");
   }
 }
@@ -150,7 +152,7 @@ struct ChainLength {
 ChainLength trace_one_step(kmamba::MixerKind mixer) {
   const Exec exec;
   const int c = world_size();
-  kmamba::ModelConfig config = model_config(mixer, {32, 2, 64, 8, 8, 4, 4});
+  kmamba::ModelConfig config = model_config(mixer, {32, 2, 64, 8, 8, 4, mixer == kmamba::MixerKind::Mamba1 ? 1 : 4});
   config.validate();
   auto log = std::make_shared<kmamba::CommunicationLog>();
   kmamba::MeshConfig mesh_config;
@@ -191,8 +193,15 @@ TEST(SequenceConcurrency, Mamba2SegmentsAreScannedAtTheSameTime) {
   EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
 }
 
+// Mamba-1's selective scans split the same way (docs/distributed.md §2.2).
+TEST(SequenceConcurrency, Mamba1SegmentsAreScannedAtTheSameTime) {
+  const ChainLength length = trace_one_step(kmamba::MixerKind::Mamba1);
+  EXPECT_EQ(length.scans, 4) << "one forward and one backward scan per layer";
+  EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
+}
+
 // The control on a real model: Mamba-3 passes its states along the serial chain
-// (docs/distributed.md §2.2), so each direction puts at least the scans of the c − 1 ranks before
+// (docs/distributed.md §2.3), so each direction puts at least the scans of the c − 1 ranks before
 // on the chain (its backward marks more than one region per layer, each of them chained:
 // 8 + 4·(c − 1) measured at c = 1, 2, 4).
 TEST(SequenceConcurrency, ReplayFindsMamba3sSerialChain) {

@@ -18,6 +18,7 @@
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/core/SelectiveScanStateCorrection.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
 #include <kmamba/core/SsdStateCorrection.hpp>
