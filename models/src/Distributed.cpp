@@ -133,9 +133,9 @@ void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
   KMAMBA_REQUIRE(mesh.sequence_parallel_size >= 1,
                  function << ": sequence_parallel_size must be >= 1, got " << mesh.sequence_parallel_size);
   if (model.mixer == MixerKind::Mamba1) {
-    KMAMBA_REQUIRE(model.d_inner() % tp == 0, function << ": tensor_parallel_size " << tp << " does not divide the "
-                                                       << mixer_name(model.mixer) << " model's d_inner "
-                                                       << model.d_inner() << " (expand × d_model)");
+    KMAMBA_REQUIRE(tp == 1, function << ": tensor_parallel_size " << tp << ": the " << mixer_name(model.mixer)
+                                     << " mixer is not split across tensor ranks (it splits sequences: use "
+                                        "sequence_parallel_size)");
     return;
   }
   KMAMBA_REQUIRE(model.num_heads() % tp == 0, function << ": tensor_parallel_size " << tp << " does not divide the "

@@ -4,6 +4,7 @@
 #include <kmamba/models/Mamba1Mixer.hpp>
 
 #include "MixerToolkit.hpp"
+#include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Conv1d.hpp>
@@ -11,6 +12,7 @@
 #include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/core/SelectiveScanStateCorrection.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
@@ -328,9 +330,16 @@ struct Mamba1ALogInit {
 
 template <class ExecutionSpace>
 Mamba1Mixer<ExecutionSpace>::Mamba1Mixer(const ModelConfig& config, std::string prefix)
-    : config_(config), prefix_(std::move(prefix)) {
+    : Mamba1Mixer(config, std::move(prefix), ModelParallel()) {}
+
+template <class ExecutionSpace>
+Mamba1Mixer<ExecutionSpace>::Mamba1Mixer(const ModelConfig& config, std::string prefix, const ModelParallel& parallel)
+    : config_(config), prefix_(std::move(prefix)), parallel_(parallel) {
   KMAMBA_REQUIRE(config.mixer == MixerKind::Mamba1,
                  "kmamba::Mamba1Mixer: the config's mixer is " << mixer_name(config.mixer) << ", not Mamba1");
+  KMAMBA_REQUIRE(parallel_.tensor_size() == 1, "kmamba::Mamba1Mixer: tensor_parallel_size "
+                                                   << parallel_.tensor_size()
+                                                   << " is not supported (the Mamba1 mixer splits sequences only)");
   config.validate();
   d_model_ = config.d_model;
   d_inner_ = config.d_inner();
@@ -410,6 +419,13 @@ void Mamba1Mixer<ExecutionSpace>::prepare_activations(std::int64_t batch, std::i
     act_.B = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba1::B", batch, 1, d_state_, seqlen);
     act_.C = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba1::C", batch, 1, d_state_, seqlen);
     act_.A = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::A", d_inner_, d_state_);
+    if (parallel_.sequence_size() > 1) {  // zero on the first rank, which receives nothing
+      act_.conv_initial = allocate<Tensor3<float, Mem>>("kmamba::mamba1::conv_initial", batch, d_inner_, d_conv_ - 1);
+      act_.ssm_initial =
+          allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::ssm_initial", batch, d_inner_, d_state_);
+      act_.segment_decay =
+          allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::segment_decay", batch, d_inner_, d_state_);
+    }
   }
   if (keep_input && !act_.u.is_allocated()) {
     act_.u = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::u", tokens, d_model_);
@@ -487,7 +503,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const Activations& a = act_;
   const ConstTensor2<std::int64_t, Mem>& seq_idx =
-      this->sequence_ids(function, batch, static_cast<std::int64_t>(u.extent(1)));
+      packed_sequence_ids(function, batch, static_cast<std::int64_t>(u.extent(1)));
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -501,10 +517,22 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     impl::mamba1_add_bias(exec, a.x, p.in_bias, 0);
     impl::mamba1_add_bias(exec, a.z, p.in_bias, d_inner_);
   }
-  // xc = silu(conv(x) + bias), from and into the cache's conv window when there is one
-  const Tensor3<float, Mem> conv_state = cache != nullptr ? cache->conv : Tensor3<float, Mem>();
-  causal_conv1d(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, conv_state,
-                impl::mamba1_token_tensor(a.xc, batch), conv_state, Conv1dActivation::silu, seq_idx);
+  // xc = silu(conv(x) + bias), from and into the cache's conv window when there is one; split
+  // sequences take the previous rank's last d_conv − 1 inputs (the halo) and pass theirs on.
+  const bool split_sequence = parallel_.sequence_size() > 1;
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+  Tensor3<float, Mem> conv_initial = cache != nullptr ? cache->conv : Tensor3<float, Mem>();
+  Tensor3<float, Mem> conv_final = conv_initial;
+  if (split_sequence) {
+    conv_initial = a.conv_initial;
+    if (previous != no_peer) parallel_.sequence->recv(exec, conv_initial, previous);
+    conv_final = next != no_peer ? allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::conv_final", batch,
+                                                                               d_inner_, d_conv_ - 1)
+                                 : Tensor3<float, Mem>();
+  }
+  causal_conv1d(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, conv_initial,
+                impl::mamba1_token_tensor(a.xc, batch), conv_final, Conv1dActivation::silu, seq_idx);
+  if (split_sequence && next != no_peer) parallel_.sequence->send(exec, conv_final, next);
   // [dt | B | C] = xc·x_projᵀ;  delta = dt·dt_projᵀ
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_dt, 0.0f, a.dt);
   gemm(Transpose::No, Transpose::Yes, a.xc, p.x_bc, 0.0f, a.bc);
@@ -518,15 +546,48 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   impl::negative_exp(exec, "kmamba::mamba1::A", impl::as_flat(p.A_log), impl::as_flat(a.A));
   SelectiveScanArgs<Mem> scan =
       impl::mamba1_scan_args<SelectiveScanArgs<Mem>>(p, a.xc_channels, a.delta_channels, a.A, a.B, a.C, a.z_channels);
-  const Tensor3<float, Mem> ssm_state = cache != nullptr ? cache->ssm : Tensor3<float, Mem>();
-  scan.initial_state = ssm_state;
   scan.seq_idx = seq_idx;
-  selective_scan_forward(exec, scan, a.y_channels, ssm_state);
+  if (split_sequence) {
+    scan_segment(exec, scan, a.y_channels);
+  } else {
+    const Tensor3<float, Mem> ssm_state = cache != nullptr ? cache->ssm : Tensor3<float, Mem>();
+    scan.initial_state = ssm_state;
+    selective_scan_forward(exec, scan, a.y_channels, ssm_state);
+  }
   // out = y·out_projᵀ (+ bias)
   impl::mamba1_relayout<false>(exec, "kmamba::mamba1::y_to_tokens", a.y, 0, a.y_channels);
   const Tensor2<float, Mem> out_rows = impl::token_rows(out);
   gemm(Transpose::No, Transpose::Yes, a.y, p.out_weight, 0.0f, out_rows);
   if (dims.bias) impl::mamba1_add_bias(exec, out_rows, p.out_bias, 0);
+}
+
+template <class ExecutionSpace>
+void Mamba1Mixer<ExecutionSpace>::scan_segment(const ExecutionSpace& exec, const SelectiveScanArgs<memory_space>& args,
+                                               const Tensor3<float, memory_space>& y) {  // (batch, d_inner, seqlen)
+  using Mem = memory_space;
+  // Every rank scans its segment from a zero state at once; the (decay, last state) pairs of the
+  // segments then give each rank the state entering its own (docs/distributed.md §2.2), whose
+  // contribution is added to the gated output (the gate multiplies it as the rest of y).
+  const std::int64_t batch = act_.batch;
+  const auto last = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::ssm_final", batch, d_inner_, d_state_);
+  selective_scan_forward(exec, args, y, last);
+  selective_scan_segment_decay(exec, args, act_.segment_decay);
+  const std::size_t rows = static_cast<std::size_t>(batch), width = static_cast<std::size_t>(d_inner_) * d_state_;
+  impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Forward,
+                           ConstTensor2<float, Mem>(act_.segment_decay.data(), rows, width),
+                           ConstTensor2<float, Mem>(last.data(), rows, width),
+                           Tensor2<float, Mem>(act_.ssm_initial.data(), rows, width));
+  selective_scan_state_correction_forward(exec, args, act_.ssm_initial, y, Tensor3<float, Mem>());
+}
+
+template <class ExecutionSpace>
+const ConstTensor2<std::int64_t, typename Mamba1Mixer<ExecutionSpace>::memory_space>&
+Mamba1Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
+  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
+  KMAMBA_REQUIRE(!seq_idx.is_allocated() || parallel_.sequence_size() == 1,
+                 function << ": packed sequence ids (seq_idx) with sequence parallelism (" << parallel_.sequence_size()
+                          << " ranks) are not supported: a rank's segment may not start a document");
+  return seq_idx;
 }
 
 template <class ExecutionSpace>
@@ -560,6 +621,7 @@ void Mamba1Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
   const auto batch = static_cast<std::int64_t>(u.extent(0)), seqlen = static_cast<std::int64_t>(u.extent(1));
   check_shape(function, "u", u, {batch, seqlen, d_model_}, "(batch, seqlen, d_model)");
   check_shape(function, "out", out, {batch, seqlen, d_model_}, "(batch, seqlen, d_model) of u");
+  impl::check_whole_sequences(function, parallel_);
   Cache& c = cache_of(function, cache, batch);
   impl::mamba1_tensors(function, slab, prefix_, impl::mamba1_dims(config_), false);  // checked for seqlen 0 too
   release_activations();
@@ -583,6 +645,7 @@ void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   check_shape(function, "out", out, {batch, d_model_}, "(batch, d_model) of u");
   check_allocated(function, "u", u);
   check_allocated(function, "out", out);
+  impl::check_whole_sequences(function, parallel_);
   Cache& c = cache_of(function, cache, batch);
   const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
@@ -632,7 +695,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const impl::Mamba1Tensors<Mem> g = impl::mamba1_tensors(function, slab, prefix_, dims, true);
-  const ConstTensor2<std::int64_t, Mem>& seq_idx = this->sequence_ids(function, batch, seqlen);
+  const ConstTensor2<std::int64_t, Mem>& seq_idx = packed_sequence_ids(function, batch, seqlen);
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -666,7 +729,13 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   sg.dC = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba1::dC", batch, 1, d_state_, seqlen);
   sg.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::dD", d_inner_);
   sg.ddelta_bias = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::ddelta_bias", d_inner_);
-  selective_scan_backward(exec, scan, dy_channels, ConstTensor3<float, Mem>(), sg);
+  // Sequence parallel: the segment's gradients are those of the scan from its incoming state.
+  Tensor3<float, Mem> dlast_state;
+  if (parallel_.sequence_size() > 1) {
+    dlast_state = last_state_gradient(exec, scan, dy_channels);
+    scan.initial_state = a.ssm_initial;
+  }
+  selective_scan_backward(exec, scan, dy_channels, dlast_state, sg);
   Kokkos::parallel_for("kmamba::mamba1::scan_parameter_gradients",
                        Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
                        impl::Mamba1AddScanGradients<Mem>{a.A, sg.dA, sg.dD, sg.ddelta_bias, g.A_log, g.D, g.dt_bias});
@@ -694,18 +763,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
 
   // xc = silu(conv(x) + bias). ddelta is dead after the x_proj products; its buffer takes dx.
   const Tensor2<float, Mem> dx = ddelta;
-  const auto dconv_weight =
-      allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::dconv_weight", d_inner_, d_conv_);
-  const Tensor1<float, Mem> dconv_bias =
-      dims.conv_bias ? allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::dconv_bias", d_inner_)
-                     : Tensor1<float, Mem>();
-  causal_conv1d_backward(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias,
-                         ConstTensor3<float, Mem>(), impl::mamba1_token_tensor(dxc, batch), ConstTensor3<float, Mem>(),
-                         impl::mamba1_token_tensor(dx, batch), dconv_weight, dconv_bias, Tensor3<float, Mem>(),
-                         Conv1dActivation::silu, seq_idx);
-  Kokkos::parallel_for(
-      "kmamba::mamba1::conv_parameter_gradients", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
-      impl::Mamba1AddConvGradients<Mem>{dconv_weight, dconv_bias, g.conv_weight, g.conv_bias, dims.conv_bias});
+  backward_conv(exec, slab, dxc, dx);
 
   // [x | z] = u·in_projᵀ + bias
   gemm(Transpose::Yes, Transpose::No, dx, a.u, 1.0f, g.in_x);
@@ -717,6 +775,68 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const Tensor2<float, Mem> du_rows = impl::token_rows(du);
   gemm(Transpose::No, Transpose::No, dx, p.in_x, 0.0f, du_rows);
   gemm(Transpose::No, Transpose::No, dz, p.in_z, 1.0f, du_rows);
+}
+
+template <class ExecutionSpace>
+Tensor3<float, typename ExecutionSpace::memory_space> Mamba1Mixer<ExecutionSpace>::last_state_gradient(
+    const ExecutionSpace& exec, const SelectiveScanArgs<memory_space>& args,
+    const ConstTensor3<float, memory_space>& dy) const {  // (batch, d_inner, seqlen)
+  using Mem = memory_space;
+  // The gradient of this segment's last state is the one of the state entering the next segment,
+  // composed over the later segments from what each segment's outputs give its incoming state
+  // (docs/distributed.md §2.2).
+  const std::int64_t batch = act_.batch;
+  const auto from_outputs =
+      allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_ssm_incoming", batch, d_inner_, d_state_);
+  selective_scan_state_correction_backward(exec, args, dy, from_outputs);
+  const auto dlast_state =
+      allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_ssm_final", batch, d_inner_, d_state_);
+  const std::size_t rows = static_cast<std::size_t>(batch), width = static_cast<std::size_t>(d_inner_) * d_state_;
+  impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Backward,
+                           ConstTensor2<float, Mem>(act_.segment_decay.data(), rows, width),
+                           ConstTensor2<float, Mem>(from_outputs.data(), rows, width),
+                           Tensor2<float, Mem>(dlast_state.data(), rows, width));
+  return dlast_state;
+}
+
+template <class ExecutionSpace>
+void Mamba1Mixer<ExecutionSpace>::backward_conv(
+    const ExecutionSpace& exec, const Slab& slab,
+    const ConstTensor2<float, memory_space>& dxc,    // (batch·seqlen, d_inner)
+    const Tensor2<float, memory_space>& dx) const {  // (batch·seqlen, d_inner)
+  using Mem = memory_space;
+  constexpr const char* function = "kmamba::Mamba1Mixer::backward";
+  const Activations& a = act_;
+  const std::int64_t batch = a.batch;
+  const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
+  const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
+  const impl::Mamba1Tensors<Mem> g = impl::mamba1_tensors(function, slab, prefix_, dims, true);
+  const auto dconv_weight =
+      allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba1::dconv_weight", d_inner_, d_conv_);
+  const Tensor1<float, Mem> dconv_bias =
+      dims.conv_bias ? allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba1::dconv_bias", d_inner_)
+                     : Tensor1<float, Mem>();
+  // Sequence parallel: the halo's gradient comes back from the next rank and goes to the previous
+  // one (no_peer without the split).
+  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
+  Tensor3<float, Mem> dconv_final, dconv_initial;
+  if (next != no_peer) {
+    dconv_final =
+        allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_conv_final", batch, d_inner_, d_conv_ - 1);
+    parallel_.sequence->recv(exec, dconv_final, next);
+  }
+  if (previous != no_peer) {
+    dconv_initial =
+        allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_conv_initial", batch, d_inner_, d_conv_ - 1);
+  }
+  causal_conv1d_backward(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, a.conv_initial,
+                         impl::mamba1_token_tensor(dxc, batch), dconv_final, impl::mamba1_token_tensor(dx, batch),
+                         dconv_weight, dconv_bias, dconv_initial, Conv1dActivation::silu,
+                         packed_sequence_ids(function, batch, a.seqlen));
+  if (previous != no_peer) parallel_.sequence->send(exec, dconv_initial, previous);
+  Kokkos::parallel_for(
+      "kmamba::mamba1::conv_parameter_gradients", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
+      impl::Mamba1AddConvGradients<Mem>{dconv_weight, dconv_bias, g.conv_weight, g.conv_bias, dims.conv_bias});
 }
 
 #define KMAMBA_INSTANTIATE(Exec) template class Mamba1Mixer<Exec>;

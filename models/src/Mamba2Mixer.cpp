@@ -3,6 +3,7 @@
 #include <kmamba/models/Mamba2Mixer.hpp>
 
 #include "MixerToolkit.hpp"
+#include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Conv1d.hpp>
@@ -13,6 +14,7 @@
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
+#include <kmamba/core/SsdStateCorrection.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
 #include <kmamba/core/Math.hpp>
 
@@ -228,8 +230,10 @@ typename Mamba2Mixer<ExecutionSpace>::Activations Mamba2Mixer<ExecutionSpace>::m
       a.conv_initial[s] = allocate<Tensor3<float, memory_space>>(
           std::string("kmamba::mamba2::conv_initial_") + segment_names[s], batch, segment_widths_[s], d_conv_ - 1);
     }
-    a.ssm_initial =
-        allocate<Tensor4<float, memory_space>>("kmamba::mamba2::ssm_initial", batch, nheads_, headdim_, d_state_);
+    a.ssm_initial = allocate_uninitialized<Tensor4<float, memory_space>>("kmamba::mamba2::ssm_initial", batch, nheads_,
+                                                                         headdim_, d_state_);
+    a.segment_decay =
+        allocate_uninitialized<Tensor2<float, memory_space>>("kmamba::mamba2::segment_decay", batch, nheads_);
   }
   return a;
 }
@@ -375,17 +379,13 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   args.matmul_precision = this->ssd_matmul_precision();
   args.seq_idx = seq_idx;
-  Tensor4<float, Mem> final_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
-  args.initial_states = final_states;
-  if (split_sequence) {  // the state entering this segment, from the previous rank
-    if (previous != no_peer) sequence->recv(exec, a.ssm_initial, previous);
-    args.initial_states = a.ssm_initial;
-    final_states = next != no_peer ? allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::ssm_final", batch,
-                                                                                 nheads_, headdim_, d_state_)
-                                   : Tensor4<float, Mem>();
+  const Tensor4<float, Mem> y = as_heads(a.y, batch, seqlen, nheads_);
+  if (split_sequence) {
+    scan_segment(exec, args, y, a);
+  } else {
+    args.initial_states = cache != nullptr ? cache->ssm : Tensor4<float, Mem>();
+    ssd_forward(exec, args, y, cache != nullptr ? cache->ssm : Tensor4<float, Mem>());
   }
-  ssd_forward(exec, args, as_heads(a.y, batch, seqlen, nheads_), final_states);
-  if (split_sequence && next != no_peer) sequence->send(exec, final_states, next);
 
   gated_rms_norm(exec, a.y, a.pre[z_segment], slab.template param<1>(p + "norm.weight"),
                  static_cast<float>(config_.norm_epsilon), d_inner_ / ngroups_, config_.norm_before_gate, a.normed,
@@ -395,6 +395,28 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
           d_model_, a.normed, out);
   sum_over_tensor_ranks(exec, out);
+}
+
+template <class ExecutionSpace>
+void Mamba2Mixer<ExecutionSpace>::scan_segment(
+    const ExecutionSpace& exec, const SsdArgs<memory_space>& args,
+    const Tensor4<float, memory_space>& y,  // (batch, seqlen, nheads, headdim)
+    Activations& a) const {
+  using Mem = memory_space;
+  // Every rank scans its segment from a zero state at once; the (decay, final state) pairs of the
+  // segments then give each rank the state entering its own (docs/distributed.md §2.1), whose
+  // contribution C_t·exp(cumsum_t)·h_in is added to y before the gated norm (the SSD here has no
+  // gate, and D·x does not depend on the state).
+  const auto final_states =
+      allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::ssm_final", a.batch, nheads_, headdim_, d_state_);
+  ssd_forward(exec, args, y, final_states);
+  ssd_segment_decay(exec, args, a.segment_decay);
+  const std::size_t rows = static_cast<std::size_t>(a.batch * nheads_), width = a.ssm_initial.size() / rows;
+  impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Forward,
+                           ConstTensor2<float, Mem>(a.segment_decay.data(), rows, 1),
+                           ConstTensor2<float, Mem>(final_states.data(), rows, width),
+                           Tensor2<float, Mem>(a.ssm_initial.data(), rows, width));
+  ssd_state_correction_forward(exec, args, a.ssm_initial, y, Tensor4<float, Mem>());
 }
 
 template <class ExecutionSpace>
@@ -492,8 +514,6 @@ void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const
   const auto grad = [&](const char* name) { return flat(slab.grads(), slab, p + name); };
   const std::int64_t batch = a.batch, seqlen = a.seqlen;
   const bool split_sequence = parallel_.sequence_size() > 1;
-  const Communicator* const sequence = parallel_.sequence;
-  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
   // Gradients of x, B, C (after the conv), of the dt segment, A, D and dt_bias.
   const Vector dA = allocate_uninitialized<Vector>("kmamba::mamba2::d_A", nheads_);
   const Vector dD = allocate_uninitialized<Vector>("kmamba::mamba2::d_D", nheads_);
@@ -510,23 +530,26 @@ void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   args.matmul_precision = this->ssd_matmul_precision();
   args.seq_idx = packed_sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen);
-  // Sequence parallel: the gradient of this segment's final state comes back from the next rank,
-  // the gradient of its initial state goes to the previous one.
+  const Tensor4<float, Mem> dy_heads = as_heads(dy, batch, seqlen, nheads_);
+  // Sequence parallel: the gradient of this segment's final state is the one of the state entering
+  // the next segment, composed over the later segments from what each segment's outputs give its
+  // incoming state (docs/distributed.md §2.1); the segment's gradients are then those of the SSD
+  // from its incoming state.
   Tensor4<float, Mem> dfinal_states;
   if (split_sequence) {
+    const auto from_outputs = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_incoming", batch,
+                                                                          nheads_, headdim_, d_state_);
+    ssd_state_correction_backward(exec, args, dy_heads, from_outputs);
+    dfinal_states =
+        allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_, headdim_, d_state_);
+    const std::size_t rows = static_cast<std::size_t>(batch * nheads_), width = from_outputs.size() / rows;
+    impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Backward,
+                             ConstTensor2<float, Mem>(a.segment_decay.data(), rows, 1),
+                             ConstTensor2<float, Mem>(from_outputs.data(), rows, width),
+                             Tensor2<float, Mem>(dfinal_states.data(), rows, width));
     args.initial_states = a.ssm_initial;
-    if (next != no_peer) {
-      dfinal_states = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_,
-                                                                  headdim_, d_state_);
-      sequence->recv(exec, dfinal_states, next);
-    }
-    if (previous != no_peer) {
-      g.dinitial_states = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_initial", batch, nheads_,
-                                                                      headdim_, d_state_);
-    }
   }
-  ssd_backward(exec, args, as_heads(dy, batch, seqlen, nheads_), dfinal_states, g);
-  if (split_sequence && previous != no_peer) sequence->send(exec, g.dinitial_states, previous);
+  ssd_backward(exec, args, dy_heads, dfinal_states, g);
   accumulate(exec, dD, grad("D"));
   accumulate(exec, ddt_bias, grad("dt_bias"));
   Kokkos::parallel_for("kmamba::mamba2::A_log_grad", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, nheads_),

@@ -34,12 +34,9 @@ std::unique_ptr<Mixer<ExecutionSpace>> make_mixer(const ModelConfig& config, con
     case MixerKind::Mamba3:
       return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba3Mixer<ExecutionSpace>(config, prefix, parallel));
     case MixerKind::Mamba1:
-      break;
+      return std::unique_ptr<Mixer<ExecutionSpace>>(new Mamba1Mixer<ExecutionSpace>(config, prefix, parallel));
   }
-  KMAMBA_USER_ERROR("kmamba::make_mixer: tensor_parallel_size "
-                    << parallel.tensor_size() << " and sequence_parallel_size " << parallel.sequence_size()
-                    << " need a Mamba2 or Mamba3 mixer; the " << mixer_name(config.mixer)
-                    << " mixer is not split across ranks in this version");
+  KMAMBA_USER_ERROR("kmamba::make_mixer: unknown mixer kind " << static_cast<int>(config.mixer));
 }
 
 #define KMAMBA_INSTANTIATE_MAKE_MIXER(Exec)                                                       \

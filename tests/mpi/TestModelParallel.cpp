@@ -1,24 +1,27 @@
 // Tensor and sequence parallelism of small Mamba-2 and Mamba-3 (SISO with the output norm, and
-// MIMO of rank 2) language models (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank reference on
-// the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world (tp splits
-// the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter than the
-// Mamba-2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes its four scan states
-// instead): M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
+// MIMO of rank 2) language models, and sequence parallelism of a Mamba-1 one (which does not split
+// tensors: its meshes are the dp × sp ones) (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank
+// reference on the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world
+// (tp splits the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter
+// than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes its four
+// scan states instead): M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
 //    1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's within the
 //    AdamW propagation of τ, and the mesh-wide gradient norm equals the 1-rank norm within ‖δ‖₂;
 // M3 initialize() gives each tensor rank the slices of the unsplit initialisation; scatter then
 //    gather is the identity;
 // M1 also holds with activation checkpointing (the recompute repeats the sequence state passing);
-// M4 a tensor-parallel size that does not divide the heads/groups is one clear error on every rank;
+// M4 a tensor-parallel size that does not divide the heads/groups is one clear error on every rank (any
+//    tensor split of Mamba-1);
 //    sequence_segment splits unevenly and rejects a segment of no tokens;
 // M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits.
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
-// states passed on, the dp × sp gradient reduction), so values agree to the rounding of the chain
-// of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|, N counted from the
-// model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
+// states composed across the ranks — Mamba-1/2 add them to scans from zero, Mamba-3 passes them on —
+// the dp × sp gradient reduction), the same terms in other groupings, so values agree to the
+// rounding of the chain of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|,
+// N counted from the model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
 // by more where a gradient element is at rounding level (Adam divides it by its own size, up to
 // 1/ε); their bound is AdamWDifferenceBound's, element by element.
 #include "DistributedBatches.hpp"
@@ -69,7 +72,16 @@ kmamba::ModelConfig tiny_mamba3(bool mimo) {
   return c;
 }
 
+/// Mamba-1 of the same width (d_inner 64, d_state 8), with linear biases.
+kmamba::ModelConfig tiny_mamba1() {
+  kmamba::ModelConfig c = kmamba::test::model_config(kmamba::MixerKind::Mamba1, {32, 2, 64, 8, 8, 4});
+  c.bias = true;
+  c.validate();
+  return c;
+}
+
 kmamba::ModelConfig config_named(const std::string& name) {
+  if (name == "mamba1") return tiny_mamba1();
   if (name == "mamba2") return tiny_mamba2();
   return tiny_mamba3(name == "mamba3_mimo");
 }
@@ -93,11 +105,21 @@ Batch make_batch(int step, int length = seqlen) {
 
 kmamba::ModelParallel split_of(const kmamba::ProcessMesh& mesh) { return {&mesh.tensor(), &mesh.sequence()}; }
 
-/// Calls check(mesh, local) for every mesh of mesh_configs(true), `local` the model of `config` split over the
+/// The meshes of mesh_configs(true) that can split `config`: all of them, or for Mamba-1 those
+/// without a tensor split.
+std::vector<kmamba::MeshConfig> split_meshes(const kmamba::ModelConfig& config) {
+  std::vector<kmamba::MeshConfig> meshes;
+  for (const auto& m : mesh_configs(true)) {
+    if (config.mixer != kmamba::MixerKind::Mamba1 || m.tensor_parallel_size == 1) meshes.push_back(m);
+  }
+  return meshes;
+}
+
+/// Calls check(mesh, local) for every mesh of split_meshes(config), `local` the model of `config` split over the
 /// mesh and initialised with init_seed, under a trace naming the mesh.
 template <class Check>
 void for_each_split(const kmamba::ModelConfig& config, const Check& check) {
-  for (const auto& mesh_config : mesh_configs(true)) {
+  for (const auto& mesh_config : split_meshes(config)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     SCOPED_TRACE(mesh_name(mesh));
     Model local(config, split_of(mesh));
@@ -185,7 +207,7 @@ TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   Model reference(config);
   reference.initialize(init_seed);
   const double ref_loss = one_rank_backward(reference, b);
-  for (const auto& mesh_config : mesh_configs(true)) {
+  for (const auto& mesh_config : split_meshes(config)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const bool checkpointing : {false, true}) {
       SCOPED_TRACE(mesh_name(mesh) + (checkpointing ? " with activation checkpointing" : ""));
@@ -211,7 +233,7 @@ TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   }
 }
 
-// Segments of 2, 2, 1, 1 tokens at 4 ranks, shorter than the Mamba-2 conv halo of 3: a rank's
+// Segments of 2, 2, 1, 1 tokens at 4 ranks, shorter than the Mamba-1/2 conv halo of 3: a rank's
 // halo then reaches back over several ranks (through the previous rank's conv state, which holds
 // part of its own halo), and its gradient flows back the same way. Mamba-3: one-token segments,
 // whose final k and v states are their only token's.
@@ -246,7 +268,7 @@ TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
                                  [&](int step) { one_rank_backward(reference, make_batch(step)); });
   ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
-  for (const auto& mesh_config : mesh_configs(true)) {
+  for (const auto& mesh_config : split_meshes(config)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const int stage : {0, 1}) {
       SCOPED_TRACE(mesh_name(mesh) + " zero_stage " + std::to_string(stage));
@@ -349,11 +371,13 @@ TEST_P(SplitModel, RejectsATensorSplitThatDoesNotFitTheHeads) {
     Model model(config, split_of(mesh));
     ADD_FAILURE() << "no exception";
   } catch (const kmamba::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("must divide nheads 8 and ngroups 1"), std::string::npos) << e.what();
+    const char* const want = config.mixer == kmamba::MixerKind::Mamba1 ? "the Mamba1 mixer splits sequences only"
+                                                                       : "must divide nheads 8 and ngroups 1";
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Mixers, SplitModel, ::testing::Values("mamba2", "mamba3_siso", "mamba3_mimo"),
+INSTANTIATE_TEST_SUITE_P(Mixers, SplitModel, ::testing::Values("mamba1", "mamba2", "mamba3_siso", "mamba3_mimo"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

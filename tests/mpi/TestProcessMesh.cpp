@@ -180,9 +180,12 @@ TEST(ProcessMesh, MeshMustFitTheModel) {
   expect_contains(user_error([&] { kmamba::check_mesh_fits_model(mesh, model); }),
                   "tensor_parallel_size 4 does not divide the Mamba2 model's ngroups 2");
   model.mixer = kmamba::MixerKind::Mamba1;
-  mesh.tensor_parallel_size = 3;
+  mesh.tensor_parallel_size = 2;
   expect_contains(user_error([&] { kmamba::check_mesh_fits_model(mesh, model); }),
-                  "does not divide the Mamba1 model's d_inner 128");
+                  "tensor_parallel_size 2: the Mamba1 mixer is not split across tensor ranks");
+  mesh.tensor_parallel_size = 1;
+  mesh.sequence_parallel_size = 2;
+  kmamba::check_mesh_fits_model(mesh, model);
 }
 
 }  // namespace

@@ -18,8 +18,10 @@
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/SelectiveScan.hpp>
+#include <kmamba/core/SelectiveScanStateCorrection.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Ssd.hpp>
+#include <kmamba/core/SsdStateCorrection.hpp>
 #include <kmamba/core/Tensor.hpp>
 
 #endif

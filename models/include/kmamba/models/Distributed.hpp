@@ -66,7 +66,7 @@ namespace kmamba {
 
 /// Throws a UserError, the same on every rank, when `mesh` cannot shard `model`: the
 /// tensor-parallel size must divide the heads and the B/C groups of Mamba-2/3 (each rank keeps
-/// whole heads with their group) and d_inner of Mamba-1.
+/// whole heads with their group), and be 1 for Mamba-1 (which splits sequences only).
 void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model);
 
 /// local_values ← this rank's part of full_values: the runs of every sharded parameter, every

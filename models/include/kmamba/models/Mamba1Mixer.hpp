@@ -19,6 +19,17 @@
 // in fp32 on every backend. Backward runs the chain in reverse and adds every parameter
 // gradient into the slab's gradients.
 //
+// Sequence parallelism (docs/distributed.md §2.2; ModelParallel.sequence of c ranks; no tensor
+// parallelism): rank k holds one contiguous segment of every sequence (any lengths >= 1). The conv
+// halo is a chain: forward receives from rank k−1 the last d_conv − 1 inputs of x (the conv's
+// initial state) and sends rank k+1 its own final conv state; backward returns their gradients.
+// The SSM state is parallel in time: every rank scans its segment from a zero state, the ranks
+// combine their (decay, last state) pairs in ⌈log₂ c⌉ exchanges, and each adds the contribution of
+// the state entering its segment (selective_scan_state_correction_forward); backward combines the
+// gradients the other way and runs the scan's backward from the incoming state. Parameter
+// gradients are partial sums over the segments; the caller sums them over the sequence ranks
+// (DataParallel does, over dp × sp). Packed sequence ids, prefill and step do not take a split.
+//
 // Recurrent inference (docs/algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
 // d_conv − 1), the SSM state (batch, d_inner, d_state) in fp32 and the step's buffers. prefill is
 // the forward above with the cache's states as the conv's and the scan's initial states, advanced
@@ -53,6 +64,9 @@
 
 namespace kmamba {
 
+template <class MemorySpace>
+struct SelectiveScanArgs;  // kmamba/core/SelectiveScan.hpp
+
 template <class ExecutionSpace>
 class Mamba1Mixer final : public Mixer<ExecutionSpace> {
  public:
@@ -62,6 +76,9 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
 
   /// Throws kmamba::UserError unless config.mixer is MixerKind::Mamba1 and the config is valid.
   Mamba1Mixer(const ModelConfig& config, std::string prefix);
+  /// A mixer of a sequence-split model (file comment); throws kmamba::UserError if `parallel`
+  /// splits the tensors as well.
+  Mamba1Mixer(const ModelConfig& config, std::string prefix, const ModelParallel& parallel);
 
   const std::string& prefix() const override { return prefix_; }
 
@@ -129,6 +146,11 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
     Tensor4<float, memory_space> B;               // (batch, 1, d_state, seqlen)
     Tensor4<float, memory_space> C;               // (batch, 1, d_state, seqlen)
     Tensor2<float, memory_space> A;               // (d_inner, d_state), −exp(A_log)
+    // Sequence parallelism: the states entering this rank's segment (zero on the first rank) and
+    // the factors by which the segment scales the SSM state.
+    Tensor3<float, memory_space> conv_initial;   // (batch, d_inner, d_conv − 1)
+    Tensor3<float, memory_space> ssm_initial;    // (batch, d_inner, d_state)
+    Tensor3<float, memory_space> segment_decay;  // (batch, d_inner, d_state)
   };
 
   void prepare_activations(std::int64_t batch, std::int64_t seqlen, bool keep_input);
@@ -138,6 +160,22 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
                    const ConstTensor3<float, memory_space>& u,  // (batch, seqlen, d_model)
                    const Tensor3<float, memory_space>& out,     // (batch, seqlen, d_model)
                    Cache* cache);
+  // Sequence parallel scan: y from this segment's scan and the other segments' (decay, last state)
+  // pairs, which give act_.ssm_initial; keeps act_.segment_decay for the backward.
+  void scan_segment(const ExecutionSpace& exec, const SelectiveScanArgs<memory_space>& args,
+                    const Tensor3<float, memory_space>& y);  // (batch, d_inner, seqlen)
+  // Sequence parallel backward: the gradient of this segment's last state, (batch, d_inner, d_state).
+  Tensor3<float, memory_space> last_state_gradient(
+      const ExecutionSpace& exec, const SelectiveScanArgs<memory_space>& args,
+      const ConstTensor3<float, memory_space>& dy) const;  // (batch, d_inner, seqlen)
+  // The conv + SiLU backward over act_: dx from dxc, the conv's parameter gradients added into the
+  // slab's; the halo's gradient passes between the sequence ranks.
+  void backward_conv(const ExecutionSpace& exec, const Slab& slab,
+                     const ConstTensor2<float, memory_space>& dxc,   // (batch·seqlen, d_inner)
+                     const Tensor2<float, memory_space>& dx) const;  // (batch·seqlen, d_inner)
+  // The tokens' packed sequence ids, which a sequence-split mixer rejects.
+  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
+                                                                      std::int64_t seqlen) const;
   // d_model, d_inner, d_state, d_conv, dt_rank: what a cache must have been made for.
   std::array<int, 5> shape_key() const;
   // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch
@@ -146,6 +184,7 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
 
   ModelConfig config_;
   std::string prefix_;
+  ModelParallel parallel_;
   int d_model_, d_inner_, d_state_, d_conv_, dt_rank_;
   Activations act_;
   bool kept_ = false;

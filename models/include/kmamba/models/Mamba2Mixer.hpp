@@ -42,12 +42,14 @@
 // all-reduces the partial outputs over the tensor ranks (out_proj.bias added once), backward
 // all-reduces du. Grads of the shards are complete on their rank; out_proj.bias is replicated.
 //
-// Sequence parallelism (docs/distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
-// rank k holds one contiguous segment of every sequence (any lengths >= 1). Forward receives from
-// rank k−1 the last d_conv − 1 pre-conv inputs of x, B, C (the halo, as the conv's initial state)
-// and the SSM state entering its segment (the SSD's initial state), and sends rank k+1 its own
-// final conv and SSM states; backward runs the same chain in reverse with the gradients of those
-// states (the conv's and the SSD's dfinal/dinitial). Parameter gradients are partial sums over
+// Sequence parallelism (docs/distributed.md §2.1; ModelParallel.sequence of c ranks): rank k holds
+// one contiguous segment of every sequence (any lengths >= 1). The conv halo is a chain: forward
+// receives from rank k−1 the last d_conv − 1 pre-conv inputs of x, B, C (the conv's initial state)
+// and sends rank k+1 its own final conv state; backward returns their gradients. The SSM state is
+// parallel in time: every rank scans its segment from a zero state, the ranks combine their
+// (decay, final state) pairs in ⌈log₂ c⌉ exchanges, and each adds the contribution of the state
+// entering its segment (ssd_state_correction_forward); backward combines the gradients the other
+// way and runs the SSD backward from the incoming state. Parameter gradients are partial sums over
 // the segments; the caller sums them over the sequence ranks (DataParallel does, over dp × sp).
 // prefill and step do not take a sequence split.
 //
@@ -75,6 +77,9 @@
 #include <vector>
 
 namespace kmamba {
+
+template <class MemorySpace>
+struct SsdArgs;  // kmamba/core/Ssd.hpp
 
 namespace impl {
 template <class MemorySpace, std::size_t N>
@@ -165,9 +170,11 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
     Matrix y;                               // (rows, d_inner), the SSD output
     Matrix rstd;                            // (rows, ngroups), the gated norm's rstd
     Matrix normed;                          // (rows, d_inner), the gated norm's output
-    // Sequence parallelism: the states entering this rank's segment (zero on the first rank).
+    // Sequence parallelism: the states entering this rank's segment (zero on the first rank) and
+    // the factor by which the segment scales the SSM state.
     std::array<Tensor3<float, memory_space>, segment_count> conv_initial;  // x, B, C: (batch, width, d_conv − 1)
     Tensor4<float, memory_space> ssm_initial;                              // (batch, nheads, headdim, d_state)
+    Tensor2<float, memory_space> segment_decay;                            // (batch, nheads)
   };
 
   // Every parameter this mixer declares, in declaration order.
@@ -185,6 +192,11 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
                    const ConstMatrix& u,  // (batch·seqlen, d_model)
                    const Matrix& out,     // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
+  // Sequence parallel SSD: y and a.ssm_initial from this segment's scan and the other segments'
+  // (decay, final state) pairs; keeps a.segment_decay for the backward.
+  void scan_segment(const ExecutionSpace& exec, const SsdArgs<memory_space>& args,
+                    const Tensor4<float, memory_space>& y,  // (batch, seqlen, nheads, headdim)
+                    Activations& acts) const;
   // The steps of backward over the kept activations, from the output back to the input. `dpre`
   // receives the gradients of the in_proj segments and `dact` those of x, B and C after the conv,
   // (rows, width) each.

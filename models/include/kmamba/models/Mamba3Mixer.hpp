@@ -37,7 +37,7 @@
 // are shared by every head: replicated, their gradients (partial sums over this rank's heads) are
 // all-reduced over the tensor ranks in backward, so they are complete and equal on every tensor rank.
 //
-// Sequence parallelism (docs/distributed.md §2.1, the serial ring; ModelParallel.sequence of c ranks):
+// Sequence parallelism (docs/distributed.md §2.3, the serial chain; ModelParallel.sequence of c ranks):
 // Mamba-3 has no convolution, so no halo: rank k receives from rank k−1 the scan's four states
 // entering its segment (angle, ssm, k, v) as the scan's initial states and sends rank k+1 its final
 // ones; backward passes their gradients the other way (the scan's dfinal_states / dinitial).

@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace kmamba {
 
@@ -51,13 +52,35 @@ class CommunicationLog {
   }
   /// Every (axis, operation) seen, with its tally.
   const std::map<std::pair<std::string, std::string>, Tally>& tallies() const { return tallies_; }
-  void record(const std::string& axis, const std::string& operation, std::size_t elements, double seconds = 0.0) {
+  void record(const std::string& axis, const std::string& operation, std::size_t elements, double seconds = 0.0,
+              int dest = no_peer, int source = no_peer) {
     Tally& t = tallies_[{axis, operation}];
     ++t.calls;
     t.elements += static_cast<std::int64_t>(elements);
     t.seconds += seconds;
+    if (tracing_) events_.push_back({axis, operation, static_cast<std::int64_t>(elements), dest, source});
   }
-  void clear() { tallies_.clear(); }
+  void clear() {
+    tallies_.clear();
+    events_.clear();
+  }
+
+  /// One operation, or a mark of the caller's, in the order this process issued them.
+  struct Event {
+    std::string axis;       ///< the operation's axis; "" for a mark
+    std::string operation;  ///< the operation (as tally's), or the mark's name
+    std::int64_t elements;  ///< as Tally::elements
+    int dest, source;       ///< send_recv's peers (ranks of the axis; no_peer for none or another operation)
+  };
+  /// Whether operations (and marks) are appended to events() (off by default). Tests use the
+  /// trace to follow the dependencies between ranks (docs/distributed.md §2.1).
+  bool tracing() const { return tracing_; }
+  void set_tracing(bool on) { tracing_ = on; }
+  /// Appends a mark, e.g. the start of a computation, to the trace (while tracing).
+  void mark(const std::string& name) {
+    if (tracing_) events_.push_back({"", name, 0, no_peer, no_peer});
+  }
+  const std::vector<Event>& events() const { return events_; }
 
   /// Whether the CountingCommunicators writing here time their operations (off by default).
   bool timing() const { return timing_; }
@@ -65,7 +88,9 @@ class CommunicationLog {
 
  private:
   std::map<std::pair<std::string, std::string>, Tally> tallies_;
+  std::vector<Event> events_;
   bool timing_ = false;
+  bool tracing_ = false;
 };
 
 class CountingCommunicator final : public Communicator {
@@ -101,8 +126,9 @@ class CountingCommunicator final : public Communicator {
   }
   void do_send_recv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count, int source,
                     DataType type, const StreamContext& stream) const override {
-    counted("send_recv", send_count + recv_count, &stream,
-            [&] { inner_->do_send_recv(send, send_count, dest, recv, recv_count, source, type, stream); });
+    counted(
+        "send_recv", send_count + recv_count, &stream,
+        [&] { inner_->do_send_recv(send, send_count, dest, recv, recv_count, source, type, stream); }, dest, source);
   }
   void do_barrier() const override {
     counted("barrier", 0, nullptr, [&] { inner_->do_barrier(); });
@@ -113,9 +139,10 @@ class CountingCommunicator final : public Communicator {
   // Records the operation; with the log's timing on, also its time between a fence of the caller's
   // instance before and one after (stream: null for the barrier, which has none).
   template <class Operation>
-  void counted(const char* operation, std::size_t elements, const StreamContext* stream, const Operation& run) const {
+  void counted(const char* operation, std::size_t elements, const StreamContext* stream, const Operation& run,
+               int dest = no_peer, int source = no_peer) const {
     if (!log_->timing()) {
-      log_->record(axis(), operation, elements);
+      log_->record(axis(), operation, elements, 0.0, dest, source);
       run();
       return;
     }
@@ -124,7 +151,7 @@ class CountingCommunicator final : public Communicator {
     run();
     if (stream != nullptr && stream->fence) stream->fence();
     log_->record(axis(), operation, elements,
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), dest, source);
   }
 
   std::unique_ptr<Communicator> inner_;
