@@ -60,11 +60,25 @@ std::vector<std::int64_t> long_run_ids(const int tokens) {
   return ids;
 }
 
+// The backward through the public op (on host backends the column sums) or, `sorted`, through the
+// sort's scatter-add that a GPU runs, which the host tests check too.
+template <class Exec, class Mem>
+void scatter_add(bool sorted, const kmamba::Tensor1<std::int64_t, Mem>& ids, const kmamba::Tensor2<float, Mem>& dout,
+                 const kmamba::Tensor2<float, Mem>& dtable) {
+  const kmamba::ConstTensor1<std::int64_t, Mem> i(ids);
+  const kmamba::ConstTensor2<float, Mem> g(dout);
+  if (sorted) {
+    kmamba::impl::embedding_sorted_scatter_add(Exec(), i, g, dtable);
+  } else {
+    kmamba::embedding_backward(Exec(), i, g, dtable);
+  }
+}
+
 // Tolerance: a sum of n fp32 terms, in any order, is within γ(n − 1)·Σ|terms| of the exact sum,
 // γ(k) = k·u / (1 − k·u) with u = 2^-24; here the terms of dtable[v, d] are its initial value and
 // the rows of dout with id v.
-TYPED_TEST(Embedding, LongRunsScatterAddWithinTheSumBound) {
-  using Exec = TypeParam;
+template <class Exec>
+void check_long_runs(bool sorted) {
   using Mem = typename Exec::memory_space;
   const int vocab = 8, dim = 33, tokens = 5000;
   const std::vector<std::int64_t> id_values = long_run_ids(tokens);
@@ -75,8 +89,7 @@ TYPED_TEST(Embedding, LongRunsScatterAddWithinTheSumBound) {
   auto dtable = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dtable", vocab, dim);
   kmamba::fill_normal(Exec(), dtable, 6, 0.0f, 1.0f);  // the scatter-add accumulates
   const std::vector<double> initial = kmamba::test::host_doubles(dtable);
-  kmamba::embedding_backward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
-                             kmamba::ConstTensor2<float, Mem>(dout), dtable);
+  scatter_add<Exec>(sorted, ids, dout, dtable);
   const std::vector<double> dh = kmamba::test::host_doubles(dout);
   const std::vector<double> gh = kmamba::test::host_doubles(dtable);
   std::vector<double> ref = initial, magnitude(initial.size()), terms(initial.size(), 1.0);
@@ -95,6 +108,13 @@ TYPED_TEST(Embedding, LongRunsScatterAddWithinTheSumBound) {
   for (int d = 0; d < dim; ++d) EXPECT_EQ(gh[7 * dim + d], initial[7 * dim + d]);
 }
 
+TYPED_TEST(Embedding, LongRunsScatterAddWithinTheSumBound) {
+  using Exec = TypeParam;
+  for (const bool sorted : {false, true}) {
+    SCOPED_TRACE(sorted ? "the sort's scatter-add" : "embedding_backward");
+    check_long_runs<Exec>(sorted);
+  }
+}
 // The rows of an id are summed in an order set by the ids alone: on a parallel backend, runs of
 // the backward write the same bits however their threads are timed.
 TYPED_TEST(Embedding, BackwardRepeatsBitForBit) {
@@ -105,15 +125,18 @@ TYPED_TEST(Embedding, BackwardRepeatsBitForBit) {
   auto dout = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dout", tokens, dim);
   kmamba::fill_normal(Exec(), dout, 7, 0.0f, 1.0f);
   auto dtable = kmamba::allocate_uninitialized<kmamba::Tensor2<float, Mem>>("kmamba::test::dtable", vocab, dim);
-  std::vector<float> first;
+  std::vector<float> first[2];  // public op, sort
   for (int run = 0; run < 20; ++run) {
-    Kokkos::deep_copy(dtable, 0.0f);
-    kmamba::embedding_backward(Exec(), kmamba::ConstTensor1<std::int64_t, Mem>(ids),
-                               kmamba::ConstTensor2<float, Mem>(dout), dtable);
-    if (run == 0) {
-      first = kmamba::test::host_floats(dtable);
-    } else {
-      kmamba::test::expect_same_bits("dtable, run " + std::to_string(run), dtable, first);
+    for (const bool sorted : {false, true}) {
+      Kokkos::deep_copy(dtable, 0.0f);
+      scatter_add<Exec>(sorted, ids, dout, dtable);
+      const std::size_t form = sorted ? 1 : 0;
+      if (run == 0) {
+        first[form] = kmamba::test::host_floats(dtable);
+      } else {
+        kmamba::test::expect_same_bits(std::string(sorted ? "sorted " : "") + "dtable, run " + std::to_string(run),
+                                       dtable, first[form]);
+      }
     }
   }
 }

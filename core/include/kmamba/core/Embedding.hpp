@@ -55,8 +55,9 @@ void embedding_forward(const ExecutionSpace& exec, const ConstTensor1<std::int64
 /// dtable[ids[t], :] += dout[t, :] (accumulates: zero dtable first for a plain gradient). The rows
 /// of an id are summed in a fixed order set by the ids alone (impl/EmbeddingImpl.hpp), without
 /// atomics: dtable is the same bit for bit from run to run, at any thread count. Non-blocking on
-/// `exec`; ids must already have passed embedding_forward's check. Allocates two int arrays of
-/// `tokens` and two float arrays of (tokens / 64, dim) for the sort and the partial sums.
+/// `exec`; ids must already have passed embedding_forward's check. On a GPU allocates two int
+/// arrays of `tokens` and two float arrays of (tokens / 64, dim) for the sort and the partial sums;
+/// host backends sum each column's tokens in position order without allocating.
 template <class ExecutionSpace, class MemorySpace>
 void embedding_backward(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,  // (tokens)
                         const ConstTensor2<float, MemorySpace>& dout,  // (tokens, dim)

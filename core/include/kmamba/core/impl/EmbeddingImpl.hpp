@@ -191,11 +191,12 @@ struct EmbeddingCrossingSums {
   }
 };
 
-/// dtable[ids[t], :] += dout[t, :] in the fixed order above. Non-blocking on `exec`; allocates the
-/// sort's two position arrays and the tiles' heads and tails (2 · tokens / embedding_tile rows).
+/// The sort's scatter-add (the GPU's form; host tests run it too). Allocates the sort's two
+/// position arrays and the tiles' heads and tails (2 · tokens / embedding_tile rows).
 template <class ExecutionSpace, class MemorySpace>
-void embedding_scatter_add(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,
-                           const ConstTensor2<float, MemorySpace>& dout, const Tensor2<float, MemorySpace>& dtable) {
+void embedding_sorted_scatter_add(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,
+                                  const ConstTensor2<float, MemorySpace>& dout,
+                                  const Tensor2<float, MemorySpace>& dtable) {
   const int tokens = static_cast<int>(ids.extent(0));
   const int dim = static_cast<int>(dtable.extent(1));
   const int passes = embedding_radix_passes(static_cast<std::int64_t>(dtable.extent(0)));
@@ -224,6 +225,47 @@ void embedding_scatter_add(const ExecutionSpace& exec, const ConstTensor1<std::i
                        EmbeddingTileSums<MemorySpace>{sorted, dout, dtable, head, tail, dim});
   Kokkos::parallel_for("kmamba::embedding::crossing_sums", Range(exec, 0, items),
                        EmbeddingCrossingSums<MemorySpace>{sorted, head, tail, dtable, dim});
+}
+
+/// Host backends: a thread per block of embedding_host_columns columns adds every token's row to
+/// dtable in position order. Deterministic as the sort's order is (one sum per element, in a
+/// fixed order), in one parallel region where the sort takes a dozen: on a host each region is a
+/// fork and join of the threads, which costs more than the sums of a small model and, with the
+/// cores shared, a scheduler quantum whenever one thread is not running.
+constexpr int embedding_host_columns = 16;
+
+template <class MemorySpace>
+struct EmbeddingColumnSums {
+  ConstTensor1<std::int64_t, MemorySpace> ids;
+  ConstTensor2<float, MemorySpace> dout;
+  Tensor2<float, MemorySpace> dtable;
+  int tokens, dim;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int block) const {
+    const int first = block * embedding_host_columns;
+    const int end = first + embedding_host_columns < dim ? first + embedding_host_columns : dim;
+    for (int t = 0; t < tokens; ++t) {
+      const std::int64_t id = ids(t);
+      for (int d = first; d < end; ++d) dtable(id, d) += dout(t, d);
+    }
+  }
+};
+
+/// dtable[ids[t], :] += dout[t, :] in a fixed order: embedding_sorted_scatter_add on a GPU,
+/// EmbeddingColumnSums on host backends. Non-blocking on `exec`.
+template <class ExecutionSpace, class MemorySpace>
+void embedding_scatter_add(const ExecutionSpace& exec, const ConstTensor1<std::int64_t, MemorySpace>& ids,
+                           const ConstTensor2<float, MemorySpace>& dout, const Tensor2<float, MemorySpace>& dtable) {
+  const int tokens = static_cast<int>(ids.extent(0));
+  if constexpr (Kokkos::SpaceAccessibility<ExecutionSpace, Kokkos::HostSpace>::accessible) {
+    const int dim = static_cast<int>(dtable.extent(1));
+    Kokkos::parallel_for(
+        "kmamba::embedding::column_sums",
+        Kokkos::RangePolicy<ExecutionSpace>(exec, 0, (dim + embedding_host_columns - 1) / embedding_host_columns),
+        EmbeddingColumnSums<MemorySpace>{ids, dout, dtable, tokens, dim});
+  } else {
+    embedding_sorted_scatter_add(exec, ids, dout, dtable);
+  }
 }
 
 }  // namespace impl
