@@ -180,7 +180,9 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Matrix ungated;  // (rows, d_inner), SISO with the gate in the scan, training: the scan output before the gate
     Matrix rstd;     // (rows, nheads), the output norm's rstd (is_outproj_norm)
     Matrix normed;   // (rows, d_inner), the output norm's output (is_outproj_norm)
-    // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank).
+    // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank)
+    // and the factor exp(Σ adt) by which the segment scales an SSM state entering it.
+    Tensor2<float, memory_space> segment_decay;  // (batch, nheads)
     Tensor3<float, memory_space> angle_initial;  // (batch, nheads, nangles)
     Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)
     Tensor4<float, memory_space> k_initial;      // (batch, nheads, rank, d_state)
@@ -198,7 +200,7 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
                    Activations& acts, Cache* cache) const;
   // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
   Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
-  // The scan of run_forward, from and into the cache's states or those of the neighbouring sequence ranks.
+  // The scan of run_forward, from and into the cache's states, or of this rank's segment (docs/distributed.md §2.3).
   void forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& acts, Cache* cache) const;
   // The steps of backward over the kept activations, from the output back to the input. `dpre`
   // receives the gradients of the in_proj segments, (rows, width) each; `replicated_grads` those of
