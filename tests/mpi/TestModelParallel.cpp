@@ -3,9 +3,10 @@
 // tensors: its meshes are the dp × sp ones) (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank
 // reference on the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world
 // (tp splits the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter
-// than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes its four
-// scan states instead): M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
-//    1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md §8.1);
+// than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 has no conv, its
+// angle and previous-token halo come from the previous segments): M1 the loss and every gradient (gathered into the
+//    unsplit layout) after one step equal the 1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md
+//    §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's within the
 //    AdamW propagation of τ, and the mesh-wide gradient norm equals the 1-rank norm within ‖δ‖₂;
 // M3 initialize() gives each tensor rank the slices of the unsplit initialisation; scatter then
@@ -18,7 +19,7 @@
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
-// states composed across the ranks — Mamba-1/2 add them to scans from zero, Mamba-3 passes them on —
+// states composed across the ranks and added to scans from zero, the Mamba-3 angle offsets summed —
 // the dp × sp gradient reduction), the same terms in other groupings, so values agree to the
 // rounding of the chain of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|,
 // N counted from the model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
