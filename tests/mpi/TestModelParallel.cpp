@@ -4,9 +4,9 @@
 // reference on the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world
 // (tp splits the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter
 // than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 has no conv, its
-// angle and previous-token halo come from the previous segments): M1 the loss and every gradient (gathered into the
-//    unsplit layout) after one step equal the 1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md
-//    §8.1);
+// angle and previous-token halo come from the previous segments):
+// M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
+//    1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's within the
 //    AdamW propagation of τ, and the mesh-wide gradient norm equals the 1-rank norm within ‖δ‖₂;
 // M3 initialize() gives each tensor rank the slices of the unsplit initialisation; scatter then
