@@ -199,7 +199,8 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
   args.initial = scan_states(args, {s.angle, {}, s.k, s.v});
   const auto final_ssm = allocate_uninitialized<T4>("kmamba::mamba3::ssm_final", b, H, P, N);
   scan_forward(exec, args, y, scan_states(args, {{}, final_ssm, {}, {}}));
-  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward, ConstTensor2<float, Mem>(in.decay),
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward,
+                           ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
                            ConstTensor2<float, Mem>(head_rows(final_ssm)), head_rows(s.ssm));
   mamba3_state_correction_forward(exec, args, s.ssm, y, T4());
 }
@@ -223,7 +224,8 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
   const auto from_outputs = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_incoming", b, H, P, N);
   mamba3_state_correction_backward(exec, args, dy, from_outputs);
   const auto dfinal_ssm = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_final", b, H, P, N);
-  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward, ConstTensor2<float, Mem>(in.decay),
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward,
+                           ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
                            ConstTensor2<float, Mem>(head_rows(from_outputs)), head_rows(dfinal_ssm));
   const Mamba3MimoStates<Mem> dinitial{{},
                                        {},
@@ -231,7 +233,7 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
                                        allocate_uninitialized<T4>("kmamba::mamba3::d_v_initial", b, H, R, P)};
   if (previous != no_peer) {
     const auto dentering = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_entering", b, H, P, N);
-    impl::segment_state_inclusive(exec, ConstTensor2<float, Mem>(in.decay),
+    impl::segment_state_inclusive(exec, ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
                                   ConstTensor2<float, Mem>(head_rows(from_outputs)),
                                   ConstTensor2<float, Mem>(head_rows(dfinal_ssm)), head_rows(dentering));
     mamba3_initial_kv_backward(exec, args, dentering, scan_states(args, dinitial));
