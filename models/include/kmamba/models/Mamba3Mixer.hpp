@@ -37,11 +37,15 @@
 // are shared by every head: replicated, their gradients (partial sums over this rank's heads) are
 // all-reduced over the tensor ranks in backward, so they are complete and equal on every tensor rank.
 //
-// Sequence parallelism (docs/distributed.md §2.3, the serial chain; ModelParallel.sequence of c ranks):
-// Mamba-3 has no convolution, so no halo: rank k receives from rank k−1 the scan's four states
-// entering its segment (angle, ssm, k, v) as the scan's initial states and sends rank k+1 its final
-// ones; backward passes their gradients the other way (the scan's dfinal_states / dinitial).
-// Parameter gradients are partial sums over the segments (DataParallel sums them over dp × sp).
+// Sequence parallelism (docs/distributed.md §2.3, parallel in time; ModelParallel.sequence of c
+// ranks): the angle entering rank k's segment is the sum of the earlier segments' angle totals and
+// its previous-token k and v are rank k−1's last (a halo), both exchanged before any scan; every rank
+// then scans its segment from a zero SSM state at once, the segments' (decay, final state) pairs
+// give each the SSM state entering it, whose contribution is added to its outputs
+// (kmamba/core/Mamba3StateCorrection.hpp). Backward mirrors it: the incoming states' gradients are
+// composed over the ranks in reverse, the halo's go back to rank k−1 before the scans, the final
+// angle's are added after them. Parameter gradients are partial sums over the segments
+// (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
