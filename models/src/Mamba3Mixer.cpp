@@ -155,6 +155,9 @@ template <class Mem>
 struct SegmentInputs {
   Mamba3MimoStates<Mem> initial;  // angle, ssm, k, v entering the segment
   Tensor2<float, Mem> decay;      // (batch, nheads): exp(Σ adt) over the segment
+
+  // The decays as the segment scans take them, one per (batch·nheads) row.
+  ConstTensor2<float, Mem> decay_rows() const { return ConstTensor2<float, Mem>(decay.data(), decay.size(), 1); }
 };
 
 // The segments' exclusive sum over the sequence ranks in `direction` of `local` (batch, nheads, n):
@@ -199,8 +202,7 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
   args.initial = scan_states(args, {s.angle, {}, s.k, s.v});
   const auto final_ssm = allocate_uninitialized<T4>("kmamba::mamba3::ssm_final", b, H, P, N);
   scan_forward(exec, args, y, scan_states(args, {{}, final_ssm, {}, {}}));
-  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward,
-                           ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward, in.decay_rows(),
                            ConstTensor2<float, Mem>(head_rows(final_ssm)), head_rows(s.ssm));
   mamba3_state_correction_forward(exec, args, s.ssm, y, T4());
 }
@@ -224,8 +226,7 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
   const auto from_outputs = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_incoming", b, H, P, N);
   mamba3_state_correction_backward(exec, args, dy, from_outputs);
   const auto dfinal_ssm = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_final", b, H, P, N);
-  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward,
-                           ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward, in.decay_rows(),
                            ConstTensor2<float, Mem>(head_rows(from_outputs)), head_rows(dfinal_ssm));
   const Mamba3MimoStates<Mem> dinitial{{},
                                        {},
@@ -233,8 +234,7 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
                                        allocate_uninitialized<T4>("kmamba::mamba3::d_v_initial", b, H, R, P)};
   if (previous != no_peer) {
     const auto dentering = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_entering", b, H, P, N);
-    impl::segment_state_inclusive(exec, ConstTensor2<float, Mem>(in.decay.data(), in.decay.size(), 1),
-                                  ConstTensor2<float, Mem>(head_rows(from_outputs)),
+    impl::segment_state_inclusive(exec, in.decay_rows(), ConstTensor2<float, Mem>(head_rows(from_outputs)),
                                   ConstTensor2<float, Mem>(head_rows(dfinal_ssm)), head_rows(dentering));
     mamba3_initial_kv_backward(exec, args, dentering, scan_states(args, dinitial));
   }
