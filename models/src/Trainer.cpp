@@ -273,11 +273,14 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     result.correct += r.correct;
   }
   model_.set_sequence_ids({});  // the model's later calls (generation, saving) see whole rows
+  // The gradients are reduced before any other collective: a rank whose micro-batches hold no real
+  // tokens ran no backward and reduces every bucket here, while the others reduced theirs during
+  // their backward, so their collectives line up only if none comes in between.
+  result.grad_norm = reduce_and_norm();
   result.tokens = sum_over_data(result.tokens);
   result.correct = sum_over_data(result.correct);
   result.input_tokens = sum_over_data(result.input_tokens);
   result.loss = sum_over_data(loss_sum) / static_cast<double>(result.tokens);
-  result.grad_norm = reduce_and_norm();
   result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
   if (!std::isfinite(result.loss) || !std::isfinite(result.grad_norm)) {
     result.non_finite = non_finite_report(result.loss, result.grad_norm);
