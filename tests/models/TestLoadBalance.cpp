@@ -78,7 +78,9 @@ void check_random_rows(std::uint64_t seed) {
     EXPECT_EQ(a.moved, a.rows != fixed.rows);
     EXPECT_LE(max_of(a.tokens), max_of(fixed.tokens));
     const std::int64_t total = total_of(counts);
-    if (threshold == 0.0) EXPECT_LE(max_of(a.tokens) * ranks, total + ranks * max_of(counts)) << "trial " << trial;
+    if (threshold == 0.0) {
+      EXPECT_LE(max_of(a.tokens) * ranks, total + ranks * max_of(counts)) << "trial " << trial;
+    }
     if (static_cast<double>(max_of(fixed.tokens)) * ranks <= (1.0 + threshold) * static_cast<double>(total)) {
       EXPECT_FALSE(a.moved) << "trial " << trial << ": moved although the fixed shares are within the threshold";
     }
