@@ -4,8 +4,8 @@
 // A real token is a position whose target is not ignore_index (TokenBatch::predicted_tokens): the
 // positions the loss scores and the gradient weights. An end-of-document token of packed rows, a
 // recall sequence's key-value context and padding a program marks with ignore_index targets are
-// not real tokens. Both functions below are pure functions of the counts, so every rank that holds
-// the same counts computes the same answer without communicating.
+// not real tokens. balance_rows and balanced_sequence_segments are pure functions of the counts, so
+// every rank that holds the same counts computes the same answer without communicating.
 //
 //   const kmamba::RowAssignment a = kmamba::balance_rows(real_tokens_of_every_row, dp_size, 0.1);
 //   for (std::int64_t row : a.rows[dp_rank]) ...                          // this rank's rows
