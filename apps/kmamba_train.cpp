@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -350,6 +351,7 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   model.set_activation_checkpointing(r.activation_checkpointing);
   model.set_matmul_precision(r.precision);
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, std::move(data), exec);
+  trainer.set_load_balancing(r.balancing);
 #if KMAMBA_ENABLE_MPI
   if (p.mesh)
     trainer.enable_data_parallel(*p.mesh,
@@ -358,6 +360,24 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   (void)p;
 #endif
   return trainer;
+}
+
+// How the rows of every global batch reach the data-parallel ranks.
+void print_load_balancing(const Run& r, const Parallel& p) {
+  int ranks = 1;
+#if KMAMBA_ENABLE_MPI
+  if (p.mesh) ranks = p.mesh->config().data_parallel_size;
+#else
+  (void)p;
+#endif
+  if (!r.balancing.dynamic_task_allocation) {
+    if (ranks > 1) std::printf("kmamba-train: load balancing: each data-parallel rank takes its fixed share\n");
+    return;
+  }
+  std::printf(
+      "kmamba-train: load balancing: the rows of every global batch dealt to the %d data-parallel rank%s by real "
+      "tokens when the busiest fixed share holds more than %g%% above the mean\n",
+      ranks, ranks == 1 ? "" : "s", 100.0 * r.balancing.data_redistribution_threshold);
 }
 
 template <class Exec>
@@ -376,19 +396,66 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
         "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
         "gradients reduced %s the backward in buckets of %g MiB\n",
         p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
-        mesh.sequence_parallel_size > 1 ? " (even segments)" : "", r.zero_stage,
-        r.overlap_communication ? "during" : "after",
+        mesh.sequence_parallel_size > 1
+            ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
+            : "",
+        r.zero_stage, r.overlap_communication ? "during" : "after",
         static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20));
   }
 #else
   (void)p;
 #endif
+  print_load_balancing(r, p);
   std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n",
               static_cast<long long>(r.train.total_steps), static_cast<long long>(r.train.grad_accum),
               static_cast<long long>(r.train.batch_size), r.train.lr, r.out.c_str(),
               r.resume ? (", resumed at step " + std::to_string(trainer.steps_taken())).c_str() : "");
   std::fflush(stdout);
 }
+
+// The real tokens each data-parallel rank trained on over this session's steps, those its fixed
+// shares held, and how far the busiest rank of each step was above the step's mean (dynamic task
+// allocation).
+struct BalanceTally {
+  std::vector<std::int64_t> tokens, fixed;
+  std::int64_t steps = 0, moved = 0;
+  double excess = 0.0, fixed_excess = 0.0;  // Σ over the steps of busiest / mean − 1
+
+  // busiest / mean − 1 of one step's real tokens per rank (0 without real tokens).
+  static double above_mean(const std::vector<std::int64_t>& v) {
+    const double total = static_cast<double>(std::accumulate(v.begin(), v.end(), std::int64_t{0}));
+    const double busiest = static_cast<double>(*std::max_element(v.begin(), v.end()));
+    return total > 0 ? busiest * static_cast<double>(v.size()) / total - 1.0 : 0.0;
+  }
+
+  void add(const kmamba::StepResult& s) {
+    tokens.resize(s.rank_tokens.size(), 0);
+    fixed.resize(s.rank_tokens.size(), 0);
+    for (std::size_t r = 0; r < s.rank_tokens.size(); ++r) {
+      tokens[r] += s.rank_tokens[r];
+      fixed[r] += s.fixed_share_tokens[r];
+    }
+    ++steps;
+    moved += s.rows_moved ? 1 : 0;
+    excess += above_mean(s.rank_tokens);
+    fixed_excess += above_mean(s.fixed_share_tokens);
+  }
+
+  std::string summary() const {
+    const auto list = [](const std::vector<std::int64_t>& v) {
+      std::string text;
+      for (const std::int64_t x : v) text += (text.empty() ? "" : " ") + std::to_string(x);
+      return text;
+    };
+    const double n = static_cast<double>(steps);
+    return format(
+        "kmamba-train: load balancing: rows moved in %lld of %lld steps; the busiest data-parallel rank "
+        "held %.1f%% above the step's mean real tokens on average (fixed shares %.1f%%); real tokens per "
+        "rank over the run %s (fixed shares %s)",
+        static_cast<long long>(moved), static_cast<long long>(steps), 100.0 * excess / n, 100.0 * fixed_excess / n,
+        list(tokens).c_str(), list(fixed).c_str());
+  }
+};
 
 // The loop of optimizer steps with its evaluations, checkpoints, metrics and progress lines.
 template <class Exec>
@@ -450,6 +517,7 @@ class TrainingLoop {
       std::printf("kmamba-train: %lld steps were skipped for a non-finite loss or gradient (see \"skipped\" in %s)\n",
                   static_cast<long long>(trainer_.skipped_steps()), metrics_.path().c_str());
     }
+    if (balance_.steps > 0) std::printf("%s\n", balance_.summary().c_str());
     std::printf("kmamba-train: model %s, metrics %s, loss curve %s\n", r_.checkpoint().c_str(), metrics_.path().c_str(),
                 metrics_.plot_path().c_str());
   }
@@ -497,15 +565,22 @@ class TrainingLoop {
 
   void record_step(const kmamba::StepResult& s) {
     const std::int64_t total = r_.train.total_steps;
-    metrics_.append({{"type", "train"},
-                     {"step", s.step},
-                     {"loss", s.loss},
-                     {"accuracy", s.accuracy()},
-                     {"tokens", s.tokens},
-                     {"lr", s.lr},
-                     {"grad_norm", s.grad_norm},
-                     {"tokens_per_s", tokens_per_second()},
-                     {"elapsed_s", seconds_since(started_)}});
+    json record = {{"type", "train"},
+                   {"step", s.step},
+                   {"loss", s.loss},
+                   {"accuracy", s.accuracy()},
+                   {"tokens", s.tokens},
+                   {"lr", s.lr},
+                   {"grad_norm", s.grad_norm},
+                   {"tokens_per_s", tokens_per_second()},
+                   {"elapsed_s", seconds_since(started_)}};
+    if (!s.rank_tokens.empty()) {  // dynamic task allocation: each dp rank's real tokens
+      record["rank_tokens"] = s.rank_tokens;
+      record["fixed_share_tokens"] = s.fixed_share_tokens;
+      record["rows_moved"] = s.rows_moved;
+      balance_.add(s);
+    }
+    metrics_.append(record);
     if (!console_.tty() && s.step % r_.log_interval != 0 && s.step != total) return;
     const double eta = train_seconds_ / static_cast<double>(session_steps_) * static_cast<double>(total - s.step);
     console_.progress(
@@ -519,6 +594,7 @@ class TrainingLoop {
   Metrics& metrics_;
   Parallel& parallel_;
   Console console_;
+  BalanceTally balance_;
   kmamba::LossResult last_eval_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   double train_seconds_ = 0.0;  // in step(), without evaluations and checkpoints

@@ -55,7 +55,7 @@ struct Options {
   std::string only_case, space, precision = "all", json;
   bool small = false;
   int repeats = 10;
-  int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO; 0: the reference shapes' (256 and 64)
+  int chunk = 0;  // chunk length of the SSD and Mamba-3 SISO / MIMO; 0: the reference shapes' (256, 64, 16)
   std::vector<Measurement>* rows = nullptr;  // every reported measurement, for --json
 };
 
@@ -417,6 +417,118 @@ void bench_mamba3_siso(const Options& o) {
   }
 }
 
+// Mamba-3 MIMO of rank 4 at the SISO case's shape (batch 8, seqlen 4096, 32 heads, headdim 64,
+// d_state 128, 16 angles, ngroups 1) with chunks of 16 tokens (64 rows of tokens × ranks, the
+// reference's 64 / rank), with D and z; fp32 inputs. FLOPs from docs/algorithms.md §6.6.
+template <class Exec>
+void bench_mamba3_mimo(const Options& o) {
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  const int batch = o.small ? 1 : 8, seqlen = o.small ? 1024 : 4096, nheads = o.small ? 8 : 32, headdim = 64;
+  const int dstate = o.small ? 64 : 128, nangles = dstate / 8, ngroups = 1, rank = 4;
+  const int chunk = o.chunk > 0 ? o.chunk : 16;
+  std::uint64_t seed = 50;
+  const auto normal = [&](auto view, float mean, float stddev) {
+    kmamba::fill_normal(exec, view, seed++, mean, stddev);
+    return view;
+  };
+  const auto uniform = [&](auto view, float lo, float hi) {
+    kmamba::fill_uniform(exec, view, seed++, lo, hi);
+    return view;
+  };
+  const auto t1 = [](const char* label, int n0) {
+    return kmamba::allocate_uninitialized<kmamba::Tensor1<float, Mem>>(label, n0);
+  };
+  const auto t3 = [](const char* label, int n0, int n1, int n2) {
+    return kmamba::allocate_uninitialized<kmamba::Tensor3<float, Mem>>(label, n0, n1, n2);
+  };
+  const auto t4 = [](const char* label, int n0, int n1, int n2, int n3) {
+    return kmamba::allocate_uninitialized<kmamba::Tensor4<float, Mem>>(label, n0, n1, n2, n3);
+  };
+  const auto t5 = [](const char* label, int n0, int n1, int n2, int n3, int n4) {
+    return kmamba::allocate_uninitialized<kmamba::Tensor5<float, Mem>>(label, n0, n1, n2, n3, n4);
+  };
+  kmamba::Mamba3MimoArgs<Mem> args;
+  args.q = normal(t5("kmamba::perf::q", batch, seqlen, rank, ngroups, dstate), 0.0f, 0.1f);
+  args.k = normal(t5("kmamba::perf::k", batch, seqlen, rank, ngroups, dstate), 0.0f, 0.1f);
+  args.v = normal(t4("kmamba::perf::v", batch, seqlen, nheads, headdim), 0.0f, 1.0f);
+  args.z = normal(t4("kmamba::perf::z", batch, seqlen, nheads, headdim), 0.0f, 1.0f);
+  args.adt = uniform(t3("kmamba::perf::adt", batch, nheads, seqlen), -0.2f, -0.001f);
+  args.dt = uniform(t3("kmamba::perf::dt", batch, nheads, seqlen), 0.001f, 0.1f);
+  args.trap = normal(t3("kmamba::perf::trap", batch, nheads, seqlen), 0.0f, 1.0f);
+  args.q_bias = normal(t3("kmamba::perf::q_bias", nheads, rank, dstate), 0.0f, 0.1f);
+  args.k_bias = normal(t3("kmamba::perf::k_bias", nheads, rank, dstate), 0.0f, 0.1f);
+  args.angles = normal(t4("kmamba::perf::angles", batch, seqlen, nheads, nangles), 0.0f, 1.0f);
+  args.mimo_v = normal(t3("kmamba::perf::mimo_v", nheads, rank, headdim), 0.25f, 0.05f);
+  args.mimo_z = normal(t3("kmamba::perf::mimo_z", nheads, rank, headdim), 1.0f, 0.1f);
+  args.mimo_o = normal(t3("kmamba::perf::mimo_o", nheads, rank, headdim), 0.25f, 0.05f);
+  args.D = normal(t1("kmamba::perf::D", nheads), 1.0f, 0.1f);
+  args.chunk_size = chunk;
+  auto out = t4("kmamba::perf::out", batch, seqlen, nheads, headdim);
+  const kmamba::Mamba3MimoStates<Mem> final_states{t3("kmamba::perf::final_angle", batch, nheads, nangles),
+                                                   t4("kmamba::perf::final_ssm", batch, nheads, headdim, dstate),
+                                                   t4("kmamba::perf::final_k", batch, nheads, rank, dstate),
+                                                   t4("kmamba::perf::final_v", batch, nheads, rank, headdim)};
+  auto dout = normal(t4("kmamba::perf::dout", batch, seqlen, nheads, headdim), 0.0f, 1.0f);
+  kmamba::Mamba3MimoGrads<Mem> g;
+  g.dq = t5("kmamba::perf::dq", batch, seqlen, rank, ngroups, dstate);
+  g.dk = t5("kmamba::perf::dk", batch, seqlen, rank, ngroups, dstate);
+  g.dv = t4("kmamba::perf::dv", batch, seqlen, nheads, headdim);
+  g.dz = t4("kmamba::perf::dz", batch, seqlen, nheads, headdim);
+  g.dadt = t3("kmamba::perf::dadt", batch, nheads, seqlen);
+  g.ddt = t3("kmamba::perf::ddt", batch, nheads, seqlen);
+  g.dtrap = t3("kmamba::perf::dtrap", batch, nheads, seqlen);
+  g.dq_bias = t3("kmamba::perf::dq_bias", nheads, rank, dstate);
+  g.dk_bias = t3("kmamba::perf::dk_bias", nheads, rank, dstate);
+  g.dangles = t4("kmamba::perf::dangles", batch, seqlen, nheads, nangles);
+  g.dmimo_v = t3("kmamba::perf::dmimo_v", nheads, rank, headdim);
+  g.dmimo_z = t3("kmamba::perf::dmimo_z", nheads, rank, headdim);
+  g.dmimo_o = t3("kmamba::perf::dmimo_o", nheads, rank, headdim);
+  g.dD = t1("kmamba::perf::dD", nheads);
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "b%d L%d H%d P%d N%d R%d Q%d (%s)", batch, seqlen, nheads, headdim, dstate, rank,
+                chunk, Exec::name());
+  const double tokens = double(batch) * seqlen, H = nheads, P = headdim, N = dstate, R = rank, Q = chunk;
+  // q, k (R·G·N each), v, z, out (H·P each), adt, dt, trap (H each), angles (H·S); fp32
+  const double io_bytes = 4.0 * tokens * (2 * R * ngroups * N + 3 * H * P + 3 * H + H * nangles);
+  const double state_bytes = 4.0 * tokens * H * P * N / Q;  // one chunk state per chunk and head
+  for (const kmamba::MatmulPrecision precision :
+       {kmamba::MatmulPrecision::Float32, kmamba::MatmulPrecision::TensorFloat32}) {
+    if (o.precision != "all" && o.precision != kmamba::matmul_precision_name(precision)) continue;
+    const bool tf32 = precision == kmamba::MatmulPrecision::TensorFloat32;
+    if (tf32 && !kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores) {
+      std::printf("%-28s %-34s   (no tensor-core form on this backend: the same as fp32)\n", "mamba3 mimo tf32", shape);
+      continue;
+    }
+    args.matmul_precision = precision;
+    const std::string suffix = tf32 ? " tf32" : "";
+    Measurement fwd{"mamba3 mimo fwd" + suffix, shape};
+    fwd.flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
+    fwd.seconds =
+        warm_median_seconds(exec, o.repeats, [&] { kmamba::mamba3_mimo_forward(exec, args, out, final_states); });
+    fwd.bytes = io_bytes + 2 * state_bytes;
+    fwd.flops = tokens * H * (4 * P * N * R + Q * R * R * (N + P));
+    fwd.exps = tokens * H * Q * R / 2;
+    report(o, fwd);
+    Measurement bwd{"mamba3 mimo bwd" + suffix, shape};
+    bwd.flop_per_s = fwd.flop_per_s;
+    bwd.seconds = warm_median_seconds(exec, o.repeats, [&] {
+      kmamba::mamba3_mimo_backward(exec, args, dout, kmamba::Mamba3MimoConstStates<Mem>(), g);
+    });
+    bwd.bytes = 2 * io_bytes + 4 * state_bytes;
+    bwd.flops = tokens * H * (10 * P * N * R + 3 * Q * R * R * (N + P));
+    bwd.exps = 3 * fwd.exps;
+    report(o, bwd);
+    Measurement both{"mamba3 mimo fwd+bwd" + suffix, shape};
+    both.flop_per_s = fwd.flop_per_s;
+    both.seconds = fwd.seconds + bwd.seconds;
+    both.bytes = fwd.bytes + bwd.bytes;
+    both.flops = fwd.flops + bwd.flops;
+    both.exps = fwd.exps + bwd.exps;
+    report(o, both);
+  }
+}
+
 // The decode step's projections, C = A·Bᵀ with few rows (A: tokens, B: a weight matrix), at the
 // mamba2-130m shapes: in_proj (3352 × 768), out_proj (768 × 1536), the tied head (50288 × 768).
 // The floor streams the weight once. On CUDA the same products also run through cuBLAS SGEMM, the
@@ -468,6 +580,7 @@ void run_space(const Options& o) {
   const std::vector<std::pair<std::string, std::function<void(const Options&)>>> cases = {
       {"ssd", bench_ssd<Exec>},
       {"mamba3_siso", bench_mamba3_siso<Exec>},
+      {"mamba3_mimo", bench_mamba3_mimo<Exec>},
       {"selective_scan", bench_selective_scan<Exec>},
       {"gemm_few_rows", bench_gemm_few_rows<Exec>}};
   bool ran = false;
@@ -521,7 +634,7 @@ const char* const description =
 void declare(CLI::App& cli, Options& o) {
   cli.add_option("--case", o.only_case, "only this case (default: all)")
       ->type_name("NAME")
-      ->check(kmamba::app::one_of({"ssd", "mamba3_siso", "selective_scan", "gemm_few_rows"}));
+      ->check(kmamba::app::one_of({"ssd", "mamba3_siso", "mamba3_mimo", "selective_scan", "gemm_few_rows"}));
   kmamba::app::add_space_option(cli, o.space, "the execution space (default: the build's default)");
   cli.add_flag("--small", o.small,
                "shapes that run in seconds on a 2-core CPU (default: the H200 shapes of docs/performance.md §3)");
@@ -534,8 +647,8 @@ void declare(CLI::App& cli, Options& o) {
       ->type_name("P")
       ->check(kmamba::app::one_of({"fp32", "tf32", "bf16", "all"}));
   cli.add_option("--chunk", o.chunk,
-                 "chunk length of the SSD and Mamba-3 SISO (default: the reference shapes', 256 and 64); the result "
-                 "is the same function of the inputs, the work is not")
+                 "chunk length of the SSD, Mamba-3 SISO and MIMO (default: the reference shapes', 256, 64 and 16); the "
+                 "result is the same function of the inputs, the work is not")
       ->type_name("Q")
       ->check(kmamba::app::integer_in(1, kmamba::app::int_max));
   cli.add_option("--json", o.json,

@@ -178,8 +178,8 @@ void declare_parallel(CLI::App& cli) {
          "must be 1",
          boolean());
   option(cli, g, "--sequence-split-strategy", "S",
-         "even: equal segments, the first seqlen % sp one token longer (default); balanced (by the real tokens of "
-         "packed rows) is not built",
+         "even: equal segments, the first seqlen % sp one token longer (default); balanced: segments of about "
+         "equal real tokens (positions with a target) summed over each micro-batch's rows",
          one_of({"even", "balanced"}));
   option(cli, g, "--bucket-mb", "X",
          "MiB of fp32 gradients per data-parallel reduction bucket (default 25): smaller buckets start reducing "
@@ -202,11 +202,13 @@ const char* const load_balancing_options[] = {"dynamic-task-allocation", "data-r
 void declare_load_balancing(CLI::App& cli) {
   const char* g = "load balancing (in --config: the keys of the \"load_balancing\" object)";
   option(cli, g, "--dynamic-task-allocation", "BOOL",
-         "false: each data-parallel rank takes its fixed share of every global batch (default); true (micro-batches "
-         "handed out by real-token load) is not built",
+         "false: each data-parallel rank takes its fixed share of every global batch (default); true: the rows of "
+         "each global batch are dealt to the ranks by their real tokens (positions with a target), longest first, "
+         "when the fixed shares are out of balance (--data-redistribution-threshold)",
          boolean());
   option(cli, g, "--data-redistribution-threshold", "X",
-         "moving rows between data-parallel ranks whose real-token counts differ by more than X is not built",
+         "with --dynamic-task-allocation true: rows are moved only when the busiest rank's fixed share holds more "
+         "than (1 + X) times the mean real tokens per rank (default 0.1)",
          number_in(0, unbounded));
   option(cli, g, "--communication-pipelining", "BOOL",
          "the switch of --overlap-communication: bucket reductions pipelined with the backward", boolean());
@@ -354,20 +356,6 @@ void refuse_unbuilt(const TrainOptions& o) {
                                              << " optimizer steps (local steps in between) is not built; they are "
                                                 "reduced at every optimizer step, so the frequency must be 1 "
                                                 "(gradient_accumulation_steps N reduces once per N micro-batches)");
-  KMAMBA_REQUIRE(o.text("sequence-split-strategy", "even") == "even",
-                 "kmamba-train: " << key_of("sequence-split-strategy")
-                                  << " balanced: segment boundaries placed by the real tokens of packed rows are not "
-                                     "built; sequences are split into even segments (\"even\")");
-  KMAMBA_REQUIRE(!o.flag("dynamic-task-allocation"),
-                 "kmamba-train: " << key_of("dynamic-task-allocation")
-                                  << " true: handing micro-batches to the data-parallel ranks by their real-token "
-                                     "load is not built; each rank takes its fixed share of every global batch "
-                                     "(false)");
-  KMAMBA_REQUIRE(!o.has("data-redistribution-threshold"),
-                 "kmamba-train: " << key_of("data-redistribution-threshold") << " "
-                                  << o.number("data-redistribution-threshold", 0)
-                                  << ": moving rows between data-parallel ranks by their real-token counts is not "
-                                     "built, so no threshold applies");
 }
 
 // --overlap-communication and the load-balancing options --communication-pipelining and
@@ -411,6 +399,10 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.activation_checkpointing = o.flag("activation-checkpointing");
   refuse_unbuilt(o);
   r.overlap_communication = resolve_overlap(o);
+  r.balancing.dynamic_task_allocation = o.flag("dynamic-task-allocation");
+  r.balancing.data_redistribution_threshold = o.number("data-redistribution-threshold", 0.1);
+  r.balancing.sequence_split =
+      o.text("sequence-split-strategy", "even") == "balanced" ? SequenceSplit::Balanced : SequenceSplit::Even;
   const double bucket_bytes = o.number("bucket-mb", 25.0) * static_cast<double>(1 << 20);
   r.bucket_elements = std::max<std::size_t>(1, static_cast<std::size_t>(bucket_bytes / sizeof(float)));
   resolve_sequence_parallel(o, r);

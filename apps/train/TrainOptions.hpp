@@ -52,6 +52,8 @@ struct Run {
   bool overlap_communication = true;
   /// fp32 gradient elements per data-parallel reduction bucket (--bucket-mb).
   std::size_t bucket_elements = 0;
+  /// The load_balancing keys and sequence_split_strategy.
+  LoadBalancing balancing;
   MatmulPrecision precision = MatmulPrecision::Float32;
   std::int64_t log_interval = 10;
   /// The options given on the command line or in --config (not those run.json restored).

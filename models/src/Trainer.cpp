@@ -7,6 +7,7 @@
 #include <kmamba/models/StagedDirectory.hpp>
 #include <kmamba/models/Trainer.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -22,6 +23,15 @@ void check_batch(const char* function, const TokenBatch& b, std::size_t i) {
       !b.seq_idx.is_allocated() || (b.ids.extent(0) == b.seq_idx.extent(0) && b.ids.extent(1) == b.seq_idx.extent(1)),
       function << ": batch " << i << " has ids (" << b.ids.extent(0) << ", " << b.ids.extent(1) << ") but seq_idx ("
                << b.seq_idx.extent(0) << ", " << b.seq_idx.extent(1) << ")");
+}
+
+// to's row `at` ← from's row `row`: ids, targets and, when `to` has them, sequence ids.
+void copy_row(const TokenBatch& from, std::int64_t row, const TokenBatch& to, std::int64_t at) {
+  for (std::size_t t = 0; t < to.ids.extent(1); ++t) {
+    to.ids(at, t) = from.ids(row, t);
+    to.targets(at, t) = from.targets(row, t);
+    if (to.seq_idx.is_allocated()) to.seq_idx(at, t) = from.seq_idx(row, t);
+  }
 }
 
 }  // namespace
@@ -187,11 +197,21 @@ void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, cons
 #endif
 
 template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::set_load_balancing(const LoadBalancing& balancing) {
+  balancing.validate();
+  balancing_ = balancing;
+}
+
+template <class ExecutionSpace>
 TokenBatch Trainer<ExecutionSpace>::sequence_segment_of(const TokenBatch& b) const {
   const ModelParallel& parallel = model_.parallel();
   const auto rows = static_cast<std::int64_t>(b.ids.extent(0));
+  const int rank = parallel.sequence_rank(), size = parallel.sequence_size();
+  // Every sp rank holds the same rows, so each computes the same boundaries.
   const SequenceSegment segment =
-      sequence_segment(static_cast<std::int64_t>(b.ids.extent(1)), parallel.sequence_rank(), parallel.sequence_size());
+      balancing_.sequence_split == SequenceSplit::Balanced
+          ? balanced_sequence_segments(real_tokens_per_position(b), size)[static_cast<std::size_t>(rank)]
+          : sequence_segment(static_cast<std::int64_t>(b.ids.extent(1)), rank, size);
   TokenBatch out;
   out.ids = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_ids", rows, segment.length);
   out.targets = Tensor2<std::int64_t, Kokkos::HostSpace>("kmamba::trainer::segment_targets", rows, segment.length);
@@ -219,6 +239,53 @@ Trainer<ExecutionSpace>::upload(const TokenBatch& b) {
 }
 
 template <class ExecutionSpace>
+RowAssignment Trainer<ExecutionSpace>::assign_rows(const std::vector<TokenBatch>& own) const {
+  std::vector<std::int64_t> mine;
+  for (const TokenBatch& b : own) {
+    const std::vector<std::int64_t> rows = real_tokens_per_row(b);
+    mine.insert(mine.end(), rows.begin(), rows.end());
+  }
+  std::vector<std::int64_t> all = mine;
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) {
+    using HostCounts = Kokkos::View<std::int64_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+    all.resize(mine.size() * static_cast<std::size_t>(data_size()));
+    data_parallel_->mesh().data().all_gather(Kokkos::DefaultHostExecutionSpace(), HostCounts(mine.data(), mine.size()),
+                                             HostCounts(all.data(), all.size()));
+  }
+#endif
+  return balance_rows(all, data_size(), balancing_.data_redistribution_threshold);
+}
+
+template <class ExecutionSpace>
+std::vector<TokenBatch> Trainer<ExecutionSpace>::micro_batches_of(const Dataset& data,
+                                                                  const std::vector<TokenBatch>& own,
+                                                                  const std::vector<std::int64_t>& rows) const {
+  using HostTokens = Tensor2<std::int64_t, Kokkos::HostSpace>;
+  const std::int64_t batch = config_.batch_size, own_begin = data_rank() * config_.grad_accum * batch;
+  const std::int64_t own_end = own_begin + config_.grad_accum * batch, seqlen = data.seqlen();
+  const bool packed = own.front().seq_idx.is_allocated();
+  std::vector<TokenBatch> out;
+  for (std::size_t first = 0; first < rows.size(); first += static_cast<std::size_t>(batch)) {
+    const auto count = static_cast<std::int64_t>(std::min(rows.size() - first, static_cast<std::size_t>(batch)));
+    TokenBatch b;
+    b.ids = HostTokens("kmamba::trainer::balanced_ids", count, seqlen);
+    b.targets = HostTokens("kmamba::trainer::balanced_targets", count, seqlen);
+    if (packed) b.seq_idx = HostTokens("kmamba::trainer::balanced_seq_idx", count, seqlen);
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::int64_t row = rows[first + static_cast<std::size_t>(i)];
+      if (row >= own_begin && row < own_end) {
+        copy_row(own[static_cast<std::size_t>((row - own_begin) / batch)], (row - own_begin) % batch, b, i);
+      } else {  // the global batch's row `row` is training sequence data_position·batch + row
+        copy_row(data.batch(Split::Train, data_position_ * batch + row, 1), 0, b, i);
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+template <class ExecutionSpace>
 StepResult Trainer<ExecutionSpace>::step() {
   const Dataset& data = dataset("kmamba::Trainer::step");
   std::vector<TokenBatch> micro_batches;
@@ -226,7 +293,17 @@ StepResult Trainer<ExecutionSpace>::step() {
   for (std::int64_t i = 0; i < config_.grad_accum; ++i) {
     micro_batches.push_back(data.batch(Split::Train, first + i, config_.batch_size));
   }
-  const StepResult result = step(micro_batches);
+  RowAssignment assignment;
+  if (balancing_.dynamic_task_allocation) {
+    assignment = assign_rows(micro_batches);
+    if (assignment.moved) {
+      micro_batches = micro_batches_of(data, micro_batches, assignment.rows[static_cast<std::size_t>(data_rank())]);
+    }
+  }
+  StepResult result = step(micro_batches);
+  result.rank_tokens = std::move(assignment.tokens);
+  result.fixed_share_tokens = std::move(assignment.fixed_share_tokens);
+  result.rows_moved = assignment.moved;
   data_position_ += config_.grad_accum * data_size();
   return result;
 }
@@ -273,11 +350,14 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     result.correct += r.correct;
   }
   model_.set_sequence_ids({});  // the model's later calls (generation, saving) see whole rows
+  // The gradients are reduced before any other collective: a rank whose micro-batches hold no real
+  // tokens ran no backward and reduces every bucket here, while the others reduced theirs during
+  // their backward, so their collectives line up only if none comes in between.
+  result.grad_norm = reduce_and_norm();
   result.tokens = sum_over_data(result.tokens);
   result.correct = sum_over_data(result.correct);
   result.input_tokens = sum_over_data(result.input_tokens);
   result.loss = sum_over_data(loss_sum) / static_cast<double>(result.tokens);
-  result.grad_norm = reduce_and_norm();
   result.lr = learning_rate(steps_taken(), config_.lr, config_.min_lr, config_.warmup_steps, config_.total_steps);
   if (!std::isfinite(result.loss) || !std::isfinite(result.grad_norm)) {
     result.non_finite = non_finite_report(result.loss, result.grad_norm);

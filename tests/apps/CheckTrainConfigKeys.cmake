@@ -4,15 +4,23 @@
 #   run prints, and the options run.json records;
 # - a command-line option wins over --config; values that conflict with the world size, with
 #   another option or with another key of the file fail with 2, naming the key;
-# - pipeline_parallel_size > 1, gradient_sync_frequency > 1, sequence_split_strategy "balanced"
-#   and the load_balancing keys that ask for work not built fail with 2, naming the key and what
-#   is missing; an unknown key in load_balancing is refused by name;
+# - pipeline_parallel_size > 1 and gradient_sync_frequency > 1 fail with 2, naming the key and
+#   what is missing; an unknown key in load_balancing is refused by name, a negative
+#   data_redistribution_threshold by its key;
 # - overlap_communication false reduces after the backward, with the same losses as true;
-#   bucket_mb sets the reduction buckets (default 25 MiB), and tiny buckets give the same losses.
+#   bucket_mb sets the reduction buckets (default 25 MiB), and tiny buckets give the same losses;
+# - load_balancing.dynamic_task_allocation true deals the rows of packed batches with very unequal
+#   real tokens (a text whose lines alternate with runs of empty ones, --pack-documents 10) to the
+#   dp ranks by real tokens: metrics.jsonl reports each rank's real tokens, the busiest is never
+#   busier than its fixed share and rows move in some step; the losses equal the fixed shares'
+#   and one rank's within LOSS_DIFF (fp32 sums regrouped over the ranks' micro-batches, as the
+#   train.mpi_* tests allow); sequence_split_strategy balanced gives the one-rank losses too.
 #   cmake -DTRAIN=<kmamba-train> -DMPIEXEC=<mpiexec> "-DMPIFLAGS=-n;2;--oversubscribe" -DNP=2 -DOUT=<dir>
 #         -P CheckTrainConfigKeys.cmake
+include(${CMAKE_CURRENT_LIST_DIR}/LossCurves.cmake)
 file(REMOVE_RECURSE ${OUT})
 file(MAKE_DIRECTORY ${OUT})
+set(LOSS_DIFF 0.00002)
 set(small --d-model 16 --n-layer 1 --headdim 8 --ngroups 2 --seqlen 24 --batch-size 2 --steps 2 --eval-interval 0
           --eval-batches 1 --checkpoint-interval 0 --device serial)
 
@@ -41,13 +49,61 @@ endfunction()
 
 # The losses of every step, as metrics.jsonl writes them.
 function(losses name out)
-  file(STRINGS ${OUT}/${name}/metrics.jsonl records REGEX "\"type\":\"train\"")
-  set(found "")
-  foreach(record IN LISTS records)
-    string(REGEX MATCH "\"loss\":([-0-9.eE+]+)" ignored "${record}")
-    list(APPEND found "${CMAKE_MATCH_1}")
-  endforeach()
+  train_losses(${OUT}/${name} found)
   set(${out} "${found}" PARENT_SCOPE)
+endfunction()
+
+# Runs kmamba-train on one rank without mpirun (the reference of a mesh's losses).
+function(train_one_rank name config)
+  set(MPIEXEC "")
+  set(MPIFLAGS "")
+  train(${name} "${config}" 0 "done: " ${ARGN})
+endfunction()
+
+# Packed rows of very unequal real tokens: lines of 120 bytes between runs of 120 empty lines, so
+# a window of 24 tokens holds up to 24 real tokens in the text and none among the empty lines
+# (each newline ends a document, and its target is ignored).
+set(packed_text ${OUT}/packed.txt)
+string(REPEAT "kmamba packs documents. " 5 line)
+string(REPEAT "\n" 120 blank_lines)
+string(REPEAT "${line}\n${blank_lines}" 16 text)
+file(WRITE ${packed_text} "${text}")
+set(packed --data ${packed_text} --pack-documents 10)
+
+# Fails unless every train record of `name` reports the dp ranks' real tokens, the busiest rank is
+# never above its fixed share's busiest, and rows moved in at least one step.
+function(expect_balanced name ranks)
+  file(STRINGS ${OUT}/${name}/metrics.jsonl records REGEX "\"type\":\"train\"")
+  set(moved FALSE)
+  foreach(record IN LISTS records)
+    string(JSON count LENGTH "${record}" rank_tokens)
+    if(NOT count EQUAL ranks)
+      message(FATAL_ERROR "CheckTrainConfigKeys: ${name}: ${count} rank_tokens, expected ${ranks}: ${record}")
+    endif()
+    set(busiest 0)
+    set(fixed_busiest 0)
+    math(EXPR last "${ranks} - 1")
+    foreach(r RANGE ${last})
+      string(JSON t GET "${record}" rank_tokens ${r})
+      string(JSON f GET "${record}" fixed_share_tokens ${r})
+      if(t GREATER busiest)
+        set(busiest ${t})
+      endif()
+      if(f GREATER fixed_busiest)
+        set(fixed_busiest ${f})
+      endif()
+    endforeach()
+    if(busiest GREATER fixed_busiest)
+      message(FATAL_ERROR "CheckTrainConfigKeys: ${name}: the busiest rank holds ${busiest} real tokens, its fixed share ${fixed_busiest}: ${record}")
+    endif()
+    string(JSON step_moved GET "${record}" rows_moved)
+    if(step_moved)
+      set(moved TRUE)
+    endif()
+  endforeach()
+  if(NOT moved)
+    message(FATAL_ERROR "CheckTrainConfigKeys: ${name}: no step moved rows")
+  endif()
 endfunction()
 
 set(balancing "\"load_balancing\": {\"dynamic_task_allocation\": false, \"communication_pipelining\": true, \"async_gradient_allreduce\": true}")
@@ -62,6 +118,8 @@ if(NP EQUAL 1)
   train(command_line_wins "${seed}" 0 "fp32 projections, activation checkpointing.*2 steps of 3 x 2 sequences"
         --grad-accum 3 --precision fp32)
   train(tp_misfits "{\"tensor_parallel_size\": 2}" 2 "the world has 1 ranks, which is not a multiple of tensor_parallel_size 2")
+  train(dynamic_one_rank "{\"load_balancing\": {\"dynamic_task_allocation\": true}}" 0
+        "the rows of every global batch dealt to the 1 data-parallel rank by real tokens when the busiest fixed share holds more than 10% above the mean.*rows moved in 0 of 2 steps; the busiest data-parallel rank held 0.0% above the step.s mean real tokens on average \\(fixed shares 0.0%\\); real tokens per rank over the run [0-9]+ \\(fixed shares [0-9]+\\)")
   train(sp_leaves_no_rank "{\"sequence_parallel_enabled\": true}" 2
         "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) true: tensor_parallel_size 1 x data_parallel_size 1 use all 1 ranks of the world, leaving none to split sequences")
 
@@ -73,14 +131,10 @@ if(NP EQUAL 1)
         "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism .* ${not_built}; every rank holds every layer")
   train(sync_frequency "{\"gradient_sync_frequency\": 4}" 2
         "gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: reducing the gradients once every 4 optimizer steps .* ${not_built}")
-  train(balanced_split "{\"sequence_split_strategy\": \"balanced\"}" 2
-        "sequence_split_strategy \\(--sequence-split-strategy\\) balanced: segment boundaries placed by the real tokens of packed rows are not built")
   train(unknown_split "{\"sequence_split_strategy\": \"random\"}" 2
         "\"sequence_split_strategy\": --sequence-split-strategy: got 'random', expected one of even, balanced")
-  train(dynamic "{\"load_balancing\": {\"dynamic_task_allocation\": true}}" 2
-        "load_balancing.dynamic_task_allocation \\(--dynamic-task-allocation\\) true: handing micro-batches .* ${not_built}")
-  train(threshold "{\"load_balancing\": {\"data_redistribution_threshold\": 0.25}}" 2
-        "load_balancing.data_redistribution_threshold \\(--data-redistribution-threshold\\) 0.25: moving rows .* ${not_built}")
+  train(negative_threshold "{\"load_balancing\": {\"dynamic_task_allocation\": true, \"data_redistribution_threshold\": -0.1}}" 2
+        "\"load_balancing.data_redistribution_threshold\": --data-redistribution-threshold: got '-0.1', expected a finite number >= 0")
   train(balancing_typo "{\"load_balancing\": {\"dynamic_task_allocation\": false, \"work_stealing\": true}}" 2
         "unknown key \"work_stealing\" in \"load_balancing\" \\(expected dynamic_task_allocation, data_redistribution_threshold, communication_pipelining, async_gradient_allreduce\\)")
   train(balancing_scalar "{\"load_balancing\": true}" 2 "\"load_balancing\" must be a JSON object with the keys")
@@ -125,6 +179,24 @@ elseif(NP EQUAL 2)
   train(sp_derived "{\"sequence_parallel_enabled\": true, \"sequence_split_strategy\": \"even\"}" 0
         "${ranks} 1 x tensor parallel 1 x sequence parallel 2 \\(even segments\\)")
   train(dp_misfits "{\"data_parallel_size\": 4}" 2 "data_parallel_size 4 .* = 4 ranks, but the world has 2")
+  # Packed rows of very unequal real tokens, dealt to the ranks by real tokens: the losses of the
+  # fixed shares and of one rank on the same global batches.
+  set(dp2_packed "\"data_parallel_size\": 2, \"gradient_accumulation_steps\": 2")
+  train(dp2_dynamic "{${dp2_packed}, \"load_balancing\": {\"dynamic_task_allocation\": true, \"data_redistribution_threshold\": 0.05}}" 0
+        "dealt to the 2 data-parallel ranks by real tokens when the busiest fixed share holds more than 5% above the mean.*rows moved in [12] of 2 steps; .*real tokens per rank over the run [0-9]+ [0-9]+ \\(fixed shares [0-9]+ [0-9]+\\)"
+        ${packed})
+  expect_balanced(dp2_dynamic 2)
+  expect_run_json(dp2_dynamic "\"data_redistribution_threshold\": \"0.05\".*\"dynamic_task_allocation\": \"true\"")
+  train(dp2_fixed "{${dp2_packed}, \"load_balancing\": {\"dynamic_task_allocation\": false}}" 0
+        "load balancing: each data-parallel rank takes its fixed share" ${packed})
+  train_one_rank(dp2_packed_one_rank "{\"gradient_accumulation_steps\": 4}" ${packed})
+  expect_same_losses(${OUT}/dp2_fixed ${OUT}/dp2_dynamic ${LOSS_DIFF})
+  expect_same_losses(${OUT}/dp2_packed_one_rank ${OUT}/dp2_dynamic ${LOSS_DIFF})
+  # Segments of equal real tokens (the recall rows' queries lie in their second part).
+  train(sp_balanced "{\"sequence_parallel_enabled\": true, \"sequence_split_strategy\": \"balanced\"}" 0
+        "${ranks} 1 x tensor parallel 1 x sequence parallel 2 \\(balanced segments\\)")
+  train_one_rank(sp_balanced_one_rank "{}")
+  expect_same_losses(${OUT}/sp_balanced_one_rank ${OUT}/sp_balanced ${LOSS_DIFF})
 elseif(NP EQUAL 4)
   # The seed's example (tensor parallel 4 x data parallel 2 on 8 ranks), on 4 ranks.
   train(seed_example
@@ -137,6 +209,15 @@ elseif(NP EQUAL 4)
   train(sp_no_rank_left "{\"tensor_parallel_size\": 2, \"data_parallel_size\": 2, \"sequence_parallel_enabled\": true}" 2
         "sequence_parallel_enabled \\(--sequence-parallel-enabled\\) true: tensor_parallel_size 2 x data_parallel_size 2 use all 4 ranks of the world, leaving none")
   train(tp_misfits "{\"tensor_parallel_size\": 3}" 2 "the world has 4 ranks, which is not a multiple of tensor_parallel_size 3")
+  train(dp4_dynamic "{\"load_balancing\": {\"dynamic_task_allocation\": true, \"data_redistribution_threshold\": 0}}" 0
+        "rows moved in [12] of 2 steps; .*real tokens per rank over the run [0-9]+ [0-9]+ [0-9]+ [0-9]+ " ${packed})
+  expect_balanced(dp4_dynamic 4)
+  train_one_rank(dp4_packed_one_rank "{\"gradient_accumulation_steps\": 4}" ${packed})
+  expect_same_losses(${OUT}/dp4_packed_one_rank ${OUT}/dp4_dynamic ${LOSS_DIFF})
+  train(dp2_sp2_balanced "{\"data_parallel_size\": 2, \"sequence_parallel_enabled\": true, \"sequence_split_strategy\": \"balanced\", \"load_balancing\": {\"dynamic_task_allocation\": true}}" 0
+        "${ranks} 2 x tensor parallel 1 x sequence parallel 2 \\(balanced segments\\)")
+  train_one_rank(dp2_sp2_one_rank "{\"gradient_accumulation_steps\": 2}")
+  expect_same_losses(${OUT}/dp2_sp2_one_rank ${OUT}/dp2_sp2_balanced ${LOSS_DIFF})
   train(pipeline_np4 "{\"tensor_parallel_size\": 2, \"pipeline_parallel_size\": 2}" 2
         "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism")
 else()

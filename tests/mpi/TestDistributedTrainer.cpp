@@ -2,7 +2,10 @@
 // with grad_accum micro-batches, equals one trainer with dp · grad_accum micro-batches per step —
 // the same batches, step results (global loss, tokens, norm) and parameters after 3 steps, with
 // DDP and ZeRO-1 — and its checkpoints (moments gathered, written by rank 0) resume the 1-rank run
-// and a data-parallel run alike.
+// and a data-parallel run alike. With dynamic task allocation (LoadBalancing) on packed rows of
+// very unequal real tokens, the rows dealt to the ranks by real tokens give the same steps and
+// parameters within the same bounds (the same terms, summed in other groups), and the busiest rank
+// is never busier than its fixed share.
 //
 // "Equal" (support/RoundingBounds.hpp): the ranks sum the micro-batches' gradients in another order
 // than one trainer does. Losses agree within τ = 8·√N·u (N from the model's dimensions, 0.8e3 to
@@ -25,6 +28,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -62,10 +66,28 @@ std::shared_ptr<const kmamba::Dataset> task() {
   return std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{32, seqlen, 4, 5});
 }
 
-kmamba::Trainer<Exec> make_trainer(std::int64_t grad_accum) {
+// Packed documents of very unequal real tokens: runs of 40 text tokens, each a document, between
+// runs of 150 end-of-document tokens (31), which are not real tokens (their targets are ignored).
+// With seed 9 the fourth batch of 4 rows holds no real token (the others 2 to 63): a fixed share
+// without real tokens at 2 and 4 ranks.
+std::shared_ptr<const kmamba::Dataset> packed_task() {
+  std::vector<std::uint32_t> tokens;
+  for (int run = 0; run < 12; ++run) {
+    for (int i = 0; i < 40; ++i) tokens.push_back(static_cast<std::uint32_t>(1 + (i * 7 + run * 3) % 30));
+    tokens.insert(tokens.end(), 150, 31u);
+  }
+  kmamba::TokenDatasetConfig config;
+  config.seqlen = seqlen;
+  config.seed = 9;
+  config.document_end = 31;
+  return std::make_shared<kmamba::TokenDataset>(std::move(tokens), 32, config);
+}
+
+kmamba::Trainer<Exec> make_trainer(std::int64_t grad_accum,
+                                   const std::shared_ptr<const kmamba::Dataset>& data = task()) {
   kmamba::LanguageModel<Exec> model(tiny_config());
   model.initialize(1);
-  return kmamba::Trainer<Exec>(std::move(model), train_config(grad_accum), task());
+  return kmamba::Trainer<Exec>(std::move(model), train_config(grad_accum), data);
 }
 
 /// A 1-rank trainer's steps and, along them, the bounds of the file comment for a run whose
@@ -159,6 +181,52 @@ TEST(DistributedTrainer, DataParallelStepsAndCheckpointsEqualOneRank) {
     expect_same_step(resumed_dp.step(), longer, steps);
     expect_same_parameters(next_reference, continued, longer, "1-rank resume:");
     expect_same_parameters(resumed_dp, continued, longer, "data-parallel resume:");
+  }
+}
+
+// Rows of very unequal real tokens: the fixed shares (some rank may hold none and run no
+// backward) and the rows dealt by real tokens both give the one-rank steps.
+TEST(DistributedTrainer, PackedRowsOfUnequalRealTokensEqualOneRank) {
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, kmamba::MeshConfig());
+  const int dp = mesh.config().data_parallel_size;
+  constexpr int steps = 3;
+  kmamba::Trainer<Exec> reference = make_trainer(dp, packed_task());
+  const Reference ref(reference, steps);
+  const auto sum = [](const std::vector<std::int64_t>& v) {
+    return std::accumulate(v.begin(), v.end(), std::int64_t{0});
+  };
+  const auto busiest = [](const std::vector<std::int64_t>& v) { return *std::max_element(v.begin(), v.end()); };
+
+  for (const bool dynamic : {false, true}) {
+    SCOPED_TRACE(dynamic ? "dynamic task allocation" : "fixed shares");
+    kmamba::Trainer<Exec> trainer = make_trainer(1, packed_task());
+    kmamba::LoadBalancing balancing;
+    balancing.dynamic_task_allocation = dynamic;
+    balancing.data_redistribution_threshold = 0.0;
+    trainer.set_load_balancing(balancing);
+    trainer.enable_data_parallel(mesh);
+    bool moved = false, idle_share = false;
+    for (int s = 0; s < steps; ++s) {
+      const kmamba::StepResult r = trainer.step();
+      expect_same_step(r, ref, static_cast<std::size_t>(s));
+      if (!dynamic) {
+        EXPECT_TRUE(r.rank_tokens.empty());
+        continue;
+      }
+      ASSERT_EQ(r.rank_tokens.size(), static_cast<std::size_t>(dp));
+      ASSERT_EQ(r.fixed_share_tokens.size(), static_cast<std::size_t>(dp));
+      EXPECT_EQ(sum(r.rank_tokens), r.tokens);
+      EXPECT_EQ(sum(r.fixed_share_tokens), r.tokens);
+      EXPECT_LE(busiest(r.rank_tokens), busiest(r.fixed_share_tokens));
+      moved = moved || r.rows_moved;
+      idle_share = idle_share || *std::min_element(r.fixed_share_tokens.begin(), r.fixed_share_tokens.end()) == 0;
+    }
+    if (dynamic) {
+      EXPECT_EQ(moved, dp > 1) << "the packed rows are out of balance on several ranks, never on one";
+      EXPECT_EQ(idle_share, dp > 1) << "some fixed share without real tokens (no backward on its rank)";
+    }
+    EXPECT_EQ(trainer.data_position(), reference.data_position());
+    expect_same_parameters(trainer, reference, ref, "after 3 steps:");
   }
 }
 

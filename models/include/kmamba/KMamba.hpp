@@ -18,6 +18,7 @@
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/Generation.hpp>
 #include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/LoadBalance.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/models/SafeTensors.hpp>

@@ -32,6 +32,7 @@
 #include <kmamba/models/Data.hpp>
 #include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
+#include <kmamba/models/LoadBalance.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/Tokenizer.hpp>
 
@@ -86,6 +87,10 @@ struct StepResult {
   double lr = 0.0;                ///< learning rate of this step
   bool skipped = false;           ///< non-finite loss or gradients: no update was made (see non_finite)
   std::string non_finite;         ///< when skipped: what was non-finite, naming the parameters
+  /// With LoadBalancing::dynamic_task_allocation (step() only): the real tokens each dp rank
+  /// trained on, those its fixed share held, and whether rows were moved; empty otherwise.
+  std::vector<std::int64_t> rank_tokens, fixed_share_tokens;
+  bool rows_moved = false;
 
   double accuracy() const { return tokens > 0 ? static_cast<double>(correct) / static_cast<double>(tokens) : 0.0; }
 };
@@ -144,7 +149,8 @@ class Trainer {
   /// Trains data parallel over the dp axis of `mesh` (which must outlive this trainer) from now on,
   /// through a DataParallel made for this model and config().adamw() with `options`: a step's
   /// global batch is config().grad_accum micro-batches per dp rank (step() gives rank r the
-  /// data set's micro-batches data_position() + r·grad_accum + i), the gradients are summed over
+  /// data set's micro-batches data_position() + r·grad_accum + i, its fixed share, or with
+  /// LoadBalancing::dynamic_task_allocation the rows balance_rows deals it), the gradients are summed over
   /// dp once per step, weighted by the global token count, the norm is taken over the whole mesh,
   /// and AdamW (its moments sharded under ZeRO-1) replaces this trainer's optimizer, which keeps
   /// only the step count. StepResult reports global losses and counts. save_checkpoint() gathers
@@ -164,6 +170,13 @@ class Trainer {
   const AdamW<memory_space>& optimizer() const { return optimizer_; }
   const std::shared_ptr<const Dataset>& data() const { return data_; }
 
+  /// How step() hands the global batch's rows to the dp ranks and how sequences are cut into
+  /// sequence-parallel segments (docs/distributed.md §2, §3.1). Neither changes what a step
+  /// computes beyond the order of fp32 sums: the loss stays the mean over the global batch's real
+  /// tokens. Set the same on every rank. Validates `balancing`.
+  void set_load_balancing(const LoadBalancing& balancing);
+  const LoadBalancing& load_balancing() const { return balancing_; }
+
  private:
   const Dataset& dataset(const char* function) const;
   // The data-parallel hooks; without enable_data_parallel(): one rank, the sums are the values.
@@ -178,8 +191,15 @@ class Trainer {
   void write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
                         const Tensor1<float, memory_space>& m,         // (parameters of model)
                         const Tensor1<float, memory_space>& v) const;  // (parameters of model)
-  // Under sequence parallelism: this rank's segment of every sequence of b.
+  // Under sequence parallelism: this rank's segment of every sequence of b (even or balanced).
   TokenBatch sequence_segment_of(const TokenBatch& b) const;
+  // The step's global batch dealt to the dp ranks by real tokens (balance_rows), from the real
+  // tokens of every rank's fixed share `own` (gathered over dp). Collective over dp.
+  RowAssignment assign_rows(const std::vector<TokenBatch>& own) const;
+  // Micro-batches of up to batch_size rows holding the step's global rows `rows` (ascending): those
+  // of this rank's fixed share `own` copied, the others read from `data`.
+  std::vector<TokenBatch> micro_batches_of(const Dataset& data, const std::vector<TokenBatch>& own,
+                                           const std::vector<std::int64_t>& rows) const;
   // Gives the model b's packed sequence ids (none for a batch without them) and returns b's ids
   // and targets on the device.
   std::pair<ConstTensor2<std::int64_t, memory_space>, ConstTensor2<std::int64_t, memory_space>> upload(
@@ -194,6 +214,7 @@ class Trainer {
   std::int64_t skipped_steps_ = 0;
   std::int64_t consecutive_skips_ = 0;
   TokenizerFiles tokenizer_files_;
+  LoadBalancing balancing_;
 #if KMAMBA_ENABLE_MPI
   std::unique_ptr<DataParallel<ExecutionSpace>> data_parallel_;
 #endif

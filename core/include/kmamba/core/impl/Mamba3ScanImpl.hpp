@@ -315,7 +315,9 @@ struct Mamba3Workspace {
   Tensor3<float, MemorySpace> cs;     // (batch, nheads, seqlen): inclusive cumsum of adt within the chunk
   Tensor3<float, MemorySpace> scale;  // (batch, nheads, seqlen): γ_t + β̃_{t+1}
   Tensor3<float, MemorySpace> gamma;  // (batch, nheads, seqlen): γ_t
-  Tensor4<float, MemorySpace> q, k;   // (batch, seqlen·rank, nheads, dstate): rotated, biased
+  /// (batch, seqlen·rank, nheads, dstate): rotated, biased; unallocated where the SSD's fused
+  /// forward forms them itself (impl/Mamba3SisoSsd.hpp)
+  Tensor4<float, MemorySpace> q, k;
   /// With the chunk stages (the SISO scan on the SSD reads v itself and has no chunk states):
   Tensor4<float, MemorySpace> v;       // (batch, seqlen·rank, nheads, headdim): projected
   Tensor5<float, MemorySpace> states;  // (batch, nchunks, nheads, headdim, dstate): local, then entering Ĥ
@@ -324,7 +326,7 @@ struct Mamba3Workspace {
   Tensor4<float, MemorySpace> angle_sum;
   Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
 
-  Mamba3Workspace(const Mamba3Plan& plan, bool chunk_stages)
+  Mamba3Workspace(const Mamba3Plan& plan, bool chunk_stages, bool rows = true)
       : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
                                                                   plan.seqlen, plan.nangles)),
         cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
@@ -333,14 +335,16 @@ struct Mamba3Workspace {
                                                                   plan.seqlen)),
         gamma(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::gamma", plan.batch, plan.nheads,
                                                                   plan.seqlen)),
-        q(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch,
-                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
-        k(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch,
-                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate)),
         angle_sum(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_chunk_sum", plan.batch,
                                                                       plan.nheads, plan.nchunks, plan.nangles)),
         angle_turns(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::angle_turns", plan.batch,
                                                                         plan.nheads, plan.nchunks, plan.nangles)) {
+    if (rows) {
+      q = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::q_rotated", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate);
+      k = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::k_rotated", plan.batch,
+                                                              plan.seqlen * plan.rank, plan.nheads, plan.dstate);
+    }
     if (chunk_stages) {
       v = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::v_projected", plan.batch,
                                                               plan.seqlen * plan.rank, plan.nheads, plan.headdim);
@@ -599,7 +603,7 @@ struct Mamba3SisoTokens {
   }
 };
 
-/// Stage 2a (rotate): the rotated, biased q and k rows; the final k state at the last token; with
+/// Stage 2a (rotate): the rotated, biased q and k rows (where ws has them); the final k state at the last token; with
 /// `tok` allocated (SISO), the token's values in the SSD's layout, q_t·k_t from the rotated rows (a
 /// rotation keeps dot products). A row kernel over (batch, row = t·R + r, head), its lanes over
 /// slots: the first nangles slots are the rotated pairs of states (2j, 2j + 1), one angle's cosine
@@ -613,10 +617,12 @@ struct Mamba3RotateFunctor {
   Mamba3StateViews<float, MemorySpace> final_states;
   Mamba3SisoTokens<MemorySpace> tok;
 
-  /// Stores the rotated q, k of state n; returns their product.
+  /// Stores the rotated q, k of state n (where ws has rows); returns their product.
   KOKKOS_INLINE_FUNCTION float store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
-    ws.q(b, row, h, n) = qv;
-    ws.k(b, row, h, n) = kv;
+    if (ws.q.is_allocated()) {
+      ws.q(b, row, h, n) = qv;
+      ws.k(b, row, h, n) = kv;
+    }
     if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
     return qv * kv;
   }

@@ -17,6 +17,13 @@
 // So the SISO scan runs on whatever the SSD runs on: its fused tensor-core kernels with bf16
 // operands (MatmulPrecision::BFloat16) or its fp32/TF32 stages. MIMO (rank > 1: every rank of a
 // token sees every other) stays on the chunk stages.
+//
+// The B and C of the SSD are per head (each head has its bias and its angles) where q and k are per
+// group. The bf16 forward hands the fused SSD forward the group rows with the biases and angles
+// (SsdFusedHeadOperands), which forms each head's rows as it stages them, and c_t as the skip
+// factor of token t: no per-head rows are written (2·dstate floats per token and head, each written
+// once and read once) and y and the gate come out of the same kernel. The backward and the other
+// precisions write the rotated rows (the rotate stage) and take the SSD's own paths.
 #ifndef KMAMBA_CORE_IMPL_MAMBA3SISOSSD_HPP
 #define KMAMBA_CORE_IMPL_MAMBA3SISOSSD_HPP
 
@@ -127,15 +134,15 @@ struct Mamba3SisoSkipPartialFunctor {
   }
 };
 
-/// Stages 1–2 and the SSD's inputs: the rows, the per-token values and Ĥ_{−1} (when an initial state
-/// is given); returns the SSD's arguments.
+/// The SSD's arguments for B and C of (batch, seqlen, groups, dstate) (per-head rows, groups =
+/// nheads, or the shared rows that SsdFusedHeadOperands turn into them), with stage 2's per-token
+/// values `tok` and Ĥ_{−1} (formed here when an initial state is given).
 template <class ExecSpace, class MemorySpace>
-SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3Plan& plan,
-                                             const Mamba3Operands<MemorySpace>& in, MatmulPrecision precision,
-                                             const Mamba3Workspace<MemorySpace>& ws,
-                                             const Mamba3SisoTokens<MemorySpace>& tok,
-                                             const Mamba3StateViews<float, MemorySpace>& final_states) {
-  mamba3_prepare_rows(exec, plan, in, ws, final_states, tok);
+SsdArgs<MemorySpace> mamba3_siso_ssd_args(const ExecSpace& exec, const Mamba3Plan& plan,
+                                          const Mamba3Operands<MemorySpace>& in, MatmulPrecision precision,
+                                          const Mamba3SisoTokens<MemorySpace>& tok,
+                                          const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& B,
+                                          const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& C) {
   SsdArgs<MemorySpace> args;
   if (in.initial.has_ssm || (in.initial.has_k && in.initial.has_v)) {
     const auto state = allocate_uninitialized<Tensor4<float, MemorySpace>>(
@@ -146,7 +153,7 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
   }
   // The SSD's fused kernels read x four floats at a time: an unaligned v is copied first.
   args.x = in.v;
-  if (reinterpret_cast<std::uintptr_t>(in.v.data()) % 16 != 0) {
+  if (!ssd_rows_aligned(in.v)) {
     const auto copy = allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::siso_v", plan.batch,
                                                                           plan.seqlen, plan.nheads, plan.headdim);
     Kokkos::deep_copy(exec, copy, in.v);
@@ -154,18 +161,62 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3
   }
   args.dt = tok.scale;
   args.log_decay = tok.log_decay;
-  args.B = ws.k;
-  args.C = ws.q;
+  args.B = B;
+  args.C = C;
   args.dt_min = -std::numeric_limits<float>::infinity();
   args.chunk_size = plan.chunk;
   args.matmul_precision = precision;
   return args;
 }
 
+/// Stages 1–2 with the rotated rows, and the SSD's arguments on them.
+template <class ExecSpace, class MemorySpace>
+SsdArgs<MemorySpace> mamba3_siso_ssd_prepare(const ExecSpace& exec, const Mamba3Plan& plan,
+                                             const Mamba3Operands<MemorySpace>& in, MatmulPrecision precision,
+                                             const Mamba3Workspace<MemorySpace>& ws,
+                                             const Mamba3SisoTokens<MemorySpace>& tok,
+                                             const Mamba3StateViews<float, MemorySpace>& final_states) {
+  mamba3_prepare_rows(exec, plan, in, ws, final_states, tok);
+  return mamba3_siso_ssd_args(exec, plan, in, precision, tok, ws.k, ws.q);
+}
+
+/// The bf16 forward on the shared q and k rows (see the top of this file); false, having done
+/// nothing, where the fused SSD forward does not take them.
+template <class ExecSpace, class MemorySpace>
+bool mamba3_siso_fused_forward(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                               MatmulPrecision precision, const Tensor4<float, MemorySpace>& out,
+                               const Mamba3StateViews<float, MemorySpace>& final_states) {
+  if (precision != MatmulPrecision::BFloat16) return false;
+  const SsdDims dims{plan.batch, plan.seqlen, plan.nheads, plan.headdim, plan.ngroups, plan.dstate};
+  const SsdPlan fused = ssd_plan<ExecSpace>("kmamba::mamba3_siso_forward", dims, ssd_fused_chunk);
+  const Mamba3SisoTokens<MemorySpace> tok(plan);
+  SsdArgs<MemorySpace> probe;
+  probe.x = in.v;
+  probe.B = in.k4;
+  probe.C = in.q4;
+  if (!ssd_fused_forward_supported(fused, SsdOperands<MemorySpace>(probe))) return false;
+  const Mamba3Workspace<MemorySpace> ws(plan, false, false);
+  mamba3_prepare_rows(exec, plan, in, ws, final_states, tok);
+  SsdArgs<MemorySpace> args = mamba3_siso_ssd_args(exec, plan, in, precision, tok, in.k4, in.q4);
+  args.z = in.z;
+  SsdFusedHeadOperands<MemorySpace> head;
+  head.bias_B = in.k_bias2;
+  head.bias_C = in.q_bias2;
+  head.theta = ws.theta;
+  head.nangles = plan.nangles;
+  head.token_skip = tok.diag;
+  head.ungated = in.ungated;
+  ssd_fused_forward(exec, fused, SsdOperands<MemorySpace>(args), out,
+                    final_states.has_ssm ? final_states.ssm : Tensor4<float, MemorySpace>(),
+                    ssd_fused_segment_count(exec, fused), head);
+  return true;
+}
+
 template <class ExecSpace, class MemorySpace>
 void mamba3_siso_ssd_forward(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                              MatmulPrecision precision, const Tensor4<float, MemorySpace>& out,
                              const Mamba3StateViews<float, MemorySpace>& final_states) {
+  if (mamba3_siso_fused_forward(exec, plan, in, precision, out, final_states)) return;
   const Mamba3Workspace<MemorySpace> ws(plan, false);
   const Mamba3SisoTokens<MemorySpace> tok(plan);
   const SsdArgs<MemorySpace> args = mamba3_siso_ssd_prepare(exec, plan, in, precision, ws, tok, final_states);

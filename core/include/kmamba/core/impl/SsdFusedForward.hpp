@@ -21,6 +21,11 @@
 // chunk_size asks for (the result is the same function of the inputs); other shapes, and seq_idx,
 // take the staged forward of SsdImpl.hpp.
 //
+// A caller built on the SSD may hand the forward per-head operands (SsdFusedHeadOperands): B and C
+// formed per head from shared rows as they are staged (a bias per head, then a rotation by per-token
+// angles: the Mamba-3 SISO scan, impl/Mamba3SisoSsd.hpp, which so never writes per-head rows), a
+// skip factor per token in place of D, and the output before the gate.
+//
 // Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
 // decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32. Against exact
 // arithmetic the output carries a relative error of order 2^-8 of the magnitudes summed (each
@@ -126,6 +131,15 @@ struct SsdRowShare {
       }
     }
   }
+  /// f(t, n, v) on each loaded float4 v of a row t < len (v: states n … n + 3 of row t).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void transform(int thread, int len, const F& f) {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i < items && t < len) f(t, n, v[k]);
+    }
+  }
   /// Row t times scale(t), as bf16 into the tile.
   template <class Scale>
   KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
@@ -133,6 +147,32 @@ struct SsdRowShare {
     for (int k = 0; k < count; ++k) {
       const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
       if (i < items) ssd_store4_bf16(&tile.at(t, n), v[k], scale(t));
+    }
+  }
+};
+
+/// Per-head operands of a caller built on the SSD, each optional (unallocated: as the SsdOperands
+/// say). With theta allocated, B and C of head h at token t are Rot(θ[b,h,t])·(B[b,t,g] + bias_B[h])
+/// and Rot(θ[b,h,t])·(C[b,t,g] + bias_C[h]), Rot turning the pairs of states (2i, 2i + 1),
+/// i < nangles, by θ_i (the Mamba-3 rotation, kmamba/core/Mamba3Scan.hpp).
+template <class MemorySpace>
+struct SsdFusedHeadOperands {
+  ConstTensor2<float, MemorySpace> bias_B, bias_C;  // (nheads, dstate), with theta
+  ConstTensor4<float, MemorySpace> theta;           // (batch, nheads, seqlen, nangles)
+  int nangles = 0;
+  ConstTensor3<float, MemorySpace> token_skip;  // (batch, seqlen, nheads): the skip factor in place of D[h]
+  Tensor4<float, MemorySpace> ungated;          // (batch, seqlen, nheads, headdim): the output before the gate
+
+  /// States n … n + 3 (n a multiple of 4) of token t's row, biased and rotated for head h.
+  KOKKOS_INLINE_FUNCTION void rotate(const ConstTensor2<float, MemorySpace>& bias, int b, int h, int t, int n,
+                                     float (&v)[4]) const {
+    for (int e = 0; e < 4; ++e) v[e] += bias(h, n + e);
+    for (int j = 0; j < 2 && n / 2 + j < nangles; ++j) {
+      const float angle = theta(b, h, t, n / 2 + j);
+      const float c = kmamba::math::cos(angle), s = kmamba::math::sin(angle);
+      const float v0 = v[2 * j], v1 = v[2 * j + 1];
+      v[2 * j] = v0 * c - v1 * s;
+      v[2 * j + 1] = v0 * s + v1 * c;
     }
   }
 };
@@ -169,6 +209,7 @@ struct SsdFusedForwardFunctor {
   Tensor4<float, MemorySpace> out;           // (batch, seqlen, nheads, headdim)
   Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate), optional
   SsdSegments<MemorySpace> segments;
+  SsdFusedHeadOperands<MemorySpace> head;
 
   struct Tiles {
     ScratchTile c, b, x, h, s;
@@ -235,11 +276,17 @@ struct SsdFusedForwardFunctor {
     {
       SsdRowShare<Q, N, Team::threads> cs;
       cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
+      if (head.theta.is_allocated()) {
+        cs.transform(thread, len, [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_C, b, h, t0 + t, n, v); });
+      }
       stage_decays(sm, thread, b, h, t0, len, rate);
       cs.store(thread, sm.c, one);
     }
     SsdRowShare<Q, N, Team::threads> bs;
     bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
+    if (head.theta.is_allocated()) {
+      bs.transform(thread, len, [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_B, b, h, t0 + t, n, v); });
+    }
     bs.store(thread, sm.b, one);
     if (!StatesOnly) {
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {
@@ -284,7 +331,9 @@ struct SsdFusedForwardFunctor {
     Y.for_each(lane, [&](int r, int c, float& v) {
       const int t = warp_tile_rows * tb + r, p = warp_tile_rows * pb + c;
       if (t >= len) return;
-      const float y = v + d * in.x(b, t0 + t, h, p);
+      const float skip = head.token_skip.is_allocated() ? head.token_skip(b, t0 + t, h) : d;
+      const float y = v + skip * in.x(b, t0 + t, h, p);
+      if (head.ungated.is_allocated()) head.ungated(b, t0 + t, h, p) = y;
       out(b, t0 + t, h, p) = in.has_z ? y * silu(in.z(b, t0 + t, h, p)) : y;
     });
   }
@@ -421,26 +470,33 @@ struct SsdSegmentPassingFunctor {
   }
 };
 
+/// Whether the rows of a (batch, seqlen, heads or groups, width) view start 16-byte aligned: its
+/// data and its three outer strides (a view cut from a wider one has strides of its parent).
+template <class View>
+bool ssd_rows_aligned(const View& v) {
+  return reinterpret_cast<std::uintptr_t>(v.data()) % 16 == 0 && v.stride(0) % 4 == 0 && v.stride(1) % 4 == 0 &&
+         v.stride(2) % 4 == 0;
+}
+
 /// Whether the fused forward takes these inputs: headdim 64, dstate 16/32/64/128, no seq_idx, and
-/// 16-byte aligned x, B and C (their rows are read four floats at a time). `plan` is the fused
+/// rows of x, B and C 16-byte aligned (they are read four floats at a time). `plan` is the fused
 /// forward's own (chunk ssd_fused_chunk).
 template <class MemorySpace>
 bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   const bool dstate = ssd_fused_dstate(plan.dstate);
   return plan.headdim == ssd_fused_headdim && plan.chunk == ssd_fused_chunk && dstate && !in.has_seq_idx &&
-         aligned(in.x.data()) && aligned(in.B.data()) && aligned(in.C.data());
+         ssd_rows_aligned(in.x) && ssd_rows_aligned(in.B) && ssd_rows_aligned(in.C);
 }
 
 template <int N, bool StatesOnly, class ExecSpace, class MemorySpace>
 void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
-                      const SsdSegments<MemorySpace>& segments) {
+                      const SsdSegments<MemorySpace>& segments, const SsdFusedHeadOperands<MemorySpace>& head) {
   using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly>;
   WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
       exec, StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
       plan.batch * plan.nheads * segments.count, Functor::Layout::bytes,
-      Functor{in, plan, out, final_states, segments});
+      Functor{in, plan, out, final_states, segments, head});
 }
 
 /// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of
@@ -465,7 +521,7 @@ int ssd_fused_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
 template <int N, class ExecSpace, class MemorySpace>
 void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                               const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
-                              int segment_count) {
+                              int segment_count, const SsdFusedHeadOperands<MemorySpace>& head) {
   SsdSegments<MemorySpace> segments;
   segments.count = std::max(1, std::min(segment_count, plan.nchunks));
   segments.chunks = (plan.nchunks + segments.count - 1) / segments.count;
@@ -475,23 +531,25 @@ void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const 
         "kmamba::ssd::segment_states", plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
     segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::segment_decay", plan.batch,
                                                                          plan.nheads, segments.count);
-    ssd_fused_launch<N, true>(exec, plan, in, out, final_states, segments);
+    ssd_fused_launch<N, true>(exec, plan, in, out, final_states, segments, head);
     Kokkos::parallel_for("kmamba::ssd::fused_segment_passing",
                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                              exec, 0, static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate),
                          SsdSegmentPassingFunctor<MemorySpace>{in, plan, segments, final_states});
   }
-  ssd_fused_launch<N, false>(exec, plan, in, out, final_states, segments);
+  ssd_fused_launch<N, false>(exec, plan, in, out, final_states, segments, head);
 }
 
 /// The fused forward for the plan's dstate (ssd_fused_forward_supported must hold), each sequence
-/// cut into `segment_count` segments (at most one per chunk; ssd_fused_segment_count chooses it).
+/// cut into `segment_count` segments (at most one per chunk; ssd_fused_segment_count chooses it),
+/// with a caller's per-head operands when given.
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                        const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
-                       int segment_count) {
+                       int segment_count,
+                       const SsdFusedHeadOperands<MemorySpace>& head = SsdFusedHeadOperands<MemorySpace>()) {
   ssd_with_fused_dstate(plan.dstate, [&](auto states) {
-    ssd_fused_forward_states<decltype(states)::value>(exec, plan, in, out, final_states, segment_count);
+    ssd_fused_forward_states<decltype(states)::value>(exec, plan, in, out, final_states, segment_count, head);
   });
 }
 
