@@ -543,8 +543,8 @@ TYPED_TEST(Mamba3Scan, Bf16SisoSharedRowsMatchPerHeadRows) {
   using T4 = kmamba::Tensor4<float, Mem>;
   for (const Config& cfg : bf16_siso_sweep()) {
     const RefProblem P = make_reference_problem(cfg);
-    const DeviceProblem<Mem> aligned(P);
-    DeviceProblem<Mem> shifted(P);
+    const Mamba3DeviceProblem<Mem> aligned(P);
+    Mamba3DeviceProblem<Mem> shifted(P);
     const auto shift = [](const T4& v, const char* label) {
       const Kokkos::View<float*, Mem> buffer(std::string(label), v.size() + 1);
       const T4 view(buffer.data() + 1, v.extent(0), v.extent(1), v.extent(2), v.extent(3));
