@@ -4,11 +4,13 @@
 
 #include "Mamba3Kernels.hpp"
 #include "MixerToolkit.hpp"
+#include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/ForEachBackend.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
+#include <kmamba/core/Mamba3StateCorrection.hpp>
 #include <kmamba/core/Random.hpp>
 #include <kmamba/core/RmsNorm.hpp>
 #include <kmamba/core/Shape.hpp>
@@ -94,11 +96,11 @@ Mamba3MimoStates<Mem> allocate_states(const std::string& what, std::int64_t batc
           allocate_uninitialized<Tensor4<float, Mem>>(label + "_v", batch, nheads, rank, headdim)};
 }
 
-// The SISO view of states of rank 1 (none where they are absent).
+// The SISO view of states of rank 1 (each absent where it is).
 template <class Mem>
 Mamba3SisoStates<Mem> siso_states(const Mamba3MimoStates<Mem>& s) {
-  if (!s.ssm.is_allocated()) return {};
-  return {s.angle, s.ssm, without_rank(s.k), without_rank(s.v)};
+  return {s.angle, s.ssm, s.k.is_allocated() ? without_rank(s.k) : Tensor3<float, Mem>(),
+          s.v.is_allocated() ? without_rank(s.v) : Tensor3<float, Mem>()};
 }
 
 template <class Exec, class Mem>
@@ -109,23 +111,147 @@ void copy_states(const Exec& exec, const Mamba3MimoStates<Mem>& to, const Mamba3
   Kokkos::deep_copy(exec, to.v, from.v);
 }
 
-// f(state) for each of the four states, in one fixed order.
-template <class Mem, class F>
-void for_each_state(const Mamba3MimoStates<Mem>& s, const F& f) {
-  f(s.angle);
-  f(s.ssm);
-  f(s.k);
-  f(s.v);
+// The states as the scan of `args` takes them: MIMO states, or their SISO views.
+template <class Mem>
+const Mamba3MimoStates<Mem>& scan_states(const Mamba3MimoArgs<Mem>&, const Mamba3MimoStates<Mem>& s) {
+  return s;
+}
+template <class Mem>
+Mamba3SisoStates<Mem> scan_states(const Mamba3SisoArgs<Mem>&, const Mamba3MimoStates<Mem>& s) {
+  return siso_states(s);
 }
 
-// Sends the four states to (receives them from) rank `peer` of `comm`.
+// The scan of either variant.
 template <class Exec, class Mem>
-void send_states(const Exec& exec, const Communicator& comm, const Mamba3MimoStates<Mem>& s, int peer) {
-  for_each_state(s, [&](const auto& state) { comm.send(exec, state, peer); });
+void scan_forward(const Exec& exec, const Mamba3SisoArgs<Mem>& args, const Tensor4<float, Mem>& y,
+                  const Mamba3SisoStates<Mem>& final_states) {
+  mamba3_siso_forward(exec, args, y, final_states);
 }
 template <class Exec, class Mem>
-void recv_states(const Exec& exec, const Communicator& comm, const Mamba3MimoStates<Mem>& s, int peer) {
-  for_each_state(s, [&](const auto& state) { comm.recv(exec, state, peer); });
+void scan_forward(const Exec& exec, const Mamba3MimoArgs<Mem>& args, const Tensor4<float, Mem>& y,
+                  const Mamba3MimoStates<Mem>& final_states) {
+  mamba3_mimo_forward(exec, args, y, final_states);
+}
+template <class Exec, class Mem>
+void scan_backward(const Exec& exec, const Mamba3SisoArgs<Mem>& args, const Tensor4<float, Mem>& dy,
+                   const Mamba3SisoStates<Mem>& dfinal, const Mamba3SisoGrads<Mem>& grads) {
+  mamba3_siso_backward(exec, args, dy, dfinal, grads);
+}
+template <class Exec, class Mem>
+void scan_backward(const Exec& exec, const Mamba3MimoArgs<Mem>& args, const Tensor4<float, Mem>& dy,
+                   const Mamba3MimoStates<Mem>& dfinal, const Mamba3MimoGrads<Mem>& grads) {
+  mamba3_mimo_backward(exec, args, dy, dfinal, grads);
+}
+
+// A (batch, nheads, ...) tensor as the (batch·nheads, rest) rows the segment scans compose.
+template <class View>
+Tensor2<float, typename View::memory_space> head_rows(const View& v) {
+  const std::size_t rows = v.extent(0) * v.extent(1);
+  return Tensor2<float, typename View::memory_space>(v.data(), rows, v.size() / rows);
+}
+
+// The states entering a segment and the segment's decay (Activations' sequence-parallel members).
+template <class Mem>
+struct SegmentInputs {
+  Mamba3MimoStates<Mem> initial;  // angle, ssm, k, v entering the segment
+  Tensor2<float, Mem> decay;      // (batch, nheads): exp(Σ adt) over the segment
+
+  // The decays as the segment scans take them, one per (batch·nheads) row.
+  ConstTensor2<float, Mem> decay_rows() const { return ConstTensor2<float, Mem>(decay.data(), decay.size(), 1); }
+};
+
+// The segments' exclusive sum over the sequence ranks in `direction` of `local` (batch, nheads, n):
+// the segment scan of pairs with unit decays.
+template <class Exec, class Mem>
+void sum_over_segments(const Exec& exec, const Communicator& sequence, impl::SegmentScanDirection direction,
+                       const Tensor3<float, Mem>& local, const Tensor3<float, Mem>& incoming) {
+  const auto ones =
+      allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba3::unit_decay", local.extent(0) * local.extent(1), 1);
+  Kokkos::deep_copy(exec, ones, 1.0f);
+  impl::segment_state_scan(exec, sequence, direction, ConstTensor2<float, Mem>(ones),
+                           ConstTensor2<float, Mem>(head_rows(local)), head_rows(incoming));
+}
+
+// Sequence parallel forward of one segment (docs/distributed.md §2.3). The angle entering it is the
+// sum of the previous segments' angle totals and the previous token's k and v are the previous
+// segment's last (a halo), both known before any scan; every rank then scans its segment from a
+// zero SSM state at once, the (decay, final state) pairs give each the SSM state entering it, and
+// its contribution is added to y (and the kept ungated output). Writes `in.initial` and `in.decay`.
+template <class Exec, class Args, class Mem>
+void scan_segment(const Exec& exec, const Communicator& sequence, Args args, const Tensor4<float, Mem>& y,
+                  const SegmentInputs<Mem>& in) {
+  using T3 = Tensor3<float, Mem>;
+  using T4 = Tensor4<float, Mem>;
+  const int k = sequence.rank(), c = sequence.size();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < c ? k + 1 : no_peer;
+  const Mamba3MimoStates<Mem>& s = in.initial;
+  const std::size_t b = s.ssm.extent(0), H = s.ssm.extent(1), P = s.ssm.extent(2), N = s.ssm.extent(3);
+  const std::size_t S = s.angle.extent(2), R = s.k.extent(2);
+  args.initial = {};
+  const auto total = allocate_uninitialized<T3>("kmamba::mamba3::angle_total", b, H, S);
+  mamba3_segment_states(exec, args, scan_states(args, {total, {}, {}, {}}), in.decay);
+  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Forward, total, s.angle);
+  args.initial = scan_states(args, {s.angle, {}, {}, {}});
+  const Mamba3MimoStates<Mem> last{{},
+                                   {},
+                                   allocate_uninitialized<T4>("kmamba::mamba3::k_final", b, H, R, N),
+                                   allocate_uninitialized<T4>("kmamba::mamba3::v_final", b, H, R, P)};
+  mamba3_segment_states(exec, args, scan_states(args, last), Tensor2<float, Mem>());
+  sequence.send_recv(exec, last.k, next, s.k, previous);  // rank 0 keeps its zeros
+  sequence.send_recv(exec, last.v, next, s.v, previous);
+  args.initial = scan_states(args, {s.angle, {}, s.k, s.v});
+  const auto final_ssm = allocate_uninitialized<T4>("kmamba::mamba3::ssm_final", b, H, P, N);
+  scan_forward(exec, args, y, scan_states(args, {{}, final_ssm, {}, {}}));
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward, in.decay_rows(),
+                           ConstTensor2<float, Mem>(head_rows(final_ssm)), head_rows(s.ssm));
+  mamba3_state_correction_forward(exec, args, s.ssm, y, T4());
+}
+
+// Sequence parallel backward of one segment (docs/distributed.md §2.3), the mirror of scan_segment:
+// the gradient the outputs give the incoming SSM state, composed over the later segments into the
+// final state's; the gradients of the previous segment's last k and v through the state entering
+// this one, sent back before any scan; the scan's backward from the incoming states; then the final
+// angle's gradient (the later segments' angle gradients summed) added to those of the angles and dt.
+template <class Exec, class Args, class Grads, class Mem>
+void backward_segment(const Exec& exec, const Communicator& sequence, Args args, const Tensor4<float, Mem>& dy,
+                      const SegmentInputs<Mem>& in, const Grads& grads) {
+  using T3 = Tensor3<float, Mem>;
+  using T4 = Tensor4<float, Mem>;
+  const int k = sequence.rank(), c = sequence.size();
+  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < c ? k + 1 : no_peer;
+  const Mamba3MimoStates<Mem>& s = in.initial;
+  const std::size_t b = s.ssm.extent(0), H = s.ssm.extent(1), P = s.ssm.extent(2), N = s.ssm.extent(3);
+  const std::size_t S = s.angle.extent(2), R = s.k.extent(2);
+  args.initial = scan_states(args, s);
+  const auto from_outputs = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_incoming", b, H, P, N);
+  mamba3_state_correction_backward(exec, args, dy, from_outputs);
+  const auto dfinal_ssm = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_final", b, H, P, N);
+  impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward, in.decay_rows(),
+                           ConstTensor2<float, Mem>(head_rows(from_outputs)), head_rows(dfinal_ssm));
+  const Mamba3MimoStates<Mem> dinitial{{},
+                                       {},
+                                       allocate_uninitialized<T4>("kmamba::mamba3::d_k_initial", b, H, R, N),
+                                       allocate_uninitialized<T4>("kmamba::mamba3::d_v_initial", b, H, R, P)};
+  if (previous != no_peer) {
+    const auto dentering = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_entering", b, H, P, N);
+    impl::segment_state_inclusive(exec, in.decay_rows(), ConstTensor2<float, Mem>(head_rows(from_outputs)),
+                                  ConstTensor2<float, Mem>(head_rows(dfinal_ssm)), head_rows(dentering));
+    mamba3_initial_kv_backward(exec, args, dentering, scan_states(args, dinitial));
+  }
+  Mamba3MimoStates<Mem> dfinal{{}, dfinal_ssm, {}, {}};
+  if (next != no_peer) {
+    dfinal.k = allocate_uninitialized<T4>("kmamba::mamba3::d_k_final", b, H, R, N);
+    dfinal.v = allocate_uninitialized<T4>("kmamba::mamba3::d_v_final", b, H, R, P);
+  }
+  sequence.send_recv(exec, dinitial.k, previous, dfinal.k, next);
+  sequence.send_recv(exec, dinitial.v, previous, dfinal.v, next);
+  const auto dangle_total = allocate_uninitialized<T3>("kmamba::mamba3::d_angle_initial", b, H, S);
+  Grads g = grads;
+  g.dinitial = scan_states(args, {dangle_total, {}, {}, {}});
+  scan_backward(exec, args, dy, scan_states(args, dfinal), g);
+  const auto dfinal_angle = allocate_uninitialized<T3>("kmamba::mamba3::d_angle_final", b, H, S);
+  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Backward, dangle_total, dfinal_angle);
+  if (next != no_peer) mamba3_final_angle_backward(exec, args.angles, args.dt, dfinal_angle, g.dangles, g.ddt);
 }
 
 }  // namespace
@@ -308,6 +434,7 @@ typename Mamba3Mixer<ExecutionSpace>::Activations Mamba3Mixer<ExecutionSpace>::m
     a.normed = allocate_uninitialized<Matrix>("kmamba::mamba3::norm_out", rows, d_inner_);
   }
   if (parallel_.sequence_size() > 1) {  // zero on the first rank, which receives nothing
+    a.segment_decay = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba3::segment_decay", batch, nheads_);
     a.angle_initial = allocate<Tensor3<float, Mem>>("kmamba::mamba3::angle_initial", batch, nheads_, nangles_);
     a.ssm_initial = allocate<Tensor4<float, Mem>>("kmamba::mamba3::ssm_initial", batch, nheads_, headdim_, d_state_);
     a.k_initial = allocate<Tensor4<float, Mem>>("kmamba::mamba3::k_initial", batch, nheads_, rank_, d_state_);
@@ -422,38 +549,34 @@ template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& a,
                                                Cache* cache) const {
   using Mem = memory_space;
-  const bool split_sequence = parallel_.sequence_size() > 1;
-  const Communicator* const sequence = parallel_.sequence;
-  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
   const Tensor4<float, Mem> y(a.y.data(), sz(a.batch), sz(a.seqlen), sz(nheads_), sz(headdim_));
-  // The scan starts from the cache's states (a copy of them, as it writes the final ones into the
-  // cache) or, under sequence parallelism, from the states the previous rank sends; its final states
-  // go to the next rank.
+  Mamba3SisoArgs<Mem> siso = siso_args(args);
+  if (a.ungated.is_allocated())
+    siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
+  if (parallel_.sequence_size() > 1) {
+    const SegmentInputs<Mem> in{{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay};
+    if (config_.is_mimo) {
+      scan_segment(exec, *parallel_.sequence, args, y, in);
+    } else {
+      scan_segment(exec, *parallel_.sequence, siso, y, in);
+    }
+    return;
+  }
+  // The scan starts from the cache's states (a copy of them, as it writes the final ones into the cache).
   Mamba3MimoStates<Mem> initial, final_states;
   if (cache != nullptr) {
     final_states = cache->states(0);
     initial = cache->states(1);
     copy_states(exec, initial, final_states);
   }
-  if (split_sequence) {
-    initial = {a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
-    if (previous != no_peer) recv_states(exec, *sequence, initial, previous);
-    final_states = next != no_peer
-                       ? allocate_states<Mem>("final", a.batch, nheads_, nangles_, headdim_, d_state_, rank_)
-                       : Mamba3MimoStates<Mem>();
-  }
   if (config_.is_mimo) {
     args.initial = initial;
     mamba3_mimo_forward(exec, args, y, final_states);
   } else {
-    Mamba3SisoArgs<Mem> siso = siso_args(args);
     siso.initial = siso_states(initial);
-    if (a.ungated.is_allocated())
-      siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
     mamba3_siso_forward(exec, siso, y, siso_states(final_states));
   }
-  if (split_sequence && next != no_peer) send_states(exec, *sequence, final_states, next);
 }
 
 template <class ExecutionSpace>
@@ -583,7 +706,6 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   const std::size_t b = sz(batch), L = sz(seqlen), R = sz(rank_), G = sz(ngroups_), N = sz(d_state_);
   const std::size_t H = sz(nheads_), P = sz(headdim_);
   const bool split_sequence = parallel_.sequence_size() > 1;
-  const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
 
   // The gradients of the MIMO scan (of rank 1 for the SISO one).
   Mamba3MimoGrads<Mem> g;
@@ -605,38 +727,26 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   }
   g.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba3::d_D", nheads_);
   if (!config_.is_outproj_norm) g.dz = T4(dpre[z_segment].data(), b, L, H, P);
-  // Sequence parallel: the gradients of this segment's final states come back from the next rank,
-  // those of its initial states go to the previous one.
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
-  Mamba3MimoStates<Mem> sp_dfinal, sp_dinitial;
-  if (split_sequence) {
-    args.initial = Mamba3MimoStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial};
-    if (next != no_peer) {
-      sp_dfinal = allocate_states<Mem>("d_final", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-      recv_states(exec, *parallel_.sequence, sp_dfinal, next);
-    }
-    if (previous != no_peer) {
-      sp_dinitial = allocate_states<Mem>("d_initial", batch, nheads_, nangles_, headdim_, d_state_, rank_);
-    }
-  }
+  Mamba3SisoArgs<Mem> siso = siso_args(args);
+  if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
+  const Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
   const T4 dy4(dy.data(), b, L, H, P);
+  const SegmentInputs<Mem> in{{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay};
+  if (config_.is_mimo && split_sequence) {
+    backward_segment(exec, *parallel_.sequence, args, dy4, in, g);
+  } else if (config_.is_mimo) {
+    mamba3_mimo_backward(exec, args, dy4, Mamba3MimoStates<Mem>(), g);
+  } else if (split_sequence) {
+    backward_segment(exec, *parallel_.sequence, siso, dy4, in, siso_g);
+  } else {
+    mamba3_siso_backward(exec, siso, dy4, Mamba3SisoStates<Mem>(), siso_g);
+  }
   if (config_.is_mimo) {
-    g.dinitial = sp_dinitial;
-    mamba3_mimo_backward(exec, args, dy4, sp_dfinal, g);
     accumulate(exec, as_flat(g.dmimo_v), grad("mimo_x"));
     if (g.dmimo_z.is_allocated()) accumulate(exec, as_flat(g.dmimo_z), grad("mimo_z"));
     accumulate(exec, as_flat(g.dmimo_o), grad("mimo_o"));
-  } else {
-    Mamba3SisoArgs<Mem> siso = siso_args(args);
-    if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
-    Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
-    if (split_sequence) {
-      siso.initial = siso_states(Mamba3MimoStates<Mem>{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial});
-      siso_g.dinitial = siso_states(sp_dinitial);
-    }
-    mamba3_siso_backward(exec, siso, dy4, siso_states(sp_dfinal), siso_g);
   }
-  if (split_sequence && previous != no_peer) send_states(exec, *parallel_.sequence, sp_dinitial, previous);
   accumulate(exec, g.dD, grad("D"));
   accumulate(exec, as_flat(g.dq_bias), grad("C_bias"));
   accumulate(exec, as_flat(g.dk_bias), grad("B_bias"));

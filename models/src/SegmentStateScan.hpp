@@ -116,6 +116,30 @@ void segment_state_scan(const ExecutionSpace& exec, const Communicator& sequence
   }
 }
 
+/// inclusive = local + decay ⊙ incoming: the composite that ends at this rank (the state leaving its
+/// segment, or backward the gradient of the state entering it), from the exclusive one.
+template <class ExecutionSpace, class MemorySpace>
+void segment_state_inclusive(const ExecutionSpace& exec,
+                             const ConstTensor2<float, MemorySpace>& decay,     // (rows, decay width)
+                             const ConstTensor2<float, MemorySpace>& local,     // (rows, width)
+                             const ConstTensor2<float, MemorySpace>& incoming,  // (rows, width)
+                             const Tensor2<float, MemorySpace>& inclusive) {    // (rows, width)
+  const std::size_t rows = local.extent(0), width = local.extent(1), decay_width = decay.extent(1);
+  KMAMBA_REQUIRE(decay.extent(0) == rows && incoming.extent(0) == rows && incoming.extent(1) == width &&
+                     inclusive.extent(0) == rows && inclusive.extent(1) == width && decay_width > 0 &&
+                     width % decay_width == 0,
+                 "kmamba::segment_state_inclusive: decay (" << decay.extent(0) << ", " << decay_width << "), local ("
+                                                            << rows << ", " << width << ") and incoming, inclusive do "
+                                                            << "not fit");
+  Kokkos::deep_copy(exec, inclusive, local);
+  Kokkos::parallel_for(
+      "kmamba::segment_scan::inclusive",
+      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0,
+                                                                           static_cast<std::int64_t>(rows * width)),
+      SegmentScanStateFunctor<MemorySpace>{incoming, decay, decay, inclusive, Tensor2<float, MemorySpace>(),
+                                           static_cast<int>(width), static_cast<int>(width / decay_width)});
+}
+
 }  // namespace impl
 }  // namespace kmamba
 

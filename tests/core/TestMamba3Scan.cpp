@@ -34,6 +34,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "Mamba3DeviceProblem.hpp"
 #include "Mamba3ScanReference.hpp"
 #include "SafeTensorsReader.hpp"
 
@@ -126,130 +127,16 @@ TEST(Mamba3Reference, BackwardMatchesFiniteDifferences) {
 // ----------------------------------------------------------------------------------------------
 // Device side.
 
-// A new device tensor holding `values` (row-major).
-template <class View, class... Extents>
-View upload(const std::string& name, const std::vector<double>& values, Extents... extents) {
-  View v = kmamba::allocate_uninitialized<View>("kmamba::test::" + name, extents...);
-  kmamba::test::upload(v, values);
-  return v;
-}
-
-// The same for an optional input: an unallocated view (absent) unless `present`.
-template <class View, class... Extents>
-View upload_optional(const std::string& name, const std::vector<double>& values, bool present, Extents... extents) {
-  return present ? upload<View>(name, values, extents...) : View();
-}
-
-// A state or a state's cotangent: absent when the problem has none.
-template <class View, class... Extents>
-View upload_states(const std::string& name, const std::vector<double>& values, Extents... extents) {
-  return upload_optional<View>(name, values, !values.empty(), extents...);
-}
-
-template <class Mem>
-struct DeviceProblem {
-  using T1 = kmamba::Tensor1<float, Mem>;
-  using T2 = kmamba::Tensor2<float, Mem>;
-  using T3 = kmamba::Tensor3<float, Mem>;
-  using T4 = kmamba::Tensor4<float, Mem>;
-  using T5 = kmamba::Tensor5<float, Mem>;
-  Config cfg;
-  T4 q4, k4;
-  T5 q5, k5;
-  T4 v, z, angles, dout;
-  T3 adt, dt, trap;
-  T2 q_bias2, k_bias2;
-  T3 q_bias3, k_bias3, mimo_v, mimo_z, mimo_o;
-  T1 D;
-  kmamba::Mamba3SisoStates<Mem> siso_initial, siso_dfinal;
-  kmamba::Mamba3MimoStates<Mem> mimo_initial, mimo_dfinal;
-
-  explicit DeviceProblem(const RefProblem& P) : cfg(P.cfg) {
-    const int B = cfg.batch, L = cfg.seqlen, H = cfg.nheads, Pd = cfg.headdim, G = cfg.ngroups, N = cfg.dstate;
-    const int S = cfg.nangles, R = cfg.R();
-    if (cfg.mimo()) {
-      q5 = upload<T5>("q", P.q, B, L, R, G, N);
-      k5 = upload<T5>("k", P.k, B, L, R, G, N);
-      q_bias3 = upload<T3>("q_bias", P.q_bias, H, R, N);
-      k_bias3 = upload<T3>("k_bias", P.k_bias, H, R, N);
-      mimo_v = upload<T3>("mimo_v", P.mimo_v, H, R, Pd);
-      mimo_z = upload_optional<T3>("mimo_z", P.mimo_z, cfg.z, H, R, Pd);
-      mimo_o = upload<T3>("mimo_o", P.mimo_o, H, R, Pd);
-      mimo_initial = {upload_states<T3>("angle0", P.angle0, B, H, S), upload_states<T4>("ssm0", P.ssm0, B, H, Pd, N),
-                      upload_states<T4>("k0", P.k0, B, H, R, N), upload_states<T4>("v0", P.v0, B, H, R, Pd)};
-      mimo_dfinal = {upload_states<T3>("dangle", P.dangle, B, H, S), upload_states<T4>("dssm", P.dssm, B, H, Pd, N),
-                     upload_states<T4>("dk_final", P.dk, B, H, R, N), upload_states<T4>("dv_final", P.dv, B, H, R, Pd)};
-    } else {
-      q4 = upload<T4>("q", P.q, B, L, G, N);
-      k4 = upload<T4>("k", P.k, B, L, G, N);
-      q_bias2 = upload<T2>("q_bias", P.q_bias, H, N);
-      k_bias2 = upload<T2>("k_bias", P.k_bias, H, N);
-      siso_initial = {upload_states<T3>("angle0", P.angle0, B, H, S), upload_states<T4>("ssm0", P.ssm0, B, H, Pd, N),
-                      upload_states<T3>("k0", P.k0, B, H, N), upload_states<T3>("v0", P.v0, B, H, Pd)};
-      siso_dfinal = {upload_states<T3>("dangle", P.dangle, B, H, S), upload_states<T4>("dssm", P.dssm, B, H, Pd, N),
-                     upload_states<T3>("dk_final", P.dk, B, H, N), upload_states<T3>("dv_final", P.dv, B, H, Pd)};
-    }
-    v = upload<T4>("v", P.v, B, L, H, Pd);
-    z = upload_optional<T4>("z", P.z, cfg.z, B, L, H, Pd);
-    angles = upload<T4>("angles", P.angles, B, L, H, S);
-    dout = upload<T4>("dout", P.dout, B, L, H, Pd);
-    adt = upload<T3>("adt", P.adt, B, H, L);
-    dt = upload<T3>("dt", P.dt, B, H, L);
-    trap = upload<T3>("trap", P.trap, B, H, L);
-    D = upload_optional<T1>("D", P.D, cfg.D, H);
-  }
-
-  kmamba::Mamba3SisoArgs<Mem> siso_args() const {
-    kmamba::Mamba3SisoArgs<Mem> a;
-    a.q = q4;
-    a.k = k4;
-    a.v = v;
-    a.adt = adt;
-    a.dt = dt;
-    a.trap = trap;
-    a.q_bias = q_bias2;
-    a.k_bias = k_bias2;
-    a.angles = angles;
-    a.D = D;
-    a.z = z;
-    a.initial = siso_initial;
-    a.chunk_size = cfg.chunk;
-    a.matmul_precision = cfg.precision;
-    return a;
-  }
-  kmamba::Mamba3MimoArgs<Mem> mimo_args() const {
-    kmamba::Mamba3MimoArgs<Mem> a;
-    a.q = q5;
-    a.k = k5;
-    a.v = v;
-    a.adt = adt;
-    a.dt = dt;
-    a.trap = trap;
-    a.q_bias = q_bias3;
-    a.k_bias = k_bias3;
-    a.angles = angles;
-    a.mimo_v = mimo_v;
-    a.mimo_z = mimo_z;
-    a.mimo_o = mimo_o;
-    a.D = D;
-    a.z = z;
-    a.initial = mimo_initial;
-    a.chunk_size = cfg.chunk;
-    a.matmul_precision = cfg.precision;
-    return a;
-  }
-};
-
 // Runs the forward (and, with `backward`, the backward) of the problem's variant and returns every
 // result in the reference's layouts. Every output is poisoned before the run.
 // A SISO run given `ungated` (allocated) keeps the output before the gate there
 // (Mamba3SisoArgs::ungated_out) for its backward.
 template <class Exec>
 std::pair<RefOutputs, RefGrads> run_kernels(
-    const DeviceProblem<typename Exec::memory_space>& p, bool backward,
+    const Mamba3DeviceProblem<typename Exec::memory_space>& p, bool backward,
     const kmamba::Tensor4<float, typename Exec::memory_space>& ungated = {}) {  // (batch, seqlen, nheads, headdim)
   using Mem = typename Exec::memory_space;
-  using DP = DeviceProblem<Mem>;
+  using DP = Mamba3DeviceProblem<Mem>;
   const Config& c = p.cfg;
   const int B = c.batch, L = c.seqlen, H = c.nheads, Pd = c.headdim, G = c.ngroups, N = c.dstate, S = c.nangles;
   const int R = c.R();
@@ -420,7 +307,7 @@ void check_against_reference(const Config& cfg) {
   const bool tf32 = cfg.precision == kmamba::MatmulPrecision::TensorFloat32 &&
                     kmamba::impl::TeamGemm<Exec, kmamba::MatmulPrecision::TensorFloat32>::tensor_cores;
   const RefProblem P = make_reference_problem(cfg);
-  const DeviceProblem<typename Exec::memory_space> p(P);
+  const Mamba3DeviceProblem<typename Exec::memory_space> p(P);
   const auto result = run_kernels<Exec>(p, true);
   const std::string ctx = cfg.describe();
   compare_outputs(result.first, ref_forward(P), tf32 ? tf32_forward_tol : forward_tol, ctx);
@@ -600,7 +487,7 @@ TYPED_TEST(Mamba3Scan, Bf16SisoMatchesReference) {
   worst() = Worst();
   for (const Config& cfg : bf16_siso_sweep()) {
     const RefProblem P = make_reference_problem(cfg);
-    const DeviceProblem<typename TypeParam::memory_space> p(P);
+    const Mamba3DeviceProblem<typename TypeParam::memory_space> p(P);
     const auto result = run_kernels<TypeParam>(p, true);
     const RefOutputs ref = ref_forward(P);
     compare_outputs(result.first, ref, bf16_tol, cfg.describe());
@@ -630,7 +517,7 @@ TYPED_TEST(Mamba3Scan, KeptUngatedOutputReplacesTheRecompute) {
   for (const Config& cfg : list) {
     ASSERT_TRUE(cfg.z);
     const RefProblem P = make_reference_problem(cfg);
-    const DeviceProblem<Mem> p(P);
+    const Mamba3DeviceProblem<Mem> p(P);
     const std::string ctx = cfg.describe();
     const auto recomputed = run_kernels<TypeParam>(p, true);
     auto ungated = poisoned<kmamba::Tensor4<float, Mem>>("ungated_out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
@@ -656,8 +543,8 @@ TYPED_TEST(Mamba3Scan, Bf16SisoSharedRowsMatchPerHeadRows) {
   using T4 = kmamba::Tensor4<float, Mem>;
   for (const Config& cfg : bf16_siso_sweep()) {
     const RefProblem P = make_reference_problem(cfg);
-    const DeviceProblem<Mem> aligned(P);
-    DeviceProblem<Mem> shifted(P);
+    const Mamba3DeviceProblem<Mem> aligned(P);
+    Mamba3DeviceProblem<Mem> shifted(P);
     const auto shift = [](const T4& v, const char* label) {
       const Kokkos::View<float*, Mem> buffer(std::string(label), v.size() + 1);
       const T4 view(buffer.data() + 1, v.extent(0), v.extent(1), v.extent(2), v.extent(3));
@@ -738,7 +625,7 @@ void check_decode_steps(const Config& cfg) {
   using T4 = kmamba::Tensor4<float, Mem>;
   const std::string ctx = cfg.describe();
   const RefProblem P = make_reference_problem(cfg);
-  const DeviceProblem<Mem> p(P);
+  const Mamba3DeviceProblem<Mem> p(P);
   const RefOutputs chunked = run_kernels<Exec>(p, false).first;
   const Exec exec;
   const int B = cfg.batch, H = cfg.nheads, Pd = cfg.headdim, G = cfg.ngroups, N = cfg.dstate, S = cfg.nangles;
@@ -854,24 +741,24 @@ void check_segments(const Config& cfg, int split) {
   const Config& c = cfg;
   const int B = c.batch, L = c.seqlen, H = c.nheads, Pd = c.headdim, R = c.R();
   const RefProblem P = make_reference_problem(cfg);
-  const auto whole = run_kernels<Exec>(DeviceProblem<Mem>(P), true);
+  const auto whole = run_kernels<Exec>(Mamba3DeviceProblem<Mem>(P), true);
 
   RefProblem first = slice_problem(P, 0, split), second = slice_problem(P, split, L);
   first.dangle.clear();
   first.dssm.clear();
   first.dk.clear();
   first.dv.clear();
-  const auto forward1 = run_kernels<Exec>(DeviceProblem<Mem>(first), false).first;
+  const auto forward1 = run_kernels<Exec>(Mamba3DeviceProblem<Mem>(first), false).first;
   second.angle0 = forward1.angle;
   second.ssm0 = forward1.ssm;
   second.k0 = forward1.k;
   second.v0 = forward1.v;
-  const auto run2 = run_kernels<Exec>(DeviceProblem<Mem>(second), true);
+  const auto run2 = run_kernels<Exec>(Mamba3DeviceProblem<Mem>(second), true);
   first.dangle = run2.second.dangle0;
   first.dssm = run2.second.dssm0;
   first.dk = run2.second.dk0;
   first.dv = run2.second.dv0;
-  const auto run1 = run_kernels<Exec>(DeviceProblem<Mem>(first), true);
+  const auto run1 = run_kernels<Exec>(Mamba3DeviceProblem<Mem>(first), true);
 
   RefOutputs chained = run2.first;
   chained.out = join_tokens(run1.first.out, run2.first.out, B, split, L - split, H * Pd);
@@ -944,7 +831,7 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   const Exec exec;
   Config cfg;  // batch 2, seqlen 10, nheads 4, headdim 3, ngroups 2, dstate 8, nangles 2
   cfg.D = cfg.z = true;
-  const DeviceProblem<Mem> siso(make_reference_problem(cfg));
+  const Mamba3DeviceProblem<Mem> siso(make_reference_problem(cfg));
   auto out = allocate<T4>("kmamba::test::out", 2, 10, 4, 3);
   const kmamba::Mamba3SisoStates<Mem> no_states;
 
@@ -1025,7 +912,7 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
       {"dout", "(2, 10, 4, 2)", "(2, 10, 4, 3)"});
 
   cfg.rank = 2;
-  const DeviceProblem<Mem> mimo(make_reference_problem(cfg));
+  const Mamba3DeviceProblem<Mem> mimo(make_reference_problem(cfg));
   const kmamba::Mamba3MimoStates<Mem> no_mimo_states;
   kmamba::Mamba3MimoArgs<Mem> m = mimo.mimo_args();
   m.mimo_z = kmamba::ConstTensor3<float, Mem>();
@@ -1174,7 +1061,7 @@ template <class Exec>
 void check_golden(bool mimo) {
   const kmamba::test::SafeTensorsFile file(kmamba::test::golden_dir() + "/" + golden_name(mimo) + ".safetensors");
   const RefProblem P = golden_problem(file, mimo);
-  const auto result = run_kernels<Exec>(DeviceProblem<typename Exec::memory_space>(P), true);
+  const auto result = run_kernels<Exec>(Mamba3DeviceProblem<typename Exec::memory_space>(P), true);
   expect_golden(file, result.first, result.second, mimo, kernel_golden_tol,
                 std::string("kernels vs ") + golden_name(mimo));
 }

@@ -1,10 +1,11 @@
-// Tensor and sequence parallelism of small Mamba-2 and Mamba-3 (SISO with the output norm, and
-// MIMO of rank 2) language models, and sequence parallelism of a Mamba-1 one (which does not split
+// Tensor and sequence parallelism of small Mamba-2 and Mamba-3 (SISO with the output norm or the gate
+// in the scan, and MIMO of rank 2) language models, and sequence parallelism of a Mamba-1 one (which does not split
 // tensors: its meshes are the dp × sp ones) (run at 1, 2 and 4 ranks; fp32). Every rank also runs the unsplit 1-rank
 // reference on the whole batch, so no reference data is communicated. On every dp × tp × sp factorisation of the world
 // (tp splits the 8 heads and 4 groups; sp splits the 13 positions unevenly — 7/6 and 4/3/3/3 — into segments no shorter
-// than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 passes its four
-// scan states instead): M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
+// than the Mamba-1/2 conv halo of d_conv − 1 = 3, and the chunk size 4 does not divide them; Mamba-3 has no conv, its
+// angle and previous-token halo come from the previous segments):
+// M1 the loss and every gradient (gathered into the unsplit layout) after one step equal the
 //    1-rank run's, max|Δ| ≤ τ·max|ref| per parameter (docs/distributed.md §8.1);
 // M2 the parameters after 3 clipped AdamW steps (DDP and ZeRO-1) equal the 1-rank run's within the
 //    AdamW propagation of τ, and the mesh-wide gradient norm equals the 1-rank norm within ‖δ‖₂;
@@ -18,7 +19,7 @@
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
-// states composed across the ranks — Mamba-1/2 add them to scans from zero, Mamba-3 passes them on —
+// states composed across the ranks and added to scans from zero, the Mamba-3 angle offsets summed —
 // the dp × sp gradient reduction), the same terms in other groupings, so values agree to the
 // rounding of the chain of sums behind them: τ = 8·√N·u relative to each tensor's largest |value|,
 // N counted from the model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
@@ -60,14 +61,15 @@ kmamba::ModelConfig tiny_mamba2() {
 }
 
 /// The same dimensions with Mamba-3 mixers (2 rotary angles, replicated across the tensor ranks):
-/// SISO with the per-head output norm, or MIMO of rank 2 (chunk 2) with the gate in the scan.
-kmamba::ModelConfig tiny_mamba3(bool mimo) {
+/// SISO with the per-head output norm or with the gate in the scan (`gated`), or MIMO of rank 2
+/// (chunk 2) with the gate in the scan.
+kmamba::ModelConfig tiny_mamba3(bool mimo, bool gated = false) {
   kmamba::ModelConfig c = tiny_mamba2();
   c.mixer = kmamba::MixerKind::Mamba3;
   c.bias = false;
   c.is_mimo = mimo;
   c.mimo_rank = 2;
-  c.is_outproj_norm = !mimo;
+  c.is_outproj_norm = !mimo && !gated;
   c.validate();
   return c;
 }
@@ -83,7 +85,7 @@ kmamba::ModelConfig tiny_mamba1() {
 kmamba::ModelConfig config_named(const std::string& name) {
   if (name == "mamba1") return tiny_mamba1();
   if (name == "mamba2") return tiny_mamba2();
-  return tiny_mamba3(name == "mamba3_mimo");
+  return tiny_mamba3(name == "mamba3_mimo", name == "mamba3_siso_gated");
 }
 
 /// The tests below run on each of these models.
@@ -377,7 +379,8 @@ TEST_P(SplitModel, RejectsATensorSplitThatDoesNotFitTheHeads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Mixers, SplitModel, ::testing::Values("mamba1", "mamba2", "mamba3_siso", "mamba3_mimo"),
+INSTANTIATE_TEST_SUITE_P(Mixers, SplitModel,
+                         ::testing::Values("mamba1", "mamba2", "mamba3_siso", "mamba3_siso_gated", "mamba3_mimo"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

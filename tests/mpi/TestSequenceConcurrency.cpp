@@ -1,15 +1,14 @@
-// Sequence parallelism scans the segments at the same time (docs/distributed.md §2.1), shown on the
-// dependencies between the ranks rather than on a clock: every rank traces its communication (the
-// CountingCommunicator's events, with their peers) and marks the start of each scan (a Kokkos
+// Sequence parallelism scans the segments at the same time (docs/distributed.md §2.1–§2.3), shown on
+// the dependencies between the ranks rather than on a clock: every rank traces its communication
+// (the CountingCommunicator's events, with their peers) and marks the start of each scan (a Kokkos
 // Tools region callback on the forward and backward regions of the SSD, the selective scan and the
-// Mamba-3 SISO scan). Replaying the traces of
-// all ranks — a message's receiver depends on everything its sender did before sending it; a
-// collective joins every rank — gives the longest chain of scans that depend on one another: the
-// critical path counted in scans. For a Mamba-2 or Mamba-1 model trained on sp = world ranks it must
-// equal the scans of one rank (each layer's forward and backward scan once); the replay is checked on a
-// synthetic serial chain, which it must find c scans long, and on Mamba-3, whose serial state
-// chain adds c − 1 scans per direction. Counting dependencies is exact on any machine load, unlike a wall clock
-// on oversubscribed CI cores.
+// Mamba-3 SISO and MIMO scans). Replaying the traces of all ranks — a message's receiver depends on
+// everything its sender did before sending it; a collective joins every rank — gives the longest
+// chain of scans that depend on one another: the critical path counted in scans. For a Mamba-2,
+// Mamba-1 or Mamba-3 (SISO or MIMO) model trained on sp = world ranks it must equal the scans of one
+// rank (each layer's forward and backward scan once); the replay is checked on a synthetic serial
+// chain, which it must find c scans long. Counting dependencies is exact on any machine load,
+// unlike a wall clock on oversubscribed CI cores.
 #include "DistributedBatches.hpp"
 #include "ModelConfigs.hpp"
 
@@ -100,7 +99,8 @@ kmamba::CommunicationLog* scan_log = nullptr;
 void mark_scans(const char* name) {
   for (const char* scan :
        {"kmamba::ssd_forward", "kmamba::ssd_backward", "kmamba::selective_scan_forward",
-        "kmamba::selective_scan_backward", "kmamba::mamba3_siso_forward", "kmamba::mamba3_siso_backward"}) {
+        "kmamba::selective_scan_backward", "kmamba::mamba3_siso_forward", "kmamba::mamba3_siso_backward",
+        "kmamba::mamba3_mimo_forward", "kmamba::mamba3_mimo_backward"}) {
     if (std::strcmp(name, scan) == 0) scan_log->mark("scan");
   }
 }
@@ -148,11 +148,14 @@ struct ChainLength {
   int longest;  // the longest chain of dependent scans over all ranks
 };
 
-/// One training step (loss and backward) of a 2-layer model of `mixer` on sp = world ranks, traced.
-ChainLength trace_one_step(kmamba::MixerKind mixer) {
+/// One training step (loss and backward) of a 2-layer model of `mixer` (Mamba-3: MIMO of rank 2 when
+/// `mimo`) on sp = world ranks, traced.
+ChainLength trace_one_step(kmamba::MixerKind mixer, bool mimo = false) {
   const Exec exec;
   const int c = world_size();
   kmamba::ModelConfig config = model_config(mixer, {32, 2, 64, 8, 8, 4, mixer == kmamba::MixerKind::Mamba1 ? 1 : 4});
+  config.is_mimo = mimo;
+  config.mimo_rank = 2;
   config.validate();
   auto log = std::make_shared<kmamba::CommunicationLog>();
   kmamba::MeshConfig mesh_config;
@@ -181,8 +184,8 @@ ChainLength trace_one_step(kmamba::MixerKind mixer) {
   for (const auto& e : log->events()) length.scans += e.axis.empty();
   length.longest = longest_scan_chain(gather_traces(*log));
   if (world_rank() == 0) {
-    std::printf("[ measured ] %s sp %d: %d scans per rank, longest chain of dependent scans %d\n",
-                kmamba::mixer_name(mixer), c, length.scans, length.longest);
+    std::printf("[ measured ] %s%s sp %d: %d scans per rank, longest chain of dependent scans %d\n",
+                kmamba::mixer_name(mixer), mimo ? " MIMO" : "", c, length.scans, length.longest);
   }
   return length;
 }
@@ -200,13 +203,18 @@ TEST(SequenceConcurrency, Mamba1SegmentsAreScannedAtTheSameTime) {
   EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
 }
 
-// The control on a real model: Mamba-3 passes its states along the serial chain
-// (docs/distributed.md §2.3), so each direction puts at least the scans of the c − 1 ranks before
-// on the chain (its backward marks more than one region per layer, each of them chained:
-// 8 + 4·(c − 1) measured at c = 1, 2, 4).
-TEST(SequenceConcurrency, ReplayFindsMamba3sSerialChain) {
+// Mamba-3 splits the same way (docs/distributed.md §2.3). Its SISO scan runs on the SSD, so each of
+// its scans also marks the SSD's region: 4 regions per layer, none of them waiting on another rank's.
+TEST(SequenceConcurrency, Mamba3SisoSegmentsAreScannedAtTheSameTime) {
   const ChainLength length = trace_one_step(kmamba::MixerKind::Mamba3);
-  EXPECT_GE(length.longest, length.scans + 2 * (world_size() - 1));
+  EXPECT_EQ(length.scans, 8) << "one forward and one backward scan per layer, each with its SSD's region";
+  EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
+}
+
+TEST(SequenceConcurrency, Mamba3MimoSegmentsAreScannedAtTheSameTime) {
+  const ChainLength length = trace_one_step(kmamba::MixerKind::Mamba3, true);
+  EXPECT_EQ(length.scans, 4) << "one forward and one backward scan per layer";
+  EXPECT_EQ(length.longest, length.scans) << "a rank waited on another rank's scan";
 }
 
 }  // namespace

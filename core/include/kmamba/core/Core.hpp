@@ -13,6 +13,7 @@
 #include <kmamba/core/Files.hpp>
 #include <kmamba/core/HostMemory.hpp>
 #include <kmamba/core/Mamba3Scan.hpp>
+#include <kmamba/core/Mamba3StateCorrection.hpp>
 #include <kmamba/core/Math.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Random.hpp>

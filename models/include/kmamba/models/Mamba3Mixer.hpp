@@ -37,11 +37,15 @@
 // are shared by every head: replicated, their gradients (partial sums over this rank's heads) are
 // all-reduced over the tensor ranks in backward, so they are complete and equal on every tensor rank.
 //
-// Sequence parallelism (docs/distributed.md §2.3, the serial chain; ModelParallel.sequence of c ranks):
-// Mamba-3 has no convolution, so no halo: rank k receives from rank k−1 the scan's four states
-// entering its segment (angle, ssm, k, v) as the scan's initial states and sends rank k+1 its final
-// ones; backward passes their gradients the other way (the scan's dfinal_states / dinitial).
-// Parameter gradients are partial sums over the segments (DataParallel sums them over dp × sp).
+// Sequence parallelism (docs/distributed.md §2.3, parallel in time; ModelParallel.sequence of c
+// ranks): the angle entering rank k's segment is the sum of the earlier segments' angle totals and
+// its previous-token k and v are rank k−1's last (a halo), both exchanged before any scan; every rank
+// then scans its segment from a zero SSM state at once, the segments' (decay, final state) pairs
+// give each the SSM state entering it, whose contribution is added to its outputs
+// (kmamba/core/Mamba3StateCorrection.hpp). Backward mirrors it: the incoming states' gradients are
+// composed over the ranks in reverse, the halo's go back to rank k−1 before the scans, the final
+// angle's are added after them. Parameter gradients are partial sums over the segments
+// (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
@@ -180,7 +184,9 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Matrix ungated;  // (rows, d_inner), SISO with the gate in the scan, training: the scan output before the gate
     Matrix rstd;     // (rows, nheads), the output norm's rstd (is_outproj_norm)
     Matrix normed;   // (rows, d_inner), the output norm's output (is_outproj_norm)
-    // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank).
+    // Sequence parallelism: the scan states entering this rank's segment (zero on the first rank)
+    // and the factor exp(Σ adt) by which the segment scales an SSM state entering it.
+    Tensor2<float, memory_space> segment_decay;  // (batch, nheads)
     Tensor3<float, memory_space> angle_initial;  // (batch, nheads, nangles)
     Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)
     Tensor4<float, memory_space> k_initial;      // (batch, nheads, rank, d_state)
@@ -198,7 +204,7 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
                    Activations& acts, Cache* cache) const;
   // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
   Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
-  // The scan of run_forward, from and into the cache's states or those of the neighbouring sequence ranks.
+  // The scan of run_forward, from and into the cache's states, or of this rank's segment (docs/distributed.md §2.3).
   void forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& acts, Cache* cache) const;
   // The steps of backward over the kept activations, from the output back to the input. `dpre`
   // receives the gradients of the in_proj segments, (rows, width) each; `replicated_grads` those of

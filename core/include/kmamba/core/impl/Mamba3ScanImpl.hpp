@@ -908,12 +908,14 @@ struct Mamba3StatePassingBackwardFunctor {
 };
 
 /// Backward B4 (initial k and v): Ĥ_{−1} holds β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ, so dk_{−1,r} = β̃_0·dĤᵀ v_{−1,r},
-/// dv_{−1,r} = β̃_0·dĤ k_{−1,r} and ∂/∂β̃_0 = Σ_r v_{−1,r}ᵀ dĤ k_{−1,r}.
+/// dv_{−1,r} = β̃_0·dĤ k_{−1,r} and ∂/∂β̃_0 = Σ_r v_{−1,r}ᵀ dĤ k_{−1,r} (written when `dbeta0` is
+/// allocated). A team per (batch, head).
 template <class ExecSpace, class MemorySpace>
 struct Mamba3InitialStateBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   Mamba3Operands<MemorySpace> in;
-  Mamba3BackwardWorkspace<MemorySpace> bw;
+  ConstTensor4<float, MemorySpace> dH0;  // (batch, nheads, headdim, dstate): ∂/∂Ĥ_{−1}
+  Tensor2<float, MemorySpace> dbeta0;    // (batch, nheads), optional
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> dinitial;
 
@@ -927,7 +929,7 @@ struct Mamba3InitialStateBackwardFunctor {
         float sum = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::ThreadVectorRange(team, plan.headdim),
-            [&](const int p, float& acc) { acc += bw.dH0(b, h, p, n) * in.initial.v_or_zero(b, h, r, p); }, sum);
+            [&](const int p, float& acc) { acc += dH0(b, h, p, n) * in.initial.v_or_zero(b, h, r, p); }, sum);
         Kokkos::single(Kokkos::PerThread(team), [&]() { dinitial.k(b, h, r, n) = beta0 * sum; });
       });
     }
@@ -937,10 +939,11 @@ struct Mamba3InitialStateBackwardFunctor {
         float sum = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::ThreadVectorRange(team, plan.dstate),
-            [&](const int n, float& acc) { acc += bw.dH0(b, h, p, n) * in.initial.k_or_zero(b, h, r, n); }, sum);
+            [&](const int n, float& acc) { acc += dH0(b, h, p, n) * in.initial.k_or_zero(b, h, r, n); }, sum);
         Kokkos::single(Kokkos::PerThread(team), [&]() { dinitial.v(b, h, r, p) = beta0 * sum; });
       });
     }
+    if (!dbeta0.is_allocated()) return;
     float dbeta = 0.0f;
     if (in.initial.has_k && in.initial.has_v) {
       Kokkos::parallel_reduce(
@@ -950,12 +953,12 @@ struct Mamba3InitialStateBackwardFunctor {
             float row = 0.0f;
             Kokkos::parallel_reduce(
                 Kokkos::ThreadVectorRange(team, plan.dstate),
-                [&](const int n, float& a) { a += bw.dH0(b, h, p, n) * in.initial.k(b, h, r, n); }, row);
+                [&](const int n, float& a) { a += dH0(b, h, p, n) * in.initial.k(b, h, r, n); }, row);
             acc += in.initial.v(b, h, r, p) * row;
           },
           dbeta);
     }
-    Kokkos::single(Kokkos::PerTeam(team), [&]() { bw.dbeta0(b, h) = dbeta; });
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { dbeta0(b, h) = dbeta; });
   }
 };
 
@@ -1719,7 +1722,8 @@ void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const M
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t tokens = static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads;
   mamba3_launch(exec, "kmamba::mamba3::initial_state_backward", plan, head_league,
-                Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, grads.dinitial}, 0);
+                Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw.dH0, bw.dbeta0, plan, grads.dinitial},
+                0);
   mamba3_row_launch(exec, "kmamba::mamba3::token_backward", tokens,
                     Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, siso});
   mamba3_row_launch(exec, "kmamba::mamba3::value_backward", tokens,
