@@ -292,36 +292,18 @@ TYPED_TEST(Mamba3StateCorrection, GradientMatchesCentralDifferences) {
     std::vector<double> v(P.ssm0.size());
     for (double& x : v) x = unit(rng);
     constexpr double eps = 0.25;
-    double max_out = 0.0, sum_dout = 0.0;
-    for (const double g : P.dout) sum_dout += std::fabs(g);
-    // F(h + s·ε·v) = Σ out·dout, out from the fp32 correction of a zero output.
-    const auto F = [&](double s) {
-      std::vector<double> h(P.ssm0.size());
-      for (std::size_t i = 0; i < h.size(); ++i) h[i] = P.ssm0[i] + s * eps * v[i];
+    // out from the fp32 correction of a zero output.
+    const auto outputs = [&](const std::vector<double>& h) {
       const auto state =
           kmamba::allocate_uninitialized<T4>("kmamba::test::h", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
       upload(state, h);
       const auto out = kmamba::allocate<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
       ops.correct(state, out, T4());
       exec.fence();
-      const std::vector<double> o = host_doubles(out);
-      double f = 0.0;
-      for (std::size_t i = 0; i < o.size(); ++i) {
-        f += o[i] * P.dout[i];
-        max_out = std::max(max_out, std::fabs(o[i]));
-      }
-      return f;
+      return host_doubles(out);
     };
-    const double fd = (F(1.0) - F(-1.0)) / (2.0 * eps);
-    const std::vector<double> g = host_doubles(dh);
-    double analytic = 0.0, max_g = 0.0, sum_v = 0.0;
-    for (std::size_t i = 0; i < g.size(); ++i) {
-      analytic += g[i] * v[i];
-      max_g = std::max(max_g, std::fabs(g[i]));
-      sum_v += std::fabs(v[i]);
-    }
-    const double bound = output_tolerance * max_out * sum_dout / eps + gradient_tolerance * max_g * sum_v;
-    EXPECT_LE(std::fabs(fd - analytic), bound) << "fd " << fd << " analytic " << analytic << " " << cfg.describe();
+    expect_gradient_matches_central_difference(outputs, P.ssm0, P.dout, host_doubles(dh), v, eps, output_tolerance,
+                                               gradient_tolerance, cfg.describe());
   }
 }
 

@@ -165,6 +165,39 @@ double l2_relative_error(const std::vector<T>& got, const std::vector<T>& ref) {
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
 }
 
+/// The gradient `grad` of F(h) = Σ outputs(h)·dout at h0 against the central difference
+/// (F(h0 + ε·v) − F(h0 − ε·v)) / 2ε along the direction v, where outputs(h) runs an fp32 op on the
+/// state h. Bound: each fp32 output within output_tolerance of the largest puts F within
+/// output_tolerance·max|out|·Σ|dout|, which the difference divides by ε; each gradient element within
+/// gradient_tolerance of the largest puts g·v within gradient_tolerance·max|g|·Σ|v|.
+inline void expect_gradient_matches_central_difference(
+    const std::function<std::vector<double>(const std::vector<double>&)>& outputs, const std::vector<double>& h0,
+    const std::vector<double>& dout, const std::vector<double>& grad, const std::vector<double>& v, double eps,
+    double output_tolerance, double gradient_tolerance, const std::string& ctx) {
+  double max_out = 0.0, sum_dout = 0.0;
+  for (const double g : dout) sum_dout += std::fabs(g);
+  const auto F = [&](double s) {
+    std::vector<double> h(h0.size());
+    for (std::size_t i = 0; i < h.size(); ++i) h[i] = h0[i] + s * eps * v[i];
+    const std::vector<double> o = outputs(h);
+    double f = 0.0;
+    for (std::size_t i = 0; i < o.size(); ++i) {
+      f += o[i] * dout[i];
+      max_out = std::max(max_out, std::fabs(o[i]));
+    }
+    return f;
+  };
+  const double fd = (F(1.0) - F(-1.0)) / (2.0 * eps);
+  double analytic = 0.0, max_g = 0.0, sum_v = 0.0;
+  for (std::size_t i = 0; i < grad.size(); ++i) {
+    analytic += grad[i] * v[i];
+    max_g = std::max(max_g, std::fabs(grad[i]));
+    sum_v += std::fabs(v[i]);
+  }
+  const double bound = output_tolerance * max_out * sum_dout / eps + gradient_tolerance * max_g * sum_v;
+  EXPECT_LE(std::fabs(fd - analytic), bound) << "fd " << fd << " analytic " << analytic << " " << ctx;
+}
+
 }  // namespace test
 }  // namespace kmamba
 
