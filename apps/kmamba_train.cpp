@@ -413,7 +413,7 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
   std::fflush(stdout);
 }
 
-// The real tokens each data-parallel rank trained on over this session's steps, those its fixed
+// The real tokens each data-parallel rank trained on over the run's steps, those its fixed
 // shares held, and how far the busiest rank of each step was above the step's mean (dynamic task
 // allocation).
 struct BalanceTally {
