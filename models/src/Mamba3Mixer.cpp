@@ -160,6 +160,24 @@ struct SegmentInputs {
   ConstTensor2<float, Mem> decay_rows() const { return ConstTensor2<float, Mem>(decay.data(), decay.size(), 1); }
 };
 
+// This rank's neighbours along the sequence (no_peer at its ends) and the extents of the states
+// entering its segment: batch, heads, headdim, dstate, angles and rank.
+struct SegmentLayout {
+  int previous, next;
+  std::size_t b, H, P, N, S, R;
+
+  template <class Mem>
+  SegmentLayout(const Communicator& sequence, const Mamba3MimoStates<Mem>& s)
+      : previous(sequence.rank() > 0 ? sequence.rank() - 1 : no_peer),
+        next(sequence.rank() + 1 < sequence.size() ? sequence.rank() + 1 : no_peer),
+        b(s.ssm.extent(0)),
+        H(s.ssm.extent(1)),
+        P(s.ssm.extent(2)),
+        N(s.ssm.extent(3)),
+        S(s.angle.extent(2)),
+        R(s.k.extent(2)) {}
+};
+
 // The segments' exclusive sum over the sequence ranks in `direction` of `local` (batch, nheads, n):
 // the segment scan of pairs with unit decays.
 template <class Exec, class Mem>
@@ -182,11 +200,10 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
                   const SegmentInputs<Mem>& in) {
   using T3 = Tensor3<float, Mem>;
   using T4 = Tensor4<float, Mem>;
-  const int k = sequence.rank(), c = sequence.size();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < c ? k + 1 : no_peer;
+  const SegmentLayout at(sequence, in.initial);
+  const int previous = at.previous, next = at.next;
   const Mamba3MimoStates<Mem>& s = in.initial;
-  const std::size_t b = s.ssm.extent(0), H = s.ssm.extent(1), P = s.ssm.extent(2), N = s.ssm.extent(3);
-  const std::size_t S = s.angle.extent(2), R = s.k.extent(2);
+  const std::size_t b = at.b, H = at.H, P = at.P, N = at.N, S = at.S, R = at.R;
   args.initial = {};
   const auto total = allocate_uninitialized<T3>("kmamba::mamba3::angle_total", b, H, S);
   mamba3_segment_states(exec, args, scan_states(args, {total, {}, {}, {}}), in.decay);
@@ -217,11 +234,10 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
                       const SegmentInputs<Mem>& in, const Grads& grads) {
   using T3 = Tensor3<float, Mem>;
   using T4 = Tensor4<float, Mem>;
-  const int k = sequence.rank(), c = sequence.size();
-  const int previous = k > 0 ? k - 1 : no_peer, next = k + 1 < c ? k + 1 : no_peer;
+  const SegmentLayout at(sequence, in.initial);
+  const int previous = at.previous, next = at.next;
   const Mamba3MimoStates<Mem>& s = in.initial;
-  const std::size_t b = s.ssm.extent(0), H = s.ssm.extent(1), P = s.ssm.extent(2), N = s.ssm.extent(3);
-  const std::size_t S = s.angle.extent(2), R = s.k.extent(2);
+  const std::size_t b = at.b, H = at.H, P = at.P, N = at.N, S = at.S, R = at.R;
   args.initial = scan_states(args, s);
   const auto from_outputs = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_incoming", b, H, P, N);
   mamba3_state_correction_backward(exec, args, dy, from_outputs);

@@ -569,19 +569,29 @@ struct SelectiveScanStepFunctor {
   }
 };
 
-/// dB, dC = the channel blocks' partial sums (blocks, batch, ngroups, dstate, seqlen) added in
-/// block order.
-template <class ExecSpace, class MemorySpace>
-void selective_scan_sum_blocks(const ExecSpace& exec, const Tensor5<float, MemorySpace>& partial_dB,
-                               const Tensor5<float, MemorySpace>& partial_dC,
-                               const SelectiveScanGrads<MemorySpace>& grads) {
-  const int batch = static_cast<int>(grads.dB.extent(0)), ngroups = static_cast<int>(grads.dB.extent(1));
-  const int dstate = static_cast<int>(grads.dB.extent(2)), seqlen = static_cast<int>(grads.dB.extent(3));
-  Kokkos::parallel_for(
-      "kmamba::selective_scan::block_sum",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<4>>(exec, {0, 0, 0, 0}, {batch, ngroups, dstate, seqlen}),
-      SelectiveScanBlockSumFunctor<MemorySpace>{partial_dB, partial_dC, grads.dB, grads.dC});
-}
+/// The backward's dB and dC per block of a group's channels, which each team writes for its own
+/// block and sum_into adds in block order (no atomics: the sums repeat bitwise).
+template <class MemorySpace>
+struct SelectiveScanBlockPartials {
+  Tensor5<float, MemorySpace> dB, dC;  // (blocks, batch, ngroups, dstate, seqlen)
+
+  SelectiveScanBlockPartials(const SelectiveScanDims& dims, std::int64_t blocks)
+      : dB(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::selective_scan::partial_dB", blocks, dims.batch,
+                                                               dims.ngroups, dims.dstate, dims.seqlen)),
+        dC(allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::selective_scan::partial_dC", blocks, dims.batch,
+                                                               dims.ngroups, dims.dstate, dims.seqlen)) {}
+
+  /// grads.dB, grads.dC = the blocks' partial sums.
+  template <class ExecSpace>
+  void sum_into(const ExecSpace& exec, const SelectiveScanGrads<MemorySpace>& grads) const {
+    const int batch = static_cast<int>(grads.dB.extent(0)), ngroups = static_cast<int>(grads.dB.extent(1));
+    const int dstate = static_cast<int>(grads.dB.extent(2)), seqlen = static_cast<int>(grads.dB.extent(3));
+    Kokkos::parallel_for(
+        "kmamba::selective_scan::block_sum",
+        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<4>>(exec, {0, 0, 0, 0}, {batch, ngroups, dstate, seqlen}),
+        SelectiveScanBlockSumFunctor<MemorySpace>{dB, dC, grads.dB, grads.dC});
+  }
+};
 
 /// Runs the lane form of the forward scan in chunks of `requested_chunk` tokens (0: chosen here),
 /// writing what is allocated of out, last_state and checkpoints. Returns the chunk length used.
@@ -651,7 +661,6 @@ void selective_scan_block_backward(const ExecSpace& exec, const SelectiveScanDim
                                    const Tensor3<float, MemorySpace>& partial_vectors)  // (batch, dim, 2)
 {
   using Functor = SelectiveScanBlockBackward<Shape, MemorySpace>;
-  using T5 = Tensor5<float, MemorySpace>;
   const int batch = static_cast<int>(dims.batch), ngroups = static_cast<int>(dims.ngroups);
   const int seqlen = static_cast<int>(dims.seqlen), dstate = static_cast<int>(dims.dstate);
   const int nchunks = (seqlen + Shape::chunk - 1) / Shape::chunk;
@@ -661,10 +670,7 @@ void selective_scan_block_backward(const ExecSpace& exec, const SelectiveScanDim
       "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, nchunks, dims.dstate);
   selective_scan_block_forward<Shape>(exec, "kmamba::selective_scan::checkpoints", dims, operands,
                                       Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints);
-  const auto partial_dB =
-      allocate_uninitialized<T5>("kmamba::selective_scan::partial_dB", blocks, batch, ngroups, dstate, seqlen);
-  const auto partial_dC =
-      allocate_uninitialized<T5>("kmamba::selective_scan::partial_dC", blocks, batch, ngroups, dstate, seqlen);
+  const SelectiveScanBlockPartials<MemorySpace> partial(dims, blocks);
   const Functor functor{operands,
                         batch,
                         static_cast<int>(dims.dim),
@@ -680,14 +686,14 @@ void selective_scan_block_backward(const ExecSpace& exec, const SelectiveScanDim
                         grads.du,
                         grads.ddelta,
                         grads.dz,
-                        partial_dB,
-                        partial_dC,
+                        partial.dB,
+                        partial.dC,
                         grads.dinitial_state,
                         partial_dA,
                         partial_vectors};
   WarpTeamLauncher<ExecSpace, Shape::threads / Shape::slots, 3>::launch(
       exec, "kmamba::selective_scan::backward", batch * ngroups * blocks, Functor::bytes, functor);
-  selective_scan_sum_blocks(exec, partial_dB, partial_dC, grads);
+  partial.sum_into(exec, grads);
 }
 
 /// The lane-form backward (wider states, or a chunk_size the block form does not take).
@@ -711,10 +717,7 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                                   Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints);
   KMAMBA_ASSERT(forward_chunk == plan.chunk,
                 "checkpoint pass chunk " << forward_chunk << " differs from the backward's " << plan.chunk);
-  const auto partial_dB = allocate_uninitialized<Tensor5<float, MemorySpace>>(
-      "kmamba::selective_scan::partial_dB", plan.blocks_per_group, dims.batch, dims.ngroups, dims.dstate, dims.seqlen);
-  const auto partial_dC = allocate_uninitialized<Tensor5<float, MemorySpace>>(
-      "kmamba::selective_scan::partial_dC", plan.blocks_per_group, dims.batch, dims.ngroups, dims.dstate, dims.seqlen);
+  const SelectiveScanBlockPartials<MemorySpace> partial(dims, plan.blocks_per_group);
   const Functor backward{operands,
                          plan,
                          dout,
@@ -723,8 +726,8 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                          grads.du,
                          grads.ddelta,
                          grads.dz,
-                         partial_dB,
-                         partial_dC,
+                         partial.dB,
+                         partial.dC,
                          grads.dinitial_state,
                          partial_dA,
                          partial_vectors,
@@ -732,7 +735,7 @@ void selective_scan_lane_backward(const ExecSpace& exec, const char* function, c
                          grads.dinitial_state.is_allocated()};
   selective_scan_launch(exec, "kmamba::selective_scan::backward", plan, backward,
                         Functor::scratch_bytes(plan.channels_per_team, plan.chunk, plan.dstate));
-  selective_scan_sum_blocks(exec, partial_dB, partial_dC, grads);
+  partial.sum_into(exec, grads);
 }
 
 /// `Shape`: the block-scan form's team shape (SelectiveScanDefaultShapes<ExecSpace> for the public
