@@ -180,7 +180,7 @@ class Bench {
     parameters_ = static_cast<double>(model.parameters().size());
     kmamba::TrainConfig train;
     train.batch_size = batch_;
-    train.total_steps = steps_ + o.comm_steps + o.kernel_time_steps + 2;
+    train.total_steps = steps_ + o.comm_steps + o.kernel_time_steps + 3;  // + warm-up, memory and overlap steps
     train.warmup_steps = 0;
 #if KMAMBA_ENABLE_MPI
     if (mpi_running) model = make_mesh(std::move(model));
@@ -349,6 +349,32 @@ class Bench {
     record["fenced_step_ms"] = fenced_step * 1e3;
     record["comm_share"] = comm_per_step / fenced_step;
   }
+
+  // One more step with the gradient reductions' timeline recorded (CUDA events on the
+  // communication stream; host transports are synchronous and record none): how much of the
+  // reductions ran while the backward computed, and how long the step waited for them after it.
+  void measure_overlap(nlohmann::json& record, int& next_step) {
+    if (!mesh_) return;
+    kmamba::DataParallel<Exec>& dp = *trainer_->data_parallel();
+    dp.record_communication_timeline(true);
+    step(next_step++);
+    dp.record_communication_timeline(false);
+    const kmamba::CommunicationTimeline t = dp.communication_timeline();
+    if (t.collectives.empty() || t.joins.empty()) return;
+    const double backward_end = t.joins.back(), busy = t.busy(), before = t.busy_before(backward_end);
+    const double exposed = t.exposed_after(backward_end);
+    if (root_) {
+      std::printf(
+          "overlap (rank 0, one step, CUDA events): %zu gradient reductions took %.3f ms, %.3f ms (%.0f%%) of it "
+          "before the backward ended, the first starting %.3f ms before its end; exposed after it: %.3f ms\n",
+          t.collectives.size(), busy, before, busy > 0.0 ? 100.0 * before / busy : 0.0, backward_end, exposed);
+    }
+    record["overlap"] = {{"reductions", t.collectives.size()},
+                         {"reduction_ms", busy},
+                         {"reduction_ms_before_backward_end", before},
+                         {"first_reduction_before_backward_end_ms", backward_end},
+                         {"exposed_ms", exposed}};
+  }
 #endif
 
  private:
@@ -435,6 +461,7 @@ void run_space(const Options& o) {
   nlohmann::json record = bench.record(median, mfu, peak_memory);
 #if KMAMBA_ENABLE_MPI
   bench.audit_communication(record, next_step, median);
+  bench.measure_overlap(record, next_step);
 #endif
   if (o.kernel_time_steps > 0) {
     // After everything else: the per-kernel breakdown of further steps, each kernel fenced.

@@ -26,6 +26,7 @@
 
 #include <kmamba/core/Core.hpp>
 #include <kmamba/parallel/CountingCommunicator.hpp>
+#include <kmamba/parallel/GradientBuckets.hpp>
 #include <kmamba/parallel/MpiCommunicator.hpp>
 #if KMAMBA_TEST_NCCL
 #include <kmamba/backends/VendorChecks.hpp>
@@ -495,6 +496,46 @@ TEST(NcclCommunicator, DeviceViewsWithAHostInstanceAreAnError) {
   expect_error<kmamba::UserError>(
       [&] { world.all_reduce(HostExec(), x); },
       {"kmamba::Communicator::all_reduce", "axis 'world'", "NCCL", "device memory", "not a Kokkos::Cuda instance"});
+}
+
+// The reducer's timeline records one interval per bucket and one for the tail's reduction, in the
+// order they ran on the communication stream, and the moment the compute stream joined it; the
+// recorded reductions still sum (over one rank: leave the values as they are).
+TEST(NcclCommunicator, GradientReducerTimelineRecordsEveryReduction) {
+  const kmamba::NcclCommunicator world(MPI_COMM_WORLD);
+  const Kokkos::Cuda exec;
+  const std::size_t buckets = 3, bucket = 1 << 18, n = buckets * bucket * world.size() + 1;
+  const Kokkos::View<float*, Kokkos::CudaSpace> grads("kmamba::test::grads", n);
+  kmamba::fill_normal(exec, grads, seed, 0.0f, 1.0f);
+  const auto expected = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), grads);
+  kmamba::GradientReducer<Kokkos::Cuda> reducer(world, n, bucket * world.size());
+  reducer.record_timeline(true);
+  using Reduction = kmamba::GradientReducer<Kokkos::Cuda>::Reduction;
+  reducer.begin(grads, Reduction::AllReduce);
+  for (std::size_t b = 0; b < buckets; ++b) {
+    const std::size_t begin = b * bucket * world.size(), end = begin + bucket * world.size();
+    Kokkos::parallel_for(
+        "kmamba::test::scale_twice", Kokkos::RangePolicy<Kokkos::Cuda>(exec, begin, end),
+        KOKKOS_LAMBDA(const std::size_t i) { grads(i) = 0.5f * (2.0f * grads(i)); });
+    reducer.ready(exec, begin, end);
+  }
+  reducer.finish(exec, grads, Reduction::AllReduce);
+  exec.fence();
+  const kmamba::CommunicationTimeline t = reducer.timeline();
+  ASSERT_EQ(t.collectives.size(), buckets + 1);
+  ASSERT_EQ(t.joins.size(), 1u);
+  EXPECT_EQ(t.collectives.front().first, 0.0);
+  for (std::size_t i = 0; i < t.collectives.size(); ++i) {
+    EXPECT_LE(t.collectives[i].first, t.collectives[i].second) << "reduction " << i;
+    if (i > 0) EXPECT_LE(t.collectives[i - 1].second, t.collectives[i].first) << "reduction " << i;
+  }
+  EXPECT_GE(t.busy(), 0.0);
+  EXPECT_LE(t.busy_before(t.joins[0]), t.busy());
+  EXPECT_GE(t.exposed_after(t.joins[0]), 0.0);
+  const auto got = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), grads);
+  for (std::size_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(got(i), world.size() * expected(i), 2e-6f * world.size() * std::fabs(expected(i))) << "element " << i;
+  }
 }
 #else
 using Vec = HostVec<float>;

@@ -174,6 +174,11 @@ class DataParallel {
                     const ConstTensor1<float, memory_space>& v,                              // (slab size)
                     std::int64_t steps);
 
+  /// Starts or stops recording when the gradient reductions ran against the compute stream
+  /// (GradientReducer::record_timeline; CUDA only), to measure their overlap with the backward.
+  void record_communication_timeline(bool on) { reducer_.record_timeline(on); }
+  CommunicationTimeline communication_timeline() const { return reducer_.timeline(); }
+
   std::int64_t steps_taken() const { return step_; }
   /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1).
   const Tensor1<float, memory_space>& first_moment() const { return m_; }

@@ -157,6 +157,10 @@ class Trainer {
   /// the moments and only world rank 0 writes; resume() gives each rank its shards. The current
   /// optimizer state carries over. Collective over the mesh where noted; call on every rank.
   void enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options = DataParallelConfig());
+  /// The data-parallel engine enable_data_parallel() made (null before): its layout, moments and
+  /// communication timeline.
+  DataParallel<ExecutionSpace>* data_parallel() { return data_parallel_.get(); }
+  const DataParallel<ExecutionSpace>* data_parallel() const { return data_parallel_.get(); }
 #endif
 
   std::int64_t steps_taken() const { return optimizer_.steps_taken(); }

@@ -170,6 +170,11 @@ class GradientReducer {
   const BucketLayout& layout() const { return layout_; }
   const Communicator& communicator() const { return *comm_; }
 
+  /// Starts or stops recording when each reduction ran against the compute stream (CUDA events;
+  /// nothing on host backends), for measuring overlap; timeline() returns the recording.
+  void record_timeline(bool on) { stream_->record_timeline(on); }
+  CommunicationTimeline timeline() const { return stream_->timeline(); }
+
   /// data ← Σ over the ranks of data, bucket by bucket (DDP); finish() without begin().
   void all_reduce(const ExecutionSpace& exec, const Tensor1<float, memory_space>& data) {  // (elements)
     finish(exec, data, Reduction::AllReduce);
