@@ -12,8 +12,8 @@
 // contribute ≤ u·Σ_r |x_r|; their fp32 sum ≤ (p − 1)·2⁻²⁴·(1 + u)·Σ_r |x_r|; the final rounding
 // ≤ u·|S'| ≤ u·(1 + u + p·2⁻²⁴)·Σ_r |x_r|. Together |got − S| ≤ (2⁻⁷ + 2⁻¹⁶ + p·2⁻²³)·Σ_r |x_r|, element
 // by element (observed up to about 1.4·2⁻⁸).
-// Bytes: the counting communicator's sent_bytes (ring costs of §0) of the compressed reduction are
-// half those of the fp32 all-reduce, exactly.
+// Bytes: the counting communicator's sent_bytes (ring costs of docs/distributed.md §0) of the
+// compressed reduction are half those of the fp32 all-reduce, exactly.
 // Training: two dp runs, fp32 and bf16 wire, from the same start: the first step's loss is the
 // same (the same parameters); each later step's parameters move by AdamW updates computed from
 // gradients within 2⁻⁷ relative (above), so the updates differ by at most about 2⁻⁷ of their size
