@@ -354,8 +354,9 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   trainer.set_load_balancing(r.balancing);
 #if KMAMBA_ENABLE_MPI
   if (p.mesh)
-    trainer.enable_data_parallel(*p.mesh,
-                                 kmamba::DataParallelConfig{r.zero_stage, r.bucket_elements, r.overlap_communication});
+    trainer.enable_data_parallel(
+        *p.mesh, kmamba::DataParallelConfig{r.zero_stage, r.bucket_elements, r.overlap_communication, r.sync_frequency,
+                                            r.compression});
 #else
   (void)p;
 #endif
@@ -394,13 +395,18 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
     const kmamba::MeshConfig& mesh = p.mesh->config();
     std::printf(
         "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
-        "gradients reduced %s the backward in buckets of %g MiB\n",
+        "gradients reduced %s the backward in buckets of %g MiB (%s on the wire)%s\n",
         p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
         mesh.sequence_parallel_size > 1
             ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
             : "",
         r.zero_stage, r.overlap_communication ? "during" : "after",
-        static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20));
+        static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20),
+        r.compression == kmamba::GradientCompression::Bf16 ? "bf16, summed in fp32" : "fp32",
+        r.sync_frequency > 1 ? format("; local SGD: the replicas step alone, averaged every %lld steps",
+                                      static_cast<long long>(r.sync_frequency))
+                                   .c_str()
+                             : "");
   }
 #else
   (void)p;
@@ -473,7 +479,8 @@ class TrainingLoop {
     }
     started_ = std::chrono::steady_clock::now();
     const std::int64_t total = r_.train.total_steps;
-    while (trainer_.steps_taken() < total && !stop()) {
+    // A stop waits for the replicas to be one state (local SGD), which a checkpoint holds.
+    while (trainer_.steps_taken() < total && !(stop() && trainer_.replicas_identical())) {
       const auto t0 = std::chrono::steady_clock::now();
       const kmamba::StepResult s = trainer_.step();
       train_seconds_ += seconds_since(t0);

@@ -190,9 +190,14 @@ void declare_parallel(CLI::App& cli) {
          "runs (default); false: after it",
          boolean());
   option(cli, g, "--gradient-sync-frequency", "N",
-         "optimizer steps per gradient reduction; only 1 (reducing every N steps is not built; --grad-accum "
-         "reduces once per N micro-batches)",
+         "1: the gradients are reduced over dp at every optimizer step (default); N > 1: local SGD, each "
+         "data-parallel replica steps on its own data and the parameters and AdamW moments are averaged over dp "
+         "every N steps (needs --zero-stage 0, --steps and --checkpoint-interval multiples of N)",
          count_from(1));
+  option(cli, g, "--gradient-compression,--grad-compression", "C",
+         "none: data-parallel gradients travel in fp32 (default); bf16: rounded to bf16 for the wire and summed in "
+         "fp32, half the bytes",
+         one_of({"none", "bf16"}));
 }
 
 // The keys of the JSON options' "load_balancing" object; each is also an option of its own.
@@ -350,12 +355,26 @@ void refuse_unbuilt(const TrainOptions& o) {
                                                << ": pipeline parallelism (ranks holding consecutive stages of the "
                                                   "layers) is not built; every rank holds every layer, so the size "
                                                   "must be 1");
-  const long long sync = o.integer("gradient-sync-frequency", 1);
-  KMAMBA_REQUIRE(sync == 1, "kmamba-train: " << key_of("gradient-sync-frequency") << " " << sync
-                                             << ": reducing the gradients once every " << sync
-                                             << " optimizer steps (local steps in between) is not built; they are "
-                                                "reduced at every optimizer step, so the frequency must be 1 "
-                                                "(gradient_accumulation_steps N reduces once per N micro-batches)");
+}
+
+// Local SGD (--gradient-sync-frequency N > 1): the replicas are one state only after an averaging,
+// so the checkpoints and the end fall on multiples of N, and ZeRO-1's sharded moments are refused.
+void resolve_sync_frequency(const TrainOptions& o, Run& r) {
+  const std::int64_t n = o.integer("gradient-sync-frequency", 1);
+  r.sync_frequency = n;
+  if (n == 1) return;
+  KMAMBA_REQUIRE(r.zero_stage == 0, "kmamba-train: " << key_of("zero-stage") << " " << r.zero_stage << " with "
+                                                     << key_of("gradient-sync-frequency") << " " << n
+                                                     << ": ZeRO-1 shards the AdamW moments over the dp ranks, but "
+                                                        "local steps need every replica's own moments; use "
+                                                        "zero_stage 0 or gradient_sync_frequency 1");
+  for (const auto& [name, value] : {std::make_pair("steps", r.train.total_steps),
+                                    std::make_pair("checkpoint-interval", r.train.checkpoint_interval)}) {
+    KMAMBA_REQUIRE(value % n == 0, "kmamba-train: " << key_of(name) << " " << value << " is not a multiple of "
+                                                    << key_of("gradient-sync-frequency") << " " << n
+                                                    << ": the data-parallel replicas are one model, which a "
+                                                       "checkpoint holds, only after every N-th step");
+  }
 }
 
 // --overlap-communication and the load-balancing options --communication-pipelining and
@@ -398,6 +417,8 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
   r.activation_checkpointing = o.flag("activation-checkpointing");
   refuse_unbuilt(o);
+  resolve_sync_frequency(o, r);
+  r.compression = parse_gradient_compression(o.text("gradient-compression", "none"), "kmamba-train");
   r.overlap_communication = resolve_overlap(o);
   r.balancing.dynamic_task_allocation = o.flag("dynamic-task-allocation");
   r.balancing.data_redistribution_threshold = o.number("data-redistribution-threshold", 0.1);
@@ -553,8 +574,9 @@ Run configure_run(CLI::App& cli) {
 }
 
 bool asks_for_ranks(const CLI::App& cli) {
-  for (const char* name : {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size",
-                           "--sequence-parallel-enabled", "--zero-stage"}) {
+  for (const char* name :
+       {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--sequence-parallel-enabled",
+        "--zero-stage", "--gradient-sync-frequency", "--gradient-compression"}) {
     if (cli.count(name) > 0) return true;
   }
   return false;

@@ -52,6 +52,10 @@ struct Run {
   bool overlap_communication = true;
   /// fp32 gradient elements per data-parallel reduction bucket (--bucket-mb).
   std::size_t bucket_elements = 0;
+  /// Optimizer steps per averaging of the dp replicas (--gradient-sync-frequency; 1: DDP).
+  std::int64_t sync_frequency = 1;
+  /// How the data-parallel gradients travel (--gradient-compression).
+  GradientCompression compression = GradientCompression::None;
   /// The load_balancing keys and sequence_split_strategy.
   LoadBalancing balancing;
   MatmulPrecision precision = MatmulPrecision::Float32;

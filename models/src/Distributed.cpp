@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 namespace kmamba {
@@ -163,7 +164,8 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
     : mesh_(&mesh),
       config_(config),
       adamw_(adamw),
-      reducer_(mesh.data_sequence(), slab.size(), config.bucket_elements),
+      reducer_(mesh.data_sequence(), slab.size(), config.bucket_elements, config.compression),
+      sequence_reducer_(mesh.sequence(), slab.size(), config.bucket_elements),
       decay_end_(slab.decay_end()) {
   check_mesh_fits_model(mesh.config(), model);
   if (mesh.coordinates().tp == 0) {
@@ -187,6 +189,13 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
   KMAMBA_REQUIRE(config.zero_stage == 0 || config.zero_stage == 1,
                  "kmamba::DataParallel: zero_stage must be 0 (replicated optimizer state) or 1 (ZeRO-1), got "
                      << config.zero_stage);
+  KMAMBA_REQUIRE(config.sync_frequency >= 1,
+                 "kmamba::DataParallel: gradient_sync_frequency must be >= 1, got " << config.sync_frequency);
+  KMAMBA_REQUIRE(config.zero_stage == 0 || config.sync_frequency == 1,
+                 "kmamba::DataParallel: zero_stage 1 with gradient_sync_frequency "
+                     << config.sync_frequency
+                     << ": ZeRO-1 shards the AdamW moments over the dp ranks, but local steps need every replica's "
+                        "own moments; use zero_stage 0 or gradient_sync_frequency 1");
   KMAMBA_REQUIRE(slab.size() > 0, "kmamba::DataParallel: the parameter slab is empty (not finalized?)");
   adamw.validate();
   const std::size_t moments = config.zero_stage == 1 ? reducer_.layout().shard_elements() : slab.size();
@@ -215,6 +224,16 @@ double DataParallel<ExecutionSpace>::sum_over_data(double local) const {
 }
 
 template <class ExecutionSpace>
+std::int64_t DataParallel<ExecutionSpace>::replica_tokens(std::int64_t local_tokens) const {
+  const std::int64_t replica = mesh_->sequence().all_reduce_value(local_tokens);
+  KMAMBA_REQUIRE(mesh_->data().all_reduce_value(replica, ReduceOp::Min) > 0,
+                 "kmamba::DataParallel: a data-parallel replica's micro-batches hold no predicted tokens; with "
+                 "gradient_sync_frequency "
+                     << config_.sync_frequency << " every replica steps on its own tokens, so each needs some");
+  return replica;
+}
+
+template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::check_slab(const char* function, const Slab& slab) const {
   KMAMBA_REQUIRE(slab.size() == reducer_.layout().elements() && slab.decay_end() == decay_end_,
                  "kmamba::DataParallel::" << function << ": the slab has " << slab.size()
@@ -239,7 +258,7 @@ void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) 
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::begin_reduction(const Slab& slab) {
   check_slab("begin_reduction", slab);
-  if (config_.overlap) reducer_.begin(slab.grads(), reduction());
+  if (config_.overlap && !local_steps()) reducer_.begin(slab.grads(), reduction());
 }
 
 template <class ExecutionSpace>
@@ -250,14 +269,41 @@ void DataParallel<ExecutionSpace>::gradients_ready(const ExecutionSpace& exec, s
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) {
   check_slab("reduce_gradients", slab);
-  reducer_.finish(exec, slab.grads(), reduction());
+  if (!local_steps()) {
+    reducer_.finish(exec, slab.grads(), reduction());
+  } else if (mesh_->sequence().size() > 1) {
+    sequence_reducer_.all_reduce(exec, slab.grads());
+  }
 }
 
 template <class ExecutionSpace>
 double DataParallel<ExecutionSpace>::grad_norm(const ExecutionSpace& exec, const Slab& slab) const {
   check_slab("grad_norm", slab);
+  if (local_steps()) return replica_grad_norm(exec, slab);
   const double owned = reducer_.owned_sum_of_squares(exec, ConstTensor1<float, memory_space>(slab.grads()), counted_);
   return std::sqrt(mesh_->world().all_reduce_value(owned));
+}
+
+template <class ExecutionSpace>
+double DataParallel<ExecutionSpace>::replica_grad_norm(const ExecutionSpace& exec, const Slab& slab) const {
+  // Every rank of the replica holds its whole summed gradient; counted_ leaves the replicated
+  // parameters to tp rank 0, so the sum over tp counts each parameter once.
+  double squares = 0.0;
+  for (const auto& range : counted_) {
+    squares += GradientReducer<ExecutionSpace>::sum_of_squares(exec, ConstTensor1<float, memory_space>(slab.grads()),
+                                                               range.first, range.second - range.first);
+  }
+  const double norm = std::sqrt(mesh_->tensor().all_reduce_value(squares));
+  const int non_finite = mesh_->world().all_reduce_value(std::isfinite(norm) ? 0 : 1);
+  return non_finite == 0 ? norm : std::numeric_limits<double>::quiet_NaN();
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::average_replicas(const ExecutionSpace& exec, const Slab& slab) const {
+  // Moments too, so that the replicas leave as one state: a checkpoint in the unsplit layout (one
+  // model, one set of moments) then holds the whole run, and resumes it exactly at any mesh.
+  const Communicator& data = mesh_->data();
+  for (const Tensor1<float, memory_space>& x : {slab.params(), m_, v_}) data.all_reduce(exec, x, ReduceOp::Average);
 }
 
 template <class ExecutionSpace>
@@ -269,6 +315,7 @@ void DataParallel<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& 
   if (config_.zero_stage == 0) {
     adamw_update(exec, adamw_, step_, params, m_, v_, ConstTensor1<float, memory_space>(grads), decay_end_, lr,
                  grad_scale);
+    if (local_steps() && data_size() > 1 && step_ % config_.sync_frequency == 0) average_replicas(exec, slab);
     return;
   }
   for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {

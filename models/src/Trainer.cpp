@@ -129,6 +129,23 @@ T Trainer<ExecutionSpace>::sum_over_data(T local) const {
 }
 
 template <class ExecutionSpace>
+std::int64_t Trainer<ExecutionSpace>::step_tokens(std::int64_t local) const {
+#if KMAMBA_ENABLE_MPI
+  // Local steps weigh each replica's micro-batches by its own tokens: its gradient is its mean.
+  if (data_parallel_ && data_parallel_->local_steps()) return data_parallel_->replica_tokens(local);
+#endif
+  return sum_over_data(local);
+}
+
+template <class ExecutionSpace>
+bool Trainer<ExecutionSpace>::replicas_identical() const {
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) return data_parallel_->replicas_identical();
+#endif
+  return true;
+}
+
+template <class ExecutionSpace>
 double Trainer<ExecutionSpace>::reduce_and_norm() {
   const auto& slab = model_.parameters();
 #if KMAMBA_ENABLE_MPI
@@ -323,7 +340,7 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
     local_total += mine.predicted_tokens();
     result.input_tokens += static_cast<std::int64_t>(mine.ids.extent(0) * mine.ids.extent(1));
   }
-  const std::int64_t total = sum_over_data(local_total);
+  const std::int64_t total = step_tokens(local_total);
   KMAMBA_REQUIRE(total > 0, function << ": the micro-batches hold no predicted tokens (every target is ignore_index)");
 
   model_.zero_grads(exec_);
@@ -426,6 +443,12 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
+  // A checkpoint holds one model and one set of moments: the replicas must be one state.
+  KMAMBA_REQUIRE(replicas_identical(), "kmamba::Trainer::save_checkpoint: at step "
+                                           << steps_taken()
+                                           << " the data-parallel replicas differ (local steps since the last "
+                                              "averaging, gradient_sync_frequency); save after a step whose count "
+                                              "is a multiple of the frequency");
   Tensor1<float, memory_space> m_slab = optimizer_.first_moment(), v_slab = optimizer_.second_moment();
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {

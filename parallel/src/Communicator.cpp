@@ -7,10 +7,10 @@
 namespace kmamba {
 
 const char* data_type_name(DataType type) {
-  return impl::enum_table<const char*>(type, {"float32", "float64", "int32", "int64"}, "unknown");
+  return impl::enum_table<const char*>(type, {"float32", "float64", "int32", "int64", "bfloat16"}, "unknown");
 }
 
-std::size_t data_type_size(DataType type) { return impl::enum_table<std::size_t>(type, {4, 8, 4, 8}, 0); }
+std::size_t data_type_size(DataType type) { return impl::enum_table<std::size_t>(type, {4, 8, 4, 8, 2}, 0); }
 
 const char* reduce_op_name(ReduceOp op) {
   return impl::enum_table<const char*>(op, {"sum", "average", "max", "min"}, "unknown");

@@ -8,6 +8,16 @@ std::size_t default_bucket_elements(int ranks) {
   return std::max<std::size_t>(default_bucket_bytes / sizeof(float), static_cast<std::size_t>(std::max(ranks, 1)));
 }
 
+const char* gradient_compression_name(GradientCompression compression) {
+  return impl::enum_table<const char*>(compression, {"none", "bf16"}, "unknown");
+}
+
+GradientCompression parse_gradient_compression(const std::string& name, const std::string& what) {
+  if (name == "none") return GradientCompression::None;
+  KMAMBA_REQUIRE(name == "bf16", what << ": unknown gradient compression '" << name << "' (expected none or bf16)");
+  return GradientCompression::Bf16;
+}
+
 BucketLayout::BucketLayout(std::size_t elements, int ranks, std::size_t bucket_elements)
     : elements_(elements), ranks_(ranks) {
   KMAMBA_REQUIRE(ranks >= 1, "kmamba::BucketLayout: ranks must be >= 1, got " << ranks);

@@ -11,8 +11,9 @@ namespace impl {
 namespace {
 
 MPI_Datatype mpi_type(DataType type) {
-  const MPI_Datatype mpi =
-      enum_table<MPI_Datatype>(type, {MPI_FLOAT, MPI_DOUBLE, MPI_INT32_T, MPI_INT64_T}, MPI_DATATYPE_NULL);
+  // bf16 is only moved (the reductions refuse it at compile time): any 16-bit type carries its bits.
+  const MPI_Datatype mpi = enum_table<MPI_Datatype>(
+      type, {MPI_FLOAT, MPI_DOUBLE, MPI_INT32_T, MPI_INT64_T, MPI_UINT16_T}, MPI_DATATYPE_NULL);
   KMAMBA_ASSERT(mpi != MPI_DATATYPE_NULL, "unknown DataType " << static_cast<int>(type));
   return mpi;
 }

@@ -21,6 +21,9 @@ ncclDataType_t nccl_type(DataType type) {
       return ncclInt32;
     case DataType::Int64:
       return ncclInt64;
+    case DataType::BFloat16:
+      // Only moved (the reductions refuse it at compile time): any 16-bit type carries its bits.
+      return ncclFloat16;
   }
   KMAMBA_ASSERT(false, "unknown DataType " << static_cast<int>(type));
 }

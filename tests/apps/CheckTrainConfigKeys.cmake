@@ -4,9 +4,10 @@
 #   run prints, and the options run.json records;
 # - a command-line option wins over --config; values that conflict with the world size, with
 #   another option or with another key of the file fail with 2, naming the key;
-# - pipeline_parallel_size > 1 and gradient_sync_frequency > 1 fail with 2, naming the key and
-#   what is missing; an unknown key in load_balancing is refused by name, a negative
-#   data_redistribution_threshold by its key;
+# - pipeline_parallel_size > 1 fails with 2, naming the key and what is missing;
+#   gradient_sync_frequency > 1 with zero_stage 1, or with steps not a multiple of it, fails with 2
+#   naming both keys; an unknown gradient_compression is refused by name; an unknown key in
+#   load_balancing is refused by name, a negative data_redistribution_threshold by its key;
 # - overlap_communication false reduces after the backward, with the same losses as true;
 #   bucket_mb sets the reduction buckets (default 25 MiB), and tiny buckets give the same losses;
 # - load_balancing.dynamic_task_allocation true deals the rows of packed batches with very unequal
@@ -129,8 +130,12 @@ if(NP EQUAL 1)
   set(not_built "is not built")
   train(pipeline "{\"pipeline_parallel_size\": 2}" 2
         "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism .* ${not_built}; every rank holds every layer")
-  train(sync_frequency "{\"gradient_sync_frequency\": 4}" 2
-        "gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: reducing the gradients once every 4 optimizer steps .* ${not_built}")
+  train(sync_frequency_zero1 "{\"gradient_sync_frequency\": 4, \"zero_stage\": 1}" 2
+        "zero_stage \\(--zero-stage\\) 1 with gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: ZeRO-1 shards the AdamW moments")
+  train(sync_frequency_steps "{\"gradient_sync_frequency\": 4}" 2
+        "steps \\(--steps\\) 2 is not a multiple of gradient_sync_frequency \\(--gradient-sync-frequency\\) 4")
+  train(unknown_compression "{\"gradient_compression\": \"fp8\"}" 2
+        "\"gradient_compression\": --gradient-compression: got 'fp8', expected one of none, bf16")
   train(unknown_split "{\"sequence_split_strategy\": \"random\"}" 2
         "\"sequence_split_strategy\": --sequence-split-strategy: got 'random', expected one of even, balanced")
   train(negative_threshold "{\"load_balancing\": {\"dynamic_task_allocation\": true, \"data_redistribution_threshold\": -0.1}}" 2

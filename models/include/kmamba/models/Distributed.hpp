@@ -104,6 +104,14 @@ struct DataParallelConfig {
   /// true: begin_reduction arms the reduction of the coming backward; false: it does nothing, and
   /// reduce_gradients reduces every bucket after the backward.
   bool overlap = true;
+  /// Optimizer steps per synchronisation of the dp replicas (docs/distributed.md §3.2). 1: the
+  /// gradients are summed over dp × sp at every step (DDP, ZeRO-1). N > 1, local SGD: the gradients
+  /// are summed over sp only, every dp replica steps on its own data, and after every step whose
+  /// count is a multiple of N the parameters and AdamW moments are averaged over dp. N > 1 needs
+  /// zero_stage 0 (each replica keeps its own moments between averagings).
+  std::int64_t sync_frequency = 1;
+  /// How the dp × sp gradient buckets travel (GradientBuckets.hpp): fp32, or bf16 summed in fp32.
+  GradientCompression compression = GradientCompression::None;
 };
 
 #if KMAMBA_ENABLE_MPI
@@ -133,6 +141,15 @@ class DataParallel {
 
   /// Σ over the dp × sp ranks of `local_tokens` (each rank's predicted tokens of one optimizer step).
   std::int64_t global_tokens(std::int64_t local_tokens) const { return sum_over_data(local_tokens); }
+  /// Whether the steps are local (config().sync_frequency > 1): each dp replica's gradient is the
+  /// mean over its own tokens (weight micro-batches by replica_tokens), summed over sp only.
+  bool local_steps() const { return config_.sync_frequency > 1; }
+  /// Σ over this replica's sp ranks of `local_tokens`. Throws a UserError on every rank when a
+  /// replica's sum is 0 (a local step needs tokens on every replica). Collective over dp × sp.
+  std::int64_t replica_tokens(std::int64_t local_tokens) const;
+  /// Whether every dp replica holds the same parameters and moments: always with
+  /// sync_frequency 1 or one dp rank, else right after an averaging (steps_taken() a multiple of it).
+  bool replicas_identical() const { return data_size() == 1 || step_ % config_.sync_frequency == 0; }
   /// Σ over the dp × sp ranks of `local` (e.g. loss · tokens, to report the global mean loss).
   double sum_over_data(double local) const;
   std::int64_t sum_over_data(std::int64_t local) const;
@@ -150,18 +167,23 @@ class DataParallel {
 
   /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp × sp
   /// (the buckets begin_reduction's backward did not reduce yet, or all of them). ZeRO-1
-  /// reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid.
+  /// reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid. Local
+  /// steps: Σ over sp only, in fp32.
   void reduce_gradients(const ExecutionSpace& exec, const Slab& slab);
 
   /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
   /// the squares it owns — its ZeRO shards, the tail on dp × sp rank 0; tensor-parallel shards on
   /// every tp rank, replicated parameters only on tp rank 0 — and one all-reduce over the world
-  /// adds them. Identical on every rank. Blocking.
+  /// adds them. Identical on every rank. Local steps: the norm of this replica's gradient (summed
+  /// over its tp ranks), or NaN on every rank when any replica's is not finite, so that every
+  /// replica skips the step together. Blocking.
   double grad_norm(const ExecutionSpace& exec, const Slab& slab) const;
 
   /// AdamW step at learning rate `lr` on the reduced gradients scaled by `grad_scale` (the clip
   /// factor): DDP updates the whole slab on every rank; ZeRO-1 updates this rank's shards with its
-  /// sharded moments, then all-gathers the parameters. Leaves the parameters identical on every rank.
+  /// sharded moments, then all-gathers the parameters. Leaves the parameters identical on every rank;
+  /// local steps only after every sync_frequency-th step, which averages parameters and moments
+  /// over dp.
   void step(const ExecutionSpace& exec, const Slab& slab, double lr, double grad_scale = 1.0);
 
   /// m, v ← the AdamW moments in the slab's layout, as a single-process AdamW holds them (for a
@@ -186,6 +208,8 @@ class DataParallel {
 
  private:
   void check_slab(const char* function, const Slab& slab) const;
+  double replica_grad_norm(const ExecutionSpace& exec, const Slab& slab) const;
+  void average_replicas(const ExecutionSpace& exec, const Slab& slab) const;
   typename GradientReducer<ExecutionSpace>::Reduction reduction() const;
   void check_full(const char* function, const char* name, std::size_t size) const;
   // Calls copy(slab_begin, shard_storage_begin, size) for each of this rank's shards (stage 1).
@@ -196,6 +220,7 @@ class DataParallel {
   DataParallelConfig config_;
   AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
+  GradientReducer<ExecutionSpace> sequence_reducer_;  // local steps: the sum over sp
   std::size_t decay_end_;
   std::vector<std::pair<std::size_t, std::size_t>> counted_;  // slab ranges this rank counts in the norm
   Tensor1<float, memory_space> m_, v_;

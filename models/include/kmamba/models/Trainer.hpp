@@ -156,6 +156,11 @@ class Trainer {
   /// only the step count. StepResult reports global losses and counts. save_checkpoint() gathers
   /// the moments and only world rank 0 writes; resume() gives each rank its shards. The current
   /// optimizer state carries over. Collective over the mesh where noted; call on every rank.
+  /// With options.sync_frequency N > 1 (local SGD, docs/distributed.md §3.2) each dp replica
+  /// steps on its own micro-batches, weighted by its own tokens and reduced over sp only (the
+  /// reported loss and counts stay global, grad_norm is the replica's), and the parameters and
+  /// moments are averaged over dp after every N-th step; checkpoints are written only then
+  /// (replicas_identical()).
   void enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options = DataParallelConfig());
   /// The data-parallel engine enable_data_parallel() made (null before): its layout, moments and
   /// communication timeline.
@@ -164,6 +169,9 @@ class Trainer {
 #endif
 
   std::int64_t steps_taken() const { return optimizer_.steps_taken(); }
+  /// Whether every data-parallel replica holds the same model and moments (always, but between
+  /// the averagings of local steps), so that save_checkpoint() may run.
+  bool replicas_identical() const;
   /// Training micro-batches (of config().batch_size) consumed by step(), over all dp ranks.
   std::int64_t data_position() const { return data_position_; }
   /// Steps skipped for a non-finite loss or gradient (saved in checkpoints).
@@ -189,6 +197,9 @@ class Trainer {
   template <class T>
   T sum_over_data(T local) const;
   double reduce_and_norm();
+  // The tokens that weigh a step's micro-batches: the global batch's, or with local steps the
+  // replica's. Collective over dp × sp.
+  std::int64_t step_tokens(std::int64_t local) const;
   // "the loss is nan; non-finite gradients in backbone.layers.1.mixer.D (16 values), ...".
   std::string non_finite_report(double loss, double grad_norm) const;
   void optimizer_step(double lr, double grad_scale);

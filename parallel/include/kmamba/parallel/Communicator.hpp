@@ -21,6 +21,7 @@
 #define KMAMBA_PARALLEL_COMMUNICATOR_HPP
 
 #include <kmamba/Config.hpp>
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/Error.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -34,10 +35,12 @@
 
 namespace kmamba {
 
-/// Element types the transports move.
-enum class DataType { Float32, Float64, Int32, Int64 };
+/// Element types the transports move. BFloat16 is moved, never reduced (the reductions refuse it at
+/// compile time): a reduction in bf16 would round every partial sum (all_reduce_bf16 and
+/// reduce_scatter_bf16 sum bf16 values in fp32).
+enum class DataType { Float32, Float64, Int32, Int64, BFloat16 };
 
-/// "float32", "float64", "int32", "int64".
+/// "float32", "float64", "int32", "int64", "bfloat16".
 const char* data_type_name(DataType type);
 /// Bytes per element.
 std::size_t data_type_size(DataType type);
@@ -68,6 +71,10 @@ struct DataTypeOf<std::int32_t> {
 template <>
 struct DataTypeOf<std::int64_t> {
   static constexpr DataType value = DataType::Int64;
+};
+template <>
+struct DataTypeOf<bf16> {
+  static constexpr DataType value = DataType::BFloat16;
 };
 }  // namespace impl
 
@@ -115,6 +122,34 @@ struct ScaleBy {
   typename ViewType::non_const_value_type factor;
   KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { x.data()[i] *= factor; }
 };
+
+// wire(i) ← bf16(x(i)): the one rounding of a value sent in bf16.
+struct RoundToWireBf16 {
+  const float* x;
+  bf16* wire;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { wire[i] = bf16(x[i]); }
+};
+
+// out(j) ← Σ_s blocks(s·n + j) over the `ranks` blocks in rank order, summed in fp32 and stored as
+// Out (float, or bf16 for the all-gather of all_reduce_bf16).
+template <class Out>
+struct SumBf16Blocks {
+  const bf16* blocks;
+  Out* out;
+  std::size_t n;
+  int ranks;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t j) const {
+    float sum = 0.0f;
+    for (int s = 0; s < ranks; ++s) sum += static_cast<float>(blocks[static_cast<std::size_t>(s) * n + j]);
+    out[j] = from_float<Out>(sum);
+  }
+};
+
+struct WidenWireBf16 {
+  const bf16* wire;
+  float* x;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::size_t i) const { x[i] = static_cast<float>(wire[i]); }
+};
 }  // namespace impl
 
 /// One group of ranks (the world, or one axis of the process mesh) and the collectives over it.
@@ -156,6 +191,23 @@ class Communicator {
   void reduce_scatter(const ExecutionSpace& exec, const SendView& send,  // (size() · n)
                       const RecvView& recv,                              // (n)
                       ReduceOp op = ReduceOp::Sum) const;
+
+  /// reduce_scatter of fp32 sums with bf16 on the wire: every rank rounds its send values to bf16
+  /// once, sends block r to rank r (size() − 1 pairwise send_recv exchanges) and sums the size()
+  /// bf16 blocks it receives, its own included, in fp32 in rank order: recv = Σ_s bf16(send_s),
+  /// |recv − Σ_s send_s| ≤ 2⁻⁸·Σ_s |send_s| + fp32 rounding. Each rank sends (size() − 1)·n bf16
+  /// values, half the bytes of a ring reduce_scatter of fp32. In place as reduce_scatter. On one
+  /// rank nothing travels: recv ← send, unrounded.
+  template <class ExecutionSpace, class SendView, class RecvView>
+  void reduce_scatter_bf16(const ExecutionSpace& exec, const SendView& send,  // (size() · n)
+                           const RecvView& recv) const;                       // (n)
+  /// In-place sum over the ranks with bf16 on the wire: reduce_scatter_bf16 into block rank(),
+  /// that sum rounded to bf16 and all-gathered in bf16, so every rank ends with the same
+  /// bf16(Σ_s bf16(data_s)) (error ≤ 2⁻⁸·Σ_s |data_s| + 2⁻⁸·|sum| + fp32 rounding). data.size()
+  /// must be a multiple of size(). Each rank sends 2(size() − 1)/size() · data.size() bf16 values:
+  /// half the bytes of a ring all_reduce of fp32. On one rank nothing travels: data is unchanged.
+  template <class ExecutionSpace, class View>
+  void all_reduce_bf16(const ExecutionSpace& exec, const View& data) const;  // (size() · n)
 
   /// Block r of recv ← send of rank r. In place when send is recv's block rank().
   template <class ExecutionSpace, class SendView, class RecvView>
@@ -234,6 +286,13 @@ class Communicator {
   template <class ExecutionSpace, class View>
   void finish_average(const ExecutionSpace& exec, const View& recv, ReduceOp op) const;
 
+  // Checks send (size() · n fp32 values) against n, rounds it to bf16 and returns the bf16 blocks
+  // rank() receives (block s: rank s's block rank()), after the pairwise exchange.
+  template <class ExecutionSpace, class SendView>
+  Kokkos::View<bf16*, typename SendView::memory_space> exchange_bf16_blocks(const ExecutionSpace& exec,
+                                                                            const SendView& send,  // (size() · n)
+                                                                            std::size_t n) const;
+
   int rank_ = 0;
   int size_ = 1;
   std::string axis_;
@@ -243,8 +302,9 @@ template <class View>
 void Communicator::check_view(const char* name, const View& view) {
   using Value = typename View::non_const_value_type;
   static_assert(std::is_same<Value, float>::value || std::is_same<Value, double>::value ||
-                    std::is_same<Value, std::int32_t>::value || std::is_same<Value, std::int64_t>::value,
-                "kmamba::Communicator: views must hold float, double, std::int32_t or std::int64_t");
+                    std::is_same<Value, std::int32_t>::value || std::is_same<Value, std::int64_t>::value ||
+                    std::is_same<Value, bf16>::value,
+                "kmamba::Communicator: views must hold float, double, std::int32_t, std::int64_t or kmamba::bf16");
   KMAMBA_REQUIRE(view.size() == 0 || view.span_is_contiguous(),
                  "the view '" << name << "' (label '" << view.label() << "') is not contiguous");
 }
@@ -270,6 +330,10 @@ void Communicator::all_reduce(const ExecutionSpace& exec, const SendView& send, 
     using Value = typename RecvView::non_const_value_type;
     static_assert(std::is_same<typename SendView::non_const_value_type, Value>::value,
                   "kmamba::Communicator::all_reduce: send and recv must hold the same type");
+    static_assert(
+        !std::is_same<Value, bf16>::value,
+        "kmamba::Communicator: bf16 values are moved, never reduced (a reduction in bf16 rounds every partial sum): "
+        "all_reduce_bf16 and reduce_scatter_bf16 send fp32 values as bf16 and sum them in fp32");
     static_assert(!std::is_const<typename RecvView::value_type>::value, "recv must be writable");
     check_view("send", send);
     check_view("recv", recv);
@@ -294,6 +358,10 @@ void Communicator::reduce_scatter(const ExecutionSpace& exec, const SendView& se
     using Value = typename RecvView::non_const_value_type;
     static_assert(std::is_same<typename SendView::non_const_value_type, Value>::value,
                   "kmamba::Communicator::reduce_scatter: send and recv must hold the same type");
+    static_assert(
+        !std::is_same<Value, bf16>::value,
+        "kmamba::Communicator: bf16 values are moved, never reduced (a reduction in bf16 rounds every partial sum): "
+        "all_reduce_bf16 and reduce_scatter_bf16 send fp32 values as bf16 and sum them in fp32");
     static_assert(!std::is_const<typename RecvView::value_type>::value, "recv must be writable");
     check_view("send", send);
     check_view("recv", recv);
@@ -311,6 +379,79 @@ void Communicator::reduce_scatter(const ExecutionSpace& exec, const SendView& se
                       impl::stream_context<ExecutionSpace, typename RecvView::memory_space>(exec));
     finish_average(exec, recv, op);
   });
+}
+
+template <class ExecutionSpace, class SendView>
+Kokkos::View<bf16*, typename SendView::memory_space> Communicator::exchange_bf16_blocks(const ExecutionSpace& exec,
+                                                                                        const SendView& send,
+                                                                                        std::size_t n) const {
+  using Memory = typename SendView::memory_space;
+  using Block = Kokkos::View<bf16*, Memory, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  static_assert(std::is_same<typename SendView::non_const_value_type, float>::value,
+                "kmamba::Communicator: bf16 wire reductions take float views");
+  check_view("send", send);
+  const auto p = static_cast<std::size_t>(size_), r = static_cast<std::size_t>(rank_);
+  KMAMBA_REQUIRE(send.size() == p * n,
+                 "send has " << send.size() << " elements; expected size() · n = " << size_ << " · " << n);
+  Kokkos::View<bf16*, Memory> wire("kmamba::communicator::bf16_send", p * n);
+  Kokkos::View<bf16*, Memory> blocks("kmamba::communicator::bf16_blocks", p * n);
+  Kokkos::parallel_for("kmamba::communicator::round_to_bf16",
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, p * n),
+                       impl::RoundToWireBf16{send.data(), wire.data()});
+  Kokkos::deep_copy(exec, Block(blocks.data() + r * n, n), Block(wire.data() + r * n, n));
+  // Step s: rank r sends its block for rank r + s and receives rank r − s's block for r, so every
+  // value crosses the wire once, unsummed (a ring would forward partial sums, rounded again).
+  for (std::size_t s = 1; s < p; ++s) {
+    const std::size_t dest = (r + s) % p, source = (r + p - s) % p;
+    send_recv(exec, Block(wire.data() + dest * n, n), static_cast<int>(dest), Block(blocks.data() + source * n, n),
+              static_cast<int>(source));
+  }
+  return blocks;
+}
+
+template <class ExecutionSpace, class SendView, class RecvView>
+void Communicator::reduce_scatter_bf16(const ExecutionSpace& exec, const SendView& send, const RecvView& recv) const {
+  static_assert(std::is_same<typename RecvView::value_type, float>::value, "recv must hold writable floats");
+  Kokkos::View<bf16*, typename SendView::memory_space> blocks;
+  guarded("reduce_scatter_bf16", [&] {
+    check_view("recv", recv);
+    if (size_ > 1) blocks = exchange_bf16_blocks(exec, send, recv.size());
+  });
+  if (size_ == 1) {  // nothing travels, nothing is rounded
+    if (recv.data() != send.data()) Kokkos::deep_copy(exec, recv, send);
+    return;
+  }
+  Kokkos::parallel_for("kmamba::communicator::sum_bf16_blocks",
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, recv.size()),
+                       impl::SumBf16Blocks<float>{blocks.data(), recv.data(), recv.size(), size_});
+}
+
+template <class ExecutionSpace, class View>
+void Communicator::all_reduce_bf16(const ExecutionSpace& exec, const View& data) const {
+  static_assert(std::is_same<typename View::value_type, float>::value, "data must hold writable floats");
+  using Memory = typename View::memory_space;
+  using Policy = Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>;
+  const auto p = static_cast<std::size_t>(size_);
+  std::size_t n = 0;
+  Kokkos::View<bf16*, Memory> blocks;
+  guarded("all_reduce_bf16", [&] {
+    KMAMBA_REQUIRE(data.size() % p == 0,
+                   "data has " << data.size() << " elements, not a multiple of the " << size_ << " ranks");
+    n = data.size() / p;
+    if (size_ > 1) blocks = exchange_bf16_blocks(exec, data, n);
+  });
+  if (size_ == 1) return;  // nothing travels, nothing is rounded
+  // The own block of `blocks` is no longer needed: it receives this rank's rounded sum, which the
+  // all-gather then spreads, so every rank widens the same bf16 values.
+  const Kokkos::View<bf16*, Memory, Kokkos::MemoryTraits<Kokkos::Unmanaged>> own(
+      blocks.data() + static_cast<std::size_t>(rank_) * n, n);
+  Kokkos::View<bf16*, Memory> sums("kmamba::communicator::bf16_sums", n);
+  Kokkos::parallel_for("kmamba::communicator::sum_bf16_blocks", Policy(exec, 0, n),
+                       impl::SumBf16Blocks<bf16>{blocks.data(), sums.data(), n, size_});
+  Kokkos::deep_copy(exec, own, sums);
+  all_gather(exec, own, blocks);
+  Kokkos::parallel_for("kmamba::communicator::widen_bf16", Policy(exec, 0, data.size()),
+                       impl::WidenWireBf16{blocks.data(), data.data()});
 }
 
 template <class ExecutionSpace, class SendView, class RecvView>
@@ -366,6 +507,9 @@ void Communicator::send_recv(const ExecutionSpace& exec, const SendView& send, i
 
 template <class T>
 T Communicator::all_reduce_value(T value, ReduceOp op) const {
+  static_assert(!std::is_same<T, bf16>::value,
+                "kmamba::Communicator: bf16 values are moved, never reduced (a reduction in bf16 rounds every partial "
+                "sum): all_reduce_bf16 and reduce_scatter_bf16 send fp32 values as bf16 and sum them in fp32");
   T result{};
   guarded("all_reduce_value", [&] {
     constexpr DataType type = impl::DataTypeOf<T>::value;

@@ -31,7 +31,12 @@ class CommunicationLog {
   struct Tally {
     std::int64_t calls = 0;
     std::int64_t elements = 0;  ///< Σ of the logical buffer sizes (docs/distributed.md §0's M, in elements)
-    double seconds = 0.0;       ///< Σ of the operations' times while timing() was on
+    std::int64_t bytes = 0;     ///< the same in bytes (elements times the element type's size)
+    /// Σ of the bytes this rank sends under the ring algorithms of docs/distributed.md §0 (an
+    /// all-reduce 2(n−1)/n · M, a reduce-scatter or all-gather (n−1)/n · M, a broadcast M, a
+    /// send_recv its outgoing message): what compressing the values on the wire saves.
+    double sent_bytes = 0.0;
+    double seconds = 0.0;  ///< Σ of the operations' times while timing() was on
   };
   /// Operations: "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "barrier".
   Tally tally(const std::string& axis, const std::string& operation) const {
@@ -52,11 +57,13 @@ class CommunicationLog {
   }
   /// Every (axis, operation) seen, with its tally.
   const std::map<std::pair<std::string, std::string>, Tally>& tallies() const { return tallies_; }
-  void record(const std::string& axis, const std::string& operation, std::size_t elements, double seconds = 0.0,
-              int dest = no_peer, int source = no_peer) {
+  void record(const std::string& axis, const std::string& operation, std::size_t elements, std::size_t bytes,
+              double sent_bytes, double seconds = 0.0, int dest = no_peer, int source = no_peer) {
     Tally& t = tallies_[{axis, operation}];
     ++t.calls;
     t.elements += static_cast<std::int64_t>(elements);
+    t.bytes += static_cast<std::int64_t>(bytes);
+    t.sent_bytes += sent_bytes;
     t.seconds += seconds;
     if (tracing_) events_.push_back({axis, operation, static_cast<std::int64_t>(elements), dest, source});
   }
@@ -108,41 +115,51 @@ class CountingCommunicator final : public Communicator {
  protected:
   void do_all_reduce(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
                      const StreamContext& stream) const override {
-    counted("all_reduce", count, &stream, [&] { inner_->do_all_reduce(send, recv, count, type, op, stream); });
+    counted("all_reduce", count, type, 2.0 * ring_fraction() * static_cast<double>(count), &stream,
+            [&] { inner_->do_all_reduce(send, recv, count, type, op, stream); });
   }
   void do_reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type, ReduceOp op,
                          const StreamContext& stream) const override {
-    counted("reduce_scatter", recv_count * static_cast<std::size_t>(size()), &stream,
+    const std::size_t whole = recv_count * static_cast<std::size_t>(size());
+    counted("reduce_scatter", whole, type, ring_fraction() * static_cast<double>(whole), &stream,
             [&] { inner_->do_reduce_scatter(send, recv, recv_count, type, op, stream); });
   }
   void do_all_gather(const void* send, void* recv, std::size_t send_count, DataType type,
                      const StreamContext& stream) const override {
-    counted("all_gather", send_count * static_cast<std::size_t>(size()), &stream,
+    const std::size_t whole = send_count * static_cast<std::size_t>(size());
+    counted("all_gather", whole, type, ring_fraction() * static_cast<double>(whole), &stream,
             [&] { inner_->do_all_gather(send, recv, send_count, type, stream); });
   }
   void do_broadcast(void* data, std::size_t count, DataType type, int root,
                     const StreamContext& stream) const override {
-    counted("broadcast", count, &stream, [&] { inner_->do_broadcast(data, count, type, root, stream); });
+    counted("broadcast", count, type, size() > 1 ? static_cast<double>(count) : 0.0, &stream,
+            [&] { inner_->do_broadcast(data, count, type, root, stream); });
   }
   void do_send_recv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count, int source,
                     DataType type, const StreamContext& stream) const override {
     counted(
-        "send_recv", send_count + recv_count, &stream,
+        "send_recv", send_count + recv_count, type, static_cast<double>(send_count), &stream,
         [&] { inner_->do_send_recv(send, send_count, dest, recv, recv_count, source, type, stream); }, dest, source);
   }
   void do_barrier() const override {
-    counted("barrier", 0, nullptr, [&] { inner_->do_barrier(); });
+    counted("barrier", 0, DataType::Float32, 0.0, nullptr, [&] { inner_->do_barrier(); });
   }
   bool native_average() const override { return inner_->native_average(); }
 
  private:
-  // Records the operation; with the log's timing on, also its time between a fence of the caller's
-  // instance before and one after (stream: null for the barrier, which has none).
+  // (n − 1)/n: the fraction of a buffer a ring step sequence sends from each of n ranks.
+  double ring_fraction() const { return static_cast<double>(size() - 1) / static_cast<double>(size()); }
+
+  // Records the operation (`elements` of `type`, of which this rank sends `sent` elements' worth);
+  // with the log's timing on, also its time between a fence of the caller's instance before and
+  // one after (stream: null for the barrier, which has none).
   template <class Operation>
-  void counted(const char* operation, std::size_t elements, const StreamContext* stream, const Operation& run,
-               int dest = no_peer, int source = no_peer) const {
+  void counted(const char* operation, std::size_t elements, DataType type, double sent, const StreamContext* stream,
+               const Operation& run, int dest = no_peer, int source = no_peer) const {
+    const std::size_t bytes = elements * data_type_size(type);
+    const double sent_bytes = sent * static_cast<double>(data_type_size(type));
     if (!log_->timing()) {
-      log_->record(axis(), operation, elements, 0.0, dest, source);
+      log_->record(axis(), operation, elements, bytes, sent_bytes, 0.0, dest, source);
       run();
       return;
     }
@@ -150,7 +167,7 @@ class CountingCommunicator final : public Communicator {
     const auto start = std::chrono::steady_clock::now();
     run();
     if (stream != nullptr && stream->fence) stream->fence();
-    log_->record(axis(), operation, elements,
+    log_->record(axis(), operation, elements, bytes, sent_bytes,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), dest, source);
   }
 

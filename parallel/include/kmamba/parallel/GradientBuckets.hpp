@@ -15,7 +15,9 @@
 // backward), and each bucket is reduced as soon as all its elements are announced — on CUDA on a
 // communication stream that waits for the compute stream (CommunicationStream.hpp), so that the
 // reduction of layer l runs while layer l−1's backward computes; on host transports synchronously.
-// finish() reduces what is left and orders the compute stream after the reductions. Buckets are
+// finish() reduces what is left and orders the compute stream after the reductions. With
+// GradientCompression::Bf16 the buckets travel as bf16 and are summed in fp32
+// (Communicator::all_reduce_bf16, reduce_scatter_bf16: half the bytes); the tail stays fp32. Buckets are
 // reduced in one order fixed by set_ready_sequence() on every rank (collectives must match), so a
 // rank that armed late or never gives the same schedule:
 //
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,6 +51,14 @@ constexpr std::size_t default_bucket_bytes = std::size_t{25} << 20;
 
 /// default_bucket_bytes of fp32 elements (at least one per rank).
 std::size_t default_bucket_elements(int ranks);
+
+/// How the gradient buckets travel: fp32, or rounded to bf16 once per rank and summed in fp32.
+enum class GradientCompression { None, Bf16 };
+
+/// "none", "bf16".
+const char* gradient_compression_name(GradientCompression compression);
+/// The compression named `name` ("none" or "bf16"); anything else is a UserError naming `what`.
+GradientCompression parse_gradient_compression(const std::string& name, const std::string& what);
 
 class BucketLayout {
  public:
@@ -103,9 +114,11 @@ class GradientReducer {
   /// How buckets are reduced: summed on every rank (DDP) or into each rank's shard (ZeRO-1).
   enum class Reduction { AllReduce, ReduceScatter };
 
-  GradientReducer(const Communicator& comm, std::size_t elements, std::size_t bucket_elements = 0)
+  GradientReducer(const Communicator& comm, std::size_t elements, std::size_t bucket_elements = 0,
+                  GradientCompression compression = GradientCompression::None)
       : comm_(&comm),
         layout_(elements, comm.size(), bucket_elements),
+        compression_(compression),
         stream_(std::make_shared<CommunicationStream<ExecutionSpace>>()) {
     set_ready_sequence({});
   }
@@ -169,6 +182,7 @@ class GradientReducer {
 
   const BucketLayout& layout() const { return layout_; }
   const Communicator& communicator() const { return *comm_; }
+  GradientCompression compression() const { return compression_; }
 
   /// Starts or stops recording when each reduction ran against the compute stream (CUDA events;
   /// nothing on host backends), for measuring overlap; timeline() returns the recording.
@@ -211,6 +225,18 @@ class GradientReducer {
     }
     if (rank == 0) total += sum_of_squares(exec, data, layout_.tail_begin(), layout_.elements() - layout_.tail_begin());
     return total;
+  }
+
+  /// Σ data² over elements [begin, begin + size). Blocking (a host value).
+  static double sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data,
+                               std::size_t begin, std::size_t size) {
+    if (size == 0) return 0.0;
+    double sum = 0.0;
+    Kokkos::parallel_reduce(
+        "kmamba::gradient_reducer::sum_of_squares",
+        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, size),
+        impl::SquaredSum<memory_space>{ConstTensor1<float, memory_space>(data.data() + begin, size)}, sum);
+    return sum;
   }
 
   /// The same over the owned elements that also lie in one of `counted`, half-open [begin, end)
@@ -275,27 +301,24 @@ class GradientReducer {
     const auto& bucket = layout_.buckets()[b];
     stream_->wait_for(exec);
     const ExecutionSpace on = stream_->instance(exec);
-    if (how_ == Reduction::AllReduce) {
-      comm_->all_reduce(on, range(data_, bucket.begin, bucket.size));
+    const Tensor1<float, memory_space> whole = range(data_, bucket.begin, bucket.size);
+    const Tensor1<float, memory_space> shard =
+        range(data_, layout_.shard_begin(bucket, comm_->rank()), layout_.shard_size(bucket));
+    const bool bf16 = compression_ == GradientCompression::Bf16;
+    if (how_ == Reduction::AllReduce && bf16) {
+      comm_->all_reduce_bf16(on, whole);
+    } else if (how_ == Reduction::AllReduce) {
+      comm_->all_reduce(on, whole);
+    } else if (bf16) {
+      comm_->reduce_scatter_bf16(on, whole, shard);
     } else {
-      comm_->reduce_scatter(on, range(data_, bucket.begin, bucket.size),
-                            range(data_, layout_.shard_begin(bucket, comm_->rank()), layout_.shard_size(bucket)));
+      comm_->reduce_scatter(on, whole, shard);
     }
-  }
-
-  static double sum_of_squares(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& data,
-                               std::size_t begin, std::size_t size) {
-    if (size == 0) return 0.0;
-    double sum = 0.0;
-    Kokkos::parallel_reduce(
-        "kmamba::gradient_reducer::sum_of_squares",
-        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, size),
-        impl::SquaredSum<memory_space>{ConstTensor1<float, memory_space>(data.data() + begin, size)}, sum);
-    return sum;
   }
 
   const Communicator* comm_;
   BucketLayout layout_;
+  GradientCompression compression_;
   std::shared_ptr<CommunicationStream<ExecutionSpace>> stream_;
   std::vector<std::size_t> order_;  // bucket indices in the order they are reduced
   // The armed reduction (begin() … finish()).
