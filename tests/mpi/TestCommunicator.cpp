@@ -498,6 +498,14 @@ TEST(NcclCommunicator, DeviceViewsWithAHostInstanceAreAnError) {
       {"kmamba::Communicator::all_reduce", "axis 'world'", "NCCL", "device memory", "not a Kokkos::Cuda instance"});
 }
 
+// Work on the compute stream standing in for a backward: the values [begin, end) rewritten as they are.
+void rewrite_on_device(const Kokkos::Cuda& exec, const Kokkos::View<float*, Kokkos::CudaSpace>& x, std::size_t begin,
+                       std::size_t end) {
+  Kokkos::parallel_for(
+      "kmamba::test::rewrite", Kokkos::RangePolicy<Kokkos::Cuda>(exec, begin, end),
+      KOKKOS_LAMBDA(const std::size_t i) { x(i) = 0.5f * (2.0f * x(i)); });
+}
+
 // The reducer's timeline records one interval per bucket and one for the tail's reduction, in the
 // order they ran on the communication stream, and the moment the compute stream joined it; the
 // recorded reductions still sum (over one rank: leave the values as they are).
@@ -514,9 +522,7 @@ TEST(NcclCommunicator, GradientReducerTimelineRecordsEveryReduction) {
   reducer.begin(grads, Reduction::AllReduce);
   for (std::size_t b = 0; b < buckets; ++b) {
     const std::size_t begin = b * bucket * world.size(), end = begin + bucket * world.size();
-    Kokkos::parallel_for(
-        "kmamba::test::scale_twice", Kokkos::RangePolicy<Kokkos::Cuda>(exec, begin, end),
-        KOKKOS_LAMBDA(const std::size_t i) { grads(i) = 0.5f * (2.0f * grads(i)); });
+    rewrite_on_device(exec, grads, begin, end);
     reducer.ready(exec, begin, end);
   }
   reducer.finish(exec, grads, Reduction::AllReduce);
