@@ -5,7 +5,7 @@
 // initial k and v (the scan's backward stage B4); the gradient a final-angle cotangent gives the
 // angles and dt.
 //
-// Rows are as in the scan (impl/Mamba3ScanImpl.hpp): per (batch, head) the tokens × ranks, row
+// Rows are as in the scan (impl/Mamba3ScanRows.hpp): per (batch, head) the tokens × ranks, row
 // t·R + r. The SSD's correction sees them as a sequence of L·R "tokens" with one group per head,
 // C = the rotated, biased q rows and the log decay adt_t on a token's first row and 0 on its other
 // ranks' rows, so that the cumulative log decay of row (t, r) is cs_t, the one of token t.

@@ -1,8 +1,8 @@
 // The fused chunk backward of the SSD (SsdArgs::matmul_precision = BFloat16): backward stages
 // B4–B9 (docs/algorithms.md §2.6) of one (batch, chunk, head) per team, on the warp tiles of
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere), with every operand of
-// the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdImpl.hpp; before it, the
-// walks of impl/SsdFusedStates.hpp write each chunk's entering state and the gradient of its
+// the chunk on chip. It replaces SsdChunkBackwardFunctor of impl/SsdChunkBackward.hpp; before it,
+// the walks of impl/SsdFusedStates.hpp write each chunk's entering state and the gradient of its
 // leaving one (bf16), and the sums after it are the staged ones (ssd_fused_backward_stages).
 //
 // A team has 8 warps; warp w works on the row block rb = w / 2 (16 tokens) and the column half

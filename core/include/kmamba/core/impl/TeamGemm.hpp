@@ -1,5 +1,6 @@
 // A small matrix product computed by one Kokkos team, shared by the SSD chunk stages
-// (kmamba/core/impl/SsdImpl.hpp) for their per-chunk products (C·Bᵀ, x·(δ·decay·B)ᵀ, W·x, ...).
+// (kmamba/core/impl/SsdChunkForward.hpp, SsdChunkBackward.hpp) for their per-chunk products (C·Bᵀ,
+// x·(δ·decay·B)ᵀ, W·x, ...).
 //
 //   TeamGemm<ExecSpace, Precision>::apply(team, m, n, k, a, b, store);
 //
