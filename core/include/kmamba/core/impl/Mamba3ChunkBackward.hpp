@@ -1,6 +1,7 @@
 // Backward stages B2–B5 of the Mamba-3 scan on the chunks: the chunks' dstates, their passing in
 // reverse, the gradients of the initial k and v, and the chunk backward (rows, scales, dD).
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3CHUNKBACKWARD_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3CHUNKBACKWARD_HPP
 
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Math.hpp>
@@ -353,3 +354,5 @@ struct Mamba3ChunkBackwardFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // Stages 3–5 of the Mamba-3 scan: each chunk's own end state, the passing of states between the
 // chunks and the chunk scan (the outputs, or with GateBackward the recompute of backward B1).
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3CHUNKFORWARD_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3CHUNKFORWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
@@ -165,3 +166,5 @@ struct Mamba3ChunkScanFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // The Mamba-3 scan's dimensions and the views its kernels read and write: the operands and gradients
 // of either variant (SISO, MIMO) behind one interface, the states and the decode step's operands.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SCANOPERANDS_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SCANOPERANDS_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -183,3 +184,5 @@ struct Mamba3StepOperands {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // How the Mamba-3 scan cuts its work: the launch plan, team scratch and launchers, the forward and
 // backward workspaces, and the helpers that place a team or work item in a chunk.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SCANPLAN_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SCANPLAN_HPP
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Math.hpp>
@@ -298,3 +299,5 @@ KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Ma
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

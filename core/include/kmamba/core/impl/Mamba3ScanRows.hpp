@@ -1,6 +1,7 @@
 // Stages 1–2 of the Mamba-3 scan: the angles, cumsums and scales of every chunk, then the rotated q,
 // k and projected v rows (and the SISO scan's per-token values), with the row kernels' launch.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SCANROWS_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SCANROWS_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Math.hpp>
@@ -249,3 +250,5 @@ struct Mamba3ProjectFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

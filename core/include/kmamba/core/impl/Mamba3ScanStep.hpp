@@ -1,5 +1,6 @@
 // The Mamba-3 decode step (docs/algorithms.md §3.7): its functor and its launch.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3SCANSTEP_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3SCANSTEP_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Math.hpp>
@@ -113,3 +114,5 @@ void mamba3_step_impl(const ExecSpace& exec, const char* function, const Mamba3D
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // Backward stages B6–B7 of the Mamba-3 scan, token by token: the rotations and values turned back,
 // the angles, dt and trap, and the sums over groups, tokens and chunks into the gradients.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_MAMBA3TOKENBACKWARD_HPP
+#define KMAMBA_CORE_IMPL_MAMBA3TOKENBACKWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Math.hpp>
@@ -352,3 +353,5 @@ struct Mamba3SkipSumFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // The end of the SSD backward (staged or fused): the chunk backward's per-head outputs summed into
 // dB, dC (over the heads of each group) and dA, dD, ddt_bias (over batch and chunks).
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_SSDBACKWARDSUMS_HPP
+#define KMAMBA_CORE_IMPL_SSDBACKWARDSUMS_HPP
 
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
@@ -95,3 +96,5 @@ void ssd_backward_sums(const ExecSpace& exec, const SsdPlan& plan, const SsdChun
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

@@ -1,6 +1,7 @@
 // Backward stages B2–B9 of the staged SSD (docs/algorithms.md §2.6): the chunks' dstates, their
 // passing in reverse and the chunk backward (dx, ddt, per-head dB and dC, partial parameter sums).
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_SSDCHUNKBACKWARD_HPP
+#define KMAMBA_CORE_IMPL_SSDCHUNKBACKWARD_HPP
 
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Math.hpp>
@@ -316,3 +317,5 @@ struct SsdChunkBackwardFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

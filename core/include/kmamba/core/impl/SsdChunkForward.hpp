@@ -1,6 +1,7 @@
 // Stages 1–5 of the staged SSD forward (docs/algorithms.md §2.5): chunk_cumsum, chunk_state,
 // state_passing, bmm_chunk and chunk_scan (with GateBackward, backward B1).
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_SSDCHUNKFORWARD_HPP
+#define KMAMBA_CORE_IMPL_SSDCHUNKFORWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
@@ -194,3 +195,5 @@ struct SsdChunkScanFunctor {
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

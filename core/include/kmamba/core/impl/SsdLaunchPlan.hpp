@@ -1,6 +1,7 @@
 // How the staged SSD cuts its work: team scratch, the launch plan (ssd_plan) and team launch, the
 // staging of a chunk's per-token vectors, and the decay and work items of the passing of states.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_SSDLAUNCHPLAN_HPP
+#define KMAMBA_CORE_IMPL_SSDLAUNCHPLAN_HPP
 
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Math.hpp>
@@ -134,3 +135,5 @@ KOKKOS_INLINE_FUNCTION SsdStateItem ssd_state_item(const SsdPlan& plan, std::int
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif

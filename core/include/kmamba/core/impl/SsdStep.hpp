@@ -1,5 +1,6 @@
 // The SSD decode step (docs/algorithms.md §2.10): its functor and its launch.
-#pragma once
+#ifndef KMAMBA_CORE_IMPL_SSDSTEP_HPP
+#define KMAMBA_CORE_IMPL_SSDSTEP_HPP
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Math.hpp>
@@ -92,3 +93,5 @@ void ssd_step_impl(const ExecSpace& exec, const SsdDims& dims, const SsdStepArgs
 
 }  // namespace impl
 }  // namespace kmamba
+
+#endif
