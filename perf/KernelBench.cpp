@@ -253,7 +253,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     report(o, fwd);
 
     Measurement bwd{"ssd bwd" + suffix, shape};
-    bwd.flop_per_s = bf16 ? fp32_flop_per_s : flop_per_s;
+    bwd.flop_per_s = flop_per_s;
     bwd.seconds = warm_median_seconds(
         exec, o.repeats, [&] { kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g); });
     bwd.bytes = 2.0 * io_bytes + 4.0 * tokens * E * N / chunk * 4;  // inputs + dout, every gradient, states recomputed
