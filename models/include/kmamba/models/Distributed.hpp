@@ -51,11 +51,8 @@
 #include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
-#include <kmamba/parallel/ProcessMesh.hpp>
-
-#if KMAMBA_ENABLE_MPI
 #include <kmamba/parallel/GradientBuckets.hpp>
-#endif
+#include <kmamba/parallel/ProcessMesh.hpp>
 
 #include <cstddef>
 #include <cstdint>
