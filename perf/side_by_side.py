@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kmamba against the official mamba_ssm kernels, on one GPU, in one run.
 
-    perf/side_by_side.py --kmamba-perf BUILD/perf/kmamba-perf [--mamba-ssm DIR] [--json FILE]
+    perf/side_by_side.py --kmamba-perf BUILD/perf/kmamba-perf [--mamba-ssm DIR] [--json FILE] [--kernels ssd,mamba3_siso]
                          [--kmamba-perf-train BUILD/perf/kmamba-perf-train [--train-mixers mamba2,mamba3]]
 
 Times the official Triton SSD (`mamba_chunk_scan_combined`: bf16 x, z, B, C; fp32 dt, A, D,
@@ -189,6 +189,9 @@ def main():
     parser.add_argument("--json", help="also write the table to this file")
     parser.add_argument("--kmamba-perf-train", help="path of kmamba-perf-train: also compare a training step")
     parser.add_argument("--train-mixers", default="mamba2,mamba3", help="the training steps' mixers (comma-separated)")
+    parser.add_argument("--kernels", default="ssd,mamba3_siso",
+                        help="the kernel comparisons to run (comma-separated, of ssd and mamba3_siso; empty: none). "
+                             "The official Mamba-3 kernel's first Triton compile takes minutes on a fresh machine")
     parser.add_argument("--kmamba-precision", default="bf16",
                         help="kmamba-perf's --precision for the kernel rows: bf16 (the official kernels' operands; "
                              "default), fp32, tf32 or all")
@@ -198,31 +201,37 @@ def main():
     if not os.access(opts.kmamba_perf, os.X_OK):
         sys.exit(f"side_by_side.py: --kmamba-perf '{opts.kmamba_perf}' is not an executable file")
 
-    official = {}
-    for shape in SHAPES:
-        official[shape] = official_ssd(*shape)
-        print(f"official SSD b{shape[0]} L{shape[1]}: fwd {official[shape]['fwd']:.1f} us, "
-              f"fwd+bwd {official[shape]['fwd+bwd']:.1f} us", flush=True)
-    rows = kmamba_rows(opts.kmamba_perf, "ssd", opts.kmamba_precision)
+    kernels = [k for k in opts.kernels.split(",") if k]
+    unknown = [k for k in kernels if k not in ("ssd", "mamba3_siso")]
+    if unknown:
+        sys.exit(f"side_by_side.py: --kernels '{opts.kernels}': unknown {', '.join(unknown)} (expected ssd, mamba3_siso)")
     table = []
-    for (batch, seqlen), times in official.items():
+    if "ssd" in kernels:
+        official = {}
+        for shape in SHAPES:
+            official[shape] = official_ssd(*shape)
+            print(f"official SSD b{shape[0]} L{shape[1]}: fwd {official[shape]['fwd']:.1f} us, "
+                  f"fwd+bwd {official[shape]['fwd+bwd']:.1f} us", flush=True)
+        rows = kmamba_rows(opts.kmamba_perf, "ssd", opts.kmamba_precision)
+        for (batch, seqlen), times in official.items():
+            for case in ("fwd", "fwd+bwd"):
+                for precision in ("", " bf16"):
+                    ours, shape = kmamba_time(rows, f"ssd {case}{precision}", batch, seqlen)
+                    if ours is None:
+                        continue
+                    table.append({"case": f"ssd {case}{precision}", "shape": shape,
+                                  "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
+    if "mamba3_siso" in kernels:
+        official_m3 = official_mamba3_siso()
+        print(f"official Mamba-3 SISO: fwd {official_m3['fwd']:.1f} us, fwd+bwd {official_m3['fwd+bwd']:.1f} us", flush=True)
+        rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso", opts.kmamba_precision)
         for case in ("fwd", "fwd+bwd"):
             for precision in ("", " bf16"):
-                ours, shape = kmamba_time(rows, f"ssd {case}{precision}", batch, seqlen)
-                if ours is None:
-                    continue
-                table.append({"case": f"ssd {case}{precision}", "shape": shape,
-                              "official_us": times[case], "kmamba_us": ours, "ratio": ours / times[case]})
-    official_m3 = official_mamba3_siso()
-    print(f"official Mamba-3 SISO: fwd {official_m3['fwd']:.1f} us, fwd+bwd {official_m3['fwd+bwd']:.1f} us", flush=True)
-    rows = kmamba_rows(opts.kmamba_perf, "mamba3_siso", opts.kmamba_precision)
-    for case in ("fwd", "fwd+bwd"):
-        for precision in ("", " bf16"):
-            ours, shape = kmamba_time(rows, f"mamba3 siso {case}{precision}", M3_BATCH, M3_SEQLEN)
-            if ours is not None:
-                table.append({"case": f"mamba3 siso {case}{precision}", "shape": shape,
-                              "official_us": official_m3[case], "kmamba_us": ours,
-                              "ratio": ours / official_m3[case]})
+                ours, shape = kmamba_time(rows, f"mamba3 siso {case}{precision}", M3_BATCH, M3_SEQLEN)
+                if ours is not None:
+                    table.append({"case": f"mamba3 siso {case}{precision}", "shape": shape,
+                                  "official_us": official_m3[case], "kmamba_us": ours,
+                                  "ratio": ours / official_m3[case]})
     if opts.kmamba_perf_train:
         for mixer in opts.train_mixers.split(","):
             try:
