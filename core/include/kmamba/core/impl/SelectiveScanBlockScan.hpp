@@ -28,6 +28,7 @@
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Math.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/DeviceMath.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -158,20 +159,6 @@ KOKKOS_INLINE_FUNCTION void for_each_slot(const WarpTeamContext& ctx, const F& f
   for (int s = 0; s < Shape::slots; ++s) f(s, Shape::device ? ctx.thread : s);
 }
 
-/// 2^x (the hardware's approximate exp2 on a GPU: relative error about 2^-22; results below
-/// 2^-126, which as a decay of a state is zero either way, flushed to zero).
-KOKKOS_INLINE_FUNCTION float selective_scan_exp2(const float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return kmamba::math::exp2(x);
-#endif
-}
-
-constexpr float selective_scan_log2e = 1.4426950408889634f;
-
 /// v[i] = row[first + i] where first + i < end, 0 past it; on Cuda four floats a load where the
 /// thread's run is whole and 16-byte aligned.
 template <int K>
@@ -260,7 +247,7 @@ struct SelectiveScanBlockForward {
         for (int i = 0; i < K; ++i) y[s][i] = 0.0f;
       });
       for (int n = 0; n < dstate; ++n) {
-        const float a = in.A(d, n) * selective_scan_log2e;
+        const float a = in.A(d, n) * device_math_log2e;
         float decay[Shape::slots][K], input[Shape::slots][K], C[Shape::slots][K];
         AffineStep steps[Shape::slots];
         for_each_slot<Shape>(ctx, [&](int s, int th) {
@@ -268,7 +255,7 @@ struct SelectiveScanBlockForward {
           load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
           steps[s] = AffineStep::identity();
           for (int i = 0; i < K; ++i) {
-            decay[s][i] = tk[s].carry[i] * selective_scan_exp2(tk[s].delta[i] * a);
+            decay[s][i] = tk[s].carry[i] * exp2_approx(tk[s].delta[i] * a);
             input[s][i] *= tk[s].delta[i] * tk[s].u[i];
             steps[s] = steps[s].then(AffineStep{decay[s][i], input[s][i]});
           }
@@ -446,7 +433,7 @@ struct SelectiveScanBlockBackward {
   KOKKOS_INLINE_FUNCTION void state(const WarpTeamContext& ctx, Scratch& sh, int b, int g, int d, int c, int k, int n,
                                     int p, int& parity, Tokens (&tok)[Shape::slots]) const {
     const int t0 = k * Shape::chunk;
-    const float A = in.A(d, n), a = A * selective_scan_log2e;
+    const float A = in.A(d, n), a = A * device_math_log2e;
     float decay[Shape::slots][K], B[Shape::slots][K], C[Shape::slots][K], hprev[Shape::slots][K];
     AffineStep steps[Shape::slots];
     for_each_slot<Shape>(ctx, [&](int s, int th) {
@@ -454,7 +441,7 @@ struct SelectiveScanBlockBackward {
       load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
       steps[s] = AffineStep::identity();
       for (int i = 0; i < K; ++i) {
-        decay[s][i] = tok[s].tk.carry[i] * selective_scan_exp2(tok[s].tk.delta[i] * a);
+        decay[s][i] = tok[s].tk.carry[i] * exp2_approx(tok[s].tk.delta[i] * a);
         steps[s] = steps[s].then(AffineStep{decay[s][i], tok[s].tk.delta[i] * tok[s].tk.u[i] * B[s][i]});
       }
     });

@@ -96,12 +96,13 @@ struct SsdBf16RowShare {
 };
 
 /// Scratch of the fused backward for N states: bf16 tiles x, g as [Q][P + 8], B, C as [Q][N + 8],
-/// S, M as [Q][Q + 8]; then one region holding E (fp32 [Q][Q]) in phases 1–2 and Hin, dS (bf16
-/// [P][N + 8] each) from phase 3; then the per-token vectors and the team sums' slots.
+/// S, M as [Q][Q + 8]; then one region holding E (fp32 [Q][Q + 8]: pairs of a row stored by a
+/// warp's accumulator lanes fall in distinct banks) in phases 1–2 and Hin, dS (bf16 [P][N + 8]
+/// each) from phase 3; then the per-token vectors and the team sums' slots.
 template <int N>
 struct SsdFusedBackwardLayout {
   static constexpr int Q = ssd_fused_backward_chunk, P = ssd_fused_headdim;
-  static constexpr int ldp = P + 8, ldn = N + 8, ldq = Q + 8;
+  static constexpr int ldp = P + 8, ldn = N + 8, ldq = Q + 8, lde = Q + 8;
   static constexpr std::size_t x_offset = 0, g_offset = x_offset + static_cast<std::size_t>(Q) * ldp;
   static constexpr std::size_t b_offset = g_offset + static_cast<std::size_t>(Q) * ldp;
   static constexpr std::size_t c_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
@@ -109,9 +110,9 @@ struct SsdFusedBackwardLayout {
   static constexpr std::size_t m_offset = s_offset + static_cast<std::size_t>(Q) * ldq;
   static constexpr std::size_t region_offset = m_offset + static_cast<std::size_t>(Q) * ldq;
   static constexpr std::size_t state_tile = static_cast<std::size_t>(P) * ldn;
-  static constexpr std::size_t region_bytes = 4 * state_tile > 4 * static_cast<std::size_t>(Q) * Q
+  static constexpr std::size_t region_bytes = 4 * state_tile > 4 * static_cast<std::size_t>(Q) * lde
                                                   ? 4 * state_tile
-                                                  : 4 * static_cast<std::size_t>(Q) * Q;
+                                                  : 4 * static_cast<std::size_t>(Q) * lde;
   static constexpr std::size_t vectors_offset_bytes = region_offset * 2 + region_bytes;
   /// Per-token float vectors: δ, cum, exp(cum), exp(cum_last − cum), ddA_intra, two halves each
   /// of three row dot products, the prefix of one and the suffix of another.
@@ -147,10 +148,11 @@ struct SsdFusedBackwardFunctor {
   Tensor4<float, MemorySpace> dB_head;      // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dC_head;      // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
+  bool paired = false;  // g, dx, dB_head and dC_head take 8-byte accesses at even columns
 
   struct Tiles {
     ScratchTile x, g, b, c, s, m, hin, ds;
-    float* e;  // [Q][Q], phases 1–2
+    float* e;  // [Q][Layout::lde], phases 1–2
     float *delta, *cum, *se_a, *se_last, *intra, *next, *prev, *ddt_direct, *next_before, *prev_after, *slots;
   };
 
@@ -233,13 +235,18 @@ struct SsdFusedBackwardFunctor {
     if (32 * cb <= R * rb + R - 1) {
       warp_mma<ALayout::MK, BLayout::NK, P, false>(G, lane, sm.g.offset(R * rb, 0), sm.x.offset(32 * cb, 0), 32);
       warp_mma<ALayout::MK, BLayout::NK, N, false>(CB, lane, sm.c.offset(R * rb, 0), sm.b.offset(32 * cb, 0), 32);
-      HalfAccum::for_each_slot(lane, [&](int r, int c, int i, int k) {
-        const int l = R * rb + r, s = 32 * cb + c;
-        const float w_ls = s <= l ? ssd_decay(sm.cum[l] - sm.cum[s]) : 0.0f;
-        const float m = G.v[i][k] * w_ls * sm.delta[s];
-        sm.e[l * Q + s] = m * CB.v[i][k];
-        G.v[i][k] = m;
-        CB.v[i][k] *= w_ls;
+      HalfAccum::for_each_slot_pair(lane, [&](int r, int c, int i, int k) {
+        const int l = R * rb + r;
+        float e[2];
+        for (int u = 0; u < 2; ++u) {
+          const int s = 32 * cb + c + u;
+          const float w_ls = s <= l ? ssd_decay(sm.cum[l] - sm.cum[s]) : 0.0f;
+          const float m = G.v[i][k + u] * w_ls * sm.delta[s];
+          e[u] = m * CB.v[i][k + u];
+          G.v[i][k + u] = m;
+          CB.v[i][k + u] *= w_ls;
+        }
+        ssd_store2(sm.e + l * Layout::lde + 32 * cb + c, e[0], e[1], true);
       });
     }
     warp_store_bf16(CB, lane, sm.s.offset(R * rb, 32 * cb));
@@ -247,19 +254,43 @@ struct SsdFusedBackwardFunctor {
   }
 
   /// Phase 2: ddA_intra. Rows of E become their exclusive prefix sums (for j ≤ l), then the
-  /// columns are summed over l ≥ j; `columns` picks the second step.
+  /// columns are summed over l ≥ j; `columns` picks the second step. On tensor cores a warp scans a
+  /// row (two columns per lane), and four lanes sum a column (every fourth row each).
   KOKKOS_INLINE_FUNCTION void intra_sums(const Tiles& sm, int thread, bool columns) const {
-    for (int i = thread; i < Q; i += Team::threads) {
-      float running = 0.0f;
+    if constexpr (tensor_cores) {
+      static_assert(Q == 2 * warp_tile_lanes && Q == 8 * ssd_fused_backward_warps, "intra_sums: 64-token chunks");
+      const int w = thread / warp_tile_lanes, lane = thread % warp_tile_lanes;
       if (!columns) {
-        for (int j = 0; j <= i; ++j) {
-          const float v = sm.e[i * Q + j];
-          sm.e[i * Q + j] = running;
-          if (j < i) running += v;
+        for (int i = w; i < Q; i += ssd_fused_backward_warps) {
+          float* row = sm.e + i * Layout::lde;
+          const int j = 2 * lane;
+          const float a0 = j < i ? row[j] : 0.0f, a1 = j + 1 < i ? row[j + 1] : 0.0f;
+          const float before = warp_inclusive_sum(a0 + a1, lane) - (a0 + a1);
+          if (j <= i) row[j] = before;
+          if (j + 1 <= i) row[j + 1] = before + a0;
         }
       } else {
-        for (int l = i; l < Q; ++l) running += sm.e[l * Q + i];
-        sm.intra[i] = running;
+        const int j = 8 * w + lane / 4;
+        float sum = 0.0f;
+        for (int l = lane % 4; l < Q; l += 4) {
+          if (l >= j) sum += sm.e[l * Layout::lde + j];
+        }
+        sum = warp_quad_sum(sum);
+        if (lane % 4 == 0) sm.intra[j] = sum;
+      }
+    } else {
+      for (int i = thread; i < Q; i += Team::threads) {
+        float running = 0.0f;
+        if (!columns) {
+          for (int j = 0; j <= i; ++j) {
+            const float v = sm.e[i * Layout::lde + j];
+            sm.e[i * Layout::lde + j] = running;
+            if (j < i) running += v;
+          }
+        } else {
+          for (int l = i; l < Q; ++l) running += sm.e[l * Layout::lde + i];
+          sm.intra[i] = running;
+        }
       }
     }
   }
@@ -286,9 +317,12 @@ struct SsdFusedBackwardFunctor {
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(D, lane, sm.s.offset(0, R * rb), sm.g.offset(0, 32 * cb), 32);
     warp_row_sums(D, lane, x_of, [&](int r, float v) { sm.ddt_direct[cb * Q + R * rb + r] = v; });
     const float skip = in.skip(blk.h);
-    D.for_each(lane, [&](int r, int c, float& v) {
+    D.for_each_pair(lane, [&](int r, int c, float& v0, float& v1) {
       const int s = R * rb + r, p = 32 * cb + c;
-      if (s < blk.len) dx(blk.b, blk.t0 + s, blk.h, p) = sm.delta[s] * v + skip * g(blk.b, blk.t0 + s, blk.h, p);
+      if (s >= blk.len) return;
+      float g0, g1;
+      ssd_load2(&g(blk.b, blk.t0 + s, blk.h, p), paired, g0, g1);
+      ssd_store2(&dx(blk.b, blk.t0 + s, blk.h, p), sm.delta[s] * v0 + skip * g0, sm.delta[s] * v1 + skip * g1, paired);
     });
   }
 
@@ -307,17 +341,17 @@ struct SsdFusedBackwardFunctor {
         A, lane, [&](int r, int c) { return sm.c.value(R * rb + r, n0 + c); },
         [&](int r, float v) { sm.prev[(w % 2) * Q + R * rb + r] = v; });
     warp_mma<ALayout::MK, BLayout::KN, Q, false>(A, lane, sm.m.offset(R * rb, 0), sm.b.offset(0, n0), NC);
-    A.for_each(lane, [&](int r, int c, float& v) {
+    A.for_each_pair(lane, [&](int r, int c, float& v0, float& v1) {
       const int l = R * rb + r;
-      if (l < blk.len) dC_head(blk.b, blk.t0 + l, blk.h, n0 + c) = v;
+      if (l < blk.len) ssd_store2(&dC_head(blk.b, blk.t0 + l, blk.h, n0 + c), v0, v1, paired);
     });
     warp_fill(A, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, P, false>(A, lane, sm.x.offset(R * rb, 0), sm.ds.offset(0, n0), NC);
     A.for_each(lane, [&](int r, int, float& v) { v *= sm.se_last[R * rb + r] * sm.delta[R * rb + r]; });
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(A, lane, sm.m.offset(0, R * rb), sm.c.offset(0, n0), NC);
-    A.for_each(lane, [&](int r, int c, float& v) {
+    A.for_each_pair(lane, [&](int r, int c, float& v0, float& v1) {
       const int s = R * rb + r;
-      if (s < blk.len) dB_head(blk.b, blk.t0 + s, blk.h, n0 + c) = v;
+      if (s < blk.len) ssd_store2(&dB_head(blk.b, blk.t0 + s, blk.h, n0 + c), v0, v1, paired);
     });
   }
 
@@ -438,8 +472,10 @@ void ssd_fused_chunk_backward(
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
     ssd_fused_backward_launch<N>(
-        exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay,
-                                                                 dB_head, dC_head, partial});
+        exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
+                  in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial,
+                  ssd_pairs_aligned(g) && ssd_pairs_aligned(dx) && ssd_pairs_aligned(dB_head) &&
+                      ssd_pairs_aligned(dC_head)});
   };
   ssd_with_fused_dstate(plan.dstate, run);
 }

@@ -5,13 +5,15 @@
 // A team has 8 warps. Warp w keeps rows n ∈ [16w, 16w+16) of the transposed state Hᵀ (N × P,
 // fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 32 tokens (t, s
 // index tokens of the chunk, p the head's channels, n the states):
-//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); C and x rows, then B rows, into
-//            the threads' registers, C and B to scratch as bf16; Hᵀ to scratch as bf16;
+//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); x, z and C rows, then B rows,
+//            into the threads' registers; x and z to scratch as fp32, C and B as bf16; Hᵀ to
+//            scratch as bf16;
 //   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0, 1 (rows t ∈ [16w, 16w+16)):
 //            S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n] for s ≤ t, 0 above, to scratch;
 //   phase 2  warp w: the output block t ∈ 16·(w/4) + [0, 16), p ∈ 16·(w%4) + [0, 16):
 //            Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p], and
-//            out = (Y + D·x)·silu(z) to global memory; all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
+//            out = (Y + D·x)·silu(z) to global memory (x and z from scratch, pairs of channels
+//            per store); all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
 //   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
 // The code takes any Q that is a multiple of 32 (a warp's lanes scan 32 tokens at a time). Q is 32:
 // the score accumulators hold Q columns, and at two teams per SM a thread has 128 registers, which
@@ -27,13 +29,16 @@
 // skip factor per token in place of D, and the output before the gate.
 //
 // Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
-// decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32. Against exact
+// decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32; the decays, the
+// gate and the Mamba-3 rotation take the hardware's approximate functions (impl/DeviceMath.hpp),
+// whose errors are far below the operands' rounding. Against exact
 // arithmetic the output carries a relative error of order 2^-8 of the magnitudes summed (each
 // product term has operands within 2^-9 relative of their exact values).
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
 #define KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/DeviceMath.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
 #include <kmamba/core/impl/WarpTile.hpp>
@@ -54,19 +59,24 @@ constexpr int ssd_fused_chunk = 32;
 constexpr int ssd_fused_headdim = 64;
 constexpr int ssd_fused_warps = 8;
 
-/// Scratch layout of the fused forward for N states, all bf16 with rows padded by 8: C and B as
-/// [Q][N + 8], Xd as [Q][P + 8], Hᵀ as [N][P + 8], S as [Q][Q + 8]; then δ, cum and
-/// exp(cum_{Q−1} − cum) as Q floats each.
+/// Scratch layout of the fused forward for N states: the product operands bf16 with rows padded
+/// by 8 (C and B as [Q][N + 8], Xd as [Q][P + 8], Hᵀ as [N][P + 8], S as [Q][Q + 8]); the chunk's
+/// x and z rows as fp32 [Q][P + 8] (the output's skip term and gate); then δ, cum,
+/// exp(cum_{Q−1} − cum), exp(cum) and the skip factor as Q floats each.
 template <int N>
 struct SsdFusedLayout {
   static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
-  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8;
+  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8, ldf = P + 8;
+  static constexpr int vectors = 5;
   static constexpr std::size_t c_offset = 0, b_offset = c_offset + static_cast<std::size_t>(Q) * ldn;
   static constexpr std::size_t x_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
   static constexpr std::size_t h_offset = x_offset + static_cast<std::size_t>(Q) * ldp;
   static constexpr std::size_t s_offset = h_offset + static_cast<std::size_t>(N) * ldp;
-  static constexpr std::size_t vectors_offset_bytes = (s_offset + static_cast<std::size_t>(Q) * ldq) * 2;
-  static constexpr std::size_t bytes = vectors_offset_bytes + 3 * Q * sizeof(float);
+  static constexpr std::size_t xf_offset_bytes = (s_offset + static_cast<std::size_t>(Q) * ldq) * 2;
+  static constexpr std::size_t zf_offset_bytes = xf_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
+  static constexpr std::size_t vectors_offset_bytes = zf_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
+  static constexpr std::size_t bytes = vectors_offset_bytes + vectors * Q * sizeof(float);
+  static_assert(xf_offset_bytes % 16 == 0 && ldf * sizeof(float) % 16 == 0, "SsdFusedLayout: fp32 rows 16-byte aligned");
 };
 
 /// Four consecutive floats from global memory (16-byte aligned on Cuda).
@@ -89,6 +99,36 @@ KOKKOS_INLINE_FUNCTION void ssd_copy16(const void* src, void* dst) {
 #else
   std::memcpy(dst, src, 16);
 #endif
+}
+
+/// Two floats to p: one 8-byte store where `paired` says p is 8-byte aligned (Cuda).
+KOKKOS_INLINE_FUNCTION void ssd_store2(float* p, float a, float b, bool paired) {
+#if defined(__CUDA_ARCH__)
+  if (paired) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+    return;
+  }
+#else
+  (void)paired;
+#endif
+  p[0] = a;
+  p[1] = b;
+}
+
+/// Two floats from p: one 8-byte load where `paired` says p is 8-byte aligned (Cuda).
+KOKKOS_INLINE_FUNCTION void ssd_load2(const float* p, bool paired, float& a, float& b) {
+#if defined(__CUDA_ARCH__)
+  if (paired) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    a = v.x;
+    b = v.y;
+    return;
+  }
+#else
+  (void)paired;
+#endif
+  a = p[0];
+  b = p[1];
 }
 
 /// Four floats, each times `scale`, stored as bf16 at dst (8-byte aligned) in one 8-byte store.
@@ -140,6 +180,14 @@ struct SsdRowShare {
       if (i < items && t < len) f(t, n, v[k]);
     }
   }
+  /// The rows as loaded, fp32, to rows of `ld` floats at base (16-byte aligned).
+  KOKKOS_INLINE_FUNCTION void store_f32(int thread, float* base, int ld) const {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i < items) ssd_copy16(v[k], base + t * ld + n);
+    }
+  }
   /// Row t times scale(t), as bf16 into the tile.
   template <class Scale>
   KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
@@ -168,8 +216,8 @@ struct SsdFusedHeadOperands {
                                      float (&v)[4]) const {
     for (int e = 0; e < 4; ++e) v[e] += bias(h, n + e);
     for (int j = 0; j < 2 && n / 2 + j < nangles; ++j) {
-      const float angle = theta(b, h, t, n / 2 + j);
-      const float c = kmamba::math::cos(angle), s = kmamba::math::sin(angle);
+      float s, c;
+      sincos_approx(theta(b, h, t, n / 2 + j), s, c);
       const float v0 = v[2 * j], v1 = v[2 * j + 1];
       v[2 * j] = v0 * c - v1 * s;
       v[2 * j + 1] = v0 * s + v1 * c;
@@ -210,12 +258,17 @@ struct SsdFusedForwardFunctor {
   Tensor4<float, MemorySpace> final_states;  // (batch, nheads, headdim, dstate), optional
   SsdSegments<MemorySpace> segments;
   SsdFusedHeadOperands<MemorySpace> head;
+  bool paired_stores = false;  // out and head.ungated take 8-byte stores at even channels
 
   struct Tiles {
     ScratchTile c, b, x, h, s;
+    float* xf;  // x rows, fp32 (Layout::ldf)
+    float* zf;  // z rows, fp32 (Layout::ldf)
     float* delta;
     float* cum;
     float* decay_to_end;
+    float* exp_cum;
+    float* skip;
   };
 
   KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
@@ -226,13 +279,17 @@ struct SsdFusedForwardFunctor {
                  ScratchTile{u16 + Layout::x_offset, Layout::ldp},
                  ScratchTile{u16 + Layout::h_offset, Layout::ldp},
                  ScratchTile{u16 + Layout::s_offset, Layout::ldq},
+                 reinterpret_cast<float*>(base + Layout::xf_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::zf_offset_bytes),
                  vec,
                  vec + Q,
-                 vec + 2 * Q};
+                 vec + 2 * Q,
+                 vec + 3 * Q,
+                 vec + 4 * Q};
   }
 
-  /// δ, cum and exp(cum_{Q−1} − cum): one token per lane of warp 0 on tensor cores, thread 0
-  /// otherwise (`rate` = in.decay_rate(h)).
+  /// δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip factor: one token per lane of warp 0 on
+  /// tensor cores, thread 0 otherwise (`rate` = in.decay_rate(h)).
   KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int b, int h, int t0, int len,
                                            float rate) const {
     if constexpr (tensor_cores) {
@@ -252,7 +309,9 @@ struct SsdFusedForwardFunctor {
         const int t = thread + k * warp_tile_lanes;
         sm.delta[t] = d[k];
         sm.cum[t] = cum[k];
-        sm.decay_to_end[t] = kmamba::math::exp(carry - cum[k]);
+        sm.decay_to_end[t] = exp_approx(carry - cum[k]);
+        sm.exp_cum[t] = exp_approx(cum[k]);
+        sm.skip[t] = token_skip(b, t0 + t, h, t < len);
       }
     } else {
       float cum = 0.0f;
@@ -261,21 +320,33 @@ struct SsdFusedForwardFunctor {
         if (t < len) cum += in.token_log_decay(b, t0 + t, h, d, rate);
         sm.delta[t] = d;
         sm.cum[t] = cum;
+        sm.exp_cum[t] = exp_approx(cum);
+        sm.skip[t] = token_skip(b, t0 + t, h, t < len);
       }
-      for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = kmamba::math::exp(cum - sm.cum[t]);
+      for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = exp_approx(cum - sm.cum[t]);
     }
   }
 
-  /// Phase 0: the decays, C and B to scratch as bf16, x into the thread's registers, Hᵀ to scratch.
-  /// B's rows are loaded after C's are stored, which keeps the registers of one of them live at a
-  /// time (the loads hit L2: prefetch_chunk).
+  /// The skip factor of token t: the caller's per-token factor or D[h] (0 past the sequence).
+  KOKKOS_INLINE_FUNCTION float token_skip(int b, int t, int h, bool inside) const {
+    if (StatesOnly || !inside) return 0.0f;
+    return head.token_skip.is_allocated() ? head.token_skip(b, t, h) : in.skip(h);
+  }
+
+  /// Phase 0: the decays, C and B to scratch as bf16, the x and z rows to scratch as fp32, Hᵀ to
+  /// scratch. B's rows are loaded after C's are stored, which keeps the registers of one of them
+  /// live at a time (the loads hit L2: prefetch_chunk).
   KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float rate,
-                                          SsdRowShare<Q, P, Team::threads>& xs, const StateAccum (&H)[slots]) const {
+                                          const StateAccum (&H)[slots]) const {
     const auto one = [](int) { return 1.0f; };
-    xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
     {
+      SsdRowShare<Q, P, Team::threads> xs, zs;
       SsdRowShare<Q, N, Team::threads> cs;
+      xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
+      if (gated()) zs.load(thread, len, [&](int t) { return &in.z(b, t0 + t, h, 0); });
       cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
+      xs.store_f32(thread, sm.xf, Layout::ldf);
+      if (gated()) zs.store_f32(thread, sm.zf, Layout::ldf);
       if (head.theta.is_allocated()) {
         cs.transform(thread, len, [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_C, b, h, t0 + t, n, v); });
       }
@@ -295,6 +366,22 @@ struct SsdFusedForwardFunctor {
     }
   }
 
+  /// Whether the output is gated by z (the forward proper only).
+  KOKKOS_INLINE_FUNCTION bool gated() const { return !StatesOnly && in.has_z; }
+
+  /// Phase 1, all threads: Xd = bf16(δ_s·x[s][p]) from the fp32 rows.
+  KOKKOS_INLINE_FUNCTION void scale_x(const Tiles& sm, int thread) const {
+    constexpr int items = Q * P / 4;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, s = i / (P / 4), p = 4 * (i % (P / 4));
+      if (i >= items) continue;
+      float v[4];
+      ssd_load4(sm.xf + s * Layout::ldf + p, v);
+      ssd_store4_bf16(&sm.x.at(s, p), v, sm.delta[s]);
+    }
+  }
+
   /// Phase 1 of warps 0 and 1: the decayed C·Bᵀ of their 16 tokens, to scratch.
   KOKKOS_INLINE_FUNCTION void scores(const Tiles& sm, int w, int lane) const {
     if (w >= Q / warp_tile_rows) return;
@@ -304,7 +391,7 @@ struct SsdFusedForwardFunctor {
                                                  warp_tile_rows * (w + 1));
     S.for_each(lane, [&](int r, int s, float& v) {
       const int t = warp_tile_rows * w + r;
-      v = s <= t ? v * kmamba::math::exp(sm.cum[t] - sm.cum[s]) : 0.0f;
+      v = s <= t ? v * exp_approx(sm.cum[t] - sm.cum[s]) : 0.0f;
     });
     warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * w, 0));
   }
@@ -324,17 +411,22 @@ struct SsdFusedForwardFunctor {
     warp_fill(Y, lane, 0.0f);
     warp_mma<ALayout::MK, BLayout::KN, N, false>(Y, lane, sm.c.offset(warp_tile_rows * tb, 0),
                                                  sm.h.offset(0, warp_tile_rows * pb), warp_tile_rows);
-    Y.for_each(lane, [&](int r, int, float& v) { v *= kmamba::math::exp(sm.cum[warp_tile_rows * tb + r]); });
+    Y.for_each(lane, [&](int r, int, float& v) { v *= sm.exp_cum[warp_tile_rows * tb + r]; });
     warp_mma<ALayout::MK, BLayout::KN, Q, false>(Y, lane, sm.s.offset(warp_tile_rows * tb, 0),
                                                  sm.x.offset(0, warp_tile_rows * pb), warp_tile_rows);
-    const float d = in.skip(h);
-    Y.for_each(lane, [&](int r, int c, float& v) {
+    Y.for_each_pair(lane, [&](int r, int c, float& v0, float& v1) {
       const int t = warp_tile_rows * tb + r, p = warp_tile_rows * pb + c;
       if (t >= len) return;
-      const float skip = head.token_skip.is_allocated() ? head.token_skip(b, t0 + t, h) : d;
-      const float y = v + skip * in.x(b, t0 + t, h, p);
-      if (head.ungated.is_allocated()) head.ungated(b, t0 + t, h, p) = y;
-      out(b, t0 + t, h, p) = in.has_z ? y * silu(in.z(b, t0 + t, h, p)) : y;
+      const float* x = sm.xf + t * Layout::ldf + p;
+      const float skip = sm.skip[t];
+      float y0 = v0 + skip * x[0], y1 = v1 + skip * x[1];
+      if (head.ungated.is_allocated()) ssd_store2(&head.ungated(b, t0 + t, h, p), y0, y1, paired_stores);
+      if (in.has_z) {
+        const float* z = sm.zf + t * Layout::ldf + p;
+        y0 *= silu_approx(z[0]);
+        y1 *= silu_approx(z[1]);
+      }
+      ssd_store2(&out(b, t0 + t, h, p), y0, y1, paired_stores);
     });
   }
 
@@ -354,7 +446,7 @@ struct SsdFusedForwardFunctor {
   /// Phase 3 of a warp with a state block: Hᵀ = exp(cum_{Q−1})·Hᵀ + (decayed B)ᵀ·Xd.
   KOKKOS_INLINE_FUNCTION void update_state(const Tiles& sm, int w, int lane, StateAccum& H) const {
     if (w >= state_blocks) return;
-    const float chunk_decay = kmamba::math::exp(sm.cum[Q - 1]);
+    const float chunk_decay = sm.exp_cum[Q - 1];
     H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.b.offset(0, warp_tile_rows * w), sm.x, P);
   }
@@ -428,10 +520,9 @@ struct SsdFusedForwardFunctor {
     for (int c = seg * segments.chunks; c < c_end; ++c) {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
       if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
-      SsdRowShare<Q, P, Team::threads> xs;
-      stage_chunk(sm, thread, b, h, g, t0, len, rate, xs, H);
+      stage_chunk(sm, thread, b, h, g, t0, len, rate, H);
       ctx.barrier();
-      xs.store(thread, sm.x, [&](int t) { return sm.delta[t]; });
+      scale_x(sm, thread);
       log_decay += sm.cum[Q - 1];
       if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { scores(sm, w, lane); });
       ctx.barrier();
@@ -478,14 +569,23 @@ bool ssd_rows_aligned(const View& v) {
          v.stride(2) % 4 == 0;
 }
 
+/// Whether pairs of adjacent channels of a (batch, seqlen, heads, headdim) view start 8-byte aligned
+/// at even channels.
+template <class View>
+bool ssd_pairs_aligned(const View& v) {
+  return reinterpret_cast<std::uintptr_t>(v.data()) % 8 == 0 && v.stride(0) % 2 == 0 && v.stride(1) % 2 == 0 &&
+         v.stride(2) % 2 == 0;
+}
+
 /// Whether the fused forward takes these inputs: headdim 64, dstate 16/32/64/128, no seq_idx, and
-/// rows of x, B and C 16-byte aligned (they are read four floats at a time). `plan` is the fused
+/// rows of x, B, C and z 16-byte aligned (they are read four floats at a time). `plan` is the fused
 /// forward's own (chunk ssd_fused_chunk).
 template <class MemorySpace>
 bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySpace>& in) {
   const bool dstate = ssd_fused_dstate(plan.dstate);
   return plan.headdim == ssd_fused_headdim && plan.chunk == ssd_fused_chunk && dstate && !in.has_seq_idx &&
-         ssd_rows_aligned(in.x) && ssd_rows_aligned(in.B) && ssd_rows_aligned(in.C);
+         ssd_rows_aligned(in.x) && ssd_rows_aligned(in.B) && ssd_rows_aligned(in.C) &&
+         (!in.has_z || ssd_rows_aligned(in.z));
 }
 
 template <int N, bool StatesOnly, class ExecSpace, class MemorySpace>
@@ -496,7 +596,8 @@ void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOpera
   WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
       exec, StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
       plan.batch * plan.nheads * segments.count, Functor::Layout::bytes,
-      Functor{in, plan, out, final_states, segments, head});
+      Functor{in, plan, out, final_states, segments, head,
+              ssd_pairs_aligned(out) && (!head.ungated.is_allocated() || ssd_pairs_aligned(head.ungated))});
 }
 
 /// Segments per sequence: as many as keep the teams of (batch, head, segment) within one wave of

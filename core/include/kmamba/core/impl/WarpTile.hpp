@@ -94,6 +94,18 @@ struct WarpAccum<Cols, false> {
   KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
     for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
   }
+  /// f(r, c, i, k) for each pair of adjacent elements (r, c), (r, c + 1) the lane holds (c even),
+  /// v[i][k] and v[i][k + 1] their storage.
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void for_each_slot_pair(int /*lane*/, const F& f) {
+    for (int r = 0; r < warp_tile_rows; ++r)
+      for (int c = 0; c < Cols; c += 2) f(r, c, r, c);
+  }
+  /// f(r, c, v(r, c), v(r, c + 1)) for each pair the lane holds.
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void for_each_pair(int lane, const F& f) {
+    for_each_slot_pair(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k], v[i][k + 1]); });
+  }
 };
 
 /// Tensor-core accumulator: n-tile j (columns 8j … 8j+7) holds, in lane (g = lane/4, q = lane%4),
@@ -116,6 +128,20 @@ struct WarpAccum<Cols, true> {
   template <class F>
   KOKKOS_INLINE_FUNCTION void for_each(int lane, const F& f) {
     for_each_slot(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k]); });
+  }
+  /// As the portable form's: the lane's pairs (g, 8j + 2q) and (g + 8, 8j + 2q).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void for_each_slot_pair(int lane, const F& f) {
+    const int g = lane >> 2, q = lane & 3;
+    KMAMBA_TILE_UNROLL
+    for (int j = 0; j < Cols / 8; ++j) {
+      f(g, 8 * j + 2 * q, j, 0);
+      f(g + 8, 8 * j + 2 * q, j, 2);
+    }
+  }
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void for_each_pair(int lane, const F& f) {
+    for_each_slot_pair(lane, [&](int r, int c, int i, int k) { f(r, c, v[i][k], v[i][k + 1]); });
   }
 };
 
@@ -351,6 +377,16 @@ KOKKOS_INLINE_FUNCTION float warp_sum(float value) {
   return value;
 }
 
+/// Σ of `value` over each group of four consecutive lanes (lanes 4i … 4i + 3), in each of them
+/// (tensor-core form; the portable form's one thread is its own sum).
+KOKKOS_INLINE_FUNCTION float warp_quad_sum(float value) {
+#if defined(__CUDA_ARCH__)
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  value += __shfl_xor_sync(0xffffffffu, value, 2);
+#endif
+  return value;
+}
+
 /// store(r, Σ_c acc(r, c)·weight(r, c)) for each of the accumulator's 16 rows, once per row (on
 /// tensor cores by the lane q = 0 of the four that hold the row, after summing over them).
 template <int Cols, class Weight, class Store>
@@ -373,12 +409,8 @@ KOKKOS_INLINE_FUNCTION void warp_row_sums(const WarpAccum<Cols, true>& acc, int 
     lo += acc.v[j][0] * weight(g, c) + acc.v[j][1] * weight(g, c + 1);
     hi += acc.v[j][2] * weight(g + 8, c) + acc.v[j][3] * weight(g + 8, c + 1);
   }
-#if defined(__CUDA_ARCH__)
-  lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-  lo += __shfl_xor_sync(0xffffffffu, lo, 2);
-  hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-  hi += __shfl_xor_sync(0xffffffffu, hi, 2);
-#endif
+  lo = warp_quad_sum(lo);
+  hi = warp_quad_sum(hi);
   if (q == 0) {
     store(g, lo);
     store(g + 8, hi);
