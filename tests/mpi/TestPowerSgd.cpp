@@ -9,10 +9,9 @@
 // number ‖A‖_F·‖A⁺‖_F ≥ ‖A‖₂‖A⁺‖₂, computed here in double); Gram–Schmidt twice leaves P orthonormal
 // to a few n·u; Q = Sᵀ P adds (n + D)·u and M̂ = P Qᵀ r·u of ‖S‖. So
 // ‖M̂ − S‖_F ≤ 4·(m + n + r + 2D)·u·κ(S)·κ(Q)·‖S‖_F (the factor 4 for the tilt entering M̂ twice and
-// the second-order terms); observed 1e-7 to 3e-7 against bounds of 1e-4 to 4e-3 (κ 14 to 450). The whole elements are an fp32 all-reduce:
-// |got − S| ≤ D·u·Σ|M|.
-// Error feedback: per rank and element, E_t = E_{t−1} + G_t − M̂_t/D with two fp32 roundings (M =
-// E + G, then E − M̂·(1/D)), so |E_t − (E_{t−1} + G_t − M̂_t/D)| ≤ 3u·(|E_{t−1}| + |G_t| + |M̂_t|/D);
+// the second-order terms); observed 1e-7 to 3e-7 against bounds of 1e-4 to 4e-3 (κ 14 to 450). The whole elements are
+// an fp32 all-reduce: |got − S| ≤ D·u·Σ|M|. Error feedback: per rank and element, E_t = E_{t−1} + G_t − M̂_t/D with two
+// fp32 roundings (M = E + G, then E − M̂·(1/D)), so |E_t − (E_{t−1} + G_t − M̂_t/D)| ≤ 3u·(|E_{t−1}| + |G_t| + |M̂_t|/D);
 // summed over the ranks and steps, Σ_ranks E_T = Σ_t (Σ_ranks G_t − M̂_t) within the sum of those bounds.
 // Bitwise: after the two all-reduces every rank computes M̂ from the same values, so the reduced
 // gradients of all ranks are equal bit for bit.
@@ -89,7 +88,8 @@ double condition(const std::vector<double>& a, int rows, int cols) {  // a: (row
   for (int c = 0; c < k; ++c) {  // column c of L⁻¹ by forward substitution
     for (int i = c; i < k; ++i) {
       double s = i == c ? 1.0 : 0.0;
-      for (int l = c; l < i; ++l) s -= g[static_cast<std::size_t>(i * k + l)] * inv[static_cast<std::size_t>(l * k + c)];
+      for (int l = c; l < i; ++l)
+        s -= g[static_cast<std::size_t>(i * k + l)] * inv[static_cast<std::size_t>(l * k + c)];
       inv[static_cast<std::size_t>(i * k + c)] = s / g[static_cast<std::size_t>(i * k + i)];
       inverse_trace += inv[static_cast<std::size_t>(i * k + c)] * inv[static_cast<std::size_t>(i * k + c)];
     }
@@ -151,8 +151,9 @@ TEST(PowerSgd, FullRankReproducesTheSumOfTheGradients) {
   const auto q = seed_q(matrices, rank);
   for (std::size_t k = 0; k < matrices.size(); ++k) {
     const auto& m = matrices[k];
-    const std::vector<double> s(sum.begin() + static_cast<std::ptrdiff_t>(m.offset),
-                                sum.begin() + static_cast<std::ptrdiff_t>(m.offset + static_cast<std::size_t>(m.rows * m.cols)));
+    const std::vector<double> s(
+        sum.begin() + static_cast<std::ptrdiff_t>(m.offset),
+        sum.begin() + static_cast<std::ptrdiff_t>(m.offset + static_cast<std::size_t>(m.rows * m.cols)));
     double error = 0.0, norm = 0.0;
     for (std::size_t i = 0; i < s.size(); ++i) {
       error += (g(m.offset + i) - s[i]) * (g(m.offset + i) - s[i]);
@@ -322,8 +323,11 @@ TEST(PowerSgd, LocalStepsAndABadRankAreRefused) {
   zero_rank.powersgd_rank = 0;
   kmamba::test::expect_user_error([&] { refused.enable_data_parallel(mesh, zero_rank); }, {"powersgd_rank", "got 0"});
   const kmamba::MpiCommunicator world(MPI_COMM_WORLD);
-  kmamba::test::expect_user_error([&] { kmamba::PowerSgd<Exec>(world, 50, {{0, 5, 5}, {20, 5, 5}}, 1); },
-                                  {"overlaps another or lies outside"});
+  kmamba::test::expect_user_error(
+      [&] {
+        kmamba::PowerSgd<Exec>(world, 50, {{0, 5, 5}, {20, 5, 5}}, 1);
+      },
+      {"overlaps another or lies outside"});
 }
 
 }  // namespace

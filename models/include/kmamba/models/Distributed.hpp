@@ -55,7 +55,6 @@
 #include <kmamba/parallel/PowerSgd.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -120,7 +119,8 @@ struct DataParallelConfig {
 };
 
 /// The gradient matrices PowerSGD at rank `rank` compresses in `slab`: each parameter of rank >= 2
-/// as (first extent, product of the other extents), where powersgd_compresses; in slab order.
+/// as (first extent, product of the other extents), where powersgd_compresses; in slab order
+/// (entries() is in offset order).
 template <class MemorySpace>
 std::vector<PowerSgdMatrix> powersgd_matrices(const ParameterSlab<MemorySpace>& slab, int rank) {
   std::vector<PowerSgdMatrix> matrices;
@@ -129,8 +129,6 @@ std::vector<PowerSgdMatrix> powersgd_matrices(const ParameterSlab<MemorySpace>& 
     const std::int64_t rows = e.shape[0], cols = static_cast<std::int64_t>(e.size) / rows;
     if (powersgd_compresses(rows, cols, rank)) matrices.push_back({e.offset, rows, cols});
   }
-  std::sort(matrices.begin(), matrices.end(),
-            [](const PowerSgdMatrix& a, const PowerSgdMatrix& b) { return a.offset < b.offset; });
   return matrices;
 }
 
@@ -246,7 +244,7 @@ class DataParallel {
   DataParallelConfig config_;
   AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
-  GradientReducer<ExecutionSpace> sequence_reducer_;  // local steps: the sum over sp
+  GradientReducer<ExecutionSpace> sequence_reducer_;    // local steps: the sum over sp
   std::unique_ptr<PowerSgd<ExecutionSpace>> powersgd_;  // compression PowerSgd: the dp × sp reduction
   std::size_t decay_end_;
   std::vector<std::pair<std::size_t, std::size_t>> counted_;  // slab ranges this rank counts in the norm

@@ -194,17 +194,20 @@ class PowerSgd {
 
  private:
   using Matrix = Tensor2<float, memory_space>;
-  Matrix matrix(const Tensor1<float, memory_space>& buffer, std::size_t offset, std::int64_t rows,
-                std::int64_t cols) const {
+  // The (rows, cols) row-major matrix at `offset` of `buffer`.
+  Matrix matrix(const Tensor1<float, memory_space>& buffer,  // (>= offset + rows · cols)
+                std::size_t offset, std::int64_t rows, std::int64_t cols) const {
     return Matrix(buffer.data() + offset, static_cast<std::size_t>(rows), static_cast<std::size_t>(cols));
   }
   // Checks the matrices and places their factors and the whole elements in the buffers.
   void lay_out();
   // E_i ← E_i + factor · grads_i over every matrix (kernel `label`): the error feedback's two updates.
-  void accumulate(const ExecutionSpace& exec, const char* label, const Tensor1<float, memory_space>& grads,
+  void accumulate(const ExecutionSpace& exec, const char* label,
+                  const Tensor1<float, memory_space>& grads,  // (elements)
                   float factor) const;
   // to_wire: the whole elements of grads → the P buffer's tail; otherwise back.
-  void move_whole(const ExecutionSpace& exec, const Tensor1<float, memory_space>& grads, bool to_wire) const;
+  void move_whole(const ExecutionSpace& exec, const Tensor1<float, memory_space>& grads,  // (elements)
+                  bool to_wire) const;
   // Whether the all-reduced buffers (P factors, whole elements, Q factors) are finite. Blocking.
   bool finite(const ExecutionSpace& exec) const;
 
@@ -213,10 +216,10 @@ class PowerSgd {
   std::vector<PowerSgdMatrix> matrices_;
   int rank_;
   std::vector<impl::PowerSgdPlace> places_;
-  std::vector<std::pair<std::size_t, std::size_t>> whole_;  // [begin, end) of the uncompressed elements
+  std::vector<std::pair<std::size_t, std::size_t>> whole_;            // [begin, end) of the uncompressed elements
   std::size_t p_elements_ = 0, q_elements_ = 0, whole_elements_ = 0;  // Σ rank·rows, Σ rank·cols, the rest
-  Kokkos::View<impl::PowerSgdPlace*, memory_space> device_places_;  // (matrices)
-  Tensor1<float, memory_space> error_;                              // (elements)
+  Kokkos::View<impl::PowerSgdPlace*, memory_space> device_places_;    // (matrices)
+  Tensor1<float, memory_space> error_;                                // (elements)
   Tensor1<float, memory_space> p_;       // (Σ rank·rows + whole elements): P factors, then the whole elements
   Tensor1<float, memory_space> q_;       // (Σ rank·cols): the Q factors, warm start and wire
   Tensor1<float, memory_space> seed_q_;  // (Σ rank·cols): the first step's Q
@@ -224,8 +227,8 @@ class PowerSgd {
 };
 
 template <class ExecutionSpace>
-PowerSgd<ExecutionSpace>::PowerSgd(const Communicator& comm, std::size_t elements,
-                                   std::vector<PowerSgdMatrix> matrices, int rank, std::uint64_t seed)
+PowerSgd<ExecutionSpace>::PowerSgd(const Communicator& comm, std::size_t elements, std::vector<PowerSgdMatrix> matrices,
+                                   int rank, std::uint64_t seed)
     : comm_(&comm), elements_(elements), matrices_(std::move(matrices)), rank_(rank) {
   KMAMBA_REQUIRE(rank >= 1, "kmamba::PowerSgd: powersgd_rank must be >= 1, got " << rank);
   lay_out();
@@ -281,7 +284,8 @@ void PowerSgd<ExecutionSpace>::accumulate(const ExecutionSpace& exec, const char
   for (const PowerSgdMatrix& m : matrices_) {
     const Tensor1<float, memory_space> e(error_.data() + m.offset, static_cast<std::size_t>(m.rows * m.cols));
     const ConstTensor1<float, memory_space> g(grads.data() + m.offset, e.extent(0));
-    Kokkos::parallel_for(label, Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, e.extent(0)),
+    Kokkos::parallel_for(label,
+                         Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, e.extent(0)),
                          impl::AddScaled<memory_space>{e, g, factor});
   }
 }
@@ -316,8 +320,9 @@ void PowerSgd<ExecutionSpace>::reduce(const ExecutionSpace& exec, const Tensor1<
                                                    << grads.extent(0) << " elements, this object was made for "
                                                    << elements_);
   accumulate(exec, "kmamba::powersgd::add_error", grads, 1.0f);  // E ← M = gradient + E
-  for (const impl::PowerSgdPlace& m : places_) {  // P = M Q
-    gemm(exec, Transpose::No, Transpose::No, 1.0f, ConstTensor2<float, memory_space>(matrix(error_, m.offset, m.rows, m.cols)),
+  for (const impl::PowerSgdPlace& m : places_) {                 // P = M Q
+    gemm(exec, Transpose::No, Transpose::No, 1.0f,
+         ConstTensor2<float, memory_space>(matrix(error_, m.offset, m.rows, m.cols)),
          ConstTensor2<float, memory_space>(matrix(q_, m.q_offset, m.cols, rank_)), 0.0f,
          matrix(p_, m.p_offset, m.rows, rank_));
   }
@@ -326,17 +331,20 @@ void PowerSgd<ExecutionSpace>::reduce(const ExecutionSpace& exec, const Tensor1<
   move_whole(exec, grads, false);
   const int matrices = static_cast<int>(places_.size());
   if (matrices > 0) {
-    Kokkos::parallel_for("kmamba::powersgd::orthonormalize", Kokkos::TeamPolicy<ExecutionSpace>(exec, matrices, Kokkos::AUTO),
+    Kokkos::parallel_for("kmamba::powersgd::orthonormalize",
+                         Kokkos::TeamPolicy<ExecutionSpace>(exec, matrices, Kokkos::AUTO),
                          impl::Orthonormalize<ExecutionSpace>{device_places_, p_, zeroed_, rank_});
   }
   for (const impl::PowerSgdPlace& m : places_) {  // Q = Mᵀ P
-    gemm(exec, Transpose::Yes, Transpose::No, 1.0f, ConstTensor2<float, memory_space>(matrix(error_, m.offset, m.rows, m.cols)),
+    gemm(exec, Transpose::Yes, Transpose::No, 1.0f,
+         ConstTensor2<float, memory_space>(matrix(error_, m.offset, m.rows, m.cols)),
          ConstTensor2<float, memory_space>(matrix(p_, m.p_offset, m.rows, rank_)), 0.0f,
          matrix(q_, m.q_offset, m.cols, rank_));
   }
   comm_->all_reduce(exec, q_);
   for (const impl::PowerSgdPlace& m : places_) {  // M̂ = P Qᵀ
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, memory_space>(matrix(p_, m.p_offset, m.rows, rank_)),
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f,
+         ConstTensor2<float, memory_space>(matrix(p_, m.p_offset, m.rows, rank_)),
          ConstTensor2<float, memory_space>(matrix(q_, m.q_offset, m.cols, rank_)), 0.0f,
          matrix(grads, m.offset, m.rows, m.cols));
   }
@@ -344,7 +352,8 @@ void PowerSgd<ExecutionSpace>::reduce(const ExecutionSpace& exec, const Tensor1<
   if (!finite(exec)) {
     reset(exec);
   } else if (matrices > 0) {
-    Kokkos::parallel_for("kmamba::powersgd::redraw_zeroed", Kokkos::TeamPolicy<ExecutionSpace>(exec, matrices, Kokkos::AUTO),
+    Kokkos::parallel_for("kmamba::powersgd::redraw_zeroed",
+                         Kokkos::TeamPolicy<ExecutionSpace>(exec, matrices, Kokkos::AUTO),
                          impl::RedrawZeroed<ExecutionSpace>{device_places_, zeroed_, seed_q_, q_, rank_});
   }
 }
