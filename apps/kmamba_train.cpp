@@ -356,7 +356,7 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   if (p.mesh)
     trainer.enable_data_parallel(
         *p.mesh, kmamba::DataParallelConfig{r.zero_stage, r.bucket_elements, r.overlap_communication, r.sync_frequency,
-                                            r.compression});
+                                            r.compression, r.powersgd_rank});
 #else
   (void)p;
 #endif
@@ -381,6 +381,19 @@ void print_load_balancing(const Run& r, const Parallel& p) {
       ranks, ranks == 1 ? "" : "s", 100.0 * r.balancing.data_redistribution_threshold);
 }
 
+#if KMAMBA_ENABLE_MPI
+// How the data-parallel gradients travel, for the start line.
+std::string reduction_text(const Run& r) {
+  if (r.compression == kmamba::GradientCompression::PowerSgd) {
+    return format("after the backward as PowerSGD rank-%d factors with error feedback (fp32 on the wire)",
+                  r.powersgd_rank);
+  }
+  return format("%s the backward in buckets of %g MiB (%s on the wire)", r.overlap_communication ? "during" : "after",
+                static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20),
+                r.compression == kmamba::GradientCompression::Bf16 ? "bf16, summed in fp32" : "fp32");
+}
+#endif
+
 template <class Exec>
 void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelConfig& config,
                  const kmamba::Trainer<Exec>& trainer, const Parallel& p) {
@@ -395,14 +408,12 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
     const kmamba::MeshConfig& mesh = p.mesh->config();
     std::printf(
         "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
-        "gradients reduced %s the backward in buckets of %g MiB (%s on the wire)%s\n",
+        "gradients reduced %s%s\n",
         p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
         mesh.sequence_parallel_size > 1
             ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
             : "",
-        r.zero_stage, r.overlap_communication ? "during" : "after",
-        static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20),
-        r.compression == kmamba::GradientCompression::Bf16 ? "bf16, summed in fp32" : "fp32",
+        r.zero_stage, reduction_text(r).c_str(),
         r.sync_frequency > 1 ? format("; local SGD: the replicas step alone, averaged every %lld steps",
                                       static_cast<long long>(r.sync_frequency))
                                    .c_str()

@@ -196,8 +196,13 @@ void declare_parallel(CLI::App& cli) {
          count_from(1));
   option(cli, g, "--gradient-compression,--grad-compression", "C",
          "none: data-parallel gradients travel in fp32 (default); bf16: rounded to bf16 for the wire and summed in "
-         "fp32, half the bytes",
-         one_of({"none", "bf16"}));
+         "fp32, half the bytes; powersgd: each weight matrix as rank-r factors with error feedback (--powersgd-rank; "
+         "needs --gradient-sync-frequency 1)",
+         one_of({"none", "bf16", "powersgd"}));
+  option(cli, g, "--powersgd-rank", "R",
+         "--grad-compression powersgd: the rank of the factors; an (n, m) weight sends R(n + m) values instead of "
+         "n m where that is fewer (default 4)",
+         count_from(1));
 }
 
 // The keys of the JSON options' "load_balancing" object; each is also an option of its own.
@@ -377,6 +382,24 @@ void resolve_sync_frequency(const TrainOptions& o, Run& r) {
   }
 }
 
+// --gradient-compression and --powersgd-rank: PowerSGD compresses the gradients that local SGD
+// does not reduce, so it needs --gradient-sync-frequency 1; a rank without PowerSGD is refused.
+void resolve_compression(const TrainOptions& o, Run& r) {
+  r.compression = parse_gradient_compression(o.text("gradient-compression", "none"), "kmamba-train");
+  const std::string name = gradient_compression_name(r.compression);
+  r.powersgd_rank = static_cast<int>(o.integer("powersgd-rank", 4));
+  KMAMBA_REQUIRE(r.compression == GradientCompression::PowerSgd || !o.has("powersgd-rank"),
+                 "kmamba-train: " << key_of("powersgd-rank") << " " << r.powersgd_rank << " with "
+                                  << key_of("gradient-compression") << " " << name
+                                  << ": the rank applies to gradient_compression powersgd only");
+  const long long sync = o.integer("gradient-sync-frequency", 1);
+  KMAMBA_REQUIRE(r.compression != GradientCompression::PowerSgd || sync == 1,
+                 "kmamba-train: " << key_of("gradient-compression") << " " << name << " with "
+                                  << key_of("gradient-sync-frequency") << " " << sync
+                                  << ": local steps reduce no gradients over dp between averagings, so there is "
+                                     "nothing to compress; use gradient_compression none or gradient_sync_frequency 1");
+}
+
 // --overlap-communication and the load-balancing options --communication-pipelining and
 // --async-gradient-allreduce name one switch; those given must agree.
 bool resolve_overlap(const TrainOptions& o) {
@@ -417,8 +440,8 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
   r.activation_checkpointing = o.flag("activation-checkpointing");
   refuse_unbuilt(o);
+  resolve_compression(o, r);
   resolve_sync_frequency(o, r);
-  r.compression = parse_gradient_compression(o.text("gradient-compression", "none"), "kmamba-train");
   r.overlap_communication = resolve_overlap(o);
   r.balancing.dynamic_task_allocation = o.flag("dynamic-task-allocation");
   r.balancing.data_redistribution_threshold = o.number("data-redistribution-threshold", 0.1);
@@ -576,7 +599,7 @@ Run configure_run(CLI::App& cli) {
 bool asks_for_ranks(const CLI::App& cli) {
   for (const char* name :
        {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--sequence-parallel-enabled",
-        "--zero-stage", "--gradient-sync-frequency", "--gradient-compression"}) {
+        "--zero-stage", "--gradient-sync-frequency", "--gradient-compression", "--powersgd-rank"}) {
     if (cli.count(name) > 0) return true;
   }
   return false;

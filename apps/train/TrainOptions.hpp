@@ -56,6 +56,8 @@ struct Run {
   std::int64_t sync_frequency = 1;
   /// How the data-parallel gradients travel (--gradient-compression).
   GradientCompression compression = GradientCompression::None;
+  /// PowerSGD's rank (--powersgd-rank), with compression PowerSgd.
+  int powersgd_rank = 4;
   /// The load_balancing keys and sequence_split_strategy.
   LoadBalancing balancing;
   MatmulPrecision precision = MatmulPrecision::Float32;

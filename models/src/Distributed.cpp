@@ -198,9 +198,23 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
                         "own moments; use zero_stage 0 or gradient_sync_frequency 1");
   KMAMBA_REQUIRE(slab.size() > 0, "kmamba::DataParallel: the parameter slab is empty (not finalized?)");
   adamw.validate();
+  if (config.compression == GradientCompression::PowerSgd) make_powersgd(slab);
   const std::size_t moments = config.zero_stage == 1 ? reducer_.layout().shard_elements() : slab.size();
   m_ = Tensor1<float, memory_space>("kmamba::data_parallel::m", moments);
   v_ = Tensor1<float, memory_space>("kmamba::data_parallel::v", moments);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::make_powersgd(const Slab& slab) {
+  KMAMBA_REQUIRE(config_.sync_frequency == 1,
+                 "kmamba::DataParallel: gradient_compression powersgd with gradient_sync_frequency "
+                     << config_.sync_frequency
+                     << ": local steps reduce no gradients over dp between averagings, so there is nothing to "
+                        "compress; use gradient_compression none or gradient_sync_frequency 1");
+  KMAMBA_REQUIRE(config_.powersgd_rank >= 1,
+                 "kmamba::DataParallel: powersgd_rank must be >= 1, got " << config_.powersgd_rank);
+  powersgd_ = std::make_unique<PowerSgd<ExecutionSpace>>(
+      mesh_->data_sequence(), slab.size(), powersgd_matrices(slab, config_.powersgd_rank), config_.powersgd_rank);
 }
 
 template <class ExecutionSpace>
@@ -258,7 +272,7 @@ void DataParallel<ExecutionSpace>::attach(LanguageModel<ExecutionSpace>& model) 
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::begin_reduction(const Slab& slab) {
   check_slab("begin_reduction", slab);
-  if (config_.overlap && !local_steps()) reducer_.begin(slab.grads(), reduction());
+  if (config_.overlap && !local_steps() && !powersgd_) reducer_.begin(slab.grads(), reduction());
 }
 
 template <class ExecutionSpace>
@@ -269,7 +283,9 @@ void DataParallel<ExecutionSpace>::gradients_ready(const ExecutionSpace& exec, s
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::reduce_gradients(const ExecutionSpace& exec, const Slab& slab) {
   check_slab("reduce_gradients", slab);
-  if (!local_steps()) {
+  if (powersgd_) {
+    powersgd_->reduce(exec, slab.grads());
+  } else if (!local_steps()) {
     reducer_.finish(exec, slab.grads(), reduction());
   } else if (mesh_->sequence().size() > 1) {
     sequence_reducer_.all_reduce(exec, slab.grads());
@@ -381,6 +397,7 @@ void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, cons
     });
   }
   step_ = steps;
+  if (powersgd_) powersgd_->reset(exec);
 }
 
 #define KMAMBA_INSTANTIATE(Exec) template class DataParallel<Exec>;

@@ -9,13 +9,15 @@ std::size_t default_bucket_elements(int ranks) {
 }
 
 const char* gradient_compression_name(GradientCompression compression) {
-  return impl::enum_table<const char*>(compression, {"none", "bf16"}, "unknown");
+  return impl::enum_table<const char*>(compression, {"none", "bf16", "powersgd"}, "unknown");
 }
 
 GradientCompression parse_gradient_compression(const std::string& name, const std::string& what) {
   if (name == "none") return GradientCompression::None;
-  KMAMBA_REQUIRE(name == "bf16", what << ": unknown gradient compression '" << name << "' (expected none or bf16)");
-  return GradientCompression::Bf16;
+  if (name == "bf16") return GradientCompression::Bf16;
+  KMAMBA_REQUIRE(name == "powersgd",
+                 what << ": unknown gradient compression '" << name << "' (expected none, bf16 or powersgd)");
+  return GradientCompression::PowerSgd;
 }
 
 BucketLayout::BucketLayout(std::size_t elements, int ranks, std::size_t bucket_elements)

@@ -1,10 +1,12 @@
 # Runs kmamba-train under mpirun with local SGD (--gradient-sync-frequency N > 1: the dp replicas
-# step on their own data, averaged every N steps) and checks that it learns: the mean training loss
-# of the last 4 steps must be at most MAX_RATIO times that of the first 4 (the untrained model's
-# is about ln(vocab size)).
+# step on their own data, averaged every N steps), or another data-parallel option whose start
+# line EXPECT names (e.g. PowerSGD), and checks that it learns: the mean training loss of the last
+# 4 steps must be at most MAX_RATIO times that of the first 4 (the untrained model's is about
+# ln(vocab size)).
 #
 #   cmake -DTRAIN=<kmamba-train> -DMPIEXEC=<mpiexec> "-DMPIFLAGS=-n;2;--oversubscribe" -DOUT=<dir>
-#         "-DARGS=--dp;2;--gradient-sync-frequency;4;--steps;48" -DMAX_RATIO=0.85 -P CheckLocalSgdTraining.cmake
+#         "-DARGS=--dp;2;--gradient-sync-frequency;4;--steps;48" [-DEXPECT=<regex>] -DMAX_RATIO=0.85
+#         -P CheckLocalSgdTraining.cmake
 
 include(${CMAKE_CURRENT_LIST_DIR}/LossCurves.cmake)
 
@@ -15,8 +17,11 @@ message(STATUS "${output}")
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "CheckLocalSgdTraining: mpiexec ${MPIFLAGS} kmamba-train ${ARGS} exited with ${rc}")
 endif()
-if(NOT output MATCHES "local SGD: the replicas step alone, averaged every")
-  message(FATAL_ERROR "CheckLocalSgdTraining: the run does not say that it trains with local SGD")
+if(NOT DEFINED EXPECT)
+  set(EXPECT "local SGD: the replicas step alone, averaged every")
+endif()
+if(NOT output MATCHES "${EXPECT}")
+  message(FATAL_ERROR "CheckLocalSgdTraining: the run does not say '${EXPECT}'")
 endif()
 
 # The mean of 4 losses, in millionths.

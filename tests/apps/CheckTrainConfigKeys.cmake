@@ -6,7 +6,8 @@
 #   another option or with another key of the file fail with 2, naming the key;
 # - pipeline_parallel_size > 1 fails with 2, naming the key and what is missing;
 #   gradient_sync_frequency > 1 with zero_stage 1, or with steps not a multiple of it, fails with 2
-#   naming both keys; an unknown gradient_compression is refused by name; an unknown key in
+#   naming both keys; an unknown gradient_compression is refused by name, powersgd with
+#   gradient_sync_frequency > 1 and powersgd_rank without powersgd naming both keys; an unknown key in
 #   load_balancing is refused by name, a negative data_redistribution_threshold by its key;
 # - overlap_communication false reduces after the backward, with the same losses as true;
 #   bucket_mb sets the reduction buckets (default 25 MiB), and tiny buckets give the same losses;
@@ -135,7 +136,11 @@ if(NP EQUAL 1)
   train(sync_frequency_steps "{\"gradient_sync_frequency\": 4}" 2
         "steps \\(--steps\\) 2 is not a multiple of gradient_sync_frequency \\(--gradient-sync-frequency\\) 4")
   train(unknown_compression "{\"gradient_compression\": \"fp8\"}" 2
-        "\"gradient_compression\": --gradient-compression: got 'fp8', expected one of none, bf16")
+        "\"gradient_compression\": --gradient-compression: got 'fp8', expected one of none, bf16, powersgd")
+  train(powersgd_local_sgd "{\"gradient_compression\": \"powersgd\", \"gradient_sync_frequency\": 4}" 2
+        "gradient_compression \\(--gradient-compression\\) powersgd with gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: local steps reduce no gradients")
+  train(powersgd_rank_alone "{\"powersgd_rank\": 8}" 2
+        "powersgd_rank \\(--powersgd-rank\\) 8 with gradient_compression \\(--gradient-compression\\) none: the rank applies to gradient_compression powersgd only")
   train(unknown_split "{\"sequence_split_strategy\": \"random\"}" 2
         "\"sequence_split_strategy\": --sequence-split-strategy: got 'random', expected one of even, balanced")
   train(negative_threshold "{\"load_balancing\": {\"dynamic_task_allocation\": true, \"data_redistribution_threshold\": -0.1}}" 2

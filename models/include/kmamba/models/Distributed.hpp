@@ -52,10 +52,12 @@
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
 #include <kmamba/parallel/GradientBuckets.hpp>
+#include <kmamba/parallel/PowerSgd.hpp>
 #include <kmamba/parallel/ProcessMesh.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -107,9 +109,28 @@ struct DataParallelConfig {
   /// count is a multiple of N the parameters and AdamW moments are averaged over dp. N > 1 needs
   /// zero_stage 0 (each replica keeps its own moments between averagings).
   std::int64_t sync_frequency = 1;
-  /// How the dp × sp gradient buckets travel (GradientBuckets.hpp): fp32, or bf16 summed in fp32.
+  /// How the dp × sp gradients travel (GradientBuckets.hpp): fp32, bf16 summed in fp32, or PowerSGD
+  /// (PowerSgd.hpp; docs/distributed.md §3.4). PowerSGD needs sync_frequency 1.
   GradientCompression compression = GradientCompression::None;
+  /// PowerSGD's rank r (compression PowerSgd only): every parameter of rank >= 2, as a matrix
+  /// (first extent, product of the rest), travels as rank-r factors where they are smaller
+  /// (powersgd_compresses); the rest is all-reduced whole.
+  int powersgd_rank = 4;
 };
+
+/// The gradient matrices PowerSGD at rank `rank` compresses in `slab`: each parameter of rank >= 2
+/// as (first extent, product of the other extents), where powersgd_compresses; in slab order
+/// (entries() is in offset order).
+template <class MemorySpace>
+std::vector<PowerSgdMatrix> powersgd_matrices(const ParameterSlab<MemorySpace>& slab, int rank) {
+  std::vector<PowerSgdMatrix> matrices;
+  for (const auto& e : slab.entries()) {
+    if (e.shape.size() < 2) continue;
+    const std::int64_t rows = e.shape[0], cols = static_cast<std::int64_t>(e.size) / rows;
+    if (powersgd_compresses(rows, cols, rank)) matrices.push_back({e.offset, rows, cols});
+  }
+  return matrices;
+}
 
 #if KMAMBA_ENABLE_MPI
 template <class ExecutionSpace>
@@ -165,7 +186,8 @@ class DataParallel {
   /// Once per optimizer step, after the last micro-batch's backward: slab.grads() ← Σ over dp × sp
   /// (the buckets begin_reduction's backward did not reduce yet, or all of them). ZeRO-1
   /// reduce-scatters, so only this rank's shards (and the unsharded tail) are then valid. Local
-  /// steps: Σ over sp only, in fp32.
+  /// steps: Σ over sp only, in fp32. PowerSGD: the whole slab, its matrices compressed
+  /// (PowerSgd::reduce), on every rank, after the backward (begin_reduction arms nothing).
   void reduce_gradients(const ExecutionSpace& exec, const Slab& slab);
 
   /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
@@ -188,7 +210,8 @@ class DataParallel {
   void gather_moments(const ExecutionSpace& exec, const Tensor1<float, memory_space>& m,  // (slab size)
                       const Tensor1<float, memory_space>& v) const;                       // (slab size)
   /// Sets the moments from slab-layout moments held by every rank (a checkpoint), each rank keeping
-  /// its shards, and the step count to `steps`. No communication.
+  /// its shards, and the step count to `steps`; restarts PowerSGD (PowerSgd::reset: checkpoints do
+  /// not hold its per-rank error and Q). No communication.
   void load_moments(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& m,  // (slab size)
                     const ConstTensor1<float, memory_space>& v,                              // (slab size)
                     std::int64_t steps);
@@ -199,12 +222,16 @@ class DataParallel {
   CommunicationTimeline communication_timeline() const { return reducer_.timeline(); }
 
   std::int64_t steps_taken() const { return step_; }
+  /// The PowerSGD state (compression PowerSgd), else null.
+  const PowerSgd<ExecutionSpace>* powersgd() const { return powersgd_.get(); }
   /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1).
   const Tensor1<float, memory_space>& first_moment() const { return m_; }
   const Tensor1<float, memory_space>& second_moment() const { return v_; }
 
  private:
   void check_slab(const char* function, const Slab& slab) const;
+  // Checks the PowerSGD options against the others and makes powersgd_ over the dp × sp group.
+  void make_powersgd(const Slab& slab);
   double replica_grad_norm(const ExecutionSpace& exec, const Slab& slab) const;
   void average_replicas(const ExecutionSpace& exec, const Slab& slab) const;
   typename GradientReducer<ExecutionSpace>::Reduction reduction() const;
@@ -217,7 +244,8 @@ class DataParallel {
   DataParallelConfig config_;
   AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
-  GradientReducer<ExecutionSpace> sequence_reducer_;  // local steps: the sum over sp
+  GradientReducer<ExecutionSpace> sequence_reducer_;    // local steps: the sum over sp
+  std::unique_ptr<PowerSgd<ExecutionSpace>> powersgd_;  // compression PowerSgd: the dp × sp reduction
   std::size_t decay_end_;
   std::vector<std::pair<std::size_t, std::size_t>> counted_;  // slab ranges this rank counts in the norm
   Tensor1<float, memory_space> m_, v_;

@@ -52,12 +52,14 @@ constexpr std::size_t default_bucket_bytes = std::size_t{25} << 20;
 /// default_bucket_bytes of fp32 elements (at least one per rank).
 std::size_t default_bucket_elements(int ranks);
 
-/// How the gradient buckets travel: fp32, or rounded to bf16 once per rank and summed in fp32.
-enum class GradientCompression { None, Bf16 };
+/// How the data-parallel gradients travel: fp32; rounded to bf16 once per rank and summed in fp32;
+/// or as PowerSGD's low-rank factors with error feedback (PowerSgd.hpp; GradientReducer treats it
+/// as fp32: DataParallel reduces with PowerSgd instead).
+enum class GradientCompression { None, Bf16, PowerSgd };
 
-/// "none", "bf16".
+/// "none", "bf16", "powersgd".
 const char* gradient_compression_name(GradientCompression compression);
-/// The compression named `name` ("none" or "bf16"); anything else is a UserError naming `what`.
+/// The compression named `name` ("none", "bf16" or "powersgd"); anything else is a UserError naming `what`.
 GradientCompression parse_gradient_compression(const std::string& name, const std::string& what);
 
 class BucketLayout {
