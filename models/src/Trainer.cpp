@@ -346,10 +346,12 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   model_.zero_grads(exec_);
   double loss_sum = 0.0;
   const std::vector<TokenBatch>& runs = split_sequence ? segments : micro_batches;
+#if KMAMBA_ENABLE_MPI
   std::size_t last = runs.size();  // the last micro-batch that runs: its backward reduces the gradients
   for (std::size_t i = 0; i < runs.size(); ++i) {
     if (split_sequence || runs[i].predicted_tokens() > 0) last = i;
   }
+#endif
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const TokenBatch& b = runs[i];
     const std::int64_t tokens = b.predicted_tokens();

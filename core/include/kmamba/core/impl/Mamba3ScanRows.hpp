@@ -161,10 +161,11 @@ struct Mamba3SisoTokens {
 };
 
 /// Stage 2a (rotate): the rotated, biased q and k rows (where ws has them); the final k state at the last token; with
-/// `tok` allocated (SISO), the token's values in the SSD's layout, q_t·k_t from the rotated rows (a
-/// rotation keeps dot products). A row kernel over (batch, row = t·R + r, head), its lanes over
-/// slots: the first nangles slots are the rotated pairs of states (2j, 2j + 1), one angle's cosine
-/// and sine for both, the remaining slots the states from 2·nangles on, one each.
+/// `tok` allocated (SISO), the token's values in the SSD's layout, q_t·k_t. A rotation keeps dot
+/// products and q_t, k_t turn by the same angles, so q_t·k_t is the product of the biased rows as
+/// they are, and the angles' cosines and sines are taken only for rows that are stored. A row
+/// kernel over (batch, row = t·R + r, head), its lanes over slots: the first nangles slots are the
+/// rotated pairs of states (2j, 2j + 1), the remaining slots the states from 2·nangles on, one each.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3RotateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -174,32 +175,41 @@ struct Mamba3RotateFunctor {
   Mamba3StateViews<float, MemorySpace> final_states;
   Mamba3SisoTokens<MemorySpace> tok;
 
-  /// Stores the rotated q, k of state n (where ws has rows); returns their product.
-  KOKKOS_INLINE_FUNCTION float store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
+  /// Whether token t's rotated rows are stored (in ws, or as the final k state).
+  KOKKOS_INLINE_FUNCTION bool stores(int t) const {
+    return ws.q.is_allocated() || (t == plan.seqlen - 1 && final_states.has_k);
+  }
+
+  /// Stores the rotated q, k of state n (where ws has rows, and the final k state).
+  KOKKOS_INLINE_FUNCTION void store(int b, int h, int row, int t, int r, int n, float qv, float kv) const {
     if (ws.q.is_allocated()) {
       ws.q(b, row, h, n) = qv;
       ws.k(b, row, h, n) = kv;
     }
     if (t == plan.seqlen - 1 && final_states.has_k) final_states.k(b, h, r, n) = kv;
-    return qv * kv;
   }
 
+  /// Stores the slot's rotated rows where they are kept; returns the slot's part of q·k.
   KOKKOS_INLINE_FUNCTION float rotate_slot(int b, int h, int row, int t, int r, int g, int slot) const {
     if (slot >= plan.nangles) {
       const int n = slot + plan.nangles;
-      return store(b, h, row, t, r, n, in.q_in(b, t, r, g, n) + in.q_bias(h, r, n),
-                   in.k_in(b, t, r, g, n) + in.k_bias(h, r, n));
+      const float qv = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n), kv = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
+      if (stores(t)) store(b, h, row, t, r, n, qv, kv);
+      return qv * kv;
     }
     const int n0 = 2 * slot, n1 = n0 + 1;
-    const float theta = ws.theta(b, h, t, slot);
-    const float c = kmamba::math::cos(theta);
-    const float s = kmamba::math::sin(theta);
     const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0);
     const float q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
     const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
     const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
-    return store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s) +
-           store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
+    if (stores(t)) {
+      const float theta = ws.theta(b, h, t, slot);
+      const float c = kmamba::math::cos(theta);
+      const float s = kmamba::math::sin(theta);
+      store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
+      store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
+    }
+    return q0 * k0 + q1 * k1;
   }
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {

@@ -194,11 +194,19 @@ KOKKOS_INLINE_FUNCTION void store_items(float* row, int first, int end, const fl
   }
 }
 
+/// An exponent whose exp2 is 0 whatever δ·A·log2 e is added to it (finite, so that no product
+/// with it is NaN).
+constexpr float selective_scan_reset_exponent = -1.0e30f;
+
 /// The per-token inputs of one thread's tokens of a chunk (t = t0 + thread·Items + i; past the
-/// sequence: the identity map, u = δ = 0).
+/// sequence: the identity map, u = δ = 0): u, δ, δ·u, and the carry as an exponent, added to
+/// δ·A·log2 e before the exp2 (0, or selective_scan_reset_exponent where a packed sequence
+/// starts: a decay of 0), which costs the recurrence no multiply.
 template <int Items>
 struct SelectiveScanTokens {
-  float u[Items], delta[Items], carry[Items];
+  float u[Items], delta[Items], du[Items], carry_exponent[Items];
+  /// The decay of token i for a state of rate a = A·log2 e.
+  KOKKOS_INLINE_FUNCTION float decay(int i, float a) const { return exp2_approx(delta[i] * a + carry_exponent[i]); }
 };
 
 template <class MemorySpace, int Items>
@@ -210,7 +218,8 @@ KOKKOS_INLINE_FUNCTION void selective_scan_load_tokens(const SelectiveScanOperan
     const bool inside = first + i < seqlen;
     const float bias = in.has_delta_bias ? in.delta_bias(d) : 0.0f;
     tk.delta[i] = inside ? in.delta_value(tk.delta[i] + bias) : 0.0f;
-    tk.carry[i] = inside ? in.carry(b, first + i) : 1.0f;
+    tk.du[i] = tk.delta[i] * tk.u[i];
+    tk.carry_exponent[i] = inside && in.carry(b, first + i) == 0.0f ? selective_scan_reset_exponent : 0.0f;
   }
 }
 
@@ -255,8 +264,8 @@ struct SelectiveScanBlockForward {
           load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
           steps[s] = AffineStep::identity();
           for (int i = 0; i < K; ++i) {
-            decay[s][i] = tk[s].carry[i] * exp2_approx(tk[s].delta[i] * a);
-            input[s][i] *= tk[s].delta[i] * tk[s].u[i];
+            decay[s][i] = tk[s].decay(i, a);
+            input[s][i] *= tk[s].du[i];
             steps[s] = steps[s].then(AffineStep{decay[s][i], input[s][i]});
           }
         });
@@ -441,8 +450,8 @@ struct SelectiveScanBlockBackward {
       load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
       steps[s] = AffineStep::identity();
       for (int i = 0; i < K; ++i) {
-        decay[s][i] = tok[s].tk.carry[i] * exp2_approx(tok[s].tk.delta[i] * a);
-        steps[s] = steps[s].then(AffineStep{decay[s][i], tok[s].tk.delta[i] * tok[s].tk.u[i] * B[s][i]});
+        decay[s][i] = tok[s].tk.decay(i, a);
+        steps[s] = steps[s].then(AffineStep{decay[s][i], tok[s].tk.du[i] * B[s][i]});
       }
     });
     block_exclusive_scan<Shape, false>(ctx, steps, sh.totals, parity);
@@ -453,7 +462,7 @@ struct SelectiveScanBlockBackward {
       AffineStep back = AffineStep::identity();
       for (int i = 0; i < K; ++i) {
         hprev[s][i] = h;
-        h = decay[s][i] * h + tok[s].tk.delta[i] * tok[s].tk.u[i] * B[s][i];
+        h = decay[s][i] * h + tok[s].tk.du[i] * B[s][i];
         tok[s].y[i] += C[s][i] * h;
         sh.dC[n][i][th] += tok[s].g[i] * h;
       }
