@@ -1,5 +1,5 @@
-// The hardware's approximate transcendental functions for the chunk kernels' decays, gates and
-// rotations, with the exact functions of kmamba/core/Math.hpp on every backend without them.
+// The hardware's approximate transcendental functions for the chunk kernels' decays and gates,
+// with the exact functions of kmamba/core/Math.hpp on every backend without them.
 //
 // Where they are used, their results become operands of bf16 products or scale fp32 sums whose
 // terms already carry a relative error of 2^-9 (the bf16 rounding of their operands), so their
@@ -9,9 +9,7 @@
 // - exp_approx(x) = exp2_approx(x·log2 e): the rounding of the product adds a relative error of
 //   |x|·2^-24 (below 2^-14 for |x| < 1024; beyond that the decay underflows or the kernel's
 //   inputs are out of range anyway);
-// - sigmoid_approx, silu_approx: exp_approx and rcp.approx (relative error 2^-23);
-// - sincos_approx: sin.approx / cos.approx, absolute error about 2^-20.9 on [−π, π] and of the
-//   same order for the kernels' angles, which are reduced into [0, 2π).
+// - sigmoid_approx, silu_approx: exp_approx and rcp.approx (relative error 2^-23).
 #ifndef KMAMBA_CORE_IMPL_DEVICEMATH_HPP
 #define KMAMBA_CORE_IMPL_DEVICEMATH_HPP
 
@@ -58,17 +56,6 @@ KOKKOS_INLINE_FUNCTION float sigmoid_approx(const float x) {
 
 /// x · sigmoid(x).
 KOKKOS_INLINE_FUNCTION float silu_approx(const float x) { return x * sigmoid_approx(x); }
-
-/// sin(x) and cos(x).
-KOKKOS_INLINE_FUNCTION void sincos_approx(const float x, float& s, float& c) {
-#if defined(__CUDA_ARCH__)
-  asm("sin.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(x));
-  asm("cos.approx.ftz.f32 %0, %1;" : "=f"(c) : "f"(x));
-#else
-  s = kmamba::math::sin(x);
-  c = kmamba::math::cos(x);
-#endif
-}
 
 }  // namespace impl
 }  // namespace kmamba

@@ -148,7 +148,7 @@ struct SsdFusedBackwardFunctor {
   Tensor4<float, MemorySpace> dB_head;      // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> dC_head;      // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
-  bool paired = false;  // g, dx, dB_head and dC_head take 8-byte accesses at even columns
+  bool paired = false;                      // g, dx, dB_head and dC_head take 8-byte accesses at even columns
 
   struct Tiles {
     ScratchTile x, g, b, c, s, m, hin, ds;
@@ -472,10 +472,10 @@ void ssd_fused_chunk_backward(
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
     ssd_fused_backward_launch<N>(
-        exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
-                  in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial,
-                  ssd_pairs_aligned(g) && ssd_pairs_aligned(dx) && ssd_pairs_aligned(dB_head) &&
-                      ssd_pairs_aligned(dC_head)});
+        exec,
+        SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
+            in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial,
+            ssd_pairs_aligned(g) && ssd_pairs_aligned(dx) && ssd_pairs_aligned(dB_head) && ssd_pairs_aligned(dC_head)});
   };
   ssd_with_fused_dstate(plan.dstate, run);
 }

@@ -3,17 +3,18 @@
 // impl/WarpTile.hpp (tensor cores on Cuda, the portable form elsewhere).
 //
 // A team has 8 warps. Warp w keeps rows n ∈ [16w, 16w+16) of the transposed state Hᵀ (N × P,
-// fp32) in registers (dstate / 16 of the warps hold a block). Per chunk of Q = 32 tokens (t, s
-// index tokens of the chunk, p the head's channels, n the states):
-//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); x, z and C rows, then B rows,
-//            into the threads' registers; x and z to scratch as fp32, C and B as bf16; Hᵀ to
-//            scratch as bf16;
+// fp32) in registers (dstate / 16 of the warps hold a block). The chunk's rows arrive in scratch
+// as they are (fp32) by asynchronous copies (impl/AsyncCopy.hpp) issued during the chunk before:
+// C, B and the per-token values once phase 0 has read them, x and z once phase 2 has. Per chunk of
+// Q = 32 tokens (t, s index tokens of the chunk, p the head's channels, n the states):
+//   phase 0  δ_t and the inclusive cumsum cum_t of δ·a (warp 0); C and B rows from their copies
+//            to bf16 tiles; Hᵀ to scratch as bf16;
 //   phase 1  Xd[s][p] = bf16(δ_s·x[s][p]); warps 0, 1 (rows t ∈ [16w, 16w+16)):
 //            S[t][s] = exp(cum_t − cum_s)·Σ_n C[t][n]·B[s][n] for s ≤ t, 0 above, to scratch;
 //   phase 2  warp w: the output block t ∈ 16·(w/4) + [0, 16), p ∈ 16·(w%4) + [0, 16):
 //            Y[t][p] = exp(cum_t)·Σ_n C[t][n]·Hᵀ[n][p] + Σ_s S[t][s]·Xd[s][p], and
-//            out = (Y + D·x)·silu(z) to global memory (x and z from scratch, pairs of channels
-//            per store); all threads: B[s][n] *= exp(cum_{Q−1} − cum_s);
+//            out = (Y + D·x)·silu(z) to global memory (pairs of channels per store); all threads:
+//            B[s][n] *= exp(cum_{Q−1} − cum_s);
 //   phase 3  Hᵀ[n][p] = exp(cum_{Q−1})·Hᵀ[n][p] + Σ_s B[s][n]·Xd[s][p].
 // The code takes any Q that is a multiple of 32 (a warp's lanes scan 32 tokens at a time). Q is 32:
 // the score accumulators hold Q columns, and at two teams per SM a thread has 128 registers, which
@@ -29,15 +30,17 @@
 // skip factor per token in place of D, and the output before the gate.
 //
 // Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
-// decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32; the decays, the
-// gate and the Mamba-3 rotation take the hardware's approximate functions (impl/DeviceMath.hpp),
-// whose errors are far below the operands' rounding. Against exact
+// decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32; the decays and
+// the gate take the hardware's approximate functions (impl/DeviceMath.hpp), whose errors are far
+// below the operands' rounding. The Mamba-3 rotation takes the exact sine and cosine, as the
+// rotate stage that forms per-head rows does, so that both paths round the same values to bf16. Against exact
 // arithmetic the output carries a relative error of order 2^-8 of the magnitudes summed (each
 // product term has operands within 2^-9 relative of their exact values).
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
 #define KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
 
 #include <kmamba/core/Activations.hpp>
+#include <kmamba/core/impl/AsyncCopy.hpp>
 #include <kmamba/core/impl/DeviceMath.hpp>
 #include <kmamba/core/impl/SsdOperands.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
@@ -61,22 +64,29 @@ constexpr int ssd_fused_warps = 8;
 
 /// Scratch layout of the fused forward for N states: the product operands bf16 with rows padded
 /// by 8 (C and B as [Q][N + 8], Xd as [Q][P + 8], Hᵀ as [N][P + 8], S as [Q][Q + 8]); the chunk's
-/// x and z rows as fp32 [Q][P + 8] (the output's skip term and gate); then δ, cum,
-/// exp(cum_{Q−1} − cum), exp(cum) and the skip factor as Q floats each.
+/// rows as copied, fp32 (x and z as [Q][P + 8], C and B as [Q][N + 4], the Mamba-3 angles as
+/// [Q][N / 2]); then the per-token vectors: δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip
+/// factor, and the copied dt, log decay and skip factor, Q floats each.
 template <int N>
 struct SsdFusedLayout {
   static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
-  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8, ldf = P + 8;
-  static constexpr int vectors = 5;
+  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8, ldf = P + 8, ldr = N + 4, lda = N / 2;
+  static constexpr int vectors = 8;
   static constexpr std::size_t c_offset = 0, b_offset = c_offset + static_cast<std::size_t>(Q) * ldn;
   static constexpr std::size_t x_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
   static constexpr std::size_t h_offset = x_offset + static_cast<std::size_t>(Q) * ldp;
   static constexpr std::size_t s_offset = h_offset + static_cast<std::size_t>(N) * ldp;
-  static constexpr std::size_t xf_offset_bytes = (s_offset + static_cast<std::size_t>(Q) * ldq) * 2;
-  static constexpr std::size_t zf_offset_bytes = xf_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
-  static constexpr std::size_t vectors_offset_bytes = zf_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
+  static constexpr std::size_t xr_offset_bytes = (s_offset + static_cast<std::size_t>(Q) * ldq) * 2;
+  static constexpr std::size_t zr_offset_bytes = xr_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
+  static constexpr std::size_t cr_offset_bytes = zr_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
+  static constexpr std::size_t br_offset_bytes = cr_offset_bytes + static_cast<std::size_t>(Q) * ldr * sizeof(float);
+  static constexpr std::size_t angles_offset_bytes =
+      br_offset_bytes + static_cast<std::size_t>(Q) * ldr * sizeof(float);
+  static constexpr std::size_t vectors_offset_bytes =
+      angles_offset_bytes + static_cast<std::size_t>(Q) * lda * sizeof(float);
   static constexpr std::size_t bytes = vectors_offset_bytes + vectors * Q * sizeof(float);
-  static_assert(xf_offset_bytes % 16 == 0 && ldf * sizeof(float) % 16 == 0, "SsdFusedLayout: fp32 rows 16-byte aligned");
+  static_assert(xr_offset_bytes % 16 == 0 && ldf * sizeof(float) % 16 == 0 && ldr * sizeof(float) % 16 == 0,
+                "SsdFusedLayout: copied rows 16-byte aligned");
 };
 
 /// Four consecutive floats from global memory (16-byte aligned on Cuda).
@@ -137,16 +147,6 @@ KOKKOS_INLINE_FUNCTION void ssd_store4_bf16(std::uint16_t* dst, const float (&v)
   *reinterpret_cast<std::uint64_t*>(dst) = lo | (hi << 32);
 }
 
-/// Asks for the 128-byte line holding p to be brought into L2 (Cuda; nothing elsewhere): the next
-/// chunk's rows are fetched while this one computes, so that its loads hit L2.
-KOKKOS_INLINE_FUNCTION void ssd_prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-#else
-  (void)p;
-#endif
-}
-
 /// A thread's share of a (Rows × Cols) fp32 tile of rows from global memory: float4 k of the thread
 /// is element (t, n) = (i / (Cols/4), 4·(i % (Cols/4))) with i = thread + k·Threads (when i is within
 /// the tile). Loading all of
@@ -180,14 +180,6 @@ struct SsdRowShare {
       if (i < items && t < len) f(t, n, v[k]);
     }
   }
-  /// The rows as loaded, fp32, to rows of `ld` floats at base (16-byte aligned).
-  KOKKOS_INLINE_FUNCTION void store_f32(int thread, float* base, int ld) const {
-    KMAMBA_TILE_UNROLL
-    for (int k = 0; k < count; ++k) {
-      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
-      if (i < items) ssd_copy16(v[k], base + t * ld + n);
-    }
-  }
   /// Row t times scale(t), as bf16 into the tile.
   template <class Scale>
   KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
@@ -211,13 +203,13 @@ struct SsdFusedHeadOperands {
   ConstTensor3<float, MemorySpace> token_skip;  // (batch, seqlen, nheads): the skip factor in place of D[h]
   Tensor4<float, MemorySpace> ungated;          // (batch, seqlen, nheads, headdim): the output before the gate
 
-  /// States n … n + 3 (n a multiple of 4) of token t's row, biased and rotated for head h.
-  KOKKOS_INLINE_FUNCTION void rotate(const ConstTensor2<float, MemorySpace>& bias, int b, int h, int t, int n,
+  /// States n … n + 3 (n a multiple of 4) of a token's row, biased and rotated for head h by the
+  /// token's angles (angles[i]: θ_i).
+  KOKKOS_INLINE_FUNCTION void rotate(const ConstTensor2<float, MemorySpace>& bias, int h, int n, const float* angles,
                                      float (&v)[4]) const {
     for (int e = 0; e < 4; ++e) v[e] += bias(h, n + e);
     for (int j = 0; j < 2 && n / 2 + j < nangles; ++j) {
-      float s, c;
-      sincos_approx(theta(b, h, t, n / 2 + j), s, c);
+      const float s = kmamba::math::sin(angles[n / 2 + j]), c = kmamba::math::cos(angles[n / 2 + j]);
       const float v0 = v[2 * j], v1 = v[2 * j + 1];
       v[2 * j] = v0 * c - v1 * s;
       v[2 * j + 1] = v0 * s + v1 * c;
@@ -244,12 +236,13 @@ struct SsdFusedForwardFunctor {
   using Team = WarpTeam<tensor_cores, ssd_fused_warps>;
   static constexpr int slots = Team::warps_per_thread;
   static constexpr int token_blocks = Q / warp_tile_rows, channel_blocks = P / warp_tile_rows;
-  static_assert(state_blocks <= ssd_fused_warps && token_blocks <= ssd_fused_warps &&
+  static_assert(state_blocks <= ssd_fused_warps && token_blocks * (token_blocks + 1) / 2 <= ssd_fused_warps &&
                     channel_blocks * token_blocks % ssd_fused_warps == 0 && ssd_fused_warps % channel_blocks == 0 &&
                     Q % warp_tile_lanes == 0,
-                "SsdFusedForwardFunctor: one state block and one score row block per warp, output blocks evenly");
-  using StateAccum = WarpAccum<P, tensor_cores>;             // 16 rows of Hᵀ
-  using ScoreAccum = WarpAccum<Q, tensor_cores>;             // 16 rows of S
+                "SsdFusedForwardFunctor: one state block and one score block per warp, output blocks evenly");
+  using StateAccum = WarpAccum<P, tensor_cores>;               // 16 rows of Hᵀ
+  using ScoreAccum = WarpAccum<warp_tile_rows, tensor_cores>;  // a 16 × 16 block of S
+  static constexpr int score_blocks = token_blocks * (token_blocks + 1) / 2;
   using OutAccum = WarpAccum<warp_tile_rows, tensor_cores>;  // a 16 × 16 block of Y
 
   SsdOperands<MemorySpace> in;
@@ -262,13 +255,11 @@ struct SsdFusedForwardFunctor {
 
   struct Tiles {
     ScratchTile c, b, x, h, s;
-    float* xf;  // x rows, fp32 (Layout::ldf)
-    float* zf;  // z rows, fp32 (Layout::ldf)
-    float* delta;
-    float* cum;
-    float* decay_to_end;
-    float* exp_cum;
-    float* skip;
+    float *xr, *zr;  // the chunk's x and z rows as copied (Layout::ldf)
+    float *cr, *br;  // its C and B rows as copied (Layout::ldr)
+    float* angles;   // its Mamba-3 angles as copied (Layout::lda)
+    float *delta, *cum, *decay_to_end, *exp_cum, *skip;
+    float *dt_raw, *log_decay_raw, *skip_raw;  // as copied
   };
 
   KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
@@ -279,19 +270,33 @@ struct SsdFusedForwardFunctor {
                  ScratchTile{u16 + Layout::x_offset, Layout::ldp},
                  ScratchTile{u16 + Layout::h_offset, Layout::ldp},
                  ScratchTile{u16 + Layout::s_offset, Layout::ldq},
-                 reinterpret_cast<float*>(base + Layout::xf_offset_bytes),
-                 reinterpret_cast<float*>(base + Layout::zf_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::xr_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::zr_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::cr_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::br_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::angles_offset_bytes),
                  vec,
                  vec + Q,
                  vec + 2 * Q,
                  vec + 3 * Q,
-                 vec + 4 * Q};
+                 vec + 4 * Q,
+                 vec + 5 * Q,
+                 vec + 6 * Q,
+                 vec + 7 * Q};
   }
 
-  /// δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip factor: one token per lane of warp 0 on
-  /// tensor cores, thread 0 otherwise (`rate` = in.decay_rate(h)).
-  KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int b, int h, int t0, int len,
-                                           float rate) const {
+  /// δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip factor from the copied per-token values:
+  /// one token per lane of warp 0 on tensor cores, thread 0 otherwise (`rate` = in.decay_rate(h)).
+  KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int h, int len, float rate) const {
+    const float dt_bias = in.has_dt_bias ? in.dt_bias(h) : 0.0f;
+    const auto delta_of = [&](int t) { return t < len ? in.dt_value(sm.dt_raw[t] + dt_bias) : 0.0f; };
+    const auto log_decay_of = [&](int t, float d) {
+      return t < len ? (in.has_log_decay ? sm.log_decay_raw[t] : d * rate) : 0.0f;
+    };
+    const auto skip_of = [&](int t) {
+      if (StatesOnly || t >= len) return 0.0f;
+      return head.token_skip.is_allocated() ? sm.skip_raw[t] : in.skip(h);
+    };
     if constexpr (tensor_cores) {
       if (thread >= warp_tile_lanes) return;
       constexpr int parts = Q / warp_tile_lanes;
@@ -299,9 +304,8 @@ struct SsdFusedForwardFunctor {
       KMAMBA_TILE_UNROLL
       for (int k = 0; k < parts; ++k) {
         const int t = thread + k * warp_tile_lanes;
-        d[k] = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
-        const float log_decay = t < len ? in.token_log_decay(b, t0 + t, h, d[k], rate) : 0.0f;
-        cum[k] = carry + warp_inclusive_sum(log_decay, thread);
+        d[k] = delta_of(t);
+        cum[k] = carry + warp_inclusive_sum(log_decay_of(t, d[k]), thread);
         carry = warp_broadcast(cum[k], warp_tile_lanes - 1);
       }
       KMAMBA_TILE_UNROLL
@@ -311,58 +315,98 @@ struct SsdFusedForwardFunctor {
         sm.cum[t] = cum[k];
         sm.decay_to_end[t] = exp_approx(carry - cum[k]);
         sm.exp_cum[t] = exp_approx(cum[k]);
-        sm.skip[t] = token_skip(b, t0 + t, h, t < len);
+        sm.skip[t] = skip_of(t);
       }
     } else {
       float cum = 0.0f;
       for (int t = 0; t < Q; ++t) {
-        const float d = t < len ? in.dt_value(in.dt_pre(b, t0 + t, h)) : 0.0f;
-        if (t < len) cum += in.token_log_decay(b, t0 + t, h, d, rate);
+        const float d = delta_of(t);
+        cum += log_decay_of(t, d);
         sm.delta[t] = d;
         sm.cum[t] = cum;
         sm.exp_cum[t] = exp_approx(cum);
-        sm.skip[t] = token_skip(b, t0 + t, h, t < len);
+        sm.skip[t] = skip_of(t);
       }
       for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = exp_approx(cum - sm.cum[t]);
     }
   }
 
-  /// The skip factor of token t: the caller's per-token factor or D[h] (0 past the sequence).
-  KOKKOS_INLINE_FUNCTION float token_skip(int b, int t, int h, bool inside) const {
-    if (StatesOnly || !inside) return 0.0f;
-    return head.token_skip.is_allocated() ? head.token_skip(b, t, h) : in.skip(h);
+  /// Rows t < len of a copied fp32 tile (Q × Cols, `ld` floats a row) through f(t, n, v) on each
+  /// float4 v (states n … n + 3), then every row to a bf16 tile.
+  template <int Cols, class F>
+  KOKKOS_INLINE_FUNCTION static void convert_rows(int thread, int len, const float* raw, int ld,
+                                                  const ScratchTile& tile, const F& f) {
+    constexpr int per_row = Cols / 4, items = Q * per_row;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i >= items) continue;
+      float v[4];
+      ssd_load4(raw + t * ld + n, v);
+      if (t < len) f(t, n, v);
+      ssd_store4_bf16(&tile.at(t, n), v, 1.0f);
+    }
   }
 
-  /// Phase 0: the decays, C and B to scratch as bf16, the x and z rows to scratch as fp32, Hᵀ to
-  /// scratch. B's rows are loaded after C's are stored, which keeps the registers of one of them
-  /// live at a time (the loads hit L2: prefetch_chunk).
-  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int b, int h, int g, int t0, int len, float rate,
+  /// Phase 0: the decays; C and B from their copies to bf16 tiles (biased and rotated per head
+  /// when the caller gave angles); Hᵀ to scratch.
+  KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int h, int len, float rate,
                                           const StateAccum (&H)[slots]) const {
-    const auto one = [](int) { return 1.0f; };
-    {
-      SsdRowShare<Q, P, Team::threads> xs, zs;
-      SsdRowShare<Q, N, Team::threads> cs;
-      xs.load(thread, len, [&](int t) { return &in.x(b, t0 + t, h, 0); });
-      if (gated()) zs.load(thread, len, [&](int t) { return &in.z(b, t0 + t, h, 0); });
-      cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, g, 0); });
-      xs.store_f32(thread, sm.xf, Layout::ldf);
-      if (gated()) zs.store_f32(thread, sm.zf, Layout::ldf);
-      if (head.theta.is_allocated()) {
-        cs.transform(thread, len, [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_C, b, h, t0 + t, n, v); });
-      }
-      stage_decays(sm, thread, b, h, t0, len, rate);
-      cs.store(thread, sm.c, one);
-    }
-    SsdRowShare<Q, N, Team::threads> bs;
-    bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, g, 0); });
-    if (head.theta.is_allocated()) {
-      bs.transform(thread, len, [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_B, b, h, t0 + t, n, v); });
-    }
-    bs.store(thread, sm.b, one);
+    stage_decays(sm, thread, h, len, rate);
+    const bool rotated = head.theta.is_allocated();
+    convert_rows<N>(thread, len, sm.cr, Layout::ldr, sm.c, [&](int t, int n, float(&v)[4]) {
+      if (rotated) head.rotate(head.bias_C, h, n, sm.angles + t * Layout::lda, v);
+    });
+    convert_rows<N>(thread, len, sm.br, Layout::ldr, sm.b, [&](int t, int n, float(&v)[4]) {
+      if (rotated) head.rotate(head.bias_B, h, n, sm.angles + t * Layout::lda, v);
+    });
     if (!StatesOnly) {
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {
         if (w < state_blocks) warp_store_bf16(H[slot], lane, sm.h.offset(warp_tile_rows * w, 0));
       });
+    }
+  }
+
+  /// Copies of chunk c's C and B rows, dt, log decays, skip factors and angles (as the operands
+  /// have them) into scratch; rows past the sequence read as zero.
+  KOKKOS_INLINE_FUNCTION void copy_rows(const Tiles& sm, int thread, int b, int h, int g, int c) const {
+    const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+    constexpr int per_row = N / 4;
+    for (int i = thread; i < Q * per_row; i += Team::threads) {
+      const int t = i / per_row, n = 4 * (i % per_row);
+      const bool valid = t < len;
+      async_copy16(sm.cr + t * Layout::ldr + n, valid ? &in.C(b, t0 + t, g, n) : in.C.data(), valid);
+      async_copy16(sm.br + t * Layout::ldr + n, valid ? &in.B(b, t0 + t, g, n) : in.B.data(), valid);
+    }
+    const bool skips = !StatesOnly && head.token_skip.is_allocated();
+    for (int t = thread; t < Q; t += Team::threads) {
+      const bool valid = t < len;
+      async_copy4(sm.dt_raw + t, valid ? &in.dt(b, t0 + t, h) : in.dt.data(), valid);
+      if (in.has_log_decay) {
+        async_copy4(sm.log_decay_raw + t, valid ? &in.log_decay(b, t0 + t, h) : in.log_decay.data(), valid);
+      }
+      if (skips) {
+        async_copy4(sm.skip_raw + t, valid ? &head.token_skip(b, t0 + t, h) : head.token_skip.data(), valid);
+      }
+    }
+    if (head.theta.is_allocated()) {
+      for (int i = thread; i < Q * head.nangles; i += Team::threads) {
+        const int t = i / head.nangles, a = i % head.nangles;
+        const bool valid = t < len;
+        async_copy4(sm.angles + t * Layout::lda + a, valid ? &head.theta(b, h, t0 + t, a) : head.theta.data(), valid);
+      }
+    }
+  }
+
+  /// Copies of chunk c's x rows (and z rows when gated) into scratch; past the sequence zero.
+  KOKKOS_INLINE_FUNCTION void copy_inputs(const Tiles& sm, int thread, int b, int h, int c) const {
+    const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
+    constexpr int per_row = P / 4;
+    for (int i = thread; i < Q * per_row; i += Team::threads) {
+      const int t = i / per_row, p = 4 * (i % per_row);
+      const bool valid = t < len;
+      async_copy16(sm.xr + t * Layout::ldf + p, valid ? &in.x(b, t0 + t, h, p) : in.x.data(), valid);
+      if (gated()) async_copy16(sm.zr + t * Layout::ldf + p, valid ? &in.z(b, t0 + t, h, p) : in.z.data(), valid);
     }
   }
 
@@ -377,23 +421,35 @@ struct SsdFusedForwardFunctor {
       const int i = thread + k * Team::threads, s = i / (P / 4), p = 4 * (i % (P / 4));
       if (i >= items) continue;
       float v[4];
-      ssd_load4(sm.xf + s * Layout::ldf + p, v);
+      ssd_load4(sm.xr + s * Layout::ldf + p, v);
       ssd_store4_bf16(&sm.x.at(s, p), v, sm.delta[s]);
     }
   }
 
-  /// Phase 1 of warps 0 and 1: the decayed C·Bᵀ of their 16 tokens, to scratch.
+  /// Phase 1 of warp w < score_blocks: the w-th 16 × 16 block (tb, sb), sb ≤ tb, of the decayed
+  /// C·Bᵀ in row order, to scratch (one block per warp, so that the phase takes one block's time).
   KOKKOS_INLINE_FUNCTION void scores(const Tiles& sm, int w, int lane) const {
-    if (w >= Q / warp_tile_rows) return;
+    if (w >= score_blocks) return;
+    int tb = 0;
+    while ((tb + 1) * (tb + 2) / 2 <= w) ++tb;
+    const int sb = w - tb * (tb + 1) / 2;
     ScoreAccum S;
     warp_fill(S, lane, 0.0f);
-    warp_mma<ALayout::MK, BLayout::NK, N, false>(S, lane, sm.c.offset(warp_tile_rows * w, 0), sm.b,
-                                                 warp_tile_rows * (w + 1));
-    S.for_each(lane, [&](int r, int s, float& v) {
-      const int t = warp_tile_rows * w + r;
+    warp_mma<ALayout::MK, BLayout::NK, N, false>(S, lane, sm.c.offset(warp_tile_rows * tb, 0),
+                                                 sm.b.offset(warp_tile_rows * sb, 0), warp_tile_rows);
+    S.for_each(lane, [&](int r, int c, float& v) {
+      const int t = warp_tile_rows * tb + r, s = warp_tile_rows * sb + c;
       v = s <= t ? v * exp_approx(sm.cum[t] - sm.cum[s]) : 0.0f;
     });
-    warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * w, 0));
+    warp_store_bf16(S, lane, sm.s.offset(warp_tile_rows * tb, warp_tile_rows * sb));
+  }
+
+  /// The blocks of S above the diagonal: zero in every chunk, written once.
+  KOKKOS_INLINE_FUNCTION void zero_upper_scores(const Tiles& sm, int thread) const {
+    for (int i = thread; i < Q * Q; i += Team::threads) {
+      const int t = i / Q, s = i % Q;
+      if (s / warp_tile_rows > t / warp_tile_rows) sm.s.at(t, s) = 0;
+    }
   }
 
   /// Phase 2 of warp w: its 16 × 16 blocks of the output, to global memory.
@@ -417,12 +473,12 @@ struct SsdFusedForwardFunctor {
     Y.for_each_pair(lane, [&](int r, int c, float& v0, float& v1) {
       const int t = warp_tile_rows * tb + r, p = warp_tile_rows * pb + c;
       if (t >= len) return;
-      const float* x = sm.xf + t * Layout::ldf + p;
+      const float* x = sm.xr + t * Layout::ldf + p;
       const float skip = sm.skip[t];
       float y0 = v0 + skip * x[0], y1 = v1 + skip * x[1];
       if (head.ungated.is_allocated()) ssd_store2(&head.ungated(b, t0 + t, h, p), y0, y1, paired_stores);
       if (in.has_z) {
-        const float* z = sm.zf + t * Layout::ldf + p;
+        const float* z = sm.zr + t * Layout::ldf + p;
         y0 *= silu_approx(z[0]);
         y1 *= silu_approx(z[1]);
       }
@@ -449,28 +505,6 @@ struct SsdFusedForwardFunctor {
     const float chunk_decay = sm.exp_cum[Q - 1];
     H.for_each(lane, [&](int, int, float& v) { v *= chunk_decay; });
     warp_mma<ALayout::KM, BLayout::KN, Q, false>(H, lane, sm.b.offset(0, warp_tile_rows * w), sm.x, P);
-  }
-
-  /// The prefetch of chunk c's rows (C, B, x, z, dt) towards L2.
-  KOKKOS_INLINE_FUNCTION void prefetch_chunk(int thread, int b, int h, int g, int c) const {
-    const int t0 = c * Q;
-    const int len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
-    constexpr int lines_bc = N * 4 / 128 > 0 ? N * 4 / 128 : 1, lines_x = P * 4 / 128;
-    for (int i = thread; i < len * (2 * lines_bc + 2 * lines_x + 1); i += Team::threads) {
-      const int t = i % len, k = i / len;
-      if (k < lines_bc) {
-        ssd_prefetch_l2(&in.C(b, t0 + t, g, 0) + 32 * k);
-      } else if (k < 2 * lines_bc) {
-        ssd_prefetch_l2(&in.B(b, t0 + t, g, 0) + 32 * (k - lines_bc));
-      } else if (k < 2 * lines_bc + lines_x) {
-        ssd_prefetch_l2(&in.x(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc));
-      } else if (k < 2 * lines_bc + 2 * lines_x) {
-        if (in.has_z && !StatesOnly) ssd_prefetch_l2(&in.z(b, t0 + t, h, 0) + 32 * (k - 2 * lines_bc - lines_x));
-      } else {
-        ssd_prefetch_l2(&in.dt(b, t0 + t, h));
-        if (in.has_log_decay) ssd_prefetch_l2(&in.log_decay(b, t0 + t, h));
-      }
-    }
   }
 
   /// The state entering the team's first chunk (Hᵀ rows n of the warp's block).
@@ -515,13 +549,27 @@ struct SsdFusedForwardFunctor {
     const float rate = in.decay_rate(h);
     StateAccum H[slots];
     load_state(thread, b, h, seg, H);
+    const int c_begin = seg * segments.chunks;
     const int c_end = (seg + 1) * segments.chunks < plan.nchunks ? (seg + 1) * segments.chunks : plan.nchunks;
+    if (!StatesOnly) zero_upper_scores(sm, thread);
+    if (c_begin < c_end) {
+      copy_rows(sm, thread, b, h, g, c_begin);
+      async_commit();
+      copy_inputs(sm, thread, b, h, c_begin);
+      async_commit();
+    }
     float log_decay = 0.0f;
-    for (int c = seg * segments.chunks; c < c_end; ++c) {
+    for (int c = c_begin; c < c_end; ++c) {
       const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
-      if (c + 1 < c_end) prefetch_chunk(thread, b, h, g, c + 1);
-      stage_chunk(sm, thread, b, h, g, t0, len, rate, H);
+      async_wait<1>();  // chunk c's rows (its x and z may still be in flight)
       ctx.barrier();
+      stage_chunk(sm, thread, h, len, rate, H);
+      async_wait<0>();
+      ctx.barrier();
+      if (c + 1 < c_end) {
+        copy_rows(sm, thread, b, h, g, c + 1);
+        async_commit();
+      }
       scale_x(sm, thread);
       log_decay += sm.cum[Q - 1];
       if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { scores(sm, w, lane); });
@@ -529,8 +577,11 @@ struct SsdFusedForwardFunctor {
       if (!StatesOnly) Team::for_each_warp(thread, [&](int, int w, int lane) { output(sm, w, lane, b, h, t0, len); });
       decay_b(sm, thread);
       ctx.barrier();
+      if (c + 1 < c_end) {
+        copy_inputs(sm, thread, b, h, c + 1);
+        async_commit();
+      }
       Team::for_each_warp(thread, [&](int slot, int w, int lane) { update_state(sm, w, lane, H[slot]); });
-      ctx.barrier();
     }
     store_state(thread, b, h, seg, H);
     if (StatesOnly && thread == 0) segments.decay(b, h, seg) = kmamba::math::exp(log_decay);
