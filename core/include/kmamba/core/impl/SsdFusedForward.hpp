@@ -171,15 +171,6 @@ struct SsdRowShare {
       }
     }
   }
-  /// f(t, n, v) on each loaded float4 v of a row t < len (v: states n … n + 3 of row t).
-  template <class F>
-  KOKKOS_INLINE_FUNCTION void transform(int thread, int len, const F& f) {
-    KMAMBA_TILE_UNROLL
-    for (int k = 0; k < count; ++k) {
-      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
-      if (i < items && t < len) f(t, n, v[k]);
-    }
-  }
   /// Row t times scale(t), as bf16 into the tile.
   template <class Scale>
   KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
@@ -288,7 +279,7 @@ struct SsdFusedForwardFunctor {
   /// δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip factor from the copied per-token values:
   /// one token per lane of warp 0 on tensor cores, thread 0 otherwise (`rate` = in.decay_rate(h)).
   KOKKOS_INLINE_FUNCTION void stage_decays(const Tiles& sm, int thread, int h, int len, float rate) const {
-    const float dt_bias = in.has_dt_bias ? in.dt_bias(h) : 0.0f;
+    const float dt_bias = in.dt_bias_of(h);
     const auto delta_of = [&](int t) { return t < len ? in.dt_value(sm.dt_raw[t] + dt_bias) : 0.0f; };
     const auto log_decay_of = [&](int t, float d) {
       return t < len ? (in.has_log_decay ? sm.log_decay_raw[t] : d * rate) : 0.0f;

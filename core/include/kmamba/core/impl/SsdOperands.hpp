@@ -77,10 +77,10 @@ struct SsdOperands {
         dt_min(args.dt_min),
         dt_max(args.dt_max) {}
 
+  /// dt_bias[h], or 0 without one.
+  KOKKOS_INLINE_FUNCTION float dt_bias_of(int h) const { return has_dt_bias ? dt_bias(h) : 0.0f; }
   /// dt + dt_bias, before the softplus.
-  KOKKOS_INLINE_FUNCTION float dt_pre(int b, int t, int h) const {
-    return dt(b, t, h) + (has_dt_bias ? dt_bias(h) : 0.0f);
-  }
+  KOKKOS_INLINE_FUNCTION float dt_pre(int b, int t, int h) const { return dt(b, t, h) + dt_bias_of(h); }
   /// softplus (when asked for), before the clamp.
   KOKKOS_INLINE_FUNCTION float dt_unclamped(float pre) const { return dt_softplus ? softplus(pre) : pre; }
   /// δ = clamp(softplus(dt + dt_bias), dt_min, dt_max).
