@@ -180,20 +180,23 @@ TEST(ScalingModel, TensorAndSequenceParallelPredictionsByHand) {
   EXPECT_EQ(t.dp, 4);
   EXPECT_NEAR(t.compute, 0.6 * (head + (1 - head) / 4), 1e-12);
   EXPECT_NEAR(t.tp_comm, 96 * (20e-6 + 8192.0 * 1024 * 4 * 1.5 / 150e9), 1e-12);
-  const double local = (P - R) / 4 + R;  // 130.7M elements: 20 buckets of 6 553 600
+  // The layers split, the block norms (48 · 1024), the embedding and the final norm replicated:
+  // 130.7M elements, 20 buckets of 6 553 600.
+  const double block_norms = 48.0 * 1024, local = (P - R - block_norms) / 4 + R + block_norms;
   ASSERT_EQ(std::ceil(local / 6553600), 20.0);
   const double Mt = 4 * local;
   // Per bucket RS over 2 ranks (factor 1/2) + AR over 2 nodes of a half bucket + AG over 2 ranks.
   EXPECT_NEAR(t.dp_comm, 20 * (10e-6 + 30e-6 + 12e-6) + Mt / 2 / 100e9 + Mt / 2 / 50e9 + Mt / 2 / 200e9, 1e-12);
   EXPECT_NEAR(t.tokens_per_step, 4 * 8192.0, 0);
 
-  // sp 8 at 65536 tokens on 16 GPUs: each GPU 8192 tokens (the measured step's); 7 hops inside a
-  // node, each per direction 3·(d_conv − 1) halo columns and one state, serial part 0.1·0.6/48.
+  // sp 8 at 65536 tokens on 16 GPUs: each GPU 8192 tokens (the measured step's) and the state
+  // correction, 0.25 of the scans' share 0.1; per layer and direction ⌈log₂ 8⌉ = 3 state messages of
+  // 32·(1 + 64·128) fp32 values and 7 conv-halo hops of 3·(2048 + 2·128), inside a node.
   const kmamba::perf::Prediction q = kmamba::perf::predict_sp(comm, work, 16, 8, 65536);
   EXPECT_EQ(q.dp, 2);
-  EXPECT_NEAR(q.compute, 0.6, 1e-12);
-  const double hop = 4 * 8e-6 + 4.0 * 3 * (2048 + 2 * 128) / 100e9 + 4.0 * 32 * 64 * 128 / 100e9;
-  EXPECT_NEAR(q.sp_comm, 7 * (0.1 * 0.6 / 48) + 2 * 7 * hop, 1e-12);
+  EXPECT_NEAR(q.compute, 0.6 * (1 + 0.25 * 0.1), 1e-12);
+  const double state = 8e-6 + 4.0 * 32 * (1 + 64 * 128) / 100e9, halo = 8e-6 + 4.0 * 3 * (2048 + 2 * 128) / 100e9;
+  EXPECT_NEAR(q.sp_comm, 48 * 2 * (3 * state + 7 * halo), 1e-12);
   EXPECT_NEAR(q.tokens_per_step, 2 * 65536.0, 0);
   EXPECT_THROW(kmamba::perf::predict_tp(comm, work, 16, 16), kmamba::UserError);  // tp beyond a node
 }
