@@ -77,6 +77,78 @@ std::string preset_names() {
   return names;
 }
 
+// --step-json, --kernel-json, --comm and the assumed links.
+void declare_measurements(CLI::App& cli, Options& o) {
+  using kmamba::app::number_in;
+  using kmamba::app::unbounded;
+  const auto positive = number_in(0, unbounded, kmamba::app::Ends::LowOpen);
+  CLI::Validator existing = CLI::ExistingFile;
+  existing.description("");  // the placeholder FILE names the kind of value
+  const char* measured = "measurements (default: built in, an H100)";
+  cli.add_option("--step-json", o.step_json, "a kmamba-perf-train --json file: one GPU's training step")
+      ->type_name("FILE")
+      ->check(existing)
+      ->group(measured);
+  cli.add_option("--kernel-json", o.kernel_json, "a kmamba-perf --json file: the scans' forward and backward")
+      ->type_name("FILE")
+      ->check(existing)
+      ->group(measured);
+  cli.add_option("--comm", o.comm, "kmamba-perf-comm --json sweeps of one node (default: --intra-bw, --intra-alpha)")
+      ->type_name("FILE")
+      ->check(existing)
+      ->group(measured);
+  cli.add_option("--intra-bw", o.intra_bw_gbps, "without --comm: bus bandwidth inside a node, GB/s (assumed; 300)")
+      ->type_name("GBPS")
+      ->check(positive)
+      ->group(measured);
+  cli.add_option("--intra-alpha", o.intra_alpha_us, "without --comm: latency inside a node, us (assumed; 10)")
+      ->type_name("US")
+      ->check(number_in(0, unbounded))
+      ->group(measured);
+  cli.add_option("--inter-bw", o.inter_bw_gbps, "bandwidth between nodes per GPU, GB/s (assumed; 50)")
+      ->type_name("GBPS")
+      ->check(positive)
+      ->group(measured);
+  cli.add_option("--inter-alpha", o.inter_alpha_us, "latency between nodes per message step, us (assumed; 15)")
+      ->type_name("US")
+      ->check(number_in(0, unbounded))
+      ->group(measured);
+}
+
+// --pp --tp --sp --grad-accum --zero-stage --activation-checkpointing --compression --powersgd-rank.
+void declare_limits(CLI::App& cli, Options& o) {
+  using kmamba::app::integer_in;
+  using kmamba::app::one_of;
+  const auto count = integer_in(1, kmamba::app::int_max);
+  const char* limits = "the plans considered (default: all that fit)";
+  for (auto [name, values] : {std::make_pair("--pp", &o.pp), std::make_pair("--tp", &o.tp),
+                              std::make_pair("--sp", &o.sp), std::make_pair("--grad-accum", &o.grad_accum)}) {
+    cli.add_option(name, *values, "allowed sizes, e.g. 1,2")
+        ->type_name("LIST")
+        ->delimiter(',')
+        ->check(count)
+        ->group(limits);
+  }
+  cli.add_option("--zero-stage", o.zero, "allowed ZeRO stages (0, 1)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(integer_in(0, 1))
+      ->group(limits);
+  cli.add_option("--activation-checkpointing", o.checkpointing, "on, off or auto (default: both considered)")
+      ->type_name("C")
+      ->check(one_of({"auto", "on", "off"}))
+      ->group(limits);
+  cli.add_option("--compression", o.compression, "allowed gradient compressions (default none,bf16,powersgd)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(one_of({"none", "bf16", "powersgd"}))
+      ->group(limits);
+  cli.add_option("--powersgd-rank", o.powersgd_rank, "PowerSGD's rank (default 4)")
+      ->type_name("R")
+      ->check(count)
+      ->group(limits);
+}
+
 void declare(CLI::App& cli, Options& o) {
   using kmamba::app::integer_in;
   using kmamba::app::number_in;
@@ -105,62 +177,8 @@ void declare(CLI::App& cli, Options& o) {
   cli.add_option("--precision", o.precision, "kmamba-train's --precision of the run (default bf16)")
       ->type_name("P")
       ->check(one_of({"fp32", "tf32", "bf16"}));
-  const char* measured = "measurements (default: built in, an H100)";
-  cli.add_option("--step-json", o.step_json, "a kmamba-perf-train --json file: one GPU's training step")
-      ->type_name("FILE")
-      ->check(CLI::ExistingFile)
-      ->group(measured);
-  cli.add_option("--kernel-json", o.kernel_json, "a kmamba-perf --json file: the scans' forward and backward")
-      ->type_name("FILE")
-      ->check(CLI::ExistingFile)
-      ->group(measured);
-  cli.add_option("--comm", o.comm, "kmamba-perf-comm --json sweeps of one node (default: --intra-bw, --intra-alpha)")
-      ->type_name("FILE")
-      ->check(CLI::ExistingFile)
-      ->group(measured);
-  cli.add_option("--intra-bw", o.intra_bw_gbps, "without --comm: bus bandwidth inside a node, GB/s (assumed; 300)")
-      ->type_name("GBPS")
-      ->check(positive)
-      ->group(measured);
-  cli.add_option("--intra-alpha", o.intra_alpha_us, "without --comm: latency inside a node, us (assumed; 10)")
-      ->type_name("US")
-      ->check(number_in(0, unbounded))
-      ->group(measured);
-  cli.add_option("--inter-bw", o.inter_bw_gbps, "bandwidth between nodes per GPU, GB/s (assumed; 50)")
-      ->type_name("GBPS")
-      ->check(positive)
-      ->group(measured);
-  cli.add_option("--inter-alpha", o.inter_alpha_us, "latency between nodes per message step, us (assumed; 15)")
-      ->type_name("US")
-      ->check(number_in(0, unbounded))
-      ->group(measured);
-  const char* limits = "the plans considered (default: all that fit)";
-  for (auto [name, values] : {std::make_pair("--pp", &o.pp), std::make_pair("--tp", &o.tp),
-                              std::make_pair("--sp", &o.sp), std::make_pair("--grad-accum", &o.grad_accum)}) {
-    cli.add_option(name, *values, "allowed sizes, e.g. 1,2")
-        ->type_name("LIST")
-        ->delimiter(',')
-        ->check(count)
-        ->group(limits);
-  }
-  cli.add_option("--zero-stage", o.zero, "allowed ZeRO stages (0, 1)")
-      ->type_name("LIST")
-      ->delimiter(',')
-      ->check(integer_in(0, 1))
-      ->group(limits);
-  cli.add_option("--activation-checkpointing", o.checkpointing, "on, off or auto (default: both considered)")
-      ->type_name("C")
-      ->check(one_of({"auto", "on", "off"}))
-      ->group(limits);
-  cli.add_option("--compression", o.compression, "allowed gradient compressions (default none,bf16,powersgd)")
-      ->type_name("LIST")
-      ->delimiter(',')
-      ->check(one_of({"none", "bf16", "powersgd"}))
-      ->group(limits);
-  cli.add_option("--powersgd-rank", o.powersgd_rank, "PowerSGD's rank (default 4)")
-      ->type_name("R")
-      ->check(count)
-      ->group(limits);
+  declare_measurements(cli, o);
+  declare_limits(cli, o);
   cli.add_option("--top", o.top, "runners-up printed (default 5)")->type_name("K")->check(integer_in(0, 1000));
   cli.add_option("--out", o.out, "the kmamba-train --config file of the chosen plan (default plan.json)")
       ->type_name("FILE");

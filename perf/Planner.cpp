@@ -50,7 +50,6 @@ ModelCosts model_costs(const ModelConfig& config) {
   ParameterSlab<Kokkos::HostSpace> slab;  // declared only: nothing is allocated
   mixer->declare_parameters(slab);
   ModelCosts c;
-  c.mixer = mixer_name(config.mixer);
   c.n_layer = config.n_layer;
   c.d_model = config.d_model;
   c.padded_vocab = config.padded_vocab_size();

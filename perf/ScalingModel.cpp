@@ -385,7 +385,6 @@ ModelCosts model_costs(const Shape& s) {
   const double d = s.d_model, di = s.d_inner(), H = s.nheads(), GN = double(s.ngroups) * s.d_state, K = s.d_conv;
   const double W2 = 2 * di + 2 * GN + H, conv = di + 2 * GN;
   ModelCosts c;
-  c.mixer = "mamba2";
   c.n_layer = s.n_layer;
   c.d_model = s.d_model;
   c.padded_vocab = static_cast<double>(s.padded_vocab());

@@ -180,7 +180,6 @@ struct ParameterBlock {
 /// What a training step costs per token and layer, the input of every layout (from a Shape here,
 /// from any kmamba ModelConfig in Planner.hpp).
 struct ModelCosts {
-  std::string mixer = "mamba2";
   int n_layer = 0, d_model = 0;
   std::vector<ParameterBlock> layer;  ///< one residual block's parameters
   std::vector<ParameterBlock> outer;  ///< the embedding (tied LM head) and the final norm, replicated over tp
