@@ -201,4 +201,49 @@ TEST(ScalingModel, TensorAndSequenceParallelPredictionsByHand) {
   EXPECT_THROW(kmamba::perf::predict_tp(comm, work, 16, 16), kmamba::UserError);  // tp beyond a node
 }
 
+TEST(ScalingModel, CompressedGradientsByHand) {
+  const kmamba::perf::CommModel comm = hand_model();
+  kmamba::perf::Workload work;
+  work.compute_s = 0.5;
+  work.tokens_per_gpu = 16384;
+  const double P = kmamba::perf::parameter_count(work.shape);
+  // bf16 on the wire: the 57 buckets of 8 ranks (one node) at 2 bytes a value.
+  work.compression = kmamba::GradientCompression::Bf16;
+  kmamba::perf::Prediction p = kmamba::perf::predict_dp(comm, work, 8);
+  EXPECT_NEAR(p.dp_comm, 57 * 20e-6 + 2 * P * 1.75 / 150e9, 1e-12);
+  EXPECT_EQ(p.dp_fixed, 0.0);  // bucket reductions run during the backward
+  // PowerSGD rank 4 on mamba2-370m: per layer in_proj (4384, 1024) and out_proj (1024, 2048)
+  // compressed, the conv (2304, 4) not (4·2308 > 9216), nor the vectors (conv bias 2304, 3·32
+  // per head, gated norm 2048, block norm 1024); the embedding (50280, 1024) compressed.
+  work.compression = kmamba::GradientCompression::PowerSgd;
+  p = kmamba::perf::predict_dp(comm, work, 8);
+  const double rest = 9216.0 + 2304 + 96 + 2048 + 1024;
+  const double p_values = 48 * (4 * 4384.0 + 4 * 1024 + rest) + 4 * 50280.0 + 1024;
+  const double q_values = 48 * (4 * 1024.0 + 4 * 2048) + 4 * 1024.0;
+  const double compressed = 48 * (4384.0 * 1024 + 1024.0 * 2048) + 50280.0 * 1024;
+  const double expected = 2 * 20e-6 + 4 * (p_values + q_values) * 1.75 / 150e9 + 9 * 4 * compressed / 2.9e12;
+  EXPECT_NEAR(p.dp_comm, expected, 1e-12);
+  EXPECT_EQ(p.dp_fixed, p.dp_comm);  // after the backward, never hidden
+  EXPECT_NEAR(p.step_overlap, 0.5 + expected, 1e-12);
+}
+
+TEST(ScalingModel, PipelinePredictionByHand) {
+  const kmamba::perf::CommModel comm = hand_model();
+  kmamba::perf::Workload work;
+  work.compute_s = 0.5;
+  work.tokens_per_gpu = 16384;
+  const kmamba::perf::Shape& s = work.shape;
+  const double head = 6 * kmamba::perf::replicated_parameter_count(s) / kmamba::perf::flops_per_token(s);
+  // pp 2 × dp 8 on 16 GPUs, 8 micro-batches of 2·16384/8 = 4096 tokens: 9 slots of the last
+  // stage (24 of 48 layers and the head); stage neighbours are 8 ranks apart, on the other node.
+  const kmamba::perf::Prediction p = kmamba::perf::predict_pp(comm, work, 16, 2, 8);
+  EXPECT_EQ(p.dp, 8);
+  EXPECT_EQ(p.pp, 2);
+  EXPECT_DOUBLE_EQ(p.bubble, 1.0 / 9);
+  EXPECT_NEAR(p.tokens_per_step, 16 * 16384.0, 0);
+  EXPECT_NEAR(p.compute, 9 * ((1 - head) / 2 + head) * 4096 * 0.5 / 16384, 1e-12);
+  EXPECT_NEAR(p.pp_comm, 9 * 2 * (15e-6 + 4.0 * 4096 * 1024 / 50e9), 1e-12);
+  EXPECT_THROW(kmamba::perf::predict_pp(comm, work, 16, 64, 8), kmamba::UserError);  // not a divisor
+}
+
 }  // namespace
