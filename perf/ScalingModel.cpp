@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <numeric>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -320,7 +321,7 @@ Prediction predict_pp(const CommModel& comm, const Workload& work, int gpus, int
   p.micro_batches = micro_batches;
   p.bubble = pipeline_bubble(pp, micro_batches);
   p.tokens_per_step = p.dp * pp * work.tokens_per_gpu;
-  // The slowest stage per micro-batch: the last holds the fewest layers' share plus the head.
+  // Each stage's share of a micro-batch's compute: its layers', and the head's on the last stage.
   const double head_share = 6.0 * replicated_parameter_count(s) / flops_per_token(s);
   const std::vector<int> layers = stage_layers(s.n_layer, pp);
   const double micro_tokens = pp * work.tokens_per_gpu / micro_batches;
@@ -336,13 +337,13 @@ Prediction predict_pp(const CommModel& comm, const Workload& work, int gpus, int
   const bool across = p.dp >= comm.gpus_per_node();
   p.pp_comm = pp > 1 ? slots * pipeline_send_seconds(comm, micro_tokens, s.d_model, across) : 0.0;
   const ModelCosts costs = model_costs(s);
-  const int per_node = std::max(1, std::min(p.dp, comm.gpus_per_node()));
+  const int per_node = std::gcd(p.dp, comm.gpus_per_node());  // the dp ranks of a stage on one node
   double memory = 0.0;
   for (int k = 0; k < pp; ++k) {
     std::vector<ParameterBlock> blocks;
     for (int l = 0; l < layers[k]; ++l) blocks.insert(blocks.end(), costs.layer.begin(), costs.layer.end());
     if (k == 0 || k == pp - 1) blocks.insert(blocks.end(), costs.outer.begin(), costs.outer.end());
-    if (k == pp - 1) reduce_gradients(p, comm, work, blocks, p.dp, p.dp % per_node == 0 ? per_node : 1);
+    if (k == pp - 1) reduce_gradients(p, comm, work, blocks, p.dp, per_node);
     StageLoad stage;
     stage.layers = layers[k];
     stage.first = k == 0;
