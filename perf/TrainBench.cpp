@@ -9,7 +9,8 @@
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m] [--small]
 //   [--batch B] [--seqlen L]
-//                     [--vocab V] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing] [--json FILE]
+//                     [--vocab V] [--d-state N] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing]
+//                     [--json FILE]
 //                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
@@ -79,6 +80,7 @@ struct Options {
   bool mesh_given = false;
   int zero_stage = 0, comm_steps = 2, kernel_time_steps = 0;
   int ngroups = 1;
+  int d_state = 0;  // 0: the preset's (Mamba-1 16, else 128)
   int chunk = 0;  // the SSD's chunk length; 0: the preset's (256, --small 64)
   int vocab = 50277;
   bool activation_checkpointing = false;
@@ -93,7 +95,7 @@ kmamba::ModelConfig model_config(const Options& o) {
   c.n_layer = o.small ? 4 : large ? 48 : 24;
   c.vocab_size = o.vocab;
   c.pad_vocab_size_multiple = large ? 8 : 16;
-  c.d_state = o.mixer == kmamba::MixerKind::Mamba1 ? 16 : 128;
+  c.d_state = o.d_state > 0 ? o.d_state : o.mixer == kmamba::MixerKind::Mamba1 ? 16 : 128;
   c.headdim = 64;
   c.ngroups = o.ngroups;
   const int preset_chunk = o.small || o.mixer == kmamba::MixerKind::Mamba3 ? 64 : 256;
@@ -512,6 +514,9 @@ void declare(CLI::App& cli, Options& o) {
       ->type_name("L")
       ->check(integer_in(2, kmamba::app::int_max));
   cli.add_option("--steps", o.steps, "timed steps")->type_name("S")->check(count);
+  cli.add_option("--d-state", o.d_state, "state size per channel (default: Mamba-1 16, else 128)")
+      ->type_name("N")
+      ->check(count);
   cli.add_option("--ngroups", o.ngroups, "B/C groups (default 1; tensor parallelism needs tp to divide it)")
       ->type_name("G")
       ->check(count);
