@@ -1,5 +1,5 @@
-// The alpha-beta communication model of kmamba-perf-model and kmamba-plan (docs/distributed.md
-// §8.2): fits time = α + bytes · factor(n) · β per collective and group size to kmamba-perf-comm's
+// The alpha-beta communication model of kmamba-perf-model and kmamba-plan
+// (docs/distributed.md §8.2): fits time = α + bytes · factor(n) · β per collective and group size to kmamba-perf-comm's
 // sweep (the ring factors: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n, broadcast
 // and send/recv 1, so 1/β is the bus bandwidth), and predicts the communication, step time and
 // memory per GPU of data- (fp32, bf16 or PowerSGD gradients), tensor-, sequence- and

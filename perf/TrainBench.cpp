@@ -81,7 +81,7 @@ struct Options {
   int zero_stage = 0, comm_steps = 2, kernel_time_steps = 0;
   int ngroups = 1;
   int d_state = 0;  // 0: the preset's (Mamba-1 16, else 128)
-  int chunk = 0;  // the SSD's chunk length; 0: the preset's (256, --small 64)
+  int chunk = 0;    // the SSD's chunk length; 0: the preset's (256, --small 64)
   int vocab = 50277;
   bool activation_checkpointing = false;
   kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
