@@ -1,13 +1,13 @@
 // The alpha-beta communication model of kmamba-perf-model and kmamba-plan
-// (docs/distributed.md §8.2): fits time = α + bytes · factor(n) · β per collective and group size to kmamba-perf-comm's
-// sweep (the ring factors: all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n, broadcast
-// and send/recv 1, so 1/β is the bus bandwidth), and predicts the communication, step time and
-// memory per GPU of data- (fp32, bf16 or PowerSGD gradients), tensor-, sequence- and
-// pipeline-parallel training of a Mamba-2 model on N GPUs of `gpus_per_node` GPUs per node:
-// collectives inside a node from the fitted table, across nodes from an assumed per-GPU link
-// (α_inter, B_inter) with the hierarchical all-reduce AR ≈ RS_intra(M) + AR_inter(M/g) + AG_intra(M).
-// The terms each layout is built from (gradient_reduction, memory_per_gpu, ...) are shared with
-// kmamba-plan's cost model (Planner.hpp).
+// (docs/distributed.md §8.2): fits time = α + bytes · factor(n) · β per collective and group size
+// to kmamba-perf-comm's sweep (the ring factors: all-reduce 2(n−1)/n, reduce-scatter and
+// all-gather (n−1)/n, broadcast and send/recv 1, so 1/β is the bus bandwidth), and predicts the
+// communication, step time and memory per GPU of data- (fp32, bf16 or PowerSGD gradients),
+// tensor-, sequence- and pipeline-parallel training of a Mamba-2 model on N GPUs of
+// `gpus_per_node` GPUs per node: collectives inside a node from the fitted table, across nodes
+// from an assumed per-GPU link (α_inter, B_inter) with the hierarchical all-reduce
+// AR ≈ RS_intra(M) + AR_inter(M/g) + AG_intra(M). The terms each layout is built from
+// (gradient_reduction, memory_per_gpu, ...) are shared with kmamba-plan's cost model (Planner.hpp).
 #ifndef KMAMBA_PERF_SCALINGMODEL_HPP
 #define KMAMBA_PERF_SCALINGMODEL_HPP
 
