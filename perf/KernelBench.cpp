@@ -49,6 +49,8 @@ struct Measurement {
   std::string name, shape;
   double seconds = 0, bytes = 0, flops = 0, exps = 0;
   double flop_per_s = fp32_flop_per_s;  // the FLOP ceiling of the floor
+  // A scan case's tokens × inner channels × state size: kmamba-plan scales its time by this unit.
+  double scan_units = 0;
 };
 
 struct Options {
@@ -135,6 +137,7 @@ void bench_selective_scan(const Options& o) {
   fwd.bytes = 4.0 * (4 * elems + 2.0 * batch * dstate * seqlen);  // u, delta, z, out + B, C
   fwd.flops = 8.0 * elems * dstate;                               // per state update: exp arg, decay, B·u, C·h
   fwd.exps = elems * dstate;
+  fwd.scan_units = elems * dstate;
   report(o, fwd);
 
   kmamba::Tensor3<float, Mem> dout =
@@ -157,6 +160,7 @@ void bench_selective_scan(const Options& o) {
       4.0 * (9 * elems + 4.0 * batch * dstate * seqlen);  // read u, delta, z, dout (+ recompute); write du, ddelta, dz
   bwd.flops = 20.0 * elems * dstate;
   bwd.exps = 2.0 * elems * dstate;  // recompute + backward
+  bwd.scan_units = elems * dstate;
   report(o, bwd);
 }
 
@@ -244,6 +248,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
     Measurement fwd{"ssd fwd" + suffix, shape};
+    fwd.scan_units = tokens * E * N;
     fwd.flop_per_s = flop_per_s;
     fwd.seconds = warm_median_seconds(exec, o.repeats, [&] { kmamba::ssd_forward(exec, args, out, final_states); });
     // The staged forward writes and reads the chunk states; the fused one keeps them on chip.
@@ -253,6 +258,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     report(o, fwd);
 
     Measurement bwd{"ssd bwd" + suffix, shape};
+    bwd.scan_units = tokens * E * N;
     bwd.flop_per_s = flop_per_s;
     bwd.seconds = warm_median_seconds(
         exec, o.repeats, [&] { kmamba::ssd_backward(exec, args, dout, kmamba::ConstTensor4<float, Mem>(), g); });
@@ -262,6 +268,7 @@ void bench_ssd_shape(const Options& o, const int batch, const int seqlen) {
     report(o, bwd);
 
     Measurement both{"ssd fwd+bwd" + suffix, shape};
+    both.scan_units = tokens * E * N;
     both.flop_per_s = flop_per_s;
     both.seconds = fwd.seconds + bwd.seconds;
     both.bytes = fwd.bytes + bwd.bytes;
@@ -389,6 +396,7 @@ void bench_mamba3_siso(const Options& o) {
     const double flop_per_s = bf16 ? bf16_flop_per_s : tf32 ? tf32_flop_per_s : fp32_flop_per_s;
 
     Measurement fwd{"mamba3 siso fwd" + suffix, shape};
+    fwd.scan_units = tokens * E * N;
     fwd.flop_per_s = flop_per_s;
     fwd.seconds =
         warm_median_seconds(exec, o.repeats, [&] { kmamba::mamba3_siso_forward(exec, args, out, final_states); });
@@ -398,6 +406,7 @@ void bench_mamba3_siso(const Options& o) {
     report(o, fwd);
 
     Measurement bwd{"mamba3 siso bwd" + suffix, shape};
+    bwd.scan_units = tokens * E * N;
     bwd.flop_per_s = flop_per_s;
     bwd.seconds = warm_median_seconds(exec, o.repeats, [&] {
       kmamba::mamba3_siso_backward(exec, args, dout, kmamba::Mamba3SisoConstStates<Mem>(), g);
@@ -408,6 +417,7 @@ void bench_mamba3_siso(const Options& o) {
     report(o, bwd);
 
     Measurement both{"mamba3 siso fwd+bwd" + suffix, shape};
+    both.scan_units = tokens * E * N;
     both.flop_per_s = flop_per_s;
     both.seconds = fwd.seconds + bwd.seconds;
     both.bytes = fwd.bytes + bwd.bytes;
@@ -503,6 +513,7 @@ void bench_mamba3_mimo(const Options& o) {
     args.matmul_precision = precision;
     const std::string suffix = tf32 ? " tf32" : "";
     Measurement fwd{"mamba3 mimo fwd" + suffix, shape};
+    fwd.scan_units = tokens * H * P * N;
     fwd.flop_per_s = tf32 ? tf32_flop_per_s : fp32_flop_per_s;
     fwd.seconds =
         warm_median_seconds(exec, o.repeats, [&] { kmamba::mamba3_mimo_forward(exec, args, out, final_states); });
@@ -511,6 +522,7 @@ void bench_mamba3_mimo(const Options& o) {
     fwd.exps = tokens * H * Q * R / 2;
     report(o, fwd);
     Measurement bwd{"mamba3 mimo bwd" + suffix, shape};
+    bwd.scan_units = tokens * H * P * N;
     bwd.flop_per_s = fwd.flop_per_s;
     bwd.seconds = warm_median_seconds(exec, o.repeats, [&] {
       kmamba::mamba3_mimo_backward(exec, args, dout, kmamba::Mamba3MimoConstStates<Mem>(), g);
@@ -520,6 +532,7 @@ void bench_mamba3_mimo(const Options& o) {
     bwd.exps = 3 * fwd.exps;
     report(o, bwd);
     Measurement both{"mamba3 mimo fwd+bwd" + suffix, shape};
+    both.scan_units = tokens * H * P * N;
     both.flop_per_s = fwd.flop_per_s;
     both.seconds = fwd.seconds + bwd.seconds;
     both.bytes = fwd.bytes + bwd.bytes;
@@ -610,6 +623,7 @@ void write_json(kmamba::OutputFile& file, const Options& o, const std::string& s
                     {"tflop_per_s", m.flops / m.seconds * 1e-12},
                     {"floor_seconds", floor_s},
                     {"ratio_to_floor", m.seconds / floor_s}});
+    if (m.scan_units > 0) list.back()["scan_units"] = m.scan_units;
   }
   const nlohmann::json doc = {{"tool", "kmamba-perf"},
                               {"version", KMAMBA_VERSION_STRING},

@@ -9,7 +9,8 @@
 //
 //   kmamba-perf-train [--space Cuda|OpenMP|Serial] [--mixer mamba1|mamba2|mamba3] [--preset 130m|370m] [--small]
 //   [--batch B] [--seqlen L]
-//                     [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing] [--json FILE]
+//                     [--vocab V] [--d-state N] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing]
+//                     [--json FILE]
 //                     [--precision fp32|tf32|bf16] [--kernel-times K]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
@@ -79,7 +80,9 @@ struct Options {
   bool mesh_given = false;
   int zero_stage = 0, comm_steps = 2, kernel_time_steps = 0;
   int ngroups = 1;
-  int chunk = 0;  // the SSD's chunk length; 0: the preset's (256, --small 64)
+  int d_state = 0;  // 0: the preset's (Mamba-1 16, else 128)
+  int chunk = 0;    // the SSD's chunk length; 0: the preset's (256, --small 64)
+  int vocab = 50277;
   bool activation_checkpointing = false;
   kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
@@ -90,9 +93,9 @@ kmamba::ModelConfig model_config(const Options& o) {
   const bool large = o.preset == "370m";
   c.d_model = o.small ? 256 : large ? 1024 : 768;
   c.n_layer = o.small ? 4 : large ? 48 : 24;
-  c.vocab_size = 50277;
+  c.vocab_size = o.vocab;
   c.pad_vocab_size_multiple = large ? 8 : 16;
-  c.d_state = o.mixer == kmamba::MixerKind::Mamba1 ? 16 : 128;
+  c.d_state = o.d_state > 0 ? o.d_state : o.mixer == kmamba::MixerKind::Mamba1 ? 16 : 128;
   c.headdim = 64;
   c.ngroups = o.ngroups;
   const int preset_chunk = o.small || o.mixer == kmamba::MixerKind::Mamba3 ? 64 : 256;
@@ -277,6 +280,12 @@ class Bench {
                         {"d_model", config_.d_model},
                         {"n_layer", config_.n_layer},
                         {"ngroups", config_.ngroups},
+                        {"d_state", config_.d_state},
+                        {"headdim", config_.headdim},
+                        {"expand", config_.expand},
+                        {"chunk_size", config_.chunk_size},
+                        {"vocab_size", config_.vocab_size},
+                        {"pad_vocab_size_multiple", config_.pad_vocab_size_multiple},
                         {"parameters", parameters_},
                         {"batch", batch_},
                         {"seqlen", seqlen_},
@@ -505,6 +514,9 @@ void declare(CLI::App& cli, Options& o) {
       ->type_name("L")
       ->check(integer_in(2, kmamba::app::int_max));
   cli.add_option("--steps", o.steps, "timed steps")->type_name("S")->check(count);
+  cli.add_option("--d-state", o.d_state, "state size per channel (default: Mamba-1 16, else 128)")
+      ->type_name("N")
+      ->check(count);
   cli.add_option("--ngroups", o.ngroups, "B/C groups (default 1; tensor parallelism needs tp to divide it)")
       ->type_name("G")
       ->check(count);
@@ -512,6 +524,9 @@ void declare(CLI::App& cli, Options& o) {
                  "the SSD's chunk length (default 256, --small 64); the model computes the same function")
       ->type_name("Q")
       ->check(count);
+  cli.add_option("--vocab", o.vocab, "vocabulary size (default 50277, the presets'; padded as the preset pads it)")
+      ->type_name("V")
+      ->check(integer_in(2, kmamba::app::int_max));
   cli.add_flag("--activation-checkpointing", o.activation_checkpointing,
                "keep each layer's input only and recompute the rest in backward");
   cli.add_option_function<std::string>(

@@ -11,16 +11,21 @@
 #   (d) kmamba-perf-model: alpha-beta fits of (b) and the 16 -> 1024 GPU prediction with (c)'s
 #       one-GPU step time, tables and scaling.png;
 #   (e) suites: the NCCL test suites (every collective of the communicator on device memory, the
-#       embedding API's data parallelism) at n ranks; on the host, their MPI twins.
+#       embedding API's data parallelism) at n ranks; on the host, their MPI twins;
+#   (f) plan (not in the default parts): kmamba-plan, calibrated on one GPU and a sweep of the
+#       largest rank count, ranks the meshes of that many GPUs, each measured with kmamba-perf-train:
+#       predicted and measured step times and their Spearman correlation
+#       (tests/perf/CheckPlanRanking.cmake with SPACE Cuda; docs/distributed.md §8.3).
 #
 # Here:    scripts/multi-gpu.sh --pack [build-dir]   # default build-cuda (NCCL on); writes .gl/multi-gpu.tar.xz
 # There:   scripts/multi-gpu.sh                      # carry .gl; logs and results go to $OUT
 # Plumbing on this CPU machine (no GPU): scripts/multi-gpu.sh --host [build-dir]   # default build-host;
 #          CPU ranks (MPI, Serial), np 2 and 4, small models and messages.
 #
-# MULTI_GPU_PARTS picks the parts (default "suites equiv comm train sp model"; each writes its own files,
-# so a long session can run them in separate calls), MULTI_GPU_NPS the rank counts (default: 2 4 8
-# up to the GPUs present; host: 2 4), MULTI_GPU_COMM_MAX the largest message (default 1G; host 1M),
+# MULTI_GPU_PARTS picks the parts (default "suites equiv comm train sp model", "plan" on request; each
+# writes its own files, so a long session can run them in separate calls), MULTI_GPU_NPS the rank
+# counts (default: 2 4 8 up to the GPUs present; host: 2 4), MULTI_GPU_COMM_MAX the largest message
+# (default 1G; host 1M),
 # MULTI_GPU_TIMEOUT bounds each command (s, default 600), MULTI_GPU_STEPS the timed training steps
 # (default 3; host 2), MULTI_GPU_BATCH the sequences of 2048 tokens per data-parallel group in the
 # dp/tp runs (default 4), MULTI_GPU_SEQLENS the sp sequence lengths (default 8192 16384 32768 65536),
@@ -28,7 +33,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-binaries=(kmamba-train kmamba-perf-comm kmamba-perf-train kmamba-perf-model)
+binaries=(kmamba-train kmamba-perf-comm kmamba-perf-train kmamba-perf-model kmamba-plan kmamba-perf)
 suites=(kmamba_nccl_communicator_tests kmamba_embed_data_parallel_nccl_tests)  # under tests/ of the build
 
 if [ "${1:-}" = "--pack" ]; then
@@ -38,7 +43,7 @@ if [ "${1:-}" = "--pack" ]; then
   cmake --build "$build" -j 2 $(printf -- '--target %s ' "${binaries[@]}" "${suites[@]}") || exit 1
   rm -rf "$root/.gl/multi-gpu" && mkdir -p "$root/.gl/multi-gpu"
   cp "$build/apps/kmamba-train" "$build/perf/kmamba-perf-comm" "$build/perf/kmamba-perf-train" \
-     "$build/perf/kmamba-perf-model" "$root/.gl/multi-gpu/"
+     "$build/perf/kmamba-perf-model" "$build/apps/kmamba-plan" "$build/perf/kmamba-perf" "$root/.gl/multi-gpu/"
   for s in "${suites[@]}"; do cp "$build/tests/$s" "$root/.gl/multi-gpu/"; done
   strip "$root"/.gl/multi-gpu/*
   tar cJf "$root/.gl/multi-gpu.tar.xz" -C "$root/.gl" multi-gpu && rm -rf "$root/.gl/multi-gpu"
@@ -107,7 +112,7 @@ step() {  # step NAME COMMAND...: runs it bounded by $limit, logs to $OUT/NAME.l
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 0 ] || status=1
-  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'largest loss difference|FATAL|wrote|ms/step|failed|PASSED' "$out/$name.log" | tail -n 1 | cut -c1-160)" | tee -a "$out/summary.txt"
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E 'largest loss difference|FATAL|wrote|ms/step|failed|PASSED|Spearman' "$out/$name.log" | tail -n 1 | cut -c1-160)" | tee -a "$out/summary.txt"
 }
 has_part() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
@@ -212,6 +217,14 @@ if has_part model; then
     step model "$bin/kmamba-perf-model" $sweeps --compute-ms "$compute_ms" --tokens-per-gpu "$tokens" ${shape[@]+"${shape[@]}"} \
       --png "$out/scaling.png" --json "$out/prediction.json"
   fi
+fi
+# (f) The planner's ranking of the meshes of the largest rank count against their measured steps.
+if has_part plan; then
+  np="${nps[${#nps[@]}-1]}"
+  step "plan-np$np" cmake -DPLAN="$bin/kmamba-plan" -DPERF_TRAIN="$bin/kmamba-perf-train" -DPERF="$bin/kmamba-perf" \
+    -DPERF_COMM="$bin/kmamba-perf-comm" -DMPIEXEC=mpirun \
+    "-DMPIFLAGS=-n;$np;--allow-run-as-root;--oversubscribe;--bind-to;none;-x;NCCL_NVLS_ENABLE" \
+    -DOUT="$out/plan-np$np" -DNP="$np" -DSPACE="$space" -P "$root/tests/perf/CheckPlanRanking.cmake"
 fi
 echo "multi-gpu.sh: done, status $status; results in $out" | tee -a "$out/summary.txt"
 exit $status

@@ -180,22 +180,70 @@ TEST(ScalingModel, TensorAndSequenceParallelPredictionsByHand) {
   EXPECT_EQ(t.dp, 4);
   EXPECT_NEAR(t.compute, 0.6 * (head + (1 - head) / 4), 1e-12);
   EXPECT_NEAR(t.tp_comm, 96 * (20e-6 + 8192.0 * 1024 * 4 * 1.5 / 150e9), 1e-12);
-  const double local = (P - R) / 4 + R;  // 130.7M elements: 20 buckets of 6 553 600
+  // The layers split, the block norms (48 · 1024), the embedding and the final norm replicated:
+  // 130.7M elements, 20 buckets of 6 553 600.
+  const double block_norms = 48.0 * 1024, local = (P - R - block_norms) / 4 + R + block_norms;
   ASSERT_EQ(std::ceil(local / 6553600), 20.0);
   const double Mt = 4 * local;
   // Per bucket RS over 2 ranks (factor 1/2) + AR over 2 nodes of a half bucket + AG over 2 ranks.
   EXPECT_NEAR(t.dp_comm, 20 * (10e-6 + 30e-6 + 12e-6) + Mt / 2 / 100e9 + Mt / 2 / 50e9 + Mt / 2 / 200e9, 1e-12);
   EXPECT_NEAR(t.tokens_per_step, 4 * 8192.0, 0);
 
-  // sp 8 at 65536 tokens on 16 GPUs: each GPU 8192 tokens (the measured step's); 7 hops inside a
-  // node, each per direction 3·(d_conv − 1) halo columns and one state, serial part 0.1·0.6/48.
+  // sp 8 at 65536 tokens on 16 GPUs: each GPU 8192 tokens (the measured step's) and the state
+  // correction, 0.25 of the scans' share 0.1; per layer and direction ⌈log₂ 8⌉ = 3 state messages of
+  // 32·(1 + 64·128) fp32 values and 7 conv-halo hops of 3·(2048 + 2·128), inside a node.
   const kmamba::perf::Prediction q = kmamba::perf::predict_sp(comm, work, 16, 8, 65536);
   EXPECT_EQ(q.dp, 2);
-  EXPECT_NEAR(q.compute, 0.6, 1e-12);
-  const double hop = 4 * 8e-6 + 4.0 * 3 * (2048 + 2 * 128) / 100e9 + 4.0 * 32 * 64 * 128 / 100e9;
-  EXPECT_NEAR(q.sp_comm, 7 * (0.1 * 0.6 / 48) + 2 * 7 * hop, 1e-12);
+  EXPECT_NEAR(q.compute, 0.6 * (1 + 0.25 * 0.1), 1e-12);
+  const double state = 8e-6 + 4.0 * 32 * (1 + 64 * 128) / 100e9, halo = 8e-6 + 4.0 * 3 * (2048 + 2 * 128) / 100e9;
+  EXPECT_NEAR(q.sp_comm, 48 * 2 * (3 * state + 7 * halo), 1e-12);
   EXPECT_NEAR(q.tokens_per_step, 2 * 65536.0, 0);
   EXPECT_THROW(kmamba::perf::predict_tp(comm, work, 16, 16), kmamba::UserError);  // tp beyond a node
+}
+
+TEST(ScalingModel, CompressedGradientsByHand) {
+  const kmamba::perf::CommModel comm = hand_model();
+  kmamba::perf::Workload work;
+  work.compute_s = 0.5;
+  work.tokens_per_gpu = 16384;
+  const double P = kmamba::perf::parameter_count(work.shape);
+  // bf16 on the wire: the 57 buckets of 8 ranks (one node) at 2 bytes a value.
+  work.compression = kmamba::GradientCompression::Bf16;
+  kmamba::perf::Prediction p = kmamba::perf::predict_dp(comm, work, 8);
+  EXPECT_NEAR(p.dp_comm, 57 * 20e-6 + 2 * P * 1.75 / 150e9, 1e-12);
+  EXPECT_EQ(p.dp_fixed, 0.0);  // bucket reductions run during the backward
+  // PowerSGD rank 4 on mamba2-370m: per layer in_proj (4384, 1024) and out_proj (1024, 2048)
+  // compressed, the conv (2304, 4) not (4·2308 > 9216), nor the vectors (conv bias 2304, 3·32
+  // per head, gated norm 2048, block norm 1024); the embedding (50280, 1024) compressed.
+  work.compression = kmamba::GradientCompression::PowerSgd;
+  p = kmamba::perf::predict_dp(comm, work, 8);
+  const double rest = 9216.0 + 2304 + 96 + 2048 + 1024;
+  const double p_values = 48 * (4 * 4384.0 + 4 * 1024 + rest) + 4 * 50280.0 + 1024;
+  const double q_values = 48 * (4 * 1024.0 + 4 * 2048) + 4 * 1024.0;
+  const double compressed = 48 * (4384.0 * 1024 + 1024.0 * 2048) + 50280.0 * 1024;
+  const double expected = 2 * 20e-6 + 4 * (p_values + q_values) * 1.75 / 150e9 + 9 * 4 * compressed / 2.9e12;
+  EXPECT_NEAR(p.dp_comm, expected, 1e-12);
+  EXPECT_EQ(p.dp_fixed, p.dp_comm);  // after the backward, never hidden
+  EXPECT_NEAR(p.step_overlap, 0.5 + expected, 1e-12);
+}
+
+TEST(ScalingModel, PipelinePredictionByHand) {
+  const kmamba::perf::CommModel comm = hand_model();
+  kmamba::perf::Workload work;
+  work.compute_s = 0.5;
+  work.tokens_per_gpu = 16384;
+  const kmamba::perf::Shape& s = work.shape;
+  const double head = 6 * kmamba::perf::replicated_parameter_count(s) / kmamba::perf::flops_per_token(s);
+  // pp 2 × dp 8 on 16 GPUs, 8 micro-batches of 2·16384/8 = 4096 tokens: 9 slots of the last
+  // stage (24 of 48 layers and the head); stage neighbours are 8 ranks apart, on the other node.
+  const kmamba::perf::Prediction p = kmamba::perf::predict_pp(comm, work, 16, 2, 8);
+  EXPECT_EQ(p.dp, 8);
+  EXPECT_EQ(p.pp, 2);
+  EXPECT_DOUBLE_EQ(p.bubble, 1.0 / 9);
+  EXPECT_NEAR(p.tokens_per_step, 16 * 16384.0, 0);
+  EXPECT_NEAR(p.compute, 9 * ((1 - head) / 2 + head) * 4096 * 0.5 / 16384, 1e-12);
+  EXPECT_NEAR(p.pp_comm, 9 * 2 * (15e-6 + 4.0 * 4096 * 1024 / 50e9), 1e-12);
+  EXPECT_THROW(kmamba::perf::predict_pp(comm, work, 16, 64, 8), kmamba::UserError);  // not a divisor
 }
 
 }  // namespace
