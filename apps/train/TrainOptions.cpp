@@ -603,9 +603,10 @@ MeshConfig mesh_for_world(const Run& run, int world_size) {
     mesh.data_parallel_size = std::max(1, mesh.data_parallel_size);
     const long long others =
         static_cast<long long>(mesh.tensor_parallel_size) * mesh.data_parallel_size * mesh.pipeline_parallel_size;
-    const std::string sizes = "tensor_parallel_size " + std::to_string(mesh.tensor_parallel_size) +
-                              " x data_parallel_size " + std::to_string(mesh.data_parallel_size) +
-                              " x pipeline_parallel_size " + std::to_string(mesh.pipeline_parallel_size);
+    std::string sizes = "tensor_parallel_size " + std::to_string(mesh.tensor_parallel_size) + " x data_parallel_size " +
+                        std::to_string(mesh.data_parallel_size);
+    if (mesh.pipeline_parallel_size > 1)
+      sizes += " x pipeline_parallel_size " + std::to_string(mesh.pipeline_parallel_size);
     KMAMBA_REQUIRE(world_size % others == 0, "kmamba-train: " << key_of("sequence-parallel-enabled")
                                                               << " true: the world's " << world_size
                                                               << " ranks are not a multiple of " << sizes);
