@@ -204,17 +204,17 @@ void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
 #if KMAMBA_ENABLE_MPI
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
+  const PipelineParallel& stages = model_.pipeline();
+  KMAMBA_REQUIRE(stages.stages() == mesh.config().pipeline_parallel_size,
+                 "kmamba::Trainer::enable_data_parallel: the model is split into "
+                     << stages.stages() << " pipeline stage(s), the mesh has pipeline_parallel_size "
+                     << mesh.config().pipeline_parallel_size << "; make the model with the mesh's pipeline axis");
   auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(
       mesh, model_.config(), model_.parameters(), config_.adamw(), options, model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
   data_parallel->attach(model_);  // the last micro-batch's gradients are reduced as its backward runs
   exec_.fence();
   data_parallel_ = std::move(data_parallel);
-  const PipelineParallel& stages = model_.pipeline();
-  KMAMBA_REQUIRE(stages.stages() == mesh.config().pipeline_parallel_size,
-                 "kmamba::Trainer::enable_data_parallel: the model is split into "
-                     << stages.stages() << " pipeline stage(s), the mesh has pipeline_parallel_size "
-                     << mesh.config().pipeline_parallel_size << "; make the model with the mesh's pipeline axis");
   if (stages.pipeline != nullptr) pipeline_ = std::make_unique<Pipeline<ExecutionSpace>>(model_);
 }
 #endif
