@@ -198,7 +198,7 @@ TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   const Batch b = make_batch(0);
   Model reference(config);
   reference.initialize(init_seed);
-  const double ref_loss = one_rank_backward(reference, b);
+  const double ref_loss = one_rank_reference_backward(reference, b);
   for (const auto& mesh_config : split_meshes(config)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const bool checkpointing : {false, true}) {
@@ -234,7 +234,7 @@ TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
   const Batch b = make_batch(7, 6);
   Model reference(config);
   reference.initialize(init_seed);
-  const double ref_loss = one_rank_backward(reference, b);
+  const double ref_loss = one_rank_reference_backward(reference, b);
   kmamba::MeshConfig mesh_config;
   mesh_config.sequence_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
@@ -257,7 +257,7 @@ TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   reference.initialize(init_seed);
   const Model::Slab& slab = reference.parameters();
   ClippedAdamWReference one_rank(slab, adamw, steps, lr, max_norm, tolerance(),
-                                 [&](int step) { one_rank_backward(reference, make_batch(step)); });
+                                 [&](int step) { one_rank_reference_backward(reference, make_batch(step)); });
   ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
   for (const auto& mesh_config : split_meshes(config)) {

@@ -135,7 +135,7 @@ inline LossResult accumulate_rows(Model& model, const TokenRows& b, std::int64_t
 
 /// The 1-rank reference of the split-model tests: the whole batch, one row per micro-batch,
 /// weighted by tokens, into the model's zeroed gradients. Returns the mean loss.
-inline double one_rank_backward(Model& model, const TokenRows& b) {
+inline double one_rank_reference_backward(Model& model, const TokenRows& b) {
   const Exec exec;
   const std::int64_t global = predicted(b);
   model.zero_grads(exec);
