@@ -400,9 +400,10 @@ template <class Exec>
 void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelConfig& config,
                  const kmamba::Trainer<Exec>& trainer, const Parallel& p) {
   std::printf("kmamba-train: %s\n", describe_data(r, data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s%s\n",
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters%s, on %s, %s projections%s%s\n",
               kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, trainer.model().parameters().size(),
-              Exec::name(), kmamba::matmul_precision_name(r.precision),
+              p.split ? " in rank 0's part (split over tp, sp or pp)" : "", Exec::name(),
+              kmamba::matmul_precision_name(r.precision),
               r.activation_checkpointing ? ", activation checkpointing" : "",
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
 #if KMAMBA_ENABLE_MPI
