@@ -29,6 +29,7 @@ struct Options {
   int max_new_tokens = 128;
   std::vector<std::int64_t> stop_ids;
   bool ignore_eos = false, ids = false, echo = true, quiet = false;
+  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
 
 const char* const description =
@@ -62,6 +63,13 @@ void declare_input(CLI::App& cli, Options& o) {
                  "a tokenizer.json to use instead of the model directory's (default: DIR's tokenizer.json if "
                  "present, else bytes: the tokenizer of kmamba-train's text models)")
       ->type_name("FILE")
+      ->group(input);
+  cli.add_option_function<std::string>(
+         "--precision", [&o](const std::string& p) { o.precision = kmamba::parse_matmul_precision(p, "--precision"); },
+         "the projections' and head's arithmetic (default fp32; bf16 decodes from a bf16 copy of the weights: half "
+         "the bytes, operands rounded to bf16 with fp32 sums)")
+      ->type_name("P")
+      ->check(kmamba::app::one_of({"fp32", "tf32", "bf16"}))
       ->group(input);
 }
 
@@ -243,6 +251,7 @@ template <class Exec>
 int run(const Options& o) {
   const Exec exec;
   auto model = kmamba::LanguageModel<Exec>::load(o.model);
+  model.set_matmul_precision(o.precision);
   const kmamba::ModelConfig& config = model.config();
   const std::unique_ptr<kmamba::Tokenizer> tokenizer = tokenizer_for(o);
   const std::int64_t model_vocab = config.vocab_size;

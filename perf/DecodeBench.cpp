@@ -1,9 +1,10 @@
 // kmamba-perf-decode: recurrent inference of a mamba2-130m-shaped language model (random weights:
 // d_model 768, 24 layers, headdim 64, d_state 128, ngroups 1, vocab 50277 padded to 50288, tied
-// head), fp32 weights and states.
+// head), fp32 weights and states; with --precision bf16 the projections and head multiply bf16
+// operands, decode steps reading the model's bf16 copy of the weights.
 //
 //   kmamba-perf-decode [--space Cuda|OpenMP|Serial] [--small] [--repeats R] [--mixer mamba2|mamba1]
-//                      [--profile-steps N [--profile-batch B] [--kernel-times]]
+//                      [--precision fp32|tf32|bf16] [--profile-steps N [--profile-batch B] [--kernel-times]]
 //
 // Cases:
 //   decode step b1 / b64   one LanguageModel::decode_step for the whole batch, fenced, median over R
@@ -15,9 +16,10 @@
 //   prefill                LanguageModel::prefill over (batch, seqlen) tokens: tokens/s
 // The floor of a decode step is its bytes over the H200's measured bandwidth (docs/algorithms.md §6.5,
 // docs/performance.md §3.4): every weight read once per step (the LM head's real rows included) plus,
-// per sequence, the SSM and conv states read and written, all fp32 here (the anchors' table uses
-// bf16 weights). The prefill floor is its FLOPs (projections, SSD, head of the last position) over
-// the fp32 FMA rate. On a host the ratio is printed against the same H200 floor, as a reference only.
+// per sequence, the SSM and conv states read and written, all fp32 (the weights 2 bytes each under
+// --precision bf16, as the anchors' table counts them). The prefill floor is its FLOPs (projections, SSD, head of the
+// last position) over the fp32 FMA rate. On a host the ratio is printed against the same H200 floor, as a reference
+// only.
 // --small keeps the model and shrinks the batch, prompt and step counts to what a 2-core CPU runs in
 // about a minute. --profile-steps N runs only N plain (not recorded) decode steps at batch B (default
 // 1) after the prefill and warm-ups, between cudaProfilerStart and cudaProfilerStop on CUDA: under
@@ -58,6 +60,7 @@ struct Options {
   int repeats = 20;
   int profile_steps = 0, profile_batch = 1;
   bool kernel_times = false;
+  kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
 
 struct Shapes {
@@ -92,7 +95,7 @@ struct StepCost {
   double bytes(int batch) const { return weight_bytes + batch * state_bytes_per_sequence; }
 };
 
-StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters) {
+StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters, kmamba::MatmulPrecision precision) {
   const double dm = c.d_model, E = c.d_inner(), N = c.d_state, W = c.d_conv, V = c.vocab_size;
   const double padded = c.padded_vocab_size();
   const double GN = c.mixer == kmamba::MixerKind::Mamba2 ? c.ngroups * N : 0;
@@ -100,7 +103,9 @@ StepCost step_cost(const kmamba::ModelConfig& c, std::size_t parameters) {
   StepCost cost;
   // Every parameter except the embedding's padding rows (the tied head reads its real rows).
   const double read = static_cast<double>(parameters) - (padded - V) * dm;
-  cost.weight_bytes = 4.0 * read;
+  // Under bf16 the steps read the model's bf16 copy of the weights (the norms' and conv's weights
+  // there too are fp32 and few: counted at 2 bytes with the rest).
+  cost.weight_bytes = (precision == kmamba::MatmulPrecision::BFloat16 ? 2.0 : 4.0) * read;
   // The SSM state is E·N per layer for both (Mamba-2: nheads·headdim·N), read and written.
   cost.state_bytes_per_sequence = c.n_layer * 2.0 * 4.0 * (E * N + conv_channels * (W - 1));
   const double matmul = read - V * dm;  // the layers' weights; the head below
@@ -287,13 +292,15 @@ void run_space(const Options& o) {
   const kmamba::ModelConfig config = model_config(o.mixer);
   kmamba::LanguageModel<Exec> model(config);
   model.initialize(1);
+  model.set_matmul_precision(o.precision);
   const std::size_t parameters = model.parameters().size();
-  const StepCost cost = step_cost(config, parameters);
+  const StepCost cost = step_cost(config, parameters, o.precision);
   std::printf(
       "model: %s, d_model %d, %d layers, d_state %d, vocab %d (padded %d), %.1f M parameters (fp32 %.0f MB), "
-      "state %.1f MB per sequence (fp32, conv included)\n",
+      "state %.1f MB per sequence (fp32, conv included), projections in %s\n",
       kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, config.d_state, config.vocab_size,
-      config.padded_vocab_size(), parameters * 1e-6, parameters * 4e-6, cost.state_bytes_per_sequence / 2 * 1e-6);
+      config.padded_vocab_size(), parameters * 1e-6, parameters * 4e-6, cost.state_bytes_per_sequence / 2 * 1e-6,
+      kmamba::matmul_precision_name(o.precision));
   std::printf("%-22s %-30s %13s %18s %13s %16s   %s\n", "case", "shape", "median", "throughput", "bandwidth",
               "arithmetic", "H200 floor and ratio");
   if (o.profile_steps > 0) {
@@ -326,6 +333,12 @@ void declare(CLI::App& cli, Options& o) {
                            "the batch of --profile-steps (default 1)", "B");
   cli.add_flag("--kernel-times", o.kernel_times,
                "with --profile-steps: every Kokkos kernel of those steps fenced and timed, a table");
+  cli.add_option_function<std::string>(
+         "--precision", [&o](const std::string& p) { o.precision = kmamba::parse_matmul_precision(p, "--precision"); },
+         "the projections' and head's arithmetic (default fp32; bf16 decodes from a bf16 copy of the weights, half "
+         "the bytes)")
+      ->type_name("P")
+      ->check(kmamba::app::one_of({"fp32", "tf32", "bf16"}));
 }
 
 }  // namespace

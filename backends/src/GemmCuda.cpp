@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 namespace kmamba {
 namespace impl {
@@ -142,22 +143,50 @@ __device__ void few_rows_dots(int m, int k_vec, const Vec* __restrict__ a, const
   }
 }
 
-template <int M, MatmulPrecision P>
-__global__ void __launch_bounds__(32 * few_rows_warps_per_block)
-    gemm_few_rows_kernel(int m, int n, int k, float alpha, const float* __restrict__ A, const float* __restrict__ B,
-                         float beta, float* __restrict__ C, bool vectorised) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int j = static_cast<int>(blockIdx.x) * few_rows_warps_per_block + static_cast<int>(threadIdx.x) / 32;
-  if (j >= n) return;
-  float acc[M];
+// Row i of A (fp32, rounded to bf16 as loaded) against the bf16 row j of B for every i < m. With
+// `vectorised` (k a multiple of 8, both rows 16-byte aligned) each lane takes eight elements at a
+// time, B's as one 16-byte load; otherwise one at a time.
+template <int M>
+__device__ void few_rows_mixed_dots(int m, int k, bool vectorised, const float* __restrict__ a,
+                                    const __nv_bfloat16* __restrict__ b, int lane, float (&acc)[M]) {
+  constexpr MatmulPrecision P = MatmulPrecision::BFloat16;
+  if (!vectorised) {
+    for (int p = lane; p < k; p += 32) {
+      const float bv = __bfloat162float(b[p]);
 #pragma unroll
-  for (int i = 0; i < M; ++i) acc[i] = 0.0f;
-  const float* b = B + static_cast<std::size_t>(j) * k;
-  if (vectorised) {
-    few_rows_dots<M, P>(m, k / 4, reinterpret_cast<const float4*>(A), reinterpret_cast<const float4*>(b), lane, acc);
-  } else {
-    few_rows_dots<M, P>(m, k, A, b, lane, acc);
+      for (int i = 0; i < M; ++i) {
+        if (i < m) acc[i] += rounded<P>(__ldg(&a[static_cast<std::size_t>(i) * k + p])) * bv;
+      }
+    }
+    return;
   }
+#pragma unroll 4
+  for (int p = lane; p < k / 8; p += 32) {
+    const uint4 packed = __ldg(reinterpret_cast<const uint4*>(b) + p);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    float bv[8];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(pairs[q]);
+      bv[2 * q] = f.x;
+      bv[2 * q + 1] = f.y;
+    }
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (i < m) {
+        const float4* row = reinterpret_cast<const float4*>(a + static_cast<std::size_t>(i) * k) + 2 * p;
+        const float4 lo = rounded<P>(__ldg(row)), hi = rounded<P>(__ldg(row + 1));
+        acc[i] += lo.x * bv[0] + lo.y * bv[1] + lo.z * bv[2] + lo.w * bv[3] + hi.x * bv[4] + hi.y * bv[5] +
+                  hi.z * bv[6] + hi.w * bv[7];
+      }
+    }
+  }
+}
+
+// The warp's m dot products of column j summed over its lanes; lane 0 writes C(i, j).
+template <int M>
+__device__ void few_rows_store(int m, int n, int j, int lane, float alpha, float beta, float* __restrict__ C,
+                               float (&acc)[M]) {
 #pragma unroll
   for (int i = 0; i < M; ++i) {
 #pragma unroll
@@ -174,19 +203,48 @@ __global__ void __launch_bounds__(32 * few_rows_warps_per_block)
   }
 }
 
-template <int M, MatmulPrecision P>
-void launch_few_rows(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
+// A warp per column j of C: its m dot products (B fp32 with operands rounded to P, or B bf16 with A
+// rounded to bf16), summed over the lanes.
+template <int M, MatmulPrecision P, class BType>
+__global__ void __launch_bounds__(32 * few_rows_warps_per_block)
+    gemm_few_rows_kernel(int m, int n, int k, float alpha, const float* __restrict__ A, const BType* __restrict__ B,
+                         float beta, float* __restrict__ C, bool vectorised) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int j = static_cast<int>(blockIdx.x) * few_rows_warps_per_block + static_cast<int>(threadIdx.x) / 32;
+  if (j >= n) return;
+  float acc[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) acc[i] = 0.0f;
+  const BType* b = B + static_cast<std::size_t>(j) * k;
+  if constexpr (std::is_same_v<BType, __nv_bfloat16>) {
+    few_rows_mixed_dots<M>(m, k, vectorised, A, b, lane, acc);
+  } else if (vectorised) {
+    few_rows_dots<M, P>(m, k / 4, reinterpret_cast<const float4*>(A), reinterpret_cast<const float4*>(b), lane, acc);
+  } else {
+    few_rows_dots<M, P>(m, k, A, b, lane, acc);
+  }
+  few_rows_store<M>(m, n, j, lane, alpha, beta, C, acc);
+}
+
+// Rows of both operands 16-byte aligned and k a multiple of the elements of a 16-byte load of B.
+template <class BType>
+bool few_rows_vectorised(int k, const float* A, const BType* B) {
+  constexpr int per_load = 16 / static_cast<int>(sizeof(BType));
+  return k % per_load == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
+}
+
+template <int M, MatmulPrecision P, class BType>
+void launch_few_rows(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const BType* B, float beta,
                      float* C) {
-  const bool vectorised =
-      k % 4 == 0 && reinterpret_cast<std::uintptr_t>(A) % 16 == 0 && reinterpret_cast<std::uintptr_t>(B) % 16 == 0;
   const int blocks = (n + few_rows_warps_per_block - 1) / few_rows_warps_per_block;
-  gemm_few_rows_kernel<M, P>
-      <<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C, vectorised);
+  gemm_few_rows_kernel<M, P, BType><<<blocks, 32 * few_rows_warps_per_block, 0, stream>>>(m, n, k, alpha, A, B, beta, C,
+                                                                                          few_rows_vectorised(k, A, B));
   KMAMBA_CUDA_CHECK(cudaGetLastError());
 }
 
-template <MatmulPrecision P>
-void few_rows_in(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const float* B, float beta,
+template <MatmulPrecision P, class BType>
+void few_rows_in(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const BType* B, float beta,
                  float* C) {
   if (m == 1) {
     launch_few_rows<1, P>(stream, m, n, k, alpha, A, B, beta, C);
@@ -247,6 +305,25 @@ void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int 
   convert_to_bf16(stream, A, operands, a_count);
   convert_to_bf16(stream, B, operands + b_offset, b_count);
   bf16_product(h, op_a, op_b, m, n, k, alpha, operands, lda, operands + b_offset, ldb, beta, C, ldc);
+}
+
+void gemm_few_rows_mixed_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const void* B,
+                              float beta, float* C) {
+  KMAMBA_ASSERT(m >= 1 && m <= static_cast<int>(gemm_few_rows) && n >= 1 && k >= 1,
+                "gemm_few_rows_mixed_cuda: m = " << m << ", n = " << n << ", k = " << k);
+  few_rows_in<MatmulPrecision::BFloat16>(stream, m, n, k, alpha, A, static_cast<const __nv_bfloat16*>(B), beta, C);
+}
+
+void cublas_gemm_mixed_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                                 const float* A, int lda, const void* B, int ldb, float beta, float* C, int ldc) {
+  const std::lock_guard<std::mutex> lock(handle_mutex);
+  cublasHandle_t h = cublas_handle();
+  KMAMBA_CUBLAS_CHECK(cublasSetStream(h, stream));
+  const std::size_t a_count = k == 0 ? 0 : static_cast<std::size_t>(trans_a ? k : m) * lda;
+  __nv_bfloat16* const a_rounded = bf16_operand_space(stream, a_count);
+  convert_to_bf16(stream, A, a_rounded, a_count);
+  bf16_product(h, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, alpha, a_rounded,
+               lda, B, ldb, beta, C, ldc);
 }
 
 void cublas_gemm_bf16_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,

@@ -4,6 +4,7 @@
 
 #include "Backbone.hpp"
 #include "Elementwise.hpp"
+#include "MixerToolkit.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
 #include <kmamba/backends/StepGraph.hpp>
@@ -75,6 +76,9 @@ struct LanguageModel<ExecutionSpace>::State {
   Tensor1<float, Mem> lse;            // (batch·seqlen)
   // The projections' arithmetic (set_matmul_precision), the head's here and each mixer's own.
   MatmulPrecision precision = MatmulPrecision::Float32;
+  // Under BFloat16, the parameters rounded to bf16 for decode steps (step_product), rounded again
+  // whenever a decode state is made or prefilled; empty until then.
+  mutable Tensor1<bf16, Mem> decode_parameters;  // (slab size)
   // The last stage's targets and predicted tokens of its last training stage_forward, for its backward.
   ConstTensor2<std::int64_t, Mem> stage_targets;
   std::int64_t stage_tokens = 0;
@@ -165,19 +169,39 @@ struct LanguageModel<ExecutionSpace>::State {
   /// the norm's output. Only the real vocabulary's rows of the head are read.
   void decode_head(const ExecutionSpace& exec, const Tensor2<float, Mem>& input,  // (batch, d_model)
                    const Tensor2<float, Mem>& normed,                             // (batch, d_model)
-                   const Tensor2<float, Mem>& logits) const {                     // (batch, vocab_size)
+                   const Tensor2<float, Mem>& logits,                             // (batch, vocab_size)
+                   const ConstTensor1<bf16, Mem>& bf16_parameters) const {        // (slab size) or empty
     rms_norm(exec, input, slab.template param<1>(Backbone::final_norm_name), static_cast<float>(config.norm_epsilon),
              normed);
-    decode_logits(exec, normed, logits);
+    decode_logits(exec, normed, logits, bf16_parameters);
   }
 
-  // logits = normed · headᵀ over the vocabulary's rows of the head.
+  // logits = normed · headᵀ over the vocabulary's rows of the head (in bf16_parameters' copy where
+  // step_product takes it).
   void decode_logits(const ExecutionSpace& exec, const Tensor2<float, Mem>& normed,  // (batch, d_model)
-                     const Tensor2<float, Mem>& logits) const {                      // (batch, vocab_size)
+                     const Tensor2<float, Mem>& logits,                              // (batch, vocab_size)
+                     const ConstTensor1<bf16, Mem>& bf16_parameters) const {         // (slab size) or empty
     const ConstTensor2<float, Mem> head = head_weight();                             // (padded_vocab, d_model)
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(normed),
-         ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
-         logits, precision);
+    impl::step_product(
+        exec, slab, bf16_parameters, ConstTensor2<float, Mem>(normed),
+        ConstTensor2<float, Mem>(head.data(), static_cast<std::size_t>(config.vocab_size), head.extent(1)), 0.0f,
+        logits, precision);
+  }
+
+  /// Under BFloat16, rounds the parameters into decode_parameters (allocated the first time) and
+  /// hands the copy to `decode`'s steps; otherwise the steps multiply the slab's weights.
+  template <class DecodeImpl>
+  void prepare_decode_parameters(const ExecutionSpace& exec, DecodeImpl& decode) const {
+    decode.bf16_parameters = {};
+    if (precision == MatmulPrecision::BFloat16) {
+      if (!decode_parameters.is_allocated()) {
+        decode_parameters = allocate_uninitialized<Tensor1<bf16, Mem>>("kmamba::decode::bf16_parameters", slab.size());
+      }
+      const ConstTensor2<float, Mem> params(slab.params().data(), 1, slab.size());
+      round_to_bf16(exec, params, Tensor2<bf16, Mem>(decode_parameters.data(), 1, slab.size()));
+      decode.bf16_parameters = decode_parameters;
+    }
+    for (auto& cache : decode.stream.caches) cache->set_bf16_parameters(decode.bf16_parameters);
   }
 
   void copy_logits(const ExecutionSpace& exec, const Tensor3<float, Mem>& logits) const {
@@ -250,6 +274,7 @@ struct DecodeState<ExecutionSpace>::Impl {
   MatmulPrecision graph_precision = MatmulPrecision::Float32;  // the model's when the graph was recorded
   Tensor1<std::int64_t, Mem> step_ids;                         // (batch)
   Tensor2<float, Mem> step_logits;                             // (batch, vocab_size)
+  ConstTensor1<bf16, Mem> bf16_parameters;  // the model's bf16 copy the steps multiply, or empty (fp32 slab)
 };
 
 template <class ExecutionSpace>
@@ -529,6 +554,9 @@ DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int
   impl->batch = batch;
   impl->graph_precision = s.precision;
   impl->stream = s.backbone.make_state(batch, "kmamba::decode");
+  const ExecutionSpace exec;
+  s.prepare_decode_parameters(exec, *impl);
+  exec.fence();
   if (StepGraph<ExecutionSpace>::records) {
     impl->step_ids = allocate_uninitialized<Tensor1<std::int64_t, Mem>>("kmamba::decode::step_ids", batch);
     impl->step_logits =
@@ -568,6 +596,9 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
     check_shape(function, "last_logits", last_logits, {b, static_cast<std::int64_t>(s.config.vocab_size)},
                 "(batch, vocab_size)");
   }
+  // The steps after a prefill multiply the parameters as they are now (under BFloat16, rounded
+  // again here: the parameters may have changed since the state was made).
+  s.prepare_decode_parameters(exec, d);
   const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
   const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
   const auto segment = s.backbone.prefill(
@@ -579,7 +610,7 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
       "kmamba::decode::prefill_last_position",
       Kokkos::MDRangePolicy<ExecutionSpace, Kokkos::Rank<2>>(exec, {0, 0}, {b, s.config.d_model}),
       impl::LastPositionSum<Mem>{d.stream.residual, segment.residual, segment.mixed, static_cast<int>(l - 1)});
-  s.decode_head(exec, d.stream.residual, d.stream.normed, last_logits);
+  s.decode_head(exec, d.stream.residual, d.stream.normed, last_logits, d.bf16_parameters);
 }
 
 template <class ExecutionSpace>
@@ -608,7 +639,7 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
                         const Tensor2<float, Mem>& step_logits) {
     embedding_forward(e, step_ids, embedding, d.stream.residual, false);
     s.backbone.step(e, s.slab, d.stream);
-    s.decode_logits(e, d.stream.normed, step_logits);
+    s.decode_logits(e, d.stream.normed, step_logits, d.bf16_parameters);
   };
   // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
   // not repeat: split models run their steps normally.

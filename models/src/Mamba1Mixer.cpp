@@ -651,8 +651,7 @@ void Mamba1Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const auto gemm = [&](const ConstTensor2<float, Mem>& A, const ConstTensor2<float, Mem>& W,
                         const Tensor2<float, Mem>& C) {
-    kmamba::gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, W, 0.0f, C,
-                                      this->matmul_precision());
+    impl::step_product(exec, slab, c.bf16_parameters(), A, W, 0.0f, C, this->matmul_precision());
   };
   const std::size_t n = static_cast<std::size_t>(d_state_), e = static_cast<std::size_t>(d_inner_),
                     b = static_cast<std::size_t>(batch);

@@ -302,7 +302,8 @@ class Mamba2Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
 template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight,
                                           const std::string& bias, int offset, int width, const ConstMatrix& u,
-                                          const Matrix& out) const {
+                                          const Matrix& out,
+                                          const ConstTensor1<bf16, memory_space>& bf16_parameters) const {
   using Mem = memory_space;
   const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
   float beta = 0.0f;
@@ -310,9 +311,9 @@ void Mamba2Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab
     impl::broadcast_bias(exec, "kmamba::mamba2::broadcast_bias", flat(slab.params(), slab, bias), offset, out);
     beta = 1.0f;
   }
-  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
-                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), beta, out,
-                            this->matmul_precision());
+  impl::step_product(exec, slab, bf16_parameters, u,
+                     rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), beta, out,
+                     this->matmul_precision());
 }
 
 template <class ExecutionSpace>
@@ -677,7 +678,7 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
 
   // in_proj as one product (its segments are consecutive rows of the weight), then the conv of
   // x, B, C, the SSM update and the gated norm (z read in place) in one kernel reading its row.
-  project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", 0, in_proj_rows_, u, c.projected);
+  project(exec, slab, p + "in_proj.weight", p + "in_proj.bias", 0, in_proj_rows_, u, c.projected, c.bf16_parameters());
   ConvSsdStepArgs<Mem> args;
   args.xbcdt = c.projected;
   args.xbc_offset = segment_offsets_[x_segment];
@@ -698,7 +699,7 @@ void Mamba2Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
       Tensor3<float, Mem>(c.y.data(), b, static_cast<std::size_t>(nheads_), static_cast<std::size_t>(headdim_)),
       c.normed);
   project(exec, slab, p + "out_proj.weight", parallel_.tensor_rank() == 0 ? p + "out_proj.bias" : std::string(), 0,
-          d_model_, c.normed, out);
+          d_model_, c.normed, out, c.bf16_parameters());
   sum_over_tensor_ranks(exec, out);
 }
 

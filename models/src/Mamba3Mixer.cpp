@@ -516,12 +516,13 @@ class Mamba3Mixer<ExecutionSpace>::Cache final : public MixerCache<ExecutionSpac
 
 template <class ExecutionSpace>
 void Mamba3Mixer<ExecutionSpace>::project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight,
-                                          int offset, int width, const ConstMatrix& u, const Matrix& out) const {
+                                          int offset, int width, const ConstMatrix& u, const Matrix& out,
+                                          const ConstTensor1<bf16, memory_space>& bf16_parameters) const {
   using Mem = memory_space;
   const Tensor2<float, Mem> w = slab.template param<2>(weight);  // (features, k)
-  gemm<ExecutionSpace, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, u,
-                            rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), 0.0f, out,
-                            this->matmul_precision());
+  impl::step_product(exec, slab, bf16_parameters, u,
+                     rows_of<Mem>(w.data(), offset, width, static_cast<int>(w.extent(1))), 0.0f, out,
+                     this->matmul_precision());
 }
 
 template <class ExecutionSpace>
@@ -897,7 +898,8 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
   const std::size_t P = sz(headdim_), S = sz(nangles_);
 
   for (int s = 0; s < segment_count; ++s) {
-    project(exec, slab, p + "in_proj.weight", segment_offsets_[s], segment_widths_[s], u, c.pre[s]);
+    project(exec, slab, p + "in_proj.weight", segment_offsets_[s], segment_widths_[s], u, c.pre[s],
+            c.bf16_parameters());
   }
   rms_norm(exec, as_vectors(c.pre[B_segment], d_state_), slab.template param<1>(p + "B_norm.weight"), eps, c.Bn);
   rms_norm(exec, as_vectors(c.pre[C_segment], d_state_), slab.template param<1>(p + "C_norm.weight"), eps, c.Cn);
@@ -950,7 +952,8 @@ void Mamba3Mixer<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& s
     gated_rms_norm(exec, c.y, c.pre[z_segment], slab.template param<1>(p + "norm.weight"), eps, headdim_, true,
                    c.normed);
   }
-  project(exec, slab, p + "out_proj.weight", 0, d_model_, config_.is_outproj_norm ? c.normed : c.y, out);
+  project(exec, slab, p + "out_proj.weight", 0, d_model_, config_.is_outproj_norm ? c.normed : c.y, out,
+          c.bf16_parameters());
   sum_over_tensor_ranks(exec, out);
 }
 

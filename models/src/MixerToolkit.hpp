@@ -156,6 +156,31 @@ Cache& mixer_cache(const char* function, MixerCache<Exec>& cache, const Key& key
   return *mine;
 }
 
+/// A decode step's projection C = A·Wᵀ + beta·C for a weight W inside the slab's parameters (a
+/// parameter or rows of one): under BFloat16 with a bf16 copy of the parameters (`bf16_parameters`,
+/// MixerCache::bf16_parameters), W's rows in the copy (the same product at half the bytes);
+/// otherwise W itself in `precision`.
+template <class Exec>
+void step_product(const Exec& exec, const ParameterSlab<typename Exec::memory_space>& slab,
+                  const ConstTensor1<bf16, typename Exec::memory_space>& bf16_parameters,  // (slab size) or empty
+                  const ConstTensor2<float, typename Exec::memory_space>& A,               // (batch, k)
+                  const ConstTensor2<float, typename Exec::memory_space>& W,               // (n, k) in the slab
+                  float beta, const Tensor2<float, typename Exec::memory_space>& C,        // (batch, n)
+                  MatmulPrecision precision) {
+  using Mem = typename Exec::memory_space;
+  if (precision != MatmulPrecision::BFloat16 || !bf16_parameters.is_allocated()) {
+    gemm<Exec, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, W, beta, C, precision);
+    return;
+  }
+  const std::ptrdiff_t offset = W.data() - slab.params().data();
+  KMAMBA_REQUIRE(bf16_parameters.extent(0) == slab.size() && offset >= 0 &&
+                     static_cast<std::size_t>(offset) + W.span() <= slab.size() && W.span_is_contiguous(),
+                 "kmamba::step_product: the weight is not a contiguous block of the slab's "
+                     << slab.size() << " parameters, or the bf16 copy holds " << bf16_parameters.extent(0));
+  const ConstTensor2<bf16, Mem> rounded(bf16_parameters.data() + offset, W.extent(0), W.extent(1));
+  gemm<Exec, Mem>(exec, Transpose::No, Transpose::Yes, 1.0f, A, rounded, beta, C);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Initialisation.
 

@@ -33,6 +33,19 @@ foreach(model tiny_mamba1 tiny_mamba2)
     message(FATAL_ERROR "CheckGenerate: ${model}: expected 12 generated ids, got ${count}: '${a}'")
   endif()
 
+  # bf16 projections decode from the model's bf16 copy of the weights: the same count of greedy ids,
+  # the same in two runs.
+  generate(h1 --model "${dir}" --prompt-ids "1,5,9,13,17" --greedy --max-new-tokens 12 --ids --no-echo --quiet
+           --precision bf16)
+  generate(h2 --model "${dir}" --prompt-ids "1,5,9,13,17" --greedy --max-new-tokens 12 --ids --no-echo --quiet
+           --precision bf16)
+  string(STRIP "${h1}" bf16_ids)
+  string(REPLACE " " ";" bf16_ids "${bf16_ids}")
+  list(LENGTH bf16_ids bf16_count)
+  if(NOT h1 STREQUAL h2 OR NOT bf16_count EQUAL 12)
+    message(FATAL_ERROR "CheckGenerate: ${model}: --precision bf16 gave '${h1}' then '${h2}' (12 ids expected)")
+  endif()
+
   generate(s1 --model "${dir}" --prompt-ids "3,1,4,1,5" --seed 7 --top-k 20 --max-new-tokens 16 --ids --quiet)
   generate(s2 --model "${dir}" --prompt-ids "3,1,4,1,5" --seed 7 --top-k 20 --max-new-tokens 16 --ids --quiet)
   if(NOT s1 STREQUAL s2)

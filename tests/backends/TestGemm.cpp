@@ -316,44 +316,59 @@ TYPED_TEST(Gemm, RoundedPrecisionsMultiplyRoundedOperandsExactly) {
   }
 }
 
+// |C − the reference on bf16-rounded operands| ≤ 1e-5·mag at every element.
+template <class HostC>
+void check_against_rounded(const GemmCase& c, bool ta, bool tb, const HostC& Ch, const std::vector<float>& a,
+                           const std::vector<float>& b, const std::vector<float>& c0) {
+  const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
+  const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, MatmulPrecision::BFloat16),
+                                            rounded(b, MatmulPrecision::BFloat16), c.beta, c0);
+  for (int i = 0; i < c.m; ++i)
+    for (int j = 0; j < c.n; ++j) {
+      const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
+      ASSERT_LE(std::fabs(Ch(i, j) - ref[ij]), 1e-5 * mag[ij] + 1e-30) << "(" << i << ", " << j << ")";
+    }
+}
+
 // Operands rounded once (round_to_bf16: to nearest even, as kmamba::bf16) and multiplied by the
-// bf16 overload: the BFloat16 mode's contract, fp32 sums of exact products of the rounded
-// operands, within 1e-5·mag of the reference on the rounded operands (as above).
-TYPED_TEST(Gemm, Bf16OperandsMultiplyAsTheRoundingMode) {
-  using Exec = TypeParam;
+// bf16 overload (both in bf16) or by the mixed overload (B in bf16, A fp32, rounded by the
+// product): the BFloat16 mode's contract, fp32 sums of exact products of the rounded operands,
+// within 1e-5·mag of the reference on the rounded operands (as above). The cases cover the few-row
+// paths (m ≤ 4 on CUDA: k a multiple of 8 or not, the 16-byte and the element loads) and cuBLAS.
+template <class Exec>
+void check_bf16_products(bool a_in_bf16, std::uint64_t seed) {
   using Mem = typename Exec::memory_space;
   using B2 = kmamba::Tensor2<kmamba::bf16, Mem>;
-  const GemmCase cases[] = {{1, 70, 256, 1.0f, 0.0f},
-                            {4, 40, 128, -1.0f, 0.5f},
-                            {64, 33, 96, 0.5f, 2.0f},
-                            {37, 130, 257, -1.0f, 1.0f},
+  const GemmCase cases[] = {{1, 70, 256, 1.0f, 0.0f}, {2, 9, 60, 0.5f, 1.0f},   {4, 40, 128, -1.0f, 0.5f},
+                            {3, 33, 300, 1.0f, 0.0f}, {64, 33, 96, 0.5f, 2.0f}, {37, 130, 257, -1.0f, 1.0f},
                             {5, 7, 3, 1.0f, 0.0f}};
-  std::uint64_t seed = 900;
   for_each_problem<Exec>(
-      cases, seed, "", [](const GemmCase& c, bool ta, bool tb, const GemmProblem<Exec>& problem, const std::string&) {
+      cases, seed, a_in_bf16 ? "bf16 A " : "fp32 A ",
+      [a_in_bf16](const GemmCase& c, bool ta, bool tb, const GemmProblem<Exec>& problem, const std::string&) {
         const auto& [A, B, C, a, b, c0] = problem;
-        const auto A16 = kmamba::allocate_uninitialized<B2>("kmamba::test::A16", A.extent(0), A.extent(1));
         const auto B16 = kmamba::allocate_uninitialized<B2>("kmamba::test::B16", B.extent(0), B.extent(1));
-        kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(A), A16);
         kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(B), B16);
-        kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<kmamba::bf16, Mem>(A16),
-                     kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta, C);
-        Exec().fence();
-        const auto a16 = kmamba::test::to_host(A16);
-        for (std::size_t i = 0; i < a.size(); ++i) {
-          ASSERT_EQ(a16.data()[i].bits, kmamba::float_to_bf16_bits(a[i])) << "round_to_bf16 at " << i;
+        if (a_in_bf16) {
+          const auto A16 = kmamba::allocate_uninitialized<B2>("kmamba::test::A16", A.extent(0), A.extent(1));
+          kmamba::round_to_bf16(Exec(), kmamba::ConstTensor2<float, Mem>(A), A16);
+          kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<kmamba::bf16, Mem>(A16),
+                       kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta, C);
+        } else {
+          kmamba::gemm(Exec(), transpose(ta), transpose(tb), c.alpha, kmamba::ConstTensor2<float, Mem>(A),
+                       kmamba::ConstTensor2<kmamba::bf16, Mem>(B16), c.beta, C);
         }
-        const auto Ch = kmamba::test::to_host(C);
-        const std::vector<double> mag = magnitudes(ta, tb, c.m, c.n, c.k, c.alpha, a, b, c.beta, c0);
-        const std::vector<double> ref = reference(ta, tb, c.m, c.n, c.k, c.alpha, rounded(a, MatmulPrecision::BFloat16),
-                                                  rounded(b, MatmulPrecision::BFloat16), c.beta, c0);
-        for (int i = 0; i < c.m; ++i)
-          for (int j = 0; j < c.n; ++j) {
-            const std::size_t ij = static_cast<std::size_t>(i) * c.n + j;
-            ASSERT_LE(std::fabs(Ch(i, j) - ref[ij]), 1e-5 * mag[ij] + 1e-30) << "(" << i << ", " << j << ")";
-          }
+        Exec().fence();
+        const auto b16 = kmamba::test::to_host(B16);
+        for (std::size_t i = 0; i < b.size(); ++i) {
+          ASSERT_EQ(b16.data()[i].bits, kmamba::float_to_bf16_bits(b[i])) << "round_to_bf16 at " << i;
+        }
+        check_against_rounded(c, ta, tb, kmamba::test::to_host(C), a, b, c0);
       });
 }
+
+TYPED_TEST(Gemm, Bf16OperandsMultiplyAsTheRoundingMode) { check_bf16_products<TypeParam>(true, 900); }
+
+TYPED_TEST(Gemm, Bf16WeightsAgainstFp32RowsMultiplyAsTheRoundingMode) { check_bf16_products<TypeParam>(false, 1300); }
 
 TYPED_TEST(Gemm, RejectsShapesThatDoNotAgree) {
   using Exec = TypeParam;

@@ -282,15 +282,15 @@ std::vector<std::int64_t> random_ids(std::size_t n, int vocab, std::uint64_t see
 // Prefill of ids[:, :prefix], then one decode step per remaining token (teacher forcing); returns
 // the logits after every position from prefix − 1 on, (batch, seqlen − prefix + 1, vocab).
 // `graph_status`, when given, receives the state's step_graph_status() after the last step.
+// incremental_logits_in runs them in a given state (reset first).
 template <class Exec>
-std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
-                                      std::size_t batch, std::size_t seqlen, std::size_t prefix, bool step_graph = true,
-                                      std::string* graph_status = nullptr) {
+std::vector<float> incremental_logits_in(kmamba::LanguageModel<Exec>& model, kmamba::DecodeState<Exec>& state,
+                                         const std::vector<std::int64_t>& ids, std::size_t batch, std::size_t seqlen,
+                                         std::size_t prefix, std::string* graph_status = nullptr) {
   using Mem = typename Exec::memory_space;
   const Exec exec;
   const std::size_t V = static_cast<std::size_t>(model.config().vocab_size), n = seqlen - prefix + 1;
-  auto state = model.make_decode_state(static_cast<int>(batch));
-  state.set_step_graph(step_graph);
+  state.reset(exec);
   kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, V);
   std::vector<float> all(batch * n * V);
   model.prefill(
@@ -306,6 +306,15 @@ std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const 
   EXPECT_EQ(state.position(), static_cast<std::int64_t>(seqlen));
   if (graph_status != nullptr) *graph_status = state.step_graph_status();
   return all;
+}
+
+template <class Exec>
+std::vector<float> incremental_logits(kmamba::LanguageModel<Exec>& model, const std::vector<std::int64_t>& ids,
+                                      std::size_t batch, std::size_t seqlen, std::size_t prefix, bool step_graph = true,
+                                      std::string* graph_status = nullptr) {
+  auto state = model.make_decode_state(static_cast<int>(batch));
+  state.set_step_graph(step_graph);
+  return incremental_logits_in(model, state, ids, batch, seqlen, prefix, graph_status);
 }
 
 template <class Exec>
@@ -605,6 +614,8 @@ class KernelLabels {
   KernelLabels(const KernelLabels&) = delete;
   KernelLabels& operator=(const KernelLabels&) = delete;
 
+  const std::vector<std::string>& labels() const { return labels_; }
+
   // The labels but the GEMMs' (a Kokkos kernel on host backends, a vendor kernel on CUDA).
   std::vector<std::string> without_gemms() const {
     std::vector<std::string> out;
@@ -686,6 +697,83 @@ TYPED_TEST(DecodeTest, Mamba2DecodeStepLaunchesTwoKernelsPerBlockBesidesTheProje
     labels = counter.without_gemms();
   }
   EXPECT_EQ(labels, std::vector<std::string>{"kmamba::ssd::conv_step"}) << joined(labels);
+}
+
+// The logits of `steps` decode steps (no prefill) from a new state made under `made_under`, the
+// model switched to BFloat16 before the steps; the labels of the last step's kernels into `labels`.
+template <class Exec>
+std::vector<float> bf16_step_logits(kmamba::LanguageModel<Exec>& model, kmamba::MatmulPrecision made_under,
+                                    const std::vector<std::int64_t>& ids, std::size_t batch, std::size_t steps,
+                                    std::vector<std::string>& labels) {
+  using Mem = typename Exec::memory_space;
+  const Exec exec;
+  const std::size_t V = static_cast<std::size_t>(model.config().vocab_size);
+  model.set_matmul_precision(made_under);
+  auto state = model.make_decode_state(static_cast<int>(batch));
+  state.set_step_graph(false);  // a recording would not launch the kernels one by one
+  model.set_matmul_precision(kmamba::MatmulPrecision::BFloat16);
+  kmamba::Tensor2<float, Mem> logits("kmamba::test::logits", batch, V);
+  std::vector<float> all;
+  for (std::size_t t = 0; t < steps; ++t) {
+    const auto step_ids =
+        to_device<kmamba::Tensor1<std::int64_t, Mem>>(positions(ids, batch, steps, 1, t, t + 1), batch);
+    exec.fence();
+    const KernelLabels counter;
+    model.decode_step(exec, step_ids, state, logits);
+    exec.fence();
+    labels = counter.labels();
+    const std::vector<float> step = to_vector(logits);
+    all.insert(all.end(), step.begin(), step.end());
+  }
+  return all;
+}
+
+// Under BFloat16 a decode state made then multiplies the model's bf16 copy of the weights; one made
+// under Float32 (no copy) rounds the fp32 weights in every product. Both form the products of the
+// same rounded operands with fp32 sums: on host backends the same fp32 GEMM on the same operand
+// values (equal logits), on CUDA two kernels summing in different orders (the recurrent tolerance).
+// On hosts the labels show which path ran (on CUDA the GEMMs are vendor kernels, not Kokkos ones).
+TYPED_TEST(DecodeTest, Bf16DecodeWeightsGiveThePerStepRoundedProducts) {
+  using Exec = TypeParam;
+  constexpr bool host = std::is_same<typename Exec::memory_space, Kokkos::HostSpace>::value;
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
+    const std::size_t batch = 2, steps = 5;
+    const std::vector<std::int64_t> ids = random_ids(batch * steps, 50, 31);
+    std::vector<std::string> copy_labels, rounding_labels;
+    const std::vector<float> with_copy =
+        bf16_step_logits(model, kmamba::MatmulPrecision::BFloat16, ids, batch, steps, copy_labels);
+    const std::vector<float> rounding =
+        bf16_step_logits(model, kmamba::MatmulPrecision::Float32, ids, batch, steps, rounding_labels);
+    EXPECT_LE(max_relative_error(with_copy, rounding), host ? 0.0 : recurrent_tolerance);
+    if (host) {
+      const auto has = [](const std::vector<std::string>& labels, const std::string& label) {
+        return std::find(labels.begin(), labels.end(), label) != labels.end();
+      };
+      EXPECT_TRUE(has(copy_labels, "kmamba::gemm::round_and_widen")) << joined(copy_labels);
+      EXPECT_FALSE(has(copy_labels, "kmamba::gemm::round_operands")) << joined(copy_labels);
+      EXPECT_TRUE(has(rounding_labels, "kmamba::gemm::round_operands")) << joined(rounding_labels);
+    }
+  });
+}
+
+// The bf16 copy follows the parameters at each prefill: a state made before the parameters changed
+// gives, after its next prefill, the logits of a state made after the change.
+TYPED_TEST(DecodeTest, Bf16DecodeWeightsFollowTheParametersAtPrefill) {
+  using Exec = TypeParam;
+  for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
+    const Exec exec;
+    const std::size_t batch = 2, seqlen = 9, prefix = 4;
+    const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 37);
+    model.set_matmul_precision(kmamba::MatmulPrecision::BFloat16);
+    auto early = model.make_decode_state(static_cast<int>(batch));
+    const auto params = model.parameters().params();
+    const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params);
+    for (std::size_t i = 0; i < host.extent(0); ++i) host(i) *= 1.25f;
+    Kokkos::deep_copy(params, host);
+    const std::vector<float> fresh = incremental_logits(model, ids, batch, seqlen, prefix);
+    const std::vector<float> stale_state = incremental_logits_in(model, early, ids, batch, seqlen, prefix);
+    EXPECT_EQ(max_relative_error(stale_state, fresh), 0.0);
+  });
 }
 
 TYPED_TEST(DecodeTest, RejectsForeignStatesAndBadInputs) {

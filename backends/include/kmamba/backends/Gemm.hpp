@@ -27,6 +27,9 @@
 // An operand that several BFloat16 products share (an activation against the row blocks of a
 // weight, a gradient in its two products) is rounded to bf16 once (round_to_bf16, gemm_operand) and
 // multiplied by the bf16 overload, which skips the per-call rounding; the products are the same.
+// A weight kept in bf16 (a decode step's weights, LanguageModel under BFloat16) multiplies an fp32
+// activation through the mixed overload, which rounds only the activation: the same products again,
+// with the weight read at half the bytes (on CUDA by the few-row kernel up to 4 rows).
 #ifndef KMAMBA_BACKENDS_GEMM_HPP
 #define KMAMBA_BACKENDS_GEMM_HPP
 
@@ -103,6 +106,23 @@ void gemm(const ExecutionSpace& exec, Transpose trans_a, Transpose trans_b, floa
   const bool ta = trans_a == Transpose::Yes, tb = trans_b == Transpose::Yes;
   if (impl::gemm_check(ta, tb, A, B, C)) return;
   impl::GemmImpl<ExecutionSpace, MemorySpace>::run_bf16(exec, ta, tb, alpha, A, B, beta, C);
+}
+
+/// The BFloat16 product of an fp32 A and a B already in bf16 (a weight kept in bf16): A is rounded
+/// to bf16 as the fp32 overload's BFloat16 mode rounds it, the sums are fp32, so C is that mode's
+/// product of the same matrices, with B read at half the bytes. Shapes, ordering and errors as the
+/// fp32 overload.
+template <class ExecutionSpace, class MemorySpace>
+void gemm(const ExecutionSpace& exec, Transpose trans_a, Transpose trans_b, float alpha,
+          const ConstTensor2<float, MemorySpace>& A,           // (m, k), or (k, m) when trans_a
+          const ConstTensor2<bf16, MemorySpace>& B,            // (k, n), or (n, k) when trans_b
+          float beta, const Tensor2<float, MemorySpace>& C) {  // (m, n)
+  const ProfilingRegion region("kmamba::gemm");
+  static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
+                "kmamba::gemm: the execution space cannot access the matrices' memory space");
+  const bool ta = trans_a == Transpose::Yes, tb = trans_b == Transpose::Yes;
+  if (impl::gemm_check(ta, tb, A, B, C)) return;
+  impl::GemmImpl<ExecutionSpace, MemorySpace>::run_mixed(exec, ta, tb, alpha, A, B, beta, C);
 }
 
 /// `in` rounded to bf16 (to nearest, ties to even) into `out`: the operand of several bf16

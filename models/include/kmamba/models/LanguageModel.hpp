@@ -188,6 +188,11 @@ class LanguageModel {
   /// master weights (the optimizer state too) and the embedding, norms, convolutions, scans,
   /// recurrent states and the loss stay fp32. A runtime option, not part of the config: save()
   /// does not write it and load() starts in Float32.
+  /// Decode under BFloat16 keeps the weights in bf16 too: make_decode_state and each prefill
+  /// round the parameters into one bf16 copy (half their size, allocated once) that the steps'
+  /// projections and head read at half the bytes — the same products, since the mode rounds the
+  /// weights anyway. Parameters changed afterwards reach the steps at the next prefill or new
+  /// state; a state made before the precision became BFloat16 rounds per step until its next prefill.
   void set_matmul_precision(MatmulPrecision precision);
   MatmulPrecision matmul_precision() const;
   /// Packed variable-length rows (docs/training.md): the sequence ids (batch, seqlen) of the rows

@@ -221,8 +221,9 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
   // out (rows, width) = bias(offset : offset + width) + u · (rows [offset, offset + width) of w)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, const std::string& bias,
                int offset, int width,
-               const ConstMatrix& u,      // (rows, k)
-               const Matrix& out) const;  // (rows, width)
+               const ConstMatrix& u,                                                 // (rows, k)
+               const Matrix& out,                                                    // (rows, width)
+               const ConstTensor1<bf16, memory_space>& bf16_parameters = {}) const;  // (slab size): step_product
 
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.
   void sum_over_tensor_ranks(const ExecutionSpace& exec, const Matrix& m) const;  // (rows, d_model)

@@ -226,8 +226,9 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   Cache& cache_of(const char* function, MixerCache<ExecutionSpace>& cache, std::int64_t batch) const;
   // out (rows, width) = u · (rows [offset, offset + width) of in_proj.weight)ᵀ.
   void project(const ExecutionSpace& exec, const Slab& slab, const std::string& weight, int offset, int width,
-               const ConstMatrix& u,      // (rows, k)
-               const Matrix& out) const;  // (rows, width)
+               const ConstMatrix& u,                                                 // (rows, k)
+               const Matrix& out,                                                    // (rows, width)
+               const ConstTensor1<bf16, memory_space>& bf16_parameters = {}) const;  // (slab size): step_product
   // in_proj.weight in its segments, for impl::project_segments and impl::project_segments_backward.
   impl::SegmentedInProj<memory_space, segment_count> in_proj(const Slab& slab) const;
   // Sums the partial out_proj outputs (forward) or input gradients (backward) over the tensor ranks.

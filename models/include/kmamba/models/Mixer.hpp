@@ -22,6 +22,7 @@
 #define KMAMBA_MODELS_MIXER_HPP
 
 #include <kmamba/core/Error.hpp>
+#include <kmamba/core/Bf16.hpp>
 #include <kmamba/core/MatmulPrecision.hpp>
 #include <kmamba/core/Shape.hpp>
 #include <kmamba/core/Tensor.hpp>
@@ -54,8 +55,18 @@ class MixerCache {
   /// Sets the conv and SSM states to zero: every sequence starts afresh. Non-blocking on `exec`.
   virtual void reset(const ExecutionSpace& exec) = 0;
 
+  /// A bf16 copy of the model's parameters in the slab's layout, which step() multiplies in place
+  /// of the fp32 projection weights under MatmulPrecision::BFloat16 (the same products: that mode
+  /// rounds the weights to bf16 anyway; half the bytes). Empty (the default): the slab's weights.
+  /// The copy is the caller's (LanguageModel keeps one) and must outlive the steps that read it.
+  void set_bf16_parameters(const ConstTensor1<bf16, typename ExecutionSpace::memory_space>& parameters) {
+    bf16_parameters_ = parameters;
+  }
+  const ConstTensor1<bf16, typename ExecutionSpace::memory_space>& bf16_parameters() const { return bf16_parameters_; }
+
  private:
   int batch_;
+  ConstTensor1<bf16, typename ExecutionSpace::memory_space> bf16_parameters_;  // (slab size) or empty
 };
 
 /// One parameter a mixer declares: its name after the mixer's prefix (the Hugging Face name), its

@@ -117,10 +117,10 @@ struct GemmImpl {
       run_fp32(exec, trans_a, trans_b, alpha, A, B, beta, C);
       return;
     }
-    run_on_copies(exec, "kmamba::gemm::round_operands", trans_a, trans_b, alpha, A, B, beta, C,
-                  [precision](const auto& out, const auto& in) {
-                    return RoundOperands<MemorySpace>{out, in, precision};
-                  });
+    const auto round = [precision](const auto& out, const auto& in) {
+      return RoundOperands<MemorySpace>{out, in, precision};
+    };
+    run_on_copies(exec, "kmamba::gemm::round_operands", trans_a, trans_b, alpha, A, B, beta, C, round, round);
   }
 
   /// The product of operands already in bf16: their exact fp32 values into the workspace, then the
@@ -128,28 +128,43 @@ struct GemmImpl {
   static void run_bf16(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
                        const ConstTensor2<bf16, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
                        const Tensor2<float, MemorySpace>& C) {
-    run_on_copies(exec, "kmamba::gemm::widen_bf16", trans_a, trans_b, alpha, A, B, beta, C,
-                  [](const auto& out, const auto& in) {
-                    return WidenBf16<MemorySpace>{out, in};
-                  });
+    const auto widen = [](const auto& out, const auto& in) { return WidenBf16<MemorySpace>{out, in}; };
+    run_on_copies(exec, "kmamba::gemm::widen_bf16", trans_a, trans_b, alpha, A, B, beta, C, widen, widen);
+  }
+
+  /// The BFloat16 product of an fp32 A, rounded to bf16 as the fp32 overload's BFloat16 mode
+  /// rounds it, and a B already in bf16: the rounded A and the widened B into the workspace, then
+  /// the fp32 GEMM.
+  static void run_mixed(const ExecSpace& exec, bool trans_a, bool trans_b, float alpha,
+                        const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
+                        const Tensor2<float, MemorySpace>& C) {
+    run_on_copies(
+        exec, "kmamba::gemm::round_and_widen", trans_a, trans_b, alpha, A, B, beta, C,
+        [](const auto& out, const auto& in) {
+          return RoundOperands<MemorySpace>{out, in, MatmulPrecision::BFloat16};
+        },
+        [](const auto& out, const auto& in) {
+          return WidenBf16<MemorySpace>{out, in};
+        });
   }
 
   /// run_fp32 on fp32 copies of A and B in the workspace (GemmRoundingWorkspace), each written by
-  /// one launch labelled `label` of the functor that `copy(out, in)` returns for flat views of the
-  /// copy and of the operand (RoundOperands, WidenBf16).
-  template <class T, class Copy>
+  /// one launch labelled `label` of the functor that `copy_a(out, in)` / `copy_b(out, in)` returns
+  /// for flat views of the copy and of the operand (RoundOperands, WidenBf16).
+  template <class TA, class TB, class CopyA, class CopyB>
   static void run_on_copies(const ExecSpace& exec, const char* label, bool trans_a, bool trans_b, float alpha,
-                            const ConstTensor2<T, MemorySpace>& A, const ConstTensor2<T, MemorySpace>& B, float beta,
-                            const Tensor2<float, MemorySpace>& C, const Copy& copy) {
+                            const ConstTensor2<TA, MemorySpace>& A, const ConstTensor2<TB, MemorySpace>& B, float beta,
+                            const Tensor2<float, MemorySpace>& C, const CopyA& copy_a, const CopyB& copy_b) {
     GemmRoundingWorkspace<MemorySpace>& workspace = GemmRoundingWorkspace<MemorySpace>::instance();
     const std::lock_guard<std::mutex> lock(workspace.mutex);
     const std::size_t a_size = A.span(), b_size = B.span();
     float* const copies = workspace.reserve(a_size + b_size);
     using Out = Kokkos::View<float*, MemorySpace, Unmanaged>;
-    using In = Kokkos::View<const T*, MemorySpace, Unmanaged>;
+    using InA = Kokkos::View<const TA*, MemorySpace, Unmanaged>;
+    using InB = Kokkos::View<const TB*, MemorySpace, Unmanaged>;
     using Policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::size_t>>;
-    Kokkos::parallel_for(label, Policy(exec, 0, a_size), copy(Out(copies, a_size), In(A.data(), a_size)));
-    Kokkos::parallel_for(label, Policy(exec, 0, b_size), copy(Out(copies + a_size, b_size), In(B.data(), b_size)));
+    Kokkos::parallel_for(label, Policy(exec, 0, a_size), copy_a(Out(copies, a_size), InA(A.data(), a_size)));
+    Kokkos::parallel_for(label, Policy(exec, 0, b_size), copy_b(Out(copies + a_size, b_size), InB(B.data(), b_size)));
     run_fp32(exec, trans_a, trans_b, alpha, ConstTensor2<float, MemorySpace>(copies, A.extent(0), A.extent(1)),
              ConstTensor2<float, MemorySpace>(copies + a_size, B.extent(0), B.extent(1)), beta, C);
   }
@@ -220,6 +235,16 @@ void cublas_gemm_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int 
 void cublas_gemm_bf16_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                                 const void* A, int lda, const void* B, int ldb, float beta, float* C, int ldc);
 
+/// gemm_few_rows_cuda's BFloat16 product with B already in bf16 (B points at kmamba::bf16 values):
+/// A rounded to bf16 as it is loaded, B read at half the bytes.
+void gemm_few_rows_mixed_cuda(cudaStream_t stream, int m, int n, int k, float alpha, const float* A, const void* B,
+                              float beta, float* C);
+
+/// cublas_gemm_row_major's BFloat16 product with B already in bf16: only A is rounded into the
+/// shared buffer.
+void cublas_gemm_mixed_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                                 const float* A, int lda, const void* B, int ldb, float beta, float* C, int ldc);
+
 /// out[i] = in[i] rounded to bf16 (to nearest even) for i < count, on `stream` (out points at
 /// kmamba::bf16 values).
 void round_to_bf16_cuda(cudaStream_t stream, const float* in, void* out, std::size_t count);
@@ -234,6 +259,20 @@ struct GemmImpl<Kokkos::Cuda, MemorySpace> {
     const auto ld = [](std::size_t columns) { return columns > 0 ? static_cast<int>(columns) : 1; };
     cublas_gemm_bf16_row_major(exec.cuda_stream(), trans_a, trans_b, m, n, k, alpha, A.data(), ld(A.extent(1)),
                                B.data(), ld(B.extent(1)), beta, C.data(), ld(C.extent(1)));
+  }
+
+  static void run_mixed(const Kokkos::Cuda& exec, bool trans_a, bool trans_b, float alpha,
+                        const ConstTensor2<float, MemorySpace>& A, const ConstTensor2<bf16, MemorySpace>& B, float beta,
+                        const Tensor2<float, MemorySpace>& C) {
+    const int m = static_cast<int>(C.extent(0)), n = static_cast<int>(C.extent(1));
+    const int k = static_cast<int>(trans_a ? A.extent(0) : A.extent(1));
+    if (!trans_a && trans_b && k > 0 && m <= gemm_few_rows_cuda_max) {
+      gemm_few_rows_mixed_cuda(exec.cuda_stream(), m, n, k, alpha, A.data(), B.data(), beta, C.data());
+      return;
+    }
+    const auto ld = [](std::size_t columns) { return columns > 0 ? static_cast<int>(columns) : 1; };
+    cublas_gemm_mixed_row_major(exec.cuda_stream(), trans_a, trans_b, m, n, k, alpha, A.data(), ld(A.extent(1)),
+                                B.data(), ld(B.extent(1)), beta, C.data(), ld(C.extent(1)));
   }
 
   static void round_to_bf16(const Kokkos::Cuda& exec, const ConstTensor2<float, MemorySpace>& in,
