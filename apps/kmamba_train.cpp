@@ -1,7 +1,7 @@
 // kmamba-train: trains a Mamba language model. With no arguments it runs the embedded default, a
 // small Mamba-2 learning multi-query associative recall; --data trains on text or token files and
 // --model fine-tunes a Hugging Face checkpoint. `--help` lists every option (train/TrainOptions.cpp
-// declares them). Under `mpirun -np N` it trains on a dp × tp × sp process mesh (--dp --tp --sp);
+// declares them). Under `mpirun -np N` it trains on a pp × dp × tp × sp process mesh (--pp --dp --tp --sp);
 // only world rank 0 prints and writes. Exit status: 0 done, 130 interrupted (SIGINT/SIGTERM) with
 // the checkpoint saved, 2 a bad option or input, 1 an internal error.
 #include <kmamba/KMamba.hpp>
@@ -302,7 +302,7 @@ struct Parallel {
   std::unique_ptr<kmamba::ProcessMesh> mesh;
 #endif
   bool root = true;    // world rank 0: prints and writes
-  bool split = false;  // the model is sharded over tensor or sequence ranks
+  bool split = false;  // the model is sharded over tensor, sequence or pipeline ranks
 };
 
 template <class Exec>
@@ -316,13 +316,15 @@ Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const km
   p.mesh = std::make_unique<kmamba::ProcessMesh>(MPI_COMM_WORLD, resolved,
                                                  kmamba::transport_for<typename Exec::memory_space>());
   p.root = p.mesh->world().rank() == 0;
-  p.split = p.mesh->config().tensor_parallel_size > 1 || p.mesh->config().sequence_parallel_size > 1;
+  p.split = p.mesh->config().tensor_parallel_size > 1 || p.mesh->config().sequence_parallel_size > 1 ||
+            p.mesh->config().pipeline_parallel_size > 1;
 #else
   (void)config;
   (void)runtime;
   KMAMBA_REQUIRE(r.mesh.tensor_parallel_size == 1 && r.mesh.sequence_parallel_size == 1 &&
-                     r.mesh.data_parallel_size <= 1 && !r.derive_sequence_parallel,
-                 "kmamba-train: --dp, --tp, --sp and --sequence-parallel-enabled need a build with MPI "
+                     r.mesh.pipeline_parallel_size == 1 && r.mesh.data_parallel_size <= 1 &&
+                     !r.derive_sequence_parallel,
+                 "kmamba-train: --dp, --tp, --sp, --pp and --sequence-parallel-enabled need a build with MPI "
                  "(KMAMBA_ENABLE_MPI)");
 #endif
   return p;
@@ -343,7 +345,7 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   kmamba::LanguageModel<Exec> model = make_model();
 #if KMAMBA_ENABLE_MPI
   if (p.split) {
-    kmamba::LanguageModel<Exec> local(model.config(), {&p.mesh->tensor(), &p.mesh->sequence()});
+    kmamba::LanguageModel<Exec> local(model.config(), {&p.mesh->tensor(), &p.mesh->sequence()}, {&p.mesh->pipeline()});
     kmamba::scatter_parameters(exec, model, local);
     model = std::move(local);
   }
@@ -398,20 +400,28 @@ template <class Exec>
 void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelConfig& config,
                  const kmamba::Trainer<Exec>& trainer, const Parallel& p) {
   std::printf("kmamba-train: %s\n", describe_data(r, data).c_str());
-  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters, on %s, %s projections%s%s\n",
+  std::printf("kmamba-train: %s, d_model %d, %d layers, %zu parameters%s, on %s, %s projections%s%s\n",
               kmamba::mixer_name(config.mixer), config.d_model, config.n_layer, trainer.model().parameters().size(),
-              Exec::name(), kmamba::matmul_precision_name(r.precision),
+              p.split ? " in rank 0's part (split over tp, sp or pp)" : "", Exec::name(),
+              kmamba::matmul_precision_name(r.precision),
               r.activation_checkpointing ? ", activation checkpointing" : "",
               r.model_dir.empty() ? "" : (" (from " + r.model_dir + ")").c_str());
 #if KMAMBA_ENABLE_MPI
   if (p.mesh) {
     const kmamba::MeshConfig& mesh = p.mesh->config();
     std::printf(
-        "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s; ZeRO stage %d; "
+        "kmamba-train: %d ranks: data parallel %d x tensor parallel %d x sequence parallel %d%s%s; ZeRO stage %d; "
         "gradients reduced %s%s\n",
         p.mesh->world().size(), mesh.data_parallel_size, mesh.tensor_parallel_size, mesh.sequence_parallel_size,
         mesh.sequence_parallel_size > 1
             ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
+            : "",
+        mesh.pipeline_parallel_size > 1
+            ? format(" x pipeline parallel %d (1F1B over the %lld micro-batches of a step; stage 0 holds layers "
+                     "%d to %d)",
+                     mesh.pipeline_parallel_size, static_cast<long long>(r.train.grad_accum),
+                     trainer.model().layers().begin, trainer.model().layers().end - 1)
+                  .c_str()
             : "",
         r.zero_stage, reduction_text(r).c_str(),
         r.sync_frequency > 1 ? format("; local SGD: the replicas step alone, averaged every %lld steps",

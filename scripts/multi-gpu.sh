@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU scaling from binaries built HERE and carried to a 2/4/8-GPU machine, so that
 # no device time goes into compiling:
-#   (a) equivalence: kmamba-train under mpirun on NCCL meshes follows the one-GPU run step by step
+#   (a) equivalence: kmamba-train under mpirun on NCCL meshes (pipeline stages too) follows the
+#       one-GPU run step by step
 #       (tests/apps/CheckParallelTraining.cmake, as the train.mpi_* ctest entries do on CPU ranks);
 #   (b) kmamba-perf-comm: the collectives of kmamba::Communicator over 1 KiB ... 1 GiB at n = 2, 4, 8;
 #   (c) kmamba-perf-train on a mamba2-370m-shaped model: one GPU, dp weak scaling (with and without
@@ -124,26 +125,31 @@ if has_part suites; then
 fi
 
 # (a) One-GPU run vs the mesh over the same global batches (grad-accum = dp on one GPU), ngroups 4
-# and 8 heads so that tp 2 and 4 split them.
+# and 8 heads so that tp 2 and 4 split them. Pipeline meshes (pp) run 4 layers and 4 micro-batches
+# per step through the stages (the one-GPU run accumulates dp · 4).
 if has_part equiv; then
   for np in "${nps[@]}"; do
     case $np in
-      2) meshes=("dp;2" "tp;2" "sp;2" "dp;2;zero-stage;1") ;;
-      4) meshes=("dp;4" "dp;2;tp;2" "dp;2;sp;2" "tp;2;sp;2" "tp;4" "dp;4;zero-stage;1" "dp;2;tp;2;zero-stage;1") ;;
-      8) meshes=("dp;8" "dp;4;tp;2" "dp;4;sp;2" "dp;2;tp;2;sp;2" "dp;2;tp;4" "dp;8;zero-stage;1") ;;
+      2) meshes=("dp;2" "tp;2" "sp;2" "dp;2;zero-stage;1" "pp;2") ;;
+      4) meshes=("dp;4" "dp;2;tp;2" "dp;2;sp;2" "tp;2;sp;2" "tp;4" "dp;4;zero-stage;1" "dp;2;tp;2;zero-stage;1"
+                 "pp;4" "pp;2;tp;2" "pp;2;dp;2;zero-stage;1") ;;
+      8) meshes=("dp;8" "dp;4;tp;2" "dp;4;sp;2" "dp;2;tp;2;sp;2" "dp;2;tp;4" "dp;8;zero-stage;1" "pp;2;tp;4"
+                 "pp;2;dp;2;tp;2" "pp;4;tp;2") ;;
       *) meshes=("dp;$np") ;;
     esac
     for mesh in "${meshes[@]}"; do
-      dp=$np
+      dp=$np accum=1 pipeline=""
       [[ "$mesh" =~ tp\;([0-9]+) ]] && dp=$((dp / BASH_REMATCH[1]))
       [[ "$mesh" =~ sp\;([0-9]+) ]] && dp=$((dp / BASH_REMATCH[1]))
+      if [[ "$mesh" =~ pp\;([0-9]+) ]]; then dp=$((dp / BASH_REMATCH[1])) accum=4 pipeline=";--n-layer;4"; fi
       flags=$(echo "$mesh" | sed -E 's/(^|;)([a-z-]+)/\1--\2/g')
       name="equiv-np$np-$(echo "$mesh" | tr -d ';' | sed 's/zero-stage1/zero1/')"
       step "$name" cmake -DTRAIN="$bin/kmamba-train" -DMPIEXEC=mpirun \
         "-DMPIFLAGS=-n;$np;--allow-run-as-root;--oversubscribe;--bind-to;none;-x;NCCL_NVLS_ENABLE" \
         -DOUT="$out/$name" \
-        "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;64;--ngroups;4;--device;$device" \
-        "-DONE_RANK=--grad-accum;$dp" "-DMESH=$flags" -DMAX_DIFF=0.00002 -P "$root/tests/apps/CheckParallelTraining.cmake"
+        "-DARGS=--steps;12;--eval-interval;0;--checkpoint-interval;0;--seqlen;64;--ngroups;4;--device;$device$pipeline" \
+        "-DONE_RANK=--grad-accum;$((dp * accum))" "-DMESH=$flags;--grad-accum;$accum" -DMAX_DIFF=0.00002 \
+        -P "$root/tests/apps/CheckParallelTraining.cmake"
     done
   done
 fi

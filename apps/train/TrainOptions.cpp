@@ -161,8 +161,8 @@ void declare_progress(CLI::App& cli) {
 }
 
 void declare_parallel(CLI::App& cli) {
-  const char* g = "parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp)";
-  option(cli, g, "--data-parallel-size,--dp", "N", "data-parallel ranks (default: N / (tp * sp))", count_from(0));
+  const char* g = "parallel (under mpirun -np N; ranks ordered tp fastest, then sp, then dp, then pp)";
+  option(cli, g, "--data-parallel-size,--dp", "N", "data-parallel ranks (default: N / (tp * sp * pp))", count_from(0));
   option(cli, g, "--tensor-parallel-size,--tp", "N", "ranks splitting each Mamba-2/3 layer's heads (default 1)",
          count_from(1));
   option(cli, g, "--sequence-parallel-size,--sp", "N", "ranks splitting each sequence into segments (default 1)",
@@ -171,8 +171,9 @@ void declare_parallel(CLI::App& cli) {
          "0: every rank keeps all AdamW moments (default); 1: ZeRO-1, moments sharded over dp x sp", integer_in(0, 1));
   cli.add_flag("--activation-checkpointing", "keep only each layer's input and recompute the rest in backward")
       ->group(g);
-  option(cli, g, "--pipeline-parallel-size", "N",
-         "pipeline stages; only 1: every rank holds every layer (pipeline parallelism is not built)", count_from(1));
+  option(cli, g, "--pipeline-parallel-size,--pp", "N",
+         "pipeline stages, each holding consecutive layers, run 1F1B over the --grad-accum micro-batches (default 1)",
+         count_from(1));
   option(cli, g, "--sequence-parallel-enabled", "BOOL",
          "true: the ranks that tp x dp leave split each sequence (--sp derived, dp 1 unless given); false: --sp "
          "must be 1",
@@ -353,15 +354,6 @@ void resolve_training(const TrainOptions& o, Run& r) {
   r.precision = parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
 }
 
-// The options that ask for work not built: an error naming the key and what is missing.
-void refuse_unbuilt(const TrainOptions& o) {
-  const long long stages = o.integer("pipeline-parallel-size", 1);
-  KMAMBA_REQUIRE(stages == 1, "kmamba-train: " << key_of("pipeline-parallel-size") << " " << stages
-                                               << ": pipeline parallelism (ranks holding consecutive stages of the "
-                                                  "layers) is not built; every rank holds every layer, so the size "
-                                                  "must be 1");
-}
-
 // Local SGD (--gradient-sync-frequency N > 1): the replicas are one state only after an averaging,
 // so the checkpoints and the end fall on multiples of N, and ZeRO-1's sharded moments are refused.
 void resolve_sync_frequency(const TrainOptions& o, Run& r) {
@@ -437,9 +429,9 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.mesh.data_parallel_size = static_cast<int>(o.integer("data-parallel-size", 0));
   r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1));
   r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1));
+  r.mesh.pipeline_parallel_size = static_cast<int>(o.integer("pipeline-parallel-size", 1));
   r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
   r.activation_checkpointing = o.flag("activation-checkpointing");
-  refuse_unbuilt(o);
   resolve_compression(o, r);
   resolve_sync_frequency(o, r);
   r.overlap_communication = resolve_overlap(o);
@@ -597,9 +589,9 @@ Run configure_run(CLI::App& cli) {
 }
 
 bool asks_for_ranks(const CLI::App& cli) {
-  for (const char* name :
-       {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size", "--sequence-parallel-enabled",
-        "--zero-stage", "--gradient-sync-frequency", "--gradient-compression", "--powersgd-rank"}) {
+  for (const char* name : {"--data-parallel-size", "--tensor-parallel-size", "--sequence-parallel-size",
+                           "--pipeline-parallel-size", "--sequence-parallel-enabled", "--zero-stage",
+                           "--gradient-sync-frequency", "--gradient-compression", "--powersgd-rank"}) {
     if (cli.count(name) > 0) return true;
   }
   return false;
@@ -609,9 +601,12 @@ MeshConfig mesh_for_world(const Run& run, int world_size) {
   MeshConfig mesh = run.mesh;
   if (run.derive_sequence_parallel) {
     mesh.data_parallel_size = std::max(1, mesh.data_parallel_size);
-    const long long others = static_cast<long long>(mesh.tensor_parallel_size) * mesh.data_parallel_size;
-    const std::string sizes = "tensor_parallel_size " + std::to_string(mesh.tensor_parallel_size) +
-                              " x data_parallel_size " + std::to_string(mesh.data_parallel_size);
+    const long long others =
+        static_cast<long long>(mesh.tensor_parallel_size) * mesh.data_parallel_size * mesh.pipeline_parallel_size;
+    std::string sizes = "tensor_parallel_size " + std::to_string(mesh.tensor_parallel_size) + " x data_parallel_size " +
+                        std::to_string(mesh.data_parallel_size);
+    if (mesh.pipeline_parallel_size > 1)
+      sizes += " x pipeline_parallel_size " + std::to_string(mesh.pipeline_parallel_size);
     KMAMBA_REQUIRE(world_size % others == 0, "kmamba-train: " << key_of("sequence-parallel-enabled")
                                                               << " true: the world's " << world_size
                                                               << " ranks are not a multiple of " << sizes);

@@ -25,6 +25,7 @@
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ModelParallel.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/PipelineStage.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 
 #include <cstddef>
@@ -61,7 +62,16 @@ class Backbone {
   /// The blocks of `config` (validated), each mixer split over `parallel` (whose communicators
   /// must outlive the backbone); `label` starts the labels of its buffers ("kmamba::lm").
   Backbone(const ModelConfig& config, const ModelParallel& parallel, const std::string& label);
+  /// A pipeline stage's part (PipelineStage.hpp): the blocks `layers` (their parameters under their
+  /// unsplit names), and the final norm only when `final_norm`. Without it the stage's output is
+  /// the residual stream h_end = r_{end−1} + m_{end−1} that the next stage starts from, and the
+  /// stage keeps micro-batches in flight (use_activation_slot), so its blocks are always
+  /// checkpointed: a training forward keeps each block's input only, backward recomputes.
+  Backbone(const ModelConfig& config, const ModelParallel& parallel, const std::string& label, StageLayers layers,
+           bool final_norm);
 
+  /// The blocks this backbone holds.
+  const StageLayers& layers() const { return layers_; }
   /// Adds every block's mixer parameters and norm weight, then the final norm's weight, to `slab`.
   void declare_parameters(Slab& slab) const;
   /// Norm weights 1 and every mixer initialised from its own seed derived from `seed`.
@@ -71,6 +81,11 @@ class Backbone {
   /// Per-layer activation checkpointing (LanguageModel::set_activation_checkpointing).
   void set_activation_checkpointing(bool on);
   bool activation_checkpointing() const { return checkpointing_; }
+  /// Which micro-batch's block inputs the following training forward keeps and the following
+  /// backward reads (a pipeline stage's micro-batches in flight, each in its own slot; slot 0 by
+  /// default). Other slots than 0 need checkpointed blocks (activation checkpointing, or a stage
+  /// without the final norm): the mixers keep one micro-batch's activations only.
+  void use_activation_slot(std::size_t slot);
   /// Every mixer's projection arithmetic (Mixer::set_matmul_precision).
   void set_matmul_precision(MatmulPrecision precision);
   /// Every mixer's packed sequence ids (Mixer::set_sequence_ids), for the following forward,
@@ -93,8 +108,9 @@ class Backbone {
   /// reallocates the buffers).
   const Tensor3<float, Mem>& forward(const ExecutionSpace& exec, const Slab& slab, std::int64_t batch,
                                      std::int64_t seqlen, bool training, const InputEnd& input);
-  /// (batch, seqlen, d_model): the last forward's output; backward reads d(loss)/d(output) from it.
-  const Tensor3<float, Mem>& output() const { return normed_; }
+  /// (batch, seqlen, d_model): the last forward's output (RMSNorm_f(h_end), or h_end without the
+  /// final norm); backward reads d(loss)/d(output) from it.
+  const Tensor3<float, Mem>& output() const { return final_norm_ ? normed_ : final_input_; }
   /// Backward of the last training forward, from d(loss)/d(output) written over output(): ADDS the
   /// blocks' and the final norm's parameter gradients into slab.grads(), announcing each block's,
   /// and returns d(loss)/d(h_0) (batch, seqlen, d_model), valid until the next forward.
@@ -135,6 +151,9 @@ class Backbone {
   // Allocates the forward's buffers for (batch, seqlen) when the shape changes; a training
   // forward keeps one residual per layer, inference one.
   void prepare(std::int64_t batch, std::int64_t seqlen, bool training);
+  // The blocks held, and whether a training forward keeps block inputs only (recomputing in backward).
+  int layer_count() const { return layers_.end - layers_.begin; }
+  bool checkpointed() const { return checkpointing_ || !final_norm_; }
   // The blocks of a training or inference forward over residuals_[0], leaving r_{n−1} and m_{n−1}.
   void forward_blocks(const ExecutionSpace& exec, const Slab& slab, bool training);
   // Block `layer`'s backward from dres_ = d(loss)/d(r_{layer+1}), leaving d(loss)/d(r_layer) in it.
@@ -146,15 +165,19 @@ class Backbone {
 
   ModelConfig config_;
   std::string label_;
-  std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers_;
+  StageLayers layers_;
+  bool final_norm_ = true;
+  std::vector<std::unique_ptr<Mixer<ExecutionSpace>>> mixers_;  // one per block of layers_
   bool checkpointing_ = false;
   GradientsReadyHook gradients_ready_;
   std::vector<Ranges> ready_sequence_;
 
   // The buffers of the last forward (batch, seqlen fixed by it).
   std::int64_t batch_ = 0, seqlen_ = 0;
-  std::vector<Tensor3<float, Mem>> residuals_;        // n_layer (training) or 1 × (batch, seqlen, d_model): r_i
-  std::vector<Tensor1<float, Mem>> rstds_;            // as residuals_, (batch·seqlen): norm i's rstd
+  std::vector<Tensor3<float, Mem>> residuals_;            // blocks (training) or 1 × (batch, seqlen, d_model): r_i
+  std::vector<Tensor1<float, Mem>> rstds_;                // as residuals_, (batch·seqlen): norm i's rstd
+  std::vector<std::vector<Tensor3<float, Mem>>> parked_;  // the other slots' residuals_ (empty at slot_)
+  std::size_t slot_ = 0;
   Tensor3<float, Mem> final_input_;                   // (batch, seqlen, d_model): h_n; backward's scratch
   Tensor1<float, Mem> final_rstd_;                    // (batch·seqlen)
   Tensor3<float, Mem> normed_;                        // (batch, seqlen, d_model): a norm's output; output()

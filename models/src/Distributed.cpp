@@ -24,6 +24,19 @@ SequenceSegment sequence_segment(std::int64_t seqlen, int rank, int size) {
   return segment;
 }
 
+StageLayers stage_layers(int n_layer, int stage, int stages) {
+  KMAMBA_REQUIRE(stages >= 1 && stage >= 0 && stage < stages,
+                 "kmamba::stage_layers: stage " << stage << " is not in [0, " << stages << ")");
+  KMAMBA_REQUIRE(stages <= n_layer, "kmamba::stage_layers: pipeline_parallel_size "
+                                        << stages << " exceeds the model's " << n_layer
+                                        << " layers (n_layer); each pipeline stage needs at least one layer");
+  const int base = n_layer / stages, extra = n_layer % stages;
+  StageLayers layers;
+  layers.begin = stage * base + std::min(stage, extra);
+  layers.end = layers.begin + base + (stage < extra ? 1 : 0);
+  return layers;
+}
+
 namespace {
 
 // dst[dst_offset, dst_offset + count) ← src[src_offset, src_offset + count).
@@ -44,8 +57,9 @@ void for_each_parameter(const char* function, const LanguageModel<ExecutionSpace
                         const Copy& copy) {
   KMAMBA_REQUIRE(full.config().to_hf_json() == local.config().to_hf_json(),
                  function << ": the two models have different configs");
-  KMAMBA_REQUIRE(full.parallel().tensor_size() == 1 && full.parallel().sequence_size() == 1,
-                 function << ": the unsplit model must not be split itself");
+  KMAMBA_REQUIRE(
+      full.parallel().tensor_size() == 1 && full.parallel().sequence_size() == 1 && full.pipeline().stages() == 1,
+      function << ": the unsplit model must not be split itself");
   KMAMBA_REQUIRE(full_size == full.parameters().size() && local_size == local.parameters().size(),
                  function << ": the vectors have " << full_size << " and " << local_size
                           << " elements; the slabs of the unsplit and the local model have " << full.parameters().size()
@@ -87,17 +101,26 @@ void gather_values(const ExecutionSpace& exec, const LanguageModel<ExecutionSpac
                    const ConstTensor1<float, typename ExecutionSpace::memory_space>& local_values,
                    const LanguageModel<ExecutionSpace>& full,
                    const Tensor1<float, typename ExecutionSpace::memory_space>& full_values) {
-  // Each rank writes its shards into zeros (the replicated parameters and runs on tp rank 0 only); the sum
-  // over the tensor ranks is then exact.
+  // Each rank writes its shards into zeros (the replicated parameters and runs on tp rank 0 only, the
+  // tied embedding from the first pipeline stage only); the sums over the tensor ranks and over the
+  // stages are then exact.
   Kokkos::deep_copy(exec, full_values, 0.0f);
   const bool first = local.parallel().tensor_rank() == 0;
+  const PipelineParallel& stages = local.pipeline();
+  std::pair<std::int64_t, std::int64_t> second_copy{0, 0};  // the local slab range of the last stage's tied embedding
+  if (stages.stages() > 1 && stages.last_stage() && local.config().tie_embeddings) {
+    const auto& e = local.parameters().entry(embedding_parameter_name);
+    second_copy = {static_cast<std::int64_t>(e.offset), static_cast<std::int64_t>(e.offset + e.size)};
+  }
   float* const to = full_values.data();
   const float* const from = local_values.data();
   for_each_parameter("kmamba::gather_values", full, local, full_values.extent(0), local_values.extent(0),
                      [&](std::int64_t full_offset, std::int64_t local_offset, std::int64_t count, bool replicated) {
+                       if (local_offset >= second_copy.first && local_offset < second_copy.second) return;
                        if (first || !replicated) copy_range(exec, to, full_offset, from, local_offset, count);
                      });
   if (local.parallel().tensor_size() > 1) local.parallel().tensor->all_reduce(exec, full_values);
+  if (stages.stages() > 1) stages.pipeline->all_reduce(exec, full_values);
   exec.fence();
 }
 
@@ -133,6 +156,10 @@ void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
   KMAMBA_REQUIRE(tp >= 1, function << ": tensor_parallel_size must be >= 1, got " << tp);
   KMAMBA_REQUIRE(mesh.sequence_parallel_size >= 1,
                  function << ": sequence_parallel_size must be >= 1, got " << mesh.sequence_parallel_size);
+  KMAMBA_REQUIRE(mesh.pipeline_parallel_size >= 1 && mesh.pipeline_parallel_size <= model.n_layer,
+                 function << ": pipeline_parallel_size " << mesh.pipeline_parallel_size << " must lie in [1, "
+                          << model.n_layer << "]: the model has " << model.n_layer
+                          << " layers (n_layer) and each pipeline stage needs at least one");
   if (model.mixer == MixerKind::Mamba1) {
     KMAMBA_REQUIRE(tp == 1, function << ": tensor_parallel_size " << tp << ": the " << mixer_name(model.mixer)
                                      << " mixer is not split across tensor ranks (it splits sequences: use "
@@ -154,6 +181,16 @@ namespace {
 template <class MemorySpace>
 Tensor1<float, MemorySpace> range(const Tensor1<float, MemorySpace>& data, std::size_t begin, std::size_t size) {
   return Tensor1<float, MemorySpace>(data.data() + begin, size);
+}
+
+// ranges ← ranges without [begin, end) (sorted, disjoint ranges stay so).
+void remove_range(std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::size_t begin, std::size_t end) {
+  std::vector<std::pair<std::size_t, std::size_t>> kept;
+  for (const auto& r : ranges) {
+    if (r.first < begin) kept.emplace_back(r.first, std::min(r.second, begin));
+    if (r.second > end) kept.emplace_back(std::max(r.first, end), r.second);
+  }
+  ranges = std::move(kept);
 }
 }  // namespace
 
@@ -185,6 +222,13 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
       }
     }
     std::sort(counted_.begin(), counted_.end());
+  }
+  // The tied embedding of the last pipeline stage is a copy of the first stage's (their gradients
+  // were summed), counted there.
+  const int stages = mesh.config().pipeline_parallel_size;
+  if (stages > 1 && mesh.coordinates().pp == stages - 1 && model.tie_embeddings) {
+    const auto& e = slab.entry(embedding_parameter_name);
+    remove_range(counted_, e.offset, e.offset + e.size);
   }
   KMAMBA_REQUIRE(config.zero_stage == 0 || config.zero_stage == 1,
                  "kmamba::DataParallel: zero_stage must be 0 (replicated optimizer state) or 1 (ZeRO-1), got "
@@ -303,13 +347,14 @@ double DataParallel<ExecutionSpace>::grad_norm(const ExecutionSpace& exec, const
 template <class ExecutionSpace>
 double DataParallel<ExecutionSpace>::replica_grad_norm(const ExecutionSpace& exec, const Slab& slab) const {
   // Every rank of the replica holds its whole summed gradient; counted_ leaves the replicated
-  // parameters to tp rank 0, so the sum over tp counts each parameter once.
+  // parameters to tp rank 0 and the tied embedding to the first stage, so the sum over tp and pp
+  // counts each parameter once.
   double squares = 0.0;
   for (const auto& range : counted_) {
     squares += GradientReducer<ExecutionSpace>::sum_of_squares(exec, ConstTensor1<float, memory_space>(slab.grads()),
                                                                range.first, range.second - range.first);
   }
-  const double norm = std::sqrt(mesh_->tensor().all_reduce_value(squares));
+  const double norm = std::sqrt(mesh_->pipeline().all_reduce_value(mesh_->tensor().all_reduce_value(squares)));
   const int non_finite = mesh_->world().all_reduce_value(std::isfinite(norm) ? 0 : 1);
   return non_finite == 0 ? norm : std::numeric_limits<double>::quiet_NaN();
 }

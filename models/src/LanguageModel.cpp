@@ -54,7 +54,7 @@ struct LastPositionSum {
 };
 
 /// HF names of the LM-level parameters; the mamba_ssm spelling of the embedding is accepted on load.
-constexpr const char* embedding_name = "backbone.embeddings.weight";
+constexpr const char* embedding_name = embedding_parameter_name;
 constexpr const char* mamba_ssm_embedding_name = "backbone.embedding.weight";
 constexpr const char* lm_head_name = "lm_head.weight";
 
@@ -66,6 +66,7 @@ struct LanguageModel<ExecutionSpace>::State {
   using Backbone = impl::Backbone<ExecutionSpace>;
   ModelConfig config;
   ModelParallel parallel;
+  PipelineParallel pipeline;
   Slab slab;
   Backbone backbone;
 
@@ -78,19 +79,39 @@ struct LanguageModel<ExecutionSpace>::State {
   // Under BFloat16, the parameters rounded to bf16 for decode steps (step_product), rounded again
   // whenever a decode state is made or prefilled; empty until then.
   mutable Tensor1<bf16, Mem> decode_parameters;  // (slab size)
+  // The last stage's targets and predicted tokens of its last training stage_forward, for its backward.
+  ConstTensor2<std::int64_t, Mem> stage_targets;
+  std::int64_t stage_tokens = 0;
 
-  State(const ModelConfig& c, const ModelParallel& p) : config(c), parallel(p), backbone(c, p, "kmamba::lm") {
+  State(const ModelConfig& c, const ModelParallel& p, const PipelineParallel& stages)
+      : config(c),
+        parallel(p),
+        pipeline(stages),
+        backbone(c, p, "kmamba::lm", stage_layers(c.n_layer, stages.stage(), stages.stages()), stages.last_stage()) {
     config.validate();
-    declare_parameters(config, backbone, slab);
+    declare_parameters(config, pipeline, backbone, slab);
     slab.finalize("kmamba::lm");
   }
 
-  // The parameters' names and shapes, in declaration order; allocates nothing.
-  static void declare_parameters(const ModelConfig& config, const Backbone& backbone, Slab& slab) {
+  // The parameters' names and shapes, in declaration order; allocates nothing. The first stage
+  // holds the embedding, the last the head (the embedding itself when tied).
+  static void declare_parameters(const ModelConfig& config, const PipelineParallel& stages, const Backbone& backbone,
+                                 Slab& slab) {
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
-    slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
+    if (stages.first_stage() || (stages.last_stage() && config.tie_embeddings)) {
+      slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
+    }
     backbone.declare_parameters(slab);
-    if (!config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
+    if (stages.last_stage() && !config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
+  }
+
+  // Throws a UserError from `function` on a pipeline stage: it needs the whole model.
+  void require_whole_model(const char* function) const {
+    KMAMBA_REQUIRE(pipeline.stages() == 1, function << ": this model holds pipeline stage " << pipeline.stage()
+                                                    << " of " << pipeline.stages()
+                                                    << "; it trains through kmamba::Pipeline (stage_forward, "
+                                                       "stage_backward), and whole-model calls need an unsplit "
+                                                       "model (kmamba::gather_parameters)");
   }
 
   ConstTensor2<float, Mem> head_weight() const {
@@ -124,16 +145,23 @@ struct LanguageModel<ExecutionSpace>::State {
                                             << ", position " << bad.first_row % ids.extent(1) << ")");
   }
 
-  /// Fills padded_logits from ids; keeps per-layer activations when `training`.
-  void run_forward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids, bool training) {
+  /// This model's part of the forward over ids: the blocks from the embedding of ids (first
+  /// stage) or from `input` (the previous stage's output), and on the last stage the head, which
+  /// fills padded_logits. Keeps per-layer activations when `training`.
+  void run_forward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids, bool training,
+                   const ConstTensor3<float, Mem>& input = {}) {  // (batch, seqlen, d_model) or empty
     const std::int64_t b = ids.extent(0), l = ids.extent(1);
+    const Tensor3<float, Mem>& out = backbone.forward(exec, slab, b, l, training, [&](const Tensor2<float, Mem>& h0) {
+      if (pipeline.first_stage()) {
+        const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
+        embedding_forward(exec, flat_ids, ConstTensor2<float, Mem>(slab.template param<2>(impl::embedding_name)), h0);
+      } else {
+        Kokkos::deep_copy(exec, h0, ConstTensor2<float, Mem>(input.data(), h0.extent(0), h0.extent(1)));
+      }
+    });
+    if (!pipeline.last_stage()) return;
     ensure_head_buffers(b, l);
-    const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
-    const ConstTensor2<float, Mem> embedding(slab.template param<2>(impl::embedding_name));
-    const Tensor3<float, Mem>& normed =
-        backbone.forward(exec, slab, b, l, training,
-                         [&](const Tensor2<float, Mem>& h0) { embedding_forward(exec, flat_ids, embedding, h0); });
-    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::token_rows(normed)), head_weight(),
+    gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::token_rows(out)), head_weight(),
          0.0f, padded_logits, precision);
   }
 
@@ -198,6 +226,13 @@ struct LanguageModel<ExecutionSpace>::State {
   /// Backward from the loss of the last training forward; padded_logits becomes dlogits.
   void run_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids,
                     const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
+    head_backward(exec, targets, scale);
+    blocks_backward(exec, ids);
+  }
+
+  /// The loss's and the head's backward (the last stage): padded_logits becomes dlogits, and
+  /// d(loss)/d(normed_f) goes over backbone.output().
+  void head_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
     const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
     // The backward writes dlogits over the logits it reads, row by row (softmax − one-hot).
     cross_entropy_backward(exec, ConstTensor2<float, Mem>(padded_logits), flat_targets, ignore_index,
@@ -210,11 +245,19 @@ struct LanguageModel<ExecutionSpace>::State {
          gemm_operand(exec, ConstTensor2<float, Mem>(normed), precision), 1.0f, head_grad(), precision);
     gemm(exec, Transpose::No, Transpose::No, 1.0f, dlogits,
          gemm_operand(exec, ConstTensor2<float, Mem>(head_weight()), precision), 0.0f, normed, precision);
+  }
+
+  /// The blocks' backward from d(loss)/d(output) over backbone.output(), and the embedding's on the
+  /// first stage. Returns d(loss)/d(h_0), the gradient of the stage's input.
+  const Tensor3<float, Mem>& blocks_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids) {
     const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
-    const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
-    embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),
-                       Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
+    if (pipeline.first_stage()) {
+      const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
+      embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),
+                         Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
+    }
     backbone.finish_backward(exec);
+    return dh0;
   }
 };
 
@@ -270,11 +313,17 @@ void DecodeState<ExecutionSpace>::reset(const ExecutionSpace& exec) {
 }
 
 template <class ExecutionSpace>
-LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config) : state_(new State(config, ModelParallel())) {}
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config)
+    : state_(new State(config, ModelParallel(), PipelineParallel())) {}
 
 template <class ExecutionSpace>
 LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const ModelParallel& parallel)
-    : state_(new State(config, parallel)) {}
+    : state_(new State(config, parallel, PipelineParallel())) {}
+
+template <class ExecutionSpace>
+LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const ModelParallel& parallel,
+                                             const PipelineParallel& stages)
+    : state_(new State(config, parallel, stages)) {}
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
@@ -319,6 +368,16 @@ const ModelParallel& LanguageModel<ExecutionSpace>::parallel() const {
 }
 
 template <class ExecutionSpace>
+const PipelineParallel& LanguageModel<ExecutionSpace>::pipeline() const {
+  return state_->pipeline;
+}
+
+template <class ExecutionSpace>
+StageLayers LanguageModel<ExecutionSpace>::layers() const {
+  return state_->backbone.layers();
+}
+
+template <class ExecutionSpace>
 std::vector<ShardedParameter> LanguageModel<ExecutionSpace>::sharded_parameters() const {
   return state_->backbone.sharded_parameters();
 }
@@ -351,9 +410,12 @@ void LanguageModel<ExecutionSpace>::initialize(std::uint64_t seed) {
   // One independent Philox stream per parameter group: the seed plus a distinct stream offset.
   const std::uint64_t stride = std::uint64_t(1) << 40;
   const float std_dev = static_cast<float>(s.config.initializer_range);
-  fill_normal(exec, s.slab.template param<2>(impl::embedding_name), seed, 0.0f, std_dev, 0);
-  if (!s.config.tie_embeddings)
+  if (s.slab.contains(impl::embedding_name)) {
+    fill_normal(exec, s.slab.template param<2>(impl::embedding_name), seed, 0.0f, std_dev, 0);
+  }
+  if (s.slab.contains(impl::lm_head_name)) {
     fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
+  }
   s.backbone.initialize(exec, s.slab, seed);
   exec.fence();
 }
@@ -369,6 +431,7 @@ void LanguageModel<ExecutionSpace>::forward(
     const Tensor3<float, memory_space>& logits) {                                     // (batch, seqlen, vocab_size)
   constexpr const char* function = "kmamba::LanguageModel::forward";
   State& s = *state_;
+  s.require_whole_model(function);
   s.check_ids(function, ids, "input id", false);
   check_shape(function, "logits", logits,
               {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.vocab_size},
@@ -383,6 +446,7 @@ LossResult LanguageModel<ExecutionSpace>::loss(
     const ConstTensor2<std::int64_t, memory_space>& targets) {                        // (batch, seqlen)
   constexpr const char* function = "kmamba::LanguageModel::loss";
   State& s = *state_;
+  s.require_whole_model(function);
   s.check_ids(function, ids, "input id", false);
   check_same_shape(function, "targets", targets, "ids", ids);
   s.check_ids(function, targets, "target", true);
@@ -397,6 +461,7 @@ LossResult LanguageModel<ExecutionSpace>::loss_and_backward(
     double weight, const Tensor3<float, memory_space>& logits) {                      // (batch, seqlen, vocab_size)
   constexpr const char* function = "kmamba::LanguageModel::loss_and_backward";
   State& s = *state_;
+  s.require_whole_model(function);
   s.check_ids(function, ids, "input id", false);
   check_same_shape(function, "targets", targets, "ids", ids);
   s.check_ids(function, targets, "target", true);
@@ -413,6 +478,70 @@ LossResult LanguageModel<ExecutionSpace>::loss_and_backward(
   s.run_backward(exec, ids, targets, scale);
   exec.fence();
   return result;
+}
+
+template <class ExecutionSpace>
+LossResult LanguageModel<ExecutionSpace>::stage_forward(
+    const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+    const ConstTensor2<std::int64_t, memory_space>& targets,                          // (batch, seqlen) or empty
+    const ConstTensor3<float, memory_space>& input,  // (batch, seqlen, d_model) or empty
+    std::size_t slot, bool training) {
+  constexpr const char* function = "kmamba::LanguageModel::stage_forward";
+  State& s = *state_;
+  KMAMBA_REQUIRE(
+      ids.is_allocated() && ids.extent(0) > 0 && ids.extent(1) > 0,
+      function << ": ids must be a non-empty (batch, seqlen) tensor, got shape " << shape_of(ids).to_string());
+  if (s.pipeline.first_stage()) s.check_ids(function, ids, "input id", false);
+  if (!s.pipeline.first_stage()) {
+    check_shape(function, "input", input,
+                {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.d_model},
+                "(batch, seqlen, d_model) with batch, seqlen from ids: the previous stage's output");
+  }
+  if (s.pipeline.last_stage()) {
+    check_same_shape(function, "targets", targets, "ids", ids);
+    s.check_ids(function, targets, "target", true);
+  }
+  if (training) s.backbone.use_activation_slot(slot);
+  s.run_forward(exec, ids, training, input);
+  if (!s.pipeline.last_stage()) return LossResult();
+  const LossResult result = s.loss_of(exec, targets);
+  if (training) {
+    s.stage_targets = targets;
+    s.stage_tokens = result.tokens;
+  }
+  return result;
+}
+
+template <class ExecutionSpace>
+const Tensor3<float, typename ExecutionSpace::memory_space>& LanguageModel<ExecutionSpace>::stage_output() const {
+  return state_->backbone.output();
+}
+
+template <class ExecutionSpace>
+Tensor3<float, typename ExecutionSpace::memory_space> LanguageModel<ExecutionSpace>::stage_backward(
+    const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+    const ConstTensor3<float, memory_space>& output_grad,  // (batch, seqlen, d_model) or empty
+    double weight, std::size_t slot) {
+  constexpr const char* function = "kmamba::LanguageModel::stage_backward";
+  State& s = *state_;
+  s.backbone.use_activation_slot(slot);
+  const Tensor3<float, memory_space>& output = s.backbone.output();
+  KMAMBA_REQUIRE(output.extent(0) == ids.extent(0) && output.extent(1) == ids.extent(1),
+                 function << ": ids has shape " << shape_of(ids).to_string() << " but slot " << slot
+                          << " holds a micro-batch of shape " << shape_of(output).to_string());
+  if (s.pipeline.last_stage()) {
+    KMAMBA_REQUIRE(s.stage_targets.is_allocated() && s.stage_targets.extent(0) == ids.extent(0) &&
+                       s.stage_targets.extent(1) == ids.extent(1),
+                   function << ": the last stage runs a micro-batch's backward right after its stage_forward");
+    const float scale = s.stage_tokens > 0 ? static_cast<float>(weight / static_cast<double>(s.stage_tokens)) : 0.0f;
+    s.head_backward(exec, s.stage_targets, scale);
+    s.stage_targets = ConstTensor2<std::int64_t, memory_space>();
+  } else {
+    check_shape(function, "output_grad", output_grad, shape_of(output), "(batch, seqlen, d_model) of stage_output()");
+    Kokkos::deep_copy(exec, output, output_grad);
+  }
+  const Tensor3<float, memory_space>& input_grad = s.blocks_backward(exec, ids);
+  return s.pipeline.first_stage() ? Tensor3<float, memory_space>() : input_grad;
 }
 
 template <class ExecutionSpace>
@@ -456,6 +585,7 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
   using Mem = memory_space;
   constexpr const char* function = "kmamba::LanguageModel::prefill";
   State& s = *state_;
+  s.require_whole_model(function);
   auto& d = decode_impl(function, decode.impl_, &s);
   KMAMBA_REQUIRE(ids.span_is_contiguous(), function << ": ids must be contiguous");
   s.check_ids(function, ids, "input id", false);
@@ -492,6 +622,7 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   using Mem = memory_space;
   constexpr const char* function = "kmamba::LanguageModel::decode_step";
   const State& s = *state_;
+  s.require_whole_model(function);
   auto& d = decode_impl(function, decode.impl_, &s);
   const std::int64_t batch = d.batch, vocab = s.config.vocab_size;
   check_shape(function, "ids", ids, {batch}, "(batch) of the DecodeState");
@@ -593,7 +724,7 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
     // Every parameter's shape against the file's header, still before any allocation.
     const typename State::Backbone backbone(config, ModelParallel(), "kmamba::lm");
     Slab declared;
-    State::declare_parameters(config, backbone, declared);
+    State::declare_parameters(config, PipelineParallel(), backbone, declared);
     for (const auto& entry : declared.entries()) {
       KMAMBA_REQUIRE(file.contains(stored_name(file, entry.name)),
                      "kmamba::LanguageModel::load: '" << file.path() << "' has no tensor '" << entry.name << "' (shape "
@@ -626,6 +757,7 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::save(const std::string& dir) const {
   const State& s = *state_;
+  s.require_whole_model("kmamba::LanguageModel::save");
   KMAMBA_REQUIRE(s.parallel.tensor_size() == 1,
                  "kmamba::LanguageModel::save: this model holds one tensor-parallel shard of "
                      << s.parallel.tensor_size()

@@ -204,12 +204,18 @@ void Trainer<ExecutionSpace>::optimizer_step(double lr, double grad_scale) {
 #if KMAMBA_ENABLE_MPI
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options) {
+  const PipelineParallel& stages = model_.pipeline();
+  KMAMBA_REQUIRE(stages.stages() == mesh.config().pipeline_parallel_size,
+                 "kmamba::Trainer::enable_data_parallel: the model is split into "
+                     << stages.stages() << " pipeline stage(s), the mesh has pipeline_parallel_size "
+                     << mesh.config().pipeline_parallel_size << "; make the model with the mesh's pipeline axis");
   auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(
       mesh, model_.config(), model_.parameters(), config_.adamw(), options, model_.sharded_parameters());
   data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
   data_parallel->attach(model_);  // the last micro-batch's gradients are reduced as its backward runs
   exec_.fence();
   data_parallel_ = std::move(data_parallel);
+  if (stages.pipeline != nullptr) pipeline_ = std::make_unique<Pipeline<ExecutionSpace>>(model_);
 }
 #endif
 
@@ -246,13 +252,22 @@ TokenBatch Trainer<ExecutionSpace>::sequence_segment_of(const TokenBatch& b) con
 }
 
 template <class ExecutionSpace>
+PipelineMicroBatch<typename ExecutionSpace::memory_space> Trainer<ExecutionSpace>::to_device(
+    const TokenBatch& b) const {
+  PipelineMicroBatch<memory_space> d;
+  d.ids = Kokkos::create_mirror_view_and_copy(memory_space(), b.ids);
+  d.targets = Kokkos::create_mirror_view_and_copy(memory_space(), b.targets);
+  if (b.seq_idx.is_allocated()) d.seq_idx = Kokkos::create_mirror_view_and_copy(memory_space(), b.seq_idx);
+  return d;
+}
+
+template <class ExecutionSpace>
 std::pair<ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>,
           ConstTensor2<std::int64_t, typename ExecutionSpace::memory_space>>
 Trainer<ExecutionSpace>::upload(const TokenBatch& b) {
-  model_.set_sequence_ids(b.seq_idx.is_allocated() ? Kokkos::create_mirror_view_and_copy(memory_space(), b.seq_idx)
-                                                   : ConstTensor2<std::int64_t, memory_space>());
-  return {Kokkos::create_mirror_view_and_copy(memory_space(), b.ids),
-          Kokkos::create_mirror_view_and_copy(memory_space(), b.targets)};
+  const PipelineMicroBatch<memory_space> d = to_device(b);
+  model_.set_sequence_ids(d.seq_idx);
+  return {d.ids, d.targets};
 }
 
 template <class ExecutionSpace>
@@ -344,31 +359,10 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
   KMAMBA_REQUIRE(total > 0, function << ": the micro-batches hold no predicted tokens (every target is ignore_index)");
 
   model_.zero_grads(exec_);
-  double loss_sum = 0.0;
-  const std::vector<TokenBatch>& runs = split_sequence ? segments : micro_batches;
-#if KMAMBA_ENABLE_MPI
-  std::size_t last = runs.size();  // the last micro-batch that runs: its backward reduces the gradients
-  for (std::size_t i = 0; i < runs.size(); ++i) {
-    if (split_sequence || runs[i].predicted_tokens() > 0) last = i;
-  }
-#endif
-  for (std::size_t i = 0; i < runs.size(); ++i) {
-    const TokenBatch& b = runs[i];
-    const std::int64_t tokens = b.predicted_tokens();
-    if (tokens == 0 && !split_sequence) continue;  // the segments of a sequence run together
-#if KMAMBA_ENABLE_MPI
-    if (data_parallel_ && i == last) data_parallel_->begin_reduction(model_.parameters());
-#endif
-    const auto [ids, targets] = upload(b);
-    const LossResult r =
-        model_.loss_and_backward(exec_, ids, targets, static_cast<double>(tokens) / static_cast<double>(total));
-    KMAMBA_ASSERT(r.tokens == tokens,
-                  "the model predicted " << r.tokens << " tokens of a batch with " << tokens << " targets");
-    loss_sum += r.loss * static_cast<double>(r.tokens);
-    result.tokens += r.tokens;
-    result.correct += r.correct;
-  }
-  model_.set_sequence_ids({});  // the model's later calls (generation, saving) see whole rows
+  const LossResult sums = accumulate(split_sequence ? segments : micro_batches, total);
+  const double loss_sum = sums.loss;
+  result.tokens = sums.tokens;
+  result.correct = sums.correct;
   // The gradients are reduced before any other collective: a rank whose micro-batches hold no real
   // tokens ran no backward and reduces every bucket here, while the others reduced theirs during
   // their backward, so their collectives line up only if none comes in between.
@@ -402,6 +396,57 @@ StepResult Trainer<ExecutionSpace>::step(const std::vector<TokenBatch>& micro_ba
 }
 
 template <class ExecutionSpace>
+LossResult Trainer<ExecutionSpace>::accumulate(const std::vector<TokenBatch>& runs, std::int64_t total) {
+  const bool split_sequence = model_.parallel().sequence_size() > 1;
+  const auto weight = [&](const TokenBatch& b) {
+    return static_cast<double>(b.predicted_tokens()) / static_cast<double>(total);
+  };
+  LossResult sums;
+#if KMAMBA_ENABLE_MPI
+  if (pipeline_) {  // every stage runs every micro-batch, in the 1F1B order
+    std::vector<PipelineMicroBatch<memory_space>> batches;
+    for (const TokenBatch& b : runs) {
+      batches.push_back(to_device(b));
+      batches.back().weight = weight(b);
+    }
+    sums = pipeline_->loss_and_backward(exec_, batches);
+    sums.loss *= static_cast<double>(sums.tokens);
+    return sums;
+  }
+  std::size_t last = runs.size();  // the last micro-batch that runs: its backward reduces the gradients
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    if (split_sequence || runs[i].predicted_tokens() > 0) last = i;
+  }
+#endif
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const TokenBatch& b = runs[i];
+    const std::int64_t tokens = b.predicted_tokens();
+    if (tokens == 0 && !split_sequence) continue;  // the segments of a sequence run together
+#if KMAMBA_ENABLE_MPI
+    if (data_parallel_ && i == last) data_parallel_->begin_reduction(model_.parameters());
+#endif
+    const auto [ids, targets] = upload(b);
+    const LossResult r = model_.loss_and_backward(exec_, ids, targets, weight(b));
+    KMAMBA_ASSERT(r.tokens == tokens,
+                  "the model predicted " << r.tokens << " tokens of a batch with " << tokens << " targets");
+    sums.loss += r.loss * static_cast<double>(r.tokens);
+    sums.tokens += r.tokens;
+    sums.correct += r.correct;
+  }
+  model_.set_sequence_ids({});  // the model's later calls (generation, saving) see whole rows
+  return sums;
+}
+
+template <class ExecutionSpace>
+LossResult Trainer<ExecutionSpace>::held_out_loss(const TokenBatch& b) {
+#if KMAMBA_ENABLE_MPI
+  if (pipeline_) return pipeline_->loss(exec_, to_device(b));
+#endif
+  const auto [ids, targets] = upload(b);
+  return model_.loss(exec_, ids, targets);
+}
+
+template <class ExecutionSpace>
 LossResult Trainer<ExecutionSpace>::evaluate() {
   const Dataset& data = dataset("kmamba::Trainer::evaluate");
   // A loss over training batches is no held-out loss: without a held-out split there is none.
@@ -426,8 +471,7 @@ LossResult Trainer<ExecutionSpace>::evaluate(const std::vector<TokenBatch>& batc
     check_batch(function, batches[i], i);
     const TokenBatch b = sequence != nullptr ? sequence_segment_of(batches[i]) : batches[i];
     if (b.predicted_tokens() == 0 && sequence == nullptr) continue;
-    const auto [ids, targets] = upload(b);
-    const LossResult r = model_.loss(exec_, ids, targets);
+    const LossResult r = held_out_loss(b);
     if (r.tokens > 0) loss_sum += r.loss * static_cast<double>(r.tokens);
     total.tokens += r.tokens;
     total.correct += r.correct;
@@ -458,9 +502,10 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     v_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg_sq", v_slab.extent(0));
     data_parallel_->gather_moments(exec_, m_slab, v_slab);
     exec_.fence();
-    // A tensor-parallel model is written unsplit: parameters and moments gathered over tp.
+    // A tensor-parallel or pipelined model is written unsplit: parameters and moments gathered
+    // over tp and pp.
     std::unique_ptr<LanguageModel<ExecutionSpace>> full;
-    if (model_.parallel().tensor_size() > 1) {
+    if (model_.parallel().tensor_size() > 1 || model_.pipeline().stages() > 1) {
       full = std::make_unique<LanguageModel<ExecutionSpace>>(model_.config());
       gather_parameters(exec_, model_, *full);
       const std::size_t n = full->parameters().size();
@@ -524,11 +569,12 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
 
   using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const ModelParallel parallel = model_.parallel();
+  const PipelineParallel stages = model_.pipeline();
   const bool checkpointing = model_.activation_checkpointing();
   const MatmulPrecision precision = model_.matmul_precision();  // runtime options, not in the checkpoint
-  if (parallel.tensor_size() > 1 || parallel.sequence_size() > 1) {
+  if (parallel.tensor_size() > 1 || parallel.sequence_size() > 1 || stages.stages() > 1) {
     // A split model takes its part of the unsplit checkpoint.
-    LanguageModel<ExecutionSpace> local(loaded.config(), parallel);
+    LanguageModel<ExecutionSpace> local(loaded.config(), parallel, stages);
     scatter_parameters(exec_, loaded, local);
     Tensor1<float, memory_space> m_full("kmamba::trainer::exp_avg_unsplit", m.size());
     Tensor1<float, memory_space> v_full("kmamba::trainer::exp_avg_sq_unsplit", v.size());

@@ -4,7 +4,8 @@
 #   run prints, and the options run.json records;
 # - a command-line option wins over --config; values that conflict with the world size, with
 #   another option or with another key of the file fail with 2, naming the key;
-# - pipeline_parallel_size > 1 fails with 2, naming the key and what is missing;
+# - pipeline_parallel_size splits the layers into stages: at np 4, pp 2 × tp 2 follows one rank's
+#   losses; more stages than the world's ranks or than the model's layers fail with 2, naming the key;
 #   gradient_sync_frequency > 1 with zero_stage 1, or with steps not a multiple of it, fails with 2
 #   naming both keys; an unknown gradient_compression is refused by name, powersgd with
 #   gradient_sync_frequency > 1 and powersgd_rank without powersgd naming both keys; an unknown key in
@@ -128,9 +129,8 @@ if(NP EQUAL 1)
   # Errors found before MPI starts, the same on any number of ranks: one rank without mpirun.
   set(MPIEXEC "")
   set(MPIFLAGS "")
-  set(not_built "is not built")
-  train(pipeline "{\"pipeline_parallel_size\": 2}" 2
-        "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism .* ${not_built}; every rank holds every layer")
+  train(pipeline_misfits "{\"pipeline_parallel_size\": 2}" 2
+        "the world has 1 ranks, which is not a multiple of tensor_parallel_size 1 × sequence_parallel_size 1 × pipeline_parallel_size 2")
   train(sync_frequency_zero1 "{\"gradient_sync_frequency\": 4, \"zero_stage\": 1}" 2
         "zero_stage \\(--zero-stage\\) 1 with gradient_sync_frequency \\(--gradient-sync-frequency\\) 4: ZeRO-1 shards the AdamW moments")
   train(sync_frequency_steps "{\"gradient_sync_frequency\": 4}" 2
@@ -228,8 +228,13 @@ elseif(NP EQUAL 4)
         "${ranks} 2 x tensor parallel 1 x sequence parallel 2 \\(balanced segments\\)")
   train_one_rank(dp2_sp2_one_rank "{\"gradient_accumulation_steps\": 2}")
   expect_same_losses(${OUT}/dp2_sp2_one_rank ${OUT}/dp2_sp2_balanced ${LOSS_DIFF})
-  train(pipeline_np4 "{\"tensor_parallel_size\": 2, \"pipeline_parallel_size\": 2}" 2
-        "pipeline_parallel_size \\(--pipeline-parallel-size\\) 2: pipeline parallelism")
+  train(pipeline_more_stages_than_layers "{\"tensor_parallel_size\": 2, \"pipeline_parallel_size\": 2}" 2
+        "pipeline_parallel_size 2 must lie in \\[1, 1\\]: the model has 1 layers")
+  string(REPLACE "--n-layer;1" "--n-layer;2" small "${small}")  # one layer per stage
+  train(pp2_tp2 "{\"tensor_parallel_size\": 2, \"pipeline_parallel_size\": 2, \"gradient_accumulation_steps\": 3}" 0
+        "${ranks} 1 x tensor parallel 2 x sequence parallel 1 x pipeline parallel 2 \\(1F1B over the 3 micro-batches of a step; stage 0 holds layers 0 to 0\\)")
+  train_one_rank(pp2_tp2_one_rank "{\"gradient_accumulation_steps\": 3}")
+  expect_same_losses(${OUT}/pp2_tp2_one_rank ${OUT}/pp2_tp2 ${LOSS_DIFF})
 else()
   message(FATAL_ERROR "CheckTrainConfigKeys: NP must be 1, 2 or 4, got '${NP}'")
 endif()

@@ -130,16 +130,6 @@ void for_each_split(const kmamba::ModelConfig& config, const Check& check) {
   }
 }
 
-/// The 1-rank reference: the whole batch, one row per micro-batch, weighted by tokens.
-double one_rank_backward(Model& model, const Batch& b) {
-  const Exec exec;
-  const std::int64_t global = predicted(b);
-  model.zero_grads(exec);
-  const double loss_sum = accumulate_rows(model, b, global).loss;
-  exec.fence();
-  return loss_sum / static_cast<double>(global);
-}
-
 /// The same on this rank's rows (dp) and segment (sp) of b; the reduction over dp × sp overlaps the
 /// last micro-batch's backward (DataParallel::attach). Returns the global mean loss.
 double parallel_backward(Model& model, kmamba::DataParallel<Exec>& dp, const kmamba::ProcessMesh& mesh,
@@ -208,7 +198,7 @@ TEST_P(SplitModel, LossAndGradientsEqualOneRank) {
   const Batch b = make_batch(0);
   Model reference(config);
   reference.initialize(init_seed);
-  const double ref_loss = one_rank_backward(reference, b);
+  const double ref_loss = one_rank_reference_backward(reference, b);
   for (const auto& mesh_config : split_meshes(config)) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const bool checkpointing : {false, true}) {
@@ -244,7 +234,7 @@ TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
   const Batch b = make_batch(7, 6);
   Model reference(config);
   reference.initialize(init_seed);
-  const double ref_loss = one_rank_backward(reference, b);
+  const double ref_loss = one_rank_reference_backward(reference, b);
   kmamba::MeshConfig mesh_config;
   mesh_config.sequence_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
@@ -267,7 +257,7 @@ TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
   reference.initialize(init_seed);
   const Model::Slab& slab = reference.parameters();
   ClippedAdamWReference one_rank(slab, adamw, steps, lr, max_norm, tolerance(),
-                                 [&](int step) { one_rank_backward(reference, make_batch(step)); });
+                                 [&](int step) { one_rank_reference_backward(reference, make_batch(step)); });
   ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
 
   for (const auto& mesh_config : split_meshes(config)) {
@@ -303,12 +293,7 @@ TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
         dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
       }
       exec.fence();
-      Model full(config);
-      kmamba::gather_parameters(exec, model, full);
-      const double worst = kmamba::test::expect_within(
-          slab.entries(), full.parameters().params(), slab.params(),
-          [&](std::size_t i) { return one_rank.bound.parameter(i); }, "parameter");
-      const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
+      const double worst_all = expect_parameters_follow(one_rank, slab, model, mesh);
       if (world_rank() == 0) {
         std::printf("[ measured ] %s %s zero_stage %d: parameters after %d steps max |d|/bound %.2e\n",
                     GetParam().c_str(), mesh_name(mesh).c_str(), stage, steps, worst_all);

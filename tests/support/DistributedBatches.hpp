@@ -7,6 +7,7 @@
 #include <kmamba/core/Core.hpp>
 #include "RoundingBounds.hpp"
 
+#include <kmamba/models/Distributed.hpp>
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
@@ -132,6 +133,17 @@ inline LossResult accumulate_rows(Model& model, const TokenRows& b, std::int64_t
   return total;
 }
 
+/// The 1-rank reference of the split-model tests: the whole batch, one row per micro-batch,
+/// weighted by tokens, into the model's zeroed gradients. Returns the mean loss.
+inline double one_rank_reference_backward(Model& model, const TokenRows& b) {
+  const Exec exec;
+  const std::int64_t global = predicted(b);
+  model.zero_grads(exec);
+  const double loss_sum = accumulate_rows(model, b, global).loss;
+  exec.fence();
+  return loss_sum / static_cast<double>(global);
+}
+
 /// Every parameter's slice of `got` (slab storage) equals `ref`'s within tolerance·max|ref|, only
 /// the elements i for which `owned(i)` holds compared; returns the largest max|got − ref| / max|ref|.
 template <class Owned>
@@ -199,6 +211,20 @@ struct ClippedAdamWReference {
     }
   }
 };
+
+/// The parameters of `model` (split over `mesh`), gathered into the unsplit layout, within the bounds
+/// that `one_rank` carried along its run of the unsplit `slab`. Returns the largest |d|/bound over
+/// the world's ranks. Collective over the mesh.
+inline double expect_parameters_follow(const ClippedAdamWReference& one_rank, const ParameterSlab<Mem>& slab,
+                                       const Model& model, const ProcessMesh& mesh) {
+  const Exec exec;
+  Model full(model.config());
+  gather_parameters(exec, model, full);
+  const double worst = expect_within(
+      slab.entries(), full.parameters().params(), slab.params(),
+      [&](std::size_t i) { return one_rank.bound.parameter(i); }, "parameter");
+  return mesh.world().all_reduce_value(worst, ReduceOp::Max);
+}
 
 }  // namespace test
 }  // namespace kmamba

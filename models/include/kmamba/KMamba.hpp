@@ -21,6 +21,8 @@
 #include <kmamba/models/LoadBalance.hpp>
 #include <kmamba/models/Optimizer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/Pipeline.hpp>
+#include <kmamba/models/PipelineStage.hpp>
 #include <kmamba/models/SafeTensors.hpp>
 #include <kmamba/models/Sampling.hpp>
 #include <kmamba/models/SequenceModel.hpp>

@@ -65,7 +65,8 @@ namespace kmamba {
 
 /// Throws a UserError, the same on every rank, when `mesh` cannot shard `model`: the
 /// tensor-parallel size must divide the heads and the B/C groups of Mamba-2/3 (each rank keeps
-/// whole heads with their group), and be 1 for Mamba-1 (which splits sequences only).
+/// whole heads with their group), and be 1 for Mamba-1 (which splits sequences only); the
+/// pipeline-parallel size must not exceed the layers (each stage holds at least one).
 void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model);
 
 /// local_values ← this rank's part of full_values: the runs of every sharded parameter, every
@@ -192,7 +193,8 @@ class DataParallel {
 
   /// ‖gradient‖₂ over every unique parameter of the mesh (after reduce_gradients): each rank sums
   /// the squares it owns — its ZeRO shards, the tail on dp × sp rank 0; tensor-parallel shards on
-  /// every tp rank, replicated parameters only on tp rank 0 — and one all-reduce over the world
+  /// every tp rank, replicated parameters only on tp rank 0; each pipeline stage its own parameters,
+  /// the tied embedding on the first stage only — and one all-reduce over the world
   /// adds them. Identical on every rank. Local steps: the norm of this replica's gradient (summed
   /// over its tp ranks), or NaN on every rank when any replica's is not finite, so that every
   /// replica skips the step together. Blocking.

@@ -29,6 +29,7 @@
 #include <kmamba/models/Config.hpp>
 #include <kmamba/models/Mixer.hpp>
 #include <kmamba/models/ParameterSlab.hpp>
+#include <kmamba/models/PipelineStage.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -44,6 +45,9 @@ namespace kmamba {
 
 /// Positions whose target equals this are not predicted (no loss, no gradient).
 constexpr std::int64_t ignore_index = -100;
+
+/// The token embedding's parameter name (also the LM head's weight when the head is tied to it).
+constexpr const char* embedding_parameter_name = "backbone.embeddings.weight";
 
 namespace impl {
 template <class MemorySpace>
@@ -138,6 +142,15 @@ class LanguageModel {
   /// sequence (all ranks of `parallel.sequence` call together). initialize() gives each rank the
   /// slices of the unsplit initialisation; save() needs an unsplit model (gather_parameters).
   LanguageModel(const ModelConfig& config, const ModelParallel& parallel);
+  /// The same, holding only stage `stages.stage()` of a model split into pipeline stages
+  /// (PipelineStage.hpp; the communicator must outlive the model): the blocks
+  /// stage_layers(n_layer, stage, stages) under their unsplit names, the embedding on the first
+  /// stage, the final norm and the LM head on the last (with the embedding too when the head is tied).
+  /// initialize() gives the stage the unsplit initialisation's values. Such a model trains
+  /// through stage_forward / stage_backward (driven by kmamba::Pipeline); forward, loss,
+  /// loss_and_backward, prefill, decode and save need the whole model (a UserError otherwise).
+  /// Throws a UserError when there are more stages than layers.
+  LanguageModel(const ModelConfig& config, const ModelParallel& parallel, const PipelineParallel& stages);
   ~LanguageModel();
   LanguageModel(LanguageModel&&) noexcept;
   LanguageModel& operator=(LanguageModel&&) noexcept;
@@ -154,11 +167,16 @@ class LanguageModel {
 
   const ModelConfig& config() const;
   const ModelParallel& parallel() const;
+  const PipelineParallel& pipeline() const;
+  /// The blocks this model holds: all of them, or its pipeline stage's.
+  StageLayers layers() const;
   /// Per-layer activation checkpointing: when on, a training forward keeps only each block's input
   /// (the residual stream, and its norm's rstd); backward recomputes the block's norm and mixer
   /// forward right before the block's backward and releases them after, so one block's mixer
   /// activations are alive at a time instead of all of them. The gradients are the same. Under
-  /// sequence parallelism the recompute repeats the block's state passing. Off by default.
+  /// sequence parallelism the recompute repeats the block's state passing. Off by default. A
+  /// pipeline stage before the last checkpoints its blocks whatever this says: it keeps several
+  /// micro-batches in flight, and the mixers hold one micro-batch's activations.
   void set_activation_checkpointing(bool on);
   bool activation_checkpointing() const;
   /// The arithmetic of every projection GEMM: each mixer's (Mixer::set_matmul_precision: in_proj,
@@ -222,6 +240,32 @@ class LanguageModel {
   /// Forward and loss only (no gradients, no kept activations). Blocking.
   LossResult loss(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
                   const ConstTensor2<std::int64_t, memory_space>& targets);                         // (batch, seqlen)
+
+  /// Pipeline parallelism, one stage (PipelineStage.hpp; kmamba::Pipeline drives these in the 1F1B
+  /// order): the training forward of one micro-batch through this stage — from the embedding of
+  /// `ids` on the first stage, from `input`, the previous stage's output, elsewhere — keeping its
+  /// block inputs in `slot` (one slot per micro-batch in flight; 0 on the last stage, which runs
+  /// each micro-batch's backward right after its forward). On the last stage also the head and the
+  /// loss against `targets` (returned; zeros elsewhere, where targets may be empty). With `training`
+  /// false nothing is kept (held-out losses). Non-blocking on stages other than the last. Ids outside
+  /// the vocabulary, or an input of another shape, are UserErrors.
+  LossResult stage_forward(const ExecutionSpace& exec,
+                           const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
+                           const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen) or empty
+                           const ConstTensor3<float, memory_space>& input,  // (batch, seqlen, d_model) or empty
+                           std::size_t slot, bool training = true);
+  /// (batch, seqlen, d_model): the last stage_forward's output on a stage before the last, the
+  /// residual stream the next stage starts from. Valid until the next stage call.
+  const Tensor3<float, memory_space>& stage_output() const;
+  /// Backward of the micro-batch stage_forward kept in `slot`: on the last stage from its loss
+  /// weighted by `weight` (as loss_and_backward), elsewhere from `output_grad`, the gradient of
+  /// stage_output() (the weight already in it). ADDS the stage's parameter gradients and returns
+  /// the gradient of the stage's input (batch, seqlen, d_model), valid until the next stage call;
+  /// an empty View on the first stage. Non-blocking.
+  Tensor3<float, memory_space> stage_backward(
+      const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
+      const ConstTensor3<float, memory_space>& output_grad,  // (batch, seqlen, d_model) or empty
+      double weight, std::size_t slot);
 
   /// Sets every gradient to zero. Non-blocking.
   void zero_grads(const ExecutionSpace& exec);

@@ -26,6 +26,9 @@
 // sequence parallelism the trainer takes a model split over the mesh's tp and sp axes
 // (LanguageModel(config, {&mesh.tensor(), &mesh.sequence()})): step() and evaluate() give each sp
 // rank its segment of every sequence, checkpoints are written and resumed in the unsplit layout.
+// With pipeline parallelism the model is this rank's stage (LanguageModel(config, {&mesh.tensor(),
+// &mesh.sequence()}, {&mesh.pipeline()})): step() runs its micro-batches through the stages in the
+// 1F1B order (Pipeline.hpp) and checkpoints gather the stages into the unsplit model.
 #ifndef KMAMBA_MODELS_TRAINER_HPP
 #define KMAMBA_MODELS_TRAINER_HPP
 
@@ -34,6 +37,7 @@
 #include <kmamba/models/LanguageModel.hpp>
 #include <kmamba/models/LoadBalance.hpp>
 #include <kmamba/models/Optimizer.hpp>
+#include <kmamba/models/Pipeline.hpp>
 #include <kmamba/models/Tokenizer.hpp>
 
 #include <cstdint>
@@ -160,12 +164,18 @@ class Trainer {
   /// steps on its own micro-batches, weighted by its own tokens and reduced over sp only (the
   /// reported loss and counts stay global, grad_norm is the replica's), and the parameters and
   /// moments are averaged over dp after every N-th step; checkpoints are written only then
-  /// (replicas_identical()).
+  /// (replicas_identical()). A model split into pipeline stages (of mesh.pipeline()) then trains
+  /// through a kmamba::Pipeline: every stage of a pipeline takes the same micro-batches, and the
+  /// gradients are reduced over dp × sp after the pipeline's flush (a model made with a pipeline
+  /// communicator, even of one stage, trains through it).
   void enable_data_parallel(const ProcessMesh& mesh, const DataParallelConfig& options = DataParallelConfig());
   /// The data-parallel engine enable_data_parallel() made (null before): its layout, moments and
   /// communication timeline.
   DataParallel<ExecutionSpace>* data_parallel() { return data_parallel_.get(); }
   const DataParallel<ExecutionSpace>* data_parallel() const { return data_parallel_.get(); }
+  /// The pipeline enable_data_parallel() made for a model split into stages (null otherwise): its
+  /// timing of the last step.
+  const Pipeline<ExecutionSpace>* pipeline() const { return pipeline_.get(); }
 #endif
 
   std::int64_t steps_taken() const { return optimizer_.steps_taken(); }
@@ -219,6 +229,14 @@ class Trainer {
   // and targets on the device.
   std::pair<ConstTensor2<std::int64_t, memory_space>, ConstTensor2<std::int64_t, memory_space>> upload(
       const TokenBatch& b);
+  // b's ids, targets and packed sequence ids (or none) on the device, with weight 1.
+  PipelineMicroBatch<memory_space> to_device(const TokenBatch& b) const;
+  // The forward and backward of a step's micro-batches `runs` (this rank's rows and segments),
+  // weighted by their tokens over `total`: adds the gradients and returns the results summed,
+  // with loss the sum of loss · tokens.
+  LossResult accumulate(const std::vector<TokenBatch>& runs, std::int64_t total);
+  // The loss of one held-out batch (this rank's segment), through the pipeline when there is one.
+  LossResult held_out_loss(const TokenBatch& b);
 
   ExecutionSpace exec_;
   LanguageModel<ExecutionSpace> model_;
@@ -232,6 +250,7 @@ class Trainer {
   LoadBalancing balancing_;
 #if KMAMBA_ENABLE_MPI
   std::unique_ptr<DataParallel<ExecutionSpace>> data_parallel_;
+  std::unique_ptr<Pipeline<ExecutionSpace>> pipeline_;
 #endif
 };
 
