@@ -761,7 +761,6 @@ TYPED_TEST(DecodeTest, Bf16DecodeWeightsGiveThePerStepRoundedProducts) {
 TYPED_TEST(DecodeTest, Bf16DecodeWeightsFollowTheParametersAtPrefill) {
   using Exec = TypeParam;
   for_each_random_model<Exec>([&](kmamba::LanguageModel<Exec>& model) {
-    const Exec exec;
     const std::size_t batch = 2, seqlen = 9, prefix = 4;
     const std::vector<std::int64_t> ids = random_ids(batch * seqlen, 50, 37);
     model.set_matmul_precision(kmamba::MatmulPrecision::BFloat16);
