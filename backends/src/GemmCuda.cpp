@@ -319,11 +319,17 @@ void cublas_gemm_mixed_row_major(cudaStream_t stream, bool trans_a, bool trans_b
   const std::lock_guard<std::mutex> lock(handle_mutex);
   cublasHandle_t h = cublas_handle();
   KMAMBA_CUBLAS_CHECK(cublasSetStream(h, stream));
+  // A's bf16 copy lives in stream-ordered memory of its own, not in the buffer the BFloat16 products
+  // share: a decode step recorded into a graph (StepGraph, on a stream of its own that goes with the
+  // graph) then owns its allocation as graph memory nodes instead of a pointer into a buffer that
+  // may grow, or serve another stream, before the graph replays.
   const std::size_t a_count = k == 0 ? 0 : static_cast<std::size_t>(trans_a ? k : m) * lda;
-  __nv_bfloat16* const a_rounded = bf16_operand_space(stream, a_count);
-  convert_to_bf16(stream, A, a_rounded, a_count);
+  void* a_rounded = nullptr;
+  if (a_count > 0) KMAMBA_CUDA_CHECK(cudaMallocAsync(&a_rounded, a_count * sizeof(__nv_bfloat16), stream));
+  convert_to_bf16(stream, A, static_cast<__nv_bfloat16*>(a_rounded), a_count);
   bf16_product(h, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, alpha, a_rounded,
                lda, B, ldb, beta, C, ldc);
+  if (a_rounded != nullptr) KMAMBA_CUDA_CHECK(cudaFreeAsync(a_rounded, stream));
 }
 
 void cublas_gemm_bf16_row_major(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
