@@ -201,29 +201,37 @@ struct SelectiveScanWalkForward {
   /// Copies the tile at t0 into buffer p: B and C rows below dstate, u, δ and z rows of the
   /// team's channels (zeros past the sequence and for channels past the group's end).
   KOKKOS_INLINE_FUNCTION void issue_tile(float* s, int p, const Team& tm, int t0, int first, int step) const {
-    const int width = vector_copies ? 4 : 1, pieces = Shape::tile / width;
-    const int channel_rows = (in.has_z ? 3 : 2) * layout.channels, rows = 2 * dstate + channel_rows;
-    for (int i = first; i < rows * pieces; i += step) {
-      const int row = i / pieces, t = (i % pieces) * width;
-      const float* src;
-      float* dst;
-      bool valid = t0 + t < seqlen;
-      if (row < 2 * dstate) {
-        const int n = row % dstate;
-        src = row < dstate ? &in.B(tm.b, tm.g, n, 0) : &in.C(tm.b, tm.g, n, 0);
-        dst = row < dstate ? layout.B(s, p, n) : layout.C(s, p, n);
+    if (vector_copies) {
+      issue_rows<4>(s, p, tm, t0, first, step);
+    } else {
+      issue_rows<1>(s, p, tm, t0, first, step);
+    }
+  }
+
+  /// issue_tile in copies of Width floats (the pieces of a row a power of two in the shapes run,
+  /// so that a piece's row and offset cost shifts, not divisions).
+  template <int Width>
+  KOKKOS_INLINE_FUNCTION void issue_rows(float* s, int p, const Team& tm, int t0, int first, int step) const {
+    constexpr int pieces = Shape::tile / Width;
+    auto copy = [&](float* dst, const float* row, int t, bool valid) {
+      const float* src = row + (valid ? t0 + t : 0);
+      if constexpr (Width == 4) {
+        async_copy16(dst + t, src, valid);
       } else {
-        const int kind = (row - 2 * dstate) / layout.channels, c = (row - 2 * dstate) % layout.channels;
-        const int d = tm.d0 + (c < tm.active ? c : 0);
-        src = kind == 0 ? &in.u(tm.b, d, 0) : kind == 1 ? &in.delta(tm.b, d, 0) : &in.z(tm.b, d, 0);
-        dst = kind == 0 ? layout.u(s, p, c) : kind == 1 ? layout.delta(s, p, c) : layout.z(s, p, c);
-        valid = valid && c < tm.active;
+        async_copy4(dst + t, src, valid);
       }
-      if (vector_copies) {
-        async_copy16(dst + t, src + (valid ? t0 + t : 0), valid);
-      } else {
-        async_copy4(dst + t, src + (valid ? t0 + t : 0), valid);
-      }
+    };
+    for (int i = first; i < dstate * pieces; i += step) {
+      const int n = i / pieces, t = (i % pieces) * Width;
+      copy(layout.B(s, p, n), &in.B(tm.b, tm.g, n, 0), t, t0 + t < seqlen);
+      copy(layout.C(s, p, n), &in.C(tm.b, tm.g, n, 0), t, t0 + t < seqlen);
+    }
+    for (int i = first; i < layout.channels * pieces; i += step) {
+      const int c = i / pieces, t = (i % pieces) * Width, d = tm.d0 + (c < tm.active ? c : 0);
+      const bool valid = c < tm.active && t0 + t < seqlen;
+      copy(layout.u(s, p, c), &in.u(tm.b, d, 0), t, valid);
+      copy(layout.delta(s, p, c), &in.delta(tm.b, d, 0), t, valid);
+      if (in.has_z) copy(layout.z(s, p, c), &in.z(tm.b, d, 0), t, valid);
     }
   }
 
