@@ -141,6 +141,22 @@ KOKKOS_INLINE_FUNCTION void for_each_slot(const WarpTeamContext& ctx, const F& f
   for (int s = 0; s < Shape::slots; ++s) f(s, Shape::device ? ctx.thread : s);
 }
 
+/// v[i] = p[i] for i < K, K a multiple of 4 and p 16-byte aligned: on Cuda four floats a load.
+template <int K>
+KOKKOS_INLINE_FUNCTION void load_aligned_items(const float* p, float (&v)[K]) {
+#if defined(__CUDA_ARCH__)
+  for (int i = 0; i + 3 < K; i += 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p + i);
+    v[i] = q.x;
+    v[i + 1] = q.y;
+    v[i + 2] = q.z;
+    v[i + 3] = q.w;
+  }
+#else
+  for (int i = 0; i < K; ++i) v[i] = p[i];
+#endif
+}
+
 /// v[i] = row[first + i] where first + i < end, 0 past it; on Cuda four floats a load where the
 /// thread's run is whole and 16-byte aligned.
 template <int K>
@@ -148,13 +164,7 @@ KOKKOS_INLINE_FUNCTION void load_items(const float* row, int first, int end, flo
   const float* p = row + first;
 #if defined(__CUDA_ARCH__)
   if (K % 4 == 0 && first + K <= end && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
-    for (int i = 0; i < K; i += 4) {
-      const float4 q = *reinterpret_cast<const float4*>(p + i);
-      v[i] = q.x;
-      v[i + 1] = q.y;
-      v[i + 2] = q.z;
-      v[i + 3] = q.w;
-    }
+    load_aligned_items(p, v);
     return;
   }
 #endif

@@ -90,19 +90,11 @@ struct SelectiveScanWalkLayout {
 /// v[i] = p[i], i < K, from 16-byte aligned scratch (four floats a load on Cuda when K % 4 == 0).
 template <int K>
 KOKKOS_INLINE_FUNCTION void scratch_items(const float* p, float (&v)[K]) {
-#if defined(__CUDA_ARCH__)
   if constexpr (K % 4 == 0) {
-    for (int i = 0; i < K; i += 4) {
-      const float4 q = *reinterpret_cast<const float4*>(p + i);
-      v[i] = q.x;
-      v[i + 1] = q.y;
-      v[i + 2] = q.z;
-      v[i + 3] = q.w;
-    }
-    return;
+    load_aligned_items(p, v);
+  } else {
+    for (int i = 0; i < K; ++i) v[i] = p[i];
   }
-#endif
-  for (int i = 0; i < K; ++i) v[i] = p[i];
 }
 
 /// Forward: writes what is allocated of out, last_state and the state entering each chunk of
@@ -289,20 +281,20 @@ struct SelectiveScanWalkForward {
   /// lanes by xor-shuffles and written, lane l taking tokens l, l + lanes, ...; elsewhere added
   /// to the summed outputs in scratch (lanes in order), written by write_summed.
   KOKKOS_INLINE_FUNCTION void emit(float* s, int p, const Team& tm, int t, int c, int lane, float (&y)[K]) const {
-#if defined(__CUDA_ARCH__)
-    if constexpr (Shape::device) {
-      for (int offset = 1; offset < layout.lanes; offset *= 2) {
-        for (int i = 0; i < K; ++i) y[i] += __shfl_xor_sync(0xffffffffu, y[i], offset);
-      }
-      for (int i = lane; i < K; i += layout.lanes) write_output(s, p, tm, t + i, c, y[i]);
-      return;
-    }
-#endif
     (void)p;
     (void)tm;
     (void)lane;
-    float* sum = layout.y(s, c) + t % Shape::tile;
-    for (int i = 0; i < K; ++i) sum[i] += y[i];
+    if constexpr (Shape::device) {
+#if defined(__CUDA_ARCH__)
+      for (int offset = 1; offset < layout.lanes; offset *= 2) {
+        for (int i = 0; i < K; ++i) y[i] += __shfl_xor_sync(0xffffffffu, y[i], offset);
+      }
+#endif
+      for (int i = lane; i < K; i += layout.lanes) write_output(s, p, tm, t + i, c, y[i]);
+    } else {
+      float* sum = layout.y(s, c) + t % Shape::tile;
+      for (int i = 0; i < K; ++i) sum[i] += y[i];
+    }
   }
 
   KOKKOS_INLINE_FUNCTION void write_summed(float* s, int p, const Team& tm, int t0) const {
