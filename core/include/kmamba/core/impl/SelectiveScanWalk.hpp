@@ -74,9 +74,14 @@ struct SelectiveScanWalkLayout {
         buffer(((2 * lanes_ * selective_scan_lane_states + 3 * channels_) * (tile_ + 4) + tile_ + 3) / 4 * 4) {}
 
   KOKKOS_INLINE_FUNCTION int state_rows() const { return lanes * selective_scan_lane_states; }
-  KOKKOS_INLINE_FUNCTION float* B(float* s, int p, int n) const { return s + p * buffer + n * stride; }
-  KOKKOS_INLINE_FUNCTION float* C(float* s, int p, int n) const { return B(s, p, state_rows() + n); }
-  KOKKOS_INLINE_FUNCTION float* u(float* s, int p, int c) const { return B(s, p, 2 * state_rows() + c); }
+  KOKKOS_INLINE_FUNCTION float* row(float* s, int p, int r) const { return s + p * buffer + r * stride; }
+  /// State n's row: n = lane·4 + j lies at j·lanes + lane, so that the lanes of a channel, which
+  /// read their j-th states at once, read neighbouring rows (distinct banks on Cuda).
+  KOKKOS_INLINE_FUNCTION float* B(float* s, int p, int n) const {
+    return row(s, p, (n % selective_scan_lane_states) * lanes + n / selective_scan_lane_states);
+  }
+  KOKKOS_INLINE_FUNCTION float* C(float* s, int p, int n) const { return B(s, p, n) + state_rows() * stride; }
+  KOKKOS_INLINE_FUNCTION float* u(float* s, int p, int c) const { return row(s, p, 2 * state_rows() + c); }
   KOKKOS_INLINE_FUNCTION float* delta(float* s, int p, int c) const { return u(s, p, channels + c); }
   KOKKOS_INLINE_FUNCTION float* z(float* s, int p, int c) const { return u(s, p, 2 * channels + c); }
   KOKKOS_INLINE_FUNCTION float* carry(float* s, int p) const { return u(s, p, 3 * channels); }
@@ -134,8 +139,8 @@ struct SelectiveScanWalkForward {
     // Rows of B and C past dstate stay zero in both buffers (the padding states' inputs).
     const int pad = (layout.state_rows() - dstate) * Shape::tile;
     for (int i = first; i < 4 * pad; i += step) {
-      const int p = i / (2 * pad), row = dstate + (i % pad) / Shape::tile, t = i % Shape::tile;
-      (i % (2 * pad) < pad ? layout.B(s, p, row) : layout.C(s, p, row))[t] = 0.0f;
+      const int p = i / (2 * pad), n = dstate + (i % pad) / Shape::tile, t = i % Shape::tile;
+      (i % (2 * pad) < pad ? layout.B(s, p, n) : layout.C(s, p, n))[t] = 0.0f;
     }
     float h[Shape::slots][S], a[Shape::slots][S];
     for (int q = 0; q < Shape::slots; ++q) start(tm, Shape::device ? ctx.thread : q, h[q], a[q]);
