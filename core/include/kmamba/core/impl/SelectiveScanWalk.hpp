@@ -198,11 +198,13 @@ struct SelectiveScanWalkForward {
   /// Copies the tile at t0 into buffer p: B and C rows below dstate, u, δ and z rows of the
   /// team's channels (zeros past the sequence and for channels past the group's end).
   KOKKOS_INLINE_FUNCTION void issue_tile(float* s, int p, const Team& tm, int t0, int first, int step) const {
-    if (vector_copies) {
-      issue_rows<4>(s, p, tm, t0, first, step);
-    } else {
-      issue_rows<1>(s, p, tm, t0, first, step);
+    if constexpr (Shape::tile % 4 == 0) {
+      if (vector_copies) {
+        issue_rows<4>(s, p, tm, t0, first, step);
+        return;
+      }
     }
+    issue_rows<1>(s, p, tm, t0, first, step);
   }
 
   /// issue_tile in copies of Width floats (the pieces of a row a power of two in the shapes run,
