@@ -462,7 +462,7 @@ std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, ch
 TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
   using Exec = TypeParam;
   using Shapes = kmamba::impl::SelectiveScanDefaultShapes<Exec>;
-  std::vector<int> lengths = block_form_lengths(Shapes::forward::chunk);
+  std::vector<int> lengths = block_form_lengths(Shapes::forward::tile);
   for (const int seqlen : block_form_lengths(Shapes::backward::chunk)) lengths.push_back(seqlen);
   std::uint64_t seed = 1500;
   for (const int seqlen : lengths) {
@@ -488,11 +488,12 @@ TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
   }
 }
 
-// The block-scan form with the team shapes a host backend does not run by itself: several
-// threads of a few tokens each (as Cuda's 128 × 4), run in turn by one thread, so that the
-// exclusive scans over the threads, the per-thread slots of dB and dC and the per-warp sums are
-// checked here against the reference too.
-template <class Shape>
+// The walk and block-scan forms with the team shapes a host backend does not run by itself:
+// several threads of a few tokens each (as Cuda's 128 × 4), run in turn by one thread, so that
+// the walk's tiles, lanes and checkpoints, the block scan's exclusive scans over the threads, its
+// per-thread slots of dB and dC and its per-warp sums are checked here against the reference too.
+// dstate 3, 7 and 16 give the walk 1, 2 and 4 lanes a channel.
+template <class WalkShape, class Shape>
 struct BlockShapeOps {
   template <class Exec, class Args, class Out, class Dout, class Grads>
   void operator()(const Exec& exec, const Args& args, const Out& out, const Out& last, const Dout& dout,
@@ -501,23 +502,27 @@ struct BlockShapeOps {
         static_cast<std::int64_t>(args.u.extent(0)), static_cast<std::int64_t>(args.u.extent(1)),
         static_cast<std::int64_t>(args.u.extent(2)), static_cast<std::int64_t>(args.A.extent(1)),
         static_cast<std::int64_t>(args.B.extent(1))};
-    kmamba::impl::selective_scan_forward_impl<Shape>(exec, "test", dims, args, out, last);
+    kmamba::impl::selective_scan_forward_impl<WalkShape>(exec, "test", dims, args, out, last);
     using Const = kmamba::ConstTensor3<float, typename Exec::memory_space>;
-    kmamba::impl::selective_scan_backward_impl<Shape>(exec, "test", dims, args, Const(dout), Const(dlast), grads);
+    kmamba::impl::selective_scan_backward_impl<WalkShape, Shape>(exec, "test", dims, args, Const(dout), Const(dlast),
+                                                                 grads);
   }
 };
 
-template <class Shape>
+template <class WalkShape, class Shape>
 void check_block_shape() {
   using Host = Kokkos::DefaultHostExecutionSpace;
   std::uint64_t seed = 1700;
-  for (const int seqlen : block_form_lengths(Shape::chunk)) {
-    for (const bool all : {false, true}) {
+  std::vector<int> lengths = block_form_lengths(Shape::chunk);
+  for (const int seqlen : block_form_lengths(WalkShape::tile)) lengths.push_back(seqlen);
+  for (const int seqlen : lengths) {
+    for (const int dstate : {3, 7, 16}) {
+      const bool all = (seqlen + dstate) % 2 == 0;
       Config c;
       c.batch = 2;
       c.dim = 36;
       c.seqlen = seqlen;
-      c.dstate = 7;
+      c.dstate = dstate;
       c.ngroups = 2;
       c.chunk = 0;
       c.D = c.z = c.initial_state = c.dlast = all;
@@ -526,16 +531,20 @@ void check_block_shape() {
       c.delta_lo = -3.0f;
       c.delta_hi = 0.5f;
       c.seed = ++seed;
-      SCOPED_TRACE("threads " + std::to_string(Shape::threads) + " items " + std::to_string(Shape::items));
-      check_against_reference<Host>(c, 2e-5, BlockShapeOps<Shape>());
+      SCOPED_TRACE("walk threads " + std::to_string(WalkShape::threads) + " items " + std::to_string(WalkShape::items) +
+                   " steps " + std::to_string(WalkShape::steps) + "; block threads " + std::to_string(Shape::threads) +
+                   " items " + std::to_string(Shape::items));
+      check_against_reference<Host>(c, 2e-5, BlockShapeOps<WalkShape, Shape>());
     }
   }
 }
 
 TEST(SelectiveScanBlockShapes, ThreadsRunInTurnMatchReference) {
-  check_block_shape<kmamba::impl::SelectiveScanBlockShape<8, 4, false>>();
-  check_block_shape<kmamba::impl::SelectiveScanBlockShape<5, 3, false>>();
-  check_block_shape<kmamba::impl::SelectiveScanBlockShape<32, 1, false>>();
+  using kmamba::impl::SelectiveScanBlockShape;
+  using kmamba::impl::SelectiveScanWalkShape;
+  check_block_shape<SelectiveScanWalkShape<8, 4, 2, false>, SelectiveScanBlockShape<8, 4, false>>();
+  check_block_shape<SelectiveScanWalkShape<5, 3, 5, false>, SelectiveScanBlockShape<5, 3, false>>();
+  check_block_shape<SelectiveScanWalkShape<32, 1, 3, false>, SelectiveScanBlockShape<32, 1, false>>();
 }
 
 TYPED_TEST(SelectiveScan, SoftplusBeyondThresholdMatchesReference) {

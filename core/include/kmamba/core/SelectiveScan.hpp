@@ -14,9 +14,10 @@
 //
 // All arithmetic and the running state are fp32. The sequence is walked in chunks, the state
 // carried from chunk to chunk, so no (seqlen × dstate) tensor is ever materialised: up to 16
-// states the tokens of a chunk are scanned in parallel (the block-scan form), wider states are
-// staged a chunk of `chunk_size` tokens at a time in team scratch memory (docs/algorithms.md §1.3). Every op is
-// non-blocking on the execution space instance it is given.
+// states the forward walks each state token after token in a thread's registers (the walk form)
+// and the backward scans the tokens of a chunk in parallel (the block-scan form); wider states are
+// staged a chunk of `chunk_size` tokens at a time in team scratch memory (docs/algorithms.md §1.3).
+// Every op is non-blocking on the execution space instance it is given.
 //
 //   kmamba::SelectiveScanArgs<Mem> args;
 //   args.u = u; args.delta = delta; args.A = A; args.B = B; args.C = C;   // required
@@ -54,8 +55,8 @@ struct SelectiveScanArgs {
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional packed sequence ids
   /// Apply softplus (threshold 20) to delta + delta_bias.
   bool delta_softplus = false;
-  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the block-scan form, whose chunks
-  /// are fixed per backend). Any other value runs the lane form with chunks of that length; one the
+  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the walk and block-scan forms, whose
+  /// tiles and chunks are fixed per backend). Any other value runs the lane form with chunks of that length; one the
   /// team scratch memory cannot hold is a UserError.
   int chunk_size = 0;
 };
@@ -207,8 +208,9 @@ void selective_scan_backward(
                           << (args.z.is_allocated() ? "given" : "absent") << ", dz "
                           << (grads.dz.is_allocated() ? "allocated" : "absent") << ")");
   if (grads.dz.is_allocated()) check_shape(function, "dz", grads.dz, seq, "(batch, dim, seqlen)");
-  impl::selective_scan_backward_impl<typename impl::SelectiveScanDefaultShapes<ExecutionSpace>::backward>(
-      exec, function, dims, args, dout, dlast_state, grads);
+  using Shapes = impl::SelectiveScanDefaultShapes<ExecutionSpace>;
+  impl::selective_scan_backward_impl<typename Shapes::forward, typename Shapes::backward>(exec, function, dims, args,
+                                                                                          dout, dlast_state, grads);
 }
 
 template <class MemorySpace>

@@ -1,17 +1,18 @@
-// The block-scan form of the selective scan (dstate ≤ selective_scan_block_states, Mamba-1's 16):
-// the tokens of a chunk are scanned in parallel, not one after the other.
+// The block-scan form of the selective scan backward (dstate ≤ selective_scan_block_states,
+// Mamba-1's 16): the tokens of a chunk are scanned in parallel, not one after the other (the
+// forward walks them: impl/SelectiveScanWalk.hpp).
 //
 // For each state n the recurrence h_t = ā_t·h_{t−1} + δ_t·u_t·B_t (ā_t = carry_t·exp(δ_t·A_n)) is
 // a composition of affine maps h ↦ ā·h + b, which is associative. A team of `Threads` threads
-// takes a chunk of Threads × Items tokens of one channel, each thread `Items` consecutive ones:
+// takes a chunk of Threads × Items tokens of one channel, each thread `Items` consecutive ones,
+// and recomputes the chunk's states from its checkpoint:
 //   1. each thread composes the maps of its tokens (AffineStep::then);
 //   2. the team scans those composites (block_exclusive_scan: warp shuffles, then the warps'
 //      totals through scratch, one team barrier), so each thread knows the map from the chunk's
 //      entering state to the state before its first token;
 //   3. each thread walks its tokens again from that state, adding C_t·h_t to y_t.
-// The state entering the next chunk is the team total applied to this one's. The backward adds a
-// reverse scan of the adjoint μ_t = ā_t·(g_t·C_t + μ_{t+1}) (the maps μ ↦ ā_t·μ + ā_t·g_t·C_t
-// composed from the end of the chunk), after recomputing the states from the chunk's checkpoint.
+// Then a reverse scan of the adjoint μ_t = ā_t·(g_t·C_t + μ_{t+1}) (the maps μ ↦ ā_t·μ + ā_t·g_t·C_t
+// composed from the end of the chunk) gives every gradient term.
 //
 // Sums over channels (dB, dC) stay deterministic: a backward team takes a block of channels one
 // after the other, each thread adds its own tokens' terms into its own scratch slots (no two
@@ -55,25 +56,6 @@ struct SelectiveScanBlockShape {
   static constexpr int warps = Device ? Threads / 32 : 1;
   static_assert(!Device || Threads % 32 == 0, "SelectiveScanBlockShape: whole warps on the device");
 };
-
-/// The shapes each backend runs, forward and backward. Cuda: 128 threads (four warps) of 8 tokens
-/// forward (chunks of 1024: the scan's cost per thread spread over more tokens), 4 tokens backward
-/// (chunks of 512: its per-thread slots of dB and dC take 2·16·4·128 floats of scratch, 64 KB, so
-/// that three teams fit a multiprocessor, and its per-token values fit the registers). Host
-/// backends: one thread over 64 tokens (a sequential walk, nothing to scan). The backward cuts its
-/// own checkpoints, so the two chunks need not agree.
-template <class ExecSpace>
-struct SelectiveScanDefaultShapes {
-  using forward = SelectiveScanBlockShape<1, 64, false>;
-  using backward = SelectiveScanBlockShape<1, 64, false>;
-};
-#if defined(KOKKOS_ENABLE_CUDA)
-template <>
-struct SelectiveScanDefaultShapes<Kokkos::Cuda> {
-  using forward = SelectiveScanBlockShape<128, 8, true>;
-  using backward = SelectiveScanBlockShape<128, 4, true>;
-};
-#endif
 
 /// The map h ↦ decay·h + value.
 struct AffineStep {
@@ -159,6 +141,22 @@ KOKKOS_INLINE_FUNCTION void for_each_slot(const WarpTeamContext& ctx, const F& f
   for (int s = 0; s < Shape::slots; ++s) f(s, Shape::device ? ctx.thread : s);
 }
 
+/// v[i] = p[i] for i < K, K a multiple of 4 and p 16-byte aligned: on Cuda four floats a load.
+template <int K>
+KOKKOS_INLINE_FUNCTION void load_aligned_items(const float* p, float (&v)[K]) {
+#if defined(__CUDA_ARCH__)
+  for (int i = 0; i + 3 < K; i += 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p + i);
+    v[i] = q.x;
+    v[i + 1] = q.y;
+    v[i + 2] = q.z;
+    v[i + 3] = q.w;
+  }
+#else
+  for (int i = 0; i < K; ++i) v[i] = p[i];
+#endif
+}
+
 /// v[i] = row[first + i] where first + i < end, 0 past it; on Cuda four floats a load where the
 /// thread's run is whole and 16-byte aligned.
 template <int K>
@@ -166,13 +164,7 @@ KOKKOS_INLINE_FUNCTION void load_items(const float* row, int first, int end, flo
   const float* p = row + first;
 #if defined(__CUDA_ARCH__)
   if (K % 4 == 0 && first + K <= end && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
-    for (int i = 0; i < K; i += 4) {
-      const float4 q = *reinterpret_cast<const float4*>(p + i);
-      v[i] = q.x;
-      v[i + 1] = q.y;
-      v[i + 2] = q.z;
-      v[i + 3] = q.w;
-    }
+    load_aligned_items(p, v);
     return;
   }
 #endif
@@ -222,90 +214,6 @@ KOKKOS_INLINE_FUNCTION void selective_scan_load_tokens(const SelectiveScanOperan
     tk.carry_exponent[i] = inside && in.carry(b, first + i) == 0.0f ? selective_scan_reset_exponent : 0.0f;
   }
 }
-
-/// Forward: one team per (batch, channel). Writes what is allocated of out, last_state and the
-/// state entering each chunk (the backward's checkpoints, chunks of Shape::chunk tokens).
-template <class Shape, class MemorySpace>
-struct SelectiveScanBlockForward {
-  static constexpr int K = Shape::items;
-  SelectiveScanOperands<MemorySpace> in;
-  int batch, dim, seqlen, dstate, channels_per_group, nchunks;
-  Tensor3<float, MemorySpace> out;          // (batch, dim, seqlen)
-  Tensor3<float, MemorySpace> last_state;   // (batch, dim, dstate)
-  Tensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
-
-  struct Scratch {
-    AffineStep totals[2 * Shape::warps];
-    float state[2][selective_scan_block_states];  // the state entering the chunk, by chunk parity
-  };
-  static constexpr std::size_t bytes = sizeof(Scratch);
-
-  KOKKOS_INLINE_FUNCTION void operator()(const WarpTeamContext& ctx) const {
-    Scratch& sh = *reinterpret_cast<Scratch*>(ctx.scratch);
-    const int b = ctx.league_rank / dim, d = ctx.league_rank % dim, g = d / channels_per_group;
-    if (ctx.thread == 0) {
-      for (int n = 0; n < dstate; ++n) sh.state[0][n] = in.has_initial_state ? in.initial_state(b, d, n) : 0.0f;
-    }
-    SelectiveScanTokens<K> tk[Shape::slots];
-    float y[Shape::slots][K];
-    int parity = 0;
-    for (int k = 0; k < nchunks; ++k) {
-      const int p = k & 1, t0 = k * Shape::chunk;
-      for_each_slot<Shape>(ctx, [&](int s, int th) {
-        selective_scan_load_tokens(in, b, d, t0 + th * K, seqlen, tk[s]);
-        for (int i = 0; i < K; ++i) y[s][i] = 0.0f;
-      });
-      for (int n = 0; n < dstate; ++n) {
-        const float a = in.A(d, n) * device_math_log2e;
-        float decay[Shape::slots][K], input[Shape::slots][K], C[Shape::slots][K];
-        AffineStep steps[Shape::slots];
-        for_each_slot<Shape>(ctx, [&](int s, int th) {
-          load_items(&in.B(b, g, n, 0), t0 + th * K, seqlen, input[s]);
-          load_items(&in.C(b, g, n, 0), t0 + th * K, seqlen, C[s]);
-          steps[s] = AffineStep::identity();
-          for (int i = 0; i < K; ++i) {
-            decay[s][i] = tk[s].decay(i, a);
-            input[s][i] *= tk[s].du[i];
-            steps[s] = steps[s].then(AffineStep{decay[s][i], input[s][i]});
-          }
-        });
-        const AffineStep total = block_exclusive_scan<Shape, false>(ctx, steps, sh.totals, parity);
-        parity ^= 1;
-        const float entering = sh.state[p][n];
-        for_each_slot<Shape>(ctx, [&](int s, int) {
-          float h = steps[s].apply(entering);
-          for (int i = 0; i < K; ++i) {
-            h = decay[s][i] * h + input[s][i];
-            y[s][i] += C[s][i] * h;
-          }
-        });
-        if (ctx.thread == 0) {
-          if (checkpoints.is_allocated()) checkpoints(b, d, k, n) = entering;
-          sh.state[p ^ 1][n] = total.apply(entering);
-        }
-      }
-      if (out.is_allocated()) write_out(ctx, b, d, t0, tk, y);
-    }
-    if (ctx.thread == 0 && last_state.is_allocated()) {
-      for (int n = 0; n < dstate; ++n) last_state(b, d, n) = sh.state[nchunks & 1][n];
-    }
-  }
-
-  KOKKOS_INLINE_FUNCTION void write_out(const WarpTeamContext& ctx, int b, int d, int t0,
-                                        const SelectiveScanTokens<K> (&tk)[Shape::slots],
-                                        const float (&y)[Shape::slots][K]) const {
-    const float skip = in.skip(d);
-    for_each_slot<Shape>(ctx, [&](int s, int th) {
-      float v[K];
-      if (in.has_z) load_items(&in.z(b, d, 0), t0 + th * K, seqlen, v);
-      for (int i = 0; i < K; ++i) {
-        const float gate = in.has_z ? kmamba::silu(v[i]) : 1.0f;
-        v[i] = (y[s][i] + skip * tk[s].u[i]) * gate;
-      }
-      store_items(&out(b, d, 0), t0 + th * K, seqlen, v);
-    });
-  }
-};
 
 /// Backward: one team per (batch, group, block of `block_channels` channels of the group), chunks
 /// last to first, the block's channels one after the other within a chunk. dB and dC of the

@@ -1,0 +1,332 @@
+// The walk form of the selective scan forward (dstate ≤ selective_scan_block_states, Mamba-1's
+// 16): each recurrence h_t,n = ā_t,n·h_{t−1},n + δ_t·u_t·B_t,n (ā_t,n = carry_t·exp(δ_t·A_n)) is
+// walked token after token by the one thread that owns state n of its channel; no thread combines
+// another's maps. Per token and state: one exp2 (ex2.approx on Cuda), the exponent's and the
+// input's multiplies and two fused multiply-adds, which is the exp-bound floor's work plus ~5
+// instructions.
+//
+// A channel's states are split over `lanes` neighbouring threads, selective_scan_lane_states
+// each (lanes = the power of two ≥ dstate / 4: 4 for dstate 16; rows of B, C past dstate are
+// zeros, so the padding states stay 0). The output's sum over the channel's states is each lane's
+// partial sum added across its lanes: warp xor-shuffles on Cuda, the partials in lane order
+// elsewhere.
+//
+// One team per (batch, group, block of Shape::threads / lanes channels of the group). The sequence
+// is cut into tiles of Shape::tile tokens. A tile's B and C rows (the group's, shared by all the
+// team's channels) and its channels' u, δ and z rows are copied into scratch, the next tile's
+// copies running while the current tile is walked (cp.async, two buffers); δ is biased and
+// passed through the softplus once per (channel, token) in scratch, then every thread walks its
+// states over the tile Shape::items tokens at a time and the channel's outputs are written.
+//
+// Two forms run the same source: on Cuda a team is Shape::threads threads of a block; elsewhere
+// one thread runs the team's threads in turn (their states in slots of an array) and the lanes'
+// partial sums meet in scratch before the outputs are written, so the host tests check the tiles,
+// lanes, padding and checkpoints the GPU uses (SelectiveScanWalkShape).
+#ifndef KMAMBA_CORE_IMPL_SELECTIVESCANWALK_HPP
+#define KMAMBA_CORE_IMPL_SELECTIVESCANWALK_HPP
+
+#include <kmamba/core/Activations.hpp>
+#include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/impl/AsyncCopy.hpp>
+#include <kmamba/core/impl/DeviceMath.hpp>
+#include <kmamba/core/impl/SelectiveScanBlockScan.hpp>
+#include <kmamba/core/impl/WarpTeamLaunch.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kmamba {
+namespace impl {
+
+template <class MemorySpace>
+struct SelectiveScanOperands;
+
+/// States a thread of the walk form owns; with at most 4 lanes a channel it covers
+/// selective_scan_block_states.
+constexpr int selective_scan_lane_states = 4;
+constexpr int selective_scan_max_lanes = selective_scan_block_states / selective_scan_lane_states;
+
+/// Team shape of the walk form: `Threads` threads, tiles of `Steps` steps of `Items` tokens.
+/// `Device`: the threads are real (Cuda); otherwise one thread runs them in turn.
+template <int Threads, int Items, int Steps, bool Device>
+struct SelectiveScanWalkShape {
+  static constexpr int threads = Threads, items = Items, steps = Steps, tile = Items * Steps;
+  static constexpr bool device = Device;
+  static constexpr int slots = Device ? 1 : Threads;  // thread registers a real thread holds
+  static_assert(Threads >= selective_scan_max_lanes, "SelectiveScanWalkShape: a channel's lanes in one team");
+  static_assert(!Device || (Threads % 32 == 0 && Items % 4 == 0), "SelectiveScanWalkShape: whole warps, float4 items");
+};
+
+/// Where a team's arrays lie in its scratch (floats; rows `stride` = tile + 4 apart: on Cuda the
+/// rows that the lanes of a warp read at one offset then fall in different banks). Per buffer:
+/// B and C rows (lanes·4 each), u, δ, z rows (one per channel), the tile's carry exponents; after
+/// both buffers, on host backends, the lanes' summed outputs (channels × tile).
+struct SelectiveScanWalkLayout {
+  int lanes, channels, tile, stride, buffer;
+
+  KOKKOS_INLINE_FUNCTION SelectiveScanWalkLayout(int lanes_, int channels_, int tile_)
+      : lanes(lanes_),
+        channels(channels_),
+        tile(tile_),
+        stride(tile_ + 4),
+        buffer(((2 * lanes_ * selective_scan_lane_states + 3 * channels_) * (tile_ + 4) + tile_ + 3) / 4 * 4) {}
+
+  KOKKOS_INLINE_FUNCTION int state_rows() const { return lanes * selective_scan_lane_states; }
+  KOKKOS_INLINE_FUNCTION float* row(float* s, int p, int r) const { return s + p * buffer + r * stride; }
+  /// State n's row: n = lane·4 + j lies at j·lanes + lane, so that the lanes of a channel, which
+  /// read their j-th states at once, read neighbouring rows (distinct banks on Cuda).
+  KOKKOS_INLINE_FUNCTION float* B(float* s, int p, int n) const {
+    return row(s, p, (n % selective_scan_lane_states) * lanes + n / selective_scan_lane_states);
+  }
+  KOKKOS_INLINE_FUNCTION float* C(float* s, int p, int n) const { return B(s, p, n) + state_rows() * stride; }
+  KOKKOS_INLINE_FUNCTION float* u(float* s, int p, int c) const { return row(s, p, 2 * state_rows() + c); }
+  KOKKOS_INLINE_FUNCTION float* delta(float* s, int p, int c) const { return u(s, p, channels + c); }
+  KOKKOS_INLINE_FUNCTION float* z(float* s, int p, int c) const { return u(s, p, 2 * channels + c); }
+  KOKKOS_INLINE_FUNCTION float* carry(float* s, int p) const { return u(s, p, 3 * channels); }
+  KOKKOS_INLINE_FUNCTION float* y(float* s, int c) const { return s + 2 * buffer + c * tile; }
+  /// Scratch bytes of a team (`device`: no summed outputs).
+  std::size_t bytes(bool device) const {
+    return sizeof(float) * (2 * static_cast<std::size_t>(buffer) + (device ? 0 : channels * tile));
+  }
+};
+
+/// v[i] = p[i], i < K, from 16-byte aligned scratch (four floats a load on Cuda when K % 4 == 0).
+template <int K>
+KOKKOS_INLINE_FUNCTION void scratch_items(const float* p, float (&v)[K]) {
+  if constexpr (K % 4 == 0) {
+    load_aligned_items(p, v);
+  } else {
+    for (int i = 0; i < K; ++i) v[i] = p[i];
+  }
+}
+
+/// Forward: writes what is allocated of out, last_state and the state entering each chunk of
+/// `checkpoint_interval` tokens (the backward's checkpoints; a multiple of Shape::items).
+template <class Shape, class MemorySpace>
+struct SelectiveScanWalkForward {
+  static constexpr int K = Shape::items, S = selective_scan_lane_states;
+  SelectiveScanOperands<MemorySpace> in;
+  int batch, seqlen, dstate, ngroups, channels_per_group, blocks_per_group, checkpoint_interval;
+  SelectiveScanWalkLayout layout;
+  bool vector_copies;                       // u, δ, z, B, C rows 16-byte aligned, seqlen % 4 == 0
+  Tensor3<float, MemorySpace> out;          // (batch, dim, seqlen)
+  Tensor3<float, MemorySpace> last_state;   // (batch, dim, dstate)
+  Tensor4<float, MemorySpace> checkpoints;  // (batch, dim, nchunks, dstate)
+
+  /// The team's channels: d0 + c for c < active, in group g of batch row b.
+  struct Team {
+    int b, g, d0, active;
+  };
+
+  KOKKOS_INLINE_FUNCTION Team team_of(int league_rank) const {
+    const int block = league_rank % blocks_per_group, bg = league_rank / blocks_per_group;
+    const int first = block * layout.channels, left = channels_per_group - first;
+    Team tm;
+    tm.g = bg % ngroups;
+    tm.b = bg / ngroups;
+    tm.d0 = tm.g * channels_per_group + first;
+    tm.active = left < layout.channels ? left : layout.channels;
+    return tm;
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(const WarpTeamContext& ctx) const {
+    float* s = reinterpret_cast<float*>(ctx.scratch);
+    const Team tm = team_of(ctx.league_rank);
+    const int first = Shape::device ? ctx.thread : 0, step = Shape::device ? Shape::threads : 1;
+    const int ntiles = (seqlen + Shape::tile - 1) / Shape::tile;
+    // Rows of B and C past dstate stay zero in both buffers (the padding states' inputs).
+    const int pad = (layout.state_rows() - dstate) * Shape::tile;
+    for (int i = first; i < 4 * pad; i += step) {
+      const int p = i / (2 * pad), n = dstate + (i % pad) / Shape::tile, t = i % Shape::tile;
+      (i % (2 * pad) < pad ? layout.B(s, p, n) : layout.C(s, p, n))[t] = 0.0f;
+    }
+    float h[Shape::slots][S], a[Shape::slots][S];
+    for (int q = 0; q < Shape::slots; ++q) start(tm, Shape::device ? ctx.thread : q, h[q], a[q]);
+    if (ntiles > 0) {
+      issue_tile(s, 0, tm, 0, first, step);
+      async_commit();
+      async_wait<0>();
+      ctx.barrier();
+      prepare_tile(s, 0, tm, 0, first, step);
+      ctx.barrier();
+    }
+    int next_checkpoint = 0;
+    for (int k = 0; k < ntiles; ++k) {
+      const int p = k & 1, t0 = k * Shape::tile;
+      if (k + 1 < ntiles) issue_tile(s, p ^ 1, tm, t0 + Shape::tile, first, step);
+      async_commit();
+      for (int q = 0; q < Shape::slots; ++q) {
+        walk_tile(s, p, tm, t0, Shape::device ? ctx.thread : q, h[q], a[q], next_checkpoint);
+      }
+      while (next_checkpoint < t0 + Shape::tile) next_checkpoint += checkpoint_interval;
+      if (!Shape::device && out.is_allocated()) write_summed(s, p, tm, t0);
+      async_wait<0>();
+      ctx.barrier();
+      if (k + 1 < ntiles) prepare_tile(s, p ^ 1, tm, t0 + Shape::tile, first, step);
+      ctx.barrier();
+    }
+    for (int q = 0; q < Shape::slots; ++q) finish(tm, Shape::device ? ctx.thread : q, h[q]);
+  }
+
+  /// The state n = lane·S + j of channel c, thread th = c·lanes + lane; valid: an active channel's
+  /// state below dstate.
+  KOKKOS_INLINE_FUNCTION bool owns(const Team& tm, int th, int j, int& d, int& n) const {
+    const int c = th / layout.lanes;
+    d = tm.d0 + c;
+    n = (th % layout.lanes) * S + j;
+    return c < tm.active && n < dstate;
+  }
+
+  KOKKOS_INLINE_FUNCTION void start(const Team& tm, int th, float (&h)[S], float (&a)[S]) const {
+    for (int j = 0; j < S; ++j) {
+      int d, n;
+      const bool own = owns(tm, th, j, d, n);
+      h[j] = own && in.has_initial_state ? in.initial_state(tm.b, d, n) : 0.0f;
+      a[j] = own ? in.A(d, n) * device_math_log2e : 0.0f;
+    }
+  }
+
+  KOKKOS_INLINE_FUNCTION void finish(const Team& tm, int th, const float (&h)[S]) const {
+    for (int j = 0; j < S; ++j) {
+      int d, n;
+      if (owns(tm, th, j, d, n) && last_state.is_allocated()) last_state(tm.b, d, n) = h[j];
+    }
+  }
+
+  /// Copies the tile at t0 into buffer p: B and C rows below dstate, u, δ and z rows of the
+  /// team's channels (zeros past the sequence and for channels past the group's end).
+  KOKKOS_INLINE_FUNCTION void issue_tile(float* s, int p, const Team& tm, int t0, int first, int step) const {
+    if constexpr (Shape::tile % 4 == 0) {
+      if (vector_copies) {
+        issue_rows<4>(s, p, tm, t0, first, step);
+        return;
+      }
+    }
+    issue_rows<1>(s, p, tm, t0, first, step);
+  }
+
+  /// issue_tile in copies of Width floats (the pieces of a row a power of two in the shapes run,
+  /// so that a piece's row and offset cost shifts, not divisions).
+  template <int Width>
+  KOKKOS_INLINE_FUNCTION void issue_rows(float* s, int p, const Team& tm, int t0, int first, int step) const {
+    constexpr int pieces = Shape::tile / Width;
+    auto copy = [&](float* dst, const float* row, int t, bool valid) {
+      const float* src = row + (valid ? t0 + t : 0);
+      if constexpr (Width == 4) {
+        async_copy16(dst + t, src, valid);
+      } else {
+        async_copy4(dst + t, src, valid);
+      }
+    };
+    for (int i = first; i < dstate * pieces; i += step) {
+      const int n = i / pieces, t = (i % pieces) * Width;
+      copy(layout.B(s, p, n), &in.B(tm.b, tm.g, n, 0), t, t0 + t < seqlen);
+      copy(layout.C(s, p, n), &in.C(tm.b, tm.g, n, 0), t, t0 + t < seqlen);
+    }
+    for (int i = first; i < layout.channels * pieces; i += step) {
+      const int c = i / pieces, t = (i % pieces) * Width, d = tm.d0 + (c < tm.active ? c : 0);
+      const bool valid = c < tm.active && t0 + t < seqlen;
+      copy(layout.u(s, p, c), &in.u(tm.b, d, 0), t, valid);
+      copy(layout.delta(s, p, c), &in.delta(tm.b, d, 0), t, valid);
+      if (in.has_z) copy(layout.z(s, p, c), &in.z(tm.b, d, 0), t, valid);
+    }
+  }
+
+  /// In buffer p (copies complete): δ = softplus(delta + bias) once per (channel, token), 0 past
+  /// the sequence (the identity step); the carry exponents; on host backends the summed outputs
+  /// zeroed.
+  KOKKOS_INLINE_FUNCTION void prepare_tile(float* s, int p, const Team& tm, int t0, int first, int step) const {
+    for (int i = first; i < layout.channels * Shape::tile; i += step) {
+      const int c = i / Shape::tile, t = i % Shape::tile;
+      float* delta = layout.delta(s, p, c);
+      const float bias = in.has_delta_bias && c < tm.active ? in.delta_bias(tm.d0 + c) : 0.0f;
+      delta[t] = c < tm.active && t0 + t < seqlen ? in.delta_value(delta[t] + bias) : 0.0f;
+      if (!Shape::device) layout.y(s, c)[t] = 0.0f;
+    }
+    for (int t = first; t < Shape::tile; t += step) {
+      const bool reset = t0 + t < seqlen && in.carry(tm.b, t0 + t) == 0.0f;
+      layout.carry(s, p)[t] = reset ? selective_scan_reset_exponent : 0.0f;
+    }
+  }
+
+  /// Thread th's states over the tile in buffer p; `next_checkpoint`: the first token of the tile
+  /// or later whose entering state is a checkpoint.
+  KOKKOS_INLINE_FUNCTION void walk_tile(float* s, int p, const Team& tm, int t0, int th, float (&h)[S],
+                                        const float (&a)[S], int next_checkpoint) const {
+    const int c = th / layout.lanes, lane = th % layout.lanes;
+    if (c >= layout.channels) return;  // host shapes whose thread count is not a multiple of lanes
+    for (int step = 0; step < Shape::steps; ++step) {
+      const int t = step * K;
+      if (t0 + t == next_checkpoint && t0 + t < seqlen) {
+        if (checkpoints.is_allocated()) write_checkpoint(tm, th, (t0 + t) / checkpoint_interval, h);
+        next_checkpoint += checkpoint_interval;
+      }
+      float u[K], dt[K], exponent[K], y[K];
+      scratch_items(layout.u(s, p, c) + t, u);
+      scratch_items(layout.delta(s, p, c) + t, dt);
+      scratch_items(layout.carry(s, p) + t, exponent);
+      for (int i = 0; i < K; ++i) {
+        u[i] *= dt[i];  // now δ·u
+        y[i] = 0.0f;
+      }
+      for (int j = 0; j < S; ++j) {
+        float B[K], C[K];
+        scratch_items(layout.B(s, p, lane * S + j) + t, B);
+        scratch_items(layout.C(s, p, lane * S + j) + t, C);
+        for (int i = 0; i < K; ++i) {
+          h[j] = exp2_approx(dt[i] * a[j] + exponent[i]) * h[j] + u[i] * B[i];
+          y[i] += C[i] * h[j];
+        }
+      }
+      if (out.is_allocated()) emit(s, p, tm, t0 + t, c, lane, y);
+    }
+  }
+
+  /// The lanes' partial outputs y of tokens t..t + K − 1 of channel c: on Cuda summed across the
+  /// lanes by xor-shuffles and written, lane l taking tokens l, l + lanes, ...; elsewhere added
+  /// to the summed outputs in scratch (lanes in order), written by write_summed.
+  KOKKOS_INLINE_FUNCTION void emit(float* s, int p, const Team& tm, int t, int c, int lane, float (&y)[K]) const {
+    (void)p;
+    (void)tm;
+    (void)lane;
+    if constexpr (Shape::device) {
+#if defined(__CUDA_ARCH__)
+      for (int offset = 1; offset < layout.lanes; offset *= 2) {
+        for (int i = 0; i < K; ++i) y[i] += __shfl_xor_sync(0xffffffffu, y[i], offset);
+      }
+#endif
+      for (int i = lane; i < K; i += layout.lanes) write_output(s, p, tm, t + i, c, y[i]);
+    } else {
+      float* sum = layout.y(s, c) + t % Shape::tile;
+      for (int i = 0; i < K; ++i) sum[i] += y[i];
+    }
+  }
+
+  KOKKOS_INLINE_FUNCTION void write_summed(float* s, int p, const Team& tm, int t0) const {
+    for (int c = 0; c < layout.channels; ++c) {
+      for (int t = 0; t < Shape::tile; ++t) write_output(s, p, tm, t0 + t, c, layout.y(s, c)[t]);
+    }
+  }
+
+  /// out at token t of channel c = (y + D·u)·silu(z).
+  KOKKOS_INLINE_FUNCTION void write_output(float* s, int p, const Team& tm, int t, int c, float y) const {
+    if (c >= tm.active || t >= seqlen) return;
+    const int i = t % Shape::tile, d = tm.d0 + c;
+    const float v = y + in.skip(d) * layout.u(s, p, c)[i];
+    out(tm.b, d, t) = in.has_z ? v * silu_approx(layout.z(s, p, c)[i]) : v;
+  }
+
+  KOKKOS_INLINE_FUNCTION void write_checkpoint(const Team& tm, int th, int chunk, const float (&h)[S]) const {
+    for (int j = 0; j < S; ++j) {
+      int d, n;
+      if (owns(tm, th, j, d, n)) checkpoints(tm.b, d, chunk, n) = h[j];
+    }
+  }
+};
+
+}  // namespace impl
+}  // namespace kmamba
+
+#endif
