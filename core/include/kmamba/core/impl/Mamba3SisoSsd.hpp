@@ -251,8 +251,8 @@ template <class ExecSpace, class MemorySpace>
 Tensor3<float, MemorySpace> mamba3_siso_gate_backward(const ExecSpace& exec, const Mamba3Plan& plan,
                                                       const Mamba3Operands<MemorySpace>& in,
                                                       const Mamba3SisoTokens<MemorySpace>& tok,
-                                                      const ConstTensor4<float, MemorySpace>& y, bool complete,
-                                                      const ConstTensor4<float, MemorySpace>& dout,
+                                                      const Mamba3NonDeduced<ConstTensor4<float, MemorySpace>>& y,
+                                                      bool complete, const ConstTensor4<float, MemorySpace>& dout,
                                                       const Mamba3BackwardWorkspace<MemorySpace>& bw,
                                                       const Mamba3GradViews<MemorySpace>& grads) {
   const auto dc = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::siso_ddiagonal", plan.batch,
@@ -328,35 +328,40 @@ void mamba3_siso_fused_ssd_backward(const ExecSpace& exec, const SsdPlan& fused,
 /// from the fused forward on the same operands. False, having done nothing, where the fused
 /// kernels do not take the shared rows.
 template <class ExecSpace, class MemorySpace>
-\1 if (precision != MatmulPrecision::BFloat16) return false;
-const SsdDims dims{plan.batch, plan.seqlen, plan.nheads, plan.headdim, plan.ngroups, plan.dstate};
-const SsdPlan fused = ssd_plan<ExecSpace>("kmamba::mamba3_siso_backward", dims, ssd_fused_backward_chunk);
-const SsdPlan forward = ssd_plan<ExecSpace>("kmamba::mamba3_siso_backward", dims, ssd_fused_chunk);
-const bool recompute = in.has_z && !in.ungated.is_allocated();
-SsdArgs<MemorySpace> probe;
-probe.x = in.v;
-probe.B = in.k4;
-probe.C = in.q4;
-const SsdOperands<MemorySpace> probe_in(probe);
-if (!ssd_fused_backward_supported(fused, probe_in) || (recompute && !ssd_fused_forward_supported(forward, probe_in))) {
-  return false;
-}
-const Mamba3Workspace<MemorySpace> ws(plan, false, false);
-Mamba3SisoTokens<MemorySpace> tok(plan, false);
-mamba3_prepare_rows(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>(), tok);
-tok.allocate_own_token_terms(plan);  // filled by the chunk backward
-const SsdOperands<MemorySpace> operands(mamba3_siso_ssd_args(exec, plan, in, precision, tok, in.k4, in.q4));
-const SsdFusedHeadOperands<MemorySpace> head = mamba3_siso_head_operands(plan, in, ws, tok);
-const Mamba3BackwardWorkspace<MemorySpace> bw(plan, recompute, false);
-if (recompute) {
-  ssd_fused_forward(exec, forward, operands, bw.y, Tensor4<float, MemorySpace>(),
-                    ssd_fused_segment_count(exec, forward), head);
-}
-const auto dc = mamba3_siso_gate_backward(exec, plan, in, tok, recompute ? bw.y : in.ungated, true, dout, bw, grads);
-const SsdGrads<MemorySpace> sg = mamba3_siso_ssd_grads(plan, bw);
-mamba3_siso_fused_ssd_backward(exec, fused, operands, head, dfinal, bw, sg, tok);
-mamba3_siso_backward_after_ssd(exec, plan, in, ws, bw, tok, dc, sg, dout, dfinal, grads);
-return true;
+bool mamba3_siso_fused_backward(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
+                                MatmulPrecision precision, const ConstTensor4<float, MemorySpace>& dout,
+                                const Mamba3StateViews<const float, MemorySpace>& dfinal,
+                                const Mamba3GradViews<MemorySpace>& grads) {
+  if (precision != MatmulPrecision::BFloat16) return false;
+  const SsdDims dims{plan.batch, plan.seqlen, plan.nheads, plan.headdim, plan.ngroups, plan.dstate};
+  const SsdPlan fused = ssd_plan<ExecSpace>("kmamba::mamba3_siso_backward", dims, ssd_fused_backward_chunk);
+  const SsdPlan forward = ssd_plan<ExecSpace>("kmamba::mamba3_siso_backward", dims, ssd_fused_chunk);
+  const bool recompute = in.has_z && !in.ungated.is_allocated();
+  SsdArgs<MemorySpace> probe;
+  probe.x = in.v;
+  probe.B = in.k4;
+  probe.C = in.q4;
+  const SsdOperands<MemorySpace> probe_in(probe);
+  if (!ssd_fused_backward_supported(fused, probe_in) ||
+      (recompute && !ssd_fused_forward_supported(forward, probe_in))) {
+    return false;
+  }
+  const Mamba3Workspace<MemorySpace> ws(plan, false, false);
+  Mamba3SisoTokens<MemorySpace> tok(plan, false);
+  mamba3_prepare_rows(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>(), tok);
+  tok.allocate_own_token_terms(plan);  // filled by the chunk backward
+  const SsdOperands<MemorySpace> operands(mamba3_siso_ssd_args(exec, plan, in, precision, tok, in.k4, in.q4));
+  const SsdFusedHeadOperands<MemorySpace> head = mamba3_siso_head_operands(plan, in, ws, tok);
+  const Mamba3BackwardWorkspace<MemorySpace> bw(plan, recompute, false);
+  if (recompute) {
+    ssd_fused_forward(exec, forward, operands, bw.y, Tensor4<float, MemorySpace>(),
+                      ssd_fused_segment_count(exec, forward), head);
+  }
+  const auto dc = mamba3_siso_gate_backward(exec, plan, in, tok, recompute ? bw.y : in.ungated, true, dout, bw, grads);
+  const SsdGrads<MemorySpace> sg = mamba3_siso_ssd_grads(plan, bw);
+  mamba3_siso_fused_ssd_backward(exec, fused, operands, head, dfinal, bw, sg, tok);
+  mamba3_siso_backward_after_ssd(exec, plan, in, ws, bw, tok, dc, sg, dout, dfinal, grads);
+  return true;
 }
 
 template <class ExecSpace, class MemorySpace>
