@@ -366,8 +366,21 @@ struct SsdFusedForwardFunctor {
     }
   }
 
-  /// The copied fp32 C and B rows to their bf16 tiles (float4 item i of the chunk: row t =
-  /// i / (N/4), states n … n + 3), each pair through f(t, n, c, b) first.
+  /// A copied fp32 tile of rows (Q × N, Layout::ldr floats a row) to a bf16 tile.
+  KOKKOS_INLINE_FUNCTION static void convert_tile(int thread, const float* raw, const ScratchTile& tile) {
+    constexpr int per_row = N / 4, items = Q * per_row;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i >= items) continue;
+      float v[4];
+      ssd_load4(raw + t * Layout::ldr + n, v);
+      ssd_store4_bf16(&tile.at(t, n), v, 1.0f);
+    }
+  }
+
+  /// The copied fp32 C and B rows to their bf16 tiles together (float4 item i of the chunk: row
+  /// t = i / (N/4), states n … n + 3), each pair through f(t, n, c, b) first.
   template <class F>
   KOKKOS_INLINE_FUNCTION static void convert_rows(const Tiles& sm, int thread, const F& f) {
     constexpr int per_row = N / 4, items = Q * per_row;
@@ -416,7 +429,8 @@ struct SsdFusedForwardFunctor {
     if constexpr (PerHead) {
       convert_head_rows(sm, thread, h, len);
     } else {
-      convert_rows(sm, thread, [](int, int, float(&)[4], float(&)[4]) {});
+      convert_tile(thread, sm.cr, sm.c);
+      convert_tile(thread, sm.br, sm.b);
     }
     if (!StatesOnly) {
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {

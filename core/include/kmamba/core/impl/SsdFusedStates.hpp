@@ -169,15 +169,15 @@ struct SsdStateWalkFunctor {
     const ConstTensor4<float, MemorySpace>& state_cols = wk.reverse ? in.C : in.B;
     rows.load(thread, len, [&](int t) { return &token_rows(wk.b, t0 + t, wk.h, 0); });
     cols.load(thread, len, [&](int t) { return &state_cols(wk.b, t0 + t, wk.grp, wk.n0); });
-    if constexpr (PerHead) {
+    const float decay = stage_weights(sm, thread, wk, c, len, log_decay);
+    ctx.barrier();
+    rows.store(thread, sm.rows, [&](int t) { return sm.weights[t]; });
+    if constexpr (PerHead) {  // once the rows are stored, for the registers
       const ConstTensor2<float, MemorySpace>& bias = wk.reverse ? head.bias_C : head.bias_B;
       cols.transform(thread, len, [&](int t, int n, float(&v)[4]) {
         head.rotate(bias, wk.h, wk.n0 + n, head.token_rotation(wk.b, wk.h, t0 + t), v);
       });
     }
-    const float decay = stage_weights(sm, thread, wk, c, len, log_decay);
-    ctx.barrier();
-    rows.store(thread, sm.rows, [&](int t) { return sm.weights[t]; });
     cols.store(thread, sm.cols, [](int) { return 1.0f; });
     return decay;
   }
