@@ -65,8 +65,9 @@ void mamba3_pass_states(const ExecSpace& exec, const Mamba3StateViews<const floa
   }
 }
 
-/// Stages 1–2: angles, cumsums and scales; rotated rows (and the final k, v and angle); with `tok`
-/// allocated (SISO), the per-token values of the SSD.
+/// Stages 1–2: angles (as cosines and sines), cumsums and scales; rotated rows (and the final k, v
+/// and angle); with `tok` allocated (SISO), the per-token values of the SSD. The rotate stage runs
+/// over every token where ws has rows or tok asks for q_t·k_t, else only for the final k state.
 template <class ExecSpace, class MemorySpace>
 void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Mamba3Operands<MemorySpace>& in,
                          const Mamba3Workspace<MemorySpace>& ws,
@@ -75,13 +76,20 @@ void mamba3_prepare_rows(const ExecSpace& exec, const Mamba3Plan& plan, const Ma
   const std::int64_t head_chunks = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nchunks;
   const std::int64_t rows = static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.seqlen * plan.rank;
   mamba3_for(exec, "kmamba::mamba3::chunk_tokens", head_chunks * (plan.nangles + 1),
-             Mamba3ChunkTokensFunctor<MemorySpace>{in, ws, plan});
+             Mamba3ChunkTokensFunctor<MemorySpace>{in, ws, plan, tok});
   mamba3_for(exec, "kmamba::mamba3::angle_passing", static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.nangles,
              Mamba3AnglePassingFunctor<MemorySpace>{in, ws, plan});
   mamba3_for(exec, "kmamba::mamba3::angle_scan", head_chunks * plan.nangles,
              Mamba3AngleScanFunctor<MemorySpace>{in, ws, plan, final_states.angle, final_states.has_angle});
-  mamba3_row_launch(exec, "kmamba::mamba3::rotate", rows,
-                    Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, tok});
+  if (ws.q.is_allocated() || tok.qk.is_allocated()) {
+    mamba3_row_launch(
+        exec, "kmamba::mamba3::rotate", rows,
+        Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, tok, 0, plan.seqlen * plan.rank});
+  } else if (final_states.has_k) {
+    mamba3_row_launch(exec, "kmamba::mamba3::rotate_final", rows / plan.seqlen,
+                      Mamba3RotateFunctor<ExecSpace, MemorySpace>{in, ws, plan, final_states, tok,
+                                                                  (plan.seqlen - 1) * plan.rank, plan.rank});
+  }
   const bool last_only = !ws.v.is_allocated();
   if (!last_only || final_states.has_v) {
     const std::int64_t items = last_only
@@ -154,7 +162,7 @@ void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const M
                 Mamba3InitialStateBackwardFunctor<ExecSpace, MemorySpace>{in, bw.dH0, bw.dbeta0, plan, grads.dinitial},
                 0);
   mamba3_row_launch(exec, "kmamba::mamba3::token_backward", tokens,
-                    Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{ws, bw, plan, dfinal, siso});
+                    Mamba3TokenBackwardFunctor<ExecSpace, MemorySpace>{in, ws, bw, plan, dfinal, siso});
   mamba3_row_launch(exec, "kmamba::mamba3::value_backward", tokens,
                     Mamba3ValueBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dv, siso});
   mamba3_for(exec, "kmamba::mamba3::dtheta_chunk_sum", head_chunks * plan.nangles,

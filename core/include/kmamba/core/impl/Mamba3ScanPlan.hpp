@@ -123,7 +123,9 @@ void mamba3_for(const ExecSpace& exec, const char* label, std::int64_t items, co
 /// Buffers the forward stages hand to each other (recomputed by the backward).
 template <class MemorySpace>
 struct Mamba3Workspace {
-  Tensor4<float, MemorySpace> theta;  // (batch, nheads, seqlen, nangles): θ_t reduced into [0, 2π)
+  /// (batch, nheads, seqlen, 2·nangles): cos θ_t,i at 2i and sin θ_t,i at 2i + 1 (θ_t reduced into
+  /// [0, 2π)), taken once per token, head and angle for every stage that rotates
+  Tensor4<float, MemorySpace> rotation;
   Tensor3<float, MemorySpace> cs;     // (batch, nheads, seqlen): inclusive cumsum of adt within the chunk
   Tensor3<float, MemorySpace> scale;  // (batch, nheads, seqlen): γ_t + β̃_{t+1}
   Tensor3<float, MemorySpace> gamma;  // (batch, nheads, seqlen): γ_t
@@ -139,8 +141,8 @@ struct Mamba3Workspace {
   Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
 
   Mamba3Workspace(const Mamba3Plan& plan, bool chunk_stages, bool rows = true)
-      : theta(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::theta", plan.batch, plan.nheads,
-                                                                  plan.seqlen, plan.nangles)),
+      : rotation(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::rotation", plan.batch,
+                                                                     plan.nheads, plan.seqlen, 2 * plan.nangles)),
         cs(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::adt_cumsum", plan.batch, plan.nheads,
                                                                plan.seqlen)),
         scale(allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::mamba3::scale", plan.batch, plan.nheads,

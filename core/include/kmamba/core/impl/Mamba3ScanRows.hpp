@@ -24,13 +24,44 @@ KOKKOS_INLINE_FUNCTION float mamba3_angle_step(const Mamba3Operands<MemorySpace>
   return mamba3_pi * kmamba::math::tanh(in.angles(b, t, h, i)) * in.dt(b, h, t);
 }
 
+/// The per-token values of the SISO scan as the SSD and its own-token correction read them
+/// (impl/Mamba3SisoSsd.hpp); unallocated for MIMO. The stage 1a writes scale, log_decay and
+/// qk_weight; the rotate stage qk and diag, where allocated (the fused bf16 forward forms q_t·k_t
+/// and c_t itself).
+template <class MemorySpace>
+struct Mamba3SisoTokens {
+  Tensor3<float, MemorySpace> scale;      // (batch, seqlen, nheads): scale_t, the SSD's δ
+  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen, nheads): adt_t
+  Tensor3<float, MemorySpace> qk_weight;  // (batch, seqlen, nheads): γ_t − scale_t
+  Tensor3<float, MemorySpace> qk;         // (batch, seqlen, nheads): q_t·k_t
+  Tensor3<float, MemorySpace> diag;       // (batch, seqlen, nheads): c_t = D + (γ_t − scale_t)·q_t·k_t
+
+  Mamba3SisoTokens() = default;
+  /// With `own_token_terms`, q_t·k_t and c_t too.
+  Mamba3SisoTokens(const Mamba3Plan& plan, bool own_token_terms) {
+    using T3 = Tensor3<float, MemorySpace>;
+    scale = allocate_uninitialized<T3>("kmamba::mamba3::siso_scale", plan.batch, plan.seqlen, plan.nheads);
+    log_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_log_decay", plan.batch, plan.seqlen, plan.nheads);
+    qk_weight = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk_weight", plan.batch, plan.seqlen, plan.nheads);
+    if (own_token_terms) allocate_own_token_terms(plan);
+  }
+  /// q_t·k_t and c_t, for a stage after the rotate stage's to fill.
+  void allocate_own_token_terms(const Mamba3Plan& plan) {
+    using T3 = Tensor3<float, MemorySpace>;
+    qk = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk", plan.batch, plan.seqlen, plan.nheads);
+    diag = allocate_uninitialized<T3>("kmamba::mamba3::siso_diagonal", plan.batch, plan.seqlen, plan.nheads);
+  }
+};
+
 /// Stage 1a (per chunk, one item per (batch, head, chunk, job)): job i < nangles sums the chunk's
-/// increments of angle i; job nangles writes the chunk cumsum of adt, γ and scale of its tokens.
+/// increments of angle i; job nangles writes the chunk cumsum of adt, γ and scale of its tokens
+/// (and, with `tok` allocated, the SISO scan's per-token values in the SSD's layout).
 template <class MemorySpace>
 struct Mamba3ChunkTokensFunctor {
   Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
+  Mamba3SisoTokens<MemorySpace> tok;
 
   KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
     const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles + 1);
@@ -45,10 +76,15 @@ struct Mamba3ChunkTokensFunctor {
         const int t = t0 + l;
         const float gamma = sigmoid(in.trap(b, h, t)) * in.dt(b, h, t);
         const float next = t + 1 < plan.seqlen ? in.beta_tilde(b, h, t + 1) : 0.0f;
-        cs += in.adt(b, h, t);
+        const float adt = in.adt(b, h, t), scale = gamma + next;
+        cs += adt;
         ws.cs(b, h, t) = cs;
         ws.gamma(b, h, t) = gamma;
-        ws.scale(b, h, t) = gamma + next;
+        ws.scale(b, h, t) = scale;
+        if (!tok.scale.is_allocated()) continue;
+        tok.scale(b, t, h) = scale;
+        tok.log_decay(b, t, h) = adt;
+        tok.qk_weight(b, t, h) = gamma - scale;
       }
     }
   }
@@ -82,7 +118,9 @@ struct Mamba3AnglePassingFunctor {
 };
 
 /// Stage 1c (one item per (batch, head, chunk, angle)): θ_t from the angle entering the chunk,
-/// reduced into [0, 2π) at every token; the final angle at the last token.
+/// reduced into [0, 2π) at every token, stored as its cosine and sine (the exact functions: every
+/// stage that rotates reads these, so that the fused forward's rotations and the rotate stage's
+/// round the same values); the final angle at the last token.
 template <class MemorySpace>
 struct Mamba3AngleScanFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -101,7 +139,8 @@ struct Mamba3AngleScanFunctor {
       const float wraps = kmamba::math::floor(theta / mamba3_two_pi);
       theta -= mamba3_two_pi * wraps;
       turns += wraps;
-      ws.theta(b, h, t0 + l, i) = theta;
+      ws.rotation(b, h, t0 + l, 2 * i) = kmamba::math::cos(theta);
+      ws.rotation(b, h, t0 + l, 2 * i + 1) = kmamba::math::sin(theta);
     }
     if (write_final_angle && it.c == plan.nchunks - 1) {
       final_angle(b, h, i) = in.wrap_angle ? theta : theta + mamba3_two_pi * turns;
@@ -141,31 +180,13 @@ KOKKOS_INLINE_FUNCTION bool mamba3_row(const Member& team, const Mamba3Plan& pla
   return true;
 }
 
-/// The per-token values of the SISO scan as the SSD and its own-token correction read them
-/// (impl/Mamba3SisoSsd.hpp); unallocated for MIMO.
-template <class MemorySpace>
-struct Mamba3SisoTokens {
-  Tensor3<float, MemorySpace> scale;      // (batch, seqlen, nheads): scale_t, the SSD's δ
-  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen, nheads): adt_t
-  Tensor3<float, MemorySpace> qk;         // (batch, seqlen, nheads): q_t·k_t
-  Tensor3<float, MemorySpace> diag;       // (batch, seqlen, nheads): c_t = D + (γ_t − scale_t)·q_t·k_t
-
-  Mamba3SisoTokens() = default;
-  explicit Mamba3SisoTokens(const Mamba3Plan& plan) {
-    using T3 = Tensor3<float, MemorySpace>;
-    scale = allocate_uninitialized<T3>("kmamba::mamba3::siso_scale", plan.batch, plan.seqlen, plan.nheads);
-    log_decay = allocate_uninitialized<T3>("kmamba::mamba3::siso_log_decay", plan.batch, plan.seqlen, plan.nheads);
-    qk = allocate_uninitialized<T3>("kmamba::mamba3::siso_qk", plan.batch, plan.seqlen, plan.nheads);
-    diag = allocate_uninitialized<T3>("kmamba::mamba3::siso_diagonal", plan.batch, plan.seqlen, plan.nheads);
-  }
-};
-
-/// Stage 2a (rotate): the rotated, biased q and k rows (where ws has them); the final k state at the last token; with
-/// `tok` allocated (SISO), the token's values in the SSD's layout, q_t·k_t. A rotation keeps dot
-/// products and q_t, k_t turn by the same angles, so q_t·k_t is the product of the biased rows as
-/// they are, and the angles' cosines and sines are taken only for rows that are stored. A row
-/// kernel over (batch, row = t·R + r, head), its lanes over slots: the first nangles slots are the
-/// rotated pairs of states (2j, 2j + 1), the remaining slots the states from 2·nangles on, one each.
+/// Stage 2a (rotate): the rotated, biased q and k rows (where ws has them); the final k state at
+/// the last token; with tok.qk allocated (SISO), q_t·k_t and c_t. A rotation keeps dot products
+/// and q_t, k_t turn by the same angles, so q_t·k_t is the product of the biased rows as they are,
+/// and the angles' cosines and sines are read only for rows that are stored. A row kernel over
+/// (batch, row = t·R + r, head) for the rows [first_row, first_row + rows) of each batch, its
+/// lanes over slots: the first nangles slots are the rotated pairs of states (2j, 2j + 1), the
+/// remaining slots the states from 2·nangles on, one each.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3RotateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -174,6 +195,7 @@ struct Mamba3RotateFunctor {
   Mamba3Plan plan;
   Mamba3StateViews<float, MemorySpace> final_states;
   Mamba3SisoTokens<MemorySpace> tok;
+  int first_row, rows;
 
   /// Whether token t's rotated rows are stored (in ws, or as the final k state).
   KOKKOS_INLINE_FUNCTION bool stores(int t) const {
@@ -203,9 +225,7 @@ struct Mamba3RotateFunctor {
     const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0);
     const float k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
     if (stores(t)) {
-      const float theta = ws.theta(b, h, t, slot);
-      const float c = kmamba::math::cos(theta);
-      const float s = kmamba::math::sin(theta);
+      const float c = ws.rotation(b, h, t, 2 * slot), s = ws.rotation(b, h, t, 2 * slot + 1);
       store(b, h, row, t, r, n0, q0 * c - q1 * s, k0 * c - k1 * s);
       store(b, h, row, t, r, n1, q0 * s + q1 * c, k0 * s + k1 * c);
     }
@@ -214,8 +234,8 @@ struct Mamba3RotateFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     Mamba3Row it;
-    if (!mamba3_row(team, plan, plan.seqlen * plan.rank, it)) return;
-    const int b = it.b, row = it.row, h = it.h;
+    if (!mamba3_row(team, plan, rows, it)) return;
+    const int b = it.b, row = first_row + it.row, h = it.h;
     const int t = row / plan.rank, r = row % plan.rank;
     const int g = h / plan.heads_per_group;
     float qk = 0.0f;
@@ -224,11 +244,8 @@ struct Mamba3RotateFunctor {
         [&](const int slot, float& acc) { acc += rotate_slot(b, h, row, t, r, g, slot); }, qk);
     if (!tok.qk.is_allocated()) return;
     Kokkos::single(Kokkos::PerThread(team), [&]() {
-      const float scale = ws.scale(b, h, t);
-      tok.scale(b, t, h) = scale;
-      tok.log_decay(b, t, h) = in.adt(b, h, t);
       tok.qk(b, t, h) = qk;
-      tok.diag(b, t, h) = in.skip(h) + (ws.gamma(b, h, t) - scale) * qk;
+      tok.diag(b, t, h) = in.skip(h) + tok.qk_weight(b, t, h) * qk;
     });
   }
 };

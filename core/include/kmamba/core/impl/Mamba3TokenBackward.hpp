@@ -36,56 +36,71 @@ struct Mamba3SisoDiagonal {
   }
 };
 
-/// Backward B6a (a row kernel over (batch, token, head), lanes over the angles): adds the final k
-/// cotangent at the last token (and SISO's own-token correction) and turns the rotated gradients of
-/// q and k back (into ∂/∂ the biased q, k, in place), pair by pair over every rank, writing ∂/∂θ_t.
+/// Backward B6a (a row kernel over (batch, token, head), its lanes over the slots of the rotate
+/// stage): adds the final k cotangent at the last token and SISO's own-token correction, and turns
+/// the rotated gradients of q and k back (into ∂/∂ the biased q, k, in place), pair by pair over
+/// every rank, writing ∂/∂θ_t. A rotation R keeps the cross product of a pair, (Ra) × (Rb) = a × b,
+/// and turns k̃ (biased) into the rotated k, so the gradients are turned back first and ∂/∂θ_t =
+/// Σ dq̃ × q̃ + dk̃ × k̃ is taken with the biased rows themselves: the rotated rows are not read.
 template <class ExecSpace, class MemorySpace>
 struct Mamba3TokenBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
   Mamba3SisoDiagonal<MemorySpace> siso;
 
+  /// The final k cotangent of state n where token t is the last (0 elsewhere).
+  KOKKOS_INLINE_FUNCTION float final_k(bool add_final, int b, int h, int r, int n) const {
+    return add_final ? dfinal.k(b, h, r, n) : 0.0f;
+  }
+
+  /// The slot's states (see Mamba3RotateFunctor) of every rank; returns the slot's ∂/∂θ_t.
+  KOKKOS_INLINE_FUNCTION float turn_back(int b, int t, int h, int g, int slot, float dqk, bool add_final) const {
+    if (slot >= plan.nangles) {
+      const int n = slot + plan.nangles;
+      for (int r = 0; r < plan.rank; ++r) {
+        const int row = t * plan.rank + r;
+        const float q = in.q_in(b, t, r, g, n) + in.q_bias(h, r, n), k = in.k_in(b, t, r, g, n) + in.k_bias(h, r, n);
+        bw.dq(b, row, h, n) += dqk * k;
+        bw.dk(b, row, h, n) += dqk * q + final_k(add_final, b, h, r, n);
+      }
+      return 0.0f;
+    }
+    const int n0 = 2 * slot, n1 = n0 + 1;
+    const float c = ws.rotation(b, h, t, 2 * slot), s = ws.rotation(b, h, t, 2 * slot + 1);
+    float dtheta = 0.0f;
+    for (int r = 0; r < plan.rank; ++r) {
+      const int row = t * plan.rank + r;
+      const float q0 = in.q_in(b, t, r, g, n0) + in.q_bias(h, r, n0),
+                  q1 = in.q_in(b, t, r, g, n1) + in.q_bias(h, r, n1);
+      const float k0 = in.k_in(b, t, r, g, n0) + in.k_bias(h, r, n0),
+                  k1 = in.k_in(b, t, r, g, n1) + in.k_bias(h, r, n1);
+      const float dq0 = bw.dq(b, row, h, n0), dq1 = bw.dq(b, row, h, n1);
+      const float dk0 = bw.dk(b, row, h, n0) + final_k(add_final, b, h, r, n0);
+      const float dk1 = bw.dk(b, row, h, n1) + final_k(add_final, b, h, r, n1);
+      const float uq0 = dq0 * c + dq1 * s + dqk * k0, uq1 = dq1 * c - dq0 * s + dqk * k1;
+      const float uk0 = dk0 * c + dk1 * s + dqk * q0, uk1 = dk1 * c - dk0 * s + dqk * q1;
+      dtheta += uq1 * q0 - uq0 * q1 + uk1 * k0 - uk0 * k1;
+      bw.dq(b, row, h, n0) = uq0;
+      bw.dq(b, row, h, n1) = uq1;
+      bw.dk(b, row, h, n0) = uk0;
+      bw.dk(b, row, h, n1) = uk1;
+    }
+    return dtheta;
+  }
+
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     Mamba3Row it;
     if (!mamba3_row(team, plan, plan.seqlen, it)) return;
-    const int b = it.b, t = it.row, h = it.h;
+    const int b = it.b, t = it.row, h = it.h, g = h / plan.heads_per_group;
     const bool add_final = t == plan.seqlen - 1 && dfinal.has_k;
     const float dqk = siso.dqk(b, t, h, ws.gamma(b, h, t));
-    if (add_final || siso.active()) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, 2 * plan.nangles, plan.dstate), [&](const int n) {
-        for (int r = 0; r < plan.rank; ++r) {
-          const int row = t * plan.rank + r;
-          bw.dq(b, row, h, n) += dqk * ws.k(b, row, h, n);
-          bw.dk(b, row, h, n) += dqk * ws.q(b, row, h, n) + (add_final ? dfinal.k(b, h, r, n) : 0.0f);
-        }
-      });
-    }
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.nangles), [&](const int i) {
-      const int n0 = 2 * i, n1 = n0 + 1;
-      const float theta = ws.theta(b, h, t, i);
-      const float c = kmamba::math::cos(theta);
-      const float s = kmamba::math::sin(theta);
-      float dtheta = 0.0f;
-      for (int r = 0; r < plan.rank; ++r) {
-        const int row = t * plan.rank + r;
-        const float q0 = ws.q(b, row, h, n0), q1 = ws.q(b, row, h, n1);
-        const float k0 = ws.k(b, row, h, n0), k1 = ws.k(b, row, h, n1);
-        const float dq0 = bw.dq(b, row, h, n0) + dqk * k0, dq1 = bw.dq(b, row, h, n1) + dqk * k1;
-        float dk0 = bw.dk(b, row, h, n0) + dqk * q0, dk1 = bw.dk(b, row, h, n1) + dqk * q1;
-        if (add_final) {
-          dk0 += dfinal.k(b, h, r, n0);
-          dk1 += dfinal.k(b, h, r, n1);
-        }
-        dtheta += dq1 * q0 - dq0 * q1 + dk1 * k0 - dk0 * k1;
-        bw.dq(b, row, h, n0) = dq0 * c + dq1 * s;
-        bw.dq(b, row, h, n1) = dq1 * c - dq0 * s;
-        bw.dk(b, row, h, n0) = dk0 * c + dk1 * s;
-        bw.dk(b, row, h, n1) = dk1 * c - dk0 * s;
-      }
-      bw.dtheta(b, h, t, i) = dtheta;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, plan.dstate - plan.nangles), [&](const int i) {
+      const float dtheta = turn_back(b, t, h, g, i, dqk, add_final);
+      if (i < plan.nangles) bw.dtheta(b, h, t, i) = dtheta;
     });
     if (!siso.active()) return;
     Kokkos::single(Kokkos::PerThread(team), [&]() {

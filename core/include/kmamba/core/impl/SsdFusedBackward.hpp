@@ -24,6 +24,10 @@
 // Compiled for headdim 64 and dstate 16, 32, 64 or 128, chunks of 64, no seq_idx
 // (ssd_fused_backward_supported); other inputs take the staged backward.
 //
+// With a caller's per-head operands (SsdFusedHeadOperands, a template switch as in the forward) the
+// B and C rows are formed per head as they are staged, dB and dC are the gradients of those rows
+// (per head), and each token's C_t·B_t and skip factor are written from the fp32 rows.
+//
 // Numerics: every term of a gradient is a product of inputs (x, B, C, g), δ and decays, through
 // Hin and dS (sums of bf16 products of x and B, g and C: impl/SsdFusedStates.hpp); the products
 // round at most five of its factors to bf16 (δ·<B·dSᵀ, x> rounds B, dS and x, and dS's own g and
@@ -45,6 +49,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace kmamba {
 namespace impl {
@@ -124,7 +129,7 @@ struct SsdFusedBackwardLayout {
 /// Rows read four floats at a time need 16-byte aligned data.
 inline bool ssd_fused_backward_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-template <class ExecSpace, class MemorySpace, int N>
+template <class ExecSpace, class MemorySpace, int N, bool PerHead>
 struct SsdFusedBackwardFunctor {
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
   using Layout = SsdFusedBackwardLayout<N>;
@@ -149,6 +154,7 @@ struct SsdFusedBackwardFunctor {
   Tensor4<float, MemorySpace> dC_head;      // (batch, seqlen, nheads, dstate)
   Tensor4<float, MemorySpace> partial;      // (batch, nchunks, nheads, 3): dA, dD, ddt_bias
   bool paired = false;                      // g, dx, dB_head and dC_head take 8-byte accesses at even columns
+  SsdFusedHeadOperands<MemorySpace> head;   // with PerHead
 
   struct Tiles {
     ScratchTile x, g, b, c, s, m, hin, ds;
@@ -221,9 +227,35 @@ struct SsdFusedBackwardFunctor {
     SsdRowShare<Q, N, Team::threads> bs, cs;
     bs.load(thread, len, [&](int t) { return &in.B(b, t0 + t, blk.g, 0); });
     cs.load(thread, len, [&](int t) { return &in.C(b, t0 + t, blk.g, 0); });
+    if constexpr (PerHead) head_rows(thread, blk, bs, cs);
     bs.store(thread, sm.b, one);
     cs.store(thread, sm.c, one);
     return gx;
+  }
+
+  /// The staged shares of B and C biased and rotated for the team's head; each token's C_t·B_t and
+  /// skip factor to head.qk and head.skip (where allocated), from the fp32 rows.
+  template <class Share>
+  KOKKOS_INLINE_FUNCTION void head_rows(int thread, const SsdChunkBlock& blk, Share& bs, Share& cs) const {
+    const auto rotation = [&](int t) { return head.token_rotation(blk.b, blk.h, blk.t0 + t); };
+    bs.transform(thread, blk.len,
+                 [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_B, blk.h, n, rotation(t), v); });
+    cs.transform(thread, blk.len,
+                 [&](int t, int n, float(&v)[4]) { head.rotate(head.bias_C, blk.h, n, rotation(t), v); });
+    if (!head.qk.is_allocated()) return;
+    float row = 0.0f;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < Share::count; ++k) {
+      const int i = thread + k * Team::threads, t = i / Share::per_row;
+      if (i >= Share::items) continue;
+      float dot = 0.0f;
+      for (int e = 0; e < 4; ++e) dot += bs.v[k][e] * cs.v[k][e];
+      ssd_row_sum<tensor_cores, Share::per_row>(dot, i % Share::per_row, row, [&](float qk) {
+        if (t >= blk.len) return;
+        head.qk(blk.b, blk.t0 + t, blk.h) = qk;
+        head.skip(blk.b, blk.t0 + t, blk.h) = head.skip_factor(blk.h, head.own_weight(blk.b, blk.t0 + t, blk.h), qk);
+      });
+    }
   }
 
   /// Phase 1 of warp w: its block of G and CB, then S, M and E.
@@ -451,15 +483,17 @@ bool ssd_fused_backward_supported(const SsdPlan& plan, const SsdOperands<MemoryS
          ssd_fused_backward_aligned(in.C.data());
 }
 
-template <int N, class ExecSpace, class MemorySpace>
-void ssd_fused_backward_launch(const ExecSpace& exec, const SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>& f) {
-  using Functor = SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>;
+template <int N, bool PerHead, class ExecSpace, class MemorySpace>
+void ssd_fused_backward_launch(const ExecSpace& exec,
+                               const SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N, PerHead>& f) {
+  using Functor = SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N, PerHead>;
   WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(exec, "kmamba::ssd::fused_chunk_backward",
                                                                  f.plan.batch * f.plan.nchunks * f.plan.nheads,
                                                                  Functor::Layout::bytes, f);
 }
 
-/// The fused chunk backward for the plan's dstate (ssd_fused_backward_supported must hold).
+/// The fused chunk backward for the plan's dstate (ssd_fused_backward_supported must hold), with a
+/// caller's per-head operands when given.
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_chunk_backward(
     const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in, const SsdWorkspace<MemorySpace>& ws,
@@ -468,14 +502,23 @@ void ssd_fused_chunk_backward(
     const SsdNonDeduced<Tensor3<float, MemorySpace>>& ddt, const SsdNonDeduced<Tensor3<float, MemorySpace>>& dlog_decay,
     const SsdNonDeduced<Tensor4<float, MemorySpace>>& dB_head,
     const SsdNonDeduced<Tensor4<float, MemorySpace>>& dC_head,
-    const SsdNonDeduced<Tensor4<float, MemorySpace>>& partial) {
+    const SsdNonDeduced<Tensor4<float, MemorySpace>>& partial,
+    const SsdFusedHeadOperands<MemorySpace>& head = SsdFusedHeadOperands<MemorySpace>()) {
+  const bool paired =
+      ssd_pairs_aligned(g) && ssd_pairs_aligned(dx) && ssd_pairs_aligned(dB_head) && ssd_pairs_aligned(dC_head);
   const auto run = [&](auto states) {
     constexpr int N = decltype(states)::value;
-    ssd_fused_backward_launch<N>(
-        exec,
-        SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N>{
-            in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial,
-            ssd_pairs_aligned(g) && ssd_pairs_aligned(dx) && ssd_pairs_aligned(dB_head) && ssd_pairs_aligned(dC_head)});
+    const auto launch = [&](auto per_head) {
+      constexpr bool PerHead = decltype(per_head)::value;
+      ssd_fused_backward_launch<N, PerHead>(
+          exec, SsdFusedBackwardFunctor<ExecSpace, MemorySpace, N, PerHead>{
+                    in, ws, plan, g, hin, dstates, dx, ddt, dlog_decay, dB_head, dC_head, partial, paired, head});
+    };
+    if (head.per_head) {
+      launch(std::true_type());
+    } else {
+      launch(std::false_type());
+    }
   };
   ssd_with_fused_dstate(plan.dstate, run);
 }

@@ -26,14 +26,17 @@
 //
 // A caller built on the SSD may hand the forward per-head operands (SsdFusedHeadOperands): B and C
 // formed per head from shared rows as they are staged (a bias per head, then a rotation by per-token
-// angles: the Mamba-3 SISO scan, impl/Mamba3SisoSsd.hpp, which so never writes per-head rows), a
-// skip factor per token in place of D, and the output before the gate.
+// angles given as their cosines and sines: the Mamba-3 SISO scan, impl/Mamba3SisoSsd.hpp, which so
+// never writes per-head rows), a skip factor per token D[h] + w_t·(C_t·B_t) formed from the same
+// fp32 rows in place of D, and the output before the gate. The kernel takes them as a template
+// switch (PerHead), so that the plain SSD's kernel carries none of their work.
 //
 // Numerics: the operands of the four products are rounded to bf16 (C, B, δ·x, the state, the
 // decayed C·Bᵀ and the decayed B); sums, the state, δ and the cumsums are fp32; the decays and
 // the gate take the hardware's approximate functions (impl/DeviceMath.hpp), whose errors are far
-// below the operands' rounding. The Mamba-3 rotation takes the exact sine and cosine, as the
-// rotate stage that forms per-head rows does, so that both paths round the same values to bf16. Against exact
+// below the operands' rounding. The Mamba-3 rotation reads the cosines and sines its angle scan
+// took once with the exact functions, as the rotate stage that forms per-head rows does, so that
+// both paths round the same fp32 rotations to bf16. Against exact
 // arithmetic the output carries a relative error of order 2^-8 of the magnitudes summed (each
 // product term has operands within 2^-9 relative of their exact values).
 #ifndef KMAMBA_CORE_IMPL_SSDFUSEDFORWARD_HPP
@@ -64,13 +67,14 @@ constexpr int ssd_fused_warps = 8;
 
 /// Scratch layout of the fused forward for N states: the product operands bf16 with rows padded
 /// by 8 (C and B as [Q][N + 8], Xd as [Q][P + 8], Hᵀ as [N][P + 8], S as [Q][Q + 8]); the chunk's
-/// rows as copied, fp32 (x and z as [Q][P + 8], C and B as [Q][N + 4], the Mamba-3 angles as
-/// [Q][N / 2]); then the per-token vectors: δ, cum, exp(cum_{Q−1} − cum), exp(cum) and the skip
-/// factor, and the copied dt, log decay and skip factor, Q floats each.
-template <int N>
+/// rows as copied, fp32 (x and z as [Q][P + 8], C and B as [Q][N + 4], with per-head operands the
+/// cosines and sines of the angles as [Q][N]); then the per-token vectors: δ, cum,
+/// exp(cum_{Q−1} − cum), exp(cum) and the skip factor, and the copied dt, log decay and own-token
+/// weight, Q floats each.
+template <int N, bool PerHead>
 struct SsdFusedLayout {
   static constexpr int Q = ssd_fused_chunk, P = ssd_fused_headdim;
-  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8, ldf = P + 8, ldr = N + 4, lda = N / 2;
+  static constexpr int ldn = N + 8, ldp = P + 8, ldq = Q + 8, ldf = P + 8, ldr = N + 4, lda = N;
   static constexpr int vectors = 8;
   static constexpr std::size_t c_offset = 0, b_offset = c_offset + static_cast<std::size_t>(Q) * ldn;
   static constexpr std::size_t x_offset = b_offset + static_cast<std::size_t>(Q) * ldn;
@@ -80,10 +84,10 @@ struct SsdFusedLayout {
   static constexpr std::size_t zr_offset_bytes = xr_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
   static constexpr std::size_t cr_offset_bytes = zr_offset_bytes + static_cast<std::size_t>(Q) * ldf * sizeof(float);
   static constexpr std::size_t br_offset_bytes = cr_offset_bytes + static_cast<std::size_t>(Q) * ldr * sizeof(float);
-  static constexpr std::size_t angles_offset_bytes =
+  static constexpr std::size_t rotation_offset_bytes =
       br_offset_bytes + static_cast<std::size_t>(Q) * ldr * sizeof(float);
   static constexpr std::size_t vectors_offset_bytes =
-      angles_offset_bytes + static_cast<std::size_t>(Q) * lda * sizeof(float);
+      rotation_offset_bytes + (PerHead ? static_cast<std::size_t>(Q) * lda * sizeof(float) : 0);
   static constexpr std::size_t bytes = vectors_offset_bytes + vectors * Q * sizeof(float);
   static_assert(xr_offset_bytes % 16 == 0 && ldf * sizeof(float) % 16 == 0 && ldr * sizeof(float) % 16 == 0,
                 "SsdFusedLayout: copied rows 16-byte aligned");
@@ -171,6 +175,15 @@ struct SsdRowShare {
       }
     }
   }
+  /// f(t, n, v) on each float4 v of the rows t < len (columns n … n + 3).
+  template <class F>
+  KOKKOS_INLINE_FUNCTION void transform(int thread, int len, const F& f) {
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < count; ++k) {
+      const int i = thread + k * Threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i < items && t < len) f(t, n, v[k]);
+    }
+  }
   /// Row t times scale(t), as bf16 into the tile.
   template <class Scale>
   KOKKOS_INLINE_FUNCTION void store(int thread, const ScratchTile& tile, const Scale& scale) const {
@@ -182,25 +195,56 @@ struct SsdRowShare {
   }
 };
 
-/// Per-head operands of a caller built on the SSD, each optional (unallocated: as the SsdOperands
-/// say). With theta allocated, B and C of head h at token t are Rot(θ[b,h,t])·(B[b,t,g] + bias_B[h])
-/// and Rot(θ[b,h,t])·(C[b,t,g] + bias_C[h]), Rot turning the pairs of states (2i, 2i + 1),
-/// i < nangles, by θ_i (the Mamba-3 rotation, kmamba/core/Mamba3Scan.hpp).
+/// Σ of the parts of a row whose PerRow items (item j = 0 … PerRow − 1 of the row) lie in
+/// consecutive threads, then done(sum) once per row: on tensor cores the row is a segment of a
+/// warp's lanes (every lane calls this) and its first item's lane calls done; the portable form's
+/// one thread calls this for the items in order, `row` carrying the running sum, and calls done
+/// at the last item.
+template <bool TensorCores, int PerRow, class Done>
+KOKKOS_INLINE_FUNCTION void ssd_row_sum(float part, int j, float& row, const Done& done) {
+  if constexpr (TensorCores) {
+    part = warp_segment_sum<PerRow>(part);
+    if (j == 0) done(part);
+  } else {
+    row = j == 0 ? part : row + part;
+    if (j == PerRow - 1) done(row);
+  }
+}
+
+/// Per-head operands of a caller built on the SSD (used where `per_head` is set). B and C of head h
+/// at token t are Rot_t·(B[b,t,g] + bias_B[h]) and Rot_t·(C[b,t,g] + bias_C[h]), Rot_t turning the
+/// pairs of states (2i, 2i + 1), i < nangles, by the angle whose cosine and sine are rotation[b,h,t]
+/// at 2i and 2i + 1 (the Mamba-3 rotation, kmamba/core/Mamba3Scan.hpp); the skip factor of token t
+/// is D[h] + own_weight[b,t,h]·(C_t·B_t) of those rows, with this D (the SsdOperands' D unused);
+/// the forward writes the output before the gate to `ungated`, the chunk backward C_t·B_t and the
+/// skip factor to qk and skip, where allocated.
 template <class MemorySpace>
 struct SsdFusedHeadOperands {
-  ConstTensor2<float, MemorySpace> bias_B, bias_C;  // (nheads, dstate), with theta
-  ConstTensor4<float, MemorySpace> theta;           // (batch, nheads, seqlen, nangles)
+  bool per_head = false;
+  ConstTensor2<float, MemorySpace> bias_B, bias_C;  // (nheads, dstate)
+  ConstTensor4<float, MemorySpace> rotation;        // (batch, nheads, seqlen, 2·nangles): cos, sin pairs
   int nangles = 0;
-  ConstTensor3<float, MemorySpace> token_skip;  // (batch, seqlen, nheads): the skip factor in place of D[h]
-  Tensor4<float, MemorySpace> ungated;          // (batch, seqlen, nheads, headdim): the output before the gate
+  ConstTensor1<float, MemorySpace> D;           // (nheads), optional
+  ConstTensor3<float, MemorySpace> own_weight;  // (batch, seqlen, nheads): w_t of the skip factor
+  Tensor4<float, MemorySpace> ungated;          // (batch, seqlen, nheads, headdim), optional
+  Tensor3<float, MemorySpace> qk, skip;         // (batch, seqlen, nheads), optional
+
+  /// The skip factor of token t of head h whose C_t·B_t is qk and weight w.
+  KOKKOS_INLINE_FUNCTION float skip_factor(int h, float w, float qk) const {
+    return (D.is_allocated() ? D(h) : 0.0f) + w * qk;
+  }
+  /// Token t's cosine, sine pairs for head h in global memory (read only where nangles > 0).
+  KOKKOS_INLINE_FUNCTION const float* token_rotation(int b, int h, int t) const {
+    return rotation.data() + b * rotation.stride(0) + h * rotation.stride(1) + t * rotation.stride(2);
+  }
 
   /// States n … n + 3 (n a multiple of 4) of a token's row, biased and rotated for head h by the
-  /// token's angles (angles[i]: θ_i).
-  KOKKOS_INLINE_FUNCTION void rotate(const ConstTensor2<float, MemorySpace>& bias, int h, int n, const float* angles,
+  /// token's angles (rot: the token's cosine, sine pairs).
+  KOKKOS_INLINE_FUNCTION void rotate(const ConstTensor2<float, MemorySpace>& bias, int h, int n, const float* rot,
                                      float (&v)[4]) const {
     for (int e = 0; e < 4; ++e) v[e] += bias(h, n + e);
     for (int j = 0; j < 2 && n / 2 + j < nangles; ++j) {
-      const float s = kmamba::math::sin(angles[n / 2 + j]), c = kmamba::math::cos(angles[n / 2 + j]);
+      const float c = rot[n + 2 * j], s = rot[n + 2 * j + 1];
       const float v0 = v[2 * j], v1 = v[2 * j + 1];
       v[2 * j] = v0 * c - v1 * s;
       v[2 * j + 1] = v0 * s + v1 * c;
@@ -218,11 +262,12 @@ struct SsdSegments {
 };
 
 /// StatesOnly: the first pass of a segmented sequence, which walks each segment from a zero state
-/// and writes only its end state and decay; otherwise the forward proper.
-template <class ExecSpace, class MemorySpace, int N, bool StatesOnly>
+/// and writes only its end state and decay; otherwise the forward proper. PerHead: with the
+/// caller's per-head operands (`head`).
+template <class ExecSpace, class MemorySpace, int N, bool StatesOnly, bool PerHead>
 struct SsdFusedForwardFunctor {
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
-  using Layout = SsdFusedLayout<N>;
+  using Layout = SsdFusedLayout<N, PerHead>;
   static constexpr int Q = Layout::Q, P = Layout::P, state_blocks = N / warp_tile_rows;
   using Team = WarpTeam<tensor_cores, ssd_fused_warps>;
   static constexpr int slots = Team::warps_per_thread;
@@ -246,11 +291,11 @@ struct SsdFusedForwardFunctor {
 
   struct Tiles {
     ScratchTile c, b, x, h, s;
-    float *xr, *zr;  // the chunk's x and z rows as copied (Layout::ldf)
-    float *cr, *br;  // its C and B rows as copied (Layout::ldr)
-    float* angles;   // its Mamba-3 angles as copied (Layout::lda)
+    float *xr, *zr;   // the chunk's x and z rows as copied (Layout::ldf)
+    float *cr, *br;   // its C and B rows as copied (Layout::ldr)
+    float* rotation;  // its per-head angles' cosines and sines as copied (Layout::lda)
     float *delta, *cum, *decay_to_end, *exp_cum, *skip;
-    float *dt_raw, *log_decay_raw, *skip_raw;  // as copied
+    float *dt_raw, *log_decay_raw, *own_weight_raw;  // as copied
   };
 
   KOKKOS_INLINE_FUNCTION static Tiles tiles(char* base) {
@@ -265,7 +310,7 @@ struct SsdFusedForwardFunctor {
                  reinterpret_cast<float*>(base + Layout::zr_offset_bytes),
                  reinterpret_cast<float*>(base + Layout::cr_offset_bytes),
                  reinterpret_cast<float*>(base + Layout::br_offset_bytes),
-                 reinterpret_cast<float*>(base + Layout::angles_offset_bytes),
+                 reinterpret_cast<float*>(base + Layout::rotation_offset_bytes),
                  vec,
                  vec + Q,
                  vec + 2 * Q,
@@ -284,10 +329,9 @@ struct SsdFusedForwardFunctor {
     const auto log_decay_of = [&](int t, float d) {
       return t < len ? (in.has_log_decay ? sm.log_decay_raw[t] : d * rate) : 0.0f;
     };
-    const auto skip_of = [&](int t) {
-      if (StatesOnly || t >= len) return 0.0f;
-      return head.token_skip.is_allocated() ? sm.skip_raw[t] : in.skip(h);
-    };
+    // With per-head operands the skip factors come with the rows (convert_head_rows).
+    constexpr bool skips = !StatesOnly && !PerHead;
+    const auto skip_of = [&](int t) { return t < len ? in.skip(h) : 0.0f; };
     if constexpr (tensor_cores) {
       if (thread >= warp_tile_lanes) return;
       constexpr int parts = Q / warp_tile_lanes;
@@ -306,7 +350,7 @@ struct SsdFusedForwardFunctor {
         sm.cum[t] = cum[k];
         sm.decay_to_end[t] = exp_approx(carry - cum[k]);
         sm.exp_cum[t] = exp_approx(cum[k]);
-        sm.skip[t] = skip_of(t);
+        if (skips) sm.skip[t] = skip_of(t);
       }
     } else {
       float cum = 0.0f;
@@ -316,41 +360,78 @@ struct SsdFusedForwardFunctor {
         sm.delta[t] = d;
         sm.cum[t] = cum;
         sm.exp_cum[t] = exp_approx(cum);
-        sm.skip[t] = skip_of(t);
+        if (skips) sm.skip[t] = skip_of(t);
       }
       for (int t = 0; t < Q; ++t) sm.decay_to_end[t] = exp_approx(cum - sm.cum[t]);
     }
   }
 
-  /// Rows t < len of a copied fp32 tile (Q × Cols, `ld` floats a row) through f(t, n, v) on each
-  /// float4 v (states n … n + 3), then every row to a bf16 tile.
-  template <int Cols, class F>
-  KOKKOS_INLINE_FUNCTION static void convert_rows(int thread, int len, const float* raw, int ld,
-                                                  const ScratchTile& tile, const F& f) {
-    constexpr int per_row = Cols / 4, items = Q * per_row;
+  /// A copied fp32 tile of rows (Q × N, Layout::ldr floats a row) to a bf16 tile.
+  KOKKOS_INLINE_FUNCTION static void convert_tile(int thread, const float* raw, const ScratchTile& tile) {
+    constexpr int per_row = N / 4, items = Q * per_row;
     KMAMBA_TILE_UNROLL
     for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
       const int i = thread + k * Team::threads, t = i / per_row, n = 4 * (i % per_row);
       if (i >= items) continue;
       float v[4];
-      ssd_load4(raw + t * ld + n, v);
-      if (t < len) f(t, n, v);
+      ssd_load4(raw + t * Layout::ldr + n, v);
       ssd_store4_bf16(&tile.at(t, n), v, 1.0f);
     }
   }
 
+  /// The copied fp32 C and B rows to their bf16 tiles together (float4 item i of the chunk: row
+  /// t = i / (N/4), states n … n + 3), each pair through f(t, n, c, b) first.
+  template <class F>
+  KOKKOS_INLINE_FUNCTION static void convert_rows(const Tiles& sm, int thread, const F& f) {
+    constexpr int per_row = N / 4, items = Q * per_row;
+    KMAMBA_TILE_UNROLL
+    for (int k = 0; k < (items + Team::threads - 1) / Team::threads; ++k) {
+      const int i = thread + k * Team::threads, t = i / per_row, n = 4 * (i % per_row);
+      if (i >= items) continue;
+      float c[4], b[4];
+      ssd_load4(sm.cr + t * Layout::ldr + n, c);
+      ssd_load4(sm.br + t * Layout::ldr + n, b);
+      f(t, n, c, b);
+      ssd_store4_bf16(&sm.c.at(t, n), c, 1.0f);
+      ssd_store4_bf16(&sm.b.at(t, n), b, 1.0f);
+    }
+  }
+
+  /// convert_rows with per-head operands: rows t < len biased and rotated for head h, and the skip
+  /// factor of each token, head.D[h] + w_t·(C_t·B_t), from the fp32 rows. A row's N/4 items lie in
+  /// consecutive threads (a segment of a warp's lanes on tensor cores, which sum their parts of
+  /// C_t·B_t; the portable form's one thread takes them in order).
+  KOKKOS_INLINE_FUNCTION void convert_head_rows(const Tiles& sm, int thread, int h, int len) const {
+    constexpr int per_row = N / 4;
+    static_assert(!tensor_cores || (Team::threads % per_row == 0 && warp_tile_lanes % per_row == 0),
+                  "SsdFusedForwardFunctor: a row's items in one segment of a warp");
+    float row = 0.0f;
+    convert_rows(sm, thread, [&](int t, int n, float(&c)[4], float(&b)[4]) {
+      float dot = 0.0f;
+      if (t < len) {
+        head.rotate(head.bias_C, h, n, sm.rotation + t * Layout::lda, c);
+        head.rotate(head.bias_B, h, n, sm.rotation + t * Layout::lda, b);
+        for (int e = 0; e < 4; ++e) dot += c[e] * b[e];
+      }
+      if constexpr (!StatesOnly) {
+        ssd_row_sum<tensor_cores, per_row>(dot, n / 4, row, [&](float qk) {
+          sm.skip[t] = t < len ? head.skip_factor(h, sm.own_weight_raw[t], qk) : 0.0f;
+        });
+      }
+    });
+  }
+
   /// Phase 0: the decays; C and B from their copies to bf16 tiles (biased and rotated per head
-  /// when the caller gave angles); Hᵀ to scratch.
+  /// with per-head operands); Hᵀ to scratch.
   KOKKOS_INLINE_FUNCTION void stage_chunk(const Tiles& sm, int thread, int h, int len, float rate,
                                           const StateAccum (&H)[slots]) const {
     stage_decays(sm, thread, h, len, rate);
-    const bool rotated = head.theta.is_allocated();
-    convert_rows<N>(thread, len, sm.cr, Layout::ldr, sm.c, [&](int t, int n, float(&v)[4]) {
-      if (rotated) head.rotate(head.bias_C, h, n, sm.angles + t * Layout::lda, v);
-    });
-    convert_rows<N>(thread, len, sm.br, Layout::ldr, sm.b, [&](int t, int n, float(&v)[4]) {
-      if (rotated) head.rotate(head.bias_B, h, n, sm.angles + t * Layout::lda, v);
-    });
+    if constexpr (PerHead) {
+      convert_head_rows(sm, thread, h, len);
+    } else {
+      convert_tile(thread, sm.cr, sm.c);
+      convert_tile(thread, sm.br, sm.b);
+    }
     if (!StatesOnly) {
       Team::for_each_warp(thread, [&](int slot, int w, int lane) {
         if (w < state_blocks) warp_store_bf16(H[slot], lane, sm.h.offset(warp_tile_rows * w, 0));
@@ -358,8 +439,8 @@ struct SsdFusedForwardFunctor {
     }
   }
 
-  /// Copies of chunk c's C and B rows, dt, log decays, skip factors and angles (as the operands
-  /// have them) into scratch; rows past the sequence read as zero.
+  /// Copies of chunk c's C and B rows, dt, log decays, own-token weights and rotations (as the
+  /// operands have them) into scratch; rows past the sequence read as zero.
   KOKKOS_INLINE_FUNCTION void copy_rows(const Tiles& sm, int thread, int b, int h, int g, int c) const {
     const int t0 = c * Q, len = plan.seqlen - t0 < Q ? plan.seqlen - t0 : Q;
     constexpr int per_row = N / 4;
@@ -369,23 +450,27 @@ struct SsdFusedForwardFunctor {
       async_copy16(sm.cr + t * Layout::ldr + n, valid ? &in.C(b, t0 + t, g, n) : in.C.data(), valid);
       async_copy16(sm.br + t * Layout::ldr + n, valid ? &in.B(b, t0 + t, g, n) : in.B.data(), valid);
     }
-    const bool skips = !StatesOnly && head.token_skip.is_allocated();
     for (int t = thread; t < Q; t += Team::threads) {
       const bool valid = t < len;
       async_copy4(sm.dt_raw + t, valid ? &in.dt(b, t0 + t, h) : in.dt.data(), valid);
       if (in.has_log_decay) {
         async_copy4(sm.log_decay_raw + t, valid ? &in.log_decay(b, t0 + t, h) : in.log_decay.data(), valid);
       }
-      if (skips) {
-        async_copy4(sm.skip_raw + t, valid ? &head.token_skip(b, t0 + t, h) : head.token_skip.data(), valid);
+      if (PerHead && !StatesOnly) {
+        async_copy4(sm.own_weight_raw + t, valid ? &head.own_weight(b, t0 + t, h) : head.own_weight.data(), valid);
       }
     }
-    if (head.theta.is_allocated()) {
-      for (int i = thread; i < Q * head.nangles; i += Team::threads) {
-        const int t = i / head.nangles, a = i % head.nangles;
-        const bool valid = t < len;
-        async_copy4(sm.angles + t * Layout::lda + a, valid ? &head.theta(b, h, t0 + t, a) : head.theta.data(), valid);
-      }
+    if constexpr (PerHead) copy_rotation(sm, thread, b, h, t0, len);
+  }
+
+  /// Copies of the chunk's cosine, sine pairs (2·nangles floats a token) into scratch.
+  KOKKOS_INLINE_FUNCTION void copy_rotation(const Tiles& sm, int thread, int b, int h, int t0, int len) const {
+    const int width = 2 * head.nangles;
+    for (int i = thread; i < Q * width; i += Team::threads) {
+      const int t = i / width, a = i % width;
+      const bool valid = t < len;
+      async_copy4(sm.rotation + t * Layout::lda + a, valid ? &head.rotation(b, h, t0 + t, a) : head.rotation.data(),
+                  valid);
     }
   }
 
@@ -467,7 +552,7 @@ struct SsdFusedForwardFunctor {
       const float* x = sm.xr + t * Layout::ldf + p;
       const float skip = sm.skip[t];
       float y0 = v0 + skip * x[0], y1 = v1 + skip * x[1];
-      if (head.ungated.is_allocated()) ssd_store2(&head.ungated(b, t0 + t, h, p), y0, y1, paired_stores);
+      if (PerHead && head.ungated.is_allocated()) ssd_store2(&head.ungated(b, t0 + t, h, p), y0, y1, paired_stores);
       if (in.has_z) {
         const float* z = sm.zr + t * Layout::ldf + p;
         y0 *= silu_approx(z[0]);
@@ -630,11 +715,11 @@ bool ssd_fused_forward_supported(const SsdPlan& plan, const SsdOperands<MemorySp
          (!in.has_z || ssd_rows_aligned(in.z));
 }
 
-template <int N, bool StatesOnly, class ExecSpace, class MemorySpace>
+template <int N, bool StatesOnly, bool PerHead, class ExecSpace, class MemorySpace>
 void ssd_fused_launch(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                       const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                       const SsdSegments<MemorySpace>& segments, const SsdFusedHeadOperands<MemorySpace>& head) {
-  using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly>;
+  using Functor = SsdFusedForwardFunctor<ExecSpace, MemorySpace, N, StatesOnly, PerHead>;
   WarpTeamLauncher<ExecSpace, Functor::Team::threads, 2>::launch(
       exec, StatesOnly ? "kmamba::ssd::fused_segment_states" : "kmamba::ssd::fused_forward",
       plan.batch * plan.nheads * segments.count, Functor::Layout::bytes,
@@ -661,7 +746,7 @@ int ssd_fused_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
 /// The fused forward for N states: one pass when batch × heads fills the device; otherwise the
 /// segments' end states (from zero), their passing along the sequence, then the forward of every
 /// segment from the state entering it.
-template <int N, class ExecSpace, class MemorySpace>
+template <int N, bool PerHead, class ExecSpace, class MemorySpace>
 void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                               const Tensor4<float, MemorySpace>& out, const Tensor4<float, MemorySpace>& final_states,
                               int segment_count, const SsdFusedHeadOperands<MemorySpace>& head) {
@@ -674,13 +759,13 @@ void ssd_fused_forward_states(const ExecSpace& exec, const SsdPlan& plan, const 
         "kmamba::ssd::segment_states", plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
     segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::segment_decay", plan.batch,
                                                                          plan.nheads, segments.count);
-    ssd_fused_launch<N, true>(exec, plan, in, out, final_states, segments, head);
+    ssd_fused_launch<N, true, PerHead>(exec, plan, in, out, final_states, segments, head);
     Kokkos::parallel_for("kmamba::ssd::fused_segment_passing",
                          Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
                              exec, 0, static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate),
                          SsdSegmentPassingFunctor<MemorySpace>{in, plan, segments, final_states});
   }
-  ssd_fused_launch<N, false>(exec, plan, in, out, final_states, segments, head);
+  ssd_fused_launch<N, false, PerHead>(exec, plan, in, out, final_states, segments, head);
 }
 
 /// The fused forward for the plan's dstate (ssd_fused_forward_supported must hold), each sequence
@@ -692,7 +777,12 @@ void ssd_fused_forward(const ExecSpace& exec, const SsdPlan& plan, const SsdOper
                        int segment_count,
                        const SsdFusedHeadOperands<MemorySpace>& head = SsdFusedHeadOperands<MemorySpace>()) {
   ssd_with_fused_dstate(plan.dstate, [&](auto states) {
-    ssd_fused_forward_states<decltype(states)::value>(exec, plan, in, out, final_states, segment_count, head);
+    constexpr int N = decltype(states)::value;
+    if (head.per_head) {
+      ssd_fused_forward_states<N, true>(exec, plan, in, out, final_states, segment_count, head);
+    } else {
+      ssd_fused_forward_states<N, false>(exec, plan, in, out, final_states, segment_count, head);
+    }
   });
 }
 

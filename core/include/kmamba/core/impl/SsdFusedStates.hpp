@@ -20,6 +20,9 @@
 // from zero for its end value and total decay, the values are passed along the segments, and the
 // second pass walks every segment from the value entering it, writing the chunks' states.
 //
+// With a caller's per-head operands (SsdFusedHeadOperands, a template switch as in the forward) the
+// columns of B or C are formed per head (biased, rotated) as they are staged.
+//
 // Numerics: each term of a chunk's sum rounds two factors to bf16 (the weighted x or g, and B or
 // C), each within 2^-9 relative; the sums and the running state are fp32, and each Hin or dS is
 // rounded to bf16 (2^-9 relative) where it is stored.
@@ -72,8 +75,8 @@ struct SsdWalkSegments {
 };
 
 /// EndOnly: the first pass of segmented walks (each segment from zero, only its end value and decay
-/// written); otherwise the walks proper.
-template <class ExecSpace, class MemorySpace, int N, bool EndOnly>
+/// written); otherwise the walks proper. PerHead: with the caller's per-head operands (`head`).
+template <class ExecSpace, class MemorySpace, int N, bool EndOnly, bool PerHead>
 struct SsdStateWalkFunctor {
   static constexpr bool tensor_cores = WarpTileTraits<ExecSpace>::tensor_cores;
   static constexpr int Cols = ssd_state_walk_cols(N), col_blocks = N / Cols;
@@ -93,6 +96,7 @@ struct SsdStateWalkFunctor {
   Tensor5<bf16, MemorySpace> dstates;              // (batch, nchunks, nheads, headdim, dstate), dS out
   Tensor4<float, MemorySpace> dinitial_states;     // (batch, nheads, headdim, dstate), optional
   SsdWalkSegments<MemorySpace> segments;
+  SsdFusedHeadOperands<MemorySpace> head;  // with PerHead
 
   struct Walk {
     int b, h, grp, n0, seg, first, end;  // chunks [first, end) of segment seg
@@ -168,6 +172,12 @@ struct SsdStateWalkFunctor {
     const float decay = stage_weights(sm, thread, wk, c, len, log_decay);
     ctx.barrier();
     rows.store(thread, sm.rows, [&](int t) { return sm.weights[t]; });
+    if constexpr (PerHead) {  // once the rows are stored, for the registers
+      const ConstTensor2<float, MemorySpace>& bias = wk.reverse ? head.bias_C : head.bias_B;
+      cols.transform(thread, len, [&](int t, int n, float(&v)[4]) {
+        head.rotate(bias, wk.h, wk.n0 + n, head.token_rotation(wk.b, wk.h, t0 + t), v);
+      });
+    }
     cols.store(thread, sm.cols, [](int) { return 1.0f; });
     return decay;
   }
@@ -252,21 +262,23 @@ int ssd_walk_segment_count(const ExecSpace& exec, const SsdPlan& plan) {
   return static_cast<int>(per_wave >= 2 ? std::min<std::int64_t>(per_wave, by_length) : 1);
 }
 
-template <int N, bool EndOnly, class ExecSpace, class MemorySpace>
-void ssd_state_walk_launch(const ExecSpace& exec, const SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly>& f) {
-  using Functor = SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly>;
+template <int N, bool EndOnly, bool PerHead, class ExecSpace, class MemorySpace>
+void ssd_state_walk_launch(const ExecSpace& exec,
+                           const SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly, PerHead>& f) {
+  using Functor = SsdStateWalkFunctor<ExecSpace, MemorySpace, N, EndOnly, PerHead>;
   WarpTeamLauncher<ExecSpace, Functor::Team::threads, 4>::launch(
       exec, EndOnly ? "kmamba::ssd::fused_state_walk_segments" : "kmamba::ssd::fused_state_walks",
       f.plan.batch * f.plan.nheads * 2 * Functor::col_blocks * f.segments.count, Functor::Layout::bytes, f);
 }
 
 /// The walks for N states in `segment_count` segments (see ssd_fused_state_walks).
-template <int N, class ExecSpace, class MemorySpace>
+template <int N, bool PerHead, class ExecSpace, class MemorySpace>
 void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                               const SsdWorkspace<MemorySpace>& ws, const ConstTensor4<float, MemorySpace>& g,
                               const ConstTensor4<float, MemorySpace>& dfinal_states,
                               const Tensor5<bf16, MemorySpace>& hin, const Tensor5<bf16, MemorySpace>& dstates,
-                              const Tensor4<float, MemorySpace>& dinitial_states, int segment_count) {
+                              const Tensor4<float, MemorySpace>& dinitial_states, int segment_count,
+                              const SsdFusedHeadOperands<MemorySpace>& head) {
   SsdWalkSegments<MemorySpace> segments;
   segments.count = std::max(1, std::min(segment_count, plan.nchunks));
   segments.chunks = (plan.nchunks + segments.count - 1) / segments.count;
@@ -276,22 +288,25 @@ void ssd_fused_state_walks_of(const ExecSpace& exec, const SsdPlan& plan, const 
         "kmamba::ssd::walk_segment_values", 2 * plan.batch, plan.nheads, segments.count, plan.headdim, plan.dstate);
     segments.decay = allocate_uninitialized<Tensor3<float, MemorySpace>>("kmamba::ssd::walk_segment_decay", plan.batch,
                                                                          plan.nheads, segments.count);
-    ssd_state_walk_launch<N, true>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, true>{
-                                             in, ws, plan, g, dfinal_states, hin, dstates, dinitial_states, segments});
+    ssd_state_walk_launch<N, true, PerHead>(
+        exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, true, PerHead>{in, ws, plan, g, dfinal_states, hin,
+                                                                            dstates, dinitial_states, segments, head});
     Kokkos::parallel_for(
         "kmamba::ssd::walk_segment_passing",
         Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(
             exec, 0, static_cast<std::int64_t>(2 * plan.batch) * plan.nheads * plan.headdim * plan.dstate),
         SsdWalkSegmentPassingFunctor<MemorySpace>{in, plan, dfinal_states, segments});
   }
-  ssd_state_walk_launch<N, false>(exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, false>{
-                                            in, ws, plan, g, dfinal_states, hin, dstates, dinitial_states, segments});
+  ssd_state_walk_launch<N, false, PerHead>(
+      exec, SsdStateWalkFunctor<ExecSpace, MemorySpace, N, false, PerHead>{in, ws, plan, g, dfinal_states, hin, dstates,
+                                                                           dinitial_states, segments, head});
 }
 
 /// Hin into hin and dS into dstates for every (batch, chunk, head), and dinitial_states
 /// when allocated; the plan and inputs are the fused backward's (ssd_fused_backward_supported, g
 /// 16-byte aligned), and ws.dt_out and ws.dA_cs hold the chunk cumsum. Each walk is cut into
-/// `segment_count` segments (at most one per chunk; ssd_walk_segment_count chooses it).
+/// `segment_count` segments (at most one per chunk; ssd_walk_segment_count chooses it); with a
+/// caller's per-head operands when given.
 template <class ExecSpace, class MemorySpace>
 void ssd_fused_state_walks(const ExecSpace& exec, const SsdPlan& plan, const SsdOperands<MemorySpace>& in,
                            const SsdWorkspace<MemorySpace>& ws,
@@ -299,10 +314,17 @@ void ssd_fused_state_walks(const ExecSpace& exec, const SsdPlan& plan, const Ssd
                            const SsdNonDeduced<ConstTensor4<float, MemorySpace>>& dfinal_states,
                            const SsdNonDeduced<Tensor5<bf16, MemorySpace>>& hin,
                            const SsdNonDeduced<Tensor5<bf16, MemorySpace>>& dstates,
-                           const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states, int segment_count) {
+                           const SsdNonDeduced<Tensor4<float, MemorySpace>>& dinitial_states, int segment_count,
+                           const SsdFusedHeadOperands<MemorySpace>& head = SsdFusedHeadOperands<MemorySpace>()) {
   ssd_with_fused_dstate(plan.dstate, [&](auto states) {
-    ssd_fused_state_walks_of<decltype(states)::value>(exec, plan, in, ws, g, dfinal_states, hin, dstates,
-                                                      dinitial_states, segment_count);
+    constexpr int N = decltype(states)::value;
+    if (head.per_head) {
+      ssd_fused_state_walks_of<N, true>(exec, plan, in, ws, g, dfinal_states, hin, dstates, dinitial_states,
+                                        segment_count, head);
+    } else {
+      ssd_fused_state_walks_of<N, false>(exec, plan, in, ws, g, dfinal_states, hin, dstates, dinitial_states,
+                                         segment_count, head);
+    }
   });
 }
 

@@ -377,15 +377,22 @@ KOKKOS_INLINE_FUNCTION float warp_sum(float value) {
   return value;
 }
 
-/// Σ of `value` over each group of four consecutive lanes (lanes 4i … 4i + 3), in each of them
-/// (tensor-core form; the portable form's one thread is its own sum).
-KOKKOS_INLINE_FUNCTION float warp_quad_sum(float value) {
+/// Σ of `value` over each group of Lanes consecutive lanes (lanes Lanes·i … Lanes·i + Lanes − 1, a
+/// power of two up to a warp), in each of them (tensor-core form: every lane of the warp calls it;
+/// the portable form's one thread is its own sum).
+template <int Lanes>
+KOKKOS_INLINE_FUNCTION float warp_segment_sum(float value) {
+  static_assert(Lanes > 0 && Lanes <= warp_tile_lanes && (Lanes & (Lanes - 1)) == 0,
+                "warp_segment_sum: a power-of-two segment of a warp");
 #if defined(__CUDA_ARCH__)
-  value += __shfl_xor_sync(0xffffffffu, value, 1);
-  value += __shfl_xor_sync(0xffffffffu, value, 2);
+  KMAMBA_TILE_UNROLL
+  for (int offset = 1; offset < Lanes; offset *= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
 #endif
   return value;
 }
+
+/// Σ of `value` over each group of four consecutive lanes (lanes 4i … 4i + 3), in each of them.
+KOKKOS_INLINE_FUNCTION float warp_quad_sum(float value) { return warp_segment_sum<4>(value); }
 
 /// store(r, Σ_c acc(r, c)·weight(r, c)) for each of the accumulator's 16 rows, once per row (on
 /// tensor cores by the lane q = 0 of the four that hold the row, after summing over them).
