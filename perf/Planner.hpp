@@ -35,7 +35,7 @@ struct Measurements {
   std::string source;  ///< where the numbers come from, for the report
 };
 
-/// The built-in measurements, on an H100 80GB HBM3 (perf/RESULTS.md, session 21): the
+/// The built-in measurements, taken on an H100 80GB HBM3 and recorded in perf/RESULTS.md: the
 /// mamba2-130m step (bf16 projections, 8 × 2048 tokens) 137.3 ms; per scan, forward + backward
 /// at b8 L4096: the SSD (bf16, H32 P64 N128) 5.008 ms, Mamba-3 SISO (H32 P64 N128) 12.65 ms, the
 /// selective scan (D1536 N16) 1.689 + 6.855 ms.
