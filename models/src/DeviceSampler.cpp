@@ -115,12 +115,19 @@ void DeviceSampler<ExecutionSpace>::run(const ExecutionSpace& exec,
                         c.greedy(),
                         c.seed,
                         first_sequence};
-  const auto bytes = Functor::Shared::shmem_size();
-  Kokkos::parallel_for(
-      "kmamba::sampler::sample_rows",
-      impl::light_weight(
-          Kokkos::TeamPolicy<ExecutionSpace>(exec, batch_, Kokkos::AUTO).set_scratch_size(0, Kokkos::PerTeam(bytes))),
-      functor);
+  // On a GPU as many threads a row as the kernel allows: one team walks a whole row, and its passes
+  // over the row are bound by the loads each thread has in flight. Host teams stay Kokkos' choice:
+  // their threads meet at every reduction and barrier, which costs a host more than the loads.
+  using Policy = Kokkos::TeamPolicy<ExecutionSpace>;
+  const auto scratch = Kokkos::PerTeam(Functor::Shared::shmem_size());
+  Policy policy(exec, batch_, Kokkos::AUTO);
+  if constexpr (impl::vector_lanes_are_threads<ExecutionSpace>) {
+    policy =
+        Policy(exec, batch_,
+               Policy(exec, batch_, 1).set_scratch_size(0, scratch).team_size_max(functor, Kokkos::ParallelForTag()));
+  }
+  Kokkos::parallel_for("kmamba::sampler::sample_rows", impl::light_weight(policy.set_scratch_size(0, scratch)),
+                       functor);
 }
 
 template <class ExecutionSpace>
