@@ -3,6 +3,7 @@
 #include <kmamba/models/ParameterSlab.hpp>
 
 #include "Backends.hpp"
+#include "Checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -88,16 +89,6 @@ TYPED_TEST(Optimizer, GlobalNormAndClipping) {
   EXPECT_EQ(kmamba::clip_scale(50.0, 0.0), 1.0);
 }
 
-// Both moments of `opt` copied to the host (either placement).
-template <class Exec, class Mem>
-std::vector<std::vector<float>> moments_of(const kmamba::AdamW<Mem>& opt) {
-  using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  std::vector<std::vector<float>> mv(2, std::vector<float>(opt.size()));
-  opt.store_moments(Exec(), 0, HostFloats(mv[0].data(), opt.size()), HostFloats(mv[1].data(), opt.size()));
-  Exec().fence();
-  return mv;
-}
-
 // The offloaded AdamW (moments in host memory, the update on host threads in staged groups) is the
 // device's AdamW: over runs of the slab with packed moments (a ZeRO-1 rank's shards), in groups of
 // 7 elements (runs cut across groups, both staging buffers reused many times), it writes the same
@@ -145,7 +136,7 @@ TYPED_TEST(Optimizer, OffloadedAdamWUpdatesLikeTheDeviceOne) {
   };
   const auto pd = kmamba::test::to_host(p_device), ph = kmamba::test::to_host(p_host);
   expect_equal(ph.data(), pd.data(), n, "parameter");
-  const auto md = moments_of<Exec>(device), mh = moments_of<Exec>(host);
+  const auto md = kmamba::test::optimizer_moments<Exec>(device), mh = kmamba::test::optimizer_moments<Exec>(host);
   expect_equal(mh[0].data(), md[0].data(), moments, "first moment");
   expect_equal(mh[1].data(), md[1].data(), moments, "second moment");
   std::size_t untouched = 0, changed = 0;
