@@ -178,11 +178,6 @@ void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
 
 #if KMAMBA_ENABLE_MPI
 namespace {
-template <class MemorySpace>
-Tensor1<float, MemorySpace> range(const Tensor1<float, MemorySpace>& data, std::size_t begin, std::size_t size) {
-  return Tensor1<float, MemorySpace>(data.data() + begin, size);
-}
-
 // ranges ← ranges without [begin, end) (sorted, disjoint ranges stay so).
 void remove_range(std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::size_t begin, std::size_t end) {
   std::vector<std::pair<std::size_t, std::size_t>> kept;
@@ -200,7 +195,6 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
                                            const std::vector<ShardedParameter>& tensor_sharded)
     : mesh_(&mesh),
       config_(config),
-      adamw_(adamw),
       reducer_(mesh.data_sequence(), slab.size(), config.bucket_elements, config.compression),
       sequence_reducer_(mesh.sequence(), slab.size(), config.bucket_elements),
       decay_end_(slab.decay_end()),
@@ -420,7 +414,8 @@ void DataParallel<ExecutionSpace>::gather_moments(const ExecutionSpace& exec, co
   check_full("gather_moments", "m", m.extent(0));
   check_full("gather_moments", "v", v.extent(0));
   for (const SlabRun& r : owned_runs()) {
-    optimizer_.store_moments(exec, r.moment_offset, range(m, r.slab_begin, r.size), range(v, r.slab_begin, r.size));
+    optimizer_.store_moments(exec, r.moment_offset, impl::slab_range(m, r.slab_begin, r.size),
+                             impl::slab_range(v, r.slab_begin, r.size));
   }
   if (config_.zero_stage == 0) return;
   reducer_.all_gather(exec, m);

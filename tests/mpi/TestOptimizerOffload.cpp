@@ -38,9 +38,9 @@ kmamba::Trainer<Exec> make_trainer(kmamba::OptimizerPlacement placement) {
   t.batch_size = 4;
   t.grad_clip = 0.05;
   t.weight_decay = 0.1;
-  kmamba::Trainer<Exec> trainer(std::move(model), t,
-                                std::make_shared<kmamba::AssociativeRecallTask>(
-                                    kmamba::AssociativeRecallConfig{32, 24, 4, 5}));
+  kmamba::Trainer<Exec> trainer(
+      std::move(model), t,
+      std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{32, 24, 4, 5}));
   trainer.set_optimizer_placement(placement);
   return trainer;
 }
@@ -80,8 +80,8 @@ TEST(OptimizerOffload, DataParallelStepsAndCheckpointsEqualTheDeviceOptimizer) {
     EXPECT_EQ(parameters(offloaded), parameters(on_device));
     EXPECT_EQ(own_moments(offloaded), own_moments(on_device));
 
-    const std::string base = ::testing::TempDir() + "kmamba_offload_np" + std::to_string(np) + "_zero" +
-                             std::to_string(stage);
+    const std::string base =
+        ::testing::TempDir() + "kmamba_offload_np" + std::to_string(np) + "_zero" + std::to_string(stage);
     if (mesh.world().rank() == 0) {
       std::filesystem::remove_all(base + "_device");
       std::filesystem::remove_all(base + "_host");

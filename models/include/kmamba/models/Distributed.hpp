@@ -257,7 +257,6 @@ class DataParallel {
 
   const ProcessMesh* mesh_;
   DataParallelConfig config_;
-  AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
   GradientReducer<ExecutionSpace> sequence_reducer_;    // local steps: the sum over sp
   std::unique_ptr<PowerSgd<ExecutionSpace>> powersgd_;  // compression PowerSgd: the dp × sp reduction
