@@ -354,6 +354,7 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   model.set_matmul_precision(r.precision);
   kmamba::Trainer<Exec> trainer(std::move(model), r.train, std::move(data), exec);
   trainer.set_load_balancing(r.balancing);
+  if (r.offload_optimizer) trainer.set_optimizer_placement(kmamba::OptimizerPlacement::Host);
 #if KMAMBA_ENABLE_MPI
   if (p.mesh)
     trainer.enable_data_parallel(
@@ -381,6 +382,20 @@ void print_load_balancing(const Run& r, const Parallel& p) {
       "kmamba-train: load balancing: the rows of every global batch dealt to the %d data-parallel rank%s by real "
       "tokens when the busiest fixed share holds more than %g%% above the mean\n",
       ranks, ranks == 1 ? "" : "s", 100.0 * r.balancing.data_redistribution_threshold);
+}
+
+// Where the AdamW moments live and the step runs.
+template <class Exec>
+void print_optimizer(const kmamba::Trainer<Exec>& trainer) {
+  if (trainer.optimizer_placement() == kmamba::OptimizerPlacement::Device) {
+    std::printf("kmamba-train: optimizer: AdamW on the device (%.1f MiB of moments there)\n",
+                static_cast<double>(trainer.optimizer_device_bytes()) / static_cast<double>(1 << 20));
+    return;
+  }
+  std::printf(
+      "kmamba-train: optimizer: offloaded, AdamW moments in host memory, the step on %d host threads (%s); "
+      "gradients to the host and parameters back every step\n",
+      Kokkos::DefaultHostExecutionSpace().concurrency(), Kokkos::DefaultHostExecutionSpace::name());
 }
 
 #if KMAMBA_ENABLE_MPI
@@ -433,6 +448,7 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
   (void)p;
 #endif
   print_load_balancing(r, p);
+  print_optimizer(trainer);
   std::printf("kmamba-train: %lld steps of %lld x %lld sequences, lr %g; writing %s%s\n",
               static_cast<long long>(r.train.total_steps), static_cast<long long>(r.train.grad_accum),
               static_cast<long long>(r.train.batch_size), r.train.lr, r.out.c_str(),

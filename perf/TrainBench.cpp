@@ -11,7 +11,7 @@
 //   [--batch B] [--seqlen L]
 //                     [--vocab V] [--d-state N] [--steps S] [--ngroups G] [--chunk Q] [--activation-checkpointing]
 //                     [--json FILE]
-//                     [--precision fp32|tf32|bf16] [--kernel-times K]
+//                     [--precision fp32|tf32|bf16] [--kernel-times K] [--offload-optimizer]
 //   mpirun -np N kmamba-perf-train ... [--dp D] [--tp T] [--sp C] [--zero 0|1] [--comm-steps K]
 //
 // Reports the median step time, tokens/s and the model FLOP rate: 6·N per token (N parameters, the
@@ -23,7 +23,10 @@
 // d_model 256) and the batch for a 2-core CPU; --preset 370m is mamba2-370m's shape (d_model 1024,
 // 48 layers, vocab padded to 50280). Peak memory: the high-water mark of the live Kokkos allocations
 // in the execution space's memory during a step after the timed ones (parameters, gradients, AdamW moments,
-// activations; not the buffers NCCL or cuBLAS keep for themselves).
+// activations; not the buffers NCCL or cuBLAS keep for themselves). --offload-optimizer keeps the
+// AdamW moments in host memory (pinned on CUDA) and runs the optimizer step on host threads
+// (Trainer::set_optimizer_placement): the report then gives the step time with the copies and the
+// host's update, the peak without the moments, and the optimizer's bytes on the device and host.
 //
 // Under mpirun (or with a mesh option) the model trains on a dp × tp × sp process mesh built as
 // kmamba-train builds it (NCCL for device memory, MPI for host memory; one GPU per rank, the
@@ -84,6 +87,7 @@ struct Options {
   int chunk = 0;    // the SSD's chunk length; 0: the preset's (256, --small 64)
   int vocab = 50277;
   bool activation_checkpointing = false;
+  bool offload_optimizer = false;
   kmamba::MatmulPrecision precision = kmamba::MatmulPrecision::Float32;
 };
 
@@ -190,6 +194,7 @@ class Bench {
 #endif
     model.set_activation_checkpointing(o.activation_checkpointing);
     trainer_ = std::make_unique<kmamba::Trainer<Exec>>(std::move(model), train, nullptr, exec_);
+    if (o.offload_optimizer) trainer_->set_optimizer_placement(kmamba::OptimizerPlacement::Host);
 #if KMAMBA_ENABLE_MPI
     if (mesh_) trainer_->enable_data_parallel(*mesh_, kmamba::DataParallelConfig{o.zero_stage, 0});
 #endif
@@ -234,6 +239,14 @@ class Bench {
         batch_, seqlen_, Exec::name(), kmamba::matmul_precision_name(o_.precision));
     std::printf("model FLOPs per token: 6N = %.3g + SSD %.3g = %.3g\n", 6.0 * parameters_, ssd_flops_per_token(config_),
                 flops_per_token());
+    std::printf("optimizer: AdamW on the %s, %.3f GB of its state in device memory (rank 0)%s\n",
+                kmamba::to_string(trainer_->optimizer_placement()),
+                static_cast<double>(trainer_->optimizer_device_bytes()) * 1e-9,
+                o_.offload_optimizer
+                    ? (", the step on " + std::to_string(Kokkos::DefaultHostExecutionSpace().concurrency()) +
+                       " host threads (" + Kokkos::DefaultHostExecutionSpace::name() + ")")
+                          .c_str()
+                    : "");
 #if KMAMBA_ENABLE_MPI
     if (mesh_) {
       std::printf("mesh: %d ranks = dp %d x tp %d x sp %d, %s transport, ZeRO stage %d\n", world_size_, data_size_,
@@ -295,6 +308,8 @@ class Bench {
                         {"sp", 1},
                         {"zero_stage", o_.zero_stage},
                         {"activation_checkpointing", o_.activation_checkpointing},
+                        {"optimizer_placement", kmamba::to_string(trainer_->optimizer_placement())},
+                        {"optimizer_device_bytes", static_cast<double>(trainer_->optimizer_device_bytes())},
                         {"step_ms", median * 1e3},
                         {"tokens_per_step", global_tokens()},
                         {"tokens_per_s", global_tokens() / median},
@@ -535,6 +550,8 @@ void declare(CLI::App& cli, Options& o) {
          "chunk products; emulated, no faster, on host backends)")
       ->type_name("P")
       ->check(one_of({"fp32", "tf32", "bf16"}));
+  cli.add_flag("--offload-optimizer", o.offload_optimizer,
+               "AdamW moments in host memory (pinned on CUDA), the optimizer step on host threads");
   cli.add_option("--json", o.json, "the results as JSON (rank 0)")->type_name("FILE");
   cli.add_option("--kernel-times", o.kernel_time_steps,
                  "K more steps with every Kokkos kernel fenced and timed: a per-kernel table")

@@ -82,6 +82,11 @@ void declare_optimisation(CLI::App& cli) {
          "tf32 also runs the scans' chunk products in TF32. CPU backends emulate the rounding: same numerics, no "
          "faster (default fp32)",
          one_of({"fp32", "tf32", "bf16"}));
+  cli.add_flag("--offload-optimizer",
+               "keep the AdamW moments in host memory (pinned on CUDA) and run the optimizer step on host threads: "
+               "the gradients go to the host and the updated parameters come back every step; saves 8 bytes per "
+               "parameter of device memory, costs the copies and the host's update (default: on the device)")
+      ->group(g);
 }
 
 void declare_data(CLI::App& cli) {
@@ -352,6 +357,7 @@ void resolve_training(const TrainOptions& o, Run& r) {
   t.validate();
   r.log_interval = o.integer("log-interval", 10);
   r.precision = parse_matmul_precision(o.text("precision", "fp32"), "kmamba-train: --precision");
+  r.offload_optimizer = o.flag("offload-optimizer");
 }
 
 // Local SGD (--gradient-sync-frequency N > 1): the replicas are one state only after an averaging,
@@ -360,6 +366,11 @@ void resolve_sync_frequency(const TrainOptions& o, Run& r) {
   const std::int64_t n = o.integer("gradient-sync-frequency", 1);
   r.sync_frequency = n;
   if (n == 1) return;
+  KMAMBA_REQUIRE(!r.offload_optimizer, "kmamba-train: " << key_of("offload-optimizer") << " with "
+                                                        << key_of("gradient-sync-frequency") << " " << n
+                                                        << ": local steps average the AdamW moments over dp on the "
+                                                           "device, where an offloaded optimizer keeps none; use "
+                                                           "gradient_sync_frequency 1 or no optimizer offload");
   KMAMBA_REQUIRE(r.zero_stage == 0, "kmamba-train: " << key_of("zero-stage") << " " << r.zero_stage << " with "
                                                      << key_of("gradient-sync-frequency") << " " << n
                                                      << ": ZeRO-1 shards the AdamW moments over the dp ranks, but "

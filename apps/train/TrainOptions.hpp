@@ -61,6 +61,8 @@ struct Run {
   /// The load_balancing keys and sequence_split_strategy.
   LoadBalancing balancing;
   MatmulPrecision precision = MatmulPrecision::Float32;
+  /// The AdamW moments and update in host memory and on host threads (--offload-optimizer).
+  bool offload_optimizer = false;
   std::int64_t log_interval = 10;
   /// The options given on the command line or in --config (not those run.json restored).
   std::set<std::string> given;

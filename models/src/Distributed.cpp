@@ -178,11 +178,6 @@ void check_mesh_fits_model(const MeshConfig& mesh, const ModelConfig& model) {
 
 #if KMAMBA_ENABLE_MPI
 namespace {
-template <class MemorySpace>
-Tensor1<float, MemorySpace> range(const Tensor1<float, MemorySpace>& data, std::size_t begin, std::size_t size) {
-  return Tensor1<float, MemorySpace>(data.data() + begin, size);
-}
-
 // ranges ← ranges without [begin, end) (sorted, disjoint ranges stay so).
 void remove_range(std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::size_t begin, std::size_t end) {
   std::vector<std::pair<std::size_t, std::size_t>> kept;
@@ -200,10 +195,11 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
                                            const std::vector<ShardedParameter>& tensor_sharded)
     : mesh_(&mesh),
       config_(config),
-      adamw_(adamw),
       reducer_(mesh.data_sequence(), slab.size(), config.bucket_elements, config.compression),
       sequence_reducer_(mesh.sequence(), slab.size(), config.bucket_elements),
-      decay_end_(slab.decay_end()) {
+      decay_end_(slab.decay_end()),
+      optimizer_(config.zero_stage == 1 ? reducer_.layout().shard_elements() : slab.size(), adamw,
+                 config.optimizer_placement) {
   check_mesh_fits_model(mesh.config(), model);
   if (mesh.coordinates().tp == 0) {
     counted_.emplace_back(0, slab.size());
@@ -240,12 +236,13 @@ DataParallel<ExecutionSpace>::DataParallel(const ProcessMesh& mesh, const ModelC
                      << config.sync_frequency
                      << ": ZeRO-1 shards the AdamW moments over the dp ranks, but local steps need every replica's "
                         "own moments; use zero_stage 0 or gradient_sync_frequency 1");
+  KMAMBA_REQUIRE(config.optimizer_placement == OptimizerPlacement::Device || config.sync_frequency == 1,
+                 "kmamba::DataParallel: offload_optimizer with gradient_sync_frequency "
+                     << config.sync_frequency
+                     << ": local steps average the AdamW moments over dp on the device, where an offloaded "
+                        "optimizer keeps none; use gradient_sync_frequency 1 or no optimizer offload");
   KMAMBA_REQUIRE(slab.size() > 0, "kmamba::DataParallel: the parameter slab is empty (not finalized?)");
-  adamw.validate();
   if (config.compression == GradientCompression::PowerSgd) make_powersgd(slab);
-  const std::size_t moments = config.zero_stage == 1 ? reducer_.layout().shard_elements() : slab.size();
-  m_ = Tensor1<float, memory_space>("kmamba::data_parallel::m", moments);
-  v_ = Tensor1<float, memory_space>("kmamba::data_parallel::v", moments);
 }
 
 template <class ExecutionSpace>
@@ -364,27 +361,32 @@ void DataParallel<ExecutionSpace>::average_replicas(const ExecutionSpace& exec, 
   // Moments too, so that the replicas leave as one state: a checkpoint in the unsplit layout (one
   // model, one set of moments) then holds the whole run, and resumes it exactly at any mesh.
   const Communicator& data = mesh_->data();
-  for (const Tensor1<float, memory_space>& x : {slab.params(), m_, v_}) data.all_reduce(exec, x, ReduceOp::Average);
+  for (const Tensor1<float, memory_space>& x : {slab.params(), first_moment(), second_moment()}) {
+    data.all_reduce(exec, x, ReduceOp::Average);
+  }
 }
 
 template <class ExecutionSpace>
 void DataParallel<ExecutionSpace>::step(const ExecutionSpace& exec, const Slab& slab, double lr, double grad_scale) {
   check_slab("step", slab);
   ++step_;
-  const Tensor1<float, memory_space>& params = slab.params();
-  const Tensor1<float, memory_space>& grads = slab.grads();
-  if (config_.zero_stage == 0) {
-    adamw_update(exec, adamw_, step_, params, m_, v_, ConstTensor1<float, memory_space>(grads), decay_end_, lr,
-                 grad_scale);
-    if (local_steps() && data_size() > 1 && step_ % config_.sync_frequency == 0) average_replicas(exec, slab);
-    return;
+  optimizer_.update(exec, step_, slab.params(), ConstTensor1<float, memory_space>(slab.grads()), owned_runs(),
+                    decay_end_, lr, grad_scale);
+  if (config_.zero_stage == 1) {
+    reducer_.all_gather(exec, slab.params());
+  } else if (local_steps() && data_size() > 1 && step_ % config_.sync_frequency == 0) {
+    average_replicas(exec, slab);
   }
+}
+
+template <class ExecutionSpace>
+std::vector<SlabRun> DataParallel<ExecutionSpace>::owned_runs() const {
+  if (config_.zero_stage == 0) return {SlabRun{0, 0, reducer_.layout().elements()}};
+  std::vector<SlabRun> runs;
   for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
-    adamw_update(exec, adamw_, step_, range(params, begin, size), range(m_, moment_offset, size),
-                 range(v_, moment_offset, size), ConstTensor1<float, memory_space>(range(grads, begin, size)),
-                 decay_end_ > begin ? decay_end_ - begin : 0, lr, grad_scale);
+    runs.push_back({begin, moment_offset, size});
   });
-  reducer_.all_gather(exec, params);
+  return runs;
 }
 
 template <class ExecutionSpace>
@@ -411,15 +413,11 @@ void DataParallel<ExecutionSpace>::gather_moments(const ExecutionSpace& exec, co
                                                   const Tensor1<float, memory_space>& v) const {
   check_full("gather_moments", "m", m.extent(0));
   check_full("gather_moments", "v", v.extent(0));
-  if (config_.zero_stage == 0) {
-    Kokkos::deep_copy(exec, m, m_);
-    Kokkos::deep_copy(exec, v, v_);
-    return;
+  for (const SlabRun& r : owned_runs()) {
+    optimizer_.store_moments(exec, r.moment_offset, impl::slab_range(m, r.slab_begin, r.size),
+                             impl::slab_range(v, r.slab_begin, r.size));
   }
-  for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
-    Kokkos::deep_copy(exec, range(m, begin, size), range(m_, moment_offset, size));
-    Kokkos::deep_copy(exec, range(v, begin, size), range(v_, moment_offset, size));
-  });
+  if (config_.zero_stage == 0) return;
   reducer_.all_gather(exec, m);
   reducer_.all_gather(exec, v);
 }
@@ -429,18 +427,24 @@ void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, cons
                                                 const ConstTensor1<float, memory_space>& v, std::int64_t steps) {
   check_full("load_moments", "m", m.extent(0));
   check_full("load_moments", "v", v.extent(0));
-  KMAMBA_REQUIRE(steps >= 0, "kmamba::DataParallel::load_moments: steps must be >= 0, got " << steps);
-  if (config_.zero_stage == 0) {
-    Kokkos::deep_copy(exec, m_, m);
-    Kokkos::deep_copy(exec, v_, v);
-  } else {
-    for_each_shard([&](std::size_t begin, std::size_t moment_offset, std::size_t size) {
-      Kokkos::deep_copy(exec, range(m_, moment_offset, size),
-                        ConstTensor1<float, memory_space>(m.data() + begin, size));
-      Kokkos::deep_copy(exec, range(v_, moment_offset, size),
-                        ConstTensor1<float, memory_space>(v.data() + begin, size));
-    });
+  for (const SlabRun& r : owned_runs()) {
+    optimizer_.load_moments(exec, r.moment_offset, ConstTensor1<float, memory_space>(m.data() + r.slab_begin, r.size),
+                            ConstTensor1<float, memory_space>(v.data() + r.slab_begin, r.size));
   }
+  restart_at(exec, steps);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::load_moments(const ExecutionSpace& exec, const AdamW<memory_space>& from,
+                                                std::int64_t steps) {
+  check_full("load_moments", "the AdamW's moments", from.size());
+  for (const SlabRun& r : owned_runs()) optimizer_.load_moments(exec, r.moment_offset, from, r.slab_begin, r.size);
+  restart_at(exec, steps);
+}
+
+template <class ExecutionSpace>
+void DataParallel<ExecutionSpace>::restart_at(const ExecutionSpace& exec, std::int64_t steps) {
+  KMAMBA_REQUIRE(steps >= 0, "kmamba::DataParallel::load_moments: steps must be >= 0, got " << steps);
   step_ = steps;
   if (powersgd_) powersgd_->reset(exec);
 }

@@ -34,6 +34,15 @@ void copy_row(const TokenBatch& from, std::int64_t row, const TokenBatch& to, st
   }
 }
 
+using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+template <class MemorySpace>
+std::vector<float> host_floats(const Tensor1<float, MemorySpace>& values) {
+  std::vector<float> out(values.extent(0));
+  Kokkos::deep_copy(HostFloats(out.data(), out.size()), values);
+  return out;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -209,15 +218,49 @@ void Trainer<ExecutionSpace>::enable_data_parallel(const ProcessMesh& mesh, cons
                  "kmamba::Trainer::enable_data_parallel: the model is split into "
                      << stages.stages() << " pipeline stage(s), the mesh has pipeline_parallel_size "
                      << mesh.config().pipeline_parallel_size << "; make the model with the mesh's pipeline axis");
+  DataParallelConfig placed = options;
+  placed.optimizer_placement = optimizer_.placement();
   auto data_parallel = std::make_unique<DataParallel<ExecutionSpace>>(
-      mesh, model_.config(), model_.parameters(), config_.adamw(), options, model_.sharded_parameters());
-  data_parallel->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), optimizer_.steps_taken());
+      mesh, model_.config(), model_.parameters(), config_.adamw(), placed, model_.sharded_parameters());
+  data_parallel->load_moments(exec_, optimizer_, optimizer_.steps_taken());
   data_parallel->attach(model_);  // the last micro-batch's gradients are reduced as its backward runs
   exec_.fence();
   data_parallel_ = std::move(data_parallel);
+  optimizer_ = empty_optimizer(optimizer_.steps_taken());  // the data-parallel moments replace these
   if (stages.pipeline != nullptr) pipeline_ = std::make_unique<Pipeline<ExecutionSpace>>(model_);
 }
 #endif
+
+template <class ExecutionSpace>
+AdamW<typename ExecutionSpace::memory_space> Trainer<ExecutionSpace>::empty_optimizer(std::int64_t steps) const {
+  AdamW<memory_space> none(0, config_.adamw(), optimizer_.placement());
+  none.set_steps_taken(steps);
+  return none;
+}
+
+template <class ExecutionSpace>
+void Trainer<ExecutionSpace>::set_optimizer_placement(OptimizerPlacement placement) {
+#if KMAMBA_ENABLE_MPI
+  KMAMBA_REQUIRE(!data_parallel_,
+                 "kmamba::Trainer::set_optimizer_placement: the optimizer is data parallel already; "
+                 "set its placement before enable_data_parallel");
+#endif
+  if (placement == optimizer_.placement()) return;
+  AdamW<memory_space> moved(optimizer_.size(), config_.adamw(), placement);
+  moved.load_moments(exec_, 0, optimizer_, 0, optimizer_.size());
+  moved.set_steps_taken(optimizer_.steps_taken());
+  exec_.fence();
+  optimizer_ = std::move(moved);
+}
+
+template <class ExecutionSpace>
+std::size_t Trainer<ExecutionSpace>::optimizer_device_bytes() const {
+  std::size_t bytes = optimizer_.device_bytes();
+#if KMAMBA_ENABLE_MPI
+  if (data_parallel_) bytes += data_parallel_->optimizer().device_bytes();
+#endif
+  return bytes;
+}
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::set_load_balancing(const LoadBalancing& balancing) {
@@ -495,11 +538,11 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
                                            << " the data-parallel replicas differ (local steps since the last "
                                               "averaging, gradient_sync_frequency); save after a step whose count "
                                               "is a multiple of the frequency");
-  Tensor1<float, memory_space> m_slab = optimizer_.first_moment(), v_slab = optimizer_.second_moment();
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {
-    m_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg", m_slab.extent(0));
-    v_slab = Tensor1<float, memory_space>("kmamba::trainer::exp_avg_sq", v_slab.extent(0));
+    // Gathered in device memory (and over tp in gather_values) before world rank 0 writes them.
+    const std::size_t n = model_.parameters().size();
+    Tensor1<float, memory_space> m_slab("kmamba::trainer::exp_avg", n), v_slab("kmamba::trainer::exp_avg_sq", n);
     data_parallel_->gather_moments(exec_, m_slab, v_slab);
     exec_.fence();
     // A tensor-parallel or pipelined model is written unsplit: parameters and moments gathered
@@ -518,23 +561,26 @@ void Trainer<ExecutionSpace>::save_checkpoint(const std::string& dir) const {
     }
     // World rank 0 writes; the files exist on every rank's return.
     run_on_rank0(
-        data_parallel_->mesh().world(), [&] { write_checkpoint(dir, full ? *full : model_, m_slab, v_slab); },
+        data_parallel_->mesh().world(),
+        [&] { write_checkpoint(dir, full ? *full : model_, host_floats(m_slab), host_floats(v_slab)); },
         "kmamba::Trainer::save_checkpoint: world rank 0 failed to write '" + dir + "'");
     return;
   }
 #endif
-  write_checkpoint(dir, model_, m_slab, v_slab);
+  // Straight from where the moments live: an offloaded optimizer's never pass through the device.
+  const std::size_t n = optimizer_.size();
+  std::vector<float> m(n), v(n);
+  optimizer_.store_moments(exec_, 0, HostFloats(m.data(), n), HostFloats(v.data(), n));
+  exec_.fence();
+  write_checkpoint(dir, model_, m, v);
 }
 
 template <class ExecutionSpace>
 void Trainer<ExecutionSpace>::write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
-                                               const Tensor1<float, memory_space>& m_slab,
-                                               const Tensor1<float, memory_space>& v_slab) const {
+                                               const std::vector<float>& m, const std::vector<float>& v) const {
   StagedDirectory staged(dir);
   model.save(staged.path());
   const auto& slab = model.parameters();
-  auto m = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m_slab);
-  auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v_slab);
   impl::TrainingState state;
   state.steps = steps_taken();
   state.data_position = data_position_;
@@ -567,42 +613,50 @@ void Trainer<ExecutionSpace>::resume(const std::string& dir) {
                                               << " does not divide that (resume with a batch size that does)");
   TokenizerFiles tokenizer = tokenizer_files_.empty() ? TokenizerFiles::from_directory(dir) : tokenizer_files_;
 
-  using HostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using ConstHostFloats = Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const ModelParallel parallel = model_.parallel();
   const PipelineParallel stages = model_.pipeline();
   const bool checkpointing = model_.activation_checkpointing();
   const MatmulPrecision precision = model_.matmul_precision();  // runtime options, not in the checkpoint
+  // The moments of this rank's (local) slab, where this trainer keeps them.
+  AdamW<memory_space> moments(model_.parameters().size(), config_.adamw(), optimizer_placement());
   if (parallel.tensor_size() > 1 || parallel.sequence_size() > 1 || stages.stages() > 1) {
     // A split model takes its part of the unsplit checkpoint.
     LanguageModel<ExecutionSpace> local(loaded.config(), parallel, stages);
     scatter_parameters(exec_, loaded, local);
     Tensor1<float, memory_space> m_full("kmamba::trainer::exp_avg_unsplit", m.size());
     Tensor1<float, memory_space> v_full("kmamba::trainer::exp_avg_sq_unsplit", v.size());
-    Kokkos::deep_copy(m_full, HostFloats(m.data(), m.size()));
-    Kokkos::deep_copy(v_full, HostFloats(v.data(), v.size()));
-    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(m_full), local, optimizer_.first_moment());
-    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(v_full), local, optimizer_.second_moment());
+    Kokkos::deep_copy(m_full, ConstHostFloats(m.data(), m.size()));
+    Kokkos::deep_copy(v_full, ConstHostFloats(v.data(), v.size()));
+    const std::size_t n = local.parameters().size();
+    Tensor1<float, memory_space> m_local("kmamba::trainer::exp_avg_local", n);
+    Tensor1<float, memory_space> v_local("kmamba::trainer::exp_avg_sq_local", n);
+    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(m_full), local, m_local);
+    scatter_values(exec_, loaded, ConstTensor1<float, memory_space>(v_full), local, v_local);
+    moments.load_moments(exec_, 0, m_local, v_local);
     model_ = std::move(local);
   } else {
-    KMAMBA_ASSERT(slab.size() == optimizer_.first_moment().extent(0),
-                  "equal model configs gave different parameter counts");
+    KMAMBA_ASSERT(slab.size() == moments.size(), "equal model configs gave different parameter counts");
     model_ = std::move(loaded);
-    Kokkos::deep_copy(optimizer_.first_moment(), HostFloats(m.data(), m.size()));
-    Kokkos::deep_copy(optimizer_.second_moment(), HostFloats(v.data(), v.size()));
+    moments.load_moments(exec_, 0, ConstHostFloats(m.data(), m.size()), ConstHostFloats(v.data(), v.size()));
   }
+  exec_.fence();
   model_.set_activation_checkpointing(checkpointing);
   model_.set_matmul_precision(precision);
-  optimizer_.set_steps_taken(state.steps);
   data_position_ = sequences / config_.batch_size;
   skipped_steps_ = state.skipped_steps;
   consecutive_skips_ = 0;
   tokenizer_files_ = std::move(tokenizer);
 #if KMAMBA_ENABLE_MPI
   if (data_parallel_) {
-    data_parallel_->load_moments(exec_, optimizer_.first_moment(), optimizer_.second_moment(), state.steps);
+    data_parallel_->load_moments(exec_, moments, state.steps);
     exec_.fence();
+    optimizer_ = empty_optimizer(state.steps);
+    return;
   }
 #endif
+  moments.set_steps_taken(state.steps);
+  optimizer_ = std::move(moments);
 }
 
 #define KMAMBA_INSTANTIATE_TRAINER(Space) template class Trainer<Space>;

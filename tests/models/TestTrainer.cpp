@@ -63,6 +63,81 @@ double relative_difference(const std::vector<float>& a, const std::vector<float>
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
+// The offloaded optimizer (set_optimizer_placement(Host): moments in host memory, gradients copied
+// to the host, AdamW on host threads, parameters copied back) trains the same run as the one on
+// the device, with clipping at every step and weight decay; its checkpoint holds the same moments
+// in the same file, and resuming from it (into either placement) continues the run. On host
+// backends the device and host memory coincide, but the offloaded step runs the GPU's path (the
+// staged copies on the execution space, the host threads' update, the copies back): the same float
+// operations per element, so the same bits where the backend repeats its sums (Serial). On CUDA
+// the device kernel may fuse multiply-adds the host rounds twice (TestOptimizer.cpp), which the
+// steps then carry along, as across the resume on a non-deterministic backend (above).
+TYPED_TEST(Trainer, OffloadedOptimizerTrainsTheSameRun) {
+  using Exec = TypeParam;
+  kmamba::TrainConfig t = tiny_train_config();
+  t.grad_clip = 0.05;
+  t.weight_decay = 0.1;
+  auto on_device = make_trainer<Exec>(t, tiny_task());
+  auto offloaded = make_trainer<Exec>(t, tiny_task());
+  offloaded.set_optimizer_placement(kmamba::OptimizerPlacement::Host);
+  const std::size_t n = on_device.model().parameters().size();
+  EXPECT_EQ(on_device.optimizer_placement(), kmamba::OptimizerPlacement::Device);
+  EXPECT_EQ(offloaded.optimizer_placement(), kmamba::OptimizerPlacement::Host);
+  EXPECT_EQ(on_device.optimizer_device_bytes(), 2 * n * sizeof(float));
+  EXPECT_EQ(offloaded.optimizer_device_bytes(), 0u);
+  const bool exact = std::is_same<Exec, Kokkos::Serial>::value;
+  const std::string dir_device = fresh_dir(std::string("offload_device_") + Exec::name());
+  const std::string dir_host = fresh_dir(std::string("offload_host_") + Exec::name());
+  for (int i = 0; i < 6; ++i) {
+    const kmamba::StepResult a = on_device.step(), b = offloaded.step();
+    EXPECT_GT(a.grad_norm, t.grad_clip) << "step " << i << " must clip";
+    if (exact) {
+      EXPECT_EQ(b.loss, a.loss) << "step " << i;
+      EXPECT_EQ(b.grad_norm, a.grad_norm) << "step " << i;
+    } else {
+      EXPECT_NEAR(b.loss, a.loss, 1e-4) << "step " << i;
+    }
+    if (i == 2) {
+      on_device.save_checkpoint(dir_device);
+      offloaded.save_checkpoint(dir_host);
+    }
+  }
+  const std::vector<float> p_device = host_floats(on_device.model().parameters().params());
+  const std::vector<float> p_host = host_floats(offloaded.model().parameters().params());
+  const auto m_device = optimizer_moments<Exec>(on_device.optimizer()),
+             m_host = optimizer_moments<Exec>(offloaded.optimizer());
+  if (exact) {
+    EXPECT_EQ(p_host, p_device);
+    EXPECT_EQ(m_host, m_device);
+    EXPECT_EQ(file_text(dir_host + "/training_state.safetensors"),
+              file_text(dir_device + "/training_state.safetensors"));
+  } else {
+    EXPECT_LT(relative_difference(p_host, p_device), 1e-4);
+    EXPECT_LT(relative_difference(m_host[1], m_device[1]), 1e-3);
+  }
+
+  // Resumed at step 3 from the offloaded run's checkpoint: an offloaded and an on-device trainer
+  // take the straight run's last three steps.
+  for (const auto placement : {kmamba::OptimizerPlacement::Host, kmamba::OptimizerPlacement::Device}) {
+    SCOPED_TRACE(kmamba::to_string(placement));
+    auto resumed = make_trainer<Exec>(t, tiny_task(), /*init_seed=*/99);
+    resumed.set_optimizer_placement(placement);
+    resumed.resume(dir_host);
+    EXPECT_EQ(resumed.optimizer_placement(), placement);
+    EXPECT_EQ(resumed.steps_taken(), 3);
+    for (int i = 0; i < 3; ++i) resumed.step();
+    const std::vector<float> p_resumed = host_floats(resumed.model().parameters().params());
+    if (exact) {
+      EXPECT_EQ(p_resumed, p_host);
+      EXPECT_EQ(optimizer_moments<Exec>(resumed.optimizer()), m_host);
+    } else {
+      EXPECT_LT(relative_difference(p_resumed, p_host), 1e-4);
+    }
+  }
+  std::filesystem::remove_all(dir_device);
+  std::filesystem::remove_all(dir_host);
+}
+
 TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
   using Exec = TypeParam;
   const kmamba::TrainConfig t = tiny_train_config();
@@ -108,12 +183,6 @@ TYPED_TEST(Trainer, ResumeContinuesTheSameRun) {
     EXPECT_LT(relative_difference(p_resumed, p_straight), 1e-4);
   }
   std::filesystem::remove_all(dir);
-}
-
-std::string file_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 TYPED_TEST(Trainer, CheckpointsCarryTheTokenizerFilesThroughResumes) {

@@ -17,7 +17,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -32,6 +34,23 @@ std::vector<double> host_doubles(const View& view) {
   std::vector<double> out(h.size());
   for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(kmamba::to_float(h.data()[i]));
   return out;
+}
+
+/// The whole content of the file `path` (an expectation fails when it cannot be read).
+inline std::string file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// Both moments of a kmamba::AdamW (first, second), copied to the host from where they live.
+template <class Exec, class Optimizer>
+std::vector<std::vector<float>> optimizer_moments(const Optimizer& opt) {
+  using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  std::vector<std::vector<float>> mv(2, std::vector<float>(opt.size()));
+  opt.store_moments(Exec(), 0, HostFloats(mv[0].data(), opt.size()), HostFloats(mv[1].data(), opt.size()));
+  Exec().fence();
+  return mv;
 }
 
 /// Every element of a contiguous float view, in storage order.

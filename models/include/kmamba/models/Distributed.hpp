@@ -117,6 +117,10 @@ struct DataParallelConfig {
   /// (first extent, product of the rest), travels as rank-r factors where they are smaller
   /// (powersgd_compresses); the rest is all-reduced whole.
   int powersgd_rank = 4;
+  /// Where the AdamW moments (this rank's shards under ZeRO-1) live and are updated
+  /// (OptimizerPlacement, Optimizer.hpp): on the device, or offloaded to host memory and host
+  /// threads. Host needs sync_frequency 1 (the averaging of local steps runs on the device).
+  OptimizerPlacement optimizer_placement = OptimizerPlacement::Device;
 };
 
 /// The gradient matrices PowerSGD at rank `rank` compresses in `slab`: each parameter of rank >= 2
@@ -217,6 +221,8 @@ class DataParallel {
   void load_moments(const ExecutionSpace& exec, const ConstTensor1<float, memory_space>& m,  // (slab size)
                     const ConstTensor1<float, memory_space>& v,                              // (slab size)
                     std::int64_t steps);
+  /// The same from the moments of a single-process AdamW of the slab (either placement).
+  void load_moments(const ExecutionSpace& exec, const AdamW<memory_space>& from, std::int64_t steps);
 
   /// Starts or stops recording when the gradient reductions ran against the compute stream
   /// (GradientReducer::record_timeline; CUDA only), to measure their overlap with the backward.
@@ -226,9 +232,12 @@ class DataParallel {
   std::int64_t steps_taken() const { return step_; }
   /// The PowerSGD state (compression PowerSgd), else null.
   const PowerSgd<ExecutionSpace>* powersgd() const { return powersgd_.get(); }
-  /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1).
-  const Tensor1<float, memory_space>& first_moment() const { return m_; }
-  const Tensor1<float, memory_space>& second_moment() const { return v_; }
+  /// AdamW moments: the whole slab (stage 0) or this rank's shard storage in layout() order (stage 1);
+  /// on the device (optimizer_placement Device only: optimizer().store_moments copies either).
+  const Tensor1<float, memory_space>& first_moment() const { return optimizer_.first_moment(); }
+  const Tensor1<float, memory_space>& second_moment() const { return optimizer_.second_moment(); }
+  /// The AdamW holding those moments (its steps_taken() is not counted: steps_taken() is).
+  const AdamW<memory_space>& optimizer() const { return optimizer_; }
 
  private:
   void check_slab(const char* function, const Slab& slab) const;
@@ -241,16 +250,19 @@ class DataParallel {
   // Calls copy(slab_begin, shard_storage_begin, size) for each of this rank's shards (stage 1).
   template <class Copy>
   void for_each_shard(const Copy& copy) const;
+  // The slab runs this rank's AdamW updates: the whole slab (stage 0) or its shards (stage 1).
+  std::vector<SlabRun> owned_runs() const;
+  // The step count to `steps`, PowerSGD restarted (after the moments were loaded).
+  void restart_at(const ExecutionSpace& exec, std::int64_t steps);
 
   const ProcessMesh* mesh_;
   DataParallelConfig config_;
-  AdamWConfig adamw_;
   GradientReducer<ExecutionSpace> reducer_;
   GradientReducer<ExecutionSpace> sequence_reducer_;    // local steps: the sum over sp
   std::unique_ptr<PowerSgd<ExecutionSpace>> powersgd_;  // compression PowerSgd: the dp × sp reduction
   std::size_t decay_end_;
   std::vector<std::pair<std::size_t, std::size_t>> counted_;  // slab ranges this rank counts in the norm
-  Tensor1<float, memory_space> m_, v_;
+  AdamW<memory_space> optimizer_;                             // the moments of owned_runs(), packed
   std::int64_t step_ = 0;
 };
 #endif

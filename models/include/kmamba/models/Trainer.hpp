@@ -189,7 +189,16 @@ class Trainer {
   const TrainConfig& config() const { return config_; }
   LanguageModel<ExecutionSpace>& model() { return model_; }
   const LanguageModel<ExecutionSpace>& model() const { return model_; }
+  /// The one-rank AdamW; after enable_data_parallel() only its step count (the DataParallel holds
+  /// the moments).
   const AdamW<memory_space>& optimizer() const { return optimizer_; }
+  /// Where the AdamW moments live and are updated (Optimizer.hpp): on the device (default), or
+  /// offloaded to host memory and host threads. Moves the current moments there; set it before
+  /// enable_data_parallel(), which takes it over. resume() keeps it.
+  void set_optimizer_placement(OptimizerPlacement placement);
+  OptimizerPlacement optimizer_placement() const { return optimizer_.placement(); }
+  /// Bytes of AdamW state in device memory (0 when offloaded; a ZeRO-1 rank's shards).
+  std::size_t optimizer_device_bytes() const;
   const std::shared_ptr<const Dataset>& data() const { return data_; }
 
   /// How step() hands the global batch's rows to the dp ranks and how sequences are cut into
@@ -214,8 +223,10 @@ class Trainer {
   std::string non_finite_report(double loss, double grad_norm) const;
   void optimizer_step(double lr, double grad_scale);
   void write_checkpoint(const std::string& dir, const LanguageModel<ExecutionSpace>& model,
-                        const Tensor1<float, memory_space>& m,         // (parameters of model)
-                        const Tensor1<float, memory_space>& v) const;  // (parameters of model)
+                        const std::vector<float>& m,         // (parameters of model)
+                        const std::vector<float>& v) const;  // (parameters of model)
+  // An AdamW without moments, `steps` taken, for the trainer whose DataParallel holds them.
+  AdamW<memory_space> empty_optimizer(std::int64_t steps) const;
   // Under sequence parallelism: this rank's segment of every sequence of b (even or balanced).
   TokenBatch sequence_segment_of(const TokenBatch& b) const;
   // The step's global batch dealt to the dp ranks by real tokens (balance_rows), from the real
