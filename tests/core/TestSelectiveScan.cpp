@@ -466,7 +466,7 @@ TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
   for (const int seqlen : block_form_lengths(Shapes::backward::tile)) lengths.push_back(seqlen);
   std::uint64_t seed = 1500;
   for (const int seqlen : lengths) {
-    for (const int dstate : {5, kmamba::impl::selective_scan_block_states}) {
+    for (const int dstate : {5, kmamba::impl::selective_scan_walk_states}) {
       for (const int ngroups : {1, 2}) {
         Config c;
         c.batch = 2;
@@ -588,8 +588,7 @@ TYPED_TEST(SelectiveScan, LongSequenceWithChosenChunkMatchesReference) {
 TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   using Exec = TypeParam;
   std::uint64_t seed = 4000;
-  for (int dstate :
-       {kmamba::impl::selective_scan_block_states - 1, kmamba::impl::selective_scan_block_states + 1, 40}) {
+  for (int dstate : {kmamba::impl::selective_scan_walk_states - 1, kmamba::impl::selective_scan_walk_states + 1, 40}) {
     for (int chunk : {0, 5}) {
       Config c;
       c.batch = 2;
@@ -861,7 +860,7 @@ kmamba::Tensor4<float, Mem> row_slice4(const kmamba::Tensor4<float, Mem>& src, i
 TYPED_TEST(SelectiveScan, PackedBatchEqualsDocumentsAlone) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  for (int dstate : {4, kmamba::impl::selective_scan_block_states + 3}) {
+  for (int dstate : {4, kmamba::impl::selective_scan_walk_states + 3}) {
     Config c;
     c.batch = 3;
     c.dim = 6;

@@ -1,6 +1,6 @@
 // Internals of kmamba/core/SelectiveScan.hpp: the launch plans and the functors.
 //
-// Two forms. Up to selective_scan_block_states states (Mamba-1's 16) with kmamba's chunk, the
+// Two forms. Up to selective_scan_walk_states states (Mamba-1's 16) with kmamba's chunk, the
 // walk form (impl/SelectiveScanWalk.hpp, impl/SelectiveScanWalkBackward.hpp: each thread walks
 // its states of a channel token after token, the backward tiles last to first from checkpoints
 // the forward walk writes). Wider states, or a chunk_size of the caller's, the lane form of this
@@ -16,7 +16,6 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
-#include <kmamba/core/impl/SelectiveScanBlockScan.hpp>
 #include <kmamba/core/impl/SelectiveScanWalk.hpp>
 #include <kmamba/core/impl/SelectiveScanWalkBackward.hpp>
 #include <kmamba/core/Error.hpp>
@@ -592,6 +591,24 @@ struct SelectiveScanStepFunctor {
   }
 };
 
+/// dB, dC = Σ over blocks of the partial sums, in block order; one item per (batch, group, state,
+/// token).
+template <class MemorySpace>
+struct SelectiveScanBlockSumFunctor {
+  ConstTensor5<float, MemorySpace> partial_dB, partial_dC;  // (blocks, batch, ngroups, dstate, seqlen)
+  Tensor4<float, MemorySpace> dB, dC;                       // (batch, ngroups, dstate, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int g, const int n, const int t) const {
+    float sum_b = 0.0f, sum_c = 0.0f;
+    for (int k = 0; k < static_cast<int>(partial_dB.extent(0)); ++k) {
+      sum_b += partial_dB(k, b, g, n, t);
+      sum_c += partial_dC(k, b, g, n, t);
+    }
+    dB(b, g, n, t) = sum_b;
+    dC(b, g, n, t) = sum_c;
+  }
+};
+
 /// The backward's dB and dC per block of a group's channels, which each team writes for its own
 /// block and sum_into adds in block order (no atomics: the sums repeat bitwise).
 template <class MemorySpace>
@@ -723,13 +740,13 @@ void selective_scan_walk_backward(const ExecSpace& exec, const SelectiveScanDims
   partial.sum_into(exec, grads);
 }
 
-/// Whether the walk and block-scan forms take a call: dstate within their bound and chunk_size 0
+/// Whether the walk forms take a call: dstate within their bound and chunk_size 0
 /// (kmamba's choice); a chunk_size of the caller's runs the lane form with it.
-inline bool selective_scan_takes_block_form(const SelectiveScanDims& dims, int requested_chunk) {
-  return dims.dstate <= selective_scan_block_states && requested_chunk == 0;
+inline bool selective_scan_takes_walk_form(const SelectiveScanDims& dims, int requested_chunk) {
+  return dims.dstate <= selective_scan_walk_states && requested_chunk == 0;
 }
 
-/// The lane-form backward (wider states, or a chunk_size the block form does not take).
+/// The lane-form backward (wider states, or a chunk_size of the caller's).
 template <class ExecSpace, class MemorySpace>
 void selective_scan_lane_backward(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
                                   int requested_chunk, const SelectiveScanOperands<MemorySpace>& operands,
@@ -778,7 +795,7 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
                                  const SelectiveScanArgs<MemorySpace>& args, const Tensor3<float, MemorySpace>& out,
                                  const Tensor3<float, MemorySpace>& last_state) {
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
+  if (selective_scan_takes_walk_form(dims, args.chunk_size)) {
     selective_scan_walk_forward<Shape>(exec, "kmamba::selective_scan::forward", dims, operands, out, last_state,
                                        Tensor4<float, MemorySpace>(), Shape::items);
   } else {
@@ -787,8 +804,8 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
   }
 }
 
-/// `ForwardShape`, `Shape`: the team shapes of the walk-form checkpoint pass and of the block-scan
-/// backward (SelectiveScanDefaultShapes<ExecSpace> for the public op; the tests run other shapes
+/// `ForwardShape`, `Shape`: the team shapes of the walk-form checkpoint pass and of the backward
+/// walk (SelectiveScanDefaultShapes<ExecSpace> for the public op; the tests run other shapes
 /// on host backends).
 template <class ForwardShape, class Shape, class ExecSpace, class MemorySpace>
 void selective_scan_backward_impl(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
@@ -801,7 +818,7 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   const auto partial_vectors = allocate_uninitialized<Tensor3<float, MemorySpace>>(
       "kmamba::selective_scan::partial_dD_ddelta_bias", dims.batch, dims.dim, 2);
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
+  if (selective_scan_takes_walk_form(dims, args.chunk_size)) {
     selective_scan_walk_backward<ForwardShape, Shape>(exec, dims, operands, dout, dlast_state, grads, partial_dA,
                                                       partial_vectors);
   } else {

@@ -1,4 +1,4 @@
-// The walk form of the selective scan forward (dstate ≤ selective_scan_block_states, Mamba-1's
+// The walk form of the selective scan forward (dstate ≤ selective_scan_walk_states, Mamba-1's
 // 16): each recurrence h_t,n = ā_t,n·h_{t−1},n + δ_t·u_t·B_t,n (ā_t,n = carry_t·exp(δ_t·A_n)) is
 // walked token after token by the one thread that owns state n of its channel; no thread combines
 // another's maps. Per token and state: one exp2 (ex2.approx on Cuda), the exponent's and the
@@ -29,7 +29,6 @@
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/impl/AsyncCopy.hpp>
 #include <kmamba/core/impl/DeviceMath.hpp>
-#include <kmamba/core/impl/SelectiveScanBlockScan.hpp>
 #include <kmamba/core/impl/WarpTeamLaunch.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -43,10 +42,16 @@ namespace impl {
 template <class MemorySpace>
 struct SelectiveScanOperands;
 
+/// Largest dstate of the walk forms (Mamba-1 uses 16); wider states take the lane form.
+constexpr int selective_scan_walk_states = 16;
 /// States a thread of the walk form owns; with at most 4 lanes a channel it covers
-/// selective_scan_block_states.
+/// selective_scan_walk_states.
 constexpr int selective_scan_lane_states = 4;
-constexpr int selective_scan_max_lanes = selective_scan_block_states / selective_scan_lane_states;
+constexpr int selective_scan_max_lanes = selective_scan_walk_states / selective_scan_lane_states;
+
+/// An exponent whose exp2 is 0 whatever δ·A·log2 e is added to it (finite, so that no product
+/// with it is NaN): the carry exponent of a token that starts a packed sequence.
+constexpr float selective_scan_reset_exponent = -1.0e30f;
 
 /// Team shape of the walk form: `Threads` threads, tiles of `Steps` steps of `Items` tokens.
 /// `Device`: the threads are real (Cuda); otherwise one thread runs them in turn.
@@ -100,11 +105,19 @@ struct SelectiveScanWalkLayout {
 /// v[i] = p[i], i < K, from 16-byte aligned scratch (four floats a load on Cuda when K % 4 == 0).
 template <int K>
 KOKKOS_INLINE_FUNCTION void scratch_items(const float* p, float (&v)[K]) {
+#if defined(__CUDA_ARCH__)
   if constexpr (K % 4 == 0) {
-    load_aligned_items(p, v);
-  } else {
-    for (int i = 0; i < K; ++i) v[i] = p[i];
+    for (int i = 0; i < K; i += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + i);
+      v[i] = q.x;
+      v[i + 1] = q.y;
+      v[i + 2] = q.z;
+      v[i + 3] = q.w;
+    }
+    return;
   }
+#endif
+  for (int i = 0; i < K; ++i) v[i] = p[i];
 }
 
 /// v[i] summed over the `lanes` (1, 2 or 4) neighbouring threads of a warp that share a channel,

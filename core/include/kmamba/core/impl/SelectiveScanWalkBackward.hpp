@@ -1,4 +1,4 @@
-// The walk form of the selective scan backward (dstate ≤ selective_scan_block_states, kmamba's
+// The walk form of the selective scan backward (dstate ≤ selective_scan_walk_states, kmamba's
 // chunk): the forward walk's teams, lanes and tiles (impl/SelectiveScanWalk.hpp), the tiles taken
 // last to first, each thread's states and their adjoints in its registers.
 //
@@ -80,7 +80,7 @@ struct SelectiveScanWalkBackward {
   static constexpr int channel_rows = 5;
   static_assert(!Shape::device || K == 4, "SelectiveScanWalkBackward: the reduce-scatter takes 4 tokens a step");
   using Team = SelectiveScanWalkTeam;
-  SelectiveScanWalkTiles<Shape, MemorySpace> tiles;     // tiles.dout: (batch, dim, seqlen)
+  SelectiveScanWalkTiles<Shape, MemorySpace> tiles;    // tiles.dout: (batch, dim, seqlen)
   ConstTensor3<float, MemorySpace> dlast_state;        // (batch, dim, dstate), optional
   ConstTensor4<float, MemorySpace> checkpoints;        // (batch, dim, ntiles, dstate)
   Tensor3<float, MemorySpace> du, ddelta, dz;          // (batch, dim, seqlen)
@@ -131,7 +131,7 @@ struct SelectiveScanWalkBackward {
       if (k > 0) tiles.issue_tile(s, p ^ 1, tm, t0 - Shape::tile, first, step);
       async_commit();
       for (int q = 0; q < Shape::slots; ++q) walk_tile(s, p, tm, k, Shape::device ? ctx.thread : q, sums[q]);
-      if (!Shape::device) finish_summed(s, p, tm, t0, sums);
+      if constexpr (!Shape::device) finish_summed(s, p, tm, t0, sums);
       ctx.barrier();
       write_channel_sums(s, tm, t0, first, step);
       async_wait<0>();
@@ -234,12 +234,12 @@ struct SelectiveScanWalkBackward {
       h[j] = own ? checkpoints(tm.b, d, k, n) : 0.0f;
     }
     // Unrolled, so that `entering` stays in registers (its index is then a constant).
-KMAMBA_TILE_UNROLL
+    KMAMBA_TILE_UNROLL
     for (int step = 0; step < Shape::steps; ++step) {
       for (int j = 0; j < S; ++j) entering[step][j] = h[j];
       if (step + 1 < Shape::steps) advance(s, p, c, lane, step * K, a, h);
     }
-KMAMBA_TILE_UNROLL
+    KMAMBA_TILE_UNROLL
     for (int step = Shape::steps - 1; step >= 0; --step) {
       reverse_step(s, p, tm, k * Shape::tile, step * K, th, A, a, entering[step], sums);
     }
@@ -307,7 +307,8 @@ KMAMBA_TILE_UNROLL
       selective_scan_lane_sum(layout.lanes, y);
       selective_scan_lane_sum(layout.lanes, sum_B);
       selective_scan_lane_sum(layout.lanes, sum_A);
-      for (int i = lane; i < K; i += layout.lanes) finish_token(s, p, tm, t0 + t + i, c, y[i], sum_B[i], sum_A[i], sums);
+      for (int i = lane; i < K; i += layout.lanes)
+        finish_token(s, p, tm, t0 + t + i, c, y[i], sum_B[i], sum_A[i], sums);
     } else {
       for (int i = 0; i < K; ++i) {
         lane_sum(s, c, 0)[t + i] += y[i];
