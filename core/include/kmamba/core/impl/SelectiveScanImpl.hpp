@@ -702,10 +702,13 @@ void selective_scan_walk_forward(const ExecSpace& exec, const char* label, const
   using Functor = SelectiveScanWalkForward<Shape, MemorySpace>;
   KMAMBA_ASSERT(checkpoint_interval > 0 && checkpoint_interval % Shape::items == 0,
                 "checkpoint interval " << checkpoint_interval << " is not a multiple of " << Shape::items);
+  // z only gates the output: a pass without one (the checkpoint pass) does not copy it.
+  SelectiveScanOperands<MemorySpace> used = operands;
+  used.has_z = operands.has_z && out.is_allocated();
   int league = 0;
-  const Functor functor{selective_scan_walk_tiles<Shape>(dims, operands, ConstTensor3<float, MemorySpace>(),
-                                                         Functor::channel_rows, league),
-                        checkpoint_interval, out, last_state, checkpoints};
+  const Functor functor{
+      selective_scan_walk_tiles<Shape>(dims, used, ConstTensor3<float, MemorySpace>(), Functor::channel_rows, league),
+      checkpoint_interval, out, last_state, checkpoints};
   WarpTeamLauncher<ExecSpace, Shape::threads / Shape::slots, 3>::launch(
       exec, label, league, functor.tiles.layout.bytes(Functor::extra_floats(functor.tiles.layout)), functor);
 }

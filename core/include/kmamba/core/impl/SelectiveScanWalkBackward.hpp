@@ -199,13 +199,14 @@ struct SelectiveScanWalkBackward {
       const int c = i / Shape::tile, t = i % Shape::tile;
       const bool valid = c < tm.active && t0 + t < tiles.seqlen;
       const float pre = valid ? layout.delta(s, p, c)[t] + (in.has_delta_bias ? in.delta_bias(tm.d0 + c) : 0.0f) : 0.0f;
-      layout.delta(s, p, c)[t] = valid ? in.delta_value(pre) : 0.0f;
-      layout.derivative(s, p, c)[t] = !valid ? 0.0f : in.delta_softplus ? kmamba::softplus_derivative(pre) : 1.0f;
+      float derivative = 1.0f;
+      layout.delta(s, p, c)[t] = valid ? delta_and_derivative(pre, derivative) : 0.0f;
+      layout.derivative(s, p, c)[t] = valid ? derivative : 0.0f;
       const float dy = valid ? layout.dout(s, p, c)[t] : 0.0f;
       if (in.has_z) {
-        const float z = valid ? layout.z(s, p, c)[t] : 0.0f;
-        layout.dout(s, p, c)[t] = dy * kmamba::silu(z);
-        layout.z(s, p, c)[t] = dy * kmamba::silu_derivative(z);
+        const float z = valid ? layout.z(s, p, c)[t] : 0.0f, sigmoid = sigmoid_approx(z);
+        layout.dout(s, p, c)[t] = dy * z * sigmoid;                           // dout·silu(z)
+        layout.z(s, p, c)[t] = dy * sigmoid * (1.0f + z * (1.0f - sigmoid));  // dout·silu′(z)
       } else {
         layout.dout(s, p, c)[t] = dy;
       }
@@ -217,6 +218,19 @@ struct SelectiveScanWalkBackward {
       for (int i = 0; i < 2 * layout.state_rows() * Shape::tile; ++i) channel_sum(s, 0, 0, 0)[i] = 0.0f;
     }
     tiles.prepare_carry(s, p, tm, t0, first, step);
+  }
+
+  /// δ = softplus(pre) (pre without the softplus), `derivative` = its derivative: one exp for
+  /// both, the softplus exactly the forward's (kmamba::softplus), so that the recomputed states
+  /// are the checkpoint pass's.
+  KOKKOS_INLINE_FUNCTION float delta_and_derivative(float pre, float& derivative) const {
+    if (!tiles.in.delta_softplus || pre > softplus_threshold) {
+      derivative = 1.0f;
+      return pre;
+    }
+    const float e = kmamba::math::exp(pre);
+    derivative = e / (1.0f + e);
+    return kmamba::math::log1p(e);
   }
 
   /// Thread th's states over tile k in buffer p: the boundary walk from the tile's checkpoint,
