@@ -114,10 +114,12 @@ KOKKOS_INLINE_FUNCTION void scratch_items(const float* p, float (&v)[K]) {
       v[i + 2] = q.z;
       v[i + 3] = q.w;
     }
-    return;
+  } else {
+    for (int i = 0; i < K; ++i) v[i] = p[i];
   }
-#endif
+#else
   for (int i = 0; i < K; ++i) v[i] = p[i];
+#endif
 }
 
 /// v[i] summed over the `lanes` (1, 2 or 4) neighbouring threads of a warp that share a channel,
@@ -132,6 +134,41 @@ KOKKOS_INLINE_FUNCTION void selective_scan_lane_sum(int lanes, float (&v)[K]) {
   (void)lanes;
   (void)v;
 #endif
+}
+
+/// One level of a warp reduce-scatter over v[0..M): the calling thread keeps the lower half where
+/// its `offset` bit is 0, the upper half (moved down to v[0..M/2)) where it is 1, each added to
+/// the partner's (the thread `offset` away) same half. Cuda only.
+template <int M, int N>
+KOKKOS_INLINE_FUNCTION void selective_scan_reduce_half(float (&v)[N], int thread, int offset) {
+  static_assert(M % 2 == 0 && M <= N, "selective_scan_reduce_half: an even count within the array");
+#if defined(__CUDA_ARCH__)
+  const bool upper = (thread & offset) != 0;
+  for (int k = 0; k < M / 2; ++k) {
+    const float send = upper ? v[k] : v[k + M / 2];
+    const float keep = upper ? v[k + M / 2] : v[k];
+    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+  }
+#else
+  (void)v;
+  (void)thread;
+  (void)offset;
+#endif
+}
+
+/// A channel's partial sums of K tokens, V sums a token (v[i·V + q]), summed over its `lanes`
+/// (1, 2 or 4) neighbouring threads of a warp by a reduce-scatter (Cuda): returns the number of
+/// tokens the calling lane then holds, count = K / lanes, tokens lane·count + r at v[r·V + q].
+template <int V, int K>
+KOKKOS_INLINE_FUNCTION int selective_scan_lane_scatter(int lanes, int lane, float (&v)[V * K]) {
+  static_assert(K % 4 == 0, "selective_scan_lane_scatter: tokens in quarters");
+  if (lanes == 4) {
+    selective_scan_reduce_half<V * K>(v, lane, 2);
+    selective_scan_reduce_half<V * K / 2>(v, lane, 1);
+  } else if (lanes == 2) {
+    selective_scan_reduce_half<V * K>(v, lane, 1);
+  }
+  return K / lanes;
 }
 
 /// A team's channels: d0 + c for c < active, in group g of batch row b, channel block `block` of
@@ -357,12 +394,14 @@ struct SelectiveScanWalkForward {
   }
 
   /// The lanes' partial outputs y of tokens t..t + K − 1 of channel c: on Cuda summed across the
-  /// lanes by xor-shuffles and written, lane l taking tokens l, l + lanes, ...; elsewhere added
+  /// lanes by a reduce-scatter and written, each lane its K / lanes tokens; elsewhere added
   /// to the summed outputs in scratch (lanes in order), written by write_summed.
   KOKKOS_INLINE_FUNCTION void emit(float* s, int p, const Team& tm, int t, int c, int lane, float (&y)[K]) const {
     if constexpr (Shape::device) {
-      selective_scan_lane_sum(tiles.layout.lanes, y);
-      for (int i = lane; i < K; i += tiles.layout.lanes) write_output(s, p, tm, t + i, c, y[i]);
+      const int count = selective_scan_lane_scatter<1, K>(tiles.layout.lanes, lane, y);
+      for (int r = 0; r < K; ++r) {
+        if (r < count) write_output(s, p, tm, t + lane * count + r, c, y[r]);
+      }
     } else {
       (void)lane;
       float* sum = summed(s, c) + t % Shape::tile;

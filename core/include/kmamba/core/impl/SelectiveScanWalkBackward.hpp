@@ -20,8 +20,8 @@
 // Exps: one per (token, state) in the checkpoint pass, in the boundary walk and in the recompute.
 //
 // Fixed-order sums (every gradient repeats bit for bit): a channel's lanes add their partial sums
-// over states by xor-shuffles on Cuda (in lane order in scratch elsewhere), then each lane takes
-// every lanes-th token of a step; dB and dC of a step are summed over a warp's channels by a
+// over states by a shuffle reduce-scatter on Cuda (in lane order in scratch elsewhere), which
+// leaves each lane K / lanes tokens of a step to finish; dB and dC of a step are summed over a warp's channels by a
 // shuffle reduce-scatter (each thread keeps one (token, dB or dC) sum), stored per warp in
 // scratch and added over the warps in warp order once the tile is done, giving the team's block
 // of channels' sums (SelectiveScanBlockPartials adds the blocks in block order); dA stays in the
@@ -48,25 +48,6 @@
 
 namespace kmamba {
 namespace impl {
-
-/// One level of a warp reduce-scatter: v[k] + the partner's v[k] over the lower half of the
-/// values where the calling thread's `offset` bit is 0, over the upper half (moved down) where it
-/// is 1; the partner is the thread `offset` away. Cuda only.
-template <int M>
-KOKKOS_INLINE_FUNCTION void selective_scan_reduce_half(float (&v)[8], int thread, int offset) {
-#if defined(__CUDA_ARCH__)
-  const bool upper = (thread & offset) != 0;
-  for (int k = 0; k < M / 2; ++k) {
-    const float send = upper ? v[k] : v[k + M / 2];
-    const float keep = upper ? v[k + M / 2] : v[k];
-    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-  }
-#else
-  (void)v;
-  (void)thread;
-  (void)offset;
-#endif
-}
 
 /// Backward: one team per (batch, group, block of channels), as the forward walk. Writes du,
 /// ddelta, dz (with z), dinitial_state (when allocated), the block's dB and dC sums
@@ -282,14 +263,15 @@ struct SelectiveScanWalkBackward {
                                            const float (&a)[S], const float (&entering)[S], Sums& sums) const {
     const SelectiveScanWalkLayout& layout = tiles.layout;
     const int c = th / layout.lanes, lane = th % layout.lanes;
-    float u[K], dt[K], exponent[K], g[K], y[K], sum_B[K], sum_A[K];
+    // part[3i], part[3i + 1], part[3i + 2]: token i's y, Σλ·B and Σ A·λ·ā·h over the thread's states.
+    float u[K], dt[K], exponent[K], g[K], part[3 * K];
     scratch_items(layout.u(s, p, c) + t, u);
     scratch_items(layout.delta(s, p, c) + t, dt);
     scratch_items(layout.carry(s, p) + t, exponent);
     scratch_items(layout.dout(s, p, c) + t, g);
     for (int i = 0; i < K; ++i) {
       u[i] *= dt[i];  // now δ·u
-      y[i] = sum_B[i] = sum_A[i] = 0.0f;
+      part[3 * i] = part[3 * i + 1] = part[3 * i + 2] = 0.0f;
     }
     for (int j = 0; j < S; ++j) {
       const int n = lane * S + j;
@@ -301,15 +283,15 @@ struct SelectiveScanWalkBackward {
         decay[i] = exp2_approx(dt[i] * a[j] + exponent[i]);
         before[i] = h;
         h = decay[i] * h + u[i] * B[i];
-        y[i] += C[i] * h;
+        part[3 * i] += C[i] * h;
         terms[K + i] = g[i] * h;
       }
       float mu = sums.mu[j];
       for (int i = K - 1; i >= 0; --i) {
         const float lambda = g[i] * C[i] + mu;
         const float q = lambda * decay[i] * before[i];
-        sum_B[i] += lambda * B[i];
-        sum_A[i] += A[j] * q;
+        part[3 * i + 1] += lambda * B[i];
+        part[3 * i + 2] += A[j] * q;
         sums.dA[j] += dt[i] * q;
         terms[i] = lambda * u[i];
         mu = decay[i] * lambda;
@@ -318,16 +300,15 @@ struct SelectiveScanWalkBackward {
       add_channel_terms(s, th, n, t, terms);
     }
     if constexpr (Shape::device) {
-      selective_scan_lane_sum(layout.lanes, y);
-      selective_scan_lane_sum(layout.lanes, sum_B);
-      selective_scan_lane_sum(layout.lanes, sum_A);
-      for (int i = lane; i < K; i += layout.lanes)
-        finish_token(s, p, tm, t0 + t + i, c, y[i], sum_B[i], sum_A[i], sums);
+      const int count = selective_scan_lane_scatter<3, K>(layout.lanes, lane, part);
+      for (int r = 0; r < K; ++r) {
+        if (r < count) {
+          finish_token(s, p, tm, t0 + t + lane * count + r, c, part[3 * r], part[3 * r + 1], part[3 * r + 2], sums);
+        }
+      }
     } else {
       for (int i = 0; i < K; ++i) {
-        lane_sum(s, c, 0)[t + i] += y[i];
-        lane_sum(s, c, 1)[t + i] += sum_B[i];
-        lane_sum(s, c, 2)[t + i] += sum_A[i];
+        for (int w = 0; w < 3; ++w) lane_sum(s, c, w)[t + i] += part[3 * i + w];
       }
     }
   }
