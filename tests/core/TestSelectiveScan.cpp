@@ -452,18 +452,18 @@ TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
 
 // The sequences of the walk forms' sweeps: one token, one tile and the tokens either side of a
 // tile boundary, and several tiles (host tiles of 64 tokens forward, 32 backward; Cuda the same).
-std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
+std::vector<int> walk_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
 
 // Every option set through the walk forms (dstate within their bound, kmamba's chunk): 72
 // channels per group, so that the teams' channel blocks (Cuda: 32 channels at dstate 16, 64 at
 // dstate 5) leave a partial block and dB, dC are summed over several blocks. The bound is that of
 // the long sequence (2e-5): the recurrence runs over up to 2·tile + 37 tokens, and the sums over
 // states, channels and tokens are grouped otherwise than in the reference.
-TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
+TYPED_TEST(SelectiveScan, WalkFormMatchesReferenceSweep) {
   using Exec = TypeParam;
   using Shapes = kmamba::impl::SelectiveScanDefaultShapes<Exec>;
-  std::vector<int> lengths = block_form_lengths(Shapes::forward::tile);
-  for (const int seqlen : block_form_lengths(Shapes::backward::tile)) lengths.push_back(seqlen);
+  std::vector<int> lengths = walk_form_lengths(Shapes::forward::tile);
+  for (const int seqlen : walk_form_lengths(Shapes::backward::tile)) lengths.push_back(seqlen);
   std::uint64_t seed = 1500;
   for (const int seqlen : lengths) {
     for (const int dstate : {5, kmamba::impl::selective_scan_walk_states}) {
@@ -493,7 +493,7 @@ TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
 // backward's last to first), lanes, checkpoints and padding are checked here against the
 // reference too. dstate 3, 7 and 16 give the walk 1, 2 and 4 lanes a channel.
 template <class WalkShape, class Shape>
-struct BlockShapeOps {
+struct WalkShapeOps {
   template <class Exec, class Args, class Out, class Dout, class Grads>
   void operator()(const Exec& exec, const Args& args, const Out& out, const Out& last, const Dout& dout,
                   const Dout& dlast, const Grads& grads) const {
@@ -509,11 +509,11 @@ struct BlockShapeOps {
 };
 
 template <class WalkShape, class Shape>
-void check_block_shape() {
+void check_walk_shape() {
   using Host = Kokkos::DefaultHostExecutionSpace;
   std::uint64_t seed = 1700;
-  std::vector<int> lengths = block_form_lengths(Shape::tile);
-  for (const int seqlen : block_form_lengths(WalkShape::tile)) lengths.push_back(seqlen);
+  std::vector<int> lengths = walk_form_lengths(Shape::tile);
+  for (const int seqlen : walk_form_lengths(WalkShape::tile)) lengths.push_back(seqlen);
   for (const int seqlen : lengths) {
     for (const int dstate : {3, 7, 16}) {
       const bool all = (seqlen + dstate) % 2 == 0;
@@ -534,18 +534,18 @@ void check_block_shape() {
                    " steps " + std::to_string(WalkShape::steps) + "; backward threads " +
                    std::to_string(Shape::threads) + " items " + std::to_string(Shape::items) + " steps " +
                    std::to_string(Shape::steps));
-      check_against_reference<Host>(c, 2e-5, BlockShapeOps<WalkShape, Shape>());
+      check_against_reference<Host>(c, 2e-5, WalkShapeOps<WalkShape, Shape>());
     }
   }
 }
 
-TEST(SelectiveScanBlockShapes, ThreadsRunInTurnMatchReference) {
+TEST(SelectiveScanWalkShapes, ThreadsRunInTurnMatchReference) {
   using kmamba::impl::SelectiveScanWalkShape;
-  check_block_shape<SelectiveScanWalkShape<8, 4, 2, false>, SelectiveScanWalkShape<8, 4, 4, false>>();
-  check_block_shape<SelectiveScanWalkShape<5, 3, 5, false>, SelectiveScanWalkShape<5, 3, 2, false>>();
-  check_block_shape<SelectiveScanWalkShape<32, 1, 3, false>, SelectiveScanWalkShape<32, 1, 3, false>>();
+  check_walk_shape<SelectiveScanWalkShape<8, 4, 2, false>, SelectiveScanWalkShape<8, 4, 4, false>>();
+  check_walk_shape<SelectiveScanWalkShape<5, 3, 5, false>, SelectiveScanWalkShape<5, 3, 2, false>>();
+  check_walk_shape<SelectiveScanWalkShape<32, 1, 3, false>, SelectiveScanWalkShape<32, 1, 3, false>>();
   // Cuda's shapes, run in turn.
-  check_block_shape<SelectiveScanWalkShape<128, 4, 16, false>, SelectiveScanWalkShape<128, 4, 8, false>>();
+  check_walk_shape<SelectiveScanWalkShape<128, 4, 16, false>, SelectiveScanWalkShape<128, 4, 8, false>>();
 }
 
 TYPED_TEST(SelectiveScan, SoftplusBeyondThresholdMatchesReference) {
@@ -607,9 +607,9 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   }
 }
 
-// dB and dC sum the channel blocks of a group (12 here), in the register form (dstate 16) and the
-// lane form (24): on a parallel backend, runs of the backward write the same bits however their
-// threads are timed.
+// dB and dC sum the channel blocks of a group (the walk form at dstate 16: 3 blocks of 32 channels
+// on Cuda, 24 of 4 on host backends; the lane form at 24): on a parallel backend, runs of the
+// backward write the same bits however their threads are timed.
 TYPED_TEST(SelectiveScan, BackwardRepeatsBitForBit) {
   using Exec = TypeParam;
   for (int dstate : {16, 24}) {
