@@ -450,27 +450,27 @@ TYPED_TEST(SelectiveScan, ForwardAndBackwardMatchReferenceSweep) {
   }
 }
 
-// The sequences of the block-scan form's sweeps: one token, one chunk and the tokens either side
-// of a chunk boundary, and several chunks (host chunks of 64 tokens; Cuda 1024 forward, 512
-// backward).
-std::vector<int> block_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
+// The sequences of the walk forms' sweeps: one token, one tile and the tokens either side of a
+// tile boundary, and several tiles (host tiles of 64 tokens forward, 32 backward; Cuda the same).
+std::vector<int> walk_form_lengths(int chunk) { return {1, chunk - 1, chunk, chunk + 1, 2 * chunk + 37}; }
 
-// Every option set through the block-scan form (dstate within its bound, kmamba's chunk): 20
-// channels per group, so that the backward's channel blocks of 16 leave a partial block and dB,
-// dC are summed over two blocks. The bound is that of the long sequence (2e-5): the recurrence
-// runs over up to 2·chunk + 37 tokens, and the scan regroups its products and sums.
-TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
+// Every option set through the walk forms (dstate within their bound, kmamba's chunk): 72
+// channels per group, so that the teams' channel blocks (Cuda: 32 channels at dstate 16, 64 at
+// dstate 5) leave a partial block and dB, dC are summed over several blocks. The bound is that of
+// the long sequence (2e-5): the recurrence runs over up to 2·tile + 37 tokens, and the sums over
+// states, channels and tokens are grouped otherwise than in the reference.
+TYPED_TEST(SelectiveScan, WalkFormMatchesReferenceSweep) {
   using Exec = TypeParam;
   using Shapes = kmamba::impl::SelectiveScanDefaultShapes<Exec>;
-  std::vector<int> lengths = block_form_lengths(Shapes::forward::tile);
-  for (const int seqlen : block_form_lengths(Shapes::backward::chunk)) lengths.push_back(seqlen);
+  std::vector<int> lengths = walk_form_lengths(Shapes::forward::tile);
+  for (const int seqlen : walk_form_lengths(Shapes::backward::tile)) lengths.push_back(seqlen);
   std::uint64_t seed = 1500;
   for (const int seqlen : lengths) {
-    for (const int dstate : {5, kmamba::impl::selective_scan_block_states}) {
+    for (const int dstate : {5, kmamba::impl::selective_scan_walk_states}) {
       for (const int ngroups : {1, 2}) {
         Config c;
         c.batch = 2;
-        c.dim = 20 * ngroups;
+        c.dim = 72 * ngroups;
         c.seqlen = seqlen;
         c.dstate = dstate;
         c.ngroups = ngroups;
@@ -488,13 +488,12 @@ TYPED_TEST(SelectiveScan, BlockFormMatchesReferenceSweep) {
   }
 }
 
-// The walk and block-scan forms with the team shapes a host backend does not run by itself:
-// several threads of a few tokens each (as Cuda's 128 × 4), run in turn by one thread, so that
-// the walk's tiles, lanes and checkpoints, the block scan's exclusive scans over the threads, its
-// per-thread slots of dB and dC and its per-warp sums are checked here against the reference too.
-// dstate 3, 7 and 16 give the walk 1, 2 and 4 lanes a channel.
+// The walk forms with the team shapes a host backend does not run by itself: several threads of a
+// few tokens each (Cuda's 128 × 4 among them), run in turn by one thread, so that the tiles (the
+// backward's last to first), lanes, checkpoints and padding are checked here against the
+// reference too. dstate 3, 7 and 16 give the walk 1, 2 and 4 lanes a channel.
 template <class WalkShape, class Shape>
-struct BlockShapeOps {
+struct WalkShapeOps {
   template <class Exec, class Args, class Out, class Dout, class Grads>
   void operator()(const Exec& exec, const Args& args, const Out& out, const Out& last, const Dout& dout,
                   const Dout& dlast, const Grads& grads) const {
@@ -510,11 +509,11 @@ struct BlockShapeOps {
 };
 
 template <class WalkShape, class Shape>
-void check_block_shape() {
+void check_walk_shape() {
   using Host = Kokkos::DefaultHostExecutionSpace;
   std::uint64_t seed = 1700;
-  std::vector<int> lengths = block_form_lengths(Shape::chunk);
-  for (const int seqlen : block_form_lengths(WalkShape::tile)) lengths.push_back(seqlen);
+  std::vector<int> lengths = walk_form_lengths(Shape::tile);
+  for (const int seqlen : walk_form_lengths(WalkShape::tile)) lengths.push_back(seqlen);
   for (const int seqlen : lengths) {
     for (const int dstate : {3, 7, 16}) {
       const bool all = (seqlen + dstate) % 2 == 0;
@@ -532,19 +531,21 @@ void check_block_shape() {
       c.delta_hi = 0.5f;
       c.seed = ++seed;
       SCOPED_TRACE("walk threads " + std::to_string(WalkShape::threads) + " items " + std::to_string(WalkShape::items) +
-                   " steps " + std::to_string(WalkShape::steps) + "; block threads " + std::to_string(Shape::threads) +
-                   " items " + std::to_string(Shape::items));
-      check_against_reference<Host>(c, 2e-5, BlockShapeOps<WalkShape, Shape>());
+                   " steps " + std::to_string(WalkShape::steps) + "; backward threads " +
+                   std::to_string(Shape::threads) + " items " + std::to_string(Shape::items) + " steps " +
+                   std::to_string(Shape::steps));
+      check_against_reference<Host>(c, 2e-5, WalkShapeOps<WalkShape, Shape>());
     }
   }
 }
 
-TEST(SelectiveScanBlockShapes, ThreadsRunInTurnMatchReference) {
-  using kmamba::impl::SelectiveScanBlockShape;
+TEST(SelectiveScanWalkShapes, ThreadsRunInTurnMatchReference) {
   using kmamba::impl::SelectiveScanWalkShape;
-  check_block_shape<SelectiveScanWalkShape<8, 4, 2, false>, SelectiveScanBlockShape<8, 4, false>>();
-  check_block_shape<SelectiveScanWalkShape<5, 3, 5, false>, SelectiveScanBlockShape<5, 3, false>>();
-  check_block_shape<SelectiveScanWalkShape<32, 1, 3, false>, SelectiveScanBlockShape<32, 1, false>>();
+  check_walk_shape<SelectiveScanWalkShape<8, 4, 2, false>, SelectiveScanWalkShape<8, 4, 4, false>>();
+  check_walk_shape<SelectiveScanWalkShape<5, 3, 5, false>, SelectiveScanWalkShape<5, 3, 2, false>>();
+  check_walk_shape<SelectiveScanWalkShape<32, 1, 3, false>, SelectiveScanWalkShape<32, 1, 3, false>>();
+  // Cuda's shapes, run in turn.
+  check_walk_shape<SelectiveScanWalkShape<128, 4, 16, false>, SelectiveScanWalkShape<128, 4, 8, false>>();
 }
 
 TYPED_TEST(SelectiveScan, SoftplusBeyondThresholdMatchesReference) {
@@ -587,8 +588,7 @@ TYPED_TEST(SelectiveScan, LongSequenceWithChosenChunkMatchesReference) {
 TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   using Exec = TypeParam;
   std::uint64_t seed = 4000;
-  for (int dstate :
-       {kmamba::impl::selective_scan_block_states - 1, kmamba::impl::selective_scan_block_states + 1, 40}) {
+  for (int dstate : {kmamba::impl::selective_scan_walk_states - 1, kmamba::impl::selective_scan_walk_states + 1, 40}) {
     for (int chunk : {0, 5}) {
       Config c;
       c.batch = 2;
@@ -607,9 +607,9 @@ TYPED_TEST(SelectiveScan, WideAndRegisterBoundStatesMatchReference) {
   }
 }
 
-// dB and dC sum the channel blocks of a group (12 here), in the register form (dstate 16) and the
-// lane form (24): on a parallel backend, runs of the backward write the same bits however their
-// threads are timed.
+// dB and dC sum the channel blocks of a group (the walk form at dstate 16: 3 blocks of 32 channels
+// on Cuda, 24 of 4 on host backends; the lane form at 24): on a parallel backend, runs of the
+// backward write the same bits however their threads are timed.
 TYPED_TEST(SelectiveScan, BackwardRepeatsBitForBit) {
   using Exec = TypeParam;
   for (int dstate : {16, 24}) {
@@ -860,7 +860,7 @@ kmamba::Tensor4<float, Mem> row_slice4(const kmamba::Tensor4<float, Mem>& src, i
 TYPED_TEST(SelectiveScan, PackedBatchEqualsDocumentsAlone) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  for (int dstate : {4, kmamba::impl::selective_scan_block_states + 3}) {
+  for (int dstate : {4, kmamba::impl::selective_scan_walk_states + 3}) {
     Config c;
     c.batch = 3;
     c.dim = 6;

@@ -14,8 +14,8 @@
 //
 // All arithmetic and the running state are fp32. The sequence is walked in chunks, the state
 // carried from chunk to chunk, so no (seqlen × dstate) tensor is ever materialised: up to 16
-// states the forward walks each state token after token in a thread's registers (the walk form)
-// and the backward scans the tokens of a chunk in parallel (the block-scan form); wider states are
+// states the forward and the backward walk each state token after token in a thread's registers
+// (the walk form; the backward's tiles last to first from checkpoints); wider states are
 // staged a chunk of `chunk_size` tokens at a time in team scratch memory (docs/algorithms.md §1.3).
 // Every op is non-blocking on the execution space instance it is given.
 //
@@ -55,8 +55,8 @@ struct SelectiveScanArgs {
   ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional packed sequence ids
   /// Apply softplus (threshold 20) to delta + delta_bias.
   bool delta_softplus = false;
-  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the walk and block-scan forms, whose
-  /// tiles and chunks are fixed per backend). Any other value runs the lane form with chunks of that length; one the
+  /// Tokens per chunk; 0 lets kmamba choose (for dstate ≤ 16 the walk forms, whose tiles are
+  /// fixed per backend). Any other value runs the lane form with chunks of that length; one the
   /// team scratch memory cannot hold is a UserError.
   int chunk_size = 0;
 };
@@ -168,9 +168,8 @@ void selective_scan_forward(const SelectiveScanArgs<MemorySpace>& args,
 /// reduced over batch and seqlen, and dB and dC over the channels of a group, from partial sums
 /// in a fixed order (no atomics: every gradient repeats bit for bit from run to run). Non-blocking
 /// on `exec`, except that its temporary buffers (per-chunk checkpoints of the state, per-batch
-/// partial sums, and partial dB and dC per team's block of at most 8 channels, where a group has
-/// more than one block) are released on return, which waits for the device where freeing memory
-/// does (cudaFree).
+/// partial sums, and partial dB and dC per team's block of channels) are released on return, which waits for the device
+/// where freeing memory does (cudaFree).
 template <class ExecutionSpace, class MemorySpace>
 void selective_scan_backward(
     const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,

@@ -1,10 +1,10 @@
 // Internals of kmamba/core/SelectiveScan.hpp: the launch plans and the functors.
 //
-// Two forms. Up to selective_scan_block_states states (Mamba-1's 16) with kmamba's chunk, the
-// walk form forward (impl/SelectiveScanWalk.hpp: each thread walks its states of a channel token
-// after token) and the block-scan backward (impl/SelectiveScanBlockScan.hpp: a team scans the
-// tokens of a chunk of one channel in parallel), whose checkpoints the walk form writes. Wider states, or a chunk_size
-// of the caller's that the block form does not take, the lane form of this file: one team per (batch, group, block of
+// Two forms. Up to selective_scan_walk_states states (Mamba-1's 16) with kmamba's chunk, the
+// walk form (impl/SelectiveScanWalk.hpp, impl/SelectiveScanWalkBackward.hpp: each thread walks
+// its states of a channel token after token, the backward tiles last to first from checkpoints
+// the forward walk writes). Wider states, or a chunk_size of the caller's, the lane form of this
+// file: one team per (batch, group, block of
 // channels of that group); the channels are spread over the team's threads (one per channel on a GPU, a single thread
 // on a host backend, where team barriers and shared cache lines cost more than they save), and the vector lanes of a
 // thread own the states n of its channel (lane n % vector_length), so the per-token sum over n is a vector reduction
@@ -16,8 +16,8 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/impl/LightWeightLaunch.hpp>
-#include <kmamba/core/impl/SelectiveScanBlockScan.hpp>
 #include <kmamba/core/impl/SelectiveScanWalk.hpp>
+#include <kmamba/core/impl/SelectiveScanWalkBackward.hpp>
 #include <kmamba/core/Error.hpp>
 #include <kmamba/core/Tensor.hpp>
 #include <kmamba/core/Math.hpp>
@@ -82,25 +82,24 @@ struct SelectiveScanDims {
   std::int64_t batch = 0, dim = 0, seqlen = 0, dstate = 0, ngroups = 1;
 };
 
-/// The team shapes each backend runs: the walk-form forward's and the block-scan backward's.
-/// Cuda: the forward 128 threads (32 channels of 4 lanes at dstate 16), tiles of 16 steps of 4
-/// tokens (two buffers of a tile's rows take 70 KB of scratch, so that three teams fit a
-/// multiprocessor); the backward 128 threads (four warps) of 4 tokens (chunks of 512: its
-/// per-thread slots of dB and dC take 2·16·4·128 floats of scratch, 64 KB, so that three teams fit
-/// a multiprocessor, and its per-token values fit the registers). Host backends: the forward 16
-/// threads in turn over tiles of 64 tokens, the backward one thread over 64 tokens (a sequential
-/// walk, nothing to scan). The forward writes the backward's checkpoints at its chunks, a
-/// multiple of the forward's items.
+/// The team shapes each backend runs: the walk forms' forward and backward.
+/// Cuda: 128 threads (32 channels of 4 lanes at dstate 16) walking 4 tokens a step; the forward
+/// tiles of 16 steps (two buffers of a tile's rows take 70 KB of scratch, so that three teams fit
+/// a multiprocessor), the backward tiles of 8 steps (two buffers of its five rows a channel and
+/// the warps' dB, dC sums take 72 KB: three teams a multiprocessor; the states entering its 8
+/// steps stay in registers). Host backends: 16 threads in turn, the same tiles of 64 and 32
+/// tokens. The forward writes the backward's checkpoints at its tiles, a multiple of the
+/// forward's items.
 template <class ExecSpace>
 struct SelectiveScanDefaultShapes {
   using forward = SelectiveScanWalkShape<16, 4, 16, false>;
-  using backward = SelectiveScanBlockShape<1, 64, false>;
+  using backward = SelectiveScanWalkShape<16, 4, 8, false>;
 };
 #if defined(KOKKOS_ENABLE_CUDA)
 template <>
 struct SelectiveScanDefaultShapes<Kokkos::Cuda> {
   using forward = SelectiveScanWalkShape<128, 4, 16, true>;
-  using backward = SelectiveScanBlockShape<128, 4, true>;
+  using backward = SelectiveScanWalkShape<128, 4, 8, true>;
 };
 #endif
 
@@ -592,6 +591,24 @@ struct SelectiveScanStepFunctor {
   }
 };
 
+/// dB, dC = Σ over blocks of the partial sums, in block order; one item per (batch, group, state,
+/// token).
+template <class MemorySpace>
+struct SelectiveScanBlockSumFunctor {
+  ConstTensor5<float, MemorySpace> partial_dB, partial_dC;  // (blocks, batch, ngroups, dstate, seqlen)
+  Tensor4<float, MemorySpace> dB, dC;                       // (batch, ngroups, dstate, seqlen)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const int b, const int g, const int n, const int t) const {
+    float sum_b = 0.0f, sum_c = 0.0f;
+    for (int k = 0; k < static_cast<int>(partial_dB.extent(0)); ++k) {
+      sum_b += partial_dB(k, b, g, n, t);
+      sum_c += partial_dC(k, b, g, n, t);
+    }
+    dB(b, g, n, t) = sum_b;
+    dC(b, g, n, t) = sum_c;
+  }
+};
+
 /// The backward's dB and dC per block of a group's channels, which each team writes for its own
 /// block and sum_into adds in block order (no atomics: the sums repeat bitwise).
 template <class MemorySpace>
@@ -642,6 +659,37 @@ int selective_scan_lane_forward(const ExecSpace& exec, const char* function, con
   return plan.chunk;
 }
 
+/// The walk forms' shared part for the team shape `Shape` and `channel_rows` rows per channel
+/// (copying `dout` when allocated); the number of teams in `league`.
+template <class Shape, class MemorySpace>
+SelectiveScanWalkTiles<Shape, MemorySpace> selective_scan_walk_tiles(const SelectiveScanDims& dims,
+                                                                     const SelectiveScanOperands<MemorySpace>& operands,
+                                                                     const ConstTensor3<float, MemorySpace>& dout,
+                                                                     int channel_rows, int& league) {
+  const int dstate = static_cast<int>(dims.dstate), seqlen = static_cast<int>(dims.seqlen);
+  int lanes = 1;
+  while (lanes * selective_scan_lane_states < dstate) lanes *= 2;
+  KMAMBA_ASSERT(lanes <= selective_scan_max_lanes, "walk form with dstate " << dstate);
+  const int channels = Shape::threads / lanes;
+  const int channels_per_group = static_cast<int>(dims.dim / dims.ngroups);
+  const int blocks_per_group = (channels_per_group + channels - 1) / channels;
+  auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  const bool vector_copies = Shape::tile % 4 == 0 && seqlen % 4 == 0 && aligned(operands.u.data()) &&
+                             aligned(operands.delta.data()) && aligned(operands.B.data()) &&
+                             aligned(operands.C.data()) && (!operands.has_z || aligned(operands.z.data())) &&
+                             (!dout.is_allocated() || aligned(dout.data()));
+  league = static_cast<int>(dims.batch * dims.ngroups) * blocks_per_group;
+  return SelectiveScanWalkTiles<Shape, MemorySpace>{operands,
+                                                    seqlen,
+                                                    dstate,
+                                                    static_cast<int>(dims.ngroups),
+                                                    channels_per_group,
+                                                    blocks_per_group,
+                                                    SelectiveScanWalkLayout(lanes, channels, Shape::tile, channel_rows),
+                                                    vector_copies,
+                                                    dout};
+}
+
 /// Runs the walk-form forward with the team shape `Shape`, writing what is allocated of out,
 /// last_state and checkpoints (the state entering every `checkpoint_interval` tokens).
 template <class Shape, class ExecSpace, class MemorySpace>
@@ -652,94 +700,56 @@ void selective_scan_walk_forward(const ExecSpace& exec, const char* label, const
                                  const Tensor4<float, MemorySpace>& checkpoints,  // (batch, dim, nchunks, dstate)
                                  int checkpoint_interval) {
   using Functor = SelectiveScanWalkForward<Shape, MemorySpace>;
-  const int dstate = static_cast<int>(dims.dstate), seqlen = static_cast<int>(dims.seqlen);
-  int lanes = 1;
-  while (lanes * selective_scan_lane_states < dstate) lanes *= 2;
-  KMAMBA_ASSERT(lanes <= selective_scan_max_lanes, "walk form with dstate " << dstate);
   KMAMBA_ASSERT(checkpoint_interval > 0 && checkpoint_interval % Shape::items == 0,
                 "checkpoint interval " << checkpoint_interval << " is not a multiple of " << Shape::items);
-  const int channels = Shape::threads / lanes;
-  const int channels_per_group = static_cast<int>(dims.dim / dims.ngroups);
-  const int blocks_per_group = (channels_per_group + channels - 1) / channels;
-  auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
-  const bool vector_copies = Shape::tile % 4 == 0 && seqlen % 4 == 0 && aligned(operands.u.data()) &&
-                             aligned(operands.delta.data()) && aligned(operands.B.data()) &&
-                             aligned(operands.C.data()) && (!operands.has_z || aligned(operands.z.data()));
-  const SelectiveScanWalkLayout layout(lanes, channels, Shape::tile);
-  const Functor functor{operands,
-                        static_cast<int>(dims.batch),
-                        seqlen,
-                        dstate,
-                        static_cast<int>(dims.ngroups),
-                        channels_per_group,
-                        blocks_per_group,
-                        checkpoint_interval,
-                        layout,
-                        vector_copies,
-                        out,
-                        last_state,
-                        checkpoints};
+  // z only gates the output: a pass without one (the checkpoint pass) does not copy it.
+  SelectiveScanOperands<MemorySpace> used = operands;
+  used.has_z = operands.has_z && out.is_allocated();
+  int league = 0;
+  const Functor functor{
+      selective_scan_walk_tiles<Shape>(dims, used, ConstTensor3<float, MemorySpace>(), Functor::channel_rows, league),
+      checkpoint_interval, out, last_state, checkpoints};
   WarpTeamLauncher<ExecSpace, Shape::threads / Shape::slots, 3>::launch(
-      exec, label, static_cast<int>(dims.batch * dims.ngroups) * blocks_per_group, layout.bytes(Shape::device),
-      functor);
+      exec, label, league, functor.tiles.layout.bytes(Functor::extra_floats(functor.tiles.layout)), functor);
 }
 
-/// Whether the walk and block-scan forms take a call: dstate within their bound and chunk_size 0
-/// (kmamba's choice); a chunk_size of the caller's runs the lane form with it.
-inline bool selective_scan_takes_block_form(const SelectiveScanDims& dims, int requested_chunk) {
-  return dims.dstate <= selective_scan_block_states && requested_chunk == 0;
-}
-
-/// The block-scan backward with the team shape `Shape`: the checkpoint pass (the walk-form
-/// forward with the shape `ForwardShape`), the backward, and dB, dC summed over the channel
-/// blocks. Writes partial_dA and partial_vectors for the batch sum.
+/// The walk-form backward with the team shape `Shape`: the checkpoint pass (the walk-form forward
+/// with the shape `ForwardShape`, a checkpoint every Shape::tile tokens), the backward, and dB,
+/// dC summed over the channel blocks. Writes partial_dA and partial_vectors for the batch sum.
 template <class ForwardShape, class Shape, class ExecSpace, class MemorySpace>
-void selective_scan_block_backward(const ExecSpace& exec, const SelectiveScanDims& dims,
-                                   const SelectiveScanOperands<MemorySpace>& operands,
-                                   const ConstTensor3<float, MemorySpace>& dout,         // (batch, dim, seqlen)
-                                   const ConstTensor3<float, MemorySpace>& dlast_state,  // (batch, dim, dstate)
-                                   const SelectiveScanGrads<MemorySpace>& grads,
-                                   const Tensor3<float, MemorySpace>& partial_dA,       // (batch, dim, dstate)
-                                   const Tensor3<float, MemorySpace>& partial_vectors)  // (batch, dim, 2)
+void selective_scan_walk_backward(const ExecSpace& exec, const SelectiveScanDims& dims,
+                                  const SelectiveScanOperands<MemorySpace>& operands,
+                                  const ConstTensor3<float, MemorySpace>& dout,         // (batch, dim, seqlen)
+                                  const ConstTensor3<float, MemorySpace>& dlast_state,  // (batch, dim, dstate)
+                                  const SelectiveScanGrads<MemorySpace>& grads,
+                                  const Tensor3<float, MemorySpace>& partial_dA,       // (batch, dim, dstate)
+                                  const Tensor3<float, MemorySpace>& partial_vectors)  // (batch, dim, 2)
 {
-  using Functor = SelectiveScanBlockBackward<Shape, MemorySpace>;
-  const int batch = static_cast<int>(dims.batch), ngroups = static_cast<int>(dims.ngroups);
-  const int seqlen = static_cast<int>(dims.seqlen), dstate = static_cast<int>(dims.dstate);
-  const int nchunks = (seqlen + Shape::chunk - 1) / Shape::chunk;
-  const int channels_per_group = static_cast<int>(dims.dim / dims.ngroups);
-  const int blocks = (channels_per_group + Functor::block_channels - 1) / Functor::block_channels;
+  using Functor = SelectiveScanWalkBackward<Shape, MemorySpace>;
+  const int ntiles = static_cast<int>((dims.seqlen + Shape::tile - 1) / Shape::tile);
   const auto checkpoints = allocate_uninitialized<Tensor4<float, MemorySpace>>(
-      "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, nchunks, dims.dstate);
+      "kmamba::selective_scan::checkpoints", dims.batch, dims.dim, ntiles, dims.dstate);
   selective_scan_walk_forward<ForwardShape>(exec, "kmamba::selective_scan::checkpoints", dims, operands,
                                             Tensor3<float, MemorySpace>(), Tensor3<float, MemorySpace>(), checkpoints,
-                                            Shape::chunk);
-  const SelectiveScanBlockPartials<MemorySpace> partial(dims, blocks);
-  const Functor functor{operands,
-                        batch,
-                        static_cast<int>(dims.dim),
-                        seqlen,
-                        dstate,
-                        ngroups,
-                        channels_per_group,
-                        blocks,
-                        nchunks,
-                        dout,
-                        dlast_state,
-                        checkpoints,
-                        grads.du,
-                        grads.ddelta,
-                        grads.dz,
-                        partial.dB,
-                        partial.dC,
-                        grads.dinitial_state,
-                        partial_dA,
-                        partial_vectors};
+                                            Shape::tile);
+  int league = 0;
+  const auto tiles = selective_scan_walk_tiles<Shape>(dims, operands, dout, Functor::channel_rows, league);
+  const SelectiveScanBlockPartials<MemorySpace> partial(dims, tiles.blocks_per_group);
+  const Functor functor{tiles,      dlast_state, checkpoints,          grads.du,   grads.ddelta,   grads.dz,
+                        partial.dB, partial.dC,  grads.dinitial_state, partial_dA, partial_vectors};
   WarpTeamLauncher<ExecSpace, Shape::threads / Shape::slots, 3>::launch(
-      exec, "kmamba::selective_scan::backward", batch * ngroups * blocks, Functor::bytes, functor);
+      exec, "kmamba::selective_scan::backward", league, tiles.layout.bytes(Functor::extra_floats(tiles.layout)),
+      functor);
   partial.sum_into(exec, grads);
 }
 
-/// The lane-form backward (wider states, or a chunk_size the block form does not take).
+/// Whether the walk forms take a call: dstate within their bound and chunk_size 0
+/// (kmamba's choice); a chunk_size of the caller's runs the lane form with it.
+inline bool selective_scan_takes_walk_form(const SelectiveScanDims& dims, int requested_chunk) {
+  return dims.dstate <= selective_scan_walk_states && requested_chunk == 0;
+}
+
+/// The lane-form backward (wider states, or a chunk_size of the caller's).
 template <class ExecSpace, class MemorySpace>
 void selective_scan_lane_backward(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
                                   int requested_chunk, const SelectiveScanOperands<MemorySpace>& operands,
@@ -788,7 +798,7 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
                                  const SelectiveScanArgs<MemorySpace>& args, const Tensor3<float, MemorySpace>& out,
                                  const Tensor3<float, MemorySpace>& last_state) {
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
+  if (selective_scan_takes_walk_form(dims, args.chunk_size)) {
     selective_scan_walk_forward<Shape>(exec, "kmamba::selective_scan::forward", dims, operands, out, last_state,
                                        Tensor4<float, MemorySpace>(), Shape::items);
   } else {
@@ -797,8 +807,8 @@ void selective_scan_forward_impl(const ExecSpace& exec, const char* function, co
   }
 }
 
-/// `ForwardShape`, `Shape`: the team shapes of the walk-form checkpoint pass and of the block-scan
-/// backward (SelectiveScanDefaultShapes<ExecSpace> for the public op; the tests run other shapes
+/// `ForwardShape`, `Shape`: the team shapes of the walk-form checkpoint pass and of the backward
+/// walk (SelectiveScanDefaultShapes<ExecSpace> for the public op; the tests run other shapes
 /// on host backends).
 template <class ForwardShape, class Shape, class ExecSpace, class MemorySpace>
 void selective_scan_backward_impl(const ExecSpace& exec, const char* function, const SelectiveScanDims& dims,
@@ -811,9 +821,9 @@ void selective_scan_backward_impl(const ExecSpace& exec, const char* function, c
   const auto partial_vectors = allocate_uninitialized<Tensor3<float, MemorySpace>>(
       "kmamba::selective_scan::partial_dD_ddelta_bias", dims.batch, dims.dim, 2);
   const SelectiveScanOperands<MemorySpace> operands(args);
-  if (selective_scan_takes_block_form(dims, args.chunk_size)) {
-    selective_scan_block_backward<ForwardShape, Shape>(exec, dims, operands, dout, dlast_state, grads, partial_dA,
-                                                       partial_vectors);
+  if (selective_scan_takes_walk_form(dims, args.chunk_size)) {
+    selective_scan_walk_backward<ForwardShape, Shape>(exec, dims, operands, dout, dlast_state, grads, partial_dA,
+                                                      partial_vectors);
   } else {
     selective_scan_lane_backward(exec, function, dims, args.chunk_size, operands, dout, dlast_state, grads, partial_dA,
                                  partial_vectors);
