@@ -305,8 +305,9 @@ Mamba3Mixer<ExecutionSpace>::Mamba3Mixer(const ModelConfig& config, const std::s
                                     << " leaves no rotary angle (need d_state·rope_fraction >= 2)");
   rank_ = config_.is_mimo ? config_.mimo_rank : 1;
   chunk_ = config_.is_mimo ? std::max(1, config_.chunk_size / rank_) : config_.chunk_size;
-  const int rgn = rank_ * ngroups_ * d_state_;
-  segment_widths_ = {d_inner_, d_inner_, rgn, rgn, nheads_, nheads_, nheads_, nangles_};
+  const int bc_rows = rank_ * ngroups_ * d_state_;  // each of B and C
+  segment_widths_ =
+      std::array<int, segment_count>{d_inner_, d_inner_, bc_rows, bc_rows, nheads_, nheads_, nheads_, nangles_};
   int offset = 0;
   for (int s = 0; s < segment_count; ++s) {
     segment_offsets_[s] = offset;
