@@ -42,15 +42,16 @@ bool backward_ready(const Done& done, int r, int p, int v, const VirtualStageUni
 }  // namespace
 
 void check_interleaved_schedule(int stages, int virtual_stages, int micro_batches) {
-  KMAMBA_REQUIRE(stages >= 2, "kmamba::interleaved schedule: virtual pipeline stages need pipeline_parallel_size >= 2, "
-                              "got "
-                                  << stages);
-  KMAMBA_REQUIRE(virtual_stages >= 2, "kmamba::interleaved schedule: virtual_pipeline_stages must be >= 2 (1 is the "
-                                      "plain 1F1B schedule), got "
-                                          << virtual_stages);
+  KMAMBA_REQUIRE(
+      stages >= 2,
+      "kmamba::interleaved schedule: virtual pipeline stages need pipeline_parallel_size >= 2, got " << stages);
+  KMAMBA_REQUIRE(virtual_stages >= 2,
+                 "kmamba::interleaved schedule: virtual_pipeline_stages must be >= 2 (1 is the plain 1F1B "
+                 "schedule), got "
+                     << virtual_stages);
   KMAMBA_REQUIRE(micro_batches >= 1 && micro_batches % stages == 0,
-                 "kmamba::interleaved schedule: the micro-batches (" << micro_batches
-                     << ") must be a positive multiple of pipeline_parallel_size " << stages
+                 "kmamba::interleaved schedule: the micro-batches ("
+                     << micro_batches << ") must be a positive multiple of pipeline_parallel_size " << stages
                      << " (they pass through the chunks in groups of one per stage)");
 }
 

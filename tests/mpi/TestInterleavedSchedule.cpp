@@ -44,7 +44,8 @@ std::map<std::tuple<bool, int, int, int>, int> unit_ticks(const Timetable& ticks
       for (const bool forward : {true, false}) {
         const kmamba::VirtualStageUnit& u = forward ? ticks[t][r].forward : ticks[t][r].backward;
         if (u.empty()) continue;
-        const bool fresh = at.insert({{forward, static_cast<int>(r), u.chunk, u.micro_batch}, static_cast<int>(t)}).second;
+        const bool fresh =
+            at.insert({{forward, static_cast<int>(r), u.chunk, u.micro_batch}, static_cast<int>(t)}).second;
         EXPECT_TRUE(fresh) << "unit run twice: rank " << r << " chunk " << u.chunk << " micro-batch " << u.micro_batch;
       }
     }
@@ -234,20 +235,24 @@ TEST(InterleavedSchedule, MeasuredBubbleAgreesWithTheInterleavedFormula) {
 
 // I4.
 TEST(InterleavedSchedule, ErrorsNameTheBadInput) {
-  EXPECT_NE(user_error([] { kmamba::interleaved_timetable(1, 2, 4); })
-                .find("virtual pipeline stages need pipeline_parallel_size >= 2, got 1"),
+  EXPECT_NE(user_error([] {
+              kmamba::interleaved_timetable(1, 2, 4);
+            }).find("virtual pipeline stages need pipeline_parallel_size >= 2, got 1"),
             std::string::npos);
-  EXPECT_NE(user_error([] { kmamba::interleaved_timetable(2, 1, 4); })
-                .find("virtual_pipeline_stages must be >= 2 (1 is the plain 1F1B schedule), got 1"),
+  EXPECT_NE(user_error([] {
+              kmamba::interleaved_timetable(2, 1, 4);
+            }).find("virtual_pipeline_stages must be >= 2 (1 is the plain 1F1B schedule), got 1"),
             std::string::npos);
-  EXPECT_NE(user_error([] { kmamba::interleaved_timetable(4, 2, 6); })
-                .find("the micro-batches (6) must be a positive multiple of pipeline_parallel_size 4"),
+  EXPECT_NE(user_error([] {
+              kmamba::interleaved_timetable(4, 2, 6);
+            }).find("the micro-batches (6) must be a positive multiple of pipeline_parallel_size 4"),
             std::string::npos);
   if (world_size() != 1) return;
   const kmamba::ProcessMesh mesh = pipeline_mesh();
   FixedDurationChunks work(0.0, 0.0);
-  EXPECT_NE(user_error([&] { kmamba::run_interleaved_one_f_one_b(Exec(), mesh.pipeline(), 2, 2, work); })
-                .find("pipeline_parallel_size >= 2, got 1"),
+  EXPECT_NE(user_error([&] {
+              kmamba::run_interleaved_one_f_one_b(Exec(), mesh.pipeline(), 2, 2, work);
+            }).find("pipeline_parallel_size >= 2, got 1"),
             std::string::npos);
 }
 

@@ -59,8 +59,8 @@ inline double interleaved_bubble(int stages, int virtual_stages, int micro_batch
   return static_cast<double>(stages - 1) / static_cast<double>(virtual_stages * micro_batches + stages - 1);
 }
 
-/// Checks the interleaved schedule's rules: p ≥ 2, v ≥ 2 (v = 1 is run_one_f_one_b), m ≥ 1 a multiple of p. Throws a UserError
-/// naming the bad input otherwise.
+/// Checks the interleaved schedule's rules: p ≥ 2, v ≥ 2 (v = 1 is run_one_f_one_b), m ≥ 1 a multiple of p. Throws a
+/// UserError naming the bad input otherwise.
 void check_interleaved_schedule(int stages, int virtual_stages, int micro_batches);
 
 /// The most units rank `stage` holds forwarded and not yet backwarded: 2(p − stage − 1) + (v − 1)·p + 1,
@@ -93,9 +93,8 @@ class VirtualStageWork {
 /// in the interleaved order, and returns this rank's timing. Collective over `pipeline`. Blocking:
 /// returns when every rank has finished (the pipeline is flushed).
 template <class ExecutionSpace>
-PipelineTiming run_interleaved_one_f_one_b(const ExecutionSpace& exec, const Communicator& pipeline,
-                                           int virtual_stages, int micro_batches,
-                                           VirtualStageWork<ExecutionSpace>& work) {
+PipelineTiming run_interleaved_one_f_one_b(const ExecutionSpace& exec, const Communicator& pipeline, int virtual_stages,
+                                           int micro_batches, VirtualStageWork<ExecutionSpace>& work) {
   using Activation = typename VirtualStageWork<ExecutionSpace>::Activation;
   using Clock = std::chrono::steady_clock;
   using Key = std::pair<int, int>;  // (chunk on this rank, micro-batch)
@@ -106,7 +105,9 @@ PipelineTiming run_interleaved_one_f_one_b(const ExecutionSpace& exec, const Com
   const auto feeds_forward = [&](int from, const VirtualStageUnit& u) {
     return !u.empty() && !(from == p - 1 && u.chunk == v - 1);
   };
-  const auto feeds_backward = [&](int from, const VirtualStageUnit& u) { return !u.empty() && !(from == 0 && u.chunk == 0); };
+  const auto feeds_backward = [&](int from, const VirtualStageUnit& u) {
+    return !u.empty() && !(from == 0 && u.chunk == 0);
+  };
   std::map<Key, Activation> inputs, output_grads;  // received, kept until their unit runs
   const auto take = [](std::map<Key, Activation>& held, const VirtualStageUnit& u) {
     const auto found = held.find({u.chunk, u.micro_batch});
