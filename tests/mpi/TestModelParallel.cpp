@@ -251,9 +251,17 @@ TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
                     every_element, "gradient");
 }
 
+// Document starts of the packed test rows, against the segments of 13 positions (sp 2: [0, 7),
+// [7, 13); sp 4: [0, 4), [4, 7), [7, 10), [10, 13)) and the conv halo of 3: a segment that starts a
+// document of several tokens (7); a halo partly in the segment's first document (6: tokens 4, 5
+// are another's, 6 is the first document's), a start inside a segment (11); one- and two-token
+// documents and a start at a segment's first token (1, 3, 4), a halo token in the first document (9);
+// one document over every segment.
+const std::vector<std::vector<std::int64_t>> packed_starts = {{7}, {6, 11}, {1, 3, 4, 9}, {}};
+
 TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) {
   const kmamba::ModelConfig config = tiny_mamba2();
-  const Batch b = packed_token_rows(batch, seqlen, 900);
+  const Batch b = packed_token_rows(batch, seqlen, 900, packed_starts);
   Model reference(config);
   reference.initialize(init_seed);
   const double ref_loss = one_rank_reference_backward(reference, b);
@@ -285,7 +293,7 @@ TEST(ModelParallel, Mamba1AndMamba3RefusePackedRowsUnderSequenceParallelism) {
   kmamba::MeshConfig mesh_config;
   mesh_config.sequence_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-  const Batch b = packed_token_rows(1, seqlen, 901);
+  const Batch b = packed_token_rows(1, seqlen, 901, packed_starts);
   const kmamba::SequenceSegment segment =
       kmamba::sequence_segment(seqlen, mesh.coordinates().sp, mesh.config().sequence_parallel_size);
   const Batch mine = slice(b, 0, 1, segment.begin, segment.length);

@@ -5,7 +5,6 @@
 #define KMAMBA_TESTS_SUPPORT_DISTRIBUTED_BATCHES_HPP
 
 #include <kmamba/core/Core.hpp>
-#include "PackedIds.hpp"
 #include "RoundingBounds.hpp"
 
 #include <kmamba/models/Distributed.hpp>
@@ -94,16 +93,20 @@ inline TokenRows random_token_rows(int rows, std::int64_t length, std::uint64_t 
   return b;
 }
 
-/// random_token_rows with the documents of packed_ids(rows, length) (PackedIds.hpp): no target
-/// across a document's end.
-inline TokenRows packed_token_rows(int rows, std::int64_t length, std::uint64_t seed) {
+/// random_token_rows packed into documents: row r's documents start at starts[r % starts.size()]
+/// (positions below length; every id differs from the previous one), and no target crosses a
+/// document's end.
+inline TokenRows packed_token_rows(int rows, std::int64_t length, std::uint64_t seed,
+                                   const std::vector<std::vector<std::int64_t>>& starts) {
   TokenRows b = random_token_rows(rows, length, seed);
-  const std::vector<std::int64_t> ids = packed_ids(rows, static_cast<int>(length));
   b.seq_idx = TokenRows::Ids("kmamba::test::seq_idx", rows, length);
-  std::copy(ids.begin(), ids.end(), b.seq_idx.data());
   for (int r = 0; r < rows; ++r) {
-    for (std::int64_t t = 0; t + 1 < length; ++t) {
-      if (b.seq_idx(r, t + 1) != b.seq_idx(r, t)) b.targets(r, t) = ignore_index;
+    const std::vector<std::int64_t>& row_starts = starts[static_cast<std::size_t>(r) % starts.size()];
+    std::int64_t id = 0;
+    for (std::int64_t t = 0; t < length; ++t) {
+      if (std::find(row_starts.begin(), row_starts.end(), t) != row_starts.end()) ++id;
+      b.seq_idx(r, t) = id;
+      if (t > 0 && b.seq_idx(r, t) != b.seq_idx(r, t - 1)) b.targets(r, t - 1) = ignore_index;
     }
   }
   return b;
