@@ -53,11 +53,13 @@ Tensor2<float, MemorySpace> packed_halo_mask(const ExecutionSpace& exec, const C
   const int seqlen = static_cast<int>(seq_idx.extent(1));
   const Ids received = allocate_uninitialized<Ids>("kmamba::packed_segments::received_ids", batch, halo);
   const Ids last = allocate_uninitialized<Ids>("kmamba::packed_segments::last_ids", batch, halo);
-  const auto mask = allocate_uninitialized<Tensor2<float, MemorySpace>>("kmamba::packed_segments::halo_mask", batch, halo);
+  const auto mask =
+      allocate_uninitialized<Tensor2<float, MemorySpace>>("kmamba::packed_segments::halo_mask", batch, halo);
   if (previous != no_peer) sequence.recv(exec, received, previous);
-  Kokkos::parallel_for("kmamba::packed_segments::halo_ids",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * halo),
-                       PackedHaloIdsFunctor<MemorySpace>{received, seq_idx, last, mask, halo, seqlen, previous != no_peer});
+  Kokkos::parallel_for(
+      "kmamba::packed_segments::halo_ids",
+      Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch * halo),
+      PackedHaloIdsFunctor<MemorySpace>{received, seq_idx, last, mask, halo, seqlen, previous != no_peer});
   if (next != no_peer) sequence.send(exec, last, next);
   return mask;
 }
