@@ -81,7 +81,8 @@ struct TokenRows {
 inline TokenRows random_token_rows(int rows, std::int64_t length, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<std::int64_t> token(0, 63);
-  TokenRows b{TokenRows::Ids("kmamba::test::ids", rows, length), TokenRows::Ids("kmamba::test::targets", rows, length)};
+  TokenRows b{TokenRows::Ids("kmamba::test::ids", rows, length), TokenRows::Ids("kmamba::test::targets", rows, length),
+              TokenRows::Ids()};
   for (int r = 0; r < rows; ++r) {
     for (std::int64_t t = 0; t < length; ++t) b.ids(r, t) = token(rng);
   }
@@ -115,7 +116,7 @@ inline TokenRows packed_token_rows(int rows, std::int64_t length, std::uint64_t 
 /// Rows [first, first + count) and positions [begin, begin + length) of b.
 inline TokenRows slice(const TokenRows& b, int first, int count, std::int64_t begin, std::int64_t length) {
   TokenRows out{TokenRows::Ids("kmamba::test::ids", count, length),
-                TokenRows::Ids("kmamba::test::targets", count, length)};
+                TokenRows::Ids("kmamba::test::targets", count, length), TokenRows::Ids()};
   if (b.seq_idx.is_allocated()) out.seq_idx = TokenRows::Ids("kmamba::test::seq_idx", count, length);
   for (int r = 0; r < count; ++r) {
     for (std::int64_t t = 0; t < length; ++t) {
