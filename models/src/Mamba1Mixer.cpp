@@ -584,9 +584,7 @@ template <class ExecutionSpace>
 const ConstTensor2<std::int64_t, typename Mamba1Mixer<ExecutionSpace>::memory_space>&
 Mamba1Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
   const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
-  KMAMBA_REQUIRE(!seq_idx.is_allocated() || parallel_.sequence_size() == 1,
-                 function << ": packed sequence ids (seq_idx) with sequence parallelism (" << parallel_.sequence_size()
-                          << " ranks) are not supported: a rank's segment may not start a document");
+  impl::check_packed_rows_unsplit(function, seq_idx.is_allocated(), parallel_);
   return seq_idx;
 }
 

@@ -3,6 +3,7 @@
 #include <kmamba/models/Mamba2Mixer.hpp>
 
 #include "MixerToolkit.hpp"
+#include "PackedSegments.hpp"
 #include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
@@ -328,16 +329,6 @@ Mamba2Mixer<ExecutionSpace>::in_proj(const Slab& slab) const {
 }
 
 template <class ExecutionSpace>
-const ConstTensor2<std::int64_t, typename Mamba2Mixer<ExecutionSpace>::memory_space>&
-Mamba2Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
-  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
-  KMAMBA_REQUIRE(!seq_idx.is_allocated() || parallel_.sequence_size() == 1,
-                 function << ": packed sequence ids (seq_idx) with sequence parallelism (" << parallel_.sequence_size()
-                          << " ranks) are not supported: a rank's segment may not start a document");
-  return seq_idx;
-}
-
-template <class ExecutionSpace>
 void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const Slab& slab, const ConstMatrix& u,
                                               const Matrix& out, Activations& a, Cache* cache) const {
   using Mem = memory_space;
@@ -346,11 +337,14 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const bool split_sequence = parallel_.sequence_size() > 1;
   const Communicator* const sequence = parallel_.sequence;
   const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
-  const ConstTensor2<std::int64_t, Mem>& seq_idx = packed_sequence_ids("kmamba::Mamba2Mixer::forward", batch, seqlen);
+  const ConstTensor2<std::int64_t, Mem>& seq_idx = this->sequence_ids("kmamba::Mamba2Mixer::forward", batch, seqlen);
 
   impl::negative_exp(exec, "kmamba::mamba2::A", slab.template param<1>(p + "A_log"), a.A);
 
   impl::project_segments(exec, in_proj(slab), u, a.pre);
+  a.halo_mask = split_sequence && seq_idx.is_allocated()
+                    ? impl::packed_halo_mask(exec, *sequence, previous, next, seq_idx, std::max(1, d_conv_ - 1))
+                    : Tensor2<float, Mem>();
 
   // Causal depthwise conv + SiLU on x, B and C; their channels are rows [offset − d_inner, ...) of the conv.
   float* const conv_w = slab.template param<3>(p + "conv1d.weight").data();  // (conv_dim, 1, d_conv)
@@ -366,6 +360,7 @@ void Mamba2Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
     if (split_sequence) {  // the halo: the previous rank's last d_conv − 1 inputs
       initial = a.conv_initial[s];
       if (previous != no_peer) sequence->recv(exec, initial, previous);
+      if (a.halo_mask.is_allocated()) impl::mask_packed_halo(exec, ConstTensor2<float, Mem>(a.halo_mask), initial);
       final_state = next != no_peer
                         ? allocate_uninitialized<Tensor3<float, Mem>>(
                               std::string("kmamba::mamba2::conv_final_") + segment_names[s], batch, width, d_conv_ - 1)
@@ -412,11 +407,15 @@ void Mamba2Mixer<ExecutionSpace>::scan_segment(
       allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::ssm_final", a.batch, nheads_, headdim_, d_state_);
   ssd_forward(exec, args, y, final_states);
   ssd_segment_decay(exec, args, a.segment_decay);
+  // Packed rows: a segment that starts a document passes no state on and takes none in.
+  const ConstTensor2<float, Mem> halo_mask(a.halo_mask);
+  if (halo_mask.is_allocated()) impl::mask_packed_rows(exec, halo_mask, a.segment_decay);
   const std::size_t rows = static_cast<std::size_t>(a.batch * nheads_), width = a.ssm_initial.size() / rows;
   impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Forward,
                            ConstTensor2<float, Mem>(a.segment_decay.data(), rows, 1),
                            ConstTensor2<float, Mem>(final_states.data(), rows, width),
                            Tensor2<float, Mem>(a.ssm_initial.data(), rows, width));
+  if (halo_mask.is_allocated()) impl::mask_packed_rows(exec, halo_mask, a.ssm_initial);
   ssd_state_correction_forward(exec, args, a.ssm_initial, y, Tensor4<float, Mem>());
 }
 
@@ -432,7 +431,7 @@ void Mamba2Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba2Mixer::forward";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
-  packed_sequence_ids(function, batch, seqlen);
+  this->sequence_ids(function, batch, seqlen);
   impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
@@ -530,7 +529,7 @@ void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const
   SsdArgs<Mem> args = make_ssd_args(config_, slab, p, nheads_, ngroups_, batch, seqlen, a.act[x_segment],
                                     a.pre[dt_segment], a.A, a.act[B_segment], a.act[C_segment]);
   args.matmul_precision = this->ssd_matmul_precision();
-  args.seq_idx = packed_sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen);
+  args.seq_idx = this->sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen);
   const Tensor4<float, Mem> dy_heads = as_heads(dy, batch, seqlen, nheads_);
   // Sequence parallel: the gradient of this segment's final state is the one of the state entering
   // the next segment, composed over the later segments from what each segment's outputs give its
@@ -541,6 +540,7 @@ void Mamba2Mixer<ExecutionSpace>::backward_ssd(const ExecutionSpace& exec, const
     const auto from_outputs = allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_incoming", batch,
                                                                           nheads_, headdim_, d_state_);
     ssd_state_correction_backward(exec, args, dy_heads, from_outputs);
+    if (a.halo_mask.is_allocated()) impl::mask_packed_rows(exec, ConstTensor2<float, Mem>(a.halo_mask), from_outputs);
     dfinal_states =
         allocate_uninitialized<Tensor4<float, Mem>>("kmamba::mamba2::d_ssm_final", batch, nheads_, headdim_, d_state_);
     const std::size_t rows = static_cast<std::size_t>(batch * nheads_), width = from_outputs.size() / rows;
@@ -594,8 +594,13 @@ void Mamba2Mixer<ExecutionSpace>::backward_conv(const ExecutionSpace& exec, cons
                            as_sequence(dact[s], batch, seqlen), dfinal_state, as_sequence(dpre[s], batch, seqlen),
                            rows_of<Mem>(dconv_weight.data(), channel, segment_widths_[s], d_conv_), dbias,
                            dinitial_state, Conv1dActivation::silu,
-                           packed_sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen));
-    if (previous != no_peer) parallel_.sequence->send(exec, dinitial_state, previous);
+                           this->sequence_ids("kmamba::Mamba2Mixer::backward", batch, seqlen));
+    if (previous != no_peer) {
+      if (kept_.halo_mask.is_allocated()) {
+        impl::mask_packed_halo(exec, ConstTensor2<float, Mem>(kept_.halo_mask), dinitial_state);
+      }
+      parallel_.sequence->send(exec, dinitial_state, previous);
+    }
   }
   accumulate(exec, Vector(dconv_weight.data(), dconv_weight.size()),
              flat(slab.grads(), slab, prefix_ + "conv1d.weight"));
@@ -650,7 +655,7 @@ void Mamba2Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba2Mixer::prefill";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
-  packed_sequence_ids(function, batch, seqlen);
+  this->sequence_ids(function, batch, seqlen);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
   impl::check_whole_sequences(function, parallel_);

@@ -75,8 +75,8 @@ Tensor2<T, Mem> without_rank(const Tensor3<T, Mem>& v) {
 template <class Mem>
 Mamba3SisoArgs<Mem> siso_args(const Mamba3MimoArgs<Mem>& m) {
   return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap, without_rank(m.q_bias),
-          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   {},     m.chunk_size,
-          m.matmul_precision};
+          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   {},     {},
+          m.chunk_size,           m.matmul_precision};
 }
 template <class Mem>
 Mamba3SisoGrads<Mem> siso_grads(const Mamba3MimoGrads<Mem>& g) {
@@ -534,6 +534,14 @@ Mamba3Mixer<ExecutionSpace>::in_proj(const Slab& slab) const {
 }
 
 template <class ExecutionSpace>
+const ConstTensor2<std::int64_t, typename Mamba3Mixer<ExecutionSpace>::memory_space>&
+Mamba3Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
+  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
+  impl::check_packed_rows_unsplit(function, seq_idx.is_allocated(), parallel_);
+  return seq_idx;
+}
+
+template <class ExecutionSpace>
 Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace>::scan_args(
     const Slab& slab, const Activations& a) const {
   using Mem = memory_space;
@@ -570,6 +578,7 @@ void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
   const Tensor4<float, Mem> y(a.y.data(), sz(a.batch), sz(a.seqlen), sz(nheads_), sz(headdim_));
   Mamba3SisoArgs<Mem> siso = siso_args(args);
+  siso.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::forward", a.batch, a.seqlen);
   if (a.ungated.is_allocated())
     siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
   if (parallel_.sequence_size() > 1) {
@@ -638,6 +647,7 @@ void Mamba3Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba3Mixer::forward";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  packed_sequence_ids(function, batch, seqlen);
   impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
@@ -666,6 +676,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   constexpr const char* function = "kmamba::Mamba3Mixer::backward";
   const std::int64_t batch = kept_.batch, seqlen = kept_.seqlen, rows = batch * seqlen;
   impl::check_backward_arguments(function, has_kept_, batch, seqlen, d_model_, dout, du);
+  packed_sequence_ids(function, batch, seqlen);
   check_parameters(function, slab);
   const ConstMatrix dout2(dout.data(), sz(rows), sz(d_model_));
   const Matrix du2(du.data(), sz(rows), sz(d_model_));
@@ -747,6 +758,7 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   if (!config_.is_outproj_norm) g.dz = T4(dpre[z_segment].data(), b, L, H, P);
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
   Mamba3SisoArgs<Mem> siso = siso_args(args);
+  siso.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::backward", a.batch, a.seqlen);
   if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
   const Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
   const T4 dy4(dy.data(), b, L, H, P);
@@ -870,6 +882,7 @@ void Mamba3Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba3Mixer::prefill";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
+  packed_sequence_ids(function, batch, seqlen);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
   impl::check_whole_sequences(function, parallel_);

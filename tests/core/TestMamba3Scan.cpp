@@ -36,6 +36,7 @@
 #include "Checks.hpp"
 #include "Mamba3DeviceProblem.hpp"
 #include "Mamba3ScanReference.hpp"
+#include "PackedIds.hpp"
 #include "SafeTensorsReader.hpp"
 
 #include <gtest/gtest.h>
@@ -58,6 +59,47 @@ using namespace kmamba::reference::mamba3;
 
 // ----------------------------------------------------------------------------------------------
 // The reference against itself: its backward against finite differences of its forward.
+
+// Every gradient of ref_loss against central differences (step 1e-6) of the reference forward.
+void expect_finite_differences(RefProblem P) {
+  const Config& cfg = P.cfg;
+  const RefGrads g = ref_backward(P);
+  const double eps = 1e-6;
+  auto check = [&](const char* name, std::vector<double>& input, const std::vector<double>& analytic) {
+    ASSERT_EQ(input.size(), analytic.size()) << name << " " << cfg.describe();
+    ASSERT_FALSE(input.empty()) << name;
+    for (std::size_t i = 0; i < input.size(); ++i) {
+      const double saved = input[i];
+      input[i] = saved + eps;
+      const double up = ref_loss(P);
+      input[i] = saved - eps;
+      const double down = ref_loss(P);
+      input[i] = saved;
+      const double fd = (up - down) / (2 * eps);
+      ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i]))) << name << "[" << i << "] " << cfg.describe();
+    }
+  };
+  check("q", P.q, g.dq);
+  check("k", P.k, g.dk);
+  check("v", P.v, g.dv);
+  check("adt", P.adt, g.dadt);
+  check("dt", P.dt, g.ddt);
+  check("trap", P.trap, g.dtrap);
+  check("q_bias", P.q_bias, g.dq_bias);
+  check("k_bias", P.k_bias, g.dk_bias);
+  check("angles", P.angles, g.dangles);
+  check("D", P.D, g.dD);
+  if (cfg.z) check("z", P.z, g.dz);
+  if (cfg.mimo()) {
+    check("mimo_v", P.mimo_v, g.dmimo_v);
+    check("mimo_o", P.mimo_o, g.dmimo_o);
+    if (cfg.z) check("mimo_z", P.mimo_z, g.dmimo_z);
+  }
+  check("initial angle", P.angle0, g.dangle0);
+  check("initial ssm", P.ssm0, g.dssm0);
+  check("initial k", P.k0, g.dk0);
+  check("initial v", P.v0, g.dv0);
+}
 
 TEST(Mamba3Reference, BackwardMatchesFiniteDifferences) {
   std::vector<Config> configs;
@@ -82,46 +124,25 @@ TEST(Mamba3Reference, BackwardMatchesFiniteDifferences) {
   c.nangles = 1;
   c.seed = 3;
   configs.push_back(c);  // MIMO rank 3 without the gate
-  for (const Config& cfg : configs) {
-    RefProblem P = make_reference_problem(cfg);
-    const RefGrads g = ref_backward(P);
-    const double eps = 1e-6;
-    auto check = [&](const char* name, std::vector<double>& input, const std::vector<double>& analytic) {
-      ASSERT_EQ(input.size(), analytic.size()) << name << " " << cfg.describe();
-      ASSERT_FALSE(input.empty()) << name;
-      for (std::size_t i = 0; i < input.size(); ++i) {
-        const double saved = input[i];
-        input[i] = saved + eps;
-        const double up = ref_loss(P);
-        input[i] = saved - eps;
-        const double down = ref_loss(P);
-        input[i] = saved;
-        const double fd = (up - down) / (2 * eps);
-        ASSERT_NEAR(fd, analytic[i], 1e-6 * (1.0 + std::fabs(analytic[i])))
-            << name << "[" << i << "] " << cfg.describe();
-      }
-    };
-    check("q", P.q, g.dq);
-    check("k", P.k, g.dk);
-    check("v", P.v, g.dv);
-    check("adt", P.adt, g.dadt);
-    check("dt", P.dt, g.ddt);
-    check("trap", P.trap, g.dtrap);
-    check("q_bias", P.q_bias, g.dq_bias);
-    check("k_bias", P.k_bias, g.dk_bias);
-    check("angles", P.angles, g.dangles);
-    check("D", P.D, g.dD);
-    if (cfg.z) check("z", P.z, g.dz);
-    if (cfg.mimo()) {
-      check("mimo_v", P.mimo_v, g.dmimo_v);
-      check("mimo_o", P.mimo_o, g.dmimo_o);
-      if (cfg.z) check("mimo_z", P.mimo_z, g.dmimo_z);
-    }
-    check("initial angle", P.angle0, g.dangle0);
-    check("initial ssm", P.ssm0, g.dssm0);
-    check("initial k", P.k0, g.dk0);
-    check("initial v", P.v0, g.dv0);
-  }
+  for (const Config& cfg : configs) expect_finite_differences(make_reference_problem(cfg));
+}
+
+// Packed rows: documents of one and two tokens, one starting at the last token (PackedIds.hpp),
+// with initial states (the first document's) and final cotangents (the last one's).
+TEST(Mamba3Reference, PackedBackwardMatchesFiniteDifferences) {
+  Config c;
+  c.batch = 3;
+  c.seqlen = 9;
+  c.nheads = 2;
+  c.headdim = 2;
+  c.ngroups = 1;
+  c.dstate = 6;
+  c.nangles = 2;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.seed = 21;
+  RefProblem P = make_reference_problem(c);
+  P.seq_idx = kmamba::test::packed_ids(c.batch, c.seqlen);
+  expect_finite_differences(P);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -439,6 +460,49 @@ TYPED_TEST(Mamba3Scan, MimoMatchesReference) {
   worst() = Worst();
   for (const Config& cfg : mimo_sweep()) check_against_reference<TypeParam>(cfg);
   print_worst("MIMO kernels vs reference");
+}
+
+// Packed rows (Mamba3SisoArgs::seq_idx) against the packed reference: documents across chunk
+// boundaries, of one token, starting at a row's last token; with every option, the default chunk
+// and a bf16 request (which the packed rows compute in fp32: the fused kernels take no ids, so the
+// fp32 tolerances apply).
+TYPED_TEST(Mamba3Scan, SisoPackedRowsMatchReference) {
+  worst() = Worst();
+  std::vector<Config> list;
+  Config c;
+  c.batch = 3;
+  c.seqlen = 29;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.seed = 31;
+  list.push_back(c);
+  c.nangles = 4;  // rope_fraction 1.0, one group
+  c.ngroups = 1;
+  c.chunk = 8;
+  c.z = false;
+  c.seed = 32;
+  list.push_back(c);
+  c = Config();
+  c.batch = 3;
+  c.seqlen = 70;
+  c.chunk = 64;
+  c.nheads = 2;
+  c.headdim = 64;
+  c.ngroups = 1;
+  c.dstate = 16;
+  c.nangles = 4;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.precision = kmamba::MatmulPrecision::BFloat16;
+  c.seed = 33;
+  list.push_back(c);
+  for (const Config& cfg : list) {
+    RefProblem P = make_reference_problem(cfg);
+    P.seq_idx = kmamba::test::packed_ids(cfg.batch, cfg.seqlen);
+    const Mamba3DeviceProblem<typename TypeParam::memory_space> p(P);
+    const auto result = run_kernels<TypeParam>(p, true);
+    compare_outputs(result.first, ref_forward(P), forward_tol, cfg.describe() + " packed");
+    compare_grads(result.second, ref_backward(P), gradient_tol, cfg.describe() + " packed");
+  }
+  print_worst("SISO kernels vs reference, packed rows");
 }
 
 TYPED_TEST(Mamba3Scan, TensorFloat32SisoMatchesReference) {
@@ -846,6 +910,10 @@ TYPED_TEST(Mamba3Scan, RejectsBadShapes) {
   const kmamba::Mamba3SisoStates<Mem> no_states;
 
   kmamba::Mamba3SisoArgs<Mem> a = siso.siso_args();
+  a.seq_idx = allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", 2, 11);
+  expect_user_error([&] { kmamba::mamba3_siso_backward(exec, a, siso.dout, siso.siso_dfinal, {}); },
+                    {"kmamba::mamba3_siso_backward", "seq_idx", "(2, 11)", "(2, 10)", "(batch, seqlen)"});
+  a = siso.siso_args();
   a.ungated_out = allocate<T4>("kmamba::test::ungated_out", 2, 10, 4, 2);
   expect_user_error([&] { kmamba::mamba3_siso_forward(exec, a, out, no_states); },
                     {"kmamba::mamba3_siso_forward", "ungated_out", "(2, 10, 4, 2)", "(2, 10, 4, 3)",

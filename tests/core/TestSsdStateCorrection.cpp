@@ -29,10 +29,12 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 #include "SsdReference.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
@@ -85,6 +87,7 @@ struct Device {
   T4 x, B, C, h0, dout;
   T3 dt, log_decay;
   T1 A, D, bias;
+  kmamba::Tensor2<std::int64_t, Mem> seq_idx;  // the problem's packed ids, if any
   Config cfg;
 
   explicit Device(const RefProblem& P) : cfg(P.cfg) {
@@ -114,6 +117,12 @@ struct Device {
       bias = allocate_uninitialized<T1>("kmamba::test::dt_bias", c.nheads);
       upload(bias, P.bias);
     }
+    if (!P.seq.empty()) {
+      seq_idx = allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", c.batch, c.seqlen);
+      const auto host = Kokkos::create_mirror_view(seq_idx);
+      std::copy(P.seq.begin(), P.seq.end(), host.data());
+      Kokkos::deep_copy(seq_idx, host);
+    }
   }
 
   /// The SSD's arguments from a zero initial state.
@@ -131,6 +140,7 @@ struct Device {
     a.dt_min = cfg.dt_min;
     a.dt_max = cfg.dt_max;
     a.chunk_size = cfg.chunk;
+    a.seq_idx = seq_idx;
     return a;
   }
 };
@@ -182,46 +192,65 @@ std::vector<double> difference(const std::vector<double>& a, const std::vector<d
 
 KMAMBA_BACKEND_TEST_SUITE(SsdStateCorrection);
 
-TYPED_TEST(SsdStateCorrection, ForwardDecayAndGradientMatchTheReference) {
-  using Mem = typename TypeParam::memory_space;
+// The correction, the segment decay and the incoming-state gradient of `with_state` (its h0 the
+// incoming state) against the reference's differences, exp(Σ a_t) (0 past a document start) and dh0.
+template <class Exec>
+void check_against_reference(const RefProblem& with_state) {
+  using Mem = typename Exec::memory_space;
   using T2 = kmamba::Tensor2<float, Mem>;
   using T4 = kmamba::Tensor4<float, Mem>;
-  const TypeParam exec;
-  for (const Config& cfg : sweep()) {
-    const std::string ctx = cfg.describe();
-    const RefProblem with_state = make_reference(cfg);
-    RefProblem zero_state = with_state;
-    zero_state.h0.clear();
-    const RefForward from_h = ref_forward(with_state), from_zero = ref_forward(zero_state);
-    const Device<Mem> d(with_state);
-    const auto out = kmamba::allocate<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
-    const auto fin = kmamba::allocate<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-    const auto decay = poisoned<T2>("kmamba::test::decay", cfg.batch, cfg.nheads);
-    const auto dh = poisoned<T4>("kmamba::test::dh", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-    kmamba::ssd_state_correction_forward(exec, d.args(), d.h0, out, fin);
-    kmamba::ssd_segment_decay(exec, d.args(), decay);
-    kmamba::ssd_state_correction_backward(exec, d.args(), d.dout, dh);
-    exec.fence();
-    const double out_error =
-        expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
-    const double final_error =
-        expect_near_rel("final_states", host_doubles(fin), difference(from_h.final_states, from_zero.final_states),
-                        output_tolerance, ctx);
-    std::vector<double> want_decay;
-    for (int b = 0; b < cfg.batch; ++b) {
-      for (int h = 0; h < cfg.nheads; ++h) {
-        double sum = 0.0;
-        for (int t = 0; t < cfg.seqlen; ++t) {
-          sum += with_state.token_log_decay(b, t, h, with_state.delta(with_state.pre(b, t, h)));
-        }
-        want_decay.push_back(std::exp(sum));
+  const Exec exec;
+  const Config& cfg = with_state.cfg;
+  const std::string ctx = cfg.describe() + (with_state.seq.empty() ? "" : " packed");
+  RefProblem zero_state = with_state;
+  zero_state.h0.clear();
+  const RefForward from_h = ref_forward(with_state), from_zero = ref_forward(zero_state);
+  const Device<Mem> d(with_state);
+  const auto out = kmamba::allocate<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  const auto fin = kmamba::allocate<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  const auto decay = poisoned<T2>("kmamba::test::decay", cfg.batch, cfg.nheads);
+  const auto dh = poisoned<T4>("kmamba::test::dh", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  kmamba::ssd_state_correction_forward(exec, d.args(), d.h0, out, fin);
+  kmamba::ssd_segment_decay(exec, d.args(), decay);
+  kmamba::ssd_state_correction_backward(exec, d.args(), d.dout, dh);
+  exec.fence();
+  const double out_error =
+      expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
+  const double final_error =
+      expect_near_rel("final_states", host_doubles(fin), difference(from_h.final_states, from_zero.final_states),
+                      output_tolerance, ctx);
+  std::vector<double> want_decay;
+  for (int b = 0; b < cfg.batch; ++b) {
+    for (int h = 0; h < cfg.nheads; ++h) {
+      double sum = 0.0;
+      bool restarted = false;
+      for (int t = 0; t < cfg.seqlen; ++t) {
+        restarted = restarted || with_state.restart(b, t);
+        sum += with_state.token_log_decay(b, t, h, with_state.delta(with_state.pre(b, t, h)));
       }
+      want_decay.push_back(restarted ? 0.0 : std::exp(sum));
     }
-    const double decay_error = expect_near_rel("decay", host_doubles(decay), want_decay, output_tolerance, ctx);
-    const double grad_error =
-        expect_near_rel("dincoming", host_doubles(dh), ref_backward(with_state).dh0, gradient_tolerance, ctx);
-    std::printf("[ measured ] %s: max|d|/max|ref| out %.1e final %.1e decay %.1e dincoming %.1e\n", ctx.c_str(),
-                out_error, final_error, decay_error, grad_error);
+  }
+  const double decay_error = expect_near_rel("decay", host_doubles(decay), want_decay, output_tolerance, ctx);
+  const double grad_error =
+      expect_near_rel("dincoming", host_doubles(dh), ref_backward(with_state).dh0, gradient_tolerance, ctx);
+  std::printf("[ measured ] %s: max|d|/max|ref| out %.1e final %.1e decay %.1e dincoming %.1e\n", ctx.c_str(),
+              out_error, final_error, decay_error, grad_error);
+}
+
+TYPED_TEST(SsdStateCorrection, ForwardDecayAndGradientMatchTheReference) {
+  for (const Config& cfg : sweep()) check_against_reference<TypeParam>(make_reference(cfg));
+}
+
+// Packed rows (SsdArgs::seq_idx, PackedIds.hpp: documents of one token, across chunks, one at a
+// row's last token): the incoming state reaches the tokens before a row's first document start
+// only, and a row with a start has decay 0.
+TYPED_TEST(SsdStateCorrection, PackedRowsMatchTheReference) {
+  for (Config cfg : sweep()) {
+    cfg.batch = 3;
+    RefProblem P = make_reference(cfg);
+    P.seq = kmamba::test::packed_ids(cfg.batch, cfg.seqlen);
+    check_against_reference<TypeParam>(P);
   }
 }
 
@@ -278,7 +307,7 @@ TYPED_TEST(SsdStateCorrection, GradientMatchesCentralDifferences) {
                                              gradient_tolerance, "ssd");
 }
 
-TYPED_TEST(SsdStateCorrection, RejectsAGateSequenceIdsAndBadShapes) {
+TYPED_TEST(SsdStateCorrection, RejectsAGateAndBadShapes) {
   using Mem = typename TypeParam::memory_space;
   using T4 = kmamba::Tensor4<float, Mem>;
   const TypeParam exec;
@@ -289,10 +318,6 @@ TYPED_TEST(SsdStateCorrection, RejectsAGateSequenceIdsAndBadShapes) {
   gated.z = out;
   expect_user_error([&] { kmamba::ssd_state_correction_forward(exec, gated, d.h0, out, T4()); },
                     {"kmamba::ssd_state_correction_forward", "z must be absent"});
-  kmamba::SsdArgs<Mem> packed = d.args();
-  packed.seq_idx = kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
-  expect_user_error([&] { kmamba::ssd_state_correction_backward(exec, packed, d.dout, d.h0); },
-                    {"kmamba::ssd_state_correction_backward", "seq_idx must be absent"});
   const auto wrong = kmamba::allocate<T4>("kmamba::test::wrong", cfg.batch, cfg.nheads, cfg.headdim + 1, cfg.dstate);
   expect_user_error([&] { kmamba::ssd_state_correction_forward(exec, d.args(), wrong, out, T4()); },
                     {"kmamba::ssd_state_correction_forward", "incoming"});

@@ -105,16 +105,16 @@ TYPED_TEST(LanguageModelTest, GradientsAccumulateAcrossCalls) {
 }
 
 // A packed batch equals its documents run one by one: logits, the loss (masked at every
-// document's last position) and the gradients, for Mamba-1 and Mamba-2 models, with and without
+// document's last position) and the gradients, for Mamba-1, Mamba-2 and Mamba-3 SISO models, with and without
 // activation checkpointing (the same arithmetic, recomputed: 1e-6).
 template <class Exec>
-void check_packed_batch(kmamba::MixerKind mixer) {
+void check_packed_batch(const kmamba::ModelConfig& config) {
   using Mem = typename Exec::memory_space;
   using Ids = kmamba::Tensor2<std::int64_t, Mem>;
   using Logits = kmamba::Tensor3<float, Mem>;
   const Exec exec;
   const int batch = 3, seqlen = 41, vocab = 50;
-  kmamba::LanguageModel<Exec> model(model_config(mixer, {16, 2, vocab, 8, 8, 8}));
+  kmamba::LanguageModel<Exec> model(config);
   model.initialize(5);
   std::vector<std::int64_t> tokens;
   for (int i = 0; i < batch * seqlen; ++i) tokens.push_back((i * 37 + 11) % vocab);
@@ -172,22 +172,29 @@ void check_packed_batch(kmamba::MixerKind mixer) {
 }
 
 TYPED_TEST(LanguageModelTest, PackedBatchEqualsDocumentsAloneMamba1) {
-  check_packed_batch<TypeParam>(kmamba::MixerKind::Mamba1);
+  check_packed_batch<TypeParam>(model_config(kmamba::MixerKind::Mamba1, {16, 2, 50, 8, 8, 8}));
 }
 
 TYPED_TEST(LanguageModelTest, PackedBatchEqualsDocumentsAloneMamba2) {
-  check_packed_batch<TypeParam>(kmamba::MixerKind::Mamba2);
+  check_packed_batch<TypeParam>(model_config(kmamba::MixerKind::Mamba2, {16, 2, 50, 8, 8, 8}));
 }
 
-// Packed rows are refused by a Mamba-3 model, naming what is unsupported; targets within packed
-// rows stop at every document's end.
-TYPED_TEST(LanguageModelTest, PackedSequenceIdsAreRefusedByMamba3) {
+TYPED_TEST(LanguageModelTest, PackedBatchEqualsDocumentsAloneMamba3) {
+  check_packed_batch<TypeParam>(model_config(kmamba::MixerKind::Mamba3, {16, 2, 50, 16, 8, 8}));
+}
+
+// Packed rows are refused by a Mamba-3 MIMO model, naming what is unsupported; targets within
+// packed rows stop at every document's end.
+TYPED_TEST(LanguageModelTest, PackedSequenceIdsAreRefusedByMamba3Mimo) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;
-  kmamba::LanguageModel<Exec> model(model_config(kmamba::MixerKind::Mamba3, {16, 1, 50, 16, 8, 8}));
+  kmamba::ModelConfig config = model_config(kmamba::MixerKind::Mamba3, {16, 1, 50, 16, 8, 8});
+  config.is_mimo = true;
+  config.mimo_rank = 2;
+  kmamba::LanguageModel<Exec> model(config);
   const auto seq = device_packed_ids<Mem>(2, 12);
   expect_user_error([&] { model.set_sequence_ids(seq); },
-                    {"kmamba::LanguageModel::set_sequence_ids", "seq_idx", "Mamba3", "not supported"});
+                    {"kmamba::LanguageModel::set_sequence_ids", "seq_idx", "Mamba3", "MIMO", "not supported"});
   model.set_sequence_ids({});
   const std::vector<std::int64_t> seq_h = packed_ids(2, 12);
   const auto targets = to_host(kmamba::next_token_targets(Exec(), kmamba::ConstTensor2<std::int64_t, Mem>(seq), seq));

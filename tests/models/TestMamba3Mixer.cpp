@@ -451,6 +451,76 @@ TYPED_TEST(Mamba3Mixer, PrefillAndStepMatchTheForward) {
   }
 }
 
+// Packed rows (SISO): documents across chunk boundaries, of one token, at a row's end; with the z
+// gate and with the output norm. Tolerance 1e-5 as Mamba-1/2 (the same arithmetic per token but for
+// the grouping of the GEMMs' and the reductions' sums).
+TYPED_TEST(Mamba3Mixer, PackedRowsEqualDocumentsAlone) {
+  for (const bool outproj_norm : {false, true}) {
+    Case c;
+    c.batch = 3;
+    c.seqlen = 41;
+    c.outproj_norm = outproj_norm;
+    SCOPED_TRACE(c.describe());
+    expect_packed_rows_equal_documents_alone<TypeParam, kmamba::Mamba3Mixer<TypeParam>>(c.config(), c.batch, c.seqlen,
+                                                                                        91, 1e-5);
+  }
+}
+
+// prefill over packed rows gives the packed forward's outputs, and leaves the states of each row's
+// last document: a decode step after it equals the step after a prefill of that document alone.
+TYPED_TEST(Mamba3Mixer, PrefillOfPackedRowsContinuesTheLastDocument) {
+  using Exec = TypeParam;
+  using Mem = typename Exec::memory_space;
+  using T2 = kmamba::Tensor2<float, Mem>;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  Case c;
+  c.batch = 3;
+  c.seqlen = 23;
+  c.seed = 93;
+  const Problem P = make_problem(c);
+  Harness<Exec> h(P);
+  const Exec exec;
+  const int Dm = c.d_model;
+  h.mixer.set_sequence_ids(device_packed_ids<Mem>(c.batch, c.seqlen));
+  const std::vector<double> packed = h.forward(false);
+  auto cache = h.mixer.make_cache(c.batch);
+  const T3 out = poisoned<T3>("kmamba::test::prefill_out", c.batch, c.seqlen, Dm);
+  h.mixer.prefill(exec, h.slab, h.u, out, *cache);
+  expect_close("prefill of packed rows", host_doubles(out), packed, 1e-5);
+  const T2 tok("kmamba::test::token", c.batch, Dm);
+  kmamba::fill_normal(exec, tok, 94, 0.0f, 1.0f);
+  const T2 step_out = poisoned<T2>("kmamba::test::step_out", c.batch, Dm);
+  h.mixer.step(exec, h.slab, tok, step_out, *cache);
+  const auto step_h = to_host(step_out);
+  h.mixer.set_sequence_ids({});
+  const std::vector<std::int64_t> ids = packed_ids(c.batch, c.seqlen);
+  for (int b = 0; b < c.batch; ++b) {
+    const int t0 = documents(ids, c.seqlen, b).back().first, len = c.seqlen - t0;
+    SCOPED_TRACE("row " + std::to_string(b) + ", last document from " + std::to_string(t0));
+    const T3 doc("kmamba::test::last_document", 1, len, Dm), doc_out("kmamba::test::last_document_out", 1, len, Dm);
+    Kokkos::deep_copy(doc, Kokkos::subview(h.u, std::make_pair(b, b + 1), std::make_pair(t0, c.seqlen), Kokkos::ALL));
+    auto alone = h.mixer.make_cache(1);
+    h.mixer.prefill(exec, h.slab, doc, doc_out, *alone);
+    const T2 tok1("kmamba::test::token_alone", 1, Dm), out1("kmamba::test::step_alone", 1, Dm);
+    Kokkos::deep_copy(tok1, Kokkos::subview(tok, std::make_pair(b, b + 1), Kokkos::ALL));
+    h.mixer.step(exec, h.slab, tok1, out1, *alone);
+    std::vector<double> packed_step;
+    for (int m = 0; m < Dm; ++m) packed_step.push_back(step_h(b, m));
+    expect_close("step after the packed prefill", host_doubles(out1), packed_step, 1e-5);
+  }
+}
+
+// A MIMO mixer refuses packed rows, naming what is unsupported.
+TYPED_TEST(Mamba3Mixer, MimoRefusesPackedRows) {
+  using Mem = typename TypeParam::memory_space;
+  Case c;
+  c.mimo = true;
+  kmamba::Mamba3Mixer<TypeParam> mixer(c.config(), prefix);
+  expect_user_error([&] { mixer.set_sequence_ids(device_packed_ids<Mem>(c.batch, c.seqlen)); },
+                    {"set_sequence_ids", "seq_idx", "Mamba-3 MIMO"});
+  mixer.set_sequence_ids({});
+}
+
 TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {
   using Exec = TypeParam;
   using Mem = typename Exec::memory_space;

@@ -15,7 +15,10 @@
 // M4 a tensor-parallel size that does not divide the heads/groups is one clear error on every rank (any
 //    tensor split of Mamba-1);
 //    sequence_segment splits unevenly and rejects a segment of no tokens;
-// M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits.
+// M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits;
+// M6 Mamba-2 packed rows (documents starting at a segment's first token, inside a segment and
+//    inside the conv halo of the next segment) give the 1-rank loss and gradients on every mesh, as
+//    M1; Mamba-1 and Mamba-3 refuse packed rows under sequence parallelism, naming the combination.
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
@@ -25,6 +28,7 @@
 // N counted from the model's dimensions (1.2e3 to 1.4e3 here: τ ≈ 1.7e-5). The parameters after AdamW steps may differ
 // by more where a gradient element is at rounding level (Adam divides it by its own size, up to
 // 1/ε); their bound is AdamWDifferenceBound's, element by element.
+#include "Checks.hpp"
 #include "DistributedBatches.hpp"
 #include "ModelConfigs.hpp"
 #include "RoundingBounds.hpp"
@@ -245,6 +249,65 @@ TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
   EXPECT_LE(std::abs(loss - ref_loss), tolerance(6) * ref_loss);
   expect_slab_equal(reference.parameters(), model.parameters().grads(), reference.parameters().grads(), tolerance(6),
                     every_element, "gradient");
+}
+
+// Document starts of the packed test rows, against the segments of 13 positions (sp 2: [0, 7),
+// [7, 13); sp 4: [0, 4), [4, 7), [7, 10), [10, 13)) and the conv halo of 3: a segment that starts a
+// document of several tokens (7); a halo partly in the segment's first document (6: tokens 4, 5
+// are another's, 6 is the first document's), a start inside a segment (11); one- and two-token
+// documents and a start at a segment's first token (1, 3, 4), a halo token in the first document (9);
+// one document over every segment.
+const std::vector<std::vector<std::int64_t>> packed_starts = {{7}, {6, 11}, {1, 3, 4, 9}, {}};
+
+TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) {
+  const kmamba::ModelConfig config = tiny_mamba2();
+  const Batch b = packed_token_rows(batch, seqlen, 900, packed_starts);
+  Model reference(config);
+  reference.initialize(init_seed);
+  const double ref_loss = one_rank_reference_backward(reference, b);
+  const double tol = kmamba::test::model_tolerance(config, seqlen, static_cast<std::int64_t>(batch) * seqlen);
+  for (const auto& mesh_config : split_meshes(config)) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    SCOPED_TRACE(mesh_name(mesh));
+    Model model(config, split_of(mesh));
+    model.initialize(init_seed);
+    kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), kmamba::DataParallelConfig(),
+                                  model.sharded_parameters());
+    const double loss = parallel_backward(model, dp, mesh, b);
+    EXPECT_LE(std::abs(loss - ref_loss), tol * ref_loss);
+    Model full(config);
+    kmamba::gather_values(Exec(), model, kmamba::ConstTensor1<float, Mem>(model.parameters().grads()), full,
+                          full.parameters().grads());
+    const double worst = expect_slab_equal(reference.parameters(), full.parameters().grads(),
+                                           reference.parameters().grads(), tol, every_element, "gradient");
+    const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
+    if (world_rank() == 0) {
+      std::printf("[ measured ] packed mamba2 %s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n",
+                  mesh_name(mesh).c_str(), loss, ref_loss, worst_all);
+    }
+  }
+}
+
+// At one rank the same models take the rows (no sequence split).
+TEST(ModelParallel, Mamba1AndMamba3RefusePackedRowsUnderSequenceParallelism) {
+  kmamba::MeshConfig mesh_config;
+  mesh_config.sequence_parallel_size = world_size();
+  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+  const Batch b = packed_token_rows(1, seqlen, 901, packed_starts);
+  const kmamba::SequenceSegment segment =
+      kmamba::sequence_segment(seqlen, mesh.coordinates().sp, mesh.config().sequence_parallel_size);
+  const Batch mine = slice(b, 0, 1, segment.begin, segment.length);
+  for (const kmamba::ModelConfig& config : {tiny_mamba1(), tiny_mamba3(false)}) {
+    Model model(config, split_of(mesh));
+    model.initialize(init_seed);
+    model.set_sequence_ids(mine.seq_idx);
+    const auto run = [&] { model.loss_and_backward(Exec(), mine.ids, mine.targets, 1.0); };
+    if (world_size() == 1) {
+      EXPECT_NO_THROW(run());
+    } else {
+      expect_user_error(run, {"packed sequence ids (seq_idx) with sequence parallelism", "not supported"});
+    }
+  }
 }
 
 TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {

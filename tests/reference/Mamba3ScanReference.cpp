@@ -53,7 +53,9 @@ HeadTrace trace_head(const RefProblem& P, int b, int h) {
   const double* vprev = tr.v_init.data();
   for (int t = 0; t < L; ++t) {
     const double d = P.dt[P.it(b, h, t)];
+    const bool start = P.starts(b, t);
     for (int i = 0; i < S; ++i) {
+      if (start) theta[i] = 0.0;
       theta[i] += pi * std::tanh(P.angles[P.iangle(b, t, h, i)]) * d;
       tr.theta[t * S + i] = theta[i];
     }
@@ -76,8 +78,9 @@ HeadTrace trace_head(const RefProblem& P, int b, int h) {
       for (int p = 0; p < Pd; ++p)
         tr.v[(static_cast<std::size_t>(t) * R + r) * Pd + p] = P.v[P.iv(b, t, h, p)] * P.mv(h, r, p);
     }
+    // A document's first token sees no state and no previous token.
     const double lambda = sigmoid(P.trap[P.it(b, h, t)]);
-    const double alpha = std::exp(P.adt[P.it(b, h, t)]);
+    const double alpha = start ? 0.0 : std::exp(P.adt[P.it(b, h, t)]);
     const double beta = (1.0 - lambda) * d * alpha, gamma = lambda * d;
     const double* kt = &tr.k[static_cast<std::size_t>(t) * R * N];
     const double* vt = &tr.v[static_cast<std::size_t>(t) * R * Pd];
@@ -199,8 +202,9 @@ RefGrads ref_backward(const RefProblem& P) {
       for (int i = 0; i < S; ++i) G[i] = P.dangle.empty() ? 0.0 : P.dangle[P.sangle(b, h, i)];
       for (int t = L - 1; t >= 0; --t) {
         const double d = P.dt[P.it(b, h, t)];
+        const bool start = P.starts(b, t);
         const double lambda = sigmoid(P.trap[P.it(b, h, t)]);
-        const double alpha = std::exp(P.adt[P.it(b, h, t)]);
+        const double alpha = start ? 0.0 : std::exp(P.adt[P.it(b, h, t)]);
         const double beta = (1.0 - lambda) * d * alpha, gamma = lambda * d;
         const double* qt = &tr.q[static_cast<std::size_t>(t) * R * N];
         const double* kt = &tr.k[static_cast<std::size_t>(t) * R * N];
@@ -307,6 +311,7 @@ RefGrads ref_backward(const RefProblem& P) {
           const double ph = std::tanh(P.angles[P.iangle(b, t, h, i)]);
           gr.dangles[P.iangle(b, t, h, i)] = G[i] * d * pi * (1.0 - ph * ph);
           ddelta += G[i] * pi * ph;
+          if (start) G[i] = 0.0;  // θ_{t−1} does not reach a document's first token
         }
         gr.ddt[P.it(b, h, t)] = ddelta;
         for (int r = 0; r < R; ++r) {

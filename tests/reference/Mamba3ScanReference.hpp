@@ -55,8 +55,15 @@ struct RefProblem {
   std::vector<double> angle0, ssm0, k0, v0;
   std::vector<double> dout;                  // (batch, seqlen, nheads, headdim)
   std::vector<double> dangle, dssm, dk, dv;  // cotangents of the final states (empty = zero)
+  // Packed sequence ids (batch, seqlen), SISO: a document starts where the id changes and sees
+  // nothing before it (no angle, state or previous token). Empty: one sequence per row.
+  std::vector<std::int64_t> seq_idx;
 
   int R() const { return cfg.R(); }
+  bool starts(int b, int t) const {
+    const std::size_t i = static_cast<std::size_t>(b) * cfg.seqlen + t;
+    return !seq_idx.empty() && t > 0 && seq_idx[i] != seq_idx[i - 1];
+  }
   std::size_t iq(int b, int t, int r, int g, int n) const {
     return (((static_cast<std::size_t>(b) * cfg.seqlen + t) * R() + r) * cfg.ngroups + g) * cfg.dstate + n;
   }

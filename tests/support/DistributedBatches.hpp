@@ -72,6 +72,7 @@ inline std::string mesh_name(const ProcessMesh& mesh) {
 struct TokenRows {
   using Ids = Tensor2<std::int64_t, Kokkos::HostSpace>;
   Ids ids, targets;  // (rows, length)
+  Ids seq_idx;       // (rows, length): packed documents' ids (LanguageModel::set_sequence_ids), or empty
 };
 
 /// `rows` rows of `length` tokens drawn uniformly from [0, 64) with `seed`; targets are the next
@@ -80,7 +81,8 @@ struct TokenRows {
 inline TokenRows random_token_rows(int rows, std::int64_t length, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<std::int64_t> token(0, 63);
-  TokenRows b{TokenRows::Ids("kmamba::test::ids", rows, length), TokenRows::Ids("kmamba::test::targets", rows, length)};
+  TokenRows b{TokenRows::Ids("kmamba::test::ids", rows, length), TokenRows::Ids("kmamba::test::targets", rows, length),
+              TokenRows::Ids()};
   for (int r = 0; r < rows; ++r) {
     for (std::int64_t t = 0; t < length; ++t) b.ids(r, t) = token(rng);
   }
@@ -92,14 +94,35 @@ inline TokenRows random_token_rows(int rows, std::int64_t length, std::uint64_t 
   return b;
 }
 
+/// random_token_rows packed into documents: row r's documents start at starts[r % starts.size()]
+/// (positions below length; every id differs from the previous one), and no target crosses a
+/// document's end.
+inline TokenRows packed_token_rows(int rows, std::int64_t length, std::uint64_t seed,
+                                   const std::vector<std::vector<std::int64_t>>& starts) {
+  TokenRows b = random_token_rows(rows, length, seed);
+  b.seq_idx = TokenRows::Ids("kmamba::test::seq_idx", rows, length);
+  for (int r = 0; r < rows; ++r) {
+    const std::vector<std::int64_t>& row_starts = starts[static_cast<std::size_t>(r) % starts.size()];
+    std::int64_t id = 0;
+    for (std::int64_t t = 0; t < length; ++t) {
+      if (std::find(row_starts.begin(), row_starts.end(), t) != row_starts.end()) ++id;
+      b.seq_idx(r, t) = id;
+      if (t > 0 && b.seq_idx(r, t) != b.seq_idx(r, t - 1)) b.targets(r, t - 1) = ignore_index;
+    }
+  }
+  return b;
+}
+
 /// Rows [first, first + count) and positions [begin, begin + length) of b.
 inline TokenRows slice(const TokenRows& b, int first, int count, std::int64_t begin, std::int64_t length) {
   TokenRows out{TokenRows::Ids("kmamba::test::ids", count, length),
-                TokenRows::Ids("kmamba::test::targets", count, length)};
+                TokenRows::Ids("kmamba::test::targets", count, length), TokenRows::Ids()};
+  if (b.seq_idx.is_allocated()) out.seq_idx = TokenRows::Ids("kmamba::test::seq_idx", count, length);
   for (int r = 0; r < count; ++r) {
     for (std::int64_t t = 0; t < length; ++t) {
       out.ids(r, t) = b.ids(first + r, begin + t);
       out.targets(r, t) = b.targets(first + r, begin + t);
+      if (b.seq_idx.is_allocated()) out.seq_idx(r, t) = b.seq_idx(first + r, begin + t);
     }
   }
   return out;
@@ -124,8 +147,10 @@ inline LossResult accumulate_rows(Model& model, const TokenRows& b, std::int64_t
   for (int r = 0; r < rows; ++r) {
     if (before_row) before_row(r);
     const TokenRows micro = slice(b, r, 1, 0, static_cast<std::int64_t>(b.ids.extent(1)));
+    model.set_sequence_ids(micro.seq_idx);
     const LossResult result = model.loss_and_backward(
         exec, micro.ids, micro.targets, static_cast<double>(predicted(micro)) / static_cast<double>(global));
+    model.set_sequence_ids({});
     total.loss += result.loss * static_cast<double>(result.tokens);
     total.tokens += result.tokens;
     total.correct += result.correct;

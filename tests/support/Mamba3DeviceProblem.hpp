@@ -9,6 +9,8 @@
 #include "Checks.hpp"
 #include "Mamba3ScanReference.hpp"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,7 @@ struct Mamba3DeviceProblem {
   T2 q_bias2, k_bias2;
   T3 q_bias3, k_bias3, mimo_v, mimo_z, mimo_o;
   T1 D;
+  kmamba::Tensor2<std::int64_t, Mem> seq_idx;  // (batch, seqlen): the problem's packed ids, if any
   kmamba::Mamba3SisoStates<Mem> siso_initial, siso_dfinal;
   kmamba::Mamba3MimoStates<Mem> mimo_initial, mimo_dfinal;
 
@@ -86,6 +89,12 @@ struct Mamba3DeviceProblem {
     dt = upload<T3>("dt", P.dt, B, H, L);
     trap = upload<T3>("trap", P.trap, B, H, L);
     D = upload_optional<T1>("D", P.D, cfg.D, H);
+    if (!P.seq_idx.empty()) {
+      seq_idx = kmamba::allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", B, L);
+      const auto host = Kokkos::create_mirror_view(seq_idx);
+      std::copy(P.seq_idx.begin(), P.seq_idx.end(), host.data());
+      Kokkos::deep_copy(seq_idx, host);
+    }
   }
 
   kmamba::Mamba3SisoArgs<Mem> siso_args() const {
@@ -102,6 +111,7 @@ struct Mamba3DeviceProblem {
     a.D = D;
     a.z = z;
     a.initial = siso_initial;
+    a.seq_idx = seq_idx;
     a.chunk_size = cfg.chunk;
     a.matmul_precision = cfg.precision;
     return a;

@@ -15,6 +15,14 @@
 //   y_t,r    = H_t·q_t,r + D[h]·v_t,r
 //   out[b,t,h,:] = Σ_r y_t,r ⊙ silu(z[b,t,h,:] ⊙ mimo_z[h,r,:]) ⊙ mimo_o[h,r,:]   (no silu factor without z)
 //
+// Packed rows (SISO seq_idx): where seq_idx[b,t] ≠ seq_idx[b,t−1] (t > 0) a document starts, and token t
+// sees nothing before it: θ_{t−1} and H_{t−1} are taken as 0 and the previous-token term is dropped
+// (β_t = 0), so each document gives what it gives alone. The initial states belong to the row's
+// first document, the final states are those of its last one. With Ĥ below, the SSD's rule
+// "H_{t−1} is 0 where the id changes" and β̃_t = 0 there give exactly this (Ĥ_{t−1} = H_{t−1} at
+// a start), so the SISO scan hands the ids to its SSD; the angle scans restart at every start.
+// The MIMO chunk stages do not take ids (yet).
+//
 // The initial states (θ_{−1}, H_{−1}, k_{−1,r}, v_{−1,r}) are zero unless given; the final states are
 // θ_{L−1}, H_{L−1}, k_{L−1,r} (rotated, biased) and v_{L−1,r} (for SISO the raw v of the last token).
 // The SISO angle state is kept reduced into [0, 2π) (as the reference's SISO kernels); the MIMO
@@ -123,6 +131,10 @@ struct Mamba3SisoArgs {
   ConstTensor1<float, MemorySpace> D;          // (nheads), optional skip connection
   ConstTensor4<float, MemorySpace> z;          // (batch, seqlen, nheads, headdim), optional gate
   Mamba3SisoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
+  /// (batch, seqlen), optional: packed sequence ids (see the file comment); a document starts where
+  /// the id changes. The bf16 fused kernels do not take them (those runs compute on the SSD's
+  /// fp32 stages, as SsdArgs::seq_idx).
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;
   /// (batch, seqlen, nheads, headdim), optional, with z only: the output before the gate. When it
   /// is allocated, mamba3_siso_forward writes it and mamba3_siso_backward reads it in place of
   /// recomputing the scan for the gate's gradient, so between the two calls it must hold what the
@@ -265,7 +277,7 @@ void mamba3_check_common(const char* function, const Mamba3Dims& dims, const Con
                          const ConstTensor3<float, MemorySpace>& adt, const ConstTensor3<float, MemorySpace>& dt,
                          const ConstTensor3<float, MemorySpace>& trap, const ConstTensor4<float, MemorySpace>& angles,
                          const ConstTensor1<float, MemorySpace>& D, const ConstTensor4<float, MemorySpace>& z,
-                         int chunk_size) {
+                         const ConstTensor2<std::int64_t, MemorySpace>& seq_idx, int chunk_size) {
   check_shape(function, "v", v, {dims.batch, dims.seqlen, dims.nheads, dims.headdim},
               "(batch, seqlen, nheads, headdim)");
   const Shape per_token{dims.batch, dims.nheads, dims.seqlen};
@@ -279,6 +291,7 @@ void mamba3_check_common(const char* function, const Mamba3Dims& dims, const Con
     check_shape(function, "z", z, {dims.batch, dims.seqlen, dims.nheads, dims.headdim},
                 "(batch, seqlen, nheads, headdim)");
   }
+  if (seq_idx.is_allocated()) check_shape(function, "seq_idx", seq_idx, {dims.batch, dims.seqlen}, "(batch, seqlen)");
   KMAMBA_REQUIRE(chunk_size >= 1, function << ": chunk_size must be positive, got " << chunk_size);
 }
 
@@ -346,7 +359,7 @@ Mamba3Dims mamba3_check_siso_args(const char* function, const Mamba3SisoArgs<Mem
   check_shape(function, "k", args.k, qk, "(batch, seqlen, ngroups, dstate)");
   check_shape(function, "q_bias", args.q_bias, {dims.nheads, dims.dstate}, "(nheads, dstate)");
   check_shape(function, "k_bias", args.k_bias, {dims.nheads, dims.dstate}, "(nheads, dstate)");
-  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z,
+  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z, args.seq_idx,
                       args.chunk_size);
   mamba3_check_siso_states(function, "initial", args.initial, dims);
   if (args.ungated_out.is_allocated()) {
@@ -389,7 +402,7 @@ Mamba3Dims mamba3_check_mimo_args(const char* function, const Mamba3MimoArgs<Mem
   if (args.mimo_z.is_allocated()) check_shape(function, "mimo_z", args.mimo_z, proj, "(nheads, rank, headdim)");
   KMAMBA_REQUIRE(args.chunk_size >= 0,
                  function << ": chunk_size must be positive (or 0 for 64 / rank), got " << args.chunk_size);
-  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z,
+  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z, {},
                       mamba3_mimo_chunk_size(args.chunk_size, dims.rank));
   mamba3_check_mimo_states(function, "initial", args.initial, dims);
   return dims;
@@ -487,6 +500,7 @@ Mamba3Operands<MemorySpace> mamba3_operands(const Mamba3SisoArgs<MemorySpace>& a
   in.initial = mamba3_state_views(args.initial);
   in.mimo = false;
   in.wrap_angle = true;
+  in.set_seq_idx(args.seq_idx);
   in.has_D = args.D.is_allocated();
   in.has_z = args.z.is_allocated();
   return in;

@@ -5,13 +5,14 @@
 //   out_t(h_in)   = out_t(0) + exp(cs_t)·h_in·C_t          cs_t = Σ_{s ≤ t} a_s inside the segment
 //   final(h_in)   = final(0) + exp(cs_{L−1})·h_in          (a_s = δ_s·A[h] or SsdArgs::log_decay)
 //
-// per (batch, head), C_t the head's group's. Sequence parallelism scans every segment from zero at
-// the same time, combines the segments' (decay, final state) pairs across the ranks, and adds
-// each rank's incoming state with ssd_state_correction_forward (docs/distributed.md §2.1). The
-// gradient with respect to the incoming state, Σ_t exp(cs_t)·C_t·dout_tᵀ, is what the same ranks
-// combine in reverse order in the backward. δ is the SSD's: dt + dt_bias, softplus when asked,
-// clamped to [dt_min, dt_max]. Every op is non-blocking on the execution space instance it is
-// given, except that its temporary buffer is released on return.
+// per (batch, head), C_t the head's group's. With packed sequence ids (SsdArgs::seq_idx) the incoming
+// state belongs to the segment's first document: exp(cs_t) is taken as 0 from the first document
+// start (t > 0) on, so the decay of a segment with a start inside is 0. Sequence parallelism scans every segment from
+// zero at the same time, combines the segments' (decay, final state) pairs across the ranks, and adds each rank's
+// incoming state with ssd_state_correction_forward (docs/distributed.md §2.1). The gradient with respect to the
+// incoming state, Σ_t exp(cs_t)·C_t·dout_tᵀ, is what the same ranks combine in reverse order in the backward. δ is the
+// SSD's: dt + dt_bias, softplus when asked, clamped to [dt_min, dt_max]. Every op is non-blocking on the execution
+// space instance it is given, except that its temporary buffer is released on return.
 //
 //   kmamba::ssd_forward(exec, args, out, final_states);              // from a zero state
 //   kmamba::ssd_segment_decay(exec, args, decay);                    // exp(cs_{L−1}) per (b, h)
@@ -34,15 +35,12 @@ namespace kmamba {
 namespace impl {
 
 // The SSD's argument checks, and the two inputs the correction does not take: a gate (the
-// correction adds to the ungated output, so a gated SSD must leave the gate to its caller) and
-// packed sequence ids (a segment's incoming state belongs to its first token's sequence).
+// correction adds to the ungated output, so a gated SSD must leave the gate to its caller).
 template <class MemorySpace>
 SsdDims ssd_state_correction_check_args(const char* function, const SsdArgs<MemorySpace>& args) {
   const SsdDims dims = ssd_check_args(function, args);
   KMAMBA_REQUIRE(!args.z.is_allocated(), function << ": z must be absent (the correction adds to the ungated output; "
                                                      "apply the gate after it)");
-  KMAMBA_REQUIRE(!args.seq_idx.is_allocated(), function << ": seq_idx must be absent (packed sequences are not "
-                                                           "supported)");
   return dims;
 }
 

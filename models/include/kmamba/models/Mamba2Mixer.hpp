@@ -51,7 +51,9 @@
 // entering its segment (ssd_state_correction_forward); backward combines the gradients the other
 // way and runs the SSD backward from the incoming state. Parameter gradients are partial sums over
 // the segments; the caller sums them over the sequence ranks (DataParallel does, over dp × sp).
-// prefill and step do not take a sequence split.
+// Packed rows (set_sequence_ids) split too: the ids of the halo's tokens come with it, and no conv
+// input or state crosses a document start (docs/distributed.md §2.4). prefill and step do not take
+// a sequence split.
 //
 //   kmamba::Mamba2Mixer<Exec> mixer(config, "backbone.layers.0.mixer.");
 //   mixer.declare_parameters(slab);                 // before slab.finalize()
@@ -175,16 +177,15 @@ class Mamba2Mixer : public Mixer<ExecutionSpace> {
     std::array<Tensor3<float, memory_space>, segment_count> conv_initial;  // x, B, C: (batch, width, d_conv − 1)
     Tensor4<float, memory_space> ssm_initial;                              // (batch, nheads, headdim, d_state)
     Tensor2<float, memory_space> segment_decay;                            // (batch, nheads)
+    // With packed rows: 1 where the previous segment's last max(1, d_conv − 1) tokens are in this
+    // segment's first document (PackedSegments.hpp), (batch, max(1, d_conv − 1)); else empty.
+    Tensor2<float, memory_space> halo_mask;
   };
 
   // Every parameter this mixer declares, in declaration order.
   std::vector<MixerParameter> parameter_specs() const;
   // Throws kmamba::UserError unless `slab` holds every parameter with its shape.
   void check_parameters(const char* function, const Slab& slab) const;
-  /// The packed sequence ids of a call of `function` on (batch, seqlen) rows (empty for none);
-  /// packed rows are not split across sequence-parallel ranks.
-  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
-                                                                      std::int64_t seqlen) const;
 
   Activations make_activations(std::int64_t batch, std::int64_t seqlen, bool training) const;
   // The forward; with a cache, its states are the initial states and receive the final ones.

@@ -48,6 +48,9 @@
 // (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
+// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO only, and not under sequence
+// parallelism (kmamba::UserError naming the combination).
+//
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
 // reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses),
 // and config.bias (the reference's projections have none).
@@ -153,6 +156,10 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   /// The number of rotary angles S.
   int nangles() const { return nangles_; }
 
+ protected:
+  /// Packed rows (set_sequence_ids) for the SISO scan; the MIMO chunk stages take no ids yet.
+  bool supports_sequence_ids() const override { return !config_.is_mimo; }
+
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba3Mixer.cpp
   // The segments of in_proj's output, in the order of its rows (docs/algorithms.md §3.1).
@@ -202,6 +209,10 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
                    const ConstMatrix& u,  // (batch·seqlen, d_model)
                    const Matrix& out,     // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
+  // The packed sequence ids of a call of `function` on (batch, seqlen) rows (empty for none);
+  // packed rows are not split across sequence-parallel ranks.
+  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
+                                                                      std::int64_t seqlen) const;
   // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
   Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
   // The scan of run_forward, from and into the cache's states, or of this rank's segment (docs/distributed.md §2.3).

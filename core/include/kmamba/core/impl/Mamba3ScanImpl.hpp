@@ -166,9 +166,9 @@ void mamba3_backward_tail(const ExecSpace& exec, const Mamba3Plan& plan, const M
   mamba3_row_launch(exec, "kmamba::mamba3::value_backward", tokens,
                     Mamba3ValueBackwardFunctor<ExecSpace, MemorySpace>{in, bw, plan, dfinal, grads.dv, siso});
   mamba3_for(exec, "kmamba::mamba3::dtheta_chunk_sum", head_chunks * plan.nangles,
-             Mamba3DthetaChunkSumFunctor<MemorySpace>{ws, bw, plan});
+             Mamba3DthetaChunkSumFunctor<MemorySpace>{in, ws, bw, plan});
   mamba3_for(exec, "kmamba::mamba3::dtheta_passing", static_cast<std::int64_t>(head_league) * plan.nangles,
-             Mamba3DthetaPassingFunctor<MemorySpace>{ws, plan, dfinal, grads.dinitial});
+             Mamba3DthetaPassingFunctor<MemorySpace>{in, ws, plan, dfinal, grads.dinitial});
   mamba3_for(exec, "kmamba::mamba3::angle_backward", head_chunks * plan.nangles,
              Mamba3AngleBackwardFunctor<MemorySpace>{in, ws, bw, plan, grads.dangles});
   mamba3_for(exec, "kmamba::mamba3::scalar_backward", tokens,

@@ -100,8 +100,19 @@ struct Mamba3Operands {
   /// the forward and read by the backward (Mamba3SisoArgs::ungated_out)
   Tensor4<float, MemorySpace> ungated;
   Mamba3StateViews<const float, MemorySpace> initial;
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), with has_seq_idx: packed sequence ids
   /// SISO keeps its angles reduced into [0, 2π); MIMO reports the plain sum.
-  bool mimo = false, wrap_angle = true, has_D = false, has_z = false;
+  bool mimo = false, wrap_angle = true, has_D = false, has_z = false, has_seq_idx = false;
+
+  void set_seq_idx(const ConstTensor2<std::int64_t, MemorySpace>& ids) {
+    seq_idx = ids;
+    has_seq_idx = ids.is_allocated();
+  }
+  /// Whether a packed document starts at token t > 0 (the row's first token never starts one: the
+  /// initial states belong to its first document).
+  KOKKOS_INLINE_FUNCTION bool starts(int b, int t) const {
+    return has_seq_idx && t > 0 && seq_idx(b, t) != seq_idx(b, t - 1);
+  }
 
   KOKKOS_INLINE_FUNCTION float q_in(int b, int t, int r, int g, int n) const {
     return mimo ? q5(b, t, r, g, n) : q4(b, t, g, n);
@@ -115,8 +126,11 @@ struct Mamba3Operands {
   KOKKOS_INLINE_FUNCTION float z_proj(int h, int r, int p) const { return mimo ? mimo_z(h, r, p) : 1.0f; }
   KOKKOS_INLINE_FUNCTION float o_proj(int h, int r, int p) const { return mimo ? mimo_o(h, r, p) : 1.0f; }
   KOKKOS_INLINE_FUNCTION float skip(int h) const { return has_D ? D(h) : 0.0f; }
-  /// β̃_t = (1 − σ(trap_t))·dt_t, written σ(−trap_t)·dt_t.
-  KOKKOS_INLINE_FUNCTION float beta_tilde(int b, int h, int t) const { return sigmoid(-trap(b, h, t)) * dt(b, h, t); }
+  /// β̃_t = (1 − σ(trap_t))·dt_t, written σ(−trap_t)·dt_t; 0 where a document starts (no previous
+  /// token).
+  KOKKOS_INLINE_FUNCTION float beta_tilde(int b, int h, int t) const {
+    return starts(b, t) ? 0.0f : sigmoid(-trap(b, h, t)) * dt(b, h, t);
+  }
 };
 
 /// The gradients of either variant (SISO: dq4, dk4, dq_bias2, dk_bias2; MIMO: dq5, dk5, dq_bias3,

@@ -24,6 +24,18 @@ KOKKOS_INLINE_FUNCTION float mamba3_angle_step(const Mamba3Operands<MemorySpace>
   return mamba3_pi * kmamba::math::tanh(in.angles(b, t, h, i)) * in.dt(b, h, t);
 }
 
+/// Whether a packed document starts inside chunk c of row b (Mamba3Operands::starts).
+template <class MemorySpace>
+KOKKOS_INLINE_FUNCTION bool mamba3_chunk_has_start(const Mamba3Operands<MemorySpace>& in, const Mamba3Plan& plan, int b,
+                                                   int c) {
+  if (!in.has_seq_idx) return false;
+  const int t0 = c * plan.chunk, len = mamba3_chunk_length(plan, c);
+  for (int l = 0; l < len; ++l) {
+    if (in.starts(b, t0 + l)) return true;
+  }
+  return false;
+}
+
 /// The per-token values of the SISO scan as the SSD and its own-token correction read them
 /// (impl/Mamba3SisoSsd.hpp); unallocated for MIMO. The stage 1a writes scale, log_decay and
 /// qk_weight; the rotate stage qk and diag, where allocated (the fused bf16 forward forms q_t·k_t
@@ -54,8 +66,9 @@ struct Mamba3SisoTokens {
 };
 
 /// Stage 1a (per chunk, one item per (batch, head, chunk, job)): job i < nangles sums the chunk's
-/// increments of angle i; job nangles writes the chunk cumsum of adt, γ and scale of its tokens
-/// (and, with `tok` allocated, the SISO scan's per-token values in the SSD's layout).
+/// increments of angle i from its last document start (from its first token without one); job nangles writes the chunk
+/// cumsum of adt, γ and scale of its tokens (and, with `tok` allocated, the SISO scan's per-token values in the SSD's
+/// layout).
 template <class MemorySpace>
 struct Mamba3ChunkTokensFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -68,7 +81,10 @@ struct Mamba3ChunkTokensFunctor {
     const int b = it.b, h = it.h, t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
     if (it.job < plan.nangles) {
       float sum = 0.0f;
-      for (int l = 0; l < len; ++l) sum += mamba3_angle_step(in, b, t0 + l, h, it.job);
+      for (int l = 0; l < len; ++l) {
+        if (in.starts(b, t0 + l)) sum = 0.0f;
+        sum += mamba3_angle_step(in, b, t0 + l, h, it.job);
+      }
       ws.angle_sum(b, h, it.c, it.job) = sum;
     } else {
       float cs = 0.0f;
@@ -92,7 +108,8 @@ struct Mamba3ChunkTokensFunctor {
 
 /// Stage 1b (one item per (batch, head, angle)): walks the chunks, replacing each chunk's sum of
 /// increments by the angle entering it (reduced into [0, 2π) after every chunk; the turns taken
-/// out before the chunk are kept for the MIMO final angle).
+/// out before the chunk are kept for the MIMO final angle). A chunk where a document starts passes
+/// on the angle of its last document alone.
 template <class MemorySpace>
 struct Mamba3AnglePassingFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -109,6 +126,7 @@ struct Mamba3AnglePassingFunctor {
       const float total = ws.angle_sum(b, h, c, i);
       ws.angle_sum(b, h, c, i) = theta;
       ws.angle_turns(b, h, c, i) = turns;
+      if (mamba3_chunk_has_start(in, plan, b, c)) theta = turns = 0.0f;
       theta += total;
       const float wraps = kmamba::math::floor(theta / mamba3_two_pi);
       theta -= mamba3_two_pi * wraps;
@@ -120,7 +138,7 @@ struct Mamba3AnglePassingFunctor {
 /// Stage 1c (one item per (batch, head, chunk, angle)): θ_t from the angle entering the chunk,
 /// reduced into [0, 2π) at every token, stored as its cosine and sine (the exact functions: every
 /// stage that rotates reads these, so that the fused forward's rotations and the rotate stage's
-/// round the same values); the final angle at the last token.
+/// round the same values), from 0 again where a document starts; the final angle at the last token.
 template <class MemorySpace>
 struct Mamba3AngleScanFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -135,6 +153,7 @@ struct Mamba3AngleScanFunctor {
     float theta = ws.angle_sum(b, h, it.c, i);
     float turns = ws.angle_turns(b, h, it.c, i);
     for (int l = 0; l < len; ++l) {
+      if (in.starts(b, t0 + l)) theta = turns = 0.0f;
       theta += mamba3_angle_step(in, b, t0 + l, h, i);
       const float wraps = kmamba::math::floor(theta / mamba3_two_pi);
       theta -= mamba3_two_pi * wraps;

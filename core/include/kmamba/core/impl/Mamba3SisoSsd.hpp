@@ -168,6 +168,7 @@ SsdArgs<MemorySpace> mamba3_siso_ssd_args(const ExecSpace& exec, const Mamba3Pla
   }
   args.dt = tok.scale;
   args.log_decay = tok.log_decay;
+  args.seq_idx = in.seq_idx;
   args.B = B;
   args.C = C;
   args.dt_min = -std::numeric_limits<float>::infinity();
@@ -217,6 +218,7 @@ bool mamba3_siso_fused_forward(const ExecSpace& exec, const Mamba3Plan& plan, co
   probe.x = in.v;
   probe.B = in.k4;
   probe.C = in.q4;
+  probe.seq_idx = in.seq_idx;
   if (!ssd_fused_forward_supported(fused, SsdOperands<MemorySpace>(probe))) return false;
   const Mamba3SisoTokens<MemorySpace> tok(plan, false);
   const Mamba3Workspace<MemorySpace> ws(plan, false, false);
@@ -341,6 +343,7 @@ bool mamba3_siso_fused_backward(const ExecSpace& exec, const Mamba3Plan& plan, c
   probe.x = in.v;
   probe.B = in.k4;
   probe.C = in.q4;
+  probe.seq_idx = in.seq_idx;
   const SsdOperands<MemorySpace> probe_in(probe);
   if (!ssd_fused_backward_supported(fused, probe_in) ||
       (recompute && !ssd_fused_forward_supported(forward, probe_in))) {

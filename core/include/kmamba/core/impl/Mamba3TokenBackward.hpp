@@ -148,9 +148,11 @@ struct Mamba3ValueBackwardFunctor {
   }
 };
 
-/// Backward B7a (one item per (batch, head, chunk, angle)): the chunk's sum of ∂/∂θ_t, last token first.
+/// Backward B7a (one item per (batch, head, chunk, angle)): the chunk's sum of ∂/∂θ_t, last token
+/// first, over the tokens before its first document start (the ones the angle entering it reaches).
 template <class MemorySpace>
 struct Mamba3DthetaChunkSumFunctor {
+  Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3BackwardWorkspace<MemorySpace> bw;
   Mamba3Plan plan;
@@ -159,16 +161,20 @@ struct Mamba3DthetaChunkSumFunctor {
     const Mamba3ChunkItem it = mamba3_chunk_item(plan, item, plan.nangles);
     const int t0 = it.c * plan.chunk, len = mamba3_chunk_length(plan, it.c);
     float sum = 0.0f;
-    for (int l = len - 1; l >= 0; --l) sum += bw.dtheta(it.b, it.h, t0 + l, it.job);
+    for (int l = len - 1; l >= 0; --l) {
+      sum += bw.dtheta(it.b, it.h, t0 + l, it.job);
+      if (in.starts(it.b, t0 + l)) sum = 0.0f;
+    }
     ws.angle_sum(it.b, it.h, it.c, it.job) = sum;
   }
 };
 
 /// Backward B7b (one item per (batch, head, angle)): walks the chunks backwards, replacing each
-/// chunk's sum by G entering it from the right (dfinal angle + the sums of the chunks after it);
-/// writes dinitial angle.
+/// chunk's sum by G entering it from the right (dfinal angle + the sums of the chunks after it, up
+/// to the nearest document start); writes dinitial angle.
 template <class MemorySpace>
 struct Mamba3DthetaPassingFunctor {
+  Mamba3Operands<MemorySpace> in;
   Mamba3Workspace<MemorySpace> ws;
   Mamba3Plan plan;
   Mamba3StateViews<const float, MemorySpace> dfinal;
@@ -182,15 +188,15 @@ struct Mamba3DthetaPassingFunctor {
     for (int c = plan.nchunks - 1; c >= 0; --c) {
       const float sum = ws.angle_sum(b, h, c, i);
       ws.angle_sum(b, h, c, i) = G;
-      G += sum;
+      G = mamba3_chunk_has_start(in, plan, b, c) ? sum : G + sum;
     }
     if (dinitial.has_angle) dinitial.angle(b, h, i) = G;
   }
 };
 
 /// Backward B7c (one item per (batch, head, chunk, angle)): G_i = dfinal angle + Σ_{t′≥t} ∂/∂θ_t′
-/// backwards through the chunk from the G entering it; writes dangles and leaves G·π·tanh(φ) (the
-/// part of ∂/∂dt through the angles) in dtheta.
+/// (over t′ of t's document) backwards through the chunk from the G entering it; writes dangles
+/// and leaves G·π·tanh(φ) (the part of ∂/∂dt through the angles) in dtheta.
 template <class MemorySpace>
 struct Mamba3AngleBackwardFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -209,12 +215,14 @@ struct Mamba3AngleBackwardFunctor {
       const float th = kmamba::math::tanh(in.angles(b, t, h, i));
       dangles(b, t, h, i) = G * in.dt(b, h, t) * mamba3_pi * (1.0f - th * th);
       bw.dtheta(b, h, t, i) = G * mamba3_pi * th;
+      if (in.starts(b, t)) G = 0.0f;
     }
   }
 };
 
 /// Backward B7d (one item per (batch, head, token)): ∂/∂dt and ∂/∂trap from ∂/∂γ_t = diag_t + off_t,
-/// ∂/∂β̃_t = off_{t−1} (∂/∂β̃_0 through the initial k, v) and the angles' part.
+/// ∂/∂β̃_t = off_{t−1} (∂/∂β̃_0 through the initial k, v; 0 where a document starts, β̃_t being 0
+/// there) and the angles' part.
 template <class MemorySpace>
 struct Mamba3ScalarBackwardFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -233,7 +241,7 @@ struct Mamba3ScalarBackwardFunctor {
     const float lambda = sigmoid(in.trap(b, h, t));
     const float one_minus = sigmoid(-in.trap(b, h, t));
     const float dgamma = bw.diag(b, h, t) + bw.off(b, h, t);
-    const float dbeta = t > 0 ? bw.off(b, h, t - 1) : bw.dbeta0(b, h);
+    const float dbeta = in.starts(b, t) ? 0.0f : t > 0 ? bw.off(b, h, t - 1) : bw.dbeta0(b, h);
     ddt(b, h, t) = from_angles + dgamma * lambda + dbeta * one_minus;
     dtrap(b, h, t) = (dgamma - dbeta) * d * lambda * one_minus;
   }

@@ -36,6 +36,7 @@
 
 #include <kmamba/core/Activations.hpp>
 #include <kmamba/core/Tensor.hpp>
+#include <kmamba/core/Math.hpp>
 #include <kmamba/core/impl/AsyncCopy.hpp>
 #include <kmamba/core/impl/DeviceMath.hpp>
 #include <kmamba/core/impl/SelectiveScanWalk.hpp>

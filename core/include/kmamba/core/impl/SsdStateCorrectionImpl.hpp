@@ -18,25 +18,30 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace kmamba {
 namespace impl {
 
 /// decay(b, h, t) = exp(Σ_{s ≤ t} a_s) of row b, head h (a_s = δ_s·A[h] or the given log decay),
 /// one team per (b, h) scanning the tokens with its vector lanes in a fixed order; one exp per
-/// token, which the kernels below read instead of evaluating it per output element.
+/// token, which the kernels below read instead of evaluating it per output element. With seq_idx,
+/// a_s = −∞ where a document starts (s > 0), so decay is 0 from the row's first start on: the
+/// incoming state reaches neither those tokens nor the final state, and takes no gradient there.
 template <class ExecSpace, class MemorySpace>
 struct SsdCumulativeDecayFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
   SsdOperands<MemorySpace> in;
   Tensor3<float, MemorySpace> decay;  // (batch, nheads, seqlen)
   int nheads, seqlen;
+  float minus_infinity;
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const int b = team.league_rank() / nheads, h = team.league_rank() % nheads;
     const float rate = in.decay_rate(h);
     Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, seqlen), [&](const int t, float& partial, const bool last) {
-      partial += in.token_log_decay(b, t, h, in.dt_value(in.dt_pre(b, t, h)), rate);
+      const bool starts = in.has_seq_idx && t > 0 && in.seq_idx(b, t) != in.seq_idx(b, t - 1);
+      partial += starts ? minus_infinity : in.token_log_decay(b, t, h, in.dt_value(in.dt_pre(b, t, h)), rate);
       if (last) decay(b, h, t) = kmamba::math::exp(partial);
     });
   }
@@ -50,7 +55,8 @@ Tensor3<float, MemorySpace> ssd_cumulative_decay(const ExecSpace& exec, const Ss
                                                                          plan.batch, plan.nheads, plan.seqlen);
   const int vector_length = std::min(32, static_cast<int>(Policy::vector_length_max()));
   Kokkos::parallel_for("kmamba::ssd_state_correction::decay", Policy(exec, plan.batch * plan.nheads, 1, vector_length),
-                       SsdCumulativeDecayFunctor<ExecSpace, MemorySpace>{in, decay, plan.nheads, plan.seqlen});
+                       SsdCumulativeDecayFunctor<ExecSpace, MemorySpace>{in, decay, plan.nheads, plan.seqlen,
+                                                                         -std::numeric_limits<float>::infinity()});
   return decay;
 }
 
