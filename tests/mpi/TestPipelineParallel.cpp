@@ -20,7 +20,8 @@
 //    models of 8 layers at pp 2, pp 4 and pp 2 × dp 2 — the loss and every gradient of one step of
 //    micro-batches of unequal shapes equal the 1-rank run's (τ as P1) and the plain 1F1B pipeline's
 //    over the same micro-batches on the same mesh (the same sums in the same order), with and without
-//    activation checkpointing; 3 clipped AdamW steps (DDP and ZeRO-1) follow the 1-rank run as in P2.
+//    activation checkpointing; 3 clipped AdamW steps (DDP and ZeRO-1) follow the 1-rank run as in P2;
+//    P4 through the interleaved pipeline (8 layers, 4 micro-batches per step).
 //    (The interleaved schedule's measured bubble: TestInterleavedSchedule.cpp.)
 //
 // Tolerances (support/RoundingBounds.hpp, as TestModelParallel.cpp): the pipeline evaluates the same
@@ -409,30 +410,31 @@ TEST(PipelineSchedule, MeasuredBubbleAgreesWithTheOneForwardOneBackwardFormula) 
   }
 }
 
-kmamba::TrainConfig trainer_config() {
+kmamba::TrainConfig trainer_config(int grad_accum = 3) {
   kmamba::TrainConfig t;
   t.lr = 3e-3;
   t.warmup_steps = 1;
   t.total_steps = 4;
   t.batch_size = 2;
-  t.grad_accum = 3;
+  t.grad_accum = grad_accum;
   t.grad_clip = 0.5;
   t.eval_interval = 0;
   return t;
 }
 
 // P4. The trainer's first step starts from the 1-rank trainer's parameters, so its loss and norm
-// agree within τ and ‖δ‖₂ (the same sums regrouped); later steps are the P2 comparison.
-TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
+// agree within τ and ‖δ‖₂ (the same sums regrouped); later steps are the P2 comparison. On a
+// pipeline of pp = world stages of `chunks` chunks each.
+void expect_trainer_through_pipeline(const kmamba::ModelConfig& config, int chunks, const kmamba::TrainConfig& train) {
   const Exec exec;
-  const kmamba::ModelConfig config = config_named("mamba2");
   constexpr std::int64_t recall_seqlen = 24;
   auto data = std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{32, recall_seqlen, 4, 5});
   Model whole(config);
   whole.initialize(init_seed);
-  kmamba::Trainer<Exec> one_rank(std::move(whole), trainer_config(), data);
+  kmamba::Trainer<Exec> one_rank(std::move(whole), train, data);
   const kmamba::StepResult want = one_rank.step();
-  const double tau = kmamba::test::model_tolerance(config, recall_seqlen, 6 * recall_seqlen);
+  const double tau =
+      kmamba::test::model_tolerance(config, recall_seqlen, train.batch_size * train.grad_accum * recall_seqlen);
   const auto& ref_slab = one_rank.model().parameters();  // its gradients of the first step
   const double norm_bound =
       norm_difference_bound(per_tensor_bounds(ref_slab.entries(), ref_slab.grads(), tau), want.grad_norm);
@@ -440,7 +442,7 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   kmamba::MeshConfig mesh_config;
   mesh_config.pipeline_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-  kmamba::Trainer<Exec> trainer(stage_model(config, mesh), trainer_config(), data);
+  kmamba::Trainer<Exec> trainer(stage_model(config, mesh, chunks), train, data);
   trainer.enable_data_parallel(mesh, kmamba::DataParallelConfig{1});
   ASSERT_NE(trainer.pipeline(), nullptr);
   const kmamba::StepResult got = trainer.step();
@@ -449,7 +451,8 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   EXPECT_LE(std::abs(got.grad_norm - want.grad_norm), norm_bound);
   trainer.step();
 
-  const std::string dir = (std::filesystem::temp_directory_path() / "kmamba_pipeline_checkpoint").string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("kmamba_pipeline_checkpoint_v" + std::to_string(chunks))).string();
   trainer.save_checkpoint(dir);
   Model gathered(config);
   kmamba::gather_parameters(exec, trainer.model(), gathered);
@@ -460,7 +463,7 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   }
   EXPECT_EQ(differing, 0u);
 
-  kmamba::Trainer<Exec> resumed(stage_model(config, mesh), trainer_config(), data);
+  kmamba::Trainer<Exec> resumed(stage_model(config, mesh, chunks), train, data);
   resumed.enable_data_parallel(mesh, kmamba::DataParallelConfig{1});
   resumed.resume(dir);
   const kmamba::StepResult next = trainer.step(), again = resumed.step();
@@ -473,6 +476,16 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   EXPECT_EQ(differing, 0u);
   mesh.world().barrier();
   if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
+  expect_trainer_through_pipeline(config_named("mamba2"), 1, trainer_config());
+}
+
+// P6 through the Trainer: 2 chunks per stage, 4 micro-batches per step (a multiple of pp 2 and 4).
+TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughTheInterleavedPipeline) {
+  if (world_size() < 2) GTEST_SKIP() << "virtual stages need at least 2 pipeline stages";
+  expect_trainer_through_pipeline(config_named("mamba2", interleaved_layers), virtual_stages, trainer_config(4));
 }
 
 // P5.
