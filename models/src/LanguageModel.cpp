@@ -95,8 +95,14 @@ struct LanguageModel<ExecutionSpace>::State {
   // stage's; chunk 0 keeps the labels of an unchunked model.
   static std::vector<Backbone> make_chunks(const ModelConfig& config, const ModelParallel& parallel,
                                            const PipelineParallel& stages) {
+    // Chunks exist for the interleaved schedule, which needs two stages; without them whole-model
+    // calls would see chunk 0 only.
+    KMAMBA_REQUIRE(stages.virtual_stages == 1 || (stages.virtual_stages > 1 && stages.stages() >= 2),
+                   "kmamba::LanguageModel: virtual_pipeline_stages must be 1, or above 1 with "
+                   "pipeline_parallel_size >= 2; got virtual_pipeline_stages "
+                       << stages.virtual_stages << " with pipeline_parallel_size " << stages.stages());
     std::vector<Backbone> chunks;
-    chunks.reserve(static_cast<std::size_t>(std::max(stages.virtual_stages, 1)));
+    chunks.reserve(static_cast<std::size_t>(stages.virtual_stages));
     for (int c = 0; c < stages.virtual_stages; ++c) {
       chunks.emplace_back(config, parallel,
                           c == 0 ? std::string("kmamba::lm") : "kmamba::lm::chunk" + std::to_string(c),

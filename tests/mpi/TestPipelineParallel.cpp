@@ -515,6 +515,10 @@ TEST(PipelineErrors, NameTheBadInput) {
               kmamba::chunk_layers(4, kmamba::PipelineParallel{nullptr, 5}, 0);
             }).find("virtual_pipeline_stages 5 x pipeline_parallel_size 1 exceeds the model's 4 layers"),
             std::string::npos);
+  EXPECT_NE(user_error([&] {
+              Model(config_named("mamba2"), {}, kmamba::PipelineParallel{nullptr, 2});
+            }).find("virtual_pipeline_stages 2 with pipeline_parallel_size 1"),
+            std::string::npos);
   if (world_size() < 2) return;
   kmamba::MeshConfig stages;
   stages.pipeline_parallel_size = 2;
