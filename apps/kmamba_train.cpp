@@ -308,6 +308,7 @@ struct Parallel {
 template <class Exec>
 Parallel make_parallel(const Run& r, const kmamba::ModelConfig& config, const kmamba::app::Runtime& runtime) {
   Parallel p;
+  kmamba::app::check_virtual_stages(r, config);
 #if KMAMBA_ENABLE_MPI
   if (!runtime.mpi()) return p;
   const kmamba::MeshConfig resolved = kmamba::app::mesh_for_world(r, runtime.size());
@@ -345,7 +346,8 @@ kmamba::Trainer<Exec> make_trainer(const Run& r, const kmamba::ModelConfig& conf
   kmamba::LanguageModel<Exec> model = make_model();
 #if KMAMBA_ENABLE_MPI
   if (p.split) {
-    kmamba::LanguageModel<Exec> local(model.config(), {&p.mesh->tensor(), &p.mesh->sequence()}, {&p.mesh->pipeline()});
+    kmamba::LanguageModel<Exec> local(model.config(), {&p.mesh->tensor(), &p.mesh->sequence()},
+                                      {&p.mesh->pipeline(), r.virtual_pipeline_stages});
     kmamba::scatter_parameters(exec, model, local);
     model = std::move(local);
   }
@@ -399,6 +401,24 @@ void print_optimizer(const kmamba::Trainer<Exec>& trainer) {
 }
 
 #if KMAMBA_ENABLE_MPI
+// The pipeline part of the mesh line: the schedule and the layers stage 0 holds ("" without pp).
+template <class Exec>
+std::string pipeline_text(const Run& r, const kmamba::MeshConfig& mesh, const kmamba::LanguageModel<Exec>& model) {
+  if (mesh.pipeline_parallel_size == 1) return "";
+  const long long m = static_cast<long long>(r.train.grad_accum);
+  std::string text = format(" x pipeline parallel %d (", mesh.pipeline_parallel_size);
+  if (r.virtual_pipeline_stages == 1) {
+    text += format("1F1B over the %lld micro-batches of a step; stage 0 holds layers", m);
+  } else {
+    text += format("interleaved 1F1B over the %lld micro-batches of a step, %d chunks per stage; stage 0 holds layers",
+                   m, r.virtual_pipeline_stages);
+  }
+  for (int c = 0; c < r.virtual_pipeline_stages; ++c) {
+    text += format("%s %d to %d", c == 0 ? "" : ",", model.layers(c).begin, model.layers(c).end - 1);
+  }
+  return text + ")";
+}
+
 // How the data-parallel gradients travel, for the start line.
 std::string reduction_text(const Run& r) {
   if (r.compression == kmamba::GradientCompression::PowerSgd) {
@@ -431,14 +451,7 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
         mesh.sequence_parallel_size > 1
             ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
             : "",
-        mesh.pipeline_parallel_size > 1
-            ? format(" x pipeline parallel %d (1F1B over the %lld micro-batches of a step; stage 0 holds layers "
-                     "%d to %d)",
-                     mesh.pipeline_parallel_size, static_cast<long long>(r.train.grad_accum),
-                     trainer.model().layers().begin, trainer.model().layers().end - 1)
-                  .c_str()
-            : "",
-        r.zero_stage, reduction_text(r).c_str(),
+        pipeline_text(r, mesh, trainer.model()).c_str(), r.zero_stage, reduction_text(r).c_str(),
         r.sync_frequency > 1 ? format("; local SGD: the replicas step alone, averaged every %lld steps",
                                       static_cast<long long>(r.sync_frequency))
                                    .c_str()

@@ -179,6 +179,11 @@ void declare_parallel(CLI::App& cli) {
   option(cli, g, "--pipeline-parallel-size,--pp", "N",
          "pipeline stages, each holding consecutive layers, run 1F1B over the --grad-accum micro-batches (default 1)",
          count_from(1));
+  option(cli, g, "--virtual-pipeline-stages,--virtual-stages", "V",
+         "chunks of consecutive layers per pipeline stage, run by the interleaved 1F1B schedule (bubble "
+         "(pp - 1)/(V * grad_accum + pp - 1) instead of (pp - 1)/(grad_accum + pp - 1)); V > 1 needs --pp >= 2, "
+         "n_layer a multiple of V * pp and --grad-accum a multiple of pp (default 1: one chunk)",
+         count_from(1));
   option(cli, g, "--sequence-parallel-enabled", "BOOL",
          "true: the ranks that tp x dp leave split each sequence (--sp derived, dp 1 unless given); false: --sp "
          "must be 1",
@@ -441,6 +446,7 @@ void resolve_parallel(const TrainOptions& o, Run& r) {
   r.mesh.tensor_parallel_size = static_cast<int>(o.integer("tensor-parallel-size", 1));
   r.mesh.sequence_parallel_size = static_cast<int>(o.integer("sequence-parallel-size", 1));
   r.mesh.pipeline_parallel_size = static_cast<int>(o.integer("pipeline-parallel-size", 1));
+  r.virtual_pipeline_stages = static_cast<int>(o.integer("virtual-pipeline-stages", 1));
   r.zero_stage = static_cast<int>(o.integer("zero-stage", 0));
   r.activation_checkpointing = o.flag("activation-checkpointing");
   resolve_compression(o, r);
@@ -629,6 +635,22 @@ MeshConfig mesh_for_world(const Run& run, int world_size) {
     mesh.sequence_parallel_size = static_cast<int>(world_size / others);
   }
   return mesh.resolve(world_size);
+}
+
+void check_virtual_stages(const Run& run, const ModelConfig& config) {
+  const int v = run.virtual_pipeline_stages, p = run.mesh.pipeline_parallel_size;
+  if (v == 1) return;
+  const std::string key = key_of("virtual-pipeline-stages") + " " + std::to_string(v);
+  KMAMBA_REQUIRE(p >= 2, "kmamba-train: " << key << " needs " << key_of("pipeline-parallel-size")
+                                          << " >= 2 (chunks of a pipeline stage), got " << p);
+  KMAMBA_REQUIRE(config.n_layer % (v * p) == 0,
+                 "kmamba-train: " << key << " with " << key_of("pipeline-parallel-size") << " " << p
+                                  << " splits the layers into " << v * p << " equal chunks: " << key_of("n-layer")
+                                  << " must be a multiple of " << v * p << ", got " << config.n_layer);
+  KMAMBA_REQUIRE(run.train.grad_accum % p == 0,
+                 "kmamba-train: " << key << " runs the micro-batches through the chunks in groups of "
+                                  << key_of("pipeline-parallel-size") << " " << p << ": " << key_of("grad-accum")
+                                  << " must be a multiple of " << p << ", got " << run.train.grad_accum);
 }
 
 void check_resumed_architecture(const Run& run, const ModelConfig& saved) {

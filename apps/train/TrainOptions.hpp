@@ -45,6 +45,9 @@ struct Run {
   TokenDatasetConfig tokens;
   ModelConfig model;
   MeshConfig mesh;
+  /// Chunks of layers per pipeline rank (--virtual-pipeline-stages): above 1, the interleaved 1F1B
+  /// schedule; 1, the plain one.
+  int virtual_pipeline_stages = 1;
   /// sequence_parallel_enabled true without --sp: the ranks that tp × dp leave split each sequence.
   bool derive_sequence_parallel = false;
   int zero_stage = 0;
@@ -81,6 +84,12 @@ bool asks_for_ranks(const CLI::App& cli);
 /// The run's mesh on `world_size` ranks: --sp derived when run.derive_sequence_parallel, then
 /// MeshConfig::resolve. Throws kmamba::UserError naming the key whose size does not fit.
 MeshConfig mesh_for_world(const Run& run, int world_size);
+
+/// Checks virtual_pipeline_stages v against the run and the model `config`: v > 1 needs
+/// pipeline_parallel_size p >= 2, n_layer a multiple of v·p (equal chunks) and grad_accum a multiple
+/// of p (the interleaved schedule's groups). Throws kmamba::UserError naming the key and the value
+/// expected otherwise.
+void check_virtual_stages(const Run& run, const ModelConfig& config);
 
 /// Throws kmamba::UserError naming the first architecture option given with --resume that
 /// differs from the checkpoint's `saved` configuration (a resumed run keeps its architecture).

@@ -37,6 +37,17 @@ StageLayers stage_layers(int n_layer, int stage, int stages) {
   return layers;
 }
 
+StageLayers chunk_layers(int n_layer, const PipelineParallel& stages, int chunk) {
+  const int v = stages.virtual_stages, p = stages.stages();
+  KMAMBA_REQUIRE(v >= 1, "kmamba::chunk_layers: virtual_pipeline_stages must be >= 1, got " << v);
+  KMAMBA_REQUIRE(chunk >= 0 && chunk < v, "kmamba::chunk_layers: chunk " << chunk << " is not in [0, " << v << ")");
+  KMAMBA_REQUIRE(v == 1 || v * p <= n_layer, "kmamba::chunk_layers: virtual_pipeline_stages "
+                                                 << v << " x pipeline_parallel_size " << p << " exceeds the model's "
+                                                 << n_layer
+                                                 << " layers (n_layer); each chunk needs at least one layer");
+  return stage_layers(n_layer, chunk * p + stages.stage(), v * p);
+}
+
 namespace {
 
 // dst[dst_offset, dst_offset + count) ← src[src_offset, src_offset + count).

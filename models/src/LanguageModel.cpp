@@ -68,7 +68,8 @@ struct LanguageModel<ExecutionSpace>::State {
   ModelParallel parallel;
   PipelineParallel pipeline;
   Slab slab;
-  Backbone backbone;
+  // The blocks this rank holds: one backbone, or one per chunk with virtual pipeline stages.
+  std::vector<Backbone> chunks;
 
   // The head's buffers of the last forward (batch, seqlen fixed by it).
   std::int64_t batch = 0, seqlen = 0;
@@ -84,26 +85,60 @@ struct LanguageModel<ExecutionSpace>::State {
   std::int64_t stage_tokens = 0;
 
   State(const ModelConfig& c, const ModelParallel& p, const PipelineParallel& stages)
-      : config(c),
-        parallel(p),
-        pipeline(stages),
-        backbone(c, p, "kmamba::lm", stage_layers(c.n_layer, stages.stage(), stages.stages()), stages.last_stage()) {
+      : config(c), parallel(p), pipeline(stages), chunks(make_chunks(c, p, stages)) {
     config.validate();
-    declare_parameters(config, pipeline, backbone, slab);
+    declare_parameters(config, pipeline, chunks, slab);
     slab.finalize("kmamba::lm");
   }
 
+  // The backbone of each chunk of this rank (PipelineStage.hpp), the final norm on the last virtual
+  // stage's; chunk 0 keeps the labels of an unchunked model.
+  static std::vector<Backbone> make_chunks(const ModelConfig& config, const ModelParallel& parallel,
+                                           const PipelineParallel& stages) {
+    // Chunks exist for the interleaved schedule, which needs two stages; without them whole-model
+    // calls would see chunk 0 only.
+    KMAMBA_REQUIRE(stages.virtual_stages == 1 || (stages.virtual_stages > 1 && stages.stages() >= 2),
+                   "kmamba::LanguageModel: virtual_pipeline_stages must be 1, or above 1 with "
+                   "pipeline_parallel_size >= 2; got virtual_pipeline_stages "
+                       << stages.virtual_stages << " with pipeline_parallel_size " << stages.stages());
+    std::vector<Backbone> chunks;
+    chunks.reserve(static_cast<std::size_t>(stages.virtual_stages));
+    for (int c = 0; c < stages.virtual_stages; ++c) {
+      chunks.emplace_back(config, parallel,
+                          c == 0 ? std::string("kmamba::lm") : "kmamba::lm::chunk" + std::to_string(c),
+                          chunk_layers(config.n_layer, stages, c), stages.last_chunk(c));
+    }
+    return chunks;
+  }
+
   // The parameters' names and shapes, in declaration order; allocates nothing. The first stage
-  // holds the embedding, the last the head (the embedding itself when tied).
-  static void declare_parameters(const ModelConfig& config, const PipelineParallel& stages, const Backbone& backbone,
-                                 Slab& slab) {
+  // holds the embedding, the last the head (the embedding itself when tied), the chunks' blocks
+  // between them in chunk order.
+  static void declare_parameters(const ModelConfig& config, const PipelineParallel& stages,
+                                 const std::vector<Backbone>& chunks, Slab& slab) {
     const std::int64_t dm = config.d_model, vp = config.padded_vocab_size();
     if (stages.first_stage() || (stages.last_stage() && config.tie_embeddings)) {
       slab.add(impl::embedding_name, {vp, dm}, WeightDecay::Yes);
     }
-    backbone.declare_parameters(slab);
+    for (const Backbone& chunk : chunks) chunk.declare_parameters(slab);
     if (stages.last_stage() && !config.tie_embeddings) slab.add(impl::lm_head_name, {vp, dm}, WeightDecay::Yes);
   }
+
+  // The whole backbone of an unchunked model (chunk 0 of a chunked one).
+  Backbone& backbone() { return chunks.front(); }
+  const Backbone& backbone() const { return chunks.front(); }
+  // Chunk `c`'s backbone; `function` names the caller in the error for a chunk not held.
+  const Backbone& chunk(const char* function, int c) const {
+    KMAMBA_REQUIRE(c >= 0 && c < static_cast<int>(chunks.size()),
+                   function << ": chunk " << c << " is not in [0, " << chunks.size()
+                            << ") (virtual_pipeline_stages of this model)");
+    return chunks[static_cast<std::size_t>(c)];
+  }
+  Backbone& chunk(const char* function, int c) {
+    return const_cast<Backbone&>(std::as_const(*this).chunk(function, c));
+  }
+  // The chunk ending in the final norm (the whole backbone without virtual stages).
+  const Backbone& head_chunk() const { return chunks.back(); }
 
   // Throws a UserError from `function` on a pipeline stage: it needs the whole model.
   void require_whole_model(const char* function) const {
@@ -145,21 +180,23 @@ struct LanguageModel<ExecutionSpace>::State {
                                             << ", position " << bad.first_row % ids.extent(1) << ")");
   }
 
-  /// This model's part of the forward over ids: the blocks from the embedding of ids (first
-  /// stage) or from `input` (the previous stage's output), and on the last stage the head, which
-  /// fills padded_logits. Keeps per-layer activations when `training`.
+  /// This model's part of the forward over ids through chunk `c`: the blocks from the embedding of
+  /// ids (virtual stage 0) or from `input` (the previous virtual stage's output), and on the last
+  /// virtual stage the head, which fills padded_logits. Keeps per-layer activations when `training`.
   void run_forward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids, bool training,
-                   const ConstTensor3<float, Mem>& input = {}) {  // (batch, seqlen, d_model) or empty
+                   const ConstTensor3<float, Mem>& input = {},  // (batch, seqlen, d_model) or empty
+                   int c = 0) {
     const std::int64_t b = ids.extent(0), l = ids.extent(1);
-    const Tensor3<float, Mem>& out = backbone.forward(exec, slab, b, l, training, [&](const Tensor2<float, Mem>& h0) {
-      if (pipeline.first_stage()) {
+    Backbone& blocks = chunks[static_cast<std::size_t>(c)];
+    const Tensor3<float, Mem>& out = blocks.forward(exec, slab, b, l, training, [&](const Tensor2<float, Mem>& h0) {
+      if (pipeline.first_chunk(c)) {
         const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
         embedding_forward(exec, flat_ids, ConstTensor2<float, Mem>(slab.template param<2>(impl::embedding_name)), h0);
       } else {
         Kokkos::deep_copy(exec, h0, ConstTensor2<float, Mem>(input.data(), h0.extent(0), h0.extent(1)));
       }
     });
-    if (!pipeline.last_stage()) return;
+    if (!pipeline.last_chunk(c)) return;
     ensure_head_buffers(b, l);
     gemm(exec, Transpose::No, Transpose::Yes, 1.0f, ConstTensor2<float, Mem>(impl::token_rows(out)), head_weight(),
          0.0f, padded_logits, precision);
@@ -227,11 +264,11 @@ struct LanguageModel<ExecutionSpace>::State {
   void run_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids,
                     const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
     head_backward(exec, targets, scale);
-    blocks_backward(exec, ids);
+    blocks_backward(exec, ids, 0);
   }
 
-  /// The loss's and the head's backward (the last stage): padded_logits becomes dlogits, and
-  /// d(loss)/d(normed_f) goes over backbone.output().
+  /// The loss's and the head's backward (the last virtual stage): padded_logits becomes dlogits, and
+  /// d(loss)/d(normed_f) goes over head_chunk().output().
   void head_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& targets, float scale) {
     const ConstTensor1<std::int64_t, Mem> flat_targets(targets.data(), targets.span());
     // The backward writes dlogits over the logits it reads, row by row (softmax − one-hot).
@@ -239,7 +276,7 @@ struct LanguageModel<ExecutionSpace>::State {
                            ConstTensor1<float, Mem>(lse), scale, padded_logits);
     // logits = normed_f · Wᵀ: dW += dlogitsᵀ · normed_f, then dnormed_f = dlogits · W over normed_f
     // (dlogits rounded once for both products under BFloat16).
-    const Tensor2<float, Mem> normed = impl::token_rows(backbone.output());
+    const Tensor2<float, Mem> normed = impl::token_rows(head_chunk().output());
     const GemmOperand<Mem> dlogits = gemm_operand(exec, ConstTensor2<float, Mem>(padded_logits), precision);
     gemm(exec, Transpose::Yes, Transpose::No, 1.0f, dlogits,
          gemm_operand(exec, ConstTensor2<float, Mem>(normed), precision), 1.0f, head_grad(), precision);
@@ -247,16 +284,18 @@ struct LanguageModel<ExecutionSpace>::State {
          gemm_operand(exec, ConstTensor2<float, Mem>(head_weight()), precision), 0.0f, normed, precision);
   }
 
-  /// The blocks' backward from d(loss)/d(output) over backbone.output(), and the embedding's on the
-  /// first stage. Returns d(loss)/d(h_0), the gradient of the stage's input.
-  const Tensor3<float, Mem>& blocks_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids) {
-    const Tensor3<float, Mem>& dh0 = backbone.backward(exec, slab);
-    if (pipeline.first_stage()) {
+  /// Chunk `c`'s blocks' backward from d(loss)/d(output) over its output(), and the embedding's on
+  /// virtual stage 0. Returns d(loss)/d(h_0), the gradient of the chunk's input.
+  const Tensor3<float, Mem>& blocks_backward(const ExecutionSpace& exec, const ConstTensor2<std::int64_t, Mem>& ids,
+                                             int c) {
+    Backbone& blocks = chunks[static_cast<std::size_t>(c)];
+    const Tensor3<float, Mem>& dh0 = blocks.backward(exec, slab);
+    if (pipeline.first_chunk(c)) {
       const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
       embedding_backward(exec, flat_ids, ConstTensor2<float, Mem>(impl::token_rows(dh0)),
                          Tensor2<float, Mem>(slab.template grad<2>(impl::embedding_name)));
     }
-    backbone.finish_backward(exec);
+    blocks.finish_backward(exec);
     return dh0;
   }
 };
@@ -327,29 +366,30 @@ LanguageModel<ExecutionSpace>::LanguageModel(const ModelConfig& config, const Mo
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
-  state_->backbone.set_activation_checkpointing(on);
+  for (auto& chunk : state_->chunks) chunk.set_activation_checkpointing(on);
 }
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_gradients_ready_hook(GradientsReadyHook hook) {
-  state_->backbone.set_gradients_ready_hook(std::move(hook), state_->slab);
+  // Chunk 0's backward runs last: it announces its blocks, then everything outside the blocks.
+  state_->backbone().set_gradients_ready_hook(std::move(hook), state_->slab);
 }
 
 template <class ExecutionSpace>
 std::vector<std::vector<std::pair<std::size_t, std::size_t>>> LanguageModel<ExecutionSpace>::gradients_ready_sequence()
     const {
-  return state_->backbone.gradients_ready_sequence(state_->slab);
+  return state_->backbone().gradients_ready_sequence(state_->slab);
 }
 
 template <class ExecutionSpace>
 bool LanguageModel<ExecutionSpace>::activation_checkpointing() const {
-  return state_->backbone.activation_checkpointing();
+  return state_->backbone().activation_checkpointing();
 }
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_matmul_precision(MatmulPrecision precision) {
   state_->precision = precision;
-  state_->backbone.set_matmul_precision(precision);
+  for (auto& chunk : state_->chunks) chunk.set_matmul_precision(precision);
 }
 
 template <class ExecutionSpace>
@@ -359,7 +399,7 @@ MatmulPrecision LanguageModel<ExecutionSpace>::matmul_precision() const {
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
-  state_->backbone.set_sequence_ids("kmamba::LanguageModel::set_sequence_ids", seq_idx);
+  for (auto& chunk : state_->chunks) chunk.set_sequence_ids("kmamba::LanguageModel::set_sequence_ids", seq_idx);
 }
 
 template <class ExecutionSpace>
@@ -373,13 +413,17 @@ const PipelineParallel& LanguageModel<ExecutionSpace>::pipeline() const {
 }
 
 template <class ExecutionSpace>
-StageLayers LanguageModel<ExecutionSpace>::layers() const {
-  return state_->backbone.layers();
+StageLayers LanguageModel<ExecutionSpace>::layers(int chunk) const {
+  return state_->chunk("kmamba::LanguageModel::layers", chunk).layers();
 }
 
 template <class ExecutionSpace>
 std::vector<ShardedParameter> LanguageModel<ExecutionSpace>::sharded_parameters() const {
-  return state_->backbone.sharded_parameters();
+  std::vector<ShardedParameter> all;
+  for (const auto& chunk : state_->chunks) {
+    for (ShardedParameter& p : chunk.sharded_parameters()) all.push_back(std::move(p));
+  }
+  return all;
 }
 
 template <class ExecutionSpace>
@@ -416,7 +460,7 @@ void LanguageModel<ExecutionSpace>::initialize(std::uint64_t seed) {
   if (s.slab.contains(impl::lm_head_name)) {
     fill_normal(exec, s.slab.template param<2>(impl::lm_head_name), seed, 0.0f, std_dev, stride);
   }
-  s.backbone.initialize(exec, s.slab, seed);
+  for (const auto& chunk : s.chunks) chunk.initialize(exec, s.slab, seed);
   exec.fence();
 }
 
@@ -485,25 +529,26 @@ LossResult LanguageModel<ExecutionSpace>::stage_forward(
     const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
     const ConstTensor2<std::int64_t, memory_space>& targets,                          // (batch, seqlen) or empty
     const ConstTensor3<float, memory_space>& input,  // (batch, seqlen, d_model) or empty
-    std::size_t slot, bool training) {
+    int chunk, std::size_t slot, bool training) {
   constexpr const char* function = "kmamba::LanguageModel::stage_forward";
   State& s = *state_;
+  typename State::Backbone& blocks = s.chunk(function, chunk);
   KMAMBA_REQUIRE(
       ids.is_allocated() && ids.extent(0) > 0 && ids.extent(1) > 0,
       function << ": ids must be a non-empty (batch, seqlen) tensor, got shape " << shape_of(ids).to_string());
-  if (s.pipeline.first_stage()) s.check_ids(function, ids, "input id", false);
-  if (!s.pipeline.first_stage()) {
+  if (s.pipeline.first_chunk(chunk)) s.check_ids(function, ids, "input id", false);
+  if (!s.pipeline.first_chunk(chunk)) {
     check_shape(function, "input", input,
                 {static_cast<std::int64_t>(ids.extent(0)), static_cast<std::int64_t>(ids.extent(1)), s.config.d_model},
                 "(batch, seqlen, d_model) with batch, seqlen from ids: the previous stage's output");
   }
-  if (s.pipeline.last_stage()) {
+  if (s.pipeline.last_chunk(chunk)) {
     check_same_shape(function, "targets", targets, "ids", ids);
     s.check_ids(function, targets, "target", true);
   }
-  if (training) s.backbone.use_activation_slot(slot);
-  s.run_forward(exec, ids, training, input);
-  if (!s.pipeline.last_stage()) return LossResult();
+  if (training) blocks.use_activation_slot(slot);
+  s.run_forward(exec, ids, training, input, chunk);
+  if (!s.pipeline.last_chunk(chunk)) return LossResult();
   const LossResult result = s.loss_of(exec, targets);
   if (training) {
     s.stage_targets = targets;
@@ -513,23 +558,25 @@ LossResult LanguageModel<ExecutionSpace>::stage_forward(
 }
 
 template <class ExecutionSpace>
-const Tensor3<float, typename ExecutionSpace::memory_space>& LanguageModel<ExecutionSpace>::stage_output() const {
-  return state_->backbone.output();
+const Tensor3<float, typename ExecutionSpace::memory_space>& LanguageModel<ExecutionSpace>::stage_output(
+    int chunk) const {
+  return state_->chunk("kmamba::LanguageModel::stage_output", chunk).output();
 }
 
 template <class ExecutionSpace>
 Tensor3<float, typename ExecutionSpace::memory_space> LanguageModel<ExecutionSpace>::stage_backward(
     const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
     const ConstTensor3<float, memory_space>& output_grad,  // (batch, seqlen, d_model) or empty
-    double weight, std::size_t slot) {
+    double weight, int chunk, std::size_t slot) {
   constexpr const char* function = "kmamba::LanguageModel::stage_backward";
   State& s = *state_;
-  s.backbone.use_activation_slot(slot);
-  const Tensor3<float, memory_space>& output = s.backbone.output();
+  typename State::Backbone& blocks = s.chunk(function, chunk);
+  blocks.use_activation_slot(slot);
+  const Tensor3<float, memory_space>& output = blocks.output();
   KMAMBA_REQUIRE(output.extent(0) == ids.extent(0) && output.extent(1) == ids.extent(1),
                  function << ": ids has shape " << shape_of(ids).to_string() << " but slot " << slot
                           << " holds a micro-batch of shape " << shape_of(output).to_string());
-  if (s.pipeline.last_stage()) {
+  if (s.pipeline.last_chunk(chunk)) {
     KMAMBA_REQUIRE(s.stage_targets.is_allocated() && s.stage_targets.extent(0) == ids.extent(0) &&
                        s.stage_targets.extent(1) == ids.extent(1),
                    function << ": the last stage runs a micro-batch's backward right after its stage_forward");
@@ -540,8 +587,8 @@ Tensor3<float, typename ExecutionSpace::memory_space> LanguageModel<ExecutionSpa
     check_shape(function, "output_grad", output_grad, shape_of(output), "(batch, seqlen, d_model) of stage_output()");
     Kokkos::deep_copy(exec, output, output_grad);
   }
-  const Tensor3<float, memory_space>& input_grad = s.blocks_backward(exec, ids);
-  return s.pipeline.first_stage() ? Tensor3<float, memory_space>() : input_grad;
+  const Tensor3<float, memory_space>& input_grad = s.blocks_backward(exec, ids, chunk);
+  return s.pipeline.first_chunk(chunk) ? Tensor3<float, memory_space>() : input_grad;
 }
 
 template <class ExecutionSpace>
@@ -553,7 +600,7 @@ DecodeState<ExecutionSpace> LanguageModel<ExecutionSpace>::make_decode_state(int
   impl->owner = &s;
   impl->batch = batch;
   impl->graph_precision = s.precision;
-  impl->stream = s.backbone.make_state(batch, "kmamba::decode");
+  impl->stream = s.backbone().make_state(batch, "kmamba::decode");
   const ExecutionSpace exec;
   s.prepare_decode_parameters(exec, *impl);
   exec.fence();
@@ -601,7 +648,7 @@ void LanguageModel<ExecutionSpace>::prefill(const ExecutionSpace& exec,
   s.prepare_decode_parameters(exec, d);
   const ConstTensor1<std::int64_t, Mem> flat_ids(ids.data(), ids.span());
   const ConstTensor2<float, Mem> embedding(s.slab.template param<2>(impl::embedding_name));
-  const auto segment = s.backbone.prefill(
+  const auto segment = s.backbone().prefill(
       exec, s.slab, b, l, [&](const Tensor2<float, Mem>& h0) { embedding_forward(exec, flat_ids, embedding, h0); },
       d.stream, "kmamba::decode");
   d.position += l;
@@ -638,7 +685,7 @@ void LanguageModel<ExecutionSpace>::decode_step(const ExecutionSpace& exec,
   const auto step = [&](const ExecutionSpace& e, const ConstTensor1<std::int64_t, Mem>& step_ids,
                         const Tensor2<float, Mem>& step_logits) {
     embedding_forward(e, step_ids, embedding, d.stream.residual, false);
-    s.backbone.step(e, s.slab, d.stream);
+    s.backbone().step(e, s.slab, d.stream);
     s.decode_logits(e, d.stream.normed, step_logits, d.bf16_parameters);
   };
   // A tensor-parallel step all-reduces through the communicator, which a recorded graph would
@@ -722,9 +769,9 @@ LanguageModel<ExecutionSpace> LanguageModel<ExecutionSpace>::load(const std::str
   check_sizes_against_file(config, file, config_path);
   {
     // Every parameter's shape against the file's header, still before any allocation.
-    const typename State::Backbone backbone(config, ModelParallel(), "kmamba::lm");
+    const auto whole = State::make_chunks(config, ModelParallel(), PipelineParallel());
     Slab declared;
-    State::declare_parameters(config, PipelineParallel(), backbone, declared);
+    State::declare_parameters(config, PipelineParallel(), whole, declared);
     for (const auto& entry : declared.entries()) {
       KMAMBA_REQUIRE(file.contains(stored_name(file, entry.name)),
                      "kmamba::LanguageModel::load: '" << file.path() << "' has no tensor '" << entry.name << "' (shape "

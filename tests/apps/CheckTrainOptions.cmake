@@ -4,6 +4,7 @@
 # - --resume without run.json fails with 2 instead of continuing on default options;
 # - --resume with run.json continues the run to its --steps;
 # - --resume reads metrics.jsonl as a regular file of records;
+# - --virtual-stages without a pipeline fails with 2 naming virtual_pipeline_stages;
 # - --pack-documents trains on packed documents of --data (here the lines of a text file, ended by
 #   '\n' = byte 10), with Mamba-2 and Mamba-3 SISO models, and is refused for the recall task and
 #   by a Mamba-3 MIMO model.
@@ -37,6 +38,10 @@ train(0 "dropped 3 line\\(s\\) of '[^']*metrics.jsonl' that are not metrics reco
       --resume --out ${OUT}/run --steps 6)
 file(RENAME ${OUT}/run/run.json ${OUT}/run.json.saved)
 train(2 "run.json' is missing; it holds the run's options" --resume --out ${OUT}/run --steps 7)
+# Virtual pipeline stages need a pipeline (the checks that need --pp run under MPI:
+# TestPipelineParallel.cpp P5).
+train(2 "virtual_pipeline_stages \\(--virtual-pipeline-stages\\) 2 needs pipeline_parallel_size \\(--pipeline-parallel-size\\) >= 2"
+      --virtual-stages 2 --steps 1 ${small} --out ${OUT}/virtual_stages)
 
 string(REPEAT "the quick brown fox jumps\nover\na lazy dog, twice over the fence\n" 40 lines)
 file(WRITE ${OUT}/lines.txt "${lines}")

@@ -15,7 +15,14 @@
 //    the unsplit model (LanguageModel::load on one rank gives the gathered parameters exactly), and
 //    resuming it on the pipeline continues bit for bit;
 // P5 errors name the bad input: more stages than layers, a mesh that does not divide the world,
-//    whole-model calls on a stage.
+//    whole-model calls on a stage, virtual stages the model or the micro-batches do not fit;
+// P6 interleaved 1F1B (2 virtual stages per rank; np 2 and 4): Mamba-1, Mamba-2 and Mamba-3 (SISO)
+//    models of 8 layers at pp 2, pp 4 and pp 2 × dp 2 — the loss and every gradient of one step of
+//    micro-batches of unequal shapes equal the 1-rank run's (τ as P1) and the plain 1F1B pipeline's
+//    over the same micro-batches on the same mesh (the same sums in the same order), with and without
+//    activation checkpointing; 3 clipped AdamW steps (DDP and ZeRO-1) follow the 1-rank run as in P2;
+//    P4 through the interleaved pipeline (8 layers, 4 micro-batches per step).
+//    (The interleaved schedule's measured bubble: TestInterleavedSchedule.cpp.)
 //
 // Tolerances (support/RoundingBounds.hpp, as TestModelParallel.cpp): the pipeline evaluates the same
 // sums as one rank, grouped otherwise (the micro-batches' gradients accumulated in another grouping of
@@ -56,16 +63,18 @@ using Batch = kmamba::test::TokenRows;
 
 constexpr std::uint64_t init_seed = 91;
 constexpr int batch = 4, seqlen = 13, layers = 4;
+// P6: 8 layers for 2 chunks on each of up to 4 stages; 6 rows for micro-batches of unequal shapes.
+constexpr int interleaved_layers = 8, interleaved_batch = 6, virtual_stages = 2;
 
-kmamba::ModelConfig config_named(const std::string& name) {
+kmamba::ModelConfig config_named(const std::string& name, int n_layer = layers) {
   // headdim 8: d_inner 64, 8 heads; 4 groups of 2 heads; 4 layers for up to 4 stages.
   if (name == "mamba1") {
-    kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba1, {32, layers, 64, 8, 8, 4});
+    kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba1, {32, n_layer, 64, 8, 8, 4});
     c.bias = true;
     c.validate();
     return c;
   }
-  kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba2, {32, layers, 64, 8, 8, 4, 4});
+  kmamba::ModelConfig c = model_config(kmamba::MixerKind::Mamba2, {32, n_layer, 64, 8, 8, 4, 4});
   if (name == "mamba2_untied") c.tie_embeddings = false;
   if (name.rfind("mamba3", 0) == 0) {
     c.mixer = kmamba::MixerKind::Mamba3;
@@ -101,9 +110,9 @@ std::string pipeline_mesh_name(const kmamba::ProcessMesh& mesh) {
   return mesh_name(mesh) + " pp " + std::to_string(mesh.config().pipeline_parallel_size);
 }
 
-/// This rank's stage of the model, split over the mesh's tp, sp and pp axes.
-Model stage_model(const kmamba::ModelConfig& config, const kmamba::ProcessMesh& mesh) {
-  Model model(config, {&mesh.tensor(), &mesh.sequence()}, {&mesh.pipeline()});
+/// This rank's stage of the model (its `chunks` chunks), split over the mesh's tp, sp and pp axes.
+Model stage_model(const kmamba::ModelConfig& config, const kmamba::ProcessMesh& mesh, int chunks = 1) {
+  Model model(config, {&mesh.tensor(), &mesh.sequence()}, {&mesh.pipeline(), chunks});
   model.initialize(init_seed);
   return model;
 }
@@ -116,21 +125,38 @@ class PipelineModel : public ::testing::TestWithParam<std::string> {
   }
 };
 
-Batch make_batch(int step) { return random_token_rows(batch, seqlen, 900 + static_cast<std::uint64_t>(step)); }
+Batch make_batch(int step, int rows = batch) {
+  return random_token_rows(rows, seqlen, 900 + static_cast<std::uint64_t>(step));
+}
 
-/// This rank's rows (dp) and segment (sp) of b through the pipeline, in micro-batches of 1, 2 and 1
-/// rows (of 1 and 1 at dp 2), then the reduction over dp × sp. Returns the global mean loss.
+/// Micro-batches of 1, 2 and 1 rows of a rank's 4 (1 and 1 of 2), or with `micro_batches` m > 0,
+/// m micro-batches of the rank's rows as even as possible, the middle ones the larger.
+std::vector<int> micro_batch_rows(int per_rank, int micro_batches) {
+  std::vector<int> rows;
+  if (micro_batches == 0) {
+    for (int first = 0; first < per_rank; first += rows.back())
+      rows.push_back(first == 1 && per_rank - first >= 3 ? 2 : 1);
+    return rows;
+  }
+  const int base = per_rank / micro_batches, extra = per_rank % micro_batches;
+  for (int i = 0; i < micro_batches; ++i) rows.push_back(base + (i >= 1 && i <= extra ? 1 : 0));
+  return rows;
+}
+
+/// This rank's rows (dp) and segment (sp) of b through the pipeline, in the micro-batches of
+/// micro_batch_rows(rows per rank, count), then the reduction over dp × sp. Returns the
+/// global mean loss.
 double pipeline_backward(Model& model, kmamba::Pipeline<Exec>& pipeline, kmamba::DataParallel<Exec>& dp,
-                         const kmamba::ProcessMesh& mesh, const Batch& b) {
+                         const kmamba::ProcessMesh& mesh, const Batch& b, int count = 0) {
   const Exec exec;
-  const int per_rank = batch / dp.data_size();
+  const int per_rank = static_cast<int>(b.ids.extent(0)) / dp.data_size();
   const kmamba::SequenceSegment segment =
       kmamba::sequence_segment(seqlen, mesh.coordinates().sp, mesh.config().sequence_parallel_size);
   const Batch mine = slice(b, dp.data_rank() * per_rank, per_rank, segment.begin, segment.length);
   const std::int64_t global = dp.global_tokens(predicted(mine));
   std::vector<Batch> parts;
-  for (int first = 0; first < per_rank;) {
-    const int rows = first == 1 && per_rank - first >= 3 ? 2 : 1;
+  int first = 0;
+  for (const int rows : micro_batch_rows(per_rank, count)) {
     parts.push_back(slice(mine, first, rows, 0, segment.length));
     first += rows;
   }
@@ -150,8 +176,23 @@ double pipeline_backward(Model& model, kmamba::Pipeline<Exec>& pipeline, kmamba:
   return dp.sum_over_data(r.loss * static_cast<double>(r.tokens)) / static_cast<double>(global);
 }
 
-TEST_P(PipelineModel, LossAndGradientsEqualOneRank) {
+/// One step's loss of b through the pipeline of `chunks` chunks per stage on `mesh` (micro-batches as
+/// pipeline_backward), its gradients gathered into `full`, the unsplit model.
+double pipeline_gradients(const kmamba::ModelConfig& config, const kmamba::ProcessMesh& mesh, int chunks,
+                          bool checkpointing, int micro_batches, const Batch& b, Model& full) {
   const Exec exec;
+  Model model = stage_model(config, mesh, chunks);
+  model.set_activation_checkpointing(checkpointing);
+  kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(), kmamba::DataParallelConfig(),
+                                model.sharded_parameters());
+  kmamba::Pipeline<Exec> pipeline(model);
+  const double loss = pipeline_backward(model, pipeline, dp, mesh, b, micro_batches);
+  kmamba::gather_values(exec, model, kmamba::ConstTensor1<float, Mem>(model.parameters().grads()), full,
+                        full.parameters().grads());
+  return loss;
+}
+
+TEST_P(PipelineModel, LossAndGradientsEqualOneRank) {
   const kmamba::ModelConfig config = model_config();
   const Batch b = make_batch(0);
   Model reference(config);
@@ -161,16 +202,9 @@ TEST_P(PipelineModel, LossAndGradientsEqualOneRank) {
     const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
     for (const bool checkpointing : {false, true}) {
       SCOPED_TRACE(pipeline_mesh_name(mesh) + (checkpointing ? " with activation checkpointing" : ""));
-      Model model = stage_model(config, mesh);
-      model.set_activation_checkpointing(checkpointing);
-      kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), kmamba::AdamWConfig(),
-                                    kmamba::DataParallelConfig(), model.sharded_parameters());
-      kmamba::Pipeline<Exec> pipeline(model);
-      const double loss = pipeline_backward(model, pipeline, dp, mesh, b);
-      EXPECT_LE(std::abs(loss - ref_loss), tolerance() * ref_loss);
       Model full(config);
-      kmamba::gather_values(exec, model, kmamba::ConstTensor1<float, Mem>(model.parameters().grads()), full,
-                            full.parameters().grads());
+      const double loss = pipeline_gradients(config, mesh, 1, checkpointing, 0, b, full);
+      EXPECT_LE(std::abs(loss - ref_loss), tolerance() * ref_loss);
       const double worst = expect_slab_equal(reference.parameters(), full.parameters().grads(),
                                              reference.parameters().grads(), tolerance(), every_element, "gradient");
       const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
@@ -183,49 +217,146 @@ TEST_P(PipelineModel, LossAndGradientsEqualOneRank) {
   }
 }
 
-TEST_P(PipelineModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+constexpr int adamw_steps = 3;
+constexpr double adamw_lr = 3e-3, adamw_max_norm = 0.25;
+
+/// The 1-rank run of P2: `adamw_steps` clipped AdamW steps of `reference` on batches of `rows` rows.
+ClippedAdamWReference clipped_one_rank_steps(Model& reference, int rows, double tolerance) {
+  ClippedAdamWReference one_rank(reference.parameters(), clipped_steps_adamw(), adamw_steps, adamw_lr, adamw_max_norm,
+                                 tolerance,
+                                 [&](int step) { one_rank_reference_backward(reference, make_batch(step, rows)); });
+  EXPECT_GT(one_rank.norms[0], adamw_max_norm) << "the test must exercise clipping";
+  return one_rank;
+}
+
+/// P2 on one mesh: the steps of `one_rank` through the pipeline of `chunks` chunks per stage (DDP,
+/// then ZeRO-1), on batches of `rows` rows in micro-batches as pipeline_backward's `micro_batches`.
+void expect_clipped_steps_follow(const std::string& name, const ClippedAdamWReference& one_rank, const Model& reference,
+                                 const kmamba::ProcessMesh& mesh, int chunks, int rows, int micro_batches) {
   const Exec exec;
-  const kmamba::ModelConfig config = model_config();
-  constexpr int steps = 3;
-  constexpr double lr = 3e-3, max_norm = 0.25;
-  const kmamba::AdamWConfig adamw = clipped_steps_adamw();
-  Model reference(config);
-  reference.initialize(init_seed);
-  const Model::Slab& slab = reference.parameters();
-  ClippedAdamWReference one_rank(slab, adamw, steps, lr, max_norm, tolerance(),
-                                 [&](int step) { one_rank_reference_backward(reference, make_batch(step)); });
-  ASSERT_GT(one_rank.norms[0], max_norm) << "the test must exercise clipping";
-  for (const auto& mesh_config : pipeline_meshes(config)) {
-    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-    for (const int stage : {0, 1}) {
-      SCOPED_TRACE(pipeline_mesh_name(mesh) + " zero_stage " + std::to_string(stage));
-      Model model = stage_model(config, mesh);
-      kmamba::DataParallelConfig options;
-      options.zero_stage = stage;
-      options.bucket_elements = 1000;
-      kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), adamw, options, model.sharded_parameters());
-      kmamba::Pipeline<Exec> pipeline(model);
-      for (int step = 0; step < steps; ++step) {
-        const auto s = static_cast<std::size_t>(step);
-        pipeline_backward(model, pipeline, dp, mesh, make_batch(step));
-        const double norm = dp.grad_norm(exec, model.parameters());
-        EXPECT_LE(std::abs(norm - one_rank.norms[s]), one_rank.norm_bounds[s]) << "step " << step;
-        EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
-                  mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Min));
-        dp.step(exec, model.parameters(), lr, kmamba::clip_scale(norm, max_norm));
-      }
-      exec.fence();
-      const double worst_all = expect_parameters_follow(one_rank, slab, model, mesh);
-      if (world_rank() == 0) {
-        std::printf("[ measured ] %s %s zero_stage %d: parameters after %d steps max |d|/bound %.2e\n",
-                    GetParam().c_str(), pipeline_mesh_name(mesh).c_str(), stage, steps, worst_all);
-      }
+  const kmamba::ModelConfig& config = reference.config();
+  for (const int stage : {0, 1}) {
+    SCOPED_TRACE(pipeline_mesh_name(mesh) + " zero_stage " + std::to_string(stage));
+    Model model = stage_model(config, mesh, chunks);
+    kmamba::DataParallelConfig options;
+    options.zero_stage = stage;
+    options.bucket_elements = 1000;
+    kmamba::DataParallel<Exec> dp(mesh, config, model.parameters(), clipped_steps_adamw(), options,
+                                  model.sharded_parameters());
+    kmamba::Pipeline<Exec> pipeline(model);
+    for (int step = 0; step < adamw_steps; ++step) {
+      const auto s = static_cast<std::size_t>(step);
+      pipeline_backward(model, pipeline, dp, mesh, make_batch(step, rows), micro_batches);
+      const double norm = dp.grad_norm(exec, model.parameters());
+      EXPECT_LE(std::abs(norm - one_rank.norms[s]), one_rank.norm_bounds[s]) << "step " << step;
+      EXPECT_EQ(mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Max),
+                mesh.world().all_reduce_value(norm, kmamba::ReduceOp::Min));
+      dp.step(exec, model.parameters(), adamw_lr, kmamba::clip_scale(norm, adamw_max_norm));
     }
+    exec.fence();
+    const double worst_all = expect_parameters_follow(one_rank, reference.parameters(), model, mesh);
+    if (world_rank() == 0) {
+      std::printf("[ measured ] %s %s%s zero_stage %d: parameters after %d steps max |d|/bound %.2e\n", name.c_str(),
+                  pipeline_mesh_name(mesh).c_str(), chunks > 1 ? (" v " + std::to_string(chunks)).c_str() : "", stage,
+                  adamw_steps, worst_all);
+    }
+  }
+}
+
+TEST_P(PipelineModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+  Model reference(model_config());
+  reference.initialize(init_seed);
+  const ClippedAdamWReference one_rank = clipped_one_rank_steps(reference, batch, tolerance());
+  for (const auto& mesh_config : pipeline_meshes(model_config())) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
+    expect_clipped_steps_follow(GetParam(), one_rank, reference, mesh, 1, batch, 0);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Mixers, PipelineModel,
                          ::testing::Values("mamba1", "mamba2", "mamba2_untied", "mamba3_siso", "mamba3_mimo"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+/// P6's meshes of the world, each with its micro-batches per step (a multiple of pp): pp = world
+/// with 4 (np 2, 4), and pp 2 × dp 2 with 2 (np 4).
+struct InterleavedMesh {
+  kmamba::MeshConfig mesh;
+  int micro_batches;
+};
+
+std::vector<InterleavedMesh> interleaved_meshes() {
+  kmamba::MeshConfig all;
+  all.pipeline_parallel_size = world_size();
+  std::vector<InterleavedMesh> meshes{{all, 4}};
+  if (world_size() != 4) return meshes;
+  kmamba::MeshConfig pp_dp;
+  pp_dp.pipeline_parallel_size = 2;
+  pp_dp.data_parallel_size = 2;
+  meshes.push_back({pp_dp, 2});
+  return meshes;
+}
+
+class InterleavedPipelineModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (world_size() < 2) GTEST_SKIP() << "virtual stages need at least 2 pipeline stages";
+  }
+  kmamba::ModelConfig model_config() const { return config_named(GetParam(), interleaved_layers); }
+  double tolerance() const {
+    return kmamba::test::model_tolerance(model_config(), seqlen, static_cast<std::int64_t>(interleaved_batch) * seqlen);
+  }
+};
+
+// P6. The same micro-batches through the plain and the interleaved pipeline: each block's gradient is
+// summed over the micro-batches in the same order, so the two agree to τ at worst (printed: exactly,
+// where the recomputed forwards repeat the first bit for bit).
+TEST_P(InterleavedPipelineModel, LossAndGradientsEqualOneRankAndThePlainPipeline) {
+  const kmamba::ModelConfig config = model_config();
+  const Batch b = make_batch(0, interleaved_batch);
+  Model reference(config);
+  reference.initialize(init_seed);
+  const double ref_loss = one_rank_reference_backward(reference, b);
+  for (const InterleavedMesh& m : interleaved_meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, m.mesh);
+    for (const bool checkpointing : {false, true}) {
+      const std::string name = pipeline_mesh_name(mesh) + " v " + std::to_string(virtual_stages) + " m " +
+                               std::to_string(m.micro_batches) + (checkpointing ? " checkpointing" : "");
+      SCOPED_TRACE(name);
+      Model plain(config), interleaved(config);
+      const double plain_loss = pipeline_gradients(config, mesh, 1, checkpointing, m.micro_batches, b, plain);
+      const double loss =
+          pipeline_gradients(config, mesh, virtual_stages, checkpointing, m.micro_batches, b, interleaved);
+      EXPECT_LE(std::abs(loss - ref_loss), tolerance() * ref_loss);
+      EXPECT_LE(std::abs(loss - plain_loss), tolerance() * ref_loss);
+      const auto grads = interleaved.parameters().grads();
+      const double worst = expect_slab_equal(reference.parameters(), grads, reference.parameters().grads(), tolerance(),
+                                             every_element, "gradient");
+      const double worst_plain = expect_slab_equal(reference.parameters(), grads, plain.parameters().grads(),
+                                                   tolerance(), every_element, "gradient against the plain pipeline");
+      const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
+      const double worst_plain_all = mesh.world().all_reduce_value(worst_plain, kmamba::ReduceOp::Max);
+      if (world_rank() == 0) {
+        std::printf(
+            "[ measured ] %s %s: loss %.9f vs %.9f (1 rank) %.9f (plain pp), gradients max|d|/max|ref| "
+            "%.2e (1 rank) %.2e (plain pp)\n",
+            GetParam().c_str(), name.c_str(), loss, ref_loss, plain_loss, worst_all, worst_plain_all);
+      }
+    }
+  }
+}
+
+TEST_P(InterleavedPipelineModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {
+  Model reference(model_config());
+  reference.initialize(init_seed);
+  const ClippedAdamWReference one_rank = clipped_one_rank_steps(reference, interleaved_batch, tolerance());
+  for (const InterleavedMesh& m : interleaved_meshes()) {
+    const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, m.mesh);
+    expect_clipped_steps_follow(GetParam(), one_rank, reference, mesh, virtual_stages, interleaved_batch,
+                                m.micro_batches);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mixers, InterleavedPipelineModel, ::testing::Values("mamba1", "mamba2", "mamba3_siso"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 /// Stage work of fixed durations (sleeps: on an oversubscribed host a sleeping rank leaves its core
@@ -279,30 +410,31 @@ TEST(PipelineSchedule, MeasuredBubbleAgreesWithTheOneForwardOneBackwardFormula) 
   }
 }
 
-kmamba::TrainConfig trainer_config() {
+kmamba::TrainConfig trainer_config(int grad_accum = 3) {
   kmamba::TrainConfig t;
   t.lr = 3e-3;
   t.warmup_steps = 1;
   t.total_steps = 4;
   t.batch_size = 2;
-  t.grad_accum = 3;
+  t.grad_accum = grad_accum;
   t.grad_clip = 0.5;
   t.eval_interval = 0;
   return t;
 }
 
 // P4. The trainer's first step starts from the 1-rank trainer's parameters, so its loss and norm
-// agree within τ and ‖δ‖₂ (the same sums regrouped); later steps are the P2 comparison.
-TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
+// agree within τ and ‖δ‖₂ (the same sums regrouped); later steps are the P2 comparison. On a
+// pipeline of pp = world stages of `chunks` chunks each.
+void expect_trainer_through_pipeline(const kmamba::ModelConfig& config, int chunks, const kmamba::TrainConfig& train) {
   const Exec exec;
-  const kmamba::ModelConfig config = config_named("mamba2");
   constexpr std::int64_t recall_seqlen = 24;
   auto data = std::make_shared<kmamba::AssociativeRecallTask>(kmamba::AssociativeRecallConfig{32, recall_seqlen, 4, 5});
   Model whole(config);
   whole.initialize(init_seed);
-  kmamba::Trainer<Exec> one_rank(std::move(whole), trainer_config(), data);
+  kmamba::Trainer<Exec> one_rank(std::move(whole), train, data);
   const kmamba::StepResult want = one_rank.step();
-  const double tau = kmamba::test::model_tolerance(config, recall_seqlen, 6 * recall_seqlen);
+  const double tau =
+      kmamba::test::model_tolerance(config, recall_seqlen, train.batch_size * train.grad_accum * recall_seqlen);
   const auto& ref_slab = one_rank.model().parameters();  // its gradients of the first step
   const double norm_bound =
       norm_difference_bound(per_tensor_bounds(ref_slab.entries(), ref_slab.grads(), tau), want.grad_norm);
@@ -310,7 +442,7 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   kmamba::MeshConfig mesh_config;
   mesh_config.pipeline_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-  kmamba::Trainer<Exec> trainer(stage_model(config, mesh), trainer_config(), data);
+  kmamba::Trainer<Exec> trainer(stage_model(config, mesh, chunks), train, data);
   trainer.enable_data_parallel(mesh, kmamba::DataParallelConfig{1});
   ASSERT_NE(trainer.pipeline(), nullptr);
   const kmamba::StepResult got = trainer.step();
@@ -319,7 +451,8 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   EXPECT_LE(std::abs(got.grad_norm - want.grad_norm), norm_bound);
   trainer.step();
 
-  const std::string dir = (std::filesystem::temp_directory_path() / "kmamba_pipeline_checkpoint").string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("kmamba_pipeline_checkpoint_v" + std::to_string(chunks))).string();
   trainer.save_checkpoint(dir);
   Model gathered(config);
   kmamba::gather_parameters(exec, trainer.model(), gathered);
@@ -330,7 +463,7 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   }
   EXPECT_EQ(differing, 0u);
 
-  kmamba::Trainer<Exec> resumed(stage_model(config, mesh), trainer_config(), data);
+  kmamba::Trainer<Exec> resumed(stage_model(config, mesh, chunks), train, data);
   resumed.enable_data_parallel(mesh, kmamba::DataParallelConfig{1});
   resumed.resume(dir);
   const kmamba::StepResult next = trainer.step(), again = resumed.step();
@@ -343,6 +476,16 @@ TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
   EXPECT_EQ(differing, 0u);
   mesh.world().barrier();
   if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughThePipeline) {
+  expect_trainer_through_pipeline(config_named("mamba2"), 1, trainer_config());
+}
+
+// P6 through the Trainer: 2 chunks per stage, 4 micro-batches per step (a multiple of pp 2 and 4).
+TEST(PipelineTrainer, StepsCheckpointsAndResumesThroughTheInterleavedPipeline) {
+  if (world_size() < 2) GTEST_SKIP() << "virtual stages need at least 2 pipeline stages";
+  expect_trainer_through_pipeline(config_named("mamba2", interleaved_layers), virtual_stages, trainer_config(4));
 }
 
 // P5.
@@ -368,6 +511,14 @@ TEST(PipelineErrors, NameTheBadInput) {
                 .find("which is not a multiple of tensor_parallel_size 1 × sequence_parallel_size 1 × "
                       "pipeline_parallel_size 3 = 3"),
             std::string::npos);
+  EXPECT_NE(user_error([] {
+              kmamba::chunk_layers(4, kmamba::PipelineParallel{nullptr, 5}, 0);
+            }).find("virtual_pipeline_stages 5 x pipeline_parallel_size 1 exceeds the model's 4 layers"),
+            std::string::npos);
+  EXPECT_NE(user_error([&] {
+              Model(config_named("mamba2"), {}, kmamba::PipelineParallel{nullptr, 2});
+            }).find("virtual_pipeline_stages 2 with pipeline_parallel_size 1"),
+            std::string::npos);
   if (world_size() < 2) return;
   kmamba::MeshConfig stages;
   stages.pipeline_parallel_size = 2;
@@ -379,6 +530,15 @@ TEST(PipelineErrors, NameTheBadInput) {
             }).find("this model holds pipeline stage " + std::to_string(mesh.pipeline().rank()) + " of 2"),
             std::string::npos);
   EXPECT_NE(user_error([&] { model.save("unused"); }).find("kmamba::LanguageModel::save"), std::string::npos);
+  // The interleaved schedule takes the micro-batches in groups of p: 3 of them on 2 stages do not fit.
+  Model chunked = stage_model(config_named("mamba2"), mesh, virtual_stages);
+  kmamba::Pipeline<Exec> pipeline(chunked);
+  const std::vector<kmamba::PipelineMicroBatch<Mem>> three(3,
+                                                           kmamba::PipelineMicroBatch<Mem>{b.ids, b.targets, {}, 1.0});
+  EXPECT_NE(user_error([&] {
+              pipeline.loss_and_backward(Exec(), three);
+            }).find("the micro-batches (3) must be a positive multiple of pipeline_parallel_size 2"),
+            std::string::npos);
 }
 
 }  // namespace

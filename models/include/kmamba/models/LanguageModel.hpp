@@ -146,10 +146,13 @@ class LanguageModel {
   /// (PipelineStage.hpp; the communicator must outlive the model): the blocks
   /// stage_layers(n_layer, stage, stages) under their unsplit names, the embedding on the first
   /// stage, the final norm and the LM head on the last (with the embedding too when the head is tied).
-  /// initialize() gives the stage the unsplit initialisation's values. Such a model trains
+  /// With stages.virtual_stages v > 1 the rank holds its v chunks instead (PipelineStage.hpp: chunk
+  /// c the blocks chunk_layers(n_layer, stages, c), each checkpointed as a stage; the embedding with
+  /// chunk 0 of the first rank, the final norm and the head with chunk v − 1 of the last), all in the
+  /// one slab. initialize() gives the stage the unsplit initialisation's values. Such a model trains
   /// through stage_forward / stage_backward (driven by kmamba::Pipeline); forward, loss,
   /// loss_and_backward, prefill, decode and save need the whole model (a UserError otherwise).
-  /// Throws a UserError when there are more stages than layers.
+  /// Throws a UserError when there are more (virtual) stages than layers.
   LanguageModel(const ModelConfig& config, const ModelParallel& parallel, const PipelineParallel& stages);
   ~LanguageModel();
   LanguageModel(LanguageModel&&) noexcept;
@@ -168,8 +171,9 @@ class LanguageModel {
   const ModelConfig& config() const;
   const ModelParallel& parallel() const;
   const PipelineParallel& pipeline() const;
-  /// The blocks this model holds: all of them, or its pipeline stage's.
-  StageLayers layers() const;
+  /// The blocks this model holds: all of them, or its pipeline stage's (its chunk `chunk`'s, in
+  /// [0, pipeline().virtual_stages), with virtual stages).
+  StageLayers layers(int chunk = 0) const;
   /// Per-layer activation checkpointing: when on, a training forward keeps only each block's input
   /// (the residual stream, and its norm's rstd); backward recomputes the block's norm and mixer
   /// forward right before the block's backward and releases them after, so one block's mixer
@@ -209,9 +213,11 @@ class LanguageModel {
   /// parameters().grads() whose gradients that backward has finished (their work enqueued on
   /// `exec`, not necessarily done): each block's parameters (its mixer's and its norm's) right after
   /// the block's backward, layers n_layer − 1 … 0, then every other parameter (embedding, final norm,
-  /// LM head) at the end — the announcements of gradients_ready_sequence(). Data parallelism reduces
-  /// each gradient bucket as soon as it is complete (DataParallel::attach). An empty hook (the
-  /// default) is not called.
+  /// LM head) at the end — the announcements of gradients_ready_sequence(). A model of several
+  /// chunks (virtual stages) announces chunk 0's blocks and then the rest, after chunk 0's
+  /// backward, which runs last; the other chunks' blocks are left to the reduction's finish. Data
+  /// parallelism reduces each gradient bucket as soon as it is complete (DataParallel::attach). An
+  /// empty hook (the default) is not called.
   using GradientsReadyHook = std::function<void(const ExecutionSpace& exec, std::size_t begin, std::size_t end)>;
   void set_gradients_ready_hook(GradientsReadyHook hook);
   /// The ranges the hook receives during one backward, announcement by announcement (contiguous
@@ -243,30 +249,33 @@ class LanguageModel {
                   const ConstTensor2<std::int64_t, memory_space>& targets);                         // (batch, seqlen)
 
   /// Pipeline parallelism, one stage (PipelineStage.hpp; kmamba::Pipeline drives these in the 1F1B
-  /// order): the training forward of one micro-batch through this stage — from the embedding of
-  /// `ids` on the first stage, from `input`, the previous stage's output, elsewhere — keeping its
-  /// block inputs in `slot` (one slot per micro-batch in flight; 0 on the last stage, which runs
-  /// each micro-batch's backward right after its forward). On the last stage also the head and the
-  /// loss against `targets` (returned; zeros elsewhere, where targets may be empty). With `training`
-  /// false nothing is kept (held-out losses). Non-blocking on stages other than the last. Ids outside
-  /// the vocabulary, or an input of another shape, are UserErrors.
+  /// order): the training forward of one micro-batch through this stage's chunk `chunk` (0 without
+  /// virtual stages) — from the embedding of `ids` on virtual stage 0, from `input`, the previous
+  /// virtual stage's output, elsewhere — keeping its block inputs in the chunk's `slot` (one slot per
+  /// micro-batch in flight; 0 on the last virtual stage, which runs each micro-batch's backward
+  /// right after its forward). On the last virtual stage also the head and the loss against
+  /// `targets` (returned; zeros elsewhere, where targets may be empty). With `training` false
+  /// nothing is kept (held-out losses). Non-blocking on chunks other than the last virtual stage.
+  /// Ids outside the vocabulary, an input of another shape or a chunk outside [0, virtual_stages)
+  /// are UserErrors.
   LossResult stage_forward(const ExecutionSpace& exec,
                            const ConstTensor2<std::int64_t, memory_space>& ids,      // (batch, seqlen)
                            const ConstTensor2<std::int64_t, memory_space>& targets,  // (batch, seqlen) or empty
                            const ConstTensor3<float, memory_space>& input,  // (batch, seqlen, d_model) or empty
-                           std::size_t slot, bool training = true);
-  /// (batch, seqlen, d_model): the last stage_forward's output on a stage before the last, the
-  /// residual stream the next stage starts from. Valid until the next stage call.
-  const Tensor3<float, memory_space>& stage_output() const;
-  /// Backward of the micro-batch stage_forward kept in `slot`: on the last stage from its loss
-  /// weighted by `weight` (as loss_and_backward), elsewhere from `output_grad`, the gradient of
-  /// stage_output() (the weight already in it). ADDS the stage's parameter gradients and returns
-  /// the gradient of the stage's input (batch, seqlen, d_model), valid until the next stage call;
-  /// an empty View on the first stage. Non-blocking.
+                           int chunk, std::size_t slot, bool training = true);
+  /// (batch, seqlen, d_model): the last stage_forward's output of chunk `chunk` on a virtual stage
+  /// before the last, the residual stream the next virtual stage starts from. Valid until the
+  /// chunk's next stage call.
+  const Tensor3<float, memory_space>& stage_output(int chunk) const;
+  /// Backward of the micro-batch stage_forward kept in chunk `chunk`'s `slot`: on the last virtual
+  /// stage from its loss weighted by `weight` (as loss_and_backward), elsewhere from `output_grad`, the gradient of
+  /// stage_output(chunk) (the weight already in it). ADDS the chunk's parameter gradients and returns
+  /// the gradient of the chunk's input (batch, seqlen, d_model), valid until the chunk's next stage
+  /// call; an empty View on virtual stage 0. Non-blocking.
   Tensor3<float, memory_space> stage_backward(
       const ExecutionSpace& exec, const ConstTensor2<std::int64_t, memory_space>& ids,  // (batch, seqlen)
       const ConstTensor3<float, memory_space>& output_grad,  // (batch, seqlen, d_model) or empty
-      double weight, std::size_t slot);
+      double weight, int chunk, std::size_t slot);
 
   /// Sets every gradient to zero. Non-blocking.
   void zero_grads(const ExecutionSpace& exec);

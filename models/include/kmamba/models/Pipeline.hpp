@@ -14,6 +14,13 @@
 // targets). A stage before the last keeps the block inputs of each micro-batch in flight (at most p − s
 // on stage s) and recomputes its blocks in backward; the last stage runs each micro-batch's backward
 // right after its forward, with or without activation checkpointing.
+//
+// A model with virtual stages (PipelineParallel::virtual_stages v > 1: v chunks per rank) runs the
+// interleaved 1F1B schedule instead (InterleavedSchedule.hpp; m a multiple of p), its bubble
+// (p − 1)/(v·m + p − 1) instead of (p − 1)/(m + p − 1). Each chunk keeps the block inputs of its
+// micro-batches in flight in slots keyed by (chunk, micro-batch), reused once their backward has run;
+// the last virtual stage runs each micro-batch's backward within its forward and keeps only the
+// input gradient until the schedule asks for it.
 #ifndef KMAMBA_MODELS_PIPELINE_HPP
 #define KMAMBA_MODELS_PIPELINE_HPP
 
@@ -49,20 +56,26 @@ class Pipeline {
   explicit Pipeline(LanguageModel<ExecutionSpace>& model);
   ~Pipeline();
 
-  /// Forward and backward of every micro-batch through the stages in the 1F1B order: ADDS
+  /// Forward and backward of every micro-batch through the stages in the 1F1B order (interleaved
+  /// with virtual stages; a UserError unless the micro-batches are a multiple of p then): ADDS
   /// Σ_i weight_i · ∇loss_i into this stage's gradients, then, with a tied head, sums the
   /// embedding's gradient over the first and the last stage (so both copies take the same step).
   /// Returns the mean loss over the micro-batches' predicted tokens, their tokens and correct
   /// predictions — the same on every stage. Collective over the pipeline. Blocking.
   LossResult loss_and_backward(const ExecutionSpace& exec, const std::vector<MicroBatch>& micro_batches);
-  /// The loss of one batch (forward only, the stages in turn), on every stage. Collective over the
-  /// pipeline. Blocking.
+  /// The loss of one batch (forward only, the virtual stages in turn), on every stage. Collective
+  /// over the pipeline. Blocking.
   LossResult loss(const ExecutionSpace& exec, const MicroBatch& batch);
   /// This stage's timing of the last loss_and_backward (its idle share is the bubble it saw).
   const PipelineTiming& timing() const { return timing_; }
 
  private:
+  class MicroBatches;
   class StageWork;
+  class ChunkWork;
+  // After the schedule: sums the tied embedding's gradient over the ends and returns the loss of
+  // `work`'s micro-batches from the last stage.
+  LossResult finish(const ExecutionSpace& exec, const MicroBatches& work);
   // The stages' results summed over the pipeline (only the last stage's are not zero).
   LossResult from_last_stage(double loss_sum, const LossResult& counts) const;
 

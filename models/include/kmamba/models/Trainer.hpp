@@ -28,7 +28,8 @@
 // rank its segment of every sequence, checkpoints are written and resumed in the unsplit layout.
 // With pipeline parallelism the model is this rank's stage (LanguageModel(config, {&mesh.tensor(),
 // &mesh.sequence()}, {&mesh.pipeline()})): step() runs its micro-batches through the stages in the
-// 1F1B order (Pipeline.hpp) and checkpoints gather the stages into the unsplit model.
+// 1F1B order (Pipeline.hpp; interleaved for a model of {&mesh.pipeline(), v} with v chunks per
+// stage) and checkpoints gather the stages into the unsplit model.
 #ifndef KMAMBA_MODELS_TRAINER_HPP
 #define KMAMBA_MODELS_TRAINER_HPP
 
