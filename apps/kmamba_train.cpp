@@ -419,13 +419,15 @@ std::string pipeline_text(const Run& r, const kmamba::MeshConfig& mesh, const km
   return text + ")";
 }
 
-// How the data-parallel gradients travel, for the start line.
-std::string reduction_text(const Run& r) {
+// How the data-parallel gradients travel, for the start line. Under pipeline parallelism the
+// reduction waits for the schedule's last backward (docs/distributed.md §4), so nothing overlaps.
+std::string reduction_text(const Run& r, bool pipelined) {
   if (r.compression == kmamba::GradientCompression::PowerSgd) {
     return format("after the backward as PowerSGD rank-%d factors with error feedback (fp32 on the wire)",
                   r.powersgd_rank);
   }
-  return format("%s the backward in buckets of %g MiB (%s on the wire)", r.overlap_communication ? "during" : "after",
+  return format("%s the backward in buckets of %g MiB (%s on the wire)",
+                r.overlap_communication && !pipelined ? "during" : "after",
                 static_cast<double>(r.bucket_elements * sizeof(float)) / static_cast<double>(1 << 20),
                 r.compression == kmamba::GradientCompression::Bf16 ? "bf16, summed in fp32" : "fp32");
 }
@@ -451,7 +453,8 @@ void print_start(const Run& r, const kmamba::Dataset& data, const kmamba::ModelC
         mesh.sequence_parallel_size > 1
             ? format(" (%s segments)", kmamba::sequence_split_name(r.balancing.sequence_split)).c_str()
             : "",
-        pipeline_text(r, mesh, trainer.model()).c_str(), r.zero_stage, reduction_text(r).c_str(),
+        pipeline_text(r, mesh, trainer.model()).c_str(), r.zero_stage,
+        reduction_text(r, mesh.pipeline_parallel_size > 1).c_str(),
         r.sync_frequency > 1 ? format("; local SGD: the replicas step alone, averaged every %lld steps",
                                       static_cast<long long>(r.sync_frequency))
                                    .c_str()
