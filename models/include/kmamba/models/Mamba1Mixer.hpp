@@ -28,7 +28,9 @@
 // the state entering its segment (selective_scan_state_correction_forward); backward combines the
 // gradients the other way and runs the scan's backward from the incoming state. Parameter
 // gradients are partial sums over the segments; the caller sums them over the sequence ranks
-// (DataParallel does, over dp × sp). Packed sequence ids, prefill and step do not take a split.
+// (DataParallel does, over dp × sp). Packed rows split as Mamba-2's (docs/distributed.md §2.4:
+// the halo's ids come with the conv halo; masks stop the halo, the state and the correction at a
+// document start). prefill and step do not take a split.
 //
 // Recurrent inference (docs/algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
 // d_conv − 1), the SSM state (batch, d_inner, d_state) in fp32 and the step's buffers. prefill is

@@ -48,7 +48,7 @@
 // (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
-// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO only, and not under sequence
+// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO and MIMO, not under sequence
 // parallelism (kmamba::UserError naming the combination).
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
