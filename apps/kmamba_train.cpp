@@ -665,9 +665,6 @@ template <class Exec>
 int train(Run& r, const CLI::App& cli, kmamba::app::Runtime& runtime) {
   std::shared_ptr<const kmamba::Dataset> data = make_data(r);
   const kmamba::ModelConfig config = architecture(r);
-  KMAMBA_REQUIRE(r.tokens.document_end < 0 || config.mixer != kmamba::MixerKind::Mamba3 || !config.is_mimo,
-                 "kmamba-train: --pack-documents: packed documents are not supported by Mamba3 MIMO models yet "
-                 "(--mimo-rank; the MIMO scan takes no sequence ids); mamba1, mamba2 and Mamba3 SISO models take them");
   kmamba::TokenizerFiles tokenizer = tokenizer_files(r, config);
   Parallel parallel = make_parallel<Exec>(r, config, runtime);
   // One run per directory: a second kmamba-train on it stops here, naming this one's process id.

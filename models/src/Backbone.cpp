@@ -111,10 +111,7 @@ void Backbone<ExecutionSpace>::set_matmul_precision(MatmulPrecision precision) {
 }
 
 template <class ExecutionSpace>
-void Backbone<ExecutionSpace>::set_sequence_ids(const char* function, const ConstTensor2<std::int64_t, Mem>& seq_idx) {
-  KMAMBA_REQUIRE(!seq_idx.is_allocated() || config_.mixer != MixerKind::Mamba3 || !config_.is_mimo,
-                 function << ": packed variable-length rows (sequence ids, seq_idx) are not supported by "
-                          << mixer_name(config_.mixer) << " MIMO models (is_mimo): the MIMO scan takes no seq_idx yet");
+void Backbone<ExecutionSpace>::set_sequence_ids(const ConstTensor2<std::int64_t, Mem>& seq_idx) {
   for (auto& mixer : mixers_) mixer->set_sequence_ids(seq_idx);
 }
 

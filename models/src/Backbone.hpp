@@ -89,8 +89,8 @@ class Backbone {
   /// Every mixer's projection arithmetic (Mixer::set_matmul_precision).
   void set_matmul_precision(MatmulPrecision precision);
   /// Every mixer's packed sequence ids (Mixer::set_sequence_ids), for the following forward,
-  /// backward and prefill calls; `function` names the caller in the error a Mamba-3 model gives.
-  void set_sequence_ids(const char* function, const ConstTensor2<std::int64_t, Mem>& seq_idx);
+  /// backward and prefill calls.
+  void set_sequence_ids(const ConstTensor2<std::int64_t, Mem>& seq_idx);
   /// The parameters this rank holds a tensor-parallel shard of.
   std::vector<ShardedParameter> sharded_parameters() const;
 

@@ -399,7 +399,7 @@ MatmulPrecision LanguageModel<ExecutionSpace>::matmul_precision() const {
 
 template <class ExecutionSpace>
 void LanguageModel<ExecutionSpace>::set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
-  for (auto& chunk : state_->chunks) chunk.set_sequence_ids("kmamba::LanguageModel::set_sequence_ids", seq_idx);
+  for (auto& chunk : state_->chunks) chunk.set_sequence_ids(seq_idx);
 }
 
 template <class ExecutionSpace>

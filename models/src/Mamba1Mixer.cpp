@@ -4,6 +4,7 @@
 #include <kmamba/models/Mamba1Mixer.hpp>
 
 #include "MixerToolkit.hpp"
+#include "PackedSegments.hpp"
 #include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
@@ -503,7 +504,7 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const Activations& a = act_;
   const ConstTensor2<std::int64_t, Mem>& seq_idx =
-      packed_sequence_ids(function, batch, static_cast<std::int64_t>(u.extent(1)));
+      this->sequence_ids(function, batch, static_cast<std::int64_t>(u.extent(1)));
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -523,9 +524,14 @@ void Mamba1Mixer<ExecutionSpace>::run_forward(const ExecutionSpace& exec, const 
   const int previous = parallel_.previous_segment_rank(), next = parallel_.next_segment_rank();
   Tensor3<float, Mem> conv_initial = cache != nullptr ? cache->conv : Tensor3<float, Mem>();
   Tensor3<float, Mem> conv_final = conv_initial;
+  act_.halo_mask =
+      split_sequence && seq_idx.is_allocated()
+          ? impl::packed_halo_mask(exec, *parallel_.sequence, previous, next, seq_idx, std::max(1, d_conv_ - 1))
+          : Tensor2<float, Mem>();
   if (split_sequence) {
     conv_initial = a.conv_initial;
     if (previous != no_peer) parallel_.sequence->recv(exec, conv_initial, previous);
+    if (a.halo_mask.is_allocated()) impl::mask_packed_halo(exec, ConstTensor2<float, Mem>(a.halo_mask), conv_initial);
     conv_final = next != no_peer ? allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::conv_final", batch,
                                                                                d_inner_, d_conv_ - 1)
                                  : Tensor3<float, Mem>();
@@ -572,20 +578,17 @@ void Mamba1Mixer<ExecutionSpace>::scan_segment(const ExecutionSpace& exec, const
   const auto last = allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::ssm_final", batch, d_inner_, d_state_);
   selective_scan_forward(exec, args, y, last);
   selective_scan_segment_decay(exec, args, act_.segment_decay);
+  // Packed rows: a segment that starts a document passes no state on and takes none in (a start
+  // inside the segment the decay and the correction see through args.seq_idx).
+  const ConstTensor2<float, Mem> halo_mask(act_.halo_mask);
+  if (halo_mask.is_allocated()) impl::mask_packed_rows(exec, halo_mask, act_.segment_decay);
   const std::size_t rows = static_cast<std::size_t>(batch), width = static_cast<std::size_t>(d_inner_) * d_state_;
   impl::segment_state_scan(exec, *parallel_.sequence, impl::SegmentScanDirection::Forward,
                            ConstTensor2<float, Mem>(act_.segment_decay.data(), rows, width),
                            ConstTensor2<float, Mem>(last.data(), rows, width),
                            Tensor2<float, Mem>(act_.ssm_initial.data(), rows, width));
+  if (halo_mask.is_allocated()) impl::mask_packed_rows(exec, halo_mask, act_.ssm_initial);
   selective_scan_state_correction_forward(exec, args, act_.ssm_initial, y, Tensor3<float, Mem>());
-}
-
-template <class ExecutionSpace>
-const ConstTensor2<std::int64_t, typename Mamba1Mixer<ExecutionSpace>::memory_space>&
-Mamba1Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
-  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
-  impl::check_packed_rows_unsplit(function, seq_idx.is_allocated(), parallel_);
-  return seq_idx;
 }
 
 template <class ExecutionSpace>
@@ -692,7 +695,7 @@ void Mamba1Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   const impl::Mamba1Dims dims = impl::mamba1_dims(config_);
   const impl::Mamba1Tensors<Mem> p = impl::mamba1_tensors(function, slab, prefix_, dims, false);
   const impl::Mamba1Tensors<Mem> g = impl::mamba1_tensors(function, slab, prefix_, dims, true);
-  const ConstTensor2<std::int64_t, Mem>& seq_idx = packed_sequence_ids(function, batch, seqlen);
+  const ConstTensor2<std::int64_t, Mem>& seq_idx = this->sequence_ids(function, batch, seqlen);
   const auto gemm = [&](Transpose ta, Transpose tb, const ConstTensor2<float, Mem>& A,
                         const ConstTensor2<float, Mem>& B, float beta, const Tensor2<float, Mem>& C) {
     kmamba::gemm<ExecutionSpace, Mem>(exec, ta, tb, 1.0f, A, B, beta, C, this->matmul_precision());
@@ -786,6 +789,8 @@ Tensor3<float, typename ExecutionSpace::memory_space> Mamba1Mixer<ExecutionSpace
   const auto from_outputs =
       allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_ssm_incoming", batch, d_inner_, d_state_);
   selective_scan_state_correction_backward(exec, args, dy, from_outputs);
+  if (act_.halo_mask.is_allocated())
+    impl::mask_packed_rows(exec, ConstTensor2<float, Mem>(act_.halo_mask), from_outputs);
   const auto dlast_state =
       allocate_uninitialized<Tensor3<float, Mem>>("kmamba::mamba1::d_ssm_final", batch, d_inner_, d_state_);
   const std::size_t rows = static_cast<std::size_t>(batch), width = static_cast<std::size_t>(d_inner_) * d_state_;
@@ -829,8 +834,11 @@ void Mamba1Mixer<ExecutionSpace>::backward_conv(
   causal_conv1d_backward(exec, impl::mamba1_token_tensor(a.x, batch), p.conv_weight, p.conv_bias, a.conv_initial,
                          impl::mamba1_token_tensor(dxc, batch), dconv_final, impl::mamba1_token_tensor(dx, batch),
                          dconv_weight, dconv_bias, dconv_initial, Conv1dActivation::silu,
-                         packed_sequence_ids(function, batch, a.seqlen));
-  if (previous != no_peer) parallel_.sequence->send(exec, dconv_initial, previous);
+                         this->sequence_ids(function, batch, a.seqlen));
+  if (previous != no_peer) {
+    if (a.halo_mask.is_allocated()) impl::mask_packed_halo(exec, ConstTensor2<float, Mem>(a.halo_mask), dconv_initial);
+    parallel_.sequence->send(exec, dconv_initial, previous);
+  }
   Kokkos::parallel_for(
       "kmamba::mamba1::conv_parameter_gradients", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, d_inner_),
       impl::Mamba1AddConvGradients<Mem>{dconv_weight, dconv_bias, g.conv_weight, g.conv_bias, dims.conv_bias});

@@ -74,8 +74,8 @@ Tensor2<T, Mem> without_rank(const Tensor3<T, Mem>& v) {
 // the rank projections; the initial states and the kept ungated output are set by the caller.
 template <class Mem>
 Mamba3SisoArgs<Mem> siso_args(const Mamba3MimoArgs<Mem>& m) {
-  return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap, without_rank(m.q_bias),
-          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   {},     {},
+  return {without_rank(m.q),      without_rank(m.k), m.v, m.adt, m.dt, m.trap,    without_rank(m.q_bias),
+          without_rank(m.k_bias), m.angles,          m.D, m.z,   {},   m.seq_idx, {},
           m.chunk_size,           m.matmul_precision};
 }
 template <class Mem>
@@ -576,9 +576,9 @@ void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const
                                                Cache* cache) const {
   using Mem = memory_space;
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
+  args.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::forward", a.batch, a.seqlen);
   const Tensor4<float, Mem> y(a.y.data(), sz(a.batch), sz(a.seqlen), sz(nheads_), sz(headdim_));
   Mamba3SisoArgs<Mem> siso = siso_args(args);
-  siso.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::forward", a.batch, a.seqlen);
   if (a.ungated.is_allocated())
     siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
   if (parallel_.sequence_size() > 1) {
@@ -757,8 +757,8 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   g.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba3::d_D", nheads_);
   if (!config_.is_outproj_norm) g.dz = T4(dpre[z_segment].data(), b, L, H, P);
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
+  args.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::backward", a.batch, a.seqlen);
   Mamba3SisoArgs<Mem> siso = siso_args(args);
-  siso.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::backward", a.batch, a.seqlen);
   if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
   const Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
   const T4 dy4(dy.data(), b, L, H, P);

@@ -345,7 +345,7 @@ void SequenceModel<ExecutionSpace>::set_activation_checkpointing(bool on) {
 
 template <class ExecutionSpace>
 void SequenceModel<ExecutionSpace>::set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
-  state_->backbone.set_sequence_ids("kmamba::SequenceModel::set_sequence_ids", seq_idx);
+  state_->backbone.set_sequence_ids(seq_idx);
 }
 template <class ExecutionSpace>
 bool SequenceModel<ExecutionSpace>::activation_checkpointing() const {

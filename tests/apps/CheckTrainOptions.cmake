@@ -6,8 +6,8 @@
 # - --resume reads metrics.jsonl as a regular file of records;
 # - --virtual-stages without a pipeline fails with 2 naming virtual_pipeline_stages;
 # - --pack-documents trains on packed documents of --data (here the lines of a text file, ended by
-#   '\n' = byte 10), with Mamba-2 and Mamba-3 SISO models, and is refused for the recall task and
-#   by a Mamba-3 MIMO model.
+#   '\n' = byte 10), with Mamba-2 and Mamba-3 SISO and MIMO models, and is refused for the recall
+#   task.
 #   cmake -DTRAIN=<kmamba-train> -DOUT=<dir> -P CheckTrainOptions.cmake
 file(REMOVE_RECURSE ${OUT})
 file(MAKE_DIRECTORY ${OUT})
@@ -51,5 +51,5 @@ train(2 "--pack-documents packs the documents of --data; the recall task has non
       --out ${OUT}/packed_recall)
 train(0 "documents packed, ended by token 10.*done: 2 steps" --data ${OUT}/lines.txt --pack-documents 10
       --mixer mamba3 --steps 2 ${small} --headdim 8 --out ${OUT}/packed_mamba3)
-train(2 "--pack-documents: packed documents are not supported by Mamba3 MIMO models" --data ${OUT}/lines.txt
-      --pack-documents 10 --mixer mamba3 --mimo-rank 2 --steps 1 ${small} --headdim 8 --out ${OUT}/packed_mamba3_mimo)
+train(0 "documents packed, ended by token 10.*done: 2 steps" --data ${OUT}/lines.txt --pack-documents 10
+      --mixer mamba3 --mimo-rank 2 --steps 2 ${small} --headdim 8 --out ${OUT}/packed_mamba3_mimo)

@@ -127,7 +127,7 @@ TEST(Mamba3Reference, BackwardMatchesFiniteDifferences) {
   for (const Config& cfg : configs) expect_finite_differences(make_reference_problem(cfg));
 }
 
-// Packed rows: documents of one and two tokens, one starting at the last token (PackedIds.hpp),
+// Packed rows, SISO and MIMO: documents of one and two tokens, one starting at the last token (PackedIds.hpp),
 // with initial states (the first document's) and final cotangents (the last one's).
 TEST(Mamba3Reference, PackedBackwardMatchesFiniteDifferences) {
   Config c;
@@ -141,6 +141,11 @@ TEST(Mamba3Reference, PackedBackwardMatchesFiniteDifferences) {
   c.D = c.z = c.initial = c.dfinal = true;
   c.seed = 21;
   RefProblem P = make_reference_problem(c);
+  P.seq_idx = kmamba::test::packed_ids(c.batch, c.seqlen);
+  expect_finite_differences(P);
+  c.rank = 2;  // MIMO
+  c.seed = 22;
+  P = make_reference_problem(c);
   P.seq_idx = kmamba::test::packed_ids(c.batch, c.seqlen);
   expect_finite_differences(P);
 }
@@ -462,6 +467,20 @@ TYPED_TEST(Mamba3Scan, MimoMatchesReference) {
   print_worst("MIMO kernels vs reference");
 }
 
+// The kernels' forward and backward of each problem of `list` on packed rows (PackedIds.hpp)
+// against the packed reference.
+template <class Exec>
+void expect_packed_rows_match_reference(const std::vector<Config>& list) {
+  for (const Config& cfg : list) {
+    RefProblem P = make_reference_problem(cfg);
+    P.seq_idx = kmamba::test::packed_ids(cfg.batch, cfg.seqlen);
+    const Mamba3DeviceProblem<typename Exec::memory_space> p(P);
+    const auto result = run_kernels<Exec>(p, true);
+    compare_outputs(result.first, ref_forward(P), forward_tol, cfg.describe() + " packed");
+    compare_grads(result.second, ref_backward(P), gradient_tol, cfg.describe() + " packed");
+  }
+}
+
 // Packed rows (Mamba3SisoArgs::seq_idx) against the packed reference: documents across chunk
 // boundaries, of one token, starting at a row's last token; with every option, the default chunk
 // and a bf16 request (which the packed rows compute in fp32: the fused kernels take no ids, so the
@@ -494,15 +513,51 @@ TYPED_TEST(Mamba3Scan, SisoPackedRowsMatchReference) {
   c.precision = kmamba::MatmulPrecision::BFloat16;
   c.seed = 33;
   list.push_back(c);
-  for (const Config& cfg : list) {
-    RefProblem P = make_reference_problem(cfg);
-    P.seq_idx = kmamba::test::packed_ids(cfg.batch, cfg.seqlen);
-    const Mamba3DeviceProblem<typename TypeParam::memory_space> p(P);
-    const auto result = run_kernels<TypeParam>(p, true);
-    compare_outputs(result.first, ref_forward(P), forward_tol, cfg.describe() + " packed");
-    compare_grads(result.second, ref_backward(P), gradient_tol, cfg.describe() + " packed");
-  }
+  expect_packed_rows_match_reference<TypeParam>(list);
   print_worst("SISO kernels vs reference, packed rows");
+}
+
+// Packed rows (Mamba3MimoArgs::seq_idx) on the MIMO chunk stages against the packed reference:
+// starts at a chunk's first and last token and inside chunks, documents of one token, a start at a
+// row's last token, chunks of more rows than a scratch tile (so that the chunk backward's second pass
+// recomputes its weights), rank 1 and the default chunk (64 / 4 = 16 tokens).
+TYPED_TEST(Mamba3Scan, MimoPackedRowsMatchReference) {
+  worst() = Worst();
+  std::vector<Config> list;
+  Config c;
+  c.batch = 3;
+  c.rank = 2;
+  c.seqlen = 29;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.seed = 41;
+  list.push_back(c);
+  c.rank = 4;  // rope_fraction 1.0, no gate, one group, the default chunk
+  c.nangles = 4;
+  c.ngroups = 1;
+  c.chunk = 0;
+  c.z = false;
+  c.seed = 42;
+  list.push_back(c);
+  c.rank = 1;  // rank 1 through the MIMO path
+  c.z = true;
+  c.nangles = 2;
+  c.chunk = 3;
+  c.seed = 43;
+  list.push_back(c);
+  c = Config();
+  c.batch = 3;  // chunks of 40 tokens: 80 rows, more than a tile of 32 tokens (64 rows)
+  c.rank = 2;
+  c.seqlen = 70;
+  c.chunk = 40;
+  c.nheads = 2;
+  c.headdim = 8;
+  c.ngroups = 1;
+  c.dstate = 16;
+  c.D = c.z = c.initial = c.dfinal = true;
+  c.seed = 44;
+  list.push_back(c);
+  expect_packed_rows_match_reference<TypeParam>(list);
+  print_worst("MIMO kernels vs reference, packed rows");
 }
 
 TYPED_TEST(Mamba3Scan, TensorFloat32SisoMatchesReference) {

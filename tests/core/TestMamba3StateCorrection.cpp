@@ -338,6 +338,15 @@ TYPED_TEST(Mamba3StateCorrection, RejectsBadArguments) {
   expect_user_error(
       [&] { kmamba::mamba3_final_angle_backward(exec, p.angles, short_dt, p.siso_initial.angle, p.angles, short_dt); },
       {"kmamba::mamba3_final_angle_backward", "dt"});
+  // Packed rows (SISO and MIMO arguments) are refused, not ignored.
+  kmamba::Mamba3SisoArgs<Mem> siso = p.siso_args();
+  kmamba::Mamba3MimoArgs<Mem> mimo = p.mimo_args();
+  siso.seq_idx = mimo.seq_idx =
+      kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
+  expect_user_error([&] { kmamba::mamba3_state_correction_forward(exec, siso, p.siso_initial.ssm, out, T4()); },
+                    {"kmamba::mamba3_state_correction_forward", "seq_idx must be absent"});
+  expect_user_error([&] { kmamba::mamba3_state_correction_backward(exec, mimo, p.dout, out); },
+                    {"kmamba::mamba3_state_correction_backward", "seq_idx must be absent"});
 }
 
 }  // namespace

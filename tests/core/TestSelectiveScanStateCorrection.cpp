@@ -4,7 +4,8 @@
 // last states), the segment decay is exp(A·Σ_t δ_t), and the gradient with respect to h is
 // Σ (ref(e_i) − ref(0))·dout for each unit state e_i (exact in double, F being linear). The sweep
 // covers z or not, delta_bias, softplus or not, D (which must not enter the correction), 1 or 2
-// groups, one token and a longer segment.
+// groups, one token and a longer segment; packed rows (seq_idx) take the same reference, whose state
+// restarts from zero at every document start.
 //
 // Tolerances, relative to each tensor's largest |reference| (fp32, u = 2^-24 ≈ 6e-8):
 // - correction, last state and decay: every term is exp(A·Δ_t) with Δ_t an fp32 sum of ≤ t + 1
@@ -24,6 +25,7 @@
 
 #include "Backends.hpp"
 #include "Checks.hpp"
+#include "PackedIds.hpp"
 
 #include <gtest/gtest.h>
 
@@ -59,6 +61,12 @@ struct Config {
 struct Problem {
   Config cfg;
   std::vector<double> u, delta, A, B, C, D, z, bias, h0, dout;
+  std::vector<std::int64_t> ids;  // (batch, seqlen) packed sequence ids, empty for one sequence per row
+
+  bool starts(int b, int t) const {
+    const std::size_t i = static_cast<std::size_t>(b) * cfg.seqlen + t;
+    return !ids.empty() && t > 0 && ids[i] != ids[i - 1];
+  }
 
   std::size_t seq(int b, int d, int t) const { return (static_cast<std::size_t>(b) * cfg.dim + d) * cfg.seqlen + t; }
   std::size_t bc(int b, int g, int n, int t) const {
@@ -117,6 +125,7 @@ Scan reference_scan(const Problem& p, const std::vector<double>& h) {
         double y = c.D ? p.D[d] * u : 0.0;
         for (int n = 0; n < c.dstate; ++n) {
           double& state = s.last[p.st(b, d, n)];
+          if (p.starts(b, t)) state = 0.0;
           state =
               std::exp(dt * p.A[static_cast<std::size_t>(d) * c.dstate + n]) * state + dt * p.B[p.bc(b, g, n, t)] * u;
           y += p.C[p.bc(b, g, n, t)] * state;
@@ -152,6 +161,7 @@ struct Device {
   using T4 = kmamba::Tensor4<float, Mem>;
   T3 u, delta, z, h0, dout;
   T2 A;
+  kmamba::Tensor2<std::int64_t, Mem> seq_idx;
   T4 B, C;
   T1 D, bias;
   Config cfg;
@@ -182,6 +192,12 @@ struct Device {
     }
     h0 = allocate_uninitialized<T3>("kmamba::test::h0", c.batch, c.dim, c.dstate);
     upload(h0, p.h0);
+    if (!p.ids.empty()) {
+      seq_idx = allocate_uninitialized<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", c.batch, c.seqlen);
+      const auto host = Kokkos::create_mirror_view(seq_idx);
+      std::copy(p.ids.begin(), p.ids.end(), host.data());
+      Kokkos::deep_copy(seq_idx, host);
+    }
   }
 
   /// The scan's arguments from a zero initial state.
@@ -196,6 +212,7 @@ struct Device {
     a.z = z;
     a.delta_bias = bias;
     a.delta_softplus = cfg.softplus;
+    a.seq_idx = seq_idx;
     return a;
   }
 };
@@ -230,66 +247,90 @@ std::vector<double> difference(const std::vector<double>& a, const std::vector<d
 
 KMAMBA_BACKEND_TEST_SUITE(SelectiveScanStateCorrection);
 
-TYPED_TEST(SelectiveScanStateCorrection, ForwardDecayAndGradientMatchTheReference) {
-  using Mem = typename TypeParam::memory_space;
+// The correction, the decay and the incoming state's gradient of problem p against the reference.
+template <class Exec>
+void expect_matches_reference(const Problem& p) {
+  using Mem = typename Exec::memory_space;
   using T3 = kmamba::Tensor3<float, Mem>;
-  const TypeParam exec;
-  for (const Config& cfg : sweep()) {
-    const std::string ctx = cfg.describe();
-    const Problem p = make_problem(cfg);
-    const Scan from_h = reference_scan(p, p.h0), from_zero = reference_scan(p, std::vector<double>(p.h0.size()));
-    const Device<Mem> d(p);
-    const auto out = kmamba::allocate<T3>("kmamba::test::out", cfg.batch, cfg.dim, cfg.seqlen);
-    const auto last = kmamba::allocate<T3>("kmamba::test::last", cfg.batch, cfg.dim, cfg.dstate);
-    const auto decay = poisoned<T3>("kmamba::test::decay", cfg.batch, cfg.dim, cfg.dstate);
-    const auto dh = poisoned<T3>("kmamba::test::dh", cfg.batch, cfg.dim, cfg.dstate);
-    kmamba::selective_scan_state_correction_forward(exec, d.args(), d.h0, out, last);
-    kmamba::selective_scan_segment_decay(exec, d.args(), decay);
-    kmamba::selective_scan_state_correction_backward(exec, d.args(), d.dout, dh);
-    exec.fence();
-    std::vector<double> want_decay;
-    for (int b = 0; b < cfg.batch; ++b) {
-      for (int c = 0; c < cfg.dim; ++c) {
-        double sum = 0.0;
-        for (int t = 0; t < cfg.seqlen; ++t) sum += p.delta_value(b, c, t);
-        for (int n = 0; n < cfg.dstate; ++n) want_decay.push_back(std::exp(p.A[c * cfg.dstate + n] * sum));
-      }
+  const Exec exec;
+  const Config& cfg = p.cfg;
+  const std::string ctx = cfg.describe() + (p.ids.empty() ? "" : " packed");
+  const Scan from_h = reference_scan(p, p.h0), from_zero = reference_scan(p, std::vector<double>(p.h0.size()));
+  const Device<Mem> d(p);
+  const auto out = kmamba::allocate<T3>("kmamba::test::out", cfg.batch, cfg.dim, cfg.seqlen);
+  const auto last = kmamba::allocate<T3>("kmamba::test::last", cfg.batch, cfg.dim, cfg.dstate);
+  const auto decay = poisoned<T3>("kmamba::test::decay", cfg.batch, cfg.dim, cfg.dstate);
+  const auto dh = poisoned<T3>("kmamba::test::dh", cfg.batch, cfg.dim, cfg.dstate);
+  kmamba::selective_scan_state_correction_forward(exec, d.args(), d.h0, out, last);
+  kmamba::selective_scan_segment_decay(exec, d.args(), decay);
+  kmamba::selective_scan_state_correction_backward(exec, d.args(), d.dout, dh);
+  exec.fence();
+  std::vector<double> want_decay;
+  for (int b = 0; b < cfg.batch; ++b) {
+    bool start = false;  // a row with a document start passes no state across the segment
+    for (int t = 0; t < cfg.seqlen; ++t) start = start || p.starts(b, t);
+    for (int c = 0; c < cfg.dim; ++c) {
+      double sum = 0.0;
+      for (int t = 0; t < cfg.seqlen; ++t) sum += p.delta_value(b, c, t);
+      for (int n = 0; n < cfg.dstate; ++n) want_decay.push_back(start ? 0.0 : std::exp(p.A[c * cfg.dstate + n] * sum));
     }
-    const double out_error =
-        expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
-    const double last_error = expect_near_rel("last_state", host_doubles(last), difference(from_h.last, from_zero.last),
-                                              output_tolerance, ctx);
-    const double decay_error = expect_near_rel("decay", host_doubles(decay), want_decay, output_tolerance, ctx);
-    const double grad_error =
-        expect_near_rel("dincoming", host_doubles(dh), reference_dincoming(p), gradient_tolerance, ctx);
-    std::printf("[ measured ] %s: max|d|/max|ref| out %.1e last %.1e decay %.1e dincoming %.1e\n", ctx.c_str(),
-                out_error, last_error, decay_error, grad_error);
+  }
+  const double out_error =
+      expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
+  const double last_error =
+      expect_near_rel("last_state", host_doubles(last), difference(from_h.last, from_zero.last), output_tolerance, ctx);
+  const double decay_error = expect_near_rel("decay", host_doubles(decay), want_decay, output_tolerance, ctx);
+  const double grad_error =
+      expect_near_rel("dincoming", host_doubles(dh), reference_dincoming(p), gradient_tolerance, ctx);
+  std::printf("[ measured ] %s: max|d|/max|ref| out %.1e last %.1e decay %.1e dincoming %.1e\n", ctx.c_str(), out_error,
+              last_error, decay_error, grad_error);
+}
+
+TYPED_TEST(SelectiveScanStateCorrection, ForwardDecayAndGradientMatchTheReference) {
+  for (const Config& cfg : sweep()) expect_matches_reference<TypeParam>(make_problem(cfg));
+}
+
+// Packed rows (PackedIds.hpp: documents of one token, a start at the last token, a row of 37
+// tokens with starts only up to token 8) and a row without a start (the fourth row's ids are all
+// equal): the incoming state reaches the first document only, a row with a start has decay 0.
+TYPED_TEST(SelectiveScanStateCorrection, PackedRowsMatchTheReference) {
+  for (Config cfg : sweep()) {
+    cfg.batch = 4;
+    Problem p = make_problem(cfg);
+    p.ids = kmamba::test::packed_ids(3, cfg.seqlen);
+    p.ids.resize(static_cast<std::size_t>(cfg.batch) * cfg.seqlen, 7);
+    expect_matches_reference<TypeParam>(p);
   }
 }
 
+// Also on packed rows: the scan from a state with the same ids.
 TYPED_TEST(SelectiveScanStateCorrection, ZeroStateScanPlusCorrectionEqualsTheScanFromTheState) {
   using Mem = typename TypeParam::memory_space;
   using T3 = kmamba::Tensor3<float, Mem>;
   const TypeParam exec;
-  Config cfg;
-  cfg.seqlen = 21;
-  cfg.z = true;
-  cfg.bias = true;
-  cfg.seed = 11;
-  const Device<Mem> d(make_problem(cfg));
-  const auto out = poisoned<T3>("kmamba::test::out", cfg.batch, cfg.dim, cfg.seqlen);
-  const auto last = poisoned<T3>("kmamba::test::last", cfg.batch, cfg.dim, cfg.dstate);
-  const auto want_out = poisoned<T3>("kmamba::test::want_out", cfg.batch, cfg.dim, cfg.seqlen);
-  const auto want_last = poisoned<T3>("kmamba::test::want_last", cfg.batch, cfg.dim, cfg.dstate);
-  kmamba::selective_scan_forward(exec, d.args(), out, last);
-  kmamba::selective_scan_state_correction_forward(exec, d.args(), d.h0, out, last);
-  kmamba::SelectiveScanArgs<Mem> from_state = d.args();
-  from_state.initial_state = d.h0;
-  kmamba::selective_scan_forward(exec, from_state, want_out, want_last);
-  exec.fence();
-  const std::string ctx = cfg.describe();
-  expect_near_rel("out", host_doubles(out), host_doubles(want_out), chaining_tolerance, ctx);
-  expect_near_rel("last_state", host_doubles(last), host_doubles(want_last), chaining_tolerance, ctx);
+  for (const bool packed : {false, true}) {
+    Config cfg;
+    cfg.seqlen = 21;
+    cfg.z = true;
+    cfg.bias = true;
+    cfg.seed = 11;
+    Problem p = make_problem(cfg);
+    if (packed) p.ids = kmamba::test::packed_ids(cfg.batch, cfg.seqlen);
+    const Device<Mem> d(p);
+    const auto out = poisoned<T3>("kmamba::test::out", cfg.batch, cfg.dim, cfg.seqlen);
+    const auto last = poisoned<T3>("kmamba::test::last", cfg.batch, cfg.dim, cfg.dstate);
+    const auto want_out = poisoned<T3>("kmamba::test::want_out", cfg.batch, cfg.dim, cfg.seqlen);
+    const auto want_last = poisoned<T3>("kmamba::test::want_last", cfg.batch, cfg.dim, cfg.dstate);
+    kmamba::selective_scan_forward(exec, d.args(), out, last);
+    kmamba::selective_scan_state_correction_forward(exec, d.args(), d.h0, out, last);
+    kmamba::SelectiveScanArgs<Mem> from_state = d.args();
+    from_state.initial_state = d.h0;
+    kmamba::selective_scan_forward(exec, from_state, want_out, want_last);
+    exec.fence();
+    const std::string ctx = cfg.describe() + (packed ? " packed" : "");
+    expect_near_rel("out", host_doubles(out), host_doubles(want_out), chaining_tolerance, ctx);
+    expect_near_rel("last_state", host_doubles(last), host_doubles(want_last), chaining_tolerance, ctx);
+  }
 }
 
 TYPED_TEST(SelectiveScanStateCorrection, GradientMatchesCentralDifferences) {
@@ -321,7 +362,7 @@ TYPED_TEST(SelectiveScanStateCorrection, GradientMatchesCentralDifferences) {
                                              gradient_tolerance, "selective scan");
 }
 
-TYPED_TEST(SelectiveScanStateCorrection, RejectsSequenceIdsAndBadShapes) {
+TYPED_TEST(SelectiveScanStateCorrection, RejectsBadShapes) {
   using Mem = typename TypeParam::memory_space;
   using T3 = kmamba::Tensor3<float, Mem>;
   const TypeParam exec;
@@ -329,9 +370,10 @@ TYPED_TEST(SelectiveScanStateCorrection, RejectsSequenceIdsAndBadShapes) {
   const Device<Mem> d(make_problem(cfg));
   const auto out = kmamba::allocate<T3>("kmamba::test::out", cfg.batch, cfg.dim, cfg.seqlen);
   kmamba::SelectiveScanArgs<Mem> packed = d.args();
-  packed.seq_idx = kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
+  packed.seq_idx =
+      kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen + 1);
   expect_user_error([&] { kmamba::selective_scan_state_correction_backward(exec, packed, d.dout, d.h0); },
-                    {"kmamba::selective_scan_state_correction_backward", "seq_idx must be absent"});
+                    {"kmamba::selective_scan_state_correction_backward", "seq_idx"});
   const auto wrong = kmamba::allocate<T3>("kmamba::test::wrong", cfg.batch, cfg.dim, cfg.dstate + 1);
   expect_user_error([&] { kmamba::selective_scan_state_correction_forward(exec, d.args(), wrong, out, T3()); },
                     {"kmamba::selective_scan_state_correction_forward", "incoming"});

@@ -451,15 +451,20 @@ TYPED_TEST(Mamba3Mixer, PrefillAndStepMatchTheForward) {
   }
 }
 
-// Packed rows (SISO): documents across chunk boundaries, of one token, at a row's end; with the z
-// gate and with the output norm. Tolerance 1e-5 as Mamba-1/2 (the same arithmetic per token but for
-// the grouping of the GEMMs' and the reductions' sums).
+// Packed rows: documents across chunk boundaries, of one token, at a row's end; SISO with the z
+// gate and with the output norm, MIMO of rank 2 (chunks of 4 tokens) and of rank 4 (chunks of one
+// token, so that every start is at a chunk's first token). Tolerance 1e-5 as Mamba-1/2 (the same
+// arithmetic per token but for the grouping of the GEMMs' and the reductions' sums).
 TYPED_TEST(Mamba3Mixer, PackedRowsEqualDocumentsAlone) {
-  for (const bool outproj_norm : {false, true}) {
-    Case c;
+  std::vector<Case> cases(4);
+  cases[1].outproj_norm = true;
+  cases[2].mimo = true;
+  cases[2].chunk = 8;
+  cases[3].mimo = true;
+  cases[3].rank = 4;
+  for (Case c : cases) {
     c.batch = 3;
     c.seqlen = 41;
-    c.outproj_norm = outproj_norm;
     SCOPED_TRACE(c.describe());
     expect_packed_rows_equal_documents_alone<TypeParam, kmamba::Mamba3Mixer<TypeParam>>(c.config(), c.batch, c.seqlen,
                                                                                         91, 1e-5);
@@ -468,15 +473,11 @@ TYPED_TEST(Mamba3Mixer, PackedRowsEqualDocumentsAlone) {
 
 // prefill over packed rows gives the packed forward's outputs, and leaves the states of each row's
 // last document: a decode step after it equals the step after a prefill of that document alone.
-TYPED_TEST(Mamba3Mixer, PrefillOfPackedRowsContinuesTheLastDocument) {
-  using Exec = TypeParam;
+template <class Exec>
+void expect_prefill_of_packed_rows_continues_the_last_document(const Case& c) {
   using Mem = typename Exec::memory_space;
   using T2 = kmamba::Tensor2<float, Mem>;
   using T3 = kmamba::Tensor3<float, Mem>;
-  Case c;
-  c.batch = 3;
-  c.seqlen = 23;
-  c.seed = 93;
   const Problem P = make_problem(c);
   Harness<Exec> h(P);
   const Exec exec;
@@ -510,15 +511,18 @@ TYPED_TEST(Mamba3Mixer, PrefillOfPackedRowsContinuesTheLastDocument) {
   }
 }
 
-// A MIMO mixer refuses packed rows, naming what is unsupported.
-TYPED_TEST(Mamba3Mixer, MimoRefusesPackedRows) {
-  using Mem = typename TypeParam::memory_space;
-  Case c;
-  c.mimo = true;
-  kmamba::Mamba3Mixer<TypeParam> mixer(c.config(), prefix);
-  expect_user_error([&] { mixer.set_sequence_ids(device_packed_ids<Mem>(c.batch, c.seqlen)); },
-                    {"set_sequence_ids", "seq_idx", "Mamba-3 MIMO"});
-  mixer.set_sequence_ids({});
+// The packed prefill's check above, SISO and MIMO (chunks of 4 tokens).
+TYPED_TEST(Mamba3Mixer, PrefillOfPackedRowsContinuesTheLastDocument) {
+  for (const bool mimo : {false, true}) {
+    Case c;
+    c.batch = 3;
+    c.seqlen = 23;
+    c.mimo = mimo;
+    if (mimo) c.chunk = 8;
+    c.seed = 93;
+    SCOPED_TRACE(c.describe());
+    expect_prefill_of_packed_rows_continues_the_last_document<TypeParam>(c);
+  }
 }
 
 TYPED_TEST(Mamba3Mixer, RejectsBadShapesAndMissingActivations) {

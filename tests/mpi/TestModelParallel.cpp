@@ -16,9 +16,9 @@
 //    tensor split of Mamba-1);
 //    sequence_segment splits unevenly and rejects a segment of no tokens;
 // M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits;
-// M6 Mamba-2 packed rows (documents starting at a segment's first token, inside a segment and
-//    inside the conv halo of the next segment) give the 1-rank loss and gradients on every mesh, as
-//    M1; Mamba-1 and Mamba-3 refuse packed rows under sequence parallelism, naming the combination.
+// M6 Mamba-2 and Mamba-1 packed rows (documents starting at a segment's first token, inside a
+//    segment and inside the conv halo of the next segment) give the 1-rank loss and gradients on
+//    every mesh, as M1; Mamba-3 refuses packed rows under sequence parallelism, naming the combination.
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
@@ -259,8 +259,8 @@ TEST_P(SplitModel, SegmentsShorterThanTheHaloEqualOneRank) {
 // one document over every segment.
 const std::vector<std::vector<std::int64_t>> packed_starts = {{7}, {6, 11}, {1, 3, 4, 9}, {}};
 
-TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) {
-  const kmamba::ModelConfig config = tiny_mamba2();
+// Packed rows on every mesh of `config` give the 1-rank loss and gradients (M6).
+void expect_packed_rows_equal_one_rank(const kmamba::ModelConfig& config, const char* name) {
   const Batch b = packed_token_rows(batch, seqlen, 900, packed_starts);
   Model reference(config);
   reference.initialize(init_seed);
@@ -282,14 +282,20 @@ TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) {
                                            reference.parameters().grads(), tol, every_element, "gradient");
     const double worst_all = mesh.world().all_reduce_value(worst, kmamba::ReduceOp::Max);
     if (world_rank() == 0) {
-      std::printf("[ measured ] packed mamba2 %s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n",
+      std::printf("[ measured ] packed %s %s: loss %.9f vs %.9f (1 rank), gradients max|d|/max|ref| %.2e\n", name,
                   mesh_name(mesh).c_str(), loss, ref_loss, worst_all);
     }
   }
 }
 
+TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) { expect_packed_rows_equal_one_rank(tiny_mamba2(), "mamba2"); }
+
+// Mamba-1 (dp × sp meshes): the selective scan's correction stops at a start inside a segment, the
+// conv halo and the state are masked as Mamba-2's.
+TEST(ModelParallel, Mamba1PackedRowsEqualOneRank) { expect_packed_rows_equal_one_rank(tiny_mamba1(), "mamba1"); }
+
 // At one rank the same models take the rows (no sequence split).
-TEST(ModelParallel, Mamba1AndMamba3RefusePackedRowsUnderSequenceParallelism) {
+TEST(ModelParallel, Mamba3RefusesPackedRowsUnderSequenceParallelism) {
   kmamba::MeshConfig mesh_config;
   mesh_config.sequence_parallel_size = world_size();
   const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
@@ -297,7 +303,7 @@ TEST(ModelParallel, Mamba1AndMamba3RefusePackedRowsUnderSequenceParallelism) {
   const kmamba::SequenceSegment segment =
       kmamba::sequence_segment(seqlen, mesh.coordinates().sp, mesh.config().sequence_parallel_size);
   const Batch mine = slice(b, 0, 1, segment.begin, segment.length);
-  for (const kmamba::ModelConfig& config : {tiny_mamba1(), tiny_mamba3(false)}) {
+  for (const kmamba::ModelConfig& config : {tiny_mamba3(false), tiny_mamba3(true)}) {
     Model model(config, split_of(mesh));
     model.initialize(init_seed);
     model.set_sequence_ids(mine.seq_idx);

@@ -55,7 +55,7 @@ struct RefProblem {
   std::vector<double> angle0, ssm0, k0, v0;
   std::vector<double> dout;                  // (batch, seqlen, nheads, headdim)
   std::vector<double> dangle, dssm, dk, dv;  // cotangents of the final states (empty = zero)
-  // Packed sequence ids (batch, seqlen), SISO: a document starts where the id changes and sees
+  // Packed sequence ids (batch, seqlen): a document starts where the id changes and sees
   // nothing before it (no angle, state or previous token). Empty: one sequence per row.
   std::vector<std::int64_t> seq_idx;
 

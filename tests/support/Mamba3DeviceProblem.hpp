@@ -133,6 +133,7 @@ struct Mamba3DeviceProblem {
     a.D = D;
     a.z = z;
     a.initial = mimo_initial;
+    a.seq_idx = seq_idx;
     a.chunk_size = cfg.chunk;
     a.matmul_precision = cfg.precision;
     return a;

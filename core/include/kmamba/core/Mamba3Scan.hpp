@@ -15,13 +15,15 @@
 //   y_t,r    = H_t·q_t,r + D[h]·v_t,r
 //   out[b,t,h,:] = Σ_r y_t,r ⊙ silu(z[b,t,h,:] ⊙ mimo_z[h,r,:]) ⊙ mimo_o[h,r,:]   (no silu factor without z)
 //
-// Packed rows (SISO seq_idx): where seq_idx[b,t] ≠ seq_idx[b,t−1] (t > 0) a document starts, and token t
+// Packed rows (seq_idx): where seq_idx[b,t] ≠ seq_idx[b,t−1] (t > 0) a document starts, and token t
 // sees nothing before it: θ_{t−1} and H_{t−1} are taken as 0 and the previous-token term is dropped
 // (β_t = 0), so each document gives what it gives alone. The initial states belong to the row's
 // first document, the final states are those of its last one. With Ĥ below, the SSD's rule
 // "H_{t−1} is 0 where the id changes" and β̃_t = 0 there give exactly this (Ĥ_{t−1} = H_{t−1} at
-// a start), so the SISO scan hands the ids to its SSD; the angle scans restart at every start.
-// The MIMO chunk stages do not take ids (yet).
+// a start), so the SISO scan hands the ids to its SSD; the angle scans restart at every start. The
+// MIMO chunk stages apply the same rule as the SSD's (impl/SsdImpl.hpp): within a chunk two rows
+// interact only when no document starts between their tokens, the state entering a chunk reaches
+// its tokens before its first start, and leaves it only when the chunk has none.
 //
 // The initial states (θ_{−1}, H_{−1}, k_{−1,r}, v_{−1,r}) are zero unless given; the final states are
 // θ_{L−1}, H_{L−1}, k_{L−1,r} (rotated, biased) and v_{L−1,r} (for SISO the raw v of the last token).
@@ -189,6 +191,8 @@ struct Mamba3MimoArgs {
   ConstTensor1<float, MemorySpace> D;          // (nheads), optional
   ConstTensor4<float, MemorySpace> z;          // (batch, seqlen, nheads, headdim), optional
   Mamba3MimoConstStates<MemorySpace> initial;  // optional, each state separately (zero if absent)
+  /// (batch, seqlen), optional: packed sequence ids, as Mamba3SisoArgs::seq_idx.
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;
   /// Tokens per chunk; 0 = the reference's default 64 / rank (at least 1).
   int chunk_size = 0;
   /// The per-chunk products: Float32 (default) or TensorFloat32 (as Mamba3SisoArgs); BFloat16 is a
@@ -402,8 +406,9 @@ Mamba3Dims mamba3_check_mimo_args(const char* function, const Mamba3MimoArgs<Mem
   if (args.mimo_z.is_allocated()) check_shape(function, "mimo_z", args.mimo_z, proj, "(nheads, rank, headdim)");
   KMAMBA_REQUIRE(args.chunk_size >= 0,
                  function << ": chunk_size must be positive (or 0 for 64 / rank), got " << args.chunk_size);
-  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z, {},
+  mamba3_check_common(function, dims, args.v, args.adt, args.dt, args.trap, args.angles, args.D, args.z, args.seq_idx,
                       mamba3_mimo_chunk_size(args.chunk_size, dims.rank));
+  dims.packed = args.seq_idx.is_allocated();
   mamba3_check_mimo_states(function, "initial", args.initial, dims);
   return dims;
 }
@@ -526,6 +531,7 @@ Mamba3Operands<MemorySpace> mamba3_operands(const Mamba3MimoArgs<MemorySpace>& a
   in.initial = mamba3_state_views(args.initial);
   in.mimo = true;
   in.wrap_angle = false;
+  in.set_seq_idx(args.seq_idx);
   in.has_D = args.D.is_allocated();
   in.has_z = args.z.is_allocated();
   return in;

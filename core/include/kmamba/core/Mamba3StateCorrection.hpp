@@ -41,13 +41,23 @@
 namespace kmamba {
 namespace impl {
 
+// The input the correction does not take: packed sequence ids (its angle totals, decay, rows and
+// final-angle gradient would each have to stop at a document start; docs/distributed.md §2.4).
+template <class Args>
+void mamba3_correction_refuse_packed_rows(const char* function, const Args& args) {
+  KMAMBA_REQUIRE(!args.seq_idx.is_allocated(),
+                 function << ": seq_idx must be absent (the Mamba-3 incoming-state correction takes no packed rows)");
+}
+
 // The scan's argument checks and chunk size, per variant.
 template <class MemorySpace>
 Mamba3Dims mamba3_correction_check(const char* function, const Mamba3SisoArgs<MemorySpace>& args) {
+  mamba3_correction_refuse_packed_rows(function, args);
   return mamba3_check_siso_args(function, args);
 }
 template <class MemorySpace>
 Mamba3Dims mamba3_correction_check(const char* function, const Mamba3MimoArgs<MemorySpace>& args) {
+  mamba3_correction_refuse_packed_rows(function, args);
   return mamba3_check_mimo_args(function, args);
 }
 template <class MemorySpace>

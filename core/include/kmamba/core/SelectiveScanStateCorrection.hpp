@@ -17,6 +17,13 @@
 // backward. Every op is non-blocking on the execution space instance it is given, except that its
 // temporary buffer is released on return.
 //
+// Packed rows (args.seq_idx): the incoming state belongs to the segment's first document. From
+// the first token t > 0 whose id differs from the previous one's on, exp(A[d,n]·Δ_t) is taken as 0
+// (Δ_t = +∞ there): the incoming state reaches neither those outputs nor the last state, takes no
+// gradient from them, and a segment holding a start has decay 0. Whether the segment's first token
+// itself starts a document is for the caller to say (it needs the previous segment's last id):
+// there the incoming state is 0.
+//
 //   kmamba::selective_scan_forward(exec, args, out, last_state);       // from a zero state
 //   kmamba::selective_scan_segment_decay(exec, args, decay);           // exp(A·Δ_{L−1})
 //   ... h_in from the previous segments' (decay, last_state) ...
@@ -34,24 +41,11 @@
 #include <Kokkos_Core.hpp>
 
 namespace kmamba {
-namespace impl {
 
-// The scan's argument checks, and the input the correction does not take: packed sequence ids (a
-// segment's incoming state belongs to its first token's sequence).
-template <class MemorySpace>
-SelectiveScanDims selective_scan_state_correction_check_args(const char* function,
-                                                             const SelectiveScanArgs<MemorySpace>& args) {
-  const SelectiveScanDims dims = selective_scan_check_args(function, args);
-  KMAMBA_REQUIRE(!args.seq_idx.is_allocated(), function << ": seq_idx must be absent (packed sequences are not "
-                                                           "supported)");
-  return dims;
-}
-
-}  // namespace impl
-
-/// decay(b, d, n) = exp(A[d,n]·Σ_t δ_t) over the segment of `args` (1 for an empty segment): the
-/// factor by which the segment scales a state entering it. Reads delta, delta_bias, A and the
-/// softplus option of `args`; u, B and C only for their shapes.
+/// decay(b, d, n) = exp(A[d,n]·Σ_t δ_t) over the segment of `args` (1 for an empty segment, 0 for a
+/// row with a document start after its first token): the factor by which the segment scales a state
+/// entering it. Reads delta, delta_bias, A, seq_idx and the softplus option of `args`; u, B and C
+/// only for their shapes.
 template <class ExecutionSpace, class MemorySpace>
 void selective_scan_segment_decay(const ExecutionSpace& exec, const SelectiveScanArgs<MemorySpace>& args,
                                   const Tensor3<float, MemorySpace>& decay) {  // (batch, dim, dstate)
@@ -59,7 +53,7 @@ void selective_scan_segment_decay(const ExecutionSpace& exec, const SelectiveSca
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::selective_scan_segment_decay: the execution space cannot access the tensors' memory space");
   constexpr const char* function = "kmamba::selective_scan_segment_decay";
-  const impl::SelectiveScanDims dims = impl::selective_scan_state_correction_check_args(function, args);
+  const impl::SelectiveScanDims dims = impl::selective_scan_check_args(function, args);
   check_shape(function, "decay", decay, {dims.batch, dims.dim, dims.dstate}, "(batch, dim, dstate)");
   check_allocated(function, "decay", decay);
   const impl::ScanCorrectionOperands<MemorySpace> in(args, dims);
@@ -82,7 +76,7 @@ void selective_scan_state_correction_forward(
                 "kmamba::selective_scan_state_correction_forward: the execution space cannot access the tensors' "
                 "memory space");
   constexpr const char* function = "kmamba::selective_scan_state_correction_forward";
-  const impl::SelectiveScanDims dims = impl::selective_scan_state_correction_check_args(function, args);
+  const impl::SelectiveScanDims dims = impl::selective_scan_check_args(function, args);
   const Shape state{dims.batch, dims.dim, dims.dstate};
   check_shape(function, "incoming", incoming, state, "(batch, dim, dstate)");
   check_allocated(function, "incoming", incoming);
@@ -110,7 +104,7 @@ void selective_scan_state_correction_backward(
                 "kmamba::selective_scan_state_correction_backward: the execution space cannot access the tensors' "
                 "memory space");
   constexpr const char* function = "kmamba::selective_scan_state_correction_backward";
-  const impl::SelectiveScanDims dims = impl::selective_scan_state_correction_check_args(function, args);
+  const impl::SelectiveScanDims dims = impl::selective_scan_check_args(function, args);
   check_shape(function, "dout", dout, {dims.batch, dims.dim, dims.seqlen}, "(batch, dim, seqlen)");
   check_allocated(function, "dout", dout);
   check_shape(function, "dincoming", dincoming, {dims.batch, dims.dim, dims.dstate}, "(batch, dim, dstate)");

@@ -205,9 +205,8 @@ class LanguageModel {
   /// starts a document, and no conv tap or SSM state crosses that start, so each document's logits
   /// and gradients are those it has alone. The loss is masked by the targets: take them from
   /// next_token_targets(exec, ids, seq_idx). The View is kept, not copied. Throws
-  /// kmamba::UserError for a Mamba-3 MIMO model (its scan takes no seq_idx yet) or, at the next
-  /// call, for ids of another shape than that call's, or for a mixer split across sequence-parallel
-  /// ranks that takes no packed rows there (Mamba-1, Mamba-3).
+  /// kmamba::UserError at the next call for ids of another shape than that call's, or for a mixer
+  /// split across sequence-parallel ranks that takes no packed rows there (Mamba-3).
   void set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx);
   /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
   /// parameters().grads() whose gradients that backward has finished (their work enqueued on

@@ -28,7 +28,9 @@
 // the state entering its segment (selective_scan_state_correction_forward); backward combines the
 // gradients the other way and runs the scan's backward from the incoming state. Parameter
 // gradients are partial sums over the segments; the caller sums them over the sequence ranks
-// (DataParallel does, over dp × sp). Packed sequence ids, prefill and step do not take a split.
+// (DataParallel does, over dp × sp). Packed rows split as Mamba-2's (docs/distributed.md §2.4:
+// the halo's ids come with the conv halo; masks stop the halo, the state and the correction at a
+// document start). prefill and step do not take a split.
 //
 // Recurrent inference (docs/algorithms.md §1.6): the cache holds the conv window (batch, d_inner,
 // d_conv − 1), the SSM state (batch, d_inner, d_state) in fp32 and the step's buffers. prefill is
@@ -151,6 +153,9 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
     Tensor3<float, memory_space> conv_initial;   // (batch, d_inner, d_conv − 1)
     Tensor3<float, memory_space> ssm_initial;    // (batch, d_inner, d_state)
     Tensor3<float, memory_space> segment_decay;  // (batch, d_inner, d_state)
+    // With packed rows: 1 where the previous segment's last max(1, d_conv − 1) tokens are in this
+    // segment's first document (PackedSegments.hpp), (batch, max(1, d_conv − 1)); else empty.
+    Tensor2<float, memory_space> halo_mask;
   };
 
   void prepare_activations(std::int64_t batch, std::int64_t seqlen, bool keep_input);
@@ -173,9 +178,6 @@ class Mamba1Mixer final : public Mixer<ExecutionSpace> {
   void backward_conv(const ExecutionSpace& exec, const Slab& slab,
                      const ConstTensor2<float, memory_space>& dxc,   // (batch·seqlen, d_inner)
                      const Tensor2<float, memory_space>& dx) const;  // (batch·seqlen, d_inner)
-  // The tokens' packed sequence ids, which a sequence-split mixer rejects.
-  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
-                                                                      std::int64_t seqlen) const;
   // d_model, d_inner, d_state, d_conv, dt_rank: what a cache must have been made for.
   std::array<int, 5> shape_key() const;
   // `cache` as this mixer's Cache; throws kmamba::UserError if it is another mixer's or its batch

@@ -48,7 +48,7 @@
 // (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
-// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO only, and not under sequence
+// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO and MIMO, not under sequence
 // parallelism (kmamba::UserError naming the combination).
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
@@ -157,8 +157,8 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
   int nangles() const { return nangles_; }
 
  protected:
-  /// Packed rows (set_sequence_ids) for the SISO scan; the MIMO chunk stages take no ids yet.
-  bool supports_sequence_ids() const override { return !config_.is_mimo; }
+  /// Packed rows (set_sequence_ids), SISO and MIMO.
+  bool supports_sequence_ids() const override { return true; }
 
  private:
   class Cache;  // the MixerCache of this mixer, defined in Mamba3Mixer.cpp

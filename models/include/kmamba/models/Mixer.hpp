@@ -147,12 +147,12 @@ class Mixer {
   /// the scan carries anything across that start, so each document gives what it gives alone. An
   /// empty View (the default) is one sequence per row. A backward uses the ids set at the time,
   /// which must be its forward's. Throws kmamba::UserError for ids given to a mixer without
-  /// packed sequences (Mamba-3 MIMO).
+  /// packed sequences (supports_sequence_ids false: none of the Mamba-1, Mamba-2 and Mamba-3 mixers).
   void set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx) {
     KMAMBA_REQUIRE(!seq_idx.is_allocated() || supports_sequence_ids(),
                    "kmamba::Mixer::set_sequence_ids: the mixer '"
                        << prefix() << "' takes no packed sequence ids (seq_idx); packed variable-length rows are "
-                       << "supported by the Mamba-1, Mamba-2 and Mamba-3 SISO mixers, not yet by Mamba-3 MIMO");
+                       << "supported by the Mamba-1, Mamba-2 and Mamba-3 mixers");
     seq_idx_ = seq_idx;
   }
 

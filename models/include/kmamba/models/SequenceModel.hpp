@@ -117,7 +117,7 @@ class SequenceModel {
   /// Packed variable-length rows, as LanguageModel::set_sequence_ids: the sequence ids (batch,
   /// seqlen) of the rows of the following forward, loss, loss_and_backward and prefill calls (an
   /// empty View: one sequence per row); no state or conv tap crosses from one sequence into the
-  /// next. The View is kept, not copied. Throws kmamba::UserError for a Mamba-3 MIMO backbone.
+  /// next. The View is kept, not copied.
   void set_sequence_ids(const ConstTensor2<std::int64_t, memory_space>& seq_idx);
   /// Called by loss_and_backward, on the host and in backward order, for each range [begin, end) of
   /// parameters().grads() that backward has finished (work enqueued on `exec`): each block's

@@ -19,8 +19,8 @@
 namespace kmamba {
 namespace impl {
 
-/// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row, the gradient the chunk's outputs send to
-/// the state entering it.
+/// Backward B2 (dstates): Σ_rows exp(cs_t)·g_row ⊗ q_row (exp(cs_t) masked at document starts:
+/// mamba3_entering_decay), the gradient the chunk's outputs send to the state entering it.
 template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkDstatesFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -31,10 +31,16 @@ struct Mamba3ChunkDstatesFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec scs(team.team_scratch(0), plan.chunk);
+    typename S::Vec sscale(team.team_scratch(0), plan.chunk);
+    typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     typename S::Vec seA(team.team_scratch(0), plan.rows);
     const int b = blk.b, h = blk.h, row0 = blk.row0;
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma, srun);
+    team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows),
-                         [&](const int j) { seA(j) = kmamba::math::exp(ws.cs(b, h, blk.t0 + j / plan.rank)); });
+                         [&](const int j) { seA(j) = mamba3_entering_decay(scs, srun, j / plan.rank); });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
         team, plan.headdim, plan.dstate, blk.rows,
@@ -130,7 +136,9 @@ struct Mamba3InitialStateBackwardFunctor {
 /// part of ∂/∂adt_j, Σ_{s<j≤t} scale_s·X(s, t) (suffix sums along each row, then column sums: every term
 /// added, none subtracted); then dv_j = Σ_i w·A·g_i + scale_s·exp(cs_last − cs_s)·dĤ k_j + D·g_j and
 /// dk_j = Σ_i w·B·q_i + scale_s·exp(cs_last − cs_s)·dĤᵀ v_j. Pass 2 runs over tiles of target rows i:
-/// dq_i = Σ_j w·(g_i·v_j)·k_j + exp(cs_t)·Ĥᵀ g_i (and the part of ∂/∂adt through exp(cs_t)).
+/// dq_i = Σ_j w·(g_i·v_j)·k_j + exp(cs_t)·Ĥᵀ g_i (and the part of ∂/∂adt through exp(cs_t)). With packed
+/// rows every exp(·) above is the masked decay (zero across a document start), so each term that
+/// does not pass a start is the document's own and the others vanish, derivatives included.
 template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkBackwardFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -151,6 +159,7 @@ struct Mamba3ChunkBackwardFunctor {
     typename S::Vec sintra(team.team_scratch(0), plan.chunk);  // intra-chunk ∂/∂adt_j, then the total
     typename S::Vec sprev(team.team_scratch(0), plan.chunk);   // Σ_r q_t,r·exp(cs_t)·Ĥᵀ g_t,r
     typename S::Vec snext(team.team_scratch(0), plan.chunk);   // exp(cs_last − cs_s)·Σ_r′ v_jᵀ dĤ k_j
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     typename S::Vec srow(team.team_scratch(0), plan.tile_rows);
     typename S::Mat sA(team.team_scratch(1), plan.tile_rows, plan.rows);
     typename S::Mat sB(team.team_scratch(1), plan.tile_rows, plan.rows);
@@ -159,10 +168,9 @@ struct Mamba3ChunkBackwardFunctor {
 
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, len = blk.len, row0 = blk.row0, rows = blk.rows;
     const int R = plan.rank, last = len - 1;
-    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma, srun);
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, len), [&](const int l) { sintra(l) = 0.0f; });
     team.team_barrier();
-    const float cs_last = scs(last);
     // The decay of the entering state across the chunk depends on every adt of the chunk.
     float chunk_term = 0.0f;
     Kokkos::parallel_reduce(
@@ -175,7 +183,7 @@ struct Mamba3ChunkBackwardFunctor {
           acc += row;
         },
         chunk_term);
-    chunk_term *= kmamba::math::exp(cs_last);
+    chunk_term *= mamba3_entering_decay(scs, srun, last);
     const float skip = in.skip(h);
 
     // Pass 1: tiles of source tokens s.
@@ -185,7 +193,7 @@ struct Mamba3ChunkBackwardFunctor {
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr), [&](const int jj) {
         const int s = s0 + jj / R;
-        srow(jj) = sscale(s) * kmamba::math::exp(cs_last - scs(s));
+        srow(jj) = sscale(s) * mamba3_decay(scs, srun, s, last);
       });
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim, [&](const int jj, const int p) { return ws.v(b, j0 + jj, h, p); },
@@ -210,12 +218,12 @@ struct Mamba3ChunkBackwardFunctor {
               acc += sacc(ss * R + rr, n) * ws.k(b, j0 + ss * R + rr, h, n);
             },
             dot);
-        Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = kmamba::math::exp(cs_last - scs(s)) * dot; });
+        Kokkos::single(Kokkos::PerThread(team), [&]() { snext(s) = mamba3_decay(scs, srun, s, last) * dot; });
         // X(s, t) from the raw products, then the products weighted in place.
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, len), [&](const int t) {
           float x = 0.0f;
           if (t >= s) {
-            const float e = kmamba::math::exp(scs(t) - scs(s));
+            const float e = mamba3_decay(scs, srun, s, t);
             const float w = t > s ? sscale(s) * e : sgamma(s);
             for (int rs = 0; rs < R; ++rs) {
               for (int rt = 0; rt < R; ++rt) {
@@ -277,7 +285,7 @@ struct Mamba3ChunkBackwardFunctor {
       const int nr = tokens * R, i0 = row0 + l0 * R;
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamVectorRange(team, nr),
-                           [&](const int ii) { srow(ii) = kmamba::math::exp(scs(l0 + ii / R)); });
+                           [&](const int ii) { srow(ii) = mamba3_entering_decay(scs, srun, l0 + ii / R); });
       team.team_barrier();
       TeamGemm<ExecSpace, Precision>::apply(
           team, nr, plan.dstate, plan.headdim,
@@ -289,7 +297,7 @@ struct Mamba3ChunkBackwardFunctor {
             team, nr, rows, plan.headdim, [&](const int ii, const int p) { return bw.g(b, i0 + ii, h, p); },
             [&](const int p, const int j) { return ws.v(b, row0 + j, h, p); },
             [&](const int ii, const int j, const float v) {
-              sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + ii / R, j / R);
+              sB(ii, j) = v * mamba3_pair_weight(scs, sscale, sgamma, srun, l0 + ii / R, j / R);
             });
       }
       team.team_barrier();

@@ -19,7 +19,8 @@
 namespace kmamba {
 namespace impl {
 
-/// Stage 3 (chunk_state): the chunk's own end state Σ_rows scale_s·exp(cs_last − cs_s)·v_row ⊗ k_row.
+/// Stage 3 (chunk_state): the chunk's own end state Σ_rows scale_s·exp(cs_last − cs_s)·v_row ⊗ k_row
+/// (over the rows of the chunk's last document).
 template <class ExecSpace, class MemorySpace, MatmulPrecision Precision>
 struct Mamba3ChunkStateFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -29,11 +30,17 @@ struct Mamba3ChunkStateFunctor {
 
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const Mamba3ChunkBlock blk = mamba3_chunk_block(plan, team.league_rank());
+    typename S::Vec scs(team.team_scratch(0), plan.chunk);
+    typename S::Vec sscale(team.team_scratch(0), plan.chunk);
+    typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     typename S::Vec sw(team.team_scratch(0), plan.rows);
-    const int b = blk.b, h = blk.h, t0 = blk.t0, row0 = blk.row0, last = blk.len - 1;
+    const int b = blk.b, h = blk.h, row0 = blk.row0, last = blk.len - 1;
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma, srun);
+    team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.rows), [&](const int j) {
       const int s = j / plan.rank;
-      sw(j) = ws.scale(b, h, t0 + s) * kmamba::math::exp(ws.cs(b, h, t0 + last) - ws.cs(b, h, t0 + s));
+      sw(j) = sscale(s) * mamba3_decay(scs, srun, s, last);
     });
     team.team_barrier();
     TeamGemm<ExecSpace, Precision>::apply(
@@ -78,7 +85,8 @@ struct Mamba3StatePassingFunctor {
   }
 };
 
-/// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r for a tile
+/// Stage 5 (chunk_scan): y_t,r = Σ_rows (q_t,r·k_s,r′)·w(t, s)·v_s,r′ + exp(cs_t)·Ĥ q_t,r + D·v_t,r (the
+/// weights and exp(cs_t) masked at document starts: mamba3_pair_weight, mamba3_entering_decay) for a tile
 /// of rows at a time (the intra-chunk weights and the scaled q concatenated along the reduced
 /// index); then the gated, rank-contracted output (forward) or, with GateBackward (backward B1 fused
 /// into the recompute), g_t,r = dout·mimo_o_r·silu(z ⊙ mimo_z_r), dz = Σ_r dout·mimo_o_r·y_t,r·silu′(z ⊙
@@ -101,13 +109,15 @@ struct Mamba3ChunkScanFunctor {
     typename S::Vec scs(team.team_scratch(0), plan.chunk);
     typename S::Vec sscale(team.team_scratch(0), plan.chunk);
     typename S::Vec sgamma(team.team_scratch(0), plan.chunk);
+    typename S::IntVec srun(team.team_scratch(0), plan.chunk);
     typename S::Vec seA(team.team_scratch(0), plan.rows);
     typename S::Mat sW(team.team_scratch(1), plan.tile_rows, plan.rows);
     typename S::Mat sy(team.team_scratch(1), plan.tile_rows, plan.headdim);
     const int b = blk.b, c = blk.c, h = blk.h, t0 = blk.t0, row0 = blk.row0, rows = blk.rows, R = plan.rank;
-    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma);
+    mamba3_stage_tokens(team, ws, blk, scs, sscale, sgamma, srun);
+    team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamVectorRange(team, rows),
-                         [&](const int j) { seA(j) = kmamba::math::exp(ws.cs(b, h, t0 + j / R)); });
+                         [&](const int j) { seA(j) = mamba3_entering_decay(scs, srun, j / R); });
     const float skip = in.skip(h);
     for (int l0 = 0; l0 < blk.len; l0 += plan.tile) {
       const int tokens = blk.len - l0 < plan.tile ? blk.len - l0 : plan.tile;
@@ -117,7 +127,7 @@ struct Mamba3ChunkScanFunctor {
           team, nr, rows, plan.dstate, [&](const int i, const int n) { return ws.q(b, row0 + i0 + i, h, n); },
           [&](const int n, const int j) { return ws.k(b, row0 + j, h, n); },
           [&](const int i, const int j, const float v) {
-            sW(i, j) = v * mamba3_pair_weight(scs, sscale, sgamma, l0 + i / R, j / R);
+            sW(i, j) = v * mamba3_pair_weight(scs, sscale, sgamma, srun, l0 + i / R, j / R);
           });
       team.team_barrier();
       TeamGemm<ExecSpace, Precision>::apply(

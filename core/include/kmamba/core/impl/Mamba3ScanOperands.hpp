@@ -29,6 +29,7 @@ constexpr float mamba3_two_pi = 6.28318530717958647692f;
 struct Mamba3Dims {
   std::int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 1, dstate = 0, nangles = 0, rank = 1;
   bool mimo = false;
+  bool packed = false;  // MIMO with packed sequence ids: the chunk stages count document starts
 };
 
 /// A required input is given when it is allocated or has a zero extent (a sequence of length 0, no

@@ -20,15 +20,18 @@ namespace kmamba {
 namespace impl {
 
 /// How the chunk stages cut the work: `chunk` tokens (`rows` = chunk·rank rows) per chunk, `tile`
-/// tokens (`tile_rows` rows) per scratch block, teams of `team_size` threads × `vector_length` lanes.
+/// tokens (`tile_rows` rows) per scratch block, teams of `team_size` threads × `vector_length` lanes;
+/// `packed`: the chunk stages count document starts (Mamba3Dims::packed).
 struct Mamba3Plan {
   int batch, seqlen, nheads, headdim, ngroups, dstate, nangles, rank, heads_per_group;
   int chunk, nchunks, rows, tile, tile_rows, team_size, vector_length;
+  bool packed;
 };
 
 template <class ExecSpace>
 struct Mamba3Scratch {
   using Vec = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  using IntVec = Kokkos::View<int*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // Row-major on every backend: rows are scanned and columns summed with the lanes along a row.
   using Mat =
       Kokkos::View<float**, Kokkos::LayoutRight, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
@@ -36,10 +39,10 @@ struct Mamba3Scratch {
   static constexpr int token_vectors = 8;
 
   /// Bytes of level-0 scratch every chunk stage fits in: `token_vectors` vectors of the chunk's
-  /// tokens, one of its rows, one of a tile's rows, and TeamGemm's staging.
+  /// tokens and one of their document counts, one of its rows, one of a tile's rows, and TeamGemm's staging.
   static std::size_t bytes(int chunk, int rank, int tile) {
-    return token_vectors * Vec::shmem_size(chunk) + Vec::shmem_size(chunk * rank) + Vec::shmem_size(tile * rank) +
-           TeamGemm<ExecSpace>::scratch_bytes;
+    return token_vectors * Vec::shmem_size(chunk) + IntVec::shmem_size(chunk) + Vec::shmem_size(chunk * rank) +
+           Vec::shmem_size(tile * rank) + TeamGemm<ExecSpace>::scratch_bytes;
   }
   /// Bytes of level-1 scratch of the blocks: two (tile rows × chunk rows) blocks, a (tile × chunk)
   /// block of token pairs and a (tile rows × max(headdim, dstate)) block.
@@ -70,6 +73,7 @@ Mamba3Plan mamba3_plan(const char* function, const Mamba3Dims& dims, int chunk_s
   plan.chunk = chunk_size;
   plan.nchunks = (plan.seqlen + plan.chunk - 1) / plan.chunk;
   plan.rows = plan.chunk * plan.rank;
+  plan.packed = dims.packed;
   const std::size_t block_limit = static_cast<std::size_t>(Policy::scratch_size_max(1));
   plan.tile = std::min(std::max(1, preferred_tile_rows / plan.rank), plan.chunk);
   auto block_need = [&]() { return S::block_bytes(plan.chunk, plan.rank, plan.tile, plan.headdim, plan.dstate); };
@@ -139,6 +143,9 @@ struct Mamba3Workspace {
   /// chunk (the backward reuses it for the sums of ∂/∂θ and the gradient entering from the right)
   Tensor4<float, MemorySpace> angle_sum;
   Tensor4<float, MemorySpace> angle_turns;  // (batch, nheads, nchunks, nangles): turns taken out before the chunk
+  /// (batch, seqlen), with the chunk stages of packed rows: the document starts from the first token
+  /// of the token's chunk up to the token (the SSD's run counts, impl/SsdImpl.hpp)
+  Tensor2<int, MemorySpace> run;
 
   Mamba3Workspace(const Mamba3Plan& plan, bool chunk_stages, bool rows = true)
       : rotation(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3::rotation", plan.batch,
@@ -164,8 +171,14 @@ struct Mamba3Workspace {
                                                               plan.seqlen * plan.rank, plan.nheads, plan.headdim);
       states = allocate_uninitialized<Tensor5<float, MemorySpace>>("kmamba::mamba3::states", plan.batch, plan.nchunks,
                                                                    plan.nheads, plan.headdim, plan.dstate);
+      if (plan.packed) {
+        run = allocate_uninitialized<Tensor2<int, MemorySpace>>("kmamba::mamba3::run", plan.batch, plan.seqlen);
+      }
     }
   }
+
+  /// The document starts counted in `run`; 0 without packed rows.
+  KOKKOS_INLINE_FUNCTION int runs(int b, int t) const { return run.is_allocated() ? run(b, t) : 0; }
 };
 
 /// Buffers of the backward stages.
@@ -238,24 +251,40 @@ KOKKOS_INLINE_FUNCTION int mamba3_chunk_length(const Mamba3Plan& plan, int c) {
   return plan.seqlen - c * plan.chunk < plan.chunk ? plan.seqlen - c * plan.chunk : plan.chunk;
 }
 
-/// The weight of source token s in the output of token t ≥ s within a chunk: γ_s on the token
-/// itself, scale_s·exp(cs_t − cs_s) before it, 0 after it.
-template <class Vec>
-KOKKOS_INLINE_FUNCTION float mamba3_pair_weight(const Vec& scs, const Vec& sscale, const Vec& sgamma, int t, int s) {
-  if (s > t) return 0.0f;
-  if (s == t) return sgamma(s);
-  return sscale(s) * kmamba::math::exp(scs(t) - scs(s));
+/// The decay exp(cs_t − cs_s) from token s to token t ≥ s of a chunk (scratch: the cumulative adt
+/// and the document counts); 0 where a document starts in (s, t], as the state does not pass it.
+template <class Vec, class IntVec>
+KOKKOS_INLINE_FUNCTION float mamba3_decay(const Vec& scs, const IntVec& srun, int s, int t) {
+  return srun(s) == srun(t) ? kmamba::math::exp(scs(t) - scs(s)) : 0.0f;
 }
 
-/// Stages the chunk's cumulative adt, scales and γ in scratch.
-template <class Member, class MemorySpace, class Vec>
+/// The decay exp(cs_t) of the state entering a chunk to its token t; 0 from the chunk's first
+/// document start on.
+template <class Vec, class IntVec>
+KOKKOS_INLINE_FUNCTION float mamba3_entering_decay(const Vec& scs, const IntVec& srun, int t) {
+  return srun(t) == 0 ? kmamba::math::exp(scs(t)) : 0.0f;
+}
+
+/// The weight of source token s in the output of token t ≥ s within a chunk: γ_s on the token
+/// itself, scale_s·exp(cs_t − cs_s) before it (0 across a document start), 0 after it.
+template <class Vec, class IntVec>
+KOKKOS_INLINE_FUNCTION float mamba3_pair_weight(const Vec& scs, const Vec& sscale, const Vec& sgamma,
+                                                const IntVec& srun, int t, int s) {
+  if (s > t) return 0.0f;
+  if (s == t) return sgamma(s);
+  return sscale(s) * mamba3_decay(scs, srun, s, t);
+}
+
+/// Stages the chunk's cumulative adt, scales, γ and document counts in scratch.
+template <class Member, class MemorySpace, class Vec, class IntVec>
 KOKKOS_INLINE_FUNCTION void mamba3_stage_tokens(const Member& team, const Mamba3Workspace<MemorySpace>& ws,
                                                 const Mamba3ChunkBlock& blk, const Vec& scs, const Vec& sscale,
-                                                const Vec& sgamma) {
+                                                const Vec& sgamma, const IntVec& srun) {
   Kokkos::parallel_for(Kokkos::TeamVectorRange(team, blk.len), [&](const int l) {
     scs(l) = ws.cs(blk.b, blk.h, blk.t0 + l);
     sscale(l) = ws.scale(blk.b, blk.h, blk.t0 + l);
     sgamma(l) = ws.gamma(blk.b, blk.h, blk.t0 + l);
+    srun(l) = ws.runs(blk.b, blk.t0 + l);
   });
 }
 
@@ -292,11 +321,13 @@ inline std::int64_t mamba3_state_items(const Mamba3Plan& plan) {
   return static_cast<std::int64_t>(plan.batch) * plan.nheads * plan.headdim * plan.dstate;
 }
 
-/// The decay of the state across chunk c: exp(cs at the chunk's last token).
+/// The decay of the state across chunk c: exp(cs at the chunk's last token), 0 where a document
+/// starts in the chunk.
 template <class MemorySpace>
 KOKKOS_INLINE_FUNCTION float mamba3_chunk_decay(const Mamba3Plan& plan, const Mamba3Workspace<MemorySpace>& ws, int b,
                                                 int h, int c) {
-  return kmamba::math::exp(ws.cs(b, h, c * plan.chunk + mamba3_chunk_length(plan, c) - 1));
+  const int last = c * plan.chunk + mamba3_chunk_length(plan, c) - 1;
+  return ws.runs(b, last) == 0 ? kmamba::math::exp(ws.cs(b, h, last)) : 0.0f;
 }
 
 }  // namespace impl

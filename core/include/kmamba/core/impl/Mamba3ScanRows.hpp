@@ -68,7 +68,7 @@ struct Mamba3SisoTokens {
 /// Stage 1a (per chunk, one item per (batch, head, chunk, job)): job i < nangles sums the chunk's
 /// increments of angle i from its last document start (from its first token without one); job nangles writes the chunk
 /// cumsum of adt, γ and scale of its tokens (and, with `tok` allocated, the SISO scan's per-token values in the SSD's
-/// layout).
+/// layout; with ws.run allocated, for the first head, the document counts).
 template <class MemorySpace>
 struct Mamba3ChunkTokensFunctor {
   Mamba3Operands<MemorySpace> in;
@@ -88,8 +88,12 @@ struct Mamba3ChunkTokensFunctor {
       ws.angle_sum(b, h, it.c, it.job) = sum;
     } else {
       float cs = 0.0f;
+      int run = 0;
       for (int l = 0; l < len; ++l) {
         const int t = t0 + l;
+        // The counts are the same for every head: the first head's item writes them.
+        if (in.starts(b, t)) ++run;
+        if (h == 0 && ws.run.is_allocated()) ws.run(b, t) = run;
         const float gamma = sigmoid(in.trap(b, h, t)) * in.dt(b, h, t);
         const float next = t + 1 < plan.seqlen ? in.beta_tilde(b, h, t + 1) : 0.0f;
         const float adt = in.adt(b, h, t), scale = gamma + next;

@@ -4,7 +4,9 @@
 // segment's decay and the correction of the last state), and the gradient with respect to the
 // incoming state. The decay exp(A[d,n]·Δ_t) differs per (channel, state, token), so neither product
 // is a matrix product: each output sums its dstate terms, one exp each (as many as the scan's own
-// recurrence evaluates), and each gradient element its tokens.
+// recurrence evaluates), and each gradient element its tokens. With seq_idx the cumulative δ is +∞
+// from a row's first document start on, and every decay reads it through
+// ScanCorrectionOperands::decay, which gives 0 there (A·∞ is not formed: A may be 0).
 #ifndef KMAMBA_CORE_IMPL_SELECTIVESCANSTATECORRECTIONIMPL_HPP
 #define KMAMBA_CORE_IMPL_SELECTIVESCANSTATECORRECTIONIMPL_HPP
 
@@ -17,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace kmamba {
 namespace impl {
@@ -24,13 +27,15 @@ namespace impl {
 /// What the correction reads of the scan's arguments.
 template <class MemorySpace>
 struct ScanCorrectionOperands {
-  ConstTensor3<float, MemorySpace> delta;       // (batch, dim, seqlen), before bias and softplus
-  ConstTensor2<float, MemorySpace> A;           // (dim, dstate)
-  ConstTensor4<float, MemorySpace> C;           // (batch, ngroups, dstate, seqlen)
-  ConstTensor3<float, MemorySpace> z;           // (batch, dim, seqlen), optional
-  ConstTensor1<float, MemorySpace> delta_bias;  // (dim), optional
+  ConstTensor3<float, MemorySpace> delta;           // (batch, dim, seqlen), before bias and softplus
+  ConstTensor2<float, MemorySpace> A;               // (dim, dstate)
+  ConstTensor4<float, MemorySpace> C;               // (batch, ngroups, dstate, seqlen)
+  ConstTensor3<float, MemorySpace> z;               // (batch, dim, seqlen), optional
+  ConstTensor1<float, MemorySpace> delta_bias;      // (dim), optional
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional
   int batch, dim, seqlen, dstate, channels_per_group;
-  bool has_z, has_delta_bias, delta_softplus;
+  bool has_z, has_delta_bias, has_seq_idx, delta_softplus;
+  float infinity;  // the cumulative δ from a row's first document start on
 
   ScanCorrectionOperands(const SelectiveScanArgs<MemorySpace>& args, const SelectiveScanDims& dims)
       : delta(args.delta),
@@ -38,6 +43,7 @@ struct ScanCorrectionOperands {
         C(args.C),
         z(args.z),
         delta_bias(args.delta_bias),
+        seq_idx(args.seq_idx),
         batch(static_cast<int>(dims.batch)),
         dim(static_cast<int>(dims.dim)),
         seqlen(static_cast<int>(dims.seqlen)),
@@ -45,7 +51,9 @@ struct ScanCorrectionOperands {
         channels_per_group(static_cast<int>(dims.dim / dims.ngroups)),
         has_z(args.z.is_allocated()),
         has_delta_bias(args.delta_bias.is_allocated()),
-        delta_softplus(args.delta_softplus) {}
+        has_seq_idx(args.seq_idx.is_allocated()),
+        delta_softplus(args.delta_softplus),
+        infinity(std::numeric_limits<float>::infinity()) {}
 
   /// δ of the scan: delta + delta_bias, then softplus when asked.
   KOKKOS_INLINE_FUNCTION float delta_value(int b, int d, int t) const {
@@ -54,10 +62,18 @@ struct ScanCorrectionOperands {
   }
   /// The gate on the output of token t: silu(z), 1 without z.
   KOKKOS_INLINE_FUNCTION float gate(int b, int d, int t) const { return has_z ? kmamba::silu(z(b, d, t)) : 1.0f; }
+  /// Whether a packed document starts at token t > 0.
+  KOKKOS_INLINE_FUNCTION bool starts(int b, int t) const {
+    return has_seq_idx && t > 0 && seq_idx(b, t) != seq_idx(b, t - 1);
+  }
+  /// exp(A[d,n]·Δ) for a cumulative δ, 0 past a document start (Δ = +∞).
+  KOKKOS_INLINE_FUNCTION float decay(int d, int n, float cumulative) const {
+    return cumulative < infinity ? kmamba::math::exp(A(d, n) * cumulative) : 0.0f;
+  }
 };
 
-/// cumulative(b, d, t) = Σ_{s ≤ t} δ_s of row b, channel d: one team per (b, d) scanning the tokens
-/// with its vector lanes in a fixed order.
+/// cumulative(b, d, t) = Σ_{s ≤ t} δ_s of row b, channel d (+∞ from the row's first document start
+/// on): one team per (b, d) scanning the tokens with its vector lanes in a fixed order.
 template <class ExecSpace, class MemorySpace>
 struct ScanCumulativeDeltaFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -68,7 +84,7 @@ struct ScanCumulativeDeltaFunctor {
     const int b = team.league_rank() / in.dim, d = team.league_rank() % in.dim;
     Kokkos::parallel_scan(Kokkos::ThreadVectorRange(team, in.seqlen),
                           [&](const int t, float& partial, const bool last) {
-                            partial += in.delta_value(b, d, t);
+                            partial += in.starts(b, t) ? in.infinity : in.delta_value(b, d, t);
                             if (last) cumulative(b, d, t) = partial;
                           });
   }
@@ -87,12 +103,13 @@ Tensor3<float, MemorySpace> selective_scan_cumulative_delta(const ExecSpace& exe
   return cumulative;
 }
 
-/// exp(A[d,n]·Δ_{L−1}): the factor by which the segment scales state n of channel d (1 when empty).
+/// exp(A[d,n]·Δ_{L−1}): the factor by which the segment scales state n of channel d (1 when empty,
+/// 0 with a document start).
 template <class MemorySpace>
 KOKKOS_INLINE_FUNCTION float scan_segment_factor(const ScanCorrectionOperands<MemorySpace>& in,
                                                  const ConstTensor3<float, MemorySpace>& cumulative,  // (b, dim, L)
                                                  int b, int d, int n) {
-  return in.seqlen > 0 ? kmamba::math::exp(in.A(d, n) * cumulative(b, d, in.seqlen - 1)) : 1.0f;
+  return in.seqlen > 0 ? in.decay(d, n, cumulative(b, d, in.seqlen - 1)) : 1.0f;
 }
 
 /// state(b, d, n) = factor·incoming(b, d, n) + state(b, d, n) with incoming, factor without (the
@@ -148,7 +165,7 @@ struct ScanCorrectOutputsFunctor {
     const float cum = cumulative(b, d, t);
     float sum = 0.0f;
     for (int n = 0; n < in.dstate; ++n) {
-      sum += in.C(b, g, n, t) * kmamba::math::exp(in.A(d, n) * cum) * incoming(b, d, n);
+      sum += in.C(b, g, n, t) * in.decay(d, n, cum) * incoming(b, d, n);
     }
     out(b, d, t) += in.gate(b, d, t) * sum;
   }
@@ -196,12 +213,11 @@ struct ScanIncomingStateGradFunctor {
     const int b = team.league_rank() / in.dim, d = team.league_rank() % in.dim;
     const int g = d / in.channels_per_group;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, in.dstate), [&](const int n) {
-      const float a = in.A(d, n);
       float sum = 0.0f;
       Kokkos::parallel_reduce(
           Kokkos::ThreadVectorRange(team, in.seqlen),
           [&](const int t, float& acc) {
-            acc += kmamba::math::exp(a * cumulative(b, d, t)) * in.C(b, g, n, t) * gated(b, d, t);
+            acc += in.decay(d, n, cumulative(b, d, t)) * in.C(b, g, n, t) * gated(b, d, t);
           },
           sum);
       Kokkos::single(Kokkos::PerThread(team), [&]() { dincoming(b, d, n) = sum; });
