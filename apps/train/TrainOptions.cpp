@@ -100,8 +100,8 @@ void declare_data(CLI::App& cli) {
          number_in(0, 1, Ends::HighOpen));
   option(cli, g, "--pack-documents", "EOD",
          "text/token data: rows of packed documents, each ended by token EOD (kmamba-tokenize's end-of-document "
-         "id): no conv, state or target crosses from one document into the next (every mixer; split across "
-         "--sp ranks for mamba1 and mamba2 only)",
+         "id): no conv, state or target crosses from one document into the next (every mixer, split across "
+         "--sp ranks too)",
          integer_in(0, int_max));
 }
 

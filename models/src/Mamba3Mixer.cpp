@@ -4,6 +4,7 @@
 
 #include "Mamba3Kernels.hpp"
 #include "MixerToolkit.hpp"
+#include "PackedSegments.hpp"
 #include "SegmentStateScan.hpp"
 
 #include <kmamba/backends/Gemm.hpp>
@@ -151,13 +152,25 @@ Tensor2<float, typename View::memory_space> head_rows(const View& v) {
 }
 
 // The states entering a segment and the segment's decay (Activations' sequence-parallel members).
+// With packed rows (docs/distributed.md §2.4) a segment whose first token starts a document takes
+// no state in and passes none of the earlier segments' on: its incoming states (and their
+// gradients) and its decays are zero on that row.
 template <class Mem>
 struct SegmentInputs {
-  Mamba3MimoStates<Mem> initial;  // angle, ssm, k, v entering the segment
-  Tensor2<float, Mem> decay;      // (batch, nheads): exp(Σ adt) over the segment
+  Mamba3MimoStates<Mem> initial;       // angle, ssm, k, v entering the segment
+  Tensor2<float, Mem> decay;           // (batch, nheads): exp(Σ adt) over the segment
+  ConstTensor2<float, Mem> halo_mask;  // (batch, 1), packed rows: 0 where the segment starts a document
+  // (batch, nheads), packed rows: the decay of the angle's pairs, 1 where the angle entering the
+  // segment reaches its end (no document starts in it), else 0; absent: 1 everywhere.
+  ConstTensor2<float, Mem> angle_carry;
 
   // The decays as the segment scans take them, one per (batch·nheads) row.
   ConstTensor2<float, Mem> decay_rows() const { return ConstTensor2<float, Mem>(decay.data(), decay.size(), 1); }
+  // Zeroes the rows of `state` (batch first) whose segment starts a document.
+  template <class Exec, class View>
+  void mask_starts(const Exec& exec, const View& state) const {
+    if (halo_mask.is_allocated()) impl::mask_packed_rows(exec, halo_mask, state);
+  }
 };
 
 // This rank's neighbours along the sequence (no_peer at its ends) and the extents of the states
@@ -178,16 +191,22 @@ struct SegmentLayout {
         R(s.k.extent(2)) {}
 };
 
-// The segments' exclusive sum over the sequence ranks in `direction` of `local` (batch, nheads, n):
-// the segment scan of pairs with unit decays.
+// The segments' exclusive sum over the sequence ranks in `direction` of the angles `local` (batch,
+// nheads, n): the segment scan of pairs with the decays `carry` (batch, nheads) of 0s and 1s, or
+// unit decays when absent.
 template <class Exec, class Mem>
 void sum_over_segments(const Exec& exec, const Communicator& sequence, impl::SegmentScanDirection direction,
-                       const Tensor3<float, Mem>& local, const Tensor3<float, Mem>& incoming) {
-  const auto ones =
-      allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba3::unit_decay", local.extent(0) * local.extent(1), 1);
-  Kokkos::deep_copy(exec, ones, 1.0f);
-  impl::segment_state_scan(exec, sequence, direction, ConstTensor2<float, Mem>(ones),
-                           ConstTensor2<float, Mem>(head_rows(local)), head_rows(incoming));
+                       const ConstTensor2<float, Mem>& carry, const Tensor3<float, Mem>& local,
+                       const Tensor3<float, Mem>& incoming) {
+  const std::size_t rows = local.extent(0) * local.extent(1);
+  ConstTensor2<float, Mem> decays(carry.data(), rows, 1);
+  if (!carry.is_allocated()) {
+    const auto ones = allocate_uninitialized<Tensor2<float, Mem>>("kmamba::mamba3::unit_decay", rows, 1);
+    Kokkos::deep_copy(exec, ones, 1.0f);
+    decays = ones;
+  }
+  impl::segment_state_scan(exec, sequence, direction, decays, ConstTensor2<float, Mem>(head_rows(local)),
+                           head_rows(incoming));
 }
 
 // Sequence parallel forward of one segment (docs/distributed.md §2.3). The angle entering it is the
@@ -195,6 +214,8 @@ void sum_over_segments(const Exec& exec, const Communicator& sequence, impl::Seg
 // segment's last (a halo), both known before any scan; every rank then scans its segment from a
 // zero SSM state at once, the (decay, final state) pairs give each the SSM state entering it, and
 // its contribution is added to y (and the kept ungated output). Writes `in.initial` and `in.decay`.
+// Packed rows (args.seq_idx): the ops stop each state at the segment's document starts; a start at
+// its first token zeroes what enters it and what of the earlier segments it passes on.
 template <class Exec, class Args, class Mem>
 void scan_segment(const Exec& exec, const Communicator& sequence, Args args, const Tensor4<float, Mem>& y,
                   const SegmentInputs<Mem>& in) {
@@ -207,7 +228,9 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
   args.initial = {};
   const auto total = allocate_uninitialized<T3>("kmamba::mamba3::angle_total", b, H, S);
   mamba3_segment_states(exec, args, scan_states(args, {total, {}, {}, {}}), in.decay);
-  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Forward, total, s.angle);
+  in.mask_starts(exec, in.decay);
+  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Forward, in.angle_carry, total, s.angle);
+  in.mask_starts(exec, s.angle);
   args.initial = scan_states(args, {s.angle, {}, {}, {}});
   const Mamba3MimoStates<Mem> last{{},
                                    {},
@@ -216,11 +239,14 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
   mamba3_segment_states(exec, args, scan_states(args, last), Tensor2<float, Mem>());
   sequence.send_recv(exec, last.k, next, s.k, previous);  // rank 0 keeps its zeros
   sequence.send_recv(exec, last.v, next, s.v, previous);
+  in.mask_starts(exec, s.k);  // no previous-token term across a document start
+  in.mask_starts(exec, s.v);
   args.initial = scan_states(args, {s.angle, {}, s.k, s.v});
   const auto final_ssm = allocate_uninitialized<T4>("kmamba::mamba3::ssm_final", b, H, P, N);
   scan_forward(exec, args, y, scan_states(args, {{}, final_ssm, {}, {}}));
   impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Forward, in.decay_rows(),
                            ConstTensor2<float, Mem>(head_rows(final_ssm)), head_rows(s.ssm));
+  in.mask_starts(exec, s.ssm);
   mamba3_state_correction_forward(exec, args, s.ssm, y, T4());
 }
 
@@ -229,6 +255,7 @@ void scan_segment(const Exec& exec, const Communicator& sequence, Args args, con
 // final state's; the gradients of the previous segment's last k and v through the state entering
 // this one, sent back before any scan; the scan's backward from the incoming states; then the final
 // angle's gradient (the later segments' angle gradients summed) added to those of the angles and dt.
+// Packed rows: the gradients of the states zeroed on entry (the segment starts a document) are zero.
 template <class Exec, class Args, class Grads, class Mem>
 void backward_segment(const Exec& exec, const Communicator& sequence, Args args, const Tensor4<float, Mem>& dy,
                       const SegmentInputs<Mem>& in, const Grads& grads) {
@@ -241,6 +268,7 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
   args.initial = scan_states(args, s);
   const auto from_outputs = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_incoming", b, H, P, N);
   mamba3_state_correction_backward(exec, args, dy, from_outputs);
+  in.mask_starts(exec, from_outputs);
   const auto dfinal_ssm = allocate_uninitialized<T4>("kmamba::mamba3::d_ssm_final", b, H, P, N);
   impl::segment_state_scan(exec, sequence, impl::SegmentScanDirection::Backward, in.decay_rows(),
                            ConstTensor2<float, Mem>(head_rows(from_outputs)), head_rows(dfinal_ssm));
@@ -265,9 +293,12 @@ void backward_segment(const Exec& exec, const Communicator& sequence, Args args,
   Grads g = grads;
   g.dinitial = scan_states(args, {dangle_total, {}, {}, {}});
   scan_backward(exec, args, dy, scan_states(args, dfinal), g);
+  in.mask_starts(exec, dangle_total);
   const auto dfinal_angle = allocate_uninitialized<T3>("kmamba::mamba3::d_angle_final", b, H, S);
-  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Backward, dangle_total, dfinal_angle);
-  if (next != no_peer) mamba3_final_angle_backward(exec, args.angles, args.dt, dfinal_angle, g.dangles, g.ddt);
+  sum_over_segments(exec, sequence, impl::SegmentScanDirection::Backward, in.angle_carry, dangle_total, dfinal_angle);
+  if (next != no_peer) {
+    mamba3_final_angle_backward(exec, args.angles, args.dt, dfinal_angle, g.dangles, g.ddt, args.seq_idx);
+  }
 }
 
 }  // namespace
@@ -534,14 +565,6 @@ Mamba3Mixer<ExecutionSpace>::in_proj(const Slab& slab) const {
 }
 
 template <class ExecutionSpace>
-const ConstTensor2<std::int64_t, typename Mamba3Mixer<ExecutionSpace>::memory_space>&
-Mamba3Mixer<ExecutionSpace>::packed_sequence_ids(const char* function, std::int64_t batch, std::int64_t seqlen) const {
-  const ConstTensor2<std::int64_t, memory_space>& seq_idx = this->sequence_ids(function, batch, seqlen);
-  impl::check_packed_rows_unsplit(function, seq_idx.is_allocated(), parallel_);
-  return seq_idx;
-}
-
-template <class ExecutionSpace>
 Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace>::scan_args(
     const Slab& slab, const Activations& a) const {
   using Mem = memory_space;
@@ -572,17 +595,27 @@ Mamba3MimoArgs<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpace
 }
 
 template <class ExecutionSpace>
-void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& a,
+void Mamba3Mixer<ExecutionSpace>::forward_scan(const ExecutionSpace& exec, const Slab& slab, Activations& a,
                                                Cache* cache) const {
   using Mem = memory_space;
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
-  args.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::forward", a.batch, a.seqlen);
+  args.seq_idx = this->sequence_ids("kmamba::Mamba3Mixer::forward", a.batch, a.seqlen);
+  const bool split_packed = parallel_.sequence_size() > 1 && args.seq_idx.is_allocated();
+  // Packed rows split across the sequence ranks: whether each segment starts a document (the id of
+  // the previous segment's last token comes from its rank) and whether an angle passes through it.
+  a.halo_mask = split_packed ? impl::packed_halo_mask(exec, *parallel_.sequence, parallel_.previous_segment_rank(),
+                                                      parallel_.next_segment_rank(), args.seq_idx, 1)
+                             : Tensor2<float, Mem>();
+  a.angle_carry = split_packed
+                      ? impl::packed_segment_carry(exec, ConstTensor2<float, Mem>(a.halo_mask), args.seq_idx, nheads_)
+                      : Tensor2<float, Mem>();
   const Tensor4<float, Mem> y(a.y.data(), sz(a.batch), sz(a.seqlen), sz(nheads_), sz(headdim_));
   Mamba3SisoArgs<Mem> siso = siso_args(args);
   if (a.ungated.is_allocated())
     siso.ungated_out = Tensor4<float, Mem>(a.ungated.data(), y.extent(0), y.extent(1), y.extent(2), y.extent(3));
   if (parallel_.sequence_size() > 1) {
-    const SegmentInputs<Mem> in{{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay};
+    const SegmentInputs<Mem> in{
+        {a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay, a.halo_mask, a.angle_carry};
     if (config_.is_mimo) {
       scan_segment(exec, *parallel_.sequence, args, y, in);
     } else {
@@ -647,7 +680,7 @@ void Mamba3Mixer<ExecutionSpace>::forward(const ExecutionSpace& exec, const Slab
                                           bool keep_for_backward) {
   constexpr const char* function = "kmamba::Mamba3Mixer::forward";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
-  packed_sequence_ids(function, batch, seqlen);
+  this->sequence_ids(function, batch, seqlen);
   impl::check_contiguous(function, "u", u, "out", out);
   check_parameters(function, slab);
   const std::int64_t rows = batch * seqlen;
@@ -676,7 +709,7 @@ void Mamba3Mixer<ExecutionSpace>::backward(const ExecutionSpace& exec, const Sla
   constexpr const char* function = "kmamba::Mamba3Mixer::backward";
   const std::int64_t batch = kept_.batch, seqlen = kept_.seqlen, rows = batch * seqlen;
   impl::check_backward_arguments(function, has_kept_, batch, seqlen, d_model_, dout, du);
-  packed_sequence_ids(function, batch, seqlen);
+  this->sequence_ids(function, batch, seqlen);
   check_parameters(function, slab);
   const ConstMatrix dout2(dout.data(), sz(rows), sz(d_model_));
   const Matrix du2(du.data(), sz(rows), sz(d_model_));
@@ -757,12 +790,13 @@ Mamba3MimoGrads<typename ExecutionSpace::memory_space> Mamba3Mixer<ExecutionSpac
   g.dD = allocate_uninitialized<Tensor1<float, Mem>>("kmamba::mamba3::d_D", nheads_);
   if (!config_.is_outproj_norm) g.dz = T4(dpre[z_segment].data(), b, L, H, P);
   Mamba3MimoArgs<Mem> args = scan_args(slab, a);
-  args.seq_idx = packed_sequence_ids("kmamba::Mamba3Mixer::backward", a.batch, a.seqlen);
+  args.seq_idx = this->sequence_ids("kmamba::Mamba3Mixer::backward", a.batch, a.seqlen);
   Mamba3SisoArgs<Mem> siso = siso_args(args);
   if (a.ungated.is_allocated()) siso.ungated_out = T4(a.ungated.data(), b, L, H, P);
   const Mamba3SisoGrads<Mem> siso_g = siso_grads(g);
   const T4 dy4(dy.data(), b, L, H, P);
-  const SegmentInputs<Mem> in{{a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay};
+  const SegmentInputs<Mem> in{
+      {a.angle_initial, a.ssm_initial, a.k_initial, a.v_initial}, a.segment_decay, a.halo_mask, a.angle_carry};
   if (config_.is_mimo && split_sequence) {
     backward_segment(exec, *parallel_.sequence, args, dy4, in, g);
   } else if (config_.is_mimo) {
@@ -882,7 +916,7 @@ void Mamba3Mixer<ExecutionSpace>::prefill(const ExecutionSpace& exec, const Slab
                                           MixerCache<ExecutionSpace>& cache) {
   constexpr const char* function = "kmamba::Mamba3Mixer::prefill";
   const auto [batch, seqlen] = impl::check_sequence_shapes(function, u, out, d_model_);
-  packed_sequence_ids(function, batch, seqlen);
+  this->sequence_ids(function, batch, seqlen);
   Cache& c = cache_of(function, cache, batch);
   check_parameters(function, slab);
   impl::check_whole_sequences(function, parallel_);

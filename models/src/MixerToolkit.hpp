@@ -130,14 +130,6 @@ std::int64_t check_step_arguments(const char* function, const ConstTensor2<float
   return batch;
 }
 
-/// Packed sequence ids (seq_idx, when `packed`) are not taken by a mixer split across sequence-parallel
-/// ranks: a rank's segment may start a document.
-inline void check_packed_rows_unsplit(const char* function, bool packed, const ModelParallel& parallel) {
-  KMAMBA_REQUIRE(!packed || parallel.sequence_size() == 1,
-                 function << ": packed sequence ids (seq_idx) with sequence parallelism (" << parallel.sequence_size()
-                          << " ranks) are not supported: a rank's segment may not start a document");
-}
-
 /// Recurrent inference (prefill, step) needs whole sequences: no sequence parallelism.
 inline void check_whole_sequences(const char* function, const ModelParallel& parallel) {
   KMAMBA_REQUIRE(parallel.sequence_size() == 1, function

@@ -5,7 +5,9 @@
 // token (ids may recur, so equality with the first token's id is not enough) lies in another
 // document: its conv inputs are taken as zero, and when the previous segment's last
 // token is such a position, the segment's first token starts a document and no state enters the
-// segment (its incoming state and the decay it passes on are 0 on that row).
+// segment (its incoming state and the decay it passes on are 0 on that row). A state that does not
+// decay on its own (Mamba-3's angle) passes through a segment with decay 1 unless a document
+// starts in it or at its first token (packed_segment_carry).
 #ifndef KMAMBA_MODELS_SRC_PACKEDSEGMENTS_HPP
 #define KMAMBA_MODELS_SRC_PACKEDSEGMENTS_HPP
 
@@ -109,6 +111,40 @@ void mask_packed_rows(const ExecutionSpace& exec, const ConstTensor2<float, type
   Kokkos::parallel_for("kmamba::packed_segments::mask_rows",
                        Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, rows.size()),
                        PackedMaskRowsFunctor<Mem>{mask, rows});
+}
+
+/// carry(b, j) = 1 where the state entering row b's segment reaches its end: the segment does not
+/// start a document (mask(b, halo − 1) = 1) and none starts inside it; else 0. One item per row.
+template <class MemorySpace>
+struct PackedSegmentCarryFunctor {
+  ConstTensor2<float, MemorySpace> mask;            // (batch, halo)
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
+  Tensor2<float, MemorySpace> carry;                // (batch, width)
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const int b = static_cast<int>(item);
+    bool through = mask(b, static_cast<int>(mask.extent(1)) - 1) != 0.0f;
+    for (int t = 1; t < static_cast<int>(seq_idx.extent(1)) && through; ++t)
+      through = seq_idx(b, t) == seq_idx(b, t - 1);
+    for (int j = 0; j < static_cast<int>(carry.extent(1)); ++j) carry(b, j) = through ? 1.0f : 0.0f;
+  }
+};
+
+/// The decays (batch, width) of a segment's pairs for a state that does not decay on its own (as
+/// Mamba-3's angle): 1 where what enters the segment leaves it, 0 where a document starts at or
+/// after its first token (PackedSegmentCarryFunctor), from packed_halo_mask's mask.
+template <class ExecutionSpace, class MemorySpace>
+Tensor2<float, MemorySpace> packed_segment_carry(const ExecutionSpace& exec,
+                                                 const ConstTensor2<float, MemorySpace>& mask,  // (batch, halo)
+                                                 const ConstTensor2<std::int64_t, MemorySpace>& seq_idx,  // (batch, L)
+                                                 int width) {
+  const std::int64_t batch = static_cast<std::int64_t>(seq_idx.extent(0));
+  const auto carry =
+      allocate_uninitialized<Tensor2<float, MemorySpace>>("kmamba::packed_segments::carry", batch, width);
+  Kokkos::parallel_for("kmamba::packed_segments::carry",
+                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::int64_t>>(exec, 0, batch),
+                       PackedSegmentCarryFunctor<MemorySpace>{mask, seq_idx, carry});
+  return carry;
 }
 
 }  // namespace impl

@@ -6,7 +6,8 @@
 // ∂/∂Ĥ_{−1} are the reference's dk0, dv0 given its dssm0 (Ĥ_{−1} = h + β̃_0·Σ_r v_{−1,r} k_{−1,r}ᵀ and h
 // enter the scan alike); a final-angle cotangent G adds ref(G) − ref(0) to dangles and ddt; the
 // segment states are the reference's final angle, k and v and exp(Σ_t adt_t). The sweep covers
-// SISO with and without the gate, one token, segments longer than a chunk, and MIMO of ranks 2 and 3.
+// SISO with and without the gate, one token, segments longer than a chunk, and MIMO of ranks 2 and 3,
+// each also on packed rows (seq_idx) against the packed reference.
 //
 // Tolerances, relative to each tensor's largest |reference| (fp32, u = 2^-24 ≈ 6e-8):
 // - correction, final state, segment states: each element is exp(cs_t) times a dot product of the
@@ -31,6 +32,7 @@
 #include "Checks.hpp"
 #include "Mamba3DeviceProblem.hpp"
 #include "Mamba3ScanReference.hpp"
+#include "PackedIds.hpp"
 
 #include <gtest/gtest.h>
 
@@ -158,122 +160,165 @@ struct Ops {
   }
 };
 
-KMAMBA_BACKEND_TEST_SUITE(Mamba3StateCorrection);
-
-TYPED_TEST(Mamba3StateCorrection, CorrectionAndItsGradientMatchTheReference) {
-  using Mem = typename TypeParam::memory_space;
+/// The correction of the initial SSM state of P and its gradient against ref(h) − ref(0) and the
+/// reference's dssm0 (P without a final-state cotangent).
+template <class Exec>
+void expect_correction_matches_reference(const RefProblem& P) {
+  using Mem = typename Exec::memory_space;
   using T4 = kmamba::Tensor4<float, Mem>;
-  for (const Config& cfg : sweep()) {
-    const std::string ctx = cfg.describe();
-    const RefProblem P = make_reference_problem(cfg);
-    const RefOutputs from_h = ref_forward(P), from_zero = ref_forward(without_ssm(P));
-    const Mamba3DeviceProblem<Mem> p(P);
-    const Ops<TypeParam> ops{p, TypeParam()};
-    const auto out = kmamba::allocate<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
-    const auto fin = kmamba::allocate<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-    const auto dh = poisoned<T4>("kmamba::test::dh", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-    // The initial states of the arguments hold h too: the correction must read only their angle.
-    const T4 h = cfg.mimo() ? p.mimo_initial.ssm : p.siso_initial.ssm;
-    ops.correct(h, out, fin);
-    ops.gradient(dh);
-    ops.exec.fence();
-    const double out_error =
-        expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
-    const double final_error =
-        expect_near_rel("final ssm", host_doubles(fin), difference(from_h.ssm, from_zero.ssm), output_tolerance, ctx);
-    const double grad_error =
-        expect_near_rel("dincoming", host_doubles(dh), ref_backward(P).dssm0, gradient_tolerance, ctx);
-    std::printf("[ measured ] %s: max|d|/max|ref| out %.1e final %.1e dincoming %.1e\n", ctx.c_str(), out_error,
-                final_error, grad_error);
+  const Config& cfg = P.cfg;
+  const std::string ctx = cfg.describe() + (P.seq_idx.empty() ? "" : " packed");
+  const RefOutputs from_h = ref_forward(P), from_zero = ref_forward(without_ssm(P));
+  const Mamba3DeviceProblem<Mem> p(P);
+  const Ops<Exec> ops{p, Exec()};
+  const auto out = kmamba::allocate<T4>("kmamba::test::out", cfg.batch, cfg.seqlen, cfg.nheads, cfg.headdim);
+  const auto fin = kmamba::allocate<T4>("kmamba::test::final", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  const auto dh = poisoned<T4>("kmamba::test::dh", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  // The initial states of the arguments hold h too: the correction must read only their angle.
+  const T4 h = cfg.mimo() ? p.mimo_initial.ssm : p.siso_initial.ssm;
+  ops.correct(h, out, fin);
+  ops.gradient(dh);
+  ops.exec.fence();
+  const double out_error =
+      expect_near_rel("out", host_doubles(out), difference(from_h.out, from_zero.out), output_tolerance, ctx);
+  const double final_error =
+      expect_near_rel("final ssm", host_doubles(fin), difference(from_h.ssm, from_zero.ssm), output_tolerance, ctx);
+  const double grad_error =
+      expect_near_rel("dincoming", host_doubles(dh), ref_backward(P).dssm0, gradient_tolerance, ctx);
+  std::printf("[ measured ] %s: max|d|/max|ref| out %.1e final %.1e dincoming %.1e\n", ctx.c_str(), out_error,
+              final_error, grad_error);
+}
+
+/// The segment states of P (with a final-state cotangent) against the reference's final angle, k, v
+/// and its decay (0 for a row where a document starts), the initial k and v's gradients given the
+/// reference's ∂/∂Ĥ_{−1}, and a final-angle cotangent's share of dangles and ddt.
+template <class Exec>
+void expect_segment_states_match_reference(const RefProblem& P) {
+  using Mem = typename Exec::memory_space;
+  using T3 = kmamba::Tensor3<float, Mem>;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  const Exec exec;
+  const Config& cfg = P.cfg;
+  const std::string ctx = cfg.describe() + (P.seq_idx.empty() ? "" : " packed");
+  const Mamba3DeviceProblem<Mem> p(P);
+  const Ops<Exec> ops{p, exec};
+  // The segment's final angle, k, v and decay, without the scan.
+  const RefOutputs ref = ref_forward(P);
+  const std::vector<std::vector<double>> got = ops.segment_states();
+  std::vector<double> decay;
+  for (int b = 0; b < cfg.batch; ++b) {
+    bool starts = false;
+    for (int t = 0; t < cfg.seqlen; ++t) starts = starts || P.starts(b, t);
+    for (int h = 0; h < cfg.nheads; ++h) {
+      double sum = 0.0;
+      for (int t = 0; t < cfg.seqlen; ++t) sum += P.adt[P.it(b, h, t)];
+      decay.push_back(starts ? 0.0 : std::exp(sum));
+    }
+  }
+  expect_near_rel("final angle", unwrapped(got[0], ref.angle, !cfg.mimo()), ref.angle, output_tolerance, ctx);
+  expect_near_rel("final k", got[1], ref.k, output_tolerance, ctx);
+  expect_near_rel("final v", got[2], ref.v, output_tolerance, ctx);
+  expect_near_rel("decay", got[3], decay, output_tolerance, ctx);
+  // The initial k and v's gradients from the reference's ∂/∂Ĥ_{−1} (its dssm0).
+  const RefGrads g = ref_backward(P);
+  const auto dentering =
+      kmamba::allocate_uninitialized<T4>("kmamba::test::dentering", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
+  upload(dentering, g.dssm0);
+  const auto [dk, dv] = ops.initial_kv(dentering);
+  expect_near_rel("dk0", dk, g.dk0, gradient_tolerance, ctx);
+  expect_near_rel("dv0", dv, g.dv0, gradient_tolerance, ctx);
+  // A final-angle cotangent's share of dangles and dt: ref(with it) − ref(without).
+  RefProblem no_angle = P;
+  no_angle.dangle.assign(P.dangle.size(), 0.0);
+  const RefGrads g0 = ref_backward(no_angle);
+  const auto dangles = kmamba::allocate<T4>("kmamba::test::dangles", cfg.batch, cfg.seqlen, cfg.nheads, cfg.nangles);
+  const auto ddt = kmamba::allocate<T3>("kmamba::test::ddt", cfg.batch, cfg.nheads, cfg.seqlen);
+  const auto dangle = kmamba::allocate_uninitialized<T3>("kmamba::test::dangle", cfg.batch, cfg.nheads, cfg.nangles);
+  upload(dangle, P.dangle);
+  kmamba::mamba3_final_angle_backward(exec, p.angles, p.dt, dangle, dangles, ddt, p.seq_idx);
+  exec.fence();
+  expect_near_rel("dangles", host_doubles(dangles), difference(g.dangles, g0.dangles), gradient_tolerance, ctx);
+  expect_near_rel("ddt", host_doubles(ddt), difference(g.ddt, g0.ddt), gradient_tolerance, ctx);
+}
+
+/// The scan of P from a zero SSM state plus the correction by P's initial SSM state against the
+/// scan from that state (outputs, final SSM state, SISO's kept ungated output).
+template <class Exec>
+void expect_zero_state_scan_plus_correction_equals_scan(const RefProblem& P) {
+  using Mem = typename Exec::memory_space;
+  using T4 = kmamba::Tensor4<float, Mem>;
+  const Exec exec;
+  const Config& cfg = P.cfg;
+  const std::string ctx = cfg.describe() + (P.seq_idx.empty() ? "" : " packed");
+  const Mamba3DeviceProblem<Mem> p(P);
+  const int B = cfg.batch, L = cfg.seqlen, H = cfg.nheads, Pd = cfg.headdim, N = cfg.dstate;
+  const auto out = poisoned<T4>("kmamba::test::out", B, L, H, Pd);
+  const auto want = poisoned<T4>("kmamba::test::want_out", B, L, H, Pd);
+  const auto fin = poisoned<T4>("kmamba::test::final", B, H, Pd, N);
+  const auto want_fin = poisoned<T4>("kmamba::test::want_final", B, H, Pd, N);
+  const auto ungated = poisoned<T4>("kmamba::test::ungated", B, L, H, Pd);
+  const auto want_ungated = poisoned<T4>("kmamba::test::want_ungated", B, L, H, Pd);
+  if (cfg.mimo()) {
+    kmamba::Mamba3MimoArgs<Mem> from_zero = p.mimo_args();
+    from_zero.initial.ssm = {};
+    kmamba::mamba3_mimo_forward(exec, from_zero, out, kmamba::Mamba3MimoStates<Mem>{{}, fin, {}, {}});
+    kmamba::mamba3_state_correction_forward(exec, from_zero, p.mimo_initial.ssm, out, fin);
+    kmamba::mamba3_mimo_forward(exec, p.mimo_args(), want, kmamba::Mamba3MimoStates<Mem>{{}, want_fin, {}, {}});
+  } else {
+    kmamba::Mamba3SisoArgs<Mem> from_zero = p.siso_args(), from_state = p.siso_args();
+    from_zero.initial.ssm = {};
+    if (cfg.z) {
+      from_zero.ungated_out = ungated;
+      from_state.ungated_out = want_ungated;
+    }
+    kmamba::mamba3_siso_forward(exec, from_zero, out, kmamba::Mamba3SisoStates<Mem>{{}, fin, {}, {}});
+    kmamba::mamba3_state_correction_forward(exec, from_zero, p.siso_initial.ssm, out, fin);
+    kmamba::mamba3_siso_forward(exec, from_state, want, kmamba::Mamba3SisoStates<Mem>{{}, want_fin, {}, {}});
+  }
+  exec.fence();
+  expect_near_rel("out", host_doubles(out), host_doubles(want), chaining_tolerance, ctx);
+  expect_near_rel("final ssm", host_doubles(fin), host_doubles(want_fin), chaining_tolerance, ctx);
+  if (!cfg.mimo() && cfg.z) {
+    expect_near_rel("ungated out", host_doubles(ungated), host_doubles(want_ungated), chaining_tolerance, ctx);
   }
 }
 
+/// `cfg`'s problem on three rows packed as PackedIds.hpp lays them out (first starts at tokens 1, 2
+/// and 5, last ones at 4, seqlen − 1 and 8, none in a one-token row).
+RefProblem packed_problem(Config cfg) {
+  cfg.batch = 3;
+  RefProblem P = make_reference_problem(cfg);
+  P.seq_idx = packed_ids(cfg.batch, cfg.seqlen);
+  return P;
+}
+
+KMAMBA_BACKEND_TEST_SUITE(Mamba3StateCorrection);
+
+TYPED_TEST(Mamba3StateCorrection, CorrectionAndItsGradientMatchTheReference) {
+  for (const Config& cfg : sweep()) expect_correction_matches_reference<TypeParam>(make_reference_problem(cfg));
+}
+
 TYPED_TEST(Mamba3StateCorrection, SegmentStatesAndStateGradientsMatchTheReference) {
-  using Mem = typename TypeParam::memory_space;
-  using T3 = kmamba::Tensor3<float, Mem>;
-  using T4 = kmamba::Tensor4<float, Mem>;
-  const TypeParam exec;
   for (Config cfg : sweep()) {
     cfg.dfinal = true;
-    const std::string ctx = cfg.describe();
-    const RefProblem P = make_reference_problem(cfg);
-    const Mamba3DeviceProblem<Mem> p(P);
-    const Ops<TypeParam> ops{p, exec};
-    // The segment's final angle, k, v and decay, without the scan.
-    const RefOutputs ref = ref_forward(P);
-    const std::vector<std::vector<double>> got = ops.segment_states();
-    std::vector<double> decay;
-    for (int b = 0; b < cfg.batch; ++b) {
-      for (int h = 0; h < cfg.nheads; ++h) {
-        double sum = 0.0;
-        for (int t = 0; t < cfg.seqlen; ++t) sum += P.adt[P.it(b, h, t)];
-        decay.push_back(std::exp(sum));
-      }
-    }
-    expect_near_rel("final angle", unwrapped(got[0], ref.angle, !cfg.mimo()), ref.angle, output_tolerance, ctx);
-    expect_near_rel("final k", got[1], ref.k, output_tolerance, ctx);
-    expect_near_rel("final v", got[2], ref.v, output_tolerance, ctx);
-    expect_near_rel("decay", got[3], decay, output_tolerance, ctx);
-    // The initial k and v's gradients from the reference's ∂/∂Ĥ_{−1} (its dssm0).
-    const RefGrads g = ref_backward(P);
-    const auto dentering =
-        kmamba::allocate_uninitialized<T4>("kmamba::test::dentering", cfg.batch, cfg.nheads, cfg.headdim, cfg.dstate);
-    upload(dentering, g.dssm0);
-    const auto [dk, dv] = ops.initial_kv(dentering);
-    expect_near_rel("dk0", dk, g.dk0, gradient_tolerance, ctx);
-    expect_near_rel("dv0", dv, g.dv0, gradient_tolerance, ctx);
-    // A final-angle cotangent's share of dangles and dt: ref(with it) − ref(without).
-    RefProblem no_angle = P;
-    no_angle.dangle.assign(P.dangle.size(), 0.0);
-    const RefGrads g0 = ref_backward(no_angle);
-    const auto dangles = kmamba::allocate<T4>("kmamba::test::dangles", cfg.batch, cfg.seqlen, cfg.nheads, cfg.nangles);
-    const auto ddt = kmamba::allocate<T3>("kmamba::test::ddt", cfg.batch, cfg.nheads, cfg.seqlen);
-    const auto dangle = kmamba::allocate_uninitialized<T3>("kmamba::test::dangle", cfg.batch, cfg.nheads, cfg.nangles);
-    upload(dangle, P.dangle);
-    kmamba::mamba3_final_angle_backward(exec, p.angles, p.dt, dangle, dangles, ddt);
-    exec.fence();
-    expect_near_rel("dangles", host_doubles(dangles), difference(g.dangles, g0.dangles), gradient_tolerance, ctx);
-    expect_near_rel("ddt", host_doubles(ddt), difference(g.ddt, g0.ddt), gradient_tolerance, ctx);
+    expect_segment_states_match_reference<TypeParam>(make_reference_problem(cfg));
   }
 }
 
 TYPED_TEST(Mamba3StateCorrection, ZeroStateScanPlusCorrectionEqualsTheScanFromTheState) {
-  using Mem = typename TypeParam::memory_space;
-  using T4 = kmamba::Tensor4<float, Mem>;
-  const TypeParam exec;
   for (const Config& cfg : sweep()) {
-    const std::string ctx = cfg.describe();
-    const Mamba3DeviceProblem<Mem> p(make_reference_problem(cfg));
-    const int B = cfg.batch, L = cfg.seqlen, H = cfg.nheads, Pd = cfg.headdim, N = cfg.dstate;
-    const auto out = poisoned<T4>("kmamba::test::out", B, L, H, Pd);
-    const auto want = poisoned<T4>("kmamba::test::want_out", B, L, H, Pd);
-    const auto fin = poisoned<T4>("kmamba::test::final", B, H, Pd, N);
-    const auto want_fin = poisoned<T4>("kmamba::test::want_final", B, H, Pd, N);
-    const auto ungated = poisoned<T4>("kmamba::test::ungated", B, L, H, Pd);
-    const auto want_ungated = poisoned<T4>("kmamba::test::want_ungated", B, L, H, Pd);
-    if (cfg.mimo()) {
-      kmamba::Mamba3MimoArgs<Mem> from_zero = p.mimo_args();
-      from_zero.initial.ssm = {};
-      kmamba::mamba3_mimo_forward(exec, from_zero, out, kmamba::Mamba3MimoStates<Mem>{{}, fin, {}, {}});
-      kmamba::mamba3_state_correction_forward(exec, from_zero, p.mimo_initial.ssm, out, fin);
-      kmamba::mamba3_mimo_forward(exec, p.mimo_args(), want, kmamba::Mamba3MimoStates<Mem>{{}, want_fin, {}, {}});
-    } else {
-      kmamba::Mamba3SisoArgs<Mem> from_zero = p.siso_args(), from_state = p.siso_args();
-      from_zero.initial.ssm = {};
-      if (cfg.z) {
-        from_zero.ungated_out = ungated;
-        from_state.ungated_out = want_ungated;
-      }
-      kmamba::mamba3_siso_forward(exec, from_zero, out, kmamba::Mamba3SisoStates<Mem>{{}, fin, {}, {}});
-      kmamba::mamba3_state_correction_forward(exec, from_zero, p.siso_initial.ssm, out, fin);
-      kmamba::mamba3_siso_forward(exec, from_state, want, kmamba::Mamba3SisoStates<Mem>{{}, want_fin, {}, {}});
-    }
-    exec.fence();
-    expect_near_rel("out", host_doubles(out), host_doubles(want), chaining_tolerance, ctx);
-    expect_near_rel("final ssm", host_doubles(fin), host_doubles(want_fin), chaining_tolerance, ctx);
-    if (!cfg.mimo() && cfg.z) {
-      expect_near_rel("ungated out", host_doubles(ungated), host_doubles(want_ungated), chaining_tolerance, ctx);
-    }
+    expect_zero_state_scan_plus_correction_equals_scan<TypeParam>(make_reference_problem(cfg));
+  }
+}
+
+// Packed rows (seq_idx): the state entering a segment belongs to its first document, the final
+// states are its last one's; every check above on packed rows against the packed reference.
+TYPED_TEST(Mamba3StateCorrection, PackedRowsMatchTheReference) {
+  for (Config cfg : sweep()) {
+    expect_correction_matches_reference<TypeParam>(packed_problem(cfg));
+    expect_zero_state_scan_plus_correction_equals_scan<TypeParam>(packed_problem(cfg));
+    cfg.dfinal = true;
+    expect_segment_states_match_reference<TypeParam>(packed_problem(cfg));
   }
 }
 
@@ -338,15 +383,15 @@ TYPED_TEST(Mamba3StateCorrection, RejectsBadArguments) {
   expect_user_error(
       [&] { kmamba::mamba3_final_angle_backward(exec, p.angles, short_dt, p.siso_initial.angle, p.angles, short_dt); },
       {"kmamba::mamba3_final_angle_backward", "dt"});
-  // Packed rows (SISO and MIMO arguments) are refused, not ignored.
-  kmamba::Mamba3SisoArgs<Mem> siso = p.siso_args();
-  kmamba::Mamba3MimoArgs<Mem> mimo = p.mimo_args();
-  siso.seq_idx = mimo.seq_idx =
-      kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen);
-  expect_user_error([&] { kmamba::mamba3_state_correction_forward(exec, siso, p.siso_initial.ssm, out, T4()); },
-                    {"kmamba::mamba3_state_correction_forward", "seq_idx must be absent"});
-  expect_user_error([&] { kmamba::mamba3_state_correction_backward(exec, mimo, p.dout, out); },
-                    {"kmamba::mamba3_state_correction_backward", "seq_idx must be absent"});
+  const auto short_ids =
+      kmamba::allocate<kmamba::Tensor2<std::int64_t, Mem>>("kmamba::test::seq_idx", cfg.batch, cfg.seqlen - 1);
+  const auto dt_grad = kmamba::allocate<T3>("kmamba::test::ddt", cfg.batch, cfg.nheads, cfg.seqlen);
+  const auto dangles = kmamba::allocate<T4>("kmamba::test::dangles", cfg.batch, cfg.seqlen, cfg.nheads, cfg.nangles);
+  expect_user_error(
+      [&] {
+        kmamba::mamba3_final_angle_backward(exec, p.angles, p.dt, p.siso_initial.angle, dangles, dt_grad, short_ids);
+      },
+      {"kmamba::mamba3_final_angle_backward", "seq_idx"});
 }
 
 }  // namespace

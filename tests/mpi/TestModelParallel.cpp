@@ -16,9 +16,9 @@
 //    tensor split of Mamba-1);
 //    sequence_segment splits unevenly and rejects a segment of no tokens;
 // M5 prefill and decode steps of a tensor-parallel model give the unsplit model's logits;
-// M6 Mamba-2 and Mamba-1 packed rows (documents starting at a segment's first token, inside a
-//    segment and inside the conv halo of the next segment) give the 1-rank loss and gradients on
-//    every mesh, as M1; Mamba-3 refuses packed rows under sequence parallelism, naming the combination.
+// M6 Mamba-2, Mamba-1 and Mamba-3 (SISO and MIMO) packed rows (documents starting at a segment's
+//    first token, inside a segment and inside the conv halo of the next segment) give the 1-rank
+//    loss and gradients on every mesh, as M1.
 //
 // Tolerances (support/RoundingBounds.hpp): the mesh evaluates the 1-rank model's sums in other
 // orders (the tensor ranks' partial projections added by an all-reduce, the sequence segments'
@@ -294,26 +294,16 @@ TEST(ModelParallel, Mamba2PackedRowsEqualOneRank) { expect_packed_rows_equal_one
 // conv halo and the state are masked as Mamba-2's.
 TEST(ModelParallel, Mamba1PackedRowsEqualOneRank) { expect_packed_rows_equal_one_rank(tiny_mamba1(), "mamba1"); }
 
-// At one rank the same models take the rows (no sequence split).
-TEST(ModelParallel, Mamba3RefusesPackedRowsUnderSequenceParallelism) {
-  kmamba::MeshConfig mesh_config;
-  mesh_config.sequence_parallel_size = world_size();
-  const kmamba::ProcessMesh mesh(MPI_COMM_WORLD, mesh_config);
-  const Batch b = packed_token_rows(1, seqlen, 901, packed_starts);
-  const kmamba::SequenceSegment segment =
-      kmamba::sequence_segment(seqlen, mesh.coordinates().sp, mesh.config().sequence_parallel_size);
-  const Batch mine = slice(b, 0, 1, segment.begin, segment.length);
-  for (const kmamba::ModelConfig& config : {tiny_mamba3(false), tiny_mamba3(true)}) {
-    Model model(config, split_of(mesh));
-    model.initialize(init_seed);
-    model.set_sequence_ids(mine.seq_idx);
-    const auto run = [&] { model.loss_and_backward(Exec(), mine.ids, mine.targets, 1.0); };
-    if (world_size() == 1) {
-      EXPECT_NO_THROW(run());
-    } else {
-      expect_user_error(run, {"packed sequence ids (seq_idx) with sequence parallelism", "not supported"});
-    }
-  }
+// Mamba-3 SISO (with the output norm, and with the gate in the scan) and MIMO: the angle, the
+// previous token's k and v and the SSM state stop at a start inside a segment and at a segment's
+// first token; the angle totals of a segment with a start count from its last one.
+TEST(ModelParallel, Mamba3SisoPackedRowsEqualOneRank) {
+  expect_packed_rows_equal_one_rank(tiny_mamba3(false), "mamba3_siso");
+  expect_packed_rows_equal_one_rank(tiny_mamba3(false, true), "mamba3_siso_gated");
+}
+
+TEST(ModelParallel, Mamba3MimoPackedRowsEqualOneRank) {
+  expect_packed_rows_equal_one_rank(tiny_mamba3(true), "mamba3_mimo");
 }
 
 TEST_P(SplitModel, ClippedAdamWStepsEqualOneRankWithAndWithoutZero1) {

@@ -24,6 +24,14 @@
 // (kmamba/core/SsdStateCorrection.hpp) with the rotated q rows as its C, in fp32. Every op is
 // non-blocking on the execution space instance it is given, except that temporary buffers are
 // released on return.
+//
+// Packed rows (args.seq_idx, as the scan's): the states entering the segment belong to its first
+// document and the final states are its last one's, so h_in reaches the outputs only before the
+// first document start s > 0 and the final state only without one (the segment's decay is then 0),
+// the final angle totals the increments from the last start on (without θ_{−1}), and a final-angle
+// cotangent reaches only the tokens from that start on. A start at the segment's first token (a
+// document beginning where the previous segment ends) is the caller's to apply: it zeroes the states
+// entering the segment and the decay the segment passes on (docs/distributed.md §2.4).
 #ifndef KMAMBA_CORE_MAMBA3STATECORRECTION_HPP
 #define KMAMBA_CORE_MAMBA3STATECORRECTION_HPP
 
@@ -41,23 +49,13 @@
 namespace kmamba {
 namespace impl {
 
-// The input the correction does not take: packed sequence ids (its angle totals, decay, rows and
-// final-angle gradient would each have to stop at a document start; docs/distributed.md §2.4).
-template <class Args>
-void mamba3_correction_refuse_packed_rows(const char* function, const Args& args) {
-  KMAMBA_REQUIRE(!args.seq_idx.is_allocated(),
-                 function << ": seq_idx must be absent (the Mamba-3 incoming-state correction takes no packed rows)");
-}
-
 // The scan's argument checks and chunk size, per variant.
 template <class MemorySpace>
 Mamba3Dims mamba3_correction_check(const char* function, const Mamba3SisoArgs<MemorySpace>& args) {
-  mamba3_correction_refuse_packed_rows(function, args);
   return mamba3_check_siso_args(function, args);
 }
 template <class MemorySpace>
 Mamba3Dims mamba3_correction_check(const char* function, const Mamba3MimoArgs<MemorySpace>& args) {
-  mamba3_correction_refuse_packed_rows(function, args);
   return mamba3_check_mimo_args(function, args);
 }
 template <class MemorySpace>
@@ -153,8 +151,9 @@ void mamba3_initial_kv_backward_op(const ExecutionSpace& exec, const Args& args,
 
 /// Writes, for each allocated view of `states` (angle, k, v; ssm must be absent), the final state
 /// the scan of `args` ends in, and when allocated decay(b, h) = exp(Σ_t adt[b, h, t]), the factor by
-/// which the segment scales an SSM state entering it; without running the scan. Reads the angles,
-/// dt, the last token's k, v and the initial angle (zero when absent).
+/// which the segment scales an SSM state entering it (0 where a packed document starts inside the
+/// segment); without running the scan. Reads the angles, dt, the last token's k, v, the initial
+/// angle (zero when absent) and args.seq_idx.
 template <class ExecutionSpace, class MemorySpace>
 void mamba3_segment_states(const ExecutionSpace& exec, const Mamba3SisoArgs<MemorySpace>& args,
                            const Mamba3SisoStates<MemorySpace>& states,
@@ -282,7 +281,8 @@ void mamba3_initial_kv_backward(
 /// Adds to `dangles` and `ddt` (the scan's gradients, SISO or MIMO) what a cotangent dfinal_angle
 /// of the final angle state gives them: θ_{L−1} = θ_{−1} + Σ_t π·tanh(φ_t)·dt_t, so dφ_t,i +=
 /// G_i·π·dt_t·(1 − tanh²φ_t,i) and ddt_t += Σ_i G_i·π·tanh φ_t,i with G = dfinal_angle (the reduction
-/// mod 2π counts as the identity, as in the scan's backward).
+/// mod 2π counts as the identity, as in the scan's backward). With packed ids (the scan's
+/// seq_idx) the sum runs from the row's last document start on, and only those tokens take G.
 template <class ExecutionSpace, class MemorySpace>
 void mamba3_final_angle_backward(
     const ExecutionSpace& exec,
@@ -290,7 +290,8 @@ void mamba3_final_angle_backward(
     const ConstTensor3<float, impl::Mamba3NonDeduced<MemorySpace>>& dt,            // (batch, nheads, seqlen)
     const ConstTensor3<float, impl::Mamba3NonDeduced<MemorySpace>>& dfinal_angle,  // (batch, nheads, nangles)
     const Tensor4<float, MemorySpace>& dangles,                                    // (batch, seqlen, nheads, nangles)
-    const Tensor3<float, MemorySpace>& ddt) {                                      // (batch, nheads, seqlen)
+    const Tensor3<float, MemorySpace>& ddt,                                        // (batch, nheads, seqlen)
+    const ConstTensor2<std::int64_t, impl::Mamba3NonDeduced<MemorySpace>>& seq_idx = {}) {  // (batch, seqlen)
   const ProfilingRegion region("kmamba::mamba3_final_angle_backward");
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, MemorySpace>::accessible,
                 "kmamba::mamba3_final_angle_backward: the execution space cannot access the tensors' memory space");
@@ -307,10 +308,12 @@ void mamba3_final_angle_backward(
   check_allocated(function, "dfinal_angle", dfinal_angle);
   check_allocated(function, "dangles", dangles);
   check_allocated(function, "ddt", ddt);
-  impl::mamba3_for(exec, "kmamba::mamba3_state_correction::final_angle_backward", batch * seqlen * nheads,
-                   impl::Mamba3FinalAngleBackwardFunctor<MemorySpace>{
-                       angles, dt, dfinal_angle, dangles, ddt, static_cast<int>(seqlen), static_cast<int>(nheads),
-                       static_cast<int>(nangles)});
+  if (seq_idx.is_allocated()) check_shape(function, "seq_idx", seq_idx, {batch, seqlen}, "(batch, seqlen)");
+  impl::mamba3_final_angle_backward_impl(exec,
+                                         impl::Mamba3FinalAngleBackwardFunctor<ExecutionSpace, MemorySpace>{
+                                             angles, dt, dfinal_angle, seq_idx, dangles, ddt, static_cast<int>(seqlen),
+                                             static_cast<int>(nheads), static_cast<int>(nangles)},
+                                         static_cast<int>(batch));
 }
 
 template <class MemorySpace>
@@ -319,9 +322,10 @@ void mamba3_final_angle_backward(
     const ConstTensor3<float, impl::Mamba3NonDeduced<MemorySpace>>& dt,            // (batch, nheads, seqlen)
     const ConstTensor3<float, impl::Mamba3NonDeduced<MemorySpace>>& dfinal_angle,  // (batch, nheads, nangles)
     const Tensor4<float, MemorySpace>& dangles,                                    // (batch, seqlen, nheads, nangles)
-    const Tensor3<float, MemorySpace>& ddt) {                                      // (batch, nheads, seqlen)
+    const Tensor3<float, MemorySpace>& ddt,                                        // (batch, nheads, seqlen)
+    const ConstTensor2<std::int64_t, impl::Mamba3NonDeduced<MemorySpace>>& seq_idx = {}) {  // (batch, seqlen)
   mamba3_final_angle_backward(typename Tensor4<float, MemorySpace>::execution_space(), angles, dt, dfinal_angle,
-                              dangles, ddt);
+                              dangles, ddt, seq_idx);
 }
 
 }  // namespace kmamba

@@ -48,8 +48,9 @@
 // (DataParallel sums them over dp × sp).
 // prefill and step do not take a sequence split.
 //
-// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO and MIMO, not under sequence
-// parallelism (kmamba::UserError naming the combination).
+// Packed rows (set_sequence_ids; docs/algorithms.md §3.8): SISO and MIMO, split across sequence
+// ranks too: the id of the previous segment's last token comes with the halo, and no angle, k, v or
+// SSM state crosses a document start (docs/distributed.md §2.4).
 //
 // Not supported (kmamba::UserError at construction): is_outproj_norm together with is_mimo (the
 // reference normalises each rank before the mimo_o contraction, which the core MIMO scan fuses),
@@ -198,6 +199,11 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
     Tensor4<float, memory_space> ssm_initial;    // (batch, nheads, headdim, d_state)
     Tensor4<float, memory_space> k_initial;      // (batch, nheads, rank, d_state)
     Tensor4<float, memory_space> v_initial;      // (batch, nheads, rank, headdim)
+    // Packed rows split across sequence ranks (else empty): 1 where the previous segment's last
+    // token is in this segment's first document (PackedSegments.hpp), and 1 where, besides, no
+    // document starts inside the segment (the angle entering it reaches its end), else 0.
+    Tensor2<float, memory_space> halo_mask;    // (batch, 1)
+    Tensor2<float, memory_space> angle_carry;  // (batch, nheads)
   };
 
   std::vector<MixerParameter> parameter_specs() const;
@@ -209,14 +215,11 @@ class Mamba3Mixer : public Mixer<ExecutionSpace> {
                    const ConstMatrix& u,  // (batch·seqlen, d_model)
                    const Matrix& out,     // (batch·seqlen, d_model)
                    Activations& acts, Cache* cache) const;
-  // The packed sequence ids of a call of `function` on (batch, seqlen) rows (empty for none);
-  // packed rows are not split across sequence-parallel ranks.
-  const ConstTensor2<std::int64_t, memory_space>& packed_sequence_ids(const char* function, std::int64_t batch,
-                                                                      std::int64_t seqlen) const;
   // The arguments of the MIMO scan over `acts` (of rank 1 for the SISO one; mamba3_siso_args).
   Mamba3MimoArgs<memory_space> scan_args(const Slab& slab, const Activations& acts) const;
-  // The scan of run_forward, from and into the cache's states, or of this rank's segment (docs/distributed.md §2.3).
-  void forward_scan(const ExecutionSpace& exec, const Slab& slab, const Activations& acts, Cache* cache) const;
+  // The scan of run_forward, from and into the cache's states, or of this rank's segment (docs/distributed.md §2.3;
+  // with packed rows, writes acts.halo_mask and acts.angle_carry).
+  void forward_scan(const ExecutionSpace& exec, const Slab& slab, Activations& acts, Cache* cache) const;
   // The steps of backward over the kept activations, from the output back to the input. `dpre`
   // receives the gradients of the in_proj segments, (rows, width) each; `replicated_grads` those of
   // the parameters tensor ranks replicate (see backward).

@@ -8,7 +8,9 @@
 // Rows are as in the scan (impl/Mamba3ScanRows.hpp): per (batch, head) the tokens × ranks, row
 // t·R + r. The SSD's correction sees them as a sequence of L·R "tokens" with one group per head,
 // C = the rotated, biased q rows and the log decay adt_t on a token's first row and 0 on its other
-// ranks' rows, so that the cumulative log decay of row (t, r) is cs_t, the one of token t.
+// ranks' rows, so that the cumulative log decay of row (t, r) is cs_t, the one of token t. With
+// packed ids, row (t, r) has token t's id, so that the SSD's rule (no incoming state from the
+// first start on) stops the rows at the segment's first document start.
 #ifndef KMAMBA_CORE_IMPL_MAMBA3STATECORRECTIONIMPL_HPP
 #define KMAMBA_CORE_IMPL_MAMBA3STATECORRECTIONIMPL_HPP
 
@@ -28,10 +30,29 @@
 namespace kmamba {
 namespace impl {
 
+/// The last packed document start of row b (the last t > 0 where seq_idx(b, t) ≠ seq_idx(b, t − 1);
+/// 0 without one or without ids), reduced over the team's threads and known to all of them.
+template <class Member, class MemorySpace>
+KOKKOS_INLINE_FUNCTION int mamba3_last_start(const Member& team,
+                                             const ConstTensor2<std::int64_t, MemorySpace>& seq_idx,  // (batch, seqlen)
+                                             int b, int seqlen) {
+  if (!seq_idx.is_allocated()) return 0;
+  int last = 0;
+  Kokkos::parallel_reduce(
+      Kokkos::TeamThreadRange(team, 1, seqlen),
+      [&](const int t, int& latest) {
+        if (seq_idx(b, t) != seq_idx(b, t - 1) && t > latest) latest = t;
+      },
+      Kokkos::Max<int>(last));
+  return last > 0 ? last : 0;  // the reducer starts from the lowest int
+}
+
 /// The final angle, k and v states of a segment and, when `decay` is allocated, exp(Σ_t adt_t): a
 /// team per (batch, head). Its threads sum each angle's increments over the tokens (vector lanes,
 /// a fixed order) into θ_{L−1} = θ_{−1} + Σ_t π·tanh(φ_t)·dt_t (reduced into [0, 2π) for SISO, as
-/// the scan's), then rotate the last token's biased k by it and project its v.
+/// the scan's), then rotate the last token's biased k by it and project its v. With packed ids the
+/// final states are the last document's: the angles total from its start s > 0 without θ_{−1}, and
+/// the decay is 0 (no state entering the segment leaves it).
 template <class ExecSpace, class MemorySpace>
 struct Mamba3SegmentStatesFunctor {
   using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
@@ -44,14 +65,15 @@ struct Mamba3SegmentStatesFunctor {
   KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
     const int b = team.league_rank() / plan.nheads, h = team.league_rank() % plan.nheads;
     const int last = plan.seqlen - 1, g = h / plan.heads_per_group;
+    const int from = mamba3_last_start(team, in.seq_idx, b, plan.seqlen);
     Vec theta(team.team_scratch(0), plan.nangles);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, plan.nangles), [&](const int i) {
       float total = 0.0f;
       Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(team, plan.seqlen),
+          Kokkos::ThreadVectorRange(team, from, plan.seqlen),
           [&](const int t, float& acc) { acc += mamba3_angle_step(in, b, t, h, i); }, total);
       Kokkos::single(Kokkos::PerThread(team), [&]() {
-        float angle = in.initial.angle_or_zero(b, h, i) + total;
+        float angle = (from == 0 ? in.initial.angle_or_zero(b, h, i) : 0.0f) + total;
         if (in.wrap_angle) angle -= mamba3_two_pi * kmamba::math::floor(angle / mamba3_two_pi);
         theta(i) = angle;
         if (states.has_angle) states.angle(b, h, i) = angle;
@@ -61,7 +83,7 @@ struct Mamba3SegmentStatesFunctor {
       float sum = 0.0f;
       Kokkos::parallel_reduce(
           Kokkos::TeamVectorRange(team, plan.seqlen), [&](const int t, float& acc) { acc += in.adt(b, h, t); }, sum);
-      Kokkos::single(Kokkos::PerTeam(team), [&]() { decay(b, h) = kmamba::math::exp(sum); });
+      Kokkos::single(Kokkos::PerTeam(team), [&]() { decay(b, h) = from == 0 ? kmamba::math::exp(sum) : 0.0f; });
     }
     team.team_barrier();
     if (states.has_k) {
@@ -120,20 +142,41 @@ struct Mamba3RowLogDecayFunctor {
   }
 };
 
+/// The packed id of each row: row_ids(b, t·R + r) = seq_idx(b, t).
+template <class MemorySpace>
+struct Mamba3RowIdsFunctor {
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen)
+  Tensor2<std::int64_t, MemorySpace> row_ids;       // (batch, seqlen·rank)
+  int rank;
+
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
+    const std::int64_t per_batch = static_cast<std::int64_t>(row_ids.extent(1));
+    const int b = static_cast<int>(item / per_batch), row = static_cast<int>(item % per_batch);
+    row_ids(b, row) = seq_idx(b, row / rank);
+  }
+};
+
 /// The rows as the SSD's correction reads them: the rotated q rows (rotated by the angles from
-/// in.initial.angle) and the rows' log decay in `ws`, `log_decay`; `rows` (batch, seqlen·rank,
-/// nheads, headdim) gives the SSD its x shape (the correction does not read x).
+/// in.initial.angle), the rows' log decay and, with packed ids, the rows' ids in `ws`, `log_decay`,
+/// `row_ids`; `rows` (batch, seqlen·rank, nheads, headdim) gives the SSD its x shape (the
+/// correction does not read x).
 template <class ExecSpace, class MemorySpace>
 SsdArgs<MemorySpace> mamba3_correction_ssd_args(const ExecSpace& exec, const Mamba3Plan& plan,
                                                 const Mamba3Operands<MemorySpace>& in,
                                                 const Mamba3Workspace<MemorySpace>& ws,
                                                 const Tensor3<float, MemorySpace>& log_decay,
+                                                const Tensor2<std::int64_t, MemorySpace>& row_ids,
                                                 const Tensor4<float, MemorySpace>& rows) {
   mamba3_prepare_rows(exec, plan, in, ws, Mamba3StateViews<float, MemorySpace>());
   mamba3_for(exec, "kmamba::mamba3_state_correction::row_log_decay",
              static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.rank * plan.nheads,
              Mamba3RowLogDecayFunctor<MemorySpace>{in, plan, log_decay});
   SsdArgs<MemorySpace> args;
+  if (in.has_seq_idx) {
+    mamba3_for(exec, "kmamba::mamba3_state_correction::row_ids", static_cast<std::int64_t>(row_ids.size()),
+               Mamba3RowIdsFunctor<MemorySpace>{in.seq_idx, row_ids, plan.rank});
+    args.seq_idx = row_ids;
+  }
   args.x = rows;
   args.dt = log_decay;
   args.log_decay = log_decay;
@@ -180,19 +223,31 @@ struct Mamba3CorrectionGateFunctor {
   }
 };
 
-/// Buffers of the correction: the rows' workspace, their log decay and per-row values.
+/// Buffers of the correction: the rows' workspace, their log decay, their packed ids (with
+/// `packed`) and per-row values.
 template <class MemorySpace>
 struct Mamba3CorrectionBuffers {
   Mamba3Workspace<MemorySpace> ws;
-  Tensor3<float, MemorySpace> log_decay;  // (batch, seqlen·rank, nheads)
-  Tensor4<float, MemorySpace> rows;       // (batch, seqlen·rank, nheads, headdim)
+  Tensor3<float, MemorySpace> log_decay;       // (batch, seqlen·rank, nheads)
+  Tensor2<std::int64_t, MemorySpace> row_ids;  // (batch, seqlen·rank), with packed ids
+  Tensor4<float, MemorySpace> rows;            // (batch, seqlen·rank, nheads, headdim)
 
-  explicit Mamba3CorrectionBuffers(const Mamba3Plan& plan)
+  Mamba3CorrectionBuffers(const Mamba3Plan& plan, bool packed)
       : ws(plan, false),
         log_decay(allocate_uninitialized<Tensor3<float, MemorySpace>>(
             "kmamba::mamba3_state_correction::log_decay", plan.batch, plan.seqlen * plan.rank, plan.nheads)),
+        row_ids(packed ? allocate_uninitialized<Tensor2<std::int64_t, MemorySpace>>(
+                             "kmamba::mamba3_state_correction::row_ids", plan.batch, plan.seqlen * plan.rank)
+                       : Tensor2<std::int64_t, MemorySpace>()),
         rows(allocate_uninitialized<Tensor4<float, MemorySpace>>("kmamba::mamba3_state_correction::rows", plan.batch,
                                                                  plan.seqlen * plan.rank, plan.nheads, plan.headdim)) {}
+
+  /// The SSD's arguments over these buffers (mamba3_correction_ssd_args).
+  template <class ExecSpace>
+  SsdArgs<MemorySpace> ssd_args(const ExecSpace& exec, const Mamba3Plan& plan,
+                                const Mamba3Operands<MemorySpace>& in) const {
+    return mamba3_correction_ssd_args(exec, plan, in, ws, log_decay, row_ids, rows);
+  }
 };
 
 template <class ExecSpace, class MemorySpace>
@@ -209,8 +264,8 @@ void mamba3_state_correction_forward_impl(const ExecSpace& exec, const Mamba3Pla
     }
     return;
   }
-  const Mamba3CorrectionBuffers<MemorySpace> buf(plan);
-  const SsdArgs<MemorySpace> args = mamba3_correction_ssd_args(exec, plan, in, buf.ws, buf.log_decay, buf.rows);
+  const Mamba3CorrectionBuffers<MemorySpace> buf(plan, in.has_seq_idx);
+  const SsdArgs<MemorySpace> args = buf.ssd_args(exec, plan, in);
   Kokkos::deep_copy(exec, buf.rows, 0.0f);
   ssd_state_correction_forward(exec, args, incoming, buf.rows, final_ssm);
   mamba3_row_launch(exec, "kmamba::mamba3_state_correction::gate",
@@ -227,8 +282,8 @@ void mamba3_state_correction_backward_impl(const ExecSpace& exec, const Mamba3Pl
     Kokkos::deep_copy(exec, dincoming, 0.0f);
     return;
   }
-  const Mamba3CorrectionBuffers<MemorySpace> buf(plan);
-  const SsdArgs<MemorySpace> args = mamba3_correction_ssd_args(exec, plan, in, buf.ws, buf.log_decay, buf.rows);
+  const Mamba3CorrectionBuffers<MemorySpace> buf(plan, in.has_seq_idx);
+  const SsdArgs<MemorySpace> args = buf.ssd_args(exec, plan, in);
   mamba3_row_launch(exec, "kmamba::mamba3_state_correction::gate_backward",
                     static_cast<std::int64_t>(plan.batch) * plan.seqlen * plan.nheads,
                     Mamba3CorrectionGateFunctor<ExecSpace, MemorySpace, true>{in, plan, buf.rows,
@@ -237,31 +292,50 @@ void mamba3_state_correction_backward_impl(const ExecSpace& exec, const Mamba3Pl
 }
 
 /// dangles(b, t, h, i) += G_i·π·dt_t·(1 − tanh²φ_t,i) and ddt(b, h, t) += Σ_i G_i·π·tanh φ_t,i with
-/// G = dfinal_angle(b, h, :): one item per (batch, token, head).
-template <class MemorySpace>
+/// G = dfinal_angle(b, h, :), for the tokens from the row's last document start on (all without
+/// seq_idx): a team per (batch, head), its threads over those tokens, vector lanes over the angles.
+template <class ExecSpace, class MemorySpace>
 struct Mamba3FinalAngleBackwardFunctor {
-  ConstTensor4<float, MemorySpace> angles;        // (batch, seqlen, nheads, nangles)
-  ConstTensor3<float, MemorySpace> dt;            // (batch, nheads, seqlen)
-  ConstTensor3<float, MemorySpace> dfinal_angle;  // (batch, nheads, nangles)
-  Tensor4<float, MemorySpace> dangles;            // (batch, seqlen, nheads, nangles)
-  Tensor3<float, MemorySpace> ddt;                // (batch, nheads, seqlen)
+  using member_type = typename Kokkos::TeamPolicy<ExecSpace>::member_type;
+  ConstTensor4<float, MemorySpace> angles;          // (batch, seqlen, nheads, nangles)
+  ConstTensor3<float, MemorySpace> dt;              // (batch, nheads, seqlen)
+  ConstTensor3<float, MemorySpace> dfinal_angle;    // (batch, nheads, nangles)
+  ConstTensor2<std::int64_t, MemorySpace> seq_idx;  // (batch, seqlen), optional
+  Tensor4<float, MemorySpace> dangles;              // (batch, seqlen, nheads, nangles)
+  Tensor3<float, MemorySpace> ddt;                  // (batch, nheads, seqlen)
   int seqlen, nheads, nangles;
 
-  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t item) const {
-    const int h = static_cast<int>(item % nheads);
-    const int t = static_cast<int>((item / nheads) % seqlen);
-    const int b = static_cast<int>(item / (static_cast<std::int64_t>(nheads) * seqlen));
-    const float step = dt(b, h, t);
-    float dstep = 0.0f;
-    for (int i = 0; i < nangles; ++i) {
-      const float grad = dfinal_angle(b, h, i) * mamba3_pi;
-      const float th = kmamba::math::tanh(angles(b, t, h, i));
-      dangles(b, t, h, i) += grad * step * (1.0f - th * th);
-      dstep += grad * th;
-    }
-    ddt(b, h, t) += dstep;
+  KOKKOS_INLINE_FUNCTION void operator()(const member_type& team) const {
+    const int b = team.league_rank() / nheads, h = team.league_rank() % nheads;
+    const int from = mamba3_last_start(team, seq_idx, b, seqlen);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, from, seqlen), [&](const int t) {
+      const float step = dt(b, h, t);
+      float dstep = 0.0f;
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(team, nangles),
+          [&](const int i, float& acc) {
+            const float grad = dfinal_angle(b, h, i) * mamba3_pi;
+            const float th = kmamba::math::tanh(angles(b, t, h, i));
+            dangles(b, t, h, i) += grad * step * (1.0f - th * th);
+            acc += grad * th;
+          },
+          dstep);
+      Kokkos::single(Kokkos::PerThread(team), [&]() { ddt(b, h, t) += dstep; });
+    });
   }
 };
+
+template <class ExecSpace, class MemorySpace>
+void mamba3_final_angle_backward_impl(const ExecSpace& exec,
+                                      const Mamba3FinalAngleBackwardFunctor<ExecSpace, MemorySpace>& functor,
+                                      int batch) {
+  using Policy = Kokkos::TeamPolicy<ExecSpace>;
+  const int league = batch * functor.nheads;
+  if (league == 0) return;
+  const int lanes = std::min(32, static_cast<int>(Policy::vector_length_max()));
+  Kokkos::parallel_for("kmamba::mamba3_state_correction::final_angle_backward",
+                       Policy(exec, league, Kokkos::AUTO, lanes), functor);
+}
 
 }  // namespace impl
 }  // namespace kmamba
